@@ -1,0 +1,120 @@
+"""kernel_probe: a ZeroMQ probe inside every rank of a distributed PyTorch job.
+
+Public API (DESIGN.md section 7)::
+
+    kernel_probe.start()                  # idempotent; PROBING=1 does it at interpreter start
+    kernel_probe.set_role("trainer")      # or a dict / keyword args -> "k=v,..."
+    c = kernel_probe.connect(target=None, token=None)
+    c.nodes()                             # pandas DataFrame, one row per rank
+
+Importing this package is cheap: no torch, pandas, DuckDB or pyarrow until asked for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from .client import Client
+    from .shell.probe_thread import ProbeThread
+
+__all__ = ["start", "stop", "set_role", "connect", "probe", "ProbeError", "ConnectError", "AuthError",
+           "JobEndedError"]
+__version__ = "0.1.0"
+
+_OWNER_VAR = "_PROBING_OWNER_PID"  # children inherit it: a subprocess never starts a second probe
+_lock = threading.Lock()
+_probe: "ProbeThread | None" = None
+_role: str | None = None
+
+
+def start(wait: float = 0.0) -> "ProbeThread":
+    """Start this process's probe (once). Returns at once; ``wait`` seconds to wait until bound."""
+    global _probe
+    with _lock:
+        if _probe is None or not _probe.is_alive():
+            from .config import load_identity, load_settings
+            from .shell.probe_thread import ProbeThread
+
+            settings = load_settings()
+            _probe = ProbeThread(settings, load_identity(settings=settings))
+            os.environ[_OWNER_VAR] = str(os.getpid())
+            _probe.start()
+            if _role is not None:
+                _probe.submit(("role", _role))
+        probe_ = _probe
+    if wait:
+        probe_.ready.wait(wait)
+    return probe_
+
+
+def stop() -> None:
+    """Stop the probe: goodbye to the parent, connection file removed, sockets closed."""
+    global _probe
+    with _lock:
+        probe_, _probe = _probe, None
+    if probe_ is not None:
+        probe_.stop()
+
+
+def probe() -> "ProbeThread | None":
+    """This process's running probe, if any."""
+    return _probe
+
+
+def _normalise_role(role: str | Mapping[str, Any] | None, kw: Mapping[str, Any]) -> str:
+    items: dict[str, Any] = {}
+    if isinstance(role, Mapping):
+        items.update(role)
+    elif role is not None:
+        if kw:
+            raise TypeError("set_role takes a string or keyword arguments, not both")
+        return str(role)
+    items.update(kw)
+    return ",".join(f"{k}={v}" for k, v in sorted(items.items()))
+
+
+def set_role(role: str | Mapping[str, Any] | None = None, /, **kw: Any) -> str:
+    """Name what this rank does; the root sees it within a second. Returns the stored string."""
+    global _role
+    value = _normalise_role(role, kw)
+    _role = value
+    if _probe is not None:
+        _probe.submit(("role", value))
+    return value
+
+
+def connect(target: str | os.PathLike | None = None, token: str | None = None, timeout: float = 5.0) -> "Client":
+    """A client of a running job: ``tcp://host:port``, a connection file, ``store://host:port[/run_id]``,
+    or None for the newest job on this machine."""
+    from .client import connect as _connect
+
+    return _connect(target, token=token, timeout=timeout)
+
+
+def __getattr__(name: str) -> Any:  # the error classes live with the client, imported on demand
+    if name in ("ProbeError", "ConnectError", "AuthError", "JobEndedError"):
+        from . import client
+
+        return getattr(client, name)
+    raise AttributeError(name)
+
+
+def _at_exit() -> None:
+    try:
+        stop()
+    except Exception:
+        pass
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (a DataLoader worker) has no probe thread: forget the parent's.
+    global _probe
+    _probe = None
+
+
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)

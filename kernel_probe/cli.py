@@ -1,0 +1,124 @@
+"""``kernel-probe``: the command line, mirroring the seed's entry points.
+
+    kernel-probe list [--prune]              jobs (their roots) on this machine
+    kernel-probe -t TARGET nodes             the membership table
+    kernel-probe -t TARGET info              the answering probe's identity
+
+Errors are one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from datetime import datetime
+
+from . import __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kernel-probe", description="Ask a running distributed PyTorch job.")
+    p.add_argument("-t", "--target", default=None,
+                   help="tcp://host:port, a connection file, store://host:port[/run_id] "
+                        "(default: the newest job on this machine)")
+    p.add_argument("--token", default=None, help="the job's PROBING_AUTH_TOKEN (default: from the environment)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    p.add_argument("--version", action="version", version=f"kernel-probe {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("list", help="probes (job roots) on this machine")
+    ls.add_argument("--prune", action="store_true", help="remove the connection files of jobs that are gone")
+    nodes = sub.add_parser("nodes", help="the job's membership: one row per rank")
+    nodes.add_argument("--departures", action="store_true", help="also list ranks that died or left")
+    sub.add_parser("info", help="the answering probe's identity")
+    return p
+
+
+def _age(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from .config import load_settings
+    from .shell import connfile
+
+    directory = load_settings().runtime_dir
+    infos = connfile.list_files(directory)
+    if args.prune:
+        removed = connfile.prune(directory)
+        for path in removed:
+            print(f"removed {path}")
+        infos = [i for i in infos if i.path not in removed]
+    if not infos:
+        print(f"no probes on this machine (connection files in {directory})")
+        return 0
+    rows = [("RUN ID", "ENDPOINT", "WORLD", "PID", "HOST", "STARTED", "STATUS")]
+    for info in infos:
+        status = "running" if connfile.is_alive(info) else "gone"
+        rows.append((info.run_id, info.endpoint, str(info.world_size), str(info.pid), info.host,
+                     _age(info.started), status))
+    _print_rows(rows)
+    return 0
+
+
+def _print_rows(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    import kernel_probe
+
+    with kernel_probe.connect(args.target, token=args.token, timeout=args.timeout) as client:
+        raw = client.nodes_raw(args.timeout)
+        info = client.info_
+    members = raw["members"]
+    now = time.time()
+    counts: dict[str, int] = {}
+    rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "ROLE", "STATE", "SEEN", "STEP", "STEP MS")]
+    for m in members:
+        counts[m["state"]] = counts.get(m["state"], 0) + 1
+        state = m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
+        step_ms = m.get("step_time_ms")
+        rows.append((str(m["rank"]), str(m["node"]), str(m["local_rank"]), m["host"], str(m["pid"]), m["tier"],
+                     m["role"] or "-", state, f"{max(0.0, now - m['last_seen']):.1f}s ago",
+                     "-" if m.get("step") is None else str(m["step"]),
+                     "-" if step_ms is None else f"{step_ms:.1f}"))
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    print(f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}")
+    _print_rows(rows)
+    if args.departures and raw["departures"]:
+        print("\ndepartures:")
+        for d in raw["departures"]:
+            print(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}) {d['why']} at {_age(d['when'])}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import kernel_probe
+
+    with kernel_probe.connect(args.target, token=args.token, timeout=args.timeout) as client:
+        for k, v in client.info_.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+COMMANDS = {"list": cmd_list, "nodes": cmd_nodes, "info": cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from .client import ProbeError
+
+    try:
+        return COMMANDS[args.command](args)
+    except ProbeError as exc:
+        print(f"kernel-probe: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

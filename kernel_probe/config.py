@@ -1,0 +1,200 @@
+"""The one place that reads configuration.
+
+Everything the probe and its clients take from the environment is read here, once,
+into frozen dataclasses; no other module touches ``os.environ`` for a ``PROBING_*``
+or torchrun variable. A malformed value never stops the training process: it is
+reported once and the default is used.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``PROBING_*`` variables (names and defaults from DESIGN.md section 3)."""
+
+    enabled: bool = False  # PROBING=1: start a probe at interpreter start
+    torchrun_cluster: bool = True
+    report: bool = True
+    report_backoff: bool = True
+    report_interval_sec: float = 10.0
+    report_max_interval_sec: float = 120.0
+    report_backoff_factor: float = 2.0
+    stale_sec: float = 25.0
+    stall_sec: float = 60.0
+    discover_timeout_sec: float = 2.0
+    report_timeout_sec: float = 5.0
+    advertise_addr: str | None = None
+    node_host: str | None = None
+    auth_token: str | None = None
+    runtime_dir: Path = Path("/tmp")
+    port: int = 0  # PROBING_PORT: 0 picks a free port
+    bind_addr: str | None = None  # PROBING_BIND_ADDR: overrides the loopback/all-interfaces choice
+    parent_endpoint: str | None = None  # PROBING_PARENT_ENDPOINT: explicit parent, no store
+    root_endpoint: str | None = None  # PROBING_ROOT_ENDPOINT: explicit root, no store
+    sample_interval_sec: float = 1.0  # PROBING_SAMPLE_INTERVAL_SEC: progress/pid-watch period
+    role: str | None = None  # PROBING_ROLE: this rank's role until set_role() says otherwise
+
+    def __repr__(self) -> str:  # the token must never reach a log line
+        shown = {k: v for k, v in self.__dict__.items() if k != "auth_token"}
+        shown["auth_token"] = "***" if self.auth_token else None
+        return f"Settings({shown})"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who this process is in the job, from torchrun's environment (or a single process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node: int = 0
+    node_count: int = 1
+    host: str = "localhost"
+    role: str = ""
+    run_id: str = "local"
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @property
+    def in_job(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def has_store(self) -> bool:
+        return bool(self.master_addr) and bool(self.master_port)
+
+    @property
+    def single_host(self) -> bool:
+        """True when every rank must be on this machine (the store is on loopback)."""
+        return not self.master_addr or self.master_addr in LOOPBACK_NAMES or self.master_addr.startswith("127.")
+
+
+def _warn(name: str, value: str, default: object) -> None:
+    warnings.warn(f"probing: ignoring {name}={value!r}; using {default!r}", RuntimeWarning, stacklevel=3)
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    _warn(name, raw, default)
+    return default
+
+
+def _number(env: Mapping[str, str], name: str, default: float, minimum: float = 0.0) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        _warn(name, raw, default)
+        return default
+    if value < minimum or value != value:
+        _warn(name, raw, default)
+        return default
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        _warn(name, raw, default)
+        return default
+
+
+def _text(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name)
+    return raw if raw else None
+
+
+def default_runtime_dir(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    explicit = env.get("PROBING_RUNTIME_DIR")
+    if explicit:
+        return Path(explicit)
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("probing-magics")) / "runtime"
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    env = os.environ if env is None else env
+    return Settings(
+        enabled=env.get("PROBING", "") == "1",
+        torchrun_cluster=_flag(env, "PROBING_TORCHRUN_CLUSTER", True),
+        report=_flag(env, "PROBING_CLUSTER_REPORT", True),
+        report_backoff=_flag(env, "PROBING_CLUSTER_REPORT_BACKOFF", True),
+        report_interval_sec=_number(env, "PROBING_CLUSTER_REPORT_INTERVAL_SEC", 10.0, 0.01),
+        report_max_interval_sec=_number(env, "PROBING_CLUSTER_REPORT_MAX_INTERVAL_SEC", 120.0, 0.01),
+        report_backoff_factor=_number(env, "PROBING_CLUSTER_REPORT_BACKOFF_FACTOR", 2.0, 1.0),
+        stale_sec=_number(env, "PROBING_CLUSTER_STALE_SEC", 25.0, 0.5),
+        stall_sec=_number(env, "PROBING_CLUSTER_STALL_SEC", 60.0, 0.1),
+        discover_timeout_sec=_number(env, "PROBING_CLUSTER_DISCOVER_TIMEOUT_SEC", 2.0, 0.01),
+        report_timeout_sec=_number(env, "PROBING_CLUSTER_REPORT_TIMEOUT_SEC", 5.0, 0.01),
+        advertise_addr=_text(env, "PROBING_ADVERTISE_ADDR"),
+        node_host=_text(env, "PROBING_NODE_HOST"),
+        auth_token=_text(env, "PROBING_AUTH_TOKEN"),
+        runtime_dir=default_runtime_dir(env),
+        port=_int(env, "PROBING_PORT", 0),
+        bind_addr=_text(env, "PROBING_BIND_ADDR"),
+        parent_endpoint=_text(env, "PROBING_PARENT_ENDPOINT"),
+        root_endpoint=_text(env, "PROBING_ROOT_ENDPOINT"),
+        sample_interval_sec=_number(env, "PROBING_SAMPLE_INTERVAL_SEC", 1.0, 0.01),
+        role=_text(env, "PROBING_ROLE"),
+    )
+
+
+def run_id_from(env: Mapping[str, str]) -> str:
+    """TORCHELASTIC_RUN_ID (unless missing or "none"), else MASTER_ADDR:MASTER_PORT; plus the
+    restart count, so a restarted job never meets its old store entries."""
+    run = env.get("TORCHELASTIC_RUN_ID", "")
+    if not run or run == "none":
+        addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+        run = f"{addr}:{port}" if addr and port else ""
+    if not run:
+        return "local"
+    return f"{run}/r{env.get('TORCHELASTIC_RESTART_COUNT') or 0}"
+
+
+def load_identity(env: Mapping[str, str] | None = None, settings: Settings | None = None) -> Identity:
+    env = os.environ if env is None else env
+    settings = settings or load_settings(env)
+    rank = _int(env, "RANK", 0)
+    world = max(1, _int(env, "WORLD_SIZE", 1))
+    local_world = max(1, _int(env, "LOCAL_WORLD_SIZE", 1 if world == 1 else world))
+    port = _int(env, "MASTER_PORT", 0)
+    role = env.get("ROLE_NAME", "")
+    return Identity(
+        rank=rank,
+        world_size=world,
+        local_rank=_int(env, "LOCAL_RANK", rank if local_world == world else 0),
+        local_world_size=local_world,
+        node=_int(env, "GROUP_RANK", 0),
+        node_count=max(1, _int(env, "GROUP_WORLD_SIZE", 1)),
+        host=settings.node_host or socket.gethostname(),
+        role=settings.role or ("" if role in ("", "default") else role),
+        run_id=run_id_from(env),
+        master_addr=env.get("MASTER_ADDR") or None,
+        master_port=port or None,
+    )

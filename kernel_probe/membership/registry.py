@@ -1,0 +1,582 @@
+"""The membership registry: one record per rank, merged from reports, aged by TTLs.
+
+Rules of this file:
+
+- Sans-IO. Inputs are reports (dicts), pid-watch verdicts, and the time ``now``
+  (wall-clock seconds) passed in by the caller; outputs are return values, the
+  member list, departures and deltas. No sockets, no threads, no clock.
+- Liveness decisions go through ``liveness.next_state``; this file only decides
+  *which* event a report, a pid watch or a TTL is.
+- Evidence time of a report = ``now - report["age"]``. Evidence older than what we
+  hold for the same incarnation is ignored, with one exception: a broker's "dead"
+  verdict about a leaf we heard through that same broker (one FIFO connection, so
+  its latest word wins even if transit jitter makes its evidence look older).
+- A dead member revives only on evidence newer than the time it died.
+- A different incarnation replaces the record (a restarted probe) unless its
+  evidence is older than ours; the old one departs with why ``"replaced"``.
+- ``epoch`` counts *membership* changes (any field in ``MEMBERSHIP_FIELDS``);
+  ``version`` counts every change (telemetry too). Each public call bumps each of
+  them at most once, so one call is one atomic step of the snapshot.
+- Deltas (``delta_since`` / ``apply_delta``) carry membership down the tree. A
+  registry is either a source (``observe``/``mark_dead``/``tick``) or a mirror
+  (``apply_delta``), never both; a mirror can serve deltas to its own children.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from .liveness import ALIVE, DEAD, DEATH_EVENTS, STALLED, STATES, next_state
+
+__all__ = [
+    "TIERS",
+    "VERDICTS",
+    "MEMBER_FIELDS",
+    "IDENTITY_FIELDS",
+    "TELEMETRY_FIELDS",
+    "MEMBERSHIP_FIELDS",
+    "Member",
+    "Departure",
+    "DeltaGapError",
+    "Registry",
+]
+
+TIERS = ("root", "broker", "leaf")
+VERDICTS = ("alive", "dead")
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _need(d: Mapping[str, Any], key: str) -> Any:
+    try:
+        return d[key]
+    except KeyError:
+        raise ValueError(f"missing required key {key!r}") from None
+
+
+def _int(key: str, v: Any, minimum: int | None = 0) -> int:
+    # bool is an int subclass; True as a rank is a bug upstream, not a rank
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{key!r} must be an int, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{key!r} must be >= {minimum}, got {v!r}")
+    return v
+
+
+def _float(key: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{key!r} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _str(key: str, v: Any, *, nonempty: bool = False, choices: tuple[str, ...] = ()) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{key!r} must be a str, got {v!r}")
+    if nonempty and not v:
+        raise ValueError(f"{key!r} must not be empty")
+    if choices and v not in choices:
+        raise ValueError(f"{key!r} must be one of {choices}, got {v!r}")
+    return v
+
+
+def _opt_int(key: str, v: Any) -> int | None:
+    return None if v is None else _int(key, v, minimum=None)
+
+
+def _opt_float(key: str, v: Any) -> float | None:
+    return None if v is None else _float(key, v)
+
+
+def _mapping(what: str, d: Any) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{what} must be a mapping, got {type(d).__name__}")
+    return d
+
+
+def _identity(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The identity keys shared by reports and member dicts, checked."""
+    out: dict[str, Any] = {
+        "rank": _int("rank", _need(d, "rank")),
+        "world_size": _int("world_size", _need(d, "world_size"), 1),
+        "local_rank": _int("local_rank", _need(d, "local_rank")),
+        "local_world_size": _int("local_world_size", _need(d, "local_world_size"), 1),
+        "node": _int("node", _need(d, "node")),
+        "node_count": _int("node_count", _need(d, "node_count"), 1),
+        "host": _str("host", _need(d, "host")),
+        "endpoint": _str("endpoint", _need(d, "endpoint")),
+        "pid": _int("pid", _need(d, "pid")),
+        "incarnation": _str("incarnation", _need(d, "incarnation"), nonempty=True),
+    }
+    if out["rank"] >= out["world_size"]:
+        raise ValueError(f"rank {out['rank']} outside world_size {out['world_size']}")
+    return out
+
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass
+class Member:
+    """One rank as the membership sees it. Field names are the ``nodes`` table's columns."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: int
+    node_count: int
+    host: str
+    endpoint: str
+    pid: int
+    role: str
+    incarnation: str
+    state: str
+    last_seen: float
+    since: float
+    step: int | None = None
+    step_time_ms: float | None = None
+    tier: str = "leaf"  # "root" | "broker" | "leaf"
+    reason: str = ""  # "" while live; why it died: "exited", "left", "stale", free text
+    via: int | None = None  # broker that vouched for it; None = heard directly
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Member:
+        """Build from a dict; optional keys may be missing, bad required ones raise ValueError."""
+        d = _mapping("member", d)
+        kw = _identity(d)
+        kw["role"] = _str("role", d.get("role", ""))
+        kw["state"] = _str("state", _need(d, "state"), choices=STATES)
+        kw["last_seen"] = _float("last_seen", _need(d, "last_seen"))
+        kw["since"] = _float("since", _need(d, "since"))
+        kw["step"] = _opt_int("step", d.get("step"))
+        kw["step_time_ms"] = _opt_float("step_time_ms", d.get("step_time_ms"))
+        kw["tier"] = _str("tier", d.get("tier", "leaf"), choices=TIERS)
+        kw["reason"] = _str("reason", d.get("reason", ""))
+        kw["via"] = _opt_int("via", d.get("via"))
+        return cls(**kw)
+
+
+MEMBER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Member))
+# what a report may change about who a rank is
+IDENTITY_FIELDS: tuple[str, ...] = (
+    "world_size", "local_rank", "local_world_size", "node", "node_count",
+    "host", "endpoint", "pid", "role", "incarnation", "tier",
+)  # fmt: skip
+# changes here bump only `version`; everything else is membership and bumps `epoch`
+TELEMETRY_FIELDS: tuple[str, ...] = ("last_seen", "step", "step_time_ms")
+MEMBERSHIP_FIELDS: tuple[str, ...] = tuple(f for f in MEMBER_FIELDS if f not in TELEMETRY_FIELDS)
+
+
+def _membership(m: Member) -> tuple[Any, ...]:
+    return tuple(getattr(m, f) for f in MEMBERSHIP_FIELDS)
+
+
+@dataclass(frozen=True)
+class Departure:
+    """A member that died: kept after its removal so a user can see who left, when and why."""
+
+    rank: int
+    incarnation: str
+    host: str
+    pid: int
+    when: float
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Departure:
+        d = _mapping("departure", d)
+        return cls(
+            rank=_int("rank", _need(d, "rank")),
+            incarnation=_str("incarnation", _need(d, "incarnation")),
+            host=_str("host", d.get("host", "")),
+            pid=_int("pid", d.get("pid", 0)),
+            when=_float("when", _need(d, "when")),
+            why=_str("why", _need(d, "why")),
+        )
+
+
+@dataclass(frozen=True)
+class _Report:
+    identity: dict[str, Any]  # IDENTITY_FIELDS + rank
+    step: int | None
+    step_time_ms: float | None
+    stalled: bool
+    age: float
+    verdict: str
+    reason: str
+
+    @classmethod
+    def parse(cls, d: Any) -> _Report:
+        d = _mapping("report", d)
+        ident = _identity(d)
+        ident["role"] = _str("role", _need(d, "role"))
+        ident["tier"] = _str("tier", _need(d, "tier"), choices=TIERS)
+        stalled = d.get("stalled", False)
+        if not isinstance(stalled, bool):
+            raise ValueError(f"'stalled' must be a bool, got {stalled!r}")
+        age = _float("age", d.get("age", 0.0))
+        if age < 0:
+            raise ValueError(f"'age' must be >= 0, got {age!r}")
+        return cls(
+            identity=ident,
+            step=_opt_int("step", d.get("step")),
+            step_time_ms=_opt_float("step_time_ms", d.get("step_time_ms")),
+            stalled=stalled,
+            age=age,
+            verdict=_str("verdict", d.get("verdict", "alive"), choices=VERDICTS),
+            reason=_str("reason", d.get("reason", "")),
+        )
+
+
+class DeltaGapError(ValueError):
+    """A non-full delta computed from an epoch newer than the mirror's: it would skip
+    changes. The mirror must ask for ``delta_since(its epoch)`` (or a full one)."""
+
+
+# ---------------------------------------------------------------- registry
+
+
+class Registry:
+    """Membership by rank: merge reports, age members by TTL, publish deltas."""
+
+    def __init__(
+        self, stale_sec: float = 25.0, departures_kept: int = 1000, tombstones_kept: int = 10000
+    ) -> None:
+        self.stale_sec = _float("stale_sec", stale_sec)
+        if self.stale_sec <= 0:
+            raise ValueError(f"stale_sec must be > 0, got {stale_sec!r}")
+        _int("departures_kept", departures_kept)
+        self.tombstones_kept = _int("tombstones_kept", tombstones_kept)
+        self.epoch: int = 0
+        self.version: int = 0
+        self._members: dict[int, Member] = {}
+        self._changed_at: dict[int, int] = {}  # rank -> epoch of its last membership change
+        self._tombstones: dict[int, int] = {}  # rank -> epoch of its removal, oldest first
+        self._floor = 0  # delta_since(e) is exact for e >= _floor; older epochs get a full one
+        # rank -> (broker, when it last said "alive" about it); see _fresh_until
+        self._vouch: dict[int, tuple[int, float]] = {}
+        self._departures: deque[Departure] = deque(maxlen=departures_kept)
+        self._e0 = 0
+        self._v0 = 0
+
+    # -- one call = one step: epoch and version move at most once per call
+
+    def _begin(self) -> None:
+        self._e0, self._v0 = self.epoch, self.version
+
+    def _bump_version(self) -> None:
+        if self.version == self._v0:
+            self.version += 1
+
+    def _bump_epoch(self) -> int:
+        if self.epoch == self._e0:
+            self.epoch += 1
+        self._bump_version()
+        return self.epoch
+
+    def _store(self, new: Member) -> None:
+        old = self._members.get(new.rank)
+        if old == new:
+            return
+        self._members[new.rank] = new
+        if old is None or _membership(old) != _membership(new):
+            self._changed_at[new.rank] = self._bump_epoch()
+            self._tombstones.pop(new.rank, None)  # present again: the upsert says it all
+        else:
+            self._bump_version()
+
+    def _remove(self, rank: int) -> None:
+        del self._members[rank]
+        self._changed_at.pop(rank, None)
+        self._vouch.pop(rank, None)
+        self._tombstone(rank, self._bump_epoch())
+
+    def _tombstone(self, rank: int, epoch: int) -> None:
+        self._tombstones.pop(rank, None)  # re-insert at the end: keep epoch order
+        self._tombstones[rank] = epoch
+        while len(self._tombstones) > self.tombstones_kept:
+            oldest = next(iter(self._tombstones))
+            # a mirror older than this removal could miss it: it now needs a full sync
+            self._floor = max(self._floor, self._tombstones.pop(oldest))
+
+    def _kill(self, m: Member, event: str, why: str, when: float, last_seen: float | None = None) -> None:
+        state = next_state(m.state, event)
+        assert state == DEAD, (m.state, event)
+        ls = m.last_seen if last_seen is None else last_seen
+        self._store(replace(m, state=DEAD, since=when, reason=why, last_seen=ls))
+        self._vouch.pop(m.rank, None)
+        self._departures.append(Departure(m.rank, m.incarnation, m.host, m.pid, when, why))
+
+    # -- inputs
+
+    def observe(self, report: Mapping[str, Any], now: float, via: int | None = None) -> bool:
+        """Merge one report (a rank about itself, or a broker about a leaf, ``via`` = broker).
+
+        Returns True if the epoch changed. Raises ValueError (registry unchanged) on a
+        malformed report.
+        """
+        now = _float("now", now)
+        via = _opt_int("via", via)
+        r = _Report.parse(report)
+        rank = r.identity["rank"]
+        if via == rank:
+            via = None  # a broker's own line in its batch: heard directly
+        evidence = now - r.age
+        self._begin()
+        old = self._members.get(rank)
+        if r.verdict == "dead":
+            self._observe_dead(old, r, evidence, now, via)
+        else:
+            self._observe_alive(old, r, evidence, now, via)
+        return self.epoch != self._e0
+
+    def _observe_alive(self, old: Member | None, r: _Report, evidence: float, now: float, via: int | None) -> None:
+        rank = r.identity["rank"]
+        state = STALLED if r.stalled else ALIVE
+        fresh = Member(
+            **r.identity, state=state, last_seen=evidence, since=evidence,
+            step=r.step, step_time_ms=r.step_time_ms, reason="", via=via,
+        )  # fmt: skip
+        if old is None:  # join
+            self._store(fresh)
+        elif old.incarnation != r.identity["incarnation"]:
+            if evidence < old.last_seen:
+                return  # an earlier process's line still in flight through another path
+            if old.state != DEAD:
+                self._departures.append(
+                    Departure(old.rank, old.incarnation, old.host, old.pid, now, "replaced")
+                )
+            self._store(fresh)
+        else:
+            if via is not None and via == old.via and old.state != DEAD:
+                # the broker still vouches now, even if transit jitter makes its copy of
+                # the leaf's evidence look a few ms older than the last one
+                self._vouch[rank] = (via, now)
+            if evidence < old.last_seen:
+                return  # older than what we hold
+            if old.state == DEAD and evidence <= old.since:
+                return  # not newer than its death: no revival on old news
+            new_state = next_state(old.state, "report_stalled" if r.stalled else "report")
+            changed_state = new_state != old.state
+            self._store(
+                replace(
+                    fresh,
+                    state=new_state,
+                    since=evidence if changed_state else old.since,
+                    reason="" if new_state != DEAD else old.reason,
+                )
+            )
+        if via is None:
+            self._vouch.pop(rank, None)
+        else:
+            self._vouch[rank] = (via, now)
+
+    def _observe_dead(self, old: Member | None, r: _Report, evidence: float, now: float, via: int | None) -> None:
+        # a dead verdict never creates a record nor touches another incarnation
+        if old is None or old.incarnation != r.identity["incarnation"] or old.state == DEAD:
+            return
+        same_path = via is not None and via == old.via
+        if not same_path and evidence < old.last_seen:
+            return  # we hold newer evidence from another path (it re-parented)
+        event = r.reason if r.reason in DEATH_EVENTS else "stale"
+        self._kill(old, event, r.reason or "stale", when=now, last_seen=max(old.last_seen, evidence))
+
+    def mark_dead(self, rank: int, incarnation: str | None, why: str, now: float) -> bool:
+        """A pid watch saw the process exit (why "exited") or it said bye ("left").
+
+        ``incarnation`` None matches any; a mismatch (a restarted probe) is ignored.
+        Returns True if the epoch changed.
+        """
+        rank = _int("rank", rank)
+        if incarnation is not None:
+            _str("incarnation", incarnation)
+        why = _str("why", why, nonempty=True)
+        now = _float("now", now)
+        self._begin()
+        m = self._members.get(rank)
+        if m is None or m.state == DEAD or (incarnation is not None and incarnation != m.incarnation):
+            return False
+        self._kill(m, why if why in DEATH_EVENTS else "exited", why, when=now)
+        return self.epoch != self._e0
+
+    def _fresh_until(self, m: Member) -> float:
+        """When a live member goes stale without further evidence.
+
+        Its own TTL, unless a broker vouches for it: the broker's own TTL on its leaf is
+        authoritative (two hops of backoff would otherwise look stale), for as long as the
+        broker is present, not dead, fresh, and itself said "alive" about it within a TTL.
+        Deterministic in the state, so the death time does not depend on tick timing.
+        """
+        own = m.last_seen + self.stale_sec
+        v = self._vouch.get(m.rank)
+        if m.via is None or v is None or v[0] != m.via:
+            return own
+        b = self._members.get(m.via)
+        if b is None:
+            return own
+        b_end = b.since if b.state == DEAD else b.last_seen + self.stale_sec
+        return max(own, min(b_end, v[1] + self.stale_sec))
+
+    def tick(self, now: float) -> bool:
+        """Apply TTLs at ``now``: stale live members die, members dead for a TTL go.
+
+        Returns True if the epoch changed.
+        """
+        now = _float("now", now)
+        self._begin()
+        # deadlines first, so one member's death in this tick cannot shift another's
+        until = {r: self._fresh_until(m) for r, m in self._members.items() if m.state != DEAD}
+        for rank in sorted(until):
+            if now >= until[rank]:
+                self._kill(self._members[rank], "stale", "stale", when=until[rank])
+        for rank in sorted(self._members):
+            m = self._members[rank]
+            if m.state == DEAD and now >= m.since + self.stale_sec:
+                if next_state(m.state, "expired") is None:
+                    self._remove(rank)
+        return self.epoch != self._e0
+
+    def next_deadline(self) -> float | None:
+        """Earliest time at which ``tick`` could change something (None: no members)."""
+        times = [
+            m.since + self.stale_sec if m.state == DEAD else self._fresh_until(m)
+            for m in self._members.values()
+        ]
+        return min(times, default=None)
+
+    # -- reading
+
+    def get(self, rank: int) -> Member | None:
+        m = self._members.get(rank)
+        return None if m is None else replace(m)
+
+    def members(self) -> list[Member]:
+        """Copies, sorted by rank."""
+        return [replace(self._members[r]) for r in sorted(self._members)]
+
+    def departures(self) -> list[Departure]:
+        """Oldest first; at most ``departures_kept``."""
+        return list(self._departures)
+
+    def counts(self) -> dict[str, int]:
+        out = {s: 0 for s in STATES}
+        for m in self._members.values():
+            out[m.state] += 1
+        return out
+
+    def complete(self, world_size: int) -> bool:
+        """Every rank 0..world_size-1 is present and not dead."""
+        return all(
+            (m := self._members.get(r)) is not None and m.state != DEAD for r in range(world_size)
+        )
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    # -- deltas: membership pub/sub down the tree
+
+    def delta_since(self, epoch: int) -> dict[str, Any]:
+        """What a mirror at ``epoch`` needs to reach ``self.epoch``.
+
+        ``{"epoch", "full", "base", "upserts": [member dicts], "removed": [ranks]}``;
+        ``base`` is the epoch the delta starts from (0 for a full one). Full, with every
+        member, when ``epoch`` is 0, not an int, newer than ours, or older than the
+        tombstones we kept.
+        """
+        exact = (
+            isinstance(epoch, int)
+            and not isinstance(epoch, bool)
+            and 0 < epoch <= self.epoch
+            and epoch >= self._floor
+        )
+        if not exact:
+            return {
+                "epoch": self.epoch,
+                "full": True,
+                "base": 0,
+                "upserts": [self._members[r].to_dict() for r in sorted(self._members)],
+                "removed": [],
+            }
+        return {
+            "epoch": self.epoch,
+            "full": False,
+            "base": epoch,
+            "upserts": [
+                self._members[r].to_dict()
+                for r in sorted(self._members)
+                if self._changed_at.get(r, 0) > epoch
+            ],
+            "removed": sorted(r for r, e in self._tombstones.items() if e > epoch),
+        }
+
+    def apply_delta(self, delta: Mapping[str, Any]) -> bool:
+        """Mirror mode: apply a parent's delta. Returns True if any member changed.
+
+        Raises ValueError (registry unchanged) on a malformed delta, and its subclass
+        DeltaGapError on a non-full delta based on an epoch newer than ours. A non-full
+        delta older than our epoch is ignored (a late push); a full one always applies.
+        """
+        delta = _mapping("delta", delta)
+        epoch = _int("epoch", _need(delta, "epoch"))
+        full = _need(delta, "full")
+        if not isinstance(full, bool):
+            raise ValueError(f"'full' must be a bool, got {full!r}")
+        ups_raw = _need(delta, "upserts")
+        rem_raw = _need(delta, "removed")
+        if not isinstance(ups_raw, list) or not isinstance(rem_raw, list):
+            raise ValueError("'upserts' and 'removed' must be lists")
+        ups = [Member.from_dict(u) for u in ups_raw]
+        removed = [_int("removed rank", r) for r in rem_raw]
+        up_ranks = [m.rank for m in ups]
+        if len(set(up_ranks)) != len(up_ranks) or len(set(removed)) != len(removed):
+            raise ValueError("duplicate rank in delta")
+        if set(up_ranks) & set(removed):
+            raise ValueError("a rank is both upserted and removed")
+        base = delta.get("base")
+        if base is not None:
+            base = _int("base", base)
+        if not full:
+            if base is not None and base > self.epoch:
+                raise DeltaGapError(f"delta from epoch {base} but this mirror is at {self.epoch}")
+            if epoch < self.epoch:
+                return False  # superseded by what we already applied
+        changed = False
+        if full:
+            new = {m.rank: m for m in ups}
+            changed = new != self._members
+            self._members = new
+            # we cannot tell a child in between our old epoch and this one what it
+            # missed: everything older than this epoch gets a full delta from us
+            self._changed_at = {r: epoch for r in new}
+            self._tombstones.clear()
+            self._floor = epoch
+        else:
+            # every upsert/removal is stamped with the new epoch even if it is a no-op
+            # here: a child of ours may sit at an epoch between our old one and this
+            for m in ups:
+                if self._members.get(m.rank) != m:
+                    changed = True
+                self._members[m.rank] = m
+                self._changed_at[m.rank] = epoch
+                self._tombstones.pop(m.rank, None)
+            for r in removed:
+                if self._members.pop(r, None) is not None:
+                    changed = True
+                self._changed_at.pop(r, None)
+                self._tombstone(r, epoch)
+        self._vouch.clear()  # a mirror never runs TTLs
+        self.epoch = epoch
+        if changed:
+            self.version += 1
+        return changed

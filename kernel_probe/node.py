@@ -1,0 +1,469 @@
+"""The sans-IO core of one rank's probe: its place in the tree and its heartbeats.
+
+Rules of this file:
+- No sockets, no threads, no clock. Every input carries ``now``; every output is an
+  *effect* (send this message, connect the parent socket there, watch that pid) that
+  the I/O shell carries out. That is why many cores can run in one process (scale
+  simulation) and why every decision is tested without a network.
+- Tiers: the root (global rank 0) owns the job's registry; a broker (its node's
+  elected local0) owns its node's registry and reports it up as one batch; a leaf
+  reports itself. Children dial up; replies and pushes travel back on the same pair.
+- Liveness is decided from application messages only (transport state proves nothing
+  about Python): reports, acknowledgements and pid watches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .config import Identity, Settings
+from .membership import Backoff, Registry
+from .wire import Envelope, Message
+
+PROTOCOL_VERSION = 1
+PUSH_DEBOUNCE_SEC = 0.02  # batch near-simultaneous joins into one push / one report
+PARENT = None  # the ``to`` of a Send that goes up the parent connection
+
+# Fields of a member record that describe the rank itself (a report's identity).
+REPORT_FIELDS = (
+    "rank", "world_size", "local_rank", "local_world_size", "node", "node_count", "host",
+    "endpoint", "pid", "role", "incarnation", "tier", "step", "step_time_ms",
+)
+
+
+# --- effects --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Send:
+    to: bytes | None  # a ROUTER routing id, or PARENT
+    msg: Message
+
+
+@dataclass(frozen=True)
+class ConnectParent:
+    endpoint: str | None  # None: drop the parent connection
+
+
+@dataclass(frozen=True)
+class WatchPid:
+    key: object  # a rank, or "parent"
+    pid: int
+
+
+@dataclass(frozen=True)
+class UnwatchPid:
+    key: object
+
+
+@dataclass(frozen=True)
+class Note:
+    text: str  # something worth a log line
+
+
+Effect = Send | ConnectParent | WatchPid | UnwatchPid | Note
+
+
+@dataclass
+class Child:
+    rank: int
+    known_epoch: int = 0
+    pid: int = 0
+    host: str = ""
+    incarnation: str = ""
+
+
+@dataclass
+class ParentInfo:
+    endpoint: str
+    rank: int | None = None
+    pid: int | None = None
+    host: str | None = None
+    incarnation: str | None = None
+    tier: str | None = None
+
+
+@dataclass
+class ProbeCore:
+    identity: Identity
+    settings: Settings
+    endpoint: str
+    pid: int
+    incarnation: str
+    now: float
+    tier: str | None = None  # None until discovery resolved it
+    role: str = ""
+    step: int | None = None
+    step_time_ms: float | None = None
+    stalled: bool = False
+
+    registry: Registry = field(init=False)  # authoritative: the job (root) or the node (broker)
+    mirror: Registry = field(init=False)  # the job's membership as pushed down by the parent
+    backoff: Backoff = field(init=False)
+    parent: ParentInfo | None = field(default=None, init=False)
+    root_endpoint: str | None = field(default=None, init=False)
+    children: dict[bytes, Child] = field(default_factory=dict, init=False)
+    complete: bool = field(default=False, init=False)
+    placed_at: float | None = field(default=None, init=False)  # when discovery placed us in the tree
+    converged_at: float | None = field(default=None, init=False)  # root: when every rank was first present
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.role = self.role or self.identity.role
+        self.registry = Registry(stale_sec=s.stale_sec)
+        self.mirror = Registry(stale_sec=s.stale_sec)
+        self.backoff = Backoff(
+            base=s.report_interval_sec, max_interval=s.report_max_interval_sec,
+            factor=s.report_backoff_factor, stale=s.stale_sec, enabled=s.report_backoff,
+        )
+        self._outstanding: tuple[str, float] | None = None  # (msg_id, sent_at) of the unacked report
+        self._report_at: float | None = None
+        self._failing_since: float | None = None
+        self._lost_broker: str | None = None  # incarnation of a broker we left because it died
+        self._sent_state: tuple = ()
+        self._last_ack_epoch = -1
+        self._reported_epoch = -1  # broker: node registry epoch in the last report sent
+        self._pushed_epoch = 0
+        self._push_at: float | None = None
+        self._report_seq = 0
+
+    # --- inputs ---------------------------------------------------------------------
+    def set_topology(self, tier: str, parent: str | None, root: str | None, now: float) -> list[Effect]:
+        """Discovery resolved where this rank sits (a broker may learn its parent later:
+        it serves its leaves meanwhile); start reporting at once."""
+        effects: list[Effect] = [Note(f"tier {tier}, parent {parent or '-'}")]
+        if self.placed_at is None:
+            self.placed_at = now
+        self.tier = tier
+        self.root_endpoint = root or self.root_endpoint
+        if tier in ("root", "broker"):
+            self.registry.observe(self.report(), now)
+        if parent != (self.parent.endpoint if self.parent else None):
+            effects += self._set_parent(parent, now)
+        return effects + self.on_timer(now)
+
+    def update_self(self, now: float, *, role: str | None = None, step: int | None = None,
+                    step_time_ms: float | None = None, stalled: bool | None = None) -> list[Effect]:
+        """Local facts changed. A role or progress-state change is reported immediately."""
+        urgent = False
+        if role is not None and role != self.role:
+            self.role, urgent = role, True
+        if stalled is not None and stalled != self.stalled:
+            self.stalled, urgent = stalled, True
+        if step is not None:
+            self.step = step
+        if step_time_ms is not None:
+            self.step_time_ms = step_time_ms
+        if self.tier in ("root", "broker"):
+            self.registry.observe(self.report(), now)
+        if urgent and self.parent is not None:
+            self.backoff.reset()
+            self._report_at = now
+        return self.on_timer(now)
+
+    def on_timer(self, now: float) -> list[Effect]:
+        self.now = now
+        effects: list[Effect] = []
+        if self.tier is None:
+            return effects
+        if self.tier in ("root", "broker"):
+            self.registry.observe(self.report(), now)
+            self.registry.tick(now)
+        if self.tier == "root" and self.converged_at is None and self.registry.complete(self.identity.world_size):
+            self.converged_at = now
+        if self._outstanding and now >= self._outstanding[1] + self.settings.report_timeout_sec:
+            effects += self._report_failed(now, "no acknowledgement in time")
+        if self.tier == "broker" and self.registry.epoch != self._reported_epoch and self.parent:
+            # a join, exit or state change on this node goes up without waiting for the tick
+            self._due(now + PUSH_DEBOUNCE_SEC)
+        if (self._report_at is not None and now >= self._report_at and self._outstanding is None
+                and self.parent is not None and self.settings.report):
+            effects += self._send_report(now)
+        effects += self._maybe_push(now)
+        return effects
+
+    def on_message(self, env: Envelope, sender: bytes | None, now: float) -> list[Effect]:
+        """A verified message; ``sender`` is the routing id, or PARENT for the parent link."""
+        self.now = now
+        kind, body = env.msg.type, env.msg.body
+        if sender is PARENT:
+            if kind == "heartbeat_ack" and self._outstanding and env.msg.corr_id == self._outstanding[0]:
+                return self._on_ack(body, now)
+            if kind == "membership":
+                return self._apply_membership(body, now)
+            if kind == "error" and self._outstanding and env.msg.corr_id == self._outstanding[0]:
+                return self._report_failed(now, f"parent answered {body.get('code')}")
+            return []
+        if kind == "heartbeat":
+            return self._on_child_report(sender, env, now)
+        if kind == "bye":
+            return self._on_bye(body, now)
+        if kind == "info_request":
+            return [Send(sender, Message("info", self.info(), corr_id=env.header.msg_id))]
+        if kind == "nodes_request":
+            return [Send(sender, Message("nodes", self.nodes_body(), corr_id=env.header.msg_id))]
+        return [Send(sender, Message("error", {"code": "unsupported", "message": f"this probe does not serve {kind!r}"},
+                                      corr_id=env.header.msg_id))]
+
+    def on_send_failed(self, now: float) -> list[Effect]:
+        """The parent link could not take the report (not connected yet, or gone)."""
+        self._outstanding = None
+        return self._report_failed(now, "parent not reachable")
+
+    def on_process_exit(self, key: object, now: float) -> list[Effect]:
+        """The pid watch saw a process end: a child rank, or our own parent."""
+        if key == "parent":
+            return self._parent_lost(now, "parent process exited")
+        if isinstance(key, int):
+            member = self.registry.get(key)
+            if member is not None:
+                self.registry.mark_dead(key, member.incarnation, "exited", now)
+                self._drop_child_rank(key)
+            return self.on_timer(now)
+        return []
+
+    def goodbye(self) -> list[Effect]:
+        """Clean shutdown: tell the parent at once instead of letting it wait a TTL."""
+        if self.parent is None:
+            return []
+        return [Send(PARENT, Message("bye", {"rank": self.identity.rank, "incarnation": self.incarnation,
+                                             "reason": "left"}))]
+
+    def next_deadline(self) -> float | None:
+        times = [self._report_at, self._push_at]
+        if self._outstanding:
+            times.append(self._outstanding[1] + self.settings.report_timeout_sec)
+        if self.tier in ("root", "broker"):
+            times.append(self.registry.next_deadline())
+        return min((t for t in times if t is not None), default=None)
+
+    # --- what this rank says about itself --------------------------------------------
+    def report(self) -> dict:
+        ident = self.identity
+        return {
+            "rank": ident.rank, "world_size": ident.world_size, "local_rank": ident.local_rank,
+            "local_world_size": ident.local_world_size, "node": ident.node, "node_count": ident.node_count,
+            "host": ident.host, "endpoint": self.endpoint, "pid": self.pid, "role": self.role,
+            "incarnation": self.incarnation, "tier": self.tier or "leaf", "step": self.step,
+            "step_time_ms": self.step_time_ms, "stalled": self.stalled, "age": 0.0,
+        }
+
+    def info(self) -> dict:
+        view = self.view()
+        return {
+            "protocol": PROTOCOL_VERSION, "run_id": self.identity.run_id, "world_size": self.identity.world_size,
+            "rank": self.identity.rank, "tier": self.tier or "leaf", "pid": self.pid, "incarnation": self.incarnation,
+            "counts": view.counts(), "epoch": view.epoch, "host": self.identity.host,
+            "placed_at": self.placed_at, "converged_at": self.converged_at,
+        }
+
+    def view(self) -> Registry:
+        """The best membership this probe knows: its own registry at the root, else the mirror."""
+        return self.registry if self.tier == "root" else self.mirror
+
+    def nodes_body(self) -> dict:
+        view = self.view()
+        return {
+            "members": [m.to_dict() for m in view.members()],
+            "departures": [d.to_dict() for d in self.registry.departures()],
+            "epoch": view.epoch,
+        }
+
+    # --- reporting up -----------------------------------------------------------------
+    def _due(self, when: float) -> None:
+        if self._report_at is None or when < self._report_at:
+            self._report_at = when
+
+    def _batch(self, now: float) -> list[dict]:
+        reports = [self.report()]
+        if self.tier == "broker":
+            for m in self.registry.members():
+                if m.rank == self.identity.rank:
+                    continue
+                r = {k: getattr(m, k) for k in REPORT_FIELDS}
+                r.update(age=max(0.0, now - m.last_seen), stalled=m.state == "stalled",
+                         verdict="dead" if m.state == "dead" else "alive", reason=m.reason)
+                reports.append(r)
+        return reports
+
+    def _send_report(self, now: float) -> list[Effect]:
+        self._report_seq += 1
+        msg_id = f"{self.incarnation}-hb{self._report_seq}"
+        msg = Message("heartbeat", {"reports": self._batch(now), "known_epoch": self.mirror.epoch}, msg_id=msg_id)
+        self._outstanding = (msg_id, now)
+        self._report_at = None
+        self._sent_state = (self.role, self.stalled)
+        if self.tier == "broker":
+            self._reported_epoch = self.registry.epoch
+        return [Send(PARENT, msg)]
+
+    def _on_ack(self, body: dict, now: float) -> list[Effect]:
+        self._outstanding = None
+        self._failing_since = None
+        effects = self._apply_membership(body, now)
+        stable = (bool(body.get("complete")) and body.get("epoch") == self._last_ack_epoch
+                  and self._sent_state == (self.role, self.stalled)
+                  and (self.tier != "broker" or self._reported_epoch == self.registry.epoch))
+        self._last_ack_epoch = body.get("epoch", -1)
+        self._due(now + self.backoff.on_success(stable))
+        parent = body.get("parent") or {}
+        if self.parent is not None and parent.get("pid") and self.parent.pid != parent.get("pid"):
+            self.parent.pid, self.parent.rank = parent.get("pid"), parent.get("rank")
+            self.parent.host, self.parent.incarnation = parent.get("host"), parent.get("incarnation")
+            self.parent.tier = parent.get("tier")
+            if parent.get("host") == self.identity.host:
+                effects.append(WatchPid("parent", int(parent["pid"])))
+        return effects
+
+    def _report_failed(self, now: float, why: str) -> list[Effect]:
+        self._outstanding = None
+        if self._failing_since is None:
+            self._failing_since = now
+        self._report_at = now + self.backoff.on_failure()
+        long_failing = now - self._failing_since >= self.settings.report_timeout_sec
+        if why == "no acknowledgement in time" or long_failing:
+            return self._parent_lost(now, why)
+        return []
+
+    def _parent_lost(self, now: float, why: str) -> list[Effect]:
+        """A leaf whose broker is gone reports to the root directly; nobody else moves."""
+        if (self.tier != "leaf" or self.parent is None or not self.root_endpoint
+                or self.parent.endpoint == self.root_endpoint):
+            return []
+        self._lost_broker = self.parent.incarnation or self.parent.endpoint
+        return [Note(f"broker {self.parent.endpoint} lost ({why}); reporting to the root")] + \
+            self._set_parent(self.root_endpoint, now)
+
+    def _set_parent(self, endpoint: str | None, now: float) -> list[Effect]:
+        effects: list[Effect] = [UnwatchPid("parent")] if self.parent else []
+        if self.parent is not None and self.tier != "root":
+            # epochs are the root's; a new path may be a restarted root: resync from scratch
+            self.mirror = Registry(stale_sec=self.settings.stale_sec)
+        self.parent = ParentInfo(endpoint) if endpoint else None
+        self._outstanding = None
+        self._failing_since = None
+        self._last_ack_epoch = -1
+        self.backoff.reset()
+        self._report_at = now if endpoint else None
+        return effects + [ConnectParent(endpoint)]
+
+    # --- membership pushed down ---------------------------------------------------------
+    def _apply_membership(self, body: dict, now: float) -> list[Effect]:
+        if self.tier == "root":
+            return []
+        self.complete = bool(body.get("complete"))
+        delta = body.get("delta")
+        if delta:
+            try:
+                self.mirror.apply_delta(delta)
+            except ValueError:
+                return [Note("ignored a malformed membership delta")]
+        effects: list[Effect] = []
+        if self.tier == "leaf" and self._lost_broker and self.parent and self.parent.endpoint == self.root_endpoint:
+            broker = self._new_broker()
+            if broker is not None:
+                self._lost_broker = None
+                effects += [Note(f"new broker {broker} for node {self.identity.node}")] + self._set_parent(broker, now)
+        if self.tier == "broker":
+            effects += self._maybe_push(now)
+        return effects
+
+    def _new_broker(self) -> str | None:
+        for m in self.mirror.members():
+            if (m.node == self.identity.node and m.tier == "broker" and m.state != "dead"
+                    and m.rank != self.identity.rank and (m.incarnation != self._lost_broker)
+                    and m.endpoint != self._lost_broker):
+                return m.endpoint
+        return None
+
+    def _maybe_push(self, now: float) -> list[Effect]:
+        """Root and brokers push membership changes to their children (debounced)."""
+        if self.tier not in ("root", "broker") or not self.children:
+            return []
+        view = self.view()
+        if view.epoch == self._pushed_epoch:
+            self._push_at = None
+            return []
+        if self._push_at is None:
+            self._push_at = now + PUSH_DEBOUNCE_SEC
+        if now < self._push_at:
+            return []
+        self._push_at = None
+        self._pushed_epoch = view.epoch
+        effects: list[Effect] = []
+        for rid, child in self.children.items():
+            if child.known_epoch == view.epoch:
+                continue
+            body = {"epoch": view.epoch, "complete": self._complete(), "delta": view.delta_since(child.known_epoch)}
+            child.known_epoch = view.epoch
+            effects.append(Send(rid, Message("membership", body)))
+        return effects
+
+    def _complete(self) -> bool:
+        if self.tier == "root":
+            return self.registry.complete(self.identity.world_size)
+        return self.complete
+
+    # --- children ---------------------------------------------------------------------
+    def _on_child_report(self, rid: bytes, env: Envelope, now: float) -> list[Effect]:
+        reports = env.msg.body.get("reports") or []
+        if self.tier not in ("root", "broker") or not reports or not isinstance(reports[0], dict):
+            return [Send(rid, Message("error", {"code": "not_a_parent", "message": "this probe has no children"},
+                                      corr_id=env.header.msg_id))]
+        effects: list[Effect] = []
+        first = reports[0]
+        try:
+            child_rank = int(first["rank"])
+        except (KeyError, TypeError, ValueError):
+            return [Note("ignored a report without a rank")]
+        child = self.children.get(rid)
+        if child is None or child.incarnation != first.get("incarnation"):
+            self._drop_child_rank(child_rank)
+            child = self.children[rid] = Child(child_rank, pid=int(first.get("pid") or 0),
+                                               host=str(first.get("host") or ""),
+                                               incarnation=str(first.get("incarnation") or ""))
+            if child.host == self.identity.host and child.pid:
+                effects.append(WatchPid(child_rank, child.pid))
+        child.known_epoch = int(env.msg.body.get("known_epoch") or 0)
+        for report in reports:
+            if not isinstance(report, dict):
+                continue
+            via = None if report.get("rank") == child_rank else child_rank
+            if via is not None and self._vouch_ignored(report, via):
+                continue
+            try:
+                self.registry.observe(report, now, via=via)
+            except ValueError:
+                effects.append(Note(f"ignored a malformed report from rank {child_rank}"))
+        self.registry.tick(now)
+        view = self.view()
+        ack = {
+            "epoch": view.epoch, "complete": self._complete(),
+            "delta": view.delta_since(child.known_epoch) if child.known_epoch != view.epoch else None,
+            "parent": {"rank": self.identity.rank, "pid": self.pid, "host": self.identity.host,
+                       "incarnation": self.incarnation, "tier": self.tier},
+        }
+        child.known_epoch = view.epoch
+        effects.append(Send(rid, Message("heartbeat_ack", ack, corr_id=env.header.msg_id)))
+        return effects + self.on_timer(now)
+
+    def _vouch_ignored(self, report: dict, broker: int) -> bool:
+        """A broker's word that a rank is dead counts only while that broker is the rank's path."""
+        if report.get("verdict") != "dead":
+            return False
+        current = self.registry.get(report.get("rank"))  # type: ignore[arg-type]
+        return current is not None and current.via != broker and current.state != "dead"
+
+    def _on_bye(self, body: dict, now: float) -> list[Effect]:
+        rank = body.get("rank")
+        member = self.registry.get(rank) if isinstance(rank, int) else None
+        if member is not None and member.incarnation == body.get("incarnation"):
+            self.registry.mark_dead(rank, member.incarnation, "left", now)
+            self._drop_child_rank(rank)
+        return self.on_timer(now)
+
+    def _drop_child_rank(self, rank: int) -> None:
+        for rid in [rid for rid, c in self.children.items() if c.rank == rank]:
+            del self.children[rid]
+
+    def child_ranks(self) -> Iterable[int]:
+        return (c.rank for c in self.children.values())

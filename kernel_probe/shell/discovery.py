@@ -1,0 +1,271 @@
+"""Discovery through the job's own TCPStore (DESIGN.md section 2, "Discovery").
+
+torchrun hands every worker ``MASTER_ADDR``/``MASTER_PORT`` of the agent's store; a
+plain client ``TCPStore(..., is_master=False, wait_for_workers=False)`` works without
+``init_process_group``. The probe keeps three keys there, all under ``probing/``:
+
+* ``MASTER_KEY``  -- the root's endpoint and incarnation (set by the root).
+* ``LOCAL0_KEY``  -- each node's broker, elected with ``compare_set``.
+* ``SECRET_KEY``  -- a per-job random secret when no auth token is configured.
+
+Facts this module is built around (measured, see BUILD_NOTES.md): ``get`` on a missing
+key blocks until the store timeout, so every read does a non-blocking ``check`` first;
+after a store error the client connection can stay broken for good, so any failure
+rebuilds the client once and retries. Callers only ever see ``DiscoveryError`` with a
+one-line message. ``torch`` is imported lazily: importing this module must stay cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from torch.distributed import TCPStore
+
+__all__ = [
+    "DiscoveryError",
+    "LOCAL0_KEY",
+    "MASTER_KEY",
+    "SECRET_KEY",
+    "StoreDiscovery",
+]
+
+MASTER_KEY = "probing/torchrun/{run_id}/master"
+LOCAL0_KEY = "probing/torchrun/{run_id}/node/{node}/local0"
+SECRET_KEY = "probing/torchrun/{run_id}/secret"
+
+_PREFIX = "probing/"
+_T = TypeVar("_T")
+
+
+class DiscoveryError(Exception):
+    """The store is unreachable, misbehaves, or holds garbage under one of our keys."""
+
+
+def _encode(value: Any) -> str:
+    # Compact and key-sorted: the same dict always encodes to the same bytes, which
+    # compare_set relies on when replacing a stale entry.
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+class StoreDiscovery:
+    """A TCPStore client restricted to the probe's ``probing/`` keys.
+
+    Thread-safe: one lock serialises store calls, because a rebuild swaps the client.
+    """
+
+    def __init__(self, host: str, port: int, run_id: str, timeout_sec: float = 2.0) -> None:
+        if timeout_sec <= 0:
+            raise ValueError("timeout_sec must be positive")
+        self.host = host
+        self.port = int(port)
+        self.run_id = run_id
+        self.timeout_sec = float(timeout_sec)
+        #: how many times the client has been rebuilt after an error (for logs/tests)
+        self.rebuilds = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._store: TCPStore | None = self._connect()
+
+    # -- connection -------------------------------------------------------------
+    def _where(self) -> str:
+        return f"TCPStore {self.host}:{self.port}"
+
+    def _connect(self) -> TCPStore:
+        # A plain TCP connect first: torch retries a refused connection until its
+        # timeout (~1.5x timeout_sec) and logs C++ stack traces meanwhile; a store that
+        # is simply not there should fail fast and quietly.
+        try:
+            with socket.create_connection((self.host, self.port), timeout=self.timeout_sec):
+                pass
+        except OSError as exc:
+            raise DiscoveryError(
+                f"{self._where()} is not reachable: {_one_line(exc)}"
+            ) from None
+        try:
+            from torch.distributed import TCPStore  # lazy: ~5 s import
+        except Exception as exc:  # torch missing or broken
+            raise DiscoveryError(f"torch.distributed is unavailable: {_one_line(exc)}") from None
+        try:
+            return TCPStore(
+                self.host,
+                self.port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=self.timeout_sec),
+            )
+        except Exception as exc:
+            raise DiscoveryError(
+                f"{self._where()}: cannot connect: {_one_line(exc)}"
+            ) from None
+
+    def _call(self, what: str, op: Callable[[TCPStore], _T]) -> _T:
+        """Run ``op`` on the client; on failure rebuild the client once and retry."""
+        with self._lock:
+            if self._closed:
+                raise DiscoveryError(f"{self._where()}: discovery client is closed")
+            if self._store is not None:
+                try:
+                    return op(self._store)
+                except Exception:
+                    pass  # the connection may now be silently broken: rebuild below
+            # Drop the old client before reconnecting so its socket is closed.
+            self._store = None
+            self.rebuilds += 1
+            self._store = self._connect()
+            try:
+                return op(self._store)
+            except Exception as exc:
+                self._store = None  # do not reuse a client that just failed
+                raise DiscoveryError(f"{self._where()}: {what} failed: {_one_line(exc)}") from None
+
+    def _key(self, template: str, **kw: Any) -> str:
+        key = template.format(run_id=self.run_id, **kw)
+        # Guard against a run id or template ever escaping our namespace.
+        if not key.startswith(_PREFIX):
+            raise DiscoveryError(f"refusing to touch key outside {_PREFIX!r}: {key!r}")
+        return key
+
+    def _decode(self, key: str, raw: bytes | str) -> Any:
+        try:
+            text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+            return json.loads(text)
+        except (UnicodeDecodeError, ValueError):
+            raise DiscoveryError(
+                f"{self._where()}: key {key!r} holds a non-JSON value"
+            ) from None
+
+    def _decode_dict(self, key: str, raw: bytes | str) -> dict:
+        value = self._decode(key, raw)
+        if not isinstance(value, dict):
+            raise DiscoveryError(f"{self._where()}: key {key!r} holds {type(value).__name__}, not an object")
+        return value
+
+    def _read(self, key: str) -> dict | None:
+        def op(store: TCPStore) -> bytes | None:
+            # check() never blocks; get() on a missing key would wait the full timeout.
+            if not store.check([key]):
+                return None
+            return store.get(key)
+
+        raw = self._call(f"read {key!r}", op)
+        return None if raw is None else self._decode_dict(key, raw)
+
+    def _elect(self, key: str, desired: str) -> bytes:
+        # compare_set with expected "" sets only an absent key and returns the value
+        # that holds afterwards. It is idempotent for us: if a first attempt landed but
+        # its reply was lost, the retry returns our own value and we still win.
+        return self._call(f"compare_set {key!r}", lambda s: s.compare_set(key, "", desired))
+
+    # -- public API -------------------------------------------------------------
+    def publish_master(self, info: dict) -> None:
+        """Publish the root's endpoint and incarnation (overwrites a previous one)."""
+        key = self._key(MASTER_KEY)
+        value = _encode(info)
+
+        def op(store: TCPStore) -> bytes:
+            # TCPStore's set is fire-and-forget: on a silently broken connection it
+            # "succeeds". Reading back on the same connection (ordered after the set, so
+            # it never blocks) makes a lost write an error, which triggers the rebuild.
+            store.set(key, value)
+            return store.get(key)
+
+        raw = self._call(f"set {key!r}", op)
+        if raw != value.encode():
+            raise DiscoveryError(f"{self._where()}: {key!r} did not hold the published value")
+
+    def read_master(self) -> dict | None:
+        """The root's published info, or None when not (yet) published."""
+        return self._read(self._key(MASTER_KEY))
+
+    def elect_local0(self, node: int, info: dict, stale: dict | None = None) -> dict:
+        """Try to become node ``node``'s broker; return the winner's info (``info`` if we won).
+
+        ``stale``: a winner known to be dead; when it still holds the key, replace it
+        with ``info`` (compare-and-swap, so only one rank replaces it).
+        """
+        key = self._key(LOCAL0_KEY, node=int(node))
+        desired = _encode(info)
+        if stale is None:
+            raw = self._elect(key, desired)
+        else:
+            expected = _encode(stale)
+            raw = self._call(
+                f"compare_set {key!r}", lambda s: s.compare_set(key, expected, desired)
+            )
+            if raw == expected.encode():
+                # torch answers ``expected`` when the key is absent: elect normally.
+                raw = self._elect(key, desired)
+        winner = self._decode_dict(key, raw)
+        # Return the caller's own dict when we won, so identity checks work too.
+        return info if _encode(winner) == desired else winner
+
+    def read_local0(self, node: int) -> dict | None:
+        """Node ``node``'s elected broker, or None when none was elected yet."""
+        return self._read(self._key(LOCAL0_KEY, node=int(node)))
+
+    def shared_secret(self, candidate: str) -> str:
+        """Agree on one per-job secret: the first candidate stored wins everywhere.
+
+        Stored as a JSON string like every other value.
+        """
+        if not isinstance(candidate, str) or not candidate:
+            raise ValueError("candidate secret must be a non-empty string")
+        key = self._key(SECRET_KEY)
+        value = self._decode(key, self._elect(key, _encode(candidate)))
+        if not isinstance(value, str) or not value:
+            raise DiscoveryError(f"{self._where()}: key {key!r} does not hold a secret string")
+        return value
+
+    def read_secret(self) -> str | None:
+        """The per-job secret if one was agreed on (a client never creates one)."""
+        key = self._key(SECRET_KEY)
+
+        def op(store: TCPStore) -> bytes | None:
+            return store.get(key) if store.check([key]) else None
+
+        raw = self._call(f"get {key!r}", op)
+        if raw is None:
+            return None
+        value = self._decode(key, raw)
+        if not isinstance(value, str) or not value:
+            raise DiscoveryError(f"{self._where()}: key {key!r} does not hold a secret string")
+        return value
+
+    def wait_master(self, timeout: float, poll: float = 0.05) -> dict | None:
+        """Poll ``read_master`` until the root has published or ``timeout`` passes."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            info = self.read_master()
+            if info is not None:
+                return info
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(max(poll, 0.001), remaining))
+
+    def close(self) -> None:
+        """Drop the client connection; later calls raise DiscoveryError."""
+        with self._lock:
+            self._closed = True
+            self._store = None  # TCPStore has no close(); dropping it closes the socket
+
+    def __enter__(self) -> StoreDiscovery:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"StoreDiscovery({self.host!r}, {self.port}, run_id={self.run_id!r})"

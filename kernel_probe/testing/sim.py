@@ -1,0 +1,538 @@
+"""A deterministic in-process network of ``ProbeCore``s: many virtual ranks, one fake clock.
+
+Rules of this file:
+
+- It plays the part of ``shell/probe_thread.py`` for every virtual rank, and nothing
+  more: the cores decide, the simulation only carries out their effects the way the
+  real shell and ZeroMQ would. Where the two could differ, the shell's behaviour wins
+  (and the difference is written down here).
+- Time is a float that only ``run_until`` moves. Nothing here reads a real clock, and
+  nothing is random unless a seed asks for it, so a run is a pure function of its
+  inputs: a failing scenario replays exactly.
+- Every message goes through a real ``wire.Codec`` (one per rank, one shared key):
+  the simulation exercises signing, schemas, sequence numbers and skew as well.
+
+What is modelled, and how:
+
+- Topology as the shell resolves it from the store: rank 0 is the root and also node
+  0's broker; local rank 0 of every other node is its broker (parent: the root); the
+  rest are leaves (parent: their node's broker, which is the root on node 0). Every
+  rank knows the root's endpoint. Discovery itself is instant.
+- ``Send(to=PARENT)`` goes to the rank of the endpoint of the last ``ConnectParent``.
+  Like a DEALER with ``IMMEDIATE``, a send to a parent that is not running (not
+  started yet, or exited) fails at once; the shell then calls ``on_send_failed`` for a
+  heartbeat (other types are dropped silently, as there). A *frozen* parent still
+  accepts: its kernel buffers the bytes, nobody answers.
+- ``Send(to=routing_id)`` goes back over that child's connection. A routing id is the
+  sender's rank plus a connection number (``b"5#12"``): a re-connection gets a new id,
+  as a ROUTER assigns one per connection. A reply to a connection the child has since
+  closed, or to a child that exited, is dropped (``ROUTER_MANDATORY``: the shell
+  ignores the error). Messages on one connection stay in order (TCP).
+- Pid watches see local processes only: a ``WatchPid`` of a process on another host
+  is ignored and counted in ``cross_host_watches`` (the real watch would see some
+  unrelated pid, or none, and report a false exit). A watched process that exits is
+  reported ``pid_poll_sec`` later; a watch of a pid that is already gone, at the next
+  poll. Each report is delivered once and forgets the watch, like ``PidWatch.poll``.
+- Each live rank gets ``on_timer`` at its ``next_deadline()`` and a sample tick every
+  ``sample_sec`` that calls ``update_self`` with its step, step time and stall flag,
+  like the shell's ``_sample``. Every wake-up that handled an input ends with
+  ``on_timer``, as the shell's loop does. A deadline that is already due when the core
+  has just run is honoured 1 ms later (the shell's poll would spin at that rate) and
+  counted in ``spins``: a core should never ask to be woken for nothing.
+- ``freeze``: the process is stopped (SIGSTOP). It handles nothing, its timers do not
+  fire, messages to it queue, its pid stays alive. ``thaw`` handles the queue in
+  order, then its timers. ``kill``: it exits; everything queued or in flight to it is
+  lost. ``leave``: a clean exit: ``goodbye()`` is sent, then it exits.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .. import wire
+from ..config import Identity, Settings
+from ..membership import Member
+from ..node import PARENT, ConnectParent, Note, ProbeCore, Send, UnwatchPid, WatchPid
+
+__all__ = ["T0", "Simulation", "Sent", "VirtualRank"]
+
+T0 = 1_000_000.0  # the fake clock starts here (wall-clock-like, far from 0)
+PID_BASE = 10000
+MIN_WAIT = 0.001  # the shell's poll waits at least 1 ms for a deadline that is due
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One message that went on the wire (a failed send is not one)."""
+
+    t: float
+    src: int
+    dst: int
+    type: str
+    nbytes: int
+
+
+@dataclass
+class VirtualRank:
+    """One simulated process: its core, its codec, and what its shell would hold."""
+
+    rank: int
+    identity: Identity
+    state: str = "new"  # "new" (not started) | "up" | "dead"
+    frozen: bool = False
+    core: ProbeCore | None = None
+    codec: wire.Codec | None = None
+    pid: int = 0
+    starts: int = 0
+    parent: int | None = None  # rank at the endpoint of the last ConnectParent
+    conn: int = 0  # number of the current parent connection (0: none)
+    watches: dict = field(default_factory=dict)  # key -> pid
+    pending: deque = field(default_factory=deque)  # inputs queued while frozen
+    timer_at: float | None = None
+    sampling: bool = False
+    step: int | None = None
+    step_time_ms: float | None = None
+    stalled: bool = False
+    spins: int = 0
+    sent: int = 0
+
+    @property
+    def rid(self) -> bytes:
+        """The routing id the parent's ROUTER knows this rank's current connection by."""
+        return f"{self.rank}#{self.conn}".encode()
+
+
+class Simulation:
+    """``nodes`` x ``ranks_per_node`` virtual ranks wired as the real probes are.
+
+    Start ranks with ``start`` / ``start_all``, move time with ``run_until`` /
+    ``run_for``, break things with ``kill`` / ``freeze`` / ``thaw`` / ``leave``, and
+    read the root's view with ``root_view`` / ``converged``.
+    """
+
+    def __init__(self, nodes: int, ranks_per_node: int, settings: Settings | None = None,
+                 latency: float = 0.001, *, jitter: float = 0.0, seed: int = 0,
+                 pid_poll_sec: float = 0.5, sample_sec: float = 1.0, token: str = "sim-token",
+                 record: bool = True) -> None:
+        if nodes < 1 or ranks_per_node < 1:
+            raise ValueError("need at least one node and one rank per node")
+        self.nodes, self.ranks_per_node = nodes, ranks_per_node
+        self.world_size = nodes * ranks_per_node
+        self.settings = settings or Settings()
+        self.latency, self.jitter = float(latency), float(jitter)
+        self.pid_poll_sec, self.sample_sec = float(pid_poll_sec), float(sample_sec)
+        self.now = T0
+        self.run_id = "sim"
+        self._key = wire.derive_key(token, self.run_id)
+        self._rng = random.Random(seed)
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._conns = itertools.count(1)
+        self._rids: dict[bytes, tuple[int, int]] = {}  # routing id -> (child rank, connection)
+        self._link_free: dict[tuple[int, int], float] = {}  # (src, dst) -> last delivery time (FIFO)
+        self.ranks = [VirtualRank(r, self._identity(r)) for r in range(self.world_size)]
+        # what happened, for tests and benchmarks
+        self.record = record
+        self.log: list[Sent] = []
+        self.messages_sent: Counter[str] = Counter()
+        self.bytes_sent: Counter[str] = Counter()
+        self.send_failures: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()  # in flight to a closed connection or a dead rank
+        self.rejected: Counter[str] = Counter()  # wire.Codec rejections, by reason
+        self.cross_host_watches = 0
+        self.notes: list[tuple[float, int, str]] = []
+        self.events_run = 0
+
+    # --- topology ----------------------------------------------------------------------
+    def _identity(self, rank: int) -> Identity:
+        node, local = divmod(rank, self.ranks_per_node)
+        return Identity(rank=rank, world_size=self.world_size, local_rank=local,
+                        local_world_size=self.ranks_per_node, node=node, node_count=self.nodes,
+                        host=f"host{node}", run_id=self.run_id)
+
+    @staticmethod
+    def endpoint(rank: int) -> str:
+        return f"sim://rank{rank}"
+
+    def broker_of(self, rank: int) -> int:
+        """The rank of ``rank``'s node broker (rank 0 on node 0)."""
+        return (rank // self.ranks_per_node) * self.ranks_per_node
+
+    def tier_of(self, rank: int) -> str:
+        if rank == 0:
+            return "root"
+        return "broker" if rank % self.ranks_per_node == 0 else "leaf"
+
+    def _rank_of(self, endpoint: str | None) -> int | None:
+        prefix = "sim://rank"
+        if endpoint and endpoint.startswith(prefix) and endpoint[len(prefix):].isdigit():
+            rank = int(endpoint[len(prefix):])
+            return rank if rank < self.world_size else None
+        return None
+
+    # --- the clock and the event queue ------------------------------------------------------
+    def _at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run_until(self, t: float, until: Callable[[], bool] | None = None, check_every: float = 0.01) -> bool:
+        """Run every event due up to ``t``; then ``now == t``.
+
+        With ``until``, stop at the first check (every ``check_every`` simulated
+        seconds, and after the last event) where it holds, and return True; ``now`` is
+        then the time of that check.
+        """
+        next_check = self.now if until is not None else float("inf")
+        while True:
+            if until is not None and self.now >= next_check:
+                if until():
+                    return True
+                next_check = self.now + check_every
+            if not self._events or self._events[0][0] > t:
+                break
+            when, _, fn = self._events[0]
+            if when > next_check:  # advance to the check before the next event
+                self.now = next_check
+                continue
+            heapq.heappop(self._events)
+            self.now = max(self.now, when)
+            self.events_run += 1
+            fn()
+        self.now = max(self.now, t)
+        return bool(until is not None and until())
+
+    def run_for(self, dt: float, until: Callable[[], bool] | None = None, check_every: float = 0.01) -> bool:
+        return self.run_until(self.now + dt, until, check_every)
+
+    def wait_for(self, pred: Callable[[], bool], timeout: float, check_every: float = 0.01) -> float | None:
+        """Run until ``pred`` holds; the simulated seconds it took, or None after ``timeout``."""
+        start = self.now
+        return self.now - start if self.run_until(start + timeout, pred, check_every) else None
+
+    # --- the life of a process -----------------------------------------------------------------
+    def start(self, rank: int, at: float | None = None) -> None:
+        """Start ``rank`` at simulated time ``at`` (default: now). A dead rank starts again
+        as a new process (new pid and incarnation)."""
+        if at is not None and at > self.now:
+            self._at(at, lambda: self.start(rank))
+            return
+        v = self.ranks[rank]
+        if v.state == "up":
+            raise RuntimeError(f"rank {rank} is already running")
+        v.starts += 1
+        v.state, v.frozen = "up", False
+        v.pid = PID_BASE + rank + 100_000 * (v.starts - 1)
+        incarnation = f"sim{rank}i{v.starts}"
+        v.codec = wire.Codec(self._key, sender=f"rank{rank}", incarnation=incarnation,
+                             clock=lambda: self.now)
+        v.core = ProbeCore(identity=v.identity, settings=self.settings, endpoint=self.endpoint(rank),
+                           pid=v.pid, incarnation=incarnation, now=self.now)
+        v.parent, v.conn, v.watches, v.pending, v.timer_at = None, 0, {}, deque(), None
+        tier, root = self.tier_of(rank), self.endpoint(0)
+        if tier == "root":
+            effects = v.core.set_topology("root", None, None, self.now)
+        elif tier == "broker":
+            effects = v.core.set_topology("broker", root, root, self.now)
+        else:
+            effects = v.core.set_topology("leaf", self.endpoint(self.broker_of(rank)), root, self.now)
+        self._do(v, effects)
+        self._arm(v)
+        self._start_sampling(v)
+
+    def start_all(self, order: list[int] | None = None, at: float | None = None, gap: float = 0.0) -> float:
+        """Start every rank (in ``order``), ``gap`` seconds apart from ``at``; returns the
+        time the last one starts."""
+        order = list(range(self.world_size)) if order is None else list(order)
+        t = self.now if at is None else at
+        for i, rank in enumerate(order):
+            self.start(rank, at=t + i * gap)
+        return t + (len(order) - 1) * gap
+
+    def kill(self, rank: int) -> None:
+        """The process exits (SIGKILL): it stops at once; local pid watches see it later."""
+        v = self.ranks[rank]
+        if v.state != "up":
+            return
+        v.state, v.frozen, v.timer_at, v.sampling = "dead", False, None, False
+        v.pending.clear()
+        for w in self.ranks:
+            if w.state == "up":
+                for key, pid in list(w.watches.items()):
+                    if pid == v.pid:
+                        self._pid_gone(w, key, pid)
+
+    def leave(self, rank: int) -> None:
+        """Clean exit: the shell sends ``goodbye()``, then the process exits."""
+        v = self.ranks[rank]
+        if v.state != "up":
+            return
+        if not v.frozen:
+            for effect in v.core.goodbye():
+                if isinstance(effect, Send):
+                    self._send(v, effect, feed_failure=False)
+        self.kill(rank)
+
+    def freeze(self, rank: int) -> None:
+        """SIGSTOP: nothing is handled, messages queue, the pid stays alive."""
+        v = self.ranks[rank]
+        if v.state == "up":
+            v.frozen = True
+
+    def thaw(self, rank: int) -> None:
+        """SIGCONT: handle what queued (in order), then the timers."""
+        v = self.ranks[rank]
+        if v.state != "up" or not v.frozen:
+            return
+        v.frozen = False
+        while v.pending and v.state == "up" and not v.frozen:
+            fn = v.pending.popleft()
+            self._do(v, fn(v.core))
+        if v.state == "up" and not v.frozen:
+            self._do(v, v.core.on_timer(self.now))
+            self._arm(v)
+            self._start_sampling(v)
+
+    # --- local facts -------------------------------------------------------------------------
+    def set_role(self, rank: int, role: str) -> None:
+        self._input(self.ranks[rank], lambda core: core.update_self(self.now, role=role), timer=False)
+
+    def set_step(self, rank: int, step: int, ms: float | None = None) -> None:
+        v = self.ranks[rank]
+        v.step, v.step_time_ms = step, ms
+        self._input(v, lambda core: core.update_self(self.now, step=step, step_time_ms=ms), timer=False)
+
+    def set_stalled(self, rank: int, stalled: bool = True) -> None:
+        v = self.ranks[rank]
+        v.stalled = stalled
+        self._input(v, lambda core: core.update_self(self.now, stalled=stalled), timer=False)
+
+    def _start_sampling(self, v: VirtualRank) -> None:
+        if not v.sampling:
+            v.sampling = True
+            starts = v.starts
+            self._at(self.now + self.sample_sec, lambda: self._sample(v, starts))
+
+    def _sample(self, v: VirtualRank, starts: int) -> None:
+        if v.state != "up" or v.starts != starts or v.frozen:
+            if v.starts == starts:
+                v.sampling = False
+            return
+        self._do(v, v.core.update_self(self.now, step=v.step, step_time_ms=v.step_time_ms, stalled=v.stalled))
+        self._arm(v)
+        self._at(self.now + self.sample_sec, lambda: self._sample(v, starts))
+
+    # --- feeding a core -------------------------------------------------------------------------
+    def _input(self, v: VirtualRank, fn: Callable[[ProbeCore], list], timer: bool = True) -> None:
+        """Hand ``fn(core)`` to the rank's I/O thread: now, or after a thaw if it is frozen."""
+        if v.state != "up":
+            return
+        if v.frozen:
+            v.pending.append(fn)
+            return
+        self._do(v, fn(v.core))
+        if timer and v.state == "up":
+            self._do(v, v.core.on_timer(self.now))  # the shell's loop ends every wake-up so
+        self._arm(v)
+
+    def _arm(self, v: VirtualRank) -> None:
+        """Schedule the rank's next ``on_timer`` at its core's deadline."""
+        if v.state != "up" or v.frozen:
+            return
+        deadline = v.core.next_deadline()
+        if deadline is None:
+            v.timer_at = None
+            return
+        if deadline <= self.now:
+            v.spins += 1  # the core just ran and still asks to be woken now
+            deadline = self.now + MIN_WAIT
+        if deadline != v.timer_at:
+            v.timer_at = deadline
+            starts = v.starts
+            self._at(deadline, lambda: self._wake(v, deadline, starts))
+
+    def _wake(self, v: VirtualRank, when: float, starts: int) -> None:
+        if v.timer_at != when or v.starts != starts or v.state != "up":
+            return  # superseded, or the process is gone
+        v.timer_at = None
+        if v.frozen:
+            return  # thaw() runs the timers
+        self._do(v, v.core.on_timer(self.now))
+        self._arm(v)
+
+    # --- effects, as the shell carries them out ---------------------------------------------------
+    def _do(self, v: VirtualRank, effects: list) -> None:
+        for effect in effects:
+            if v.state != "up":
+                return
+            if isinstance(effect, Send):
+                self._send(v, effect)
+            elif isinstance(effect, ConnectParent):
+                self._connect(v, effect.endpoint)
+            elif isinstance(effect, WatchPid):
+                self._watch(v, effect.key, effect.pid)
+            elif isinstance(effect, UnwatchPid):
+                v.watches.pop(effect.key, None)
+            elif isinstance(effect, Note):
+                if self.record:
+                    self.notes.append((self.now, v.rank, effect.text))
+
+    def _connect(self, v: VirtualRank, endpoint: str | None) -> None:
+        v.parent = self._rank_of(endpoint)
+        v.conn = next(self._conns) if endpoint else 0
+        if endpoint:
+            self._rids[v.rid] = (v.rank, v.conn)
+
+    def _watch(self, v: VirtualRank, key: Any, pid: int) -> None:
+        target = self._by_pid(pid)
+        if target is None or target.identity.host != v.identity.host:
+            self.cross_host_watches += 1
+            return
+        v.watches[key] = pid
+        if target.state != "up":
+            self._pid_gone(v, key, pid)
+
+    def _by_pid(self, pid: int) -> VirtualRank | None:
+        rank = (pid - PID_BASE) % 100_000
+        v = self.ranks[rank] if 0 <= rank < self.world_size else None
+        return v if v is not None and v.starts and v.pid == pid else None
+
+    def _pid_gone(self, watcher: VirtualRank, key: Any, pid: int) -> None:
+        """The watcher's next pid poll sees ``pid`` gone: one report, then the watch is forgotten."""
+        starts = watcher.starts
+
+        def report() -> None:
+            if watcher.starts != starts:
+                return
+
+            def fn(core: ProbeCore) -> list:
+                if watcher.watches.get(key) != pid:
+                    return []  # unwatched or re-pointed meanwhile
+                del watcher.watches[key]
+                return core.on_process_exit(key, self.now)
+
+            self._input(watcher, fn)
+
+        self._at(self.now + self.pid_poll_sec, report)
+
+    def _deliver_at(self, src: int, dst: int) -> float:
+        t = self.now + self.latency + (self._rng.uniform(0, self.jitter) if self.jitter else 0.0)
+        t = max(t, self._link_free.get((src, dst), 0.0))  # one connection is FIFO
+        self._link_free[(src, dst)] = t
+        return t
+
+    def _send(self, v: VirtualRank, effect: Send, feed_failure: bool = True) -> None:
+        msg = effect.msg
+        try:
+            frames = v.codec.encode(msg)
+        except ValueError as exc:  # the shell logs and drops it
+            if self.record:
+                self.notes.append((self.now, v.rank, f"not sending {msg.type}: {exc}"))
+            return
+        if effect.to is PARENT:
+            parent = self.ranks[v.parent] if v.parent is not None else None
+            if parent is None or parent.state != "up":  # IMMEDIATE: no connection, no queueing
+                self.send_failures[msg.type] += 1
+                if feed_failure and msg.type == "heartbeat":
+                    self._do(v, v.core.on_send_failed(self.now))
+                return
+            dst, rid, conn = parent, v.rid, v.conn
+            self._count(v, dst, msg.type, frames)
+            self._at(self._deliver_at(v.rank, dst.rank), lambda: self._arrive_up(dst, frames, rid))
+            return
+        child_rank, conn = self._rids.get(effect.to, (None, 0))
+        child = self.ranks[child_rank] if child_rank is not None else None
+        if child is None or child.state != "up" or child.conn != conn:
+            self.dropped[msg.type] += 1  # ROUTER_MANDATORY raised; the shell ignores it
+            return
+        self._count(v, child, msg.type, frames)
+        self._at(self._deliver_at(v.rank, child.rank), lambda: self._arrive_down(child, frames, conn))
+
+    def _count(self, src: VirtualRank, dst: VirtualRank, kind: str, frames: list[bytes]) -> None:
+        nbytes = sum(map(len, frames))
+        src.sent += 1
+        self.messages_sent[kind] += 1
+        self.bytes_sent[kind] += nbytes
+        if self.record:
+            self.log.append(Sent(self.now, src.rank, dst.rank, kind, nbytes))
+
+    def _decode(self, v: VirtualRank, frames: list[bytes]) -> wire.Envelope | None:
+        try:
+            return v.codec.decode(frames)
+        except wire.WireError as exc:
+            self.rejected[exc.reason] += 1
+            return None
+
+    def _arrive_up(self, dst: VirtualRank, frames: list[bytes], rid: bytes) -> None:
+        """A child's message reaches this rank's ROUTER."""
+        if dst.state != "up":
+            self.dropped["to a dead rank"] += 1
+            return
+
+        def fn(core: ProbeCore) -> list:
+            env = self._decode(dst, frames)
+            return [] if env is None else core.on_message(env, rid, self.now)
+
+        self._input(dst, fn)
+
+    def _arrive_down(self, dst: VirtualRank, frames: list[bytes], conn: int) -> None:
+        """A parent's message reaches this rank's DEALER (if that connection still exists)."""
+        if dst.state != "up":
+            self.dropped["to a dead rank"] += 1
+            return
+
+        def fn(core: ProbeCore) -> list:
+            if dst.conn != conn:
+                self.dropped["to a closed connection"] += 1
+                return []
+            env = self._decode(dst, frames)
+            return [] if env is None else core.on_message(env, PARENT, self.now)
+
+        self._input(dst, fn)
+
+    # --- reading the result -------------------------------------------------------------------
+    @property
+    def root(self) -> ProbeCore | None:
+        v = self.ranks[0]
+        return v.core if v.state == "up" else None
+
+    def core(self, rank: int) -> ProbeCore:
+        return self.ranks[rank].core
+
+    def root_view(self) -> dict[int, Member]:
+        """{rank: Member} as the root's registry holds it now (empty without a root)."""
+        return {m.rank: m for m in self.root.registry.members()} if self.root else {}
+
+    def member(self, rank: int) -> Member | None:
+        """One rank's record at the root (cheaper than ``root_view`` for big jobs)."""
+        return self.root.registry.get(rank) if self.root else None
+
+    def state(self, rank: int) -> str | None:
+        m = self.member(rank)
+        return None if m is None else m.state
+
+    def converged(self) -> bool:
+        """The root lists every rank, all alive."""
+        root = self.root
+        if root is None:
+            return False
+        counts = root.registry.counts()
+        return len(root.registry) == self.world_size and counts["alive"] == self.world_size
+
+    def departures(self) -> list:
+        return self.root.registry.departures() if self.root else []
+
+    def sends(self, src: int | None = None, type: str | None = None, since: float = 0.0) -> list[Sent]:
+        """Messages on the wire, filtered (needs ``record=True``)."""
+        return [s for s in self.log if (src is None or s.src == src) and (type is None or s.type == type)
+                and s.t >= since]
+
+    @property
+    def spins(self) -> int:
+        return sum(v.spins for v in self.ranks)
+
+    def live_ranks(self) -> list[int]:
+        return [v.rank for v in self.ranks if v.state == "up"]

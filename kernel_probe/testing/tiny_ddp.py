@@ -1,0 +1,131 @@
+"""A tiny, deterministic CPU training job: the workload the probe is tested against.
+
+Run it as ``python -m kernel_probe.testing.tiny_ddp`` (single process) or under
+torchrun (by module or by path). It is deliberately an ordinary training script:
+it contains no probe code at all; the probe attaches from outside (``PROBING=1``
+and the ``.pth`` hook), exactly as it would to a user's job.
+
+Each rank prints ``rank R step N loss X`` (steps counted from 1, ``X`` is the full
+``repr`` of the float) to stdout, flushed, once per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+FEATURES = 16
+HIDDEN = 32
+SAMPLES_PER_RANK = 256
+BATCH = 32
+
+_stop_requested = False
+
+
+def _request_stop(signum: int, frame: FrameType | None) -> None:
+    """Signal handler: ask the loop to stop after the current step."""
+    global _stop_requested
+    _stop_requested = True
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line of the job."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50, help="number of optimizer steps (default 50)")
+    p.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.2,
+        help="seconds to sleep per step, so the job lives long enough to look at (default 0.2)",
+    )
+    p.add_argument("--forever", action="store_true", help="ignore --steps, run until SIGTERM/SIGINT")
+    return p.parse_args(argv)
+
+
+def build_model() -> nn.Module:
+    """The same tiny MLP on every rank (seed 0); DDP broadcasts rank 0's copy anyway."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+
+
+def make_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic regression data, different per rank but reproducible (seeded by rank).
+
+    All ranks share one ground-truth weight vector (seed 0) so that they optimise
+    a common objective and the loss actually goes down.
+    """
+    truth = torch.randn(FEATURES, 1, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(SAMPLES_PER_RANK, FEATURES, generator=gen)
+    y = x @ truth + 0.1 * torch.randn(SAMPLES_PER_RANK, 1, generator=gen)
+    return x, y
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train; return the process exit code."""
+    args = parse_args(argv)
+    # Stop cleanly on SIGTERM (torchrun forwards it) and SIGINT instead of dying mid-collective.
+    signal.signal(signal.SIGTERM, _request_stop)
+    signal.signal(signal.SIGINT, _request_stop)
+
+    # Without a launcher (no WORLD_SIZE) this is a plain single-process run.
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group(backend="gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+
+    model: nn.Module = build_model()
+    if distributed:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loss_fn = nn.MSELoss()
+    x, y = make_data(rank)
+    batches = SAMPLES_PER_RANK // BATCH
+
+    step = 0
+    try:
+        while args.forever or step < args.steps:
+            i = step % batches
+            xb, yb = x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
+            opt.zero_grad()
+            loss = loss_fn(model(xb), yb)
+            loss.backward()
+            opt.step()
+            step += 1
+            print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+            if args.step_sleep > 0:
+                time.sleep(args.step_sleep)
+            if _should_stop(distributed):
+                break
+    finally:
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _should_stop(distributed: bool) -> bool:
+    """Whether any rank was asked to stop.
+
+    Why a collective: SIGTERM reaches the ranks at slightly different moments; if
+    one rank left the loop alone, its peers would block (or fail) in the next
+    gradient all-reduce. Agreeing on the flag makes all ranks stop after the same step.
+    """
+    if not distributed:
+        return _stop_requested
+    flag = torch.tensor([1 if _stop_requested else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

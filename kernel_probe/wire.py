@@ -1,0 +1,458 @@
+"""The wire protocol of kernel_probe: frames, signatures, payload encodings, limits.
+
+Rules of this file (read them before changing it):
+
+1. This is the only module that knows what a message looks like on the wire.
+   Nothing else builds or parses frames; adding a message type means one row in
+   ``SCHEMAS`` here and one handler where it is acted on.
+2. Pure logic: no sockets, no threads, no logging, no ``time.time()`` inside the
+   code paths -- the clock is injected, so every rule below is testable with a
+   fake clock.
+3. A message is ``[PROTOCOL, signature, header_json, body_json, *buffers]``.
+   The signature is HMAC-SHA256 over every frame after it, each prefixed with
+   its 8-byte big-endian length, so frames cannot be re-split, dropped or
+   appended without breaking it. It is checked with ``hmac.compare_digest``
+   before any JSON is parsed: unauthenticated bytes never reach a parser.
+4. ``Codec.decode`` raises ``WireError`` and nothing else, whatever the peer
+   sends, and counts every rejection by reason. ``Codec.encode`` raises
+   ``ValueError`` only for our own programming errors (unknown type, body that
+   fails its schema, message over our own limits).
+5. Bodies are strict JSON (no NaN/Infinity); binary payloads travel as raw
+   buffer frames. Never pickle.
+6. The token never goes on the wire: only a key derived from it signs frames.
+7. A ``Codec`` is owned by one thread (the probe's I/O thread); it is not locked.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import itertools
+import json
+import math
+import re
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+__all__ = [
+    "PROTOCOL",
+    "REFUSED",
+    "REJECT_REASONS",
+    "SCHEMAS",
+    "WireError",
+    "Message",
+    "Header",
+    "Envelope",
+    "Limits",
+    "Codec",
+    "derive_key",
+    "new_secret",
+    "reply",
+    "refusal_frames",
+    "refusal_reason",
+]
+
+PROTOCOL = b"PMG1"  # first frame of every message; bump on any incompatible change
+REFUSED = b"PMG1-REFUSED"  # first frame of the one unsigned reply (see refusal_frames)
+SIGNATURE_BYTES = 32  # raw SHA-256 digest
+
+REJECT_REASONS = ("malformed", "bad_signature", "replay", "stale", "oversized", "unknown_type")
+
+_KEY_CONTEXT = b"probing-magics/v1/"  # domain separation: a key for this protocol only
+_HEADER_KEYS = ("type", "sender", "incarnation", "seq", "ts", "msg_id", "corr_id")
+
+_NoneType = type(None)
+
+# Required body keys of every message type and their JSON types. Extra keys are
+# allowed (so fields can grow without a protocol bump); bool never passes for
+# int, int passes for float. One table, so the whole protocol is one glance.
+SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    # membership plane
+    "heartbeat": {"reports": list, "known_epoch": int},  # child -> parent, self first
+    "heartbeat_ack": {"epoch": int, "complete": bool, "delta": (dict, _NoneType)},
+    "membership": {"epoch": int, "complete": bool, "delta": dict},  # parent -> child push
+    "bye": {"rank": int, "incarnation": str, "reason": str},  # child -> parent, clean exit
+    # client plane
+    "info_request": {},
+    "info": {
+        "protocol": int,
+        "run_id": str,
+        "world_size": int,
+        "rank": int,
+        "tier": str,
+        "pid": int,
+        "incarnation": str,
+    },
+    "nodes_request": {},
+    "nodes": {"members": list, "departures": list, "epoch": int},
+    # query plane (fields may grow); Arrow IPC travels in buffers
+    "query": {"sql": str, "deadline": (int, float)},
+    "query_result": {"status": str},
+    "error": {"code": str, "message": str},
+}
+
+
+class WireError(Exception):
+    """A message was rejected. ``reason`` is one of ``REJECT_REASONS``."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        if reason not in REJECT_REASONS:
+            raise ValueError(f"unknown reject reason {reason!r}")
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Message:
+    """What a caller sends: a type, a JSON body, optional binary buffers."""
+
+    type: str
+    body: dict
+    buffers: tuple[bytes, ...] = ()  # binary payloads (Arrow IPC); never pickle
+    corr_id: str | None = None  # msg_id of the request this answers
+    msg_id: str | None = None  # set by a caller that must match the answer; else a fresh uuid
+
+    def __post_init__(self) -> None:
+        # Accept a list for convenience; keep the frozen value a tuple.
+        if not isinstance(self.buffers, tuple):
+            object.__setattr__(self, "buffers", tuple(self.buffers))
+
+
+@dataclass(frozen=True)
+class Header:
+    type: str
+    sender: str
+    incarnation: str
+    seq: int
+    ts: float
+    msg_id: str
+    corr_id: str | None
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What decode returns: the authenticated header and the message it carried."""
+
+    header: Header
+    msg: Message
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_message_bytes: int = 64 * 2**20  # whole message (sum of frames)
+    max_frames: int = 16
+    max_header_bytes: int = 4096
+    max_body_bytes: int = 8 * 2**20
+    skew_sec: float = 300.0  # |now - header.ts| beyond this -> "stale"
+    history: int = 4096  # senders remembered for replay checks (LRU)
+
+
+def derive_key(token: str | None, run_id: str) -> bytes:
+    """The signing key of a job: HMAC(token, context + run id).
+
+    Binding the run id means a message captured from one job (or a previous
+    restart of it) never verifies in another. Without a token the key is still
+    derived from the run id -- which anyone who knows the run id can compute;
+    callers decide when that is acceptable (loopback only) or use new_secret().
+    """
+    return hmac.new((token or "").encode(), _KEY_CONTEXT + run_id.encode(), hashlib.sha256).digest()
+
+
+def new_secret() -> str:
+    """A per-job random secret, used in place of a token when none was given."""
+    return secrets.token_hex(32)
+
+
+def reply(to: Envelope, type: str, body: dict, buffers: Iterable[bytes] = ()) -> Message:
+    """A message answering ``to`` (its corr_id is the request's msg_id)."""
+    return Message(type, body, tuple(buffers), corr_id=to.header.msg_id)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _sign(key: bytes, parts: Iterable[bytes]) -> bytes:
+    # Length prefixes make the concatenation unambiguous: moving bytes between
+    # frames, or adding/removing an (even empty) frame, changes the MAC input.
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(len(part).to_bytes(8, "big"))
+        mac.update(part)
+    return mac.digest()
+
+
+def _dumps(obj: Any) -> bytes:
+    # Compact, strict JSON. ensure_ascii keeps lone surrogates (surrogateescape'd
+    # argv/env) encodable; the result is ASCII and therefore valid UTF-8.
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _loads(data: bytes) -> Any:
+    # Strict UTF-8 and strict JSON: Python's json accepts NaN/Infinity by default.
+    return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+
+
+def _as_bytes(frame: Any) -> bytes:
+    if isinstance(frame, bytes):
+        return frame
+    if isinstance(frame, (bytearray, memoryview)):
+        return bytes(frame)
+    data = getattr(frame, "bytes", None)  # zmq.Frame and look-alikes
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    raise TypeError(f"frame of type {type(frame).__name__} is not bytes-like")
+
+
+def _is_json_type(value: Any, expected: type | tuple[type, ...]) -> bool:
+    allowed = expected if isinstance(expected, tuple) else (expected,)
+    if isinstance(value, bool):  # bool is an int subclass; it only passes as bool
+        return bool in allowed
+    if isinstance(value, int):  # an int is a perfectly good JSON number for a float
+        return int in allowed or float in allowed
+    return isinstance(value, allowed)
+
+
+def _schema_problem(type_: str, body: Any) -> str | None:
+    """Why ``body`` does not fit the schema of ``type_``, or None if it does."""
+    if not isinstance(body, dict):
+        return f"body of {type_} is {type(body).__name__}, not an object"
+    for key, expected in SCHEMAS[type_].items():
+        if key not in body:
+            return f"{type_} body lacks {key!r}"
+        if not _is_json_type(body[key], expected):
+            return f"{type_}.{key} has type {type(body[key]).__name__}"
+    return None
+
+
+# --------------------------------------------------------------------------- codec
+
+
+class Codec:
+    """Builds, signs, checks and parses messages for one endpoint.
+
+    ``sender`` names this endpoint (e.g. its rank); ``incarnation`` is random
+    per process start, so a restarted sender may begin again at seq 1.
+    """
+
+    def __init__(
+        self,
+        key: bytes,
+        sender: str,
+        incarnation: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        limits: Limits = Limits(),
+    ) -> None:
+        if not isinstance(key, (bytes, bytearray)):
+            raise TypeError("key must be bytes (see derive_key)")
+        if not (isinstance(sender, str) and sender and isinstance(incarnation, str) and incarnation):
+            raise ValueError("sender and incarnation must be non-empty strings")
+        self._key = bytes(key)
+        self.sender = sender
+        self.incarnation = incarnation
+        self._clock = clock
+        self.limits = limits
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self._seq = itertools.count(1)
+        # (sender, incarnation) -> last accepted seq, least recently used first.
+        # Bounded so a peer inventing incarnations cannot grow our memory.
+        self._last_seq: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
+
+    @property
+    def tracked_peers(self) -> int:
+        """How many (sender, incarnation) pairs the replay check remembers."""
+        return len(self._last_seq)
+
+    # ----------------------------------------------------------------- encode
+
+    def encode(self, msg: Message) -> list[bytes]:
+        """The signed frames of ``msg``. Raises ValueError on our own mistakes."""
+        if msg.type not in SCHEMAS:
+            raise ValueError(f"unknown message type {msg.type!r}")
+        problem = _schema_problem(msg.type, msg.body)
+        if problem:
+            raise ValueError(problem)
+        if msg.corr_id is not None and not isinstance(msg.corr_id, str):
+            raise ValueError("corr_id must be a str or None")
+        if msg.msg_id is not None and (not isinstance(msg.msg_id, str) or not msg.msg_id):
+            raise ValueError("msg_id must be a non-empty str or None")
+        try:
+            buffers = [_as_bytes(b) for b in msg.buffers]
+            body = _dumps(msg.body)  # before a seq is spent
+        except (TypeError, ValueError) as exc:  # NaN, numpy scalars, str buffers...
+            raise ValueError(f"{msg.type} body or buffers not encodable: {exc}") from None
+        header = _dumps(
+            {
+                "type": msg.type,
+                "sender": self.sender,
+                "incarnation": self.incarnation,
+                "seq": next(self._seq),
+                "ts": self._clock(),
+                "msg_id": msg.msg_id or uuid.uuid4().hex,
+                "corr_id": msg.corr_id,
+            }
+        )
+        parts = [header, body, *buffers]
+        # Refuse to send what a peer with the same limits would reject: better a
+        # clear error here than a silent drop over there.
+        lim = self.limits
+        if (
+            len(parts) + 2 > lim.max_frames
+            or len(header) > lim.max_header_bytes
+            or len(body) > lim.max_body_bytes
+            or sum(map(len, parts)) + len(PROTOCOL) + SIGNATURE_BYTES > lim.max_message_bytes
+        ):
+            raise ValueError(f"{msg.type} message exceeds wire limits")
+        return [PROTOCOL, _sign(self._key, parts), *parts]
+
+    # ----------------------------------------------------------------- decode
+
+    def decode(self, frames: list[Any]) -> Envelope:
+        """Check and parse received frames. Raises WireError and nothing else."""
+        try:
+            return self._decode(frames)
+        except WireError as exc:
+            self.rejected[exc.reason] += 1
+            raise
+        except Exception as exc:  # whatever a hostile peer found, it is "malformed"
+            self.rejected["malformed"] += 1
+            raise WireError("malformed", f"{type(exc).__name__}: {exc}") from None
+
+    def _decode(self, raw_frames: list[Any]) -> Envelope:
+        lim = self.limits
+
+        # 1. Sizes first: cheap, and nothing big is copied or hashed.
+        if len(raw_frames) > lim.max_frames:
+            raise WireError("oversized", f"{len(raw_frames)} frames")
+        frames = [_as_bytes(f) for f in raw_frames]
+        total = sum(map(len, frames))
+        if total > lim.max_message_bytes:
+            raise WireError("oversized", f"{total} bytes")
+        if len(frames) > 2 and len(frames[2]) > lim.max_header_bytes:
+            raise WireError("oversized", f"header of {len(frames[2])} bytes")
+        if len(frames) > 3 and len(frames[3]) > lim.max_body_bytes:
+            raise WireError("oversized", f"body of {len(frames[3])} bytes")
+
+        # 2. Shape.
+        if len(frames) < 4:
+            raise WireError("malformed", f"{len(frames)} frames, need at least 4")
+        if frames[0] != PROTOCOL:
+            raise WireError("malformed", "not a PMG1 message")
+        if len(frames[1]) != SIGNATURE_BYTES:
+            raise WireError("malformed", "signature frame has the wrong size")
+
+        # 3. Authenticity, before any parser sees the bytes.
+        if not hmac.compare_digest(frames[1], _sign(self._key, frames[2:])):
+            raise WireError("bad_signature")
+
+        # 4. Header.
+        header = self._parse_header(frames[2])
+
+        # 5. Type, then body.
+        if header.type not in SCHEMAS:
+            raise WireError("unknown_type", header.type[:64])
+        body = _loads(frames[3])
+        problem = _schema_problem(header.type, body)
+        if problem:
+            raise WireError("malformed", problem)
+
+        # 6. Freshness.
+        now = self._clock()
+        if abs(now - header.ts) > lim.skew_sec:
+            raise WireError("stale", f"ts {header.ts:.3f} vs now {now:.3f}")
+
+        # 7. Replay. Recorded only now, so a rejected message never moves the bar.
+        peer = (header.sender, header.incarnation)
+        last = self._last_seq.get(peer)
+        if last is not None and header.seq <= last:
+            raise WireError("replay", f"seq {header.seq} <= {last} from {header.sender}")
+        self._last_seq[peer] = header.seq
+        self._last_seq.move_to_end(peer)
+        while len(self._last_seq) > lim.history:
+            self._last_seq.popitem(last=False)
+
+        msg = Message(header.type, body, tuple(frames[4:]), header.corr_id)
+        return Envelope(header, msg)
+
+    @staticmethod
+    def _parse_header(data: bytes) -> Header:
+        obj = _loads(data)
+        if not isinstance(obj, dict):
+            raise WireError("malformed", "header is not an object")
+        missing = [k for k in _HEADER_KEYS if k not in obj]
+        if missing:
+            raise WireError("malformed", f"header lacks {missing}")
+        for key in ("type", "sender", "incarnation", "msg_id"):
+            if not isinstance(obj[key], str) or not obj[key]:
+                raise WireError("malformed", f"header.{key} must be a non-empty string")
+        seq, ts, corr_id = obj["seq"], obj["ts"], obj["corr_id"]
+        if not _is_json_type(seq, int) or seq < 1:
+            raise WireError("malformed", "header.seq must be a positive integer")
+        if not _is_json_type(ts, float) or not math.isfinite(ts):
+            raise WireError("malformed", "header.ts must be a finite number")
+        if corr_id is not None and not isinstance(corr_id, str):
+            raise WireError("malformed", "header.corr_id must be a string or null")
+        return Header(
+            type=obj["type"],
+            sender=obj["sender"],
+            incarnation=obj["incarnation"],
+            seq=seq,
+            ts=float(ts),
+            msg_id=obj["msg_id"],
+            corr_id=corr_id,
+        )
+
+
+# --------------------------------------------------------------------------- refusals
+
+# A refusal is unsigned (the sender could not authenticate us either), so its
+# reason is shown to a user and must stay a short, plain token.
+_REASON_TOKEN = re.compile(rb"[A-Za-z0-9_.:-]{1,64}")
+
+
+_RUN_ID_TOKEN = re.compile(rb"[A-Za-z0-9_.:/@+-]{0,200}")
+
+
+def refusal_frames(reason: str, run_id: str = "") -> list[bytes]:
+    """The UNSIGNED reply to a peer whose message failed to authenticate.
+
+    It tells a client with a wrong token why it gets no answer. It carries no
+    secret and no state, only the run id (not a secret: it names the job) so that a
+    client holding the right token can derive the job's key; the caller rate-limits it.
+    """
+    data = reason.encode("ascii", "replace")
+    if not _REASON_TOKEN.fullmatch(data):
+        raise ValueError(f"refusal reason must be a short plain token, got {reason!r}")
+    run = run_id.encode("ascii", "replace")
+    if not _RUN_ID_TOKEN.fullmatch(run):
+        run = b""
+    return [REFUSED, data, run]
+
+
+def refusal_reason(frames: list[Any]) -> str | None:
+    """The reason if ``frames`` is a refusal, else None. Never raises."""
+    refusal = parse_refusal(frames)
+    return refusal[0] if refusal else None
+
+
+def parse_refusal(frames: list[Any]) -> tuple[str, str] | None:
+    """(reason, run_id) if ``frames`` is a refusal, else None. Never raises."""
+    try:
+        if len(frames) not in (2, 3) or _as_bytes(frames[0]) != REFUSED:
+            return None
+        data = _as_bytes(frames[1])
+        run = _as_bytes(frames[2]) if len(frames) == 3 else b""
+        if not _REASON_TOKEN.fullmatch(data) or not _RUN_ID_TOKEN.fullmatch(run):
+            return None
+        return data.decode("ascii"), run.decode("ascii")
+    except Exception:
+        return None

@@ -1,0 +1,69 @@
+"""Shared fixtures: an isolated runtime dir per test and a launcher of real local jobs."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import pytest
+
+T = TypeVar("T")
+WORKER = str(Path(__file__).parent / "workers" / "worker.py")
+
+
+@pytest.fixture(autouse=True)
+def _no_probe_in_pytest(monkeypatch):
+    # the test process is a client, never a rank
+    monkeypatch.delenv("PROBING", raising=False)
+    monkeypatch.delenv("PROBING_AUTH_TOKEN", raising=False)
+
+
+@pytest.fixture
+def runtime_dir(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "runtime"
+    monkeypatch.setenv("PROBING_RUNTIME_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def launch(runtime_dir, tmp_path):
+    """launch(argv, nodes=, ranks_per_node=, mode=, env=) -> a started LocalJob, closed at teardown."""
+    from kernel_probe.testing.harness import LocalJob
+
+    jobs = []
+
+    def _launch(argv, *, env=None, **kw):
+        full_env = {"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime_dir)}
+        full_env.update(env or {})
+        job = LocalJob(argv, env=full_env, workdir=tmp_path / f"job{len(jobs)}", **kw)
+        jobs.append(job)
+        return job.start()
+
+    yield _launch
+    for job in jobs:
+        job.close()
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition") -> T:
+    """Poll until predicate() is truthy; return its value. Exceptions count as 'not yet'."""
+    deadline = time.monotonic() + timeout
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # not up yet
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+def worker_argv(*extra: str) -> list[str]:
+    return [WORKER, *extra]
+
+
+PY = sys.executable

@@ -1,0 +1,281 @@
+"""The probe and its membership tree, end to end: real processes (torchrun where the
+issue asks for it), real TCPStore, real ZeroMQ. Issue 2, "Must be shown by tests"."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import zmq
+
+import kernel_probe
+from kernel_probe.client import AuthError, Client, ConnectError, JobEndedError
+from kernel_probe.shell import connfile
+
+from .conftest import wait_for, worker_argv
+
+pytestmark = pytest.mark.cluster
+
+FAST = {  # failure-detection tests: short TTLs keep the suite quick (defaults are tested in test 1)
+    "PROBING_CLUSTER_STALE_SEC": "4",
+    "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
+    "PROBING_SAMPLE_INTERVAL_SEC": "0.25",
+}
+
+
+def members(client: Client) -> dict[int, dict]:
+    return {m["rank"]: m for m in client.nodes_raw(timeout=3)["members"]}
+
+
+def root_client(timeout: float = 90) -> Client:
+    return wait_for(lambda: kernel_probe.connect(timeout=2), timeout, interval=0.2, what="the job's root")
+
+
+def converged(client: Client, world: int) -> dict[int, dict] | None:
+    m = members(client)
+    ok = sorted(m) == list(range(world)) and all(r["state"] == "alive" for r in m.values())
+    return m if ok else None
+
+
+def rank_client(root: Client, endpoint: str) -> Client:
+    c = Client(endpoint, bytes.fromhex(root.connection.key), run_id=root.run_id)
+    c.handshake(3)
+    return c
+
+
+# --- 1 ----------------------------------------------------------------------------------
+def test_two_nodes_converge_at_default_intervals(launch):
+    job = launch(worker_argv(), nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING_ROLE": "trainer"})
+    pids = job.wait_ready(90)
+    root = root_client()
+    view = wait_for(lambda: converged(root, 4), 60, what="4 ranks alive at the root")
+    for rank, m in view.items():
+        assert m["pid"] == pids[rank]
+        assert m["node"] == job.node_of(rank)
+        assert m["local_rank"] == rank % 2 if m["node"] == rank // 2 else True
+        assert m["host"] == os.uname().nodename
+        assert m["role"] == "trainer"
+        assert m["world_size"] == 4 and m["node_count"] == 2 and m["local_world_size"] == 2
+    assert sorted(m["node"] for m in view.values()) == [0, 0, 1, 1]
+    assert {m["tier"] for m in view.values()} == {"root", "broker", "leaf"}
+    # convergence measured by the probes: root complete vs. the last probe placed in the tree
+    placed = []
+    for m in view.values():
+        with rank_client(root, m["endpoint"]) as c:
+            placed.append(c.info()["placed_at"])
+    converged_at = root.info()["converged_at"]
+    lag = converged_at - max(placed)
+    print(f"convergence: {lag * 1000:.0f} ms after the last probe was placed")
+    assert lag < 2.0
+    # only the 4 ranks run probes: the torchrun agents never do
+    assert len(connfile.list_files(root.connection.path.parent)) == 1
+
+
+# --- 2 ----------------------------------------------------------------------------------
+def test_set_role_reaches_root_within_a_second(launch, tmp_path):
+    control = tmp_path / "control"
+    control.mkdir()
+    job = launch(worker_argv("--control-dir", str(control)), nodes=2, ranks_per_node=2, mode="plain")
+    job.wait_ready(60)
+    root = root_client()
+    wait_for(lambda: converged(root, 4), 60, what="convergence")
+    for rank in (3, 1):  # a leaf behind a broker, and a leaf of the root
+        t0 = time.monotonic()
+        (control / f"role-{rank}").write_text(f"kind=eval,rank={rank}")
+        wait_for(lambda: members(root)[rank]["role"] == f"kind=eval,rank={rank}", 5, interval=0.02,
+                 what=f"rank {rank}'s role at the root")
+        took = time.monotonic() - t0
+        print(f"set_role of rank {rank} visible at the root after {took * 1000:.0f} ms")
+        assert took < 1.0
+
+
+# --- 3 ----------------------------------------------------------------------------------
+def test_killed_leaf_is_dead_fast_then_removed(launch):
+    job = launch(worker_argv(), nodes=2, ranks_per_node=2, mode="plain", env=FAST)
+    job.wait_ready(60)
+    root = root_client()
+    view = wait_for(lambda: converged(root, 4), 60, what="convergence")
+    victim = next(r for r, m in view.items() if m["tier"] == "leaf" and m["node"] == 1)
+    t0 = time.monotonic()
+    job.kill(victim)
+    dead = wait_for(lambda: members(root)[victim]["state"] == "dead" and members(root)[victim], 10, interval=0.05,
+                    what="the killed leaf to be dead")
+    took = time.monotonic() - t0
+    print(f"kill -9 of leaf {victim}: dead at the root after {took * 1000:.0f} ms ({dead['reason']})")
+    assert took < 2.5
+    assert dead["reason"] == "exited"
+    others = members(root)
+    assert all(others[r]["state"] == "alive" for r in others if r != victim)
+    departures = root.nodes_raw()["departures"]
+    assert any(d["rank"] == victim and d["why"] == "exited" for d in departures)
+    # removed after the second TTL, the departure stays
+    wait_for(lambda: victim not in members(root), 4 * 3, what="removal after two TTLs")
+    deps = root.departures()
+    assert victim in set(deps["rank"]) and set(deps.columns) >= {"rank", "when", "why", "pid", "host"}
+    assert all(m["state"] == "alive" for m in members(root).values())
+
+
+def test_torchrun_worker_death_and_job_end(launch):
+    job = launch(worker_argv(), nodes=2, ranks_per_node=2, mode="torchrun", env=FAST)
+    job.wait_ready(90)
+    root = root_client()
+    view = wait_for(lambda: converged(root, 4), 60, what="convergence")
+    conn_path = root.connection.path
+    victim = next(r for r, m in view.items() if m["node"] == 1 and m["tier"] == "leaf")
+    job.kill(victim)
+    seen_dead: dict[int, str] = {}
+    # the agent of node 1 now stops its workers; the job winds down. Until the root itself
+    # goes, it reports what it knows, with reasons.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            m = members(root)
+        except ConnectError:
+            break
+        seen_dead.update({r: x["reason"] for r, x in m.items() if x["state"] == "dead"})
+        if len(seen_dead) >= 2:
+            break
+        time.sleep(0.1)
+    assert victim in seen_dead and seen_dead[victim] in ("exited", "stale")
+    job.wait(60)  # torchrun tears the rest down
+    t0 = time.monotonic()
+    with pytest.raises(ConnectError) as err:
+        kernel_probe.connect(conn_path, timeout=2).nodes()
+    assert time.monotonic() - t0 < 5
+    assert "ended" in str(err.value) or "unreachable" in str(err.value) or "no answer" in str(err.value)
+    with pytest.raises(ConnectError, match="no running job"):
+        kernel_probe.connect(timeout=2)  # the newest-file default never picks a dead job
+
+
+# --- 4 ----------------------------------------------------------------------------------
+def test_frozen_leaf_goes_dead_after_one_ttl_and_comes_back(launch):
+    job = launch(worker_argv(), nodes=2, ranks_per_node=2, mode="plain", env=FAST)
+    job.wait_ready(60)
+    root = root_client()
+    view = wait_for(lambda: converged(root, 4), 60, what="convergence")
+    victim = next(r for r, m in view.items() if m["tier"] == "leaf" and m["node"] == 1)
+    t0 = time.monotonic()
+    job.freeze(victim)
+    wait_for(lambda: members(root)[victim]["state"] == "dead", 15, what="the frozen leaf to be dead")
+    took = time.monotonic() - t0
+    print(f"SIGSTOP of leaf {victim}: dead at the root after {took:.1f} s (stale TTL 4 s)")
+    assert 4 * 0.5 <= took <= 4 * 2.5
+    assert members(root)[victim]["reason"] == "stale"
+    t1 = time.monotonic()
+    job.thaw(victim)
+    wait_for(lambda: members(root)[victim]["state"] == "alive", 10, what="the thawed leaf to be alive")
+    print(f"SIGCONT: alive again after {time.monotonic() - t1:.1f} s")
+    assert all(m["state"] == "alive" for m in members(root).values())
+
+
+# --- 5 ----------------------------------------------------------------------------------
+def test_killed_broker_leaves_reparent_to_root(launch):
+    job = launch(worker_argv(), nodes=2, ranks_per_node=3, mode="plain", env=FAST)
+    job.wait_ready(60)
+    root = root_client()
+    view = wait_for(lambda: converged(root, 6), 60, what="convergence")
+    broker = next(r for r, m in view.items() if m["tier"] == "broker")
+    orphans = [r for r, m in view.items() if m["node"] == view[broker]["node"] and r != broker]
+    t0 = time.monotonic()
+    job.kill(broker)
+    wait_for(lambda: members(root)[broker]["state"] == "dead", 10, what="the broker to be dead")
+
+    def orphans_direct():
+        m = members(root)
+        return all(m[r]["state"] == "alive" and m[r]["via"] is None for r in orphans)
+
+    wait_for(orphans_direct, 4 + 2, interval=0.1, what="the broker's leaves to report to the root directly")
+    print(f"broker {broker} killed: its leaves report to the root after {time.monotonic() - t0:.1f} s")
+    # they stay alive (never removed) for two more TTLs
+    end = time.monotonic() + 2 * 4
+    while time.monotonic() < end:
+        m = members(root)
+        assert all(m[r]["state"] == "alive" for r in orphans), m
+        time.sleep(0.25)
+
+
+# --- 6 ----------------------------------------------------------------------------------
+def test_wrong_token_refused_and_probe_keeps_serving(launch):
+    token = "s3cret-token-for-test-6"
+    job = launch(worker_argv(), nodes=1, ranks_per_node=2, mode="plain",
+                 env={"PROBING_AUTH_TOKEN": token})
+    job.wait_ready(60)
+    info = wait_for(lambda: connfile.newest_alive(os.environ["PROBING_RUNTIME_DIR"]), 60, what="connection file")
+    path = info.path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert token not in path.read_text()
+    with pytest.raises(AuthError, match="refused"):
+        kernel_probe.connect(info.endpoint, token="wrong-token", timeout=3)
+    # garbage on the root's socket: counted, refused, not fatal
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(info.endpoint)
+    for junk in ([b"\x00" * 10], [b"PMG1", b"x" * 32, b"{}", b"{}"], [b"hello"] * 20):
+        s.send_multipart(junk)
+    s.close()
+    good = kernel_probe.connect(info.endpoint, token=token, timeout=3)
+    wait_for(lambda: converged(good, 2), 30, what="convergence")
+    # the token never reaches the job's store
+    from torch.distributed import TCPStore
+
+    store = TCPStore(job.master_addr, job.master_port, is_master=False, wait_for_workers=False)
+    run = good.run_id
+    for key in (f"probing/torchrun/{run}/master", f"probing/torchrun/{run}/node/0/local0",
+                f"probing/torchrun/{run}/secret"):
+        if store.check([key]):
+            assert token.encode() not in store.get(key)
+
+
+# --- 7 ----------------------------------------------------------------------------------
+LOSS = re.compile(r"rank (\d+) step (\d+) loss (\S+)")
+
+
+def _losses(job) -> dict[tuple[int, int], str]:
+    out = {}
+    for rank in range(4):
+        for r, step, loss in LOSS.findall(job.output(rank)):
+            out[(int(r), int(step))] = loss
+    return out
+
+
+def test_probe_does_not_change_training(launch, runtime_dir):
+    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--steps", "6", "--step-sleep", "0.3"]
+    plain = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "0"})
+    assert plain.wait(180) == [0, 0]
+    probed = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "1"})
+    root = root_client(120)
+    m = wait_for(lambda: converged(root, 4), 60, what="convergence")
+    assert len(m) == 4
+    steps = wait_for(lambda: [x["step"] for x in members(root).values() if x["step"]], 30,
+                     what="optimizer steps seen by the probes")
+    assert steps
+    assert probed.wait(180) == [0, 0]
+    a, b = _losses(plain), _losses(probed)
+    assert len(a) == 4 * 6
+    assert a == b
+
+
+# --- activation -----------------------------------------------------------------------
+def test_subprocesses_of_a_rank_start_no_probe(launch, tmp_path):
+    control = tmp_path / "control"
+    control.mkdir()
+    job = launch(worker_argv("--control-dir", str(control), "--spawn-child"), nodes=1, ranks_per_node=2,
+                 mode="plain")
+    job.wait_ready(60)
+    root = root_client()
+    wait_for(lambda: converged(root, 2), 60, what="convergence")
+    children = [int(p) for r in (0, 1) for p in (control / f"children-{r}").read_text().split()]
+    time.sleep(1.0)
+    for pid in children:
+        listening = [c for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        assert listening == [], f"child {pid} listens: {listening}"
+    assert len(members(root)) == 2
+    assert len(connfile.list_files(root.connection.path.parent)) == 1
