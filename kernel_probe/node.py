@@ -125,6 +125,8 @@ class ProbeCore:
         self._pushed_epoch = 0
         self._push_at: float | None = None
         self._report_seq = 0
+        self._watched: dict[int, int] = {}  # rank -> pid under the pid watch
+        self._watched_epoch = -1
 
     # --- inputs ---------------------------------------------------------------------
     def set_topology(self, tier: str, parent: str | None, root: str | None, now: float) -> list[Effect]:
@@ -179,6 +181,20 @@ class ProbeCore:
                 and self.parent is not None and self.settings.report):
             effects += self._send_report(now)
         effects += self._maybe_push(now)
+        effects += self._sync_watches()
+        return effects
+
+    def _sync_watches(self) -> list[Effect]:
+        """Watch the pid of every live member on this host: an exit is then known within a
+        poll, not a TTL, also for a leaf whose broker died first ("best reason it has")."""
+        if self.tier not in ("root", "broker") or self.registry.epoch == self._watched_epoch:
+            return []
+        self._watched_epoch = self.registry.epoch
+        want = {m.rank: m.pid for m in self.registry.members()
+                if m.state != "dead" and m.host == self.identity.host and m.pid and m.rank != self.identity.rank}
+        effects: list[Effect] = [UnwatchPid(r) for r in self._watched if r not in want]
+        effects += [WatchPid(r, pid) for r, pid in want.items() if self._watched.get(r) != pid]
+        self._watched = want
         return effects
 
     def on_message(self, env: Envelope, sender: bytes | None, now: float) -> list[Effect]:
@@ -390,10 +406,17 @@ class ProbeCore:
         self._push_at = None
         self._pushed_epoch = view.epoch
         effects: list[Effect] = []
+        # Children at the same epoch get the same delta: build it once per epoch, not
+        # once per child (a full delta of a big job costs milliseconds; a broker has
+        # dozens of children, the root hundreds). Bodies are never mutated once built.
+        bodies: dict[int, dict] = {}
         for rid, child in self.children.items():
             if child.known_epoch == view.epoch:
                 continue
-            body = {"epoch": view.epoch, "complete": self._complete(), "delta": view.delta_since(child.known_epoch)}
+            body = bodies.get(child.known_epoch)
+            if body is None:
+                body = bodies[child.known_epoch] = {"epoch": view.epoch, "complete": self._complete(),
+                                                    "delta": view.delta_since(child.known_epoch)}
             child.known_epoch = view.epoch
             effects.append(Send(rid, Message("membership", body)))
         return effects
@@ -421,8 +444,6 @@ class ProbeCore:
             child = self.children[rid] = Child(child_rank, pid=int(first.get("pid") or 0),
                                                host=str(first.get("host") or ""),
                                                incarnation=str(first.get("incarnation") or ""))
-            if child.host == self.identity.host and child.pid:
-                effects.append(WatchPid(child_rank, child.pid))
         child.known_epoch = int(env.msg.body.get("known_epoch") or 0)
         for report in reports:
             if not isinstance(report, dict):
