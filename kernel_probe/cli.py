@@ -57,27 +57,21 @@ def cmd_list(args: argparse.Namespace) -> int:
         status = "running" if connfile.is_alive(info) else "gone"
         rows.append((info.run_id, info.endpoint, str(info.world_size), str(info.pid), info.host,
                      _age(info.started), status))
-    _print_rows(rows)
+    print("\n".join(_rows(rows)))
     return 0
 
 
-def _print_rows(rows: list[tuple[str, ...]]) -> None:
+def _rows(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def cmd_nodes(args: argparse.Namespace) -> int:
-    import kernel_probe
-
-    with kernel_probe.connect(args.target, token=args.token, timeout=args.timeout) as client:
-        raw = client.nodes_raw(args.timeout)
-        info = client.info_
-    members = raw["members"]
+def format_nodes(raw: dict, info: dict, departures: bool = False) -> str:
+    """The membership as a plain-text table (the CLI and the demo print this)."""
     now = time.time()
     counts: dict[str, int] = {}
     rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "ROLE", "STATE", "SEEN", "STEP", "STEP MS")]
-    for m in members:
+    for m in raw["members"]:
         counts[m["state"]] = counts.get(m["state"], 0) + 1
         state = m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
         step_ms = m.get("step_time_ms")
@@ -86,12 +80,20 @@ def cmd_nodes(args: argparse.Namespace) -> int:
                      "-" if m.get("step") is None else str(m["step"]),
                      "-" if step_ms is None else f"{step_ms:.1f}"))
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-    print(f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}")
-    _print_rows(rows)
-    if args.departures and raw["departures"]:
-        print("\ndepartures:")
+    lines = [f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}"]
+    lines += _rows(rows)
+    if departures and raw["departures"]:
+        lines.append("departures:")
         for d in raw["departures"]:
-            print(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}) {d['why']} at {_age(d['when'])}")
+            lines.append(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}) {d['why']} at {_age(d['when'])}")
+    return "\n".join(lines)
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    import kernel_probe
+
+    with kernel_probe.connect(args.target, token=args.token, timeout=args.timeout) as client:
+        print(format_nodes(client.nodes_raw(args.timeout), client.info_, departures=args.departures))
     return 0
 
 

@@ -114,34 +114,33 @@ def _from_store(target: str, token: str | None, timeout: float) -> tuple[str, st
         base = run_id_from({"TORCHELASTIC_RUN_ID": run, "MASTER_ADDR": host, "MASTER_PORT": port_s}).rsplit("/r", 1)[0]
         candidates = [f"{base}/r{i}" for i in range(32)]
     try:
-        found: tuple[StoreDiscovery, dict] | None = None
-        for run_id in candidates:  # the newest restart of the job wins
-            disc = StoreDiscovery(host, int(port_s), run_id, timeout_sec=timeout)
-            master = disc.read_master()
-            if master is None:
-                disc.close()
-                if found is not None:
-                    break
-                continue
-            if found is not None:
-                found[0].close()
-            found = (disc, master)
-        if found is None:
+        disc = StoreDiscovery(host, int(port_s), candidates[0], timeout_sec=timeout)
+    except DiscoveryError as exc:
+        raise ConnectError(f"cannot reach the job's store: {exc}") from None
+    try:
+        master = None
+        for run_id in candidates:  # r0, r1, ...: the newest restart of the job wins
+            disc.run_id = run_id
+            found = disc.read_master()
+            if found is None:
+                break
+            master, newest = found, run_id
+        if master is None:
             raise ConnectError(f"no probing root registered in the store at {hostport} for run "
                                f"{run or '(default)'}: is the job running with PROBING=1?")
-        disc, master = found
-        run_id = disc.run_id
+        disc.run_id = newest
         if token:
-            key = wire.derive_key(token, run_id)
+            key = wire.derive_key(token, newest)
         else:
             secret = disc.read_secret()
             if secret is None:
                 raise AuthError(f"the job in the store at {hostport} publishes no secret: pass its token")
-            key = wire.derive_key(secret, run_id)
-        disc.close()
-        return master["endpoint"], run_id, key
+            key = wire.derive_key(secret, newest)
+        return master["endpoint"], newest, key
     except DiscoveryError as exc:
         raise ConnectError(f"cannot read the job's store: {exc}") from None
+    finally:
+        disc.close()
 
 
 class Client:

@@ -1,0 +1,74 @@
+"""`make demo`: a bundled CPU training job (tiny DDP model, gloo) as two simulated nodes
+of two ranks each, every rank started with PROBING=1 and no probe code in the script;
+then the live membership, as another process on this machine sees it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import kernel_probe
+from kernel_probe.cli import format_nodes
+from kernel_probe.client import ProbeError
+from kernel_probe.testing.harness import LocalJob
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def wait(what: str, predicate, timeout: float):
+    say(f"… {what}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except ProbeError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"demo: gave up after {timeout:.0f} s waiting for: {what}")
+
+
+def main() -> int:
+    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2"]
+    say("Starting the bundled training job: 2 nodes x 2 ranks (two torchrun invocations, c10d), PROBING=1")
+    with LocalJob(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "1", "PROBING_ROLE": "trainer"}) as job:
+        t0 = time.monotonic()
+        client = wait("waiting for the job's root probe (torch takes a few seconds to import)",
+                      lambda: kernel_probe.connect(timeout=2), 120)
+        say(f"connected to {client.endpoint} (run {client.run_id}) after {time.monotonic() - t0:.1f} s")
+
+        def all_alive():
+            raw = client.nodes_raw()
+            alive = [m for m in raw["members"] if m["state"] == "alive"]
+            return raw if len(alive) == 4 else None
+
+        raw = wait("waiting for all 4 ranks to join the membership tree", all_alive, 60)
+        say("\n" + format_nodes(raw, client.info()) + "\n")
+
+        def stepping():
+            raw = client.nodes_raw()
+            return raw if all(m["step"] for m in raw["members"]) else None
+
+        raw = wait("training; waiting for every rank's next heartbeat to carry its step (default interval 10 s)",
+                   stepping, 60)
+        say("\n" + format_nodes(raw, client.info()) + "\n")
+        say("While a job runs, from another shell on this machine:")
+        say("  .venv/bin/kernel-probe list")
+        say("  .venv/bin/kernel-probe nodes")
+        say(f"  .venv/bin/kernel-probe -t {client.endpoint} info")
+        client.close()
+        say("Stopping the job cleanly: SIGTERM to every rank; they agree on a last step and exit.")
+        for pid in job.pids().values():
+            os.kill(pid, signal.SIGTERM)
+        codes = job.wait(60)
+    say(f"job stopped; torchrun agents exited with {codes}")
+    return 0 if codes == [0, 0] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Connecting to jobs (every target kind), the CLI, and PROBING=1 activation, with real
+processes and sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import kernel_probe
+from kernel_probe.client import NODE_COLUMNS, AuthError, ConnectError
+from kernel_probe.shell import connfile
+
+from .conftest import wait_for, worker_argv
+
+pytestmark = pytest.mark.cluster
+CLI = [sys.executable, "-m", "kernel_probe.cli"]
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def single(runtime_dir):
+    """One PROBING=1 Python process: a job of world size 1."""
+    env = {**os.environ, "PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime_dir)}
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import time, sys; time.sleep(1.5);"
+                             "print('torch' in sys.modules, 'pandas' in sys.modules, flush=True);"
+                             "time.sleep(120)"],
+                            env=env, stdout=subprocess.PIPE, text=True)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_single_process_job_connect_nodes_and_lazy_imports(single):
+    client = wait_for(lambda: kernel_probe.connect(timeout=2), 20, what="the probe")
+    df = client.nodes()
+    assert list(df.columns[:16]) == NODE_COLUMNS[:16]
+    assert len(df) == 1 and df.loc[0, "pid"] == single.pid and df.loc[0, "state"] == "alive"
+    assert df.loc[0, "tier"] == "root"
+    # a probe that is never queried imports neither torch nor pandas in the rank
+    assert single.stdout.readline().split() == ["False", "False"]
+
+
+def test_cli_list_nodes_info_and_dead_roots(single, runtime_dir):
+    wait_for(lambda: kernel_probe.connect(timeout=2), 20, what="the probe")
+    out = cli("list")
+    assert out.returncode == 0 and "running" in out.stdout and str(single.pid) in out.stdout
+    out = cli("nodes")
+    assert out.returncode == 0, out.stderr
+    assert "world size 1" in out.stdout and "root" in out.stdout and "alive" in out.stdout
+    out = cli("info")
+    assert out.returncode == 0 and f"pid: {single.pid}" in out.stdout
+    # SIGKILL: the root cannot remove its file; list says gone, connect() never picks it
+    path = connfile.newest_alive(runtime_dir).path
+    single.send_signal(signal.SIGKILL)
+    single.wait()
+    out = cli("list")
+    assert "gone" in out.stdout and "running" not in out.stdout
+    with pytest.raises(ConnectError, match="no running job"):
+        kernel_probe.connect(timeout=2)
+    out = cli("nodes")
+    assert out.returncode == 1 and out.stderr.startswith("kernel-probe: no running job") and "Traceback" not in out.stderr
+    out = cli("list", "--prune")
+    assert out.returncode == 0 and "removed" in out.stdout and not path.exists()
+
+
+def test_bad_targets_are_one_line_errors(runtime_dir):
+    t0 = time.monotonic()
+    with pytest.raises(ConnectError, match="no answer from tcp://127.0.0.1:1 within 1 s"):
+        kernel_probe.connect("tcp://127.0.0.1:1", token="x", timeout=1)
+    assert time.monotonic() - t0 < 3
+    with pytest.raises(ConnectError, match="unknown target"):
+        kernel_probe.connect("/no/such/file.json")
+    with pytest.raises(ConnectError, match="bad store target"):
+        kernel_probe.connect("store://nohost")
+    with pytest.raises(AuthError, match="no key"):
+        kernel_probe.connect("tcp://127.0.0.1:1")
+    garbage = runtime_dir / "garbage.json"
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    garbage.write_text("{not json")
+    with pytest.raises(ConnectError, match="not a connection file"):
+        kernel_probe.connect(garbage)
+    for args in (["-t", "tcp://127.0.0.1:1", "--token", "x", "--timeout", "0.5", "nodes"], ["-t", "bogus", "nodes"]):
+        out = cli(*args)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+def test_store_and_tcp_targets(launch, monkeypatch):
+    token = "tok-for-targets"
+    job = launch(worker_argv(), nodes=1, ranks_per_node=2, mode="plain", env={"PROBING_AUTH_TOKEN": token})
+    job.wait_ready(60)
+    root = wait_for(lambda: kernel_probe.connect(token=token, timeout=2), 60, what="the root")
+    wait_for(lambda: len(root.nodes()) == 2, 30, what="2 ranks")
+    # store://host:port/run_id (the run id as torchrun's --rdzv-id; the restart suffix is found)
+    via_store = kernel_probe.connect(f"store://{job.master_addr}:{job.master_port}/{job.run_id}", token=token)
+    assert via_store.endpoint == root.endpoint and len(via_store.nodes()) == 2
+    # tcp:// with the token, no connection file needed: the run id comes from the refusal handshake
+    monkeypatch.setenv("PROBING_RUNTIME_DIR", "/nonexistent")
+    via_tcp = kernel_probe.connect(root.endpoint, token=token)
+    assert via_tcp.run_id == root.run_id and len(via_tcp.nodes()) == 2
+    with pytest.raises(ConnectError, match="no probing root registered"):
+        kernel_probe.connect(f"store://{job.master_addr}:{job.master_port}/other-job", token=token)
+    out = cli("-t", f"store://{job.master_addr}:{job.master_port}/{job.run_id}", "--token", token, "nodes")
+    assert out.returncode == 0 and "2 alive" in out.stdout, out.stderr
+
+
+def test_store_target_without_token_uses_the_jobs_secret(launch):
+    job = launch(worker_argv(), nodes=1, ranks_per_node=2, mode="plain")
+    job.wait_ready(60)
+    root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, what="the root")
+    c = kernel_probe.connect(f"store://{job.master_addr}:{job.master_port}/{job.run_id}")
+    assert c.endpoint == root.endpoint
+    assert c.info()["world_size"] == 2
+
+
+def test_pth_hook_costs_nothing_without_probing():
+    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
+    out = subprocess.run([sys.executable, "-c", "import sys; print('kernel_probe' in sys.modules, "
+                          "'zmq' in sys.modules)"], capture_output=True, text=True, env=env, timeout=30)
+    assert out.stdout.split() == ["False", "False"]
