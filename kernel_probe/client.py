@@ -280,8 +280,8 @@ def members_frame(members: list[dict]) -> "pd.DataFrame":
     df = pd.DataFrame(members, columns=NODE_COLUMNS)
     for col in ("last_seen", "since"):
         df[col] = pd.to_datetime(df[col], unit="s", utc=True)
-    for col in ("step",):
-        df[col] = df[col].astype("Int64")
+    df["step"] = df["step"].astype("Int64")
+    df["step_time_ms"] = pd.to_numeric(df["step_time_ms"], errors="coerce").astype("float64")
     return df
 
 

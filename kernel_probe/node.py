@@ -118,8 +118,9 @@ class ProbeCore:
         self._outstanding: tuple[str, float] | None = None  # (msg_id, sent_at) of the unacked report
         self._report_at: float | None = None
         self._failing_since: float | None = None
-        self._lost_broker: str | None = None  # incarnation of a broker we left because it died
+        self._lost_broker: str | None = None  # incarnation of a broker we left ("" if unknown); None: none
         self._sent_state: tuple = ()
+        self._acked_state: tuple | None = None  # (role, stalled) of the last acknowledged report
         self._last_ack_epoch = -1
         self._reported_epoch = -1  # broker: node registry epoch in the last report sent
         self._pushed_epoch = 0
@@ -177,8 +178,7 @@ class ProbeCore:
         if self.tier == "broker" and self.registry.epoch != self._reported_epoch and self.parent:
             # a join, exit or state change on this node goes up without waiting for the tick
             self._due(now + PUSH_DEBOUNCE_SEC)
-        if (self._report_at is not None and now >= self._report_at and self._outstanding is None
-                and self.parent is not None and self.settings.report):
+        if self._report_at is not None and now >= self._report_at and self._can_report():
             effects += self._send_report(now)
         effects += self._maybe_push(now)
         effects += self._sync_watches()
@@ -245,7 +245,10 @@ class ProbeCore:
                                              "reason": "left"}))]
 
     def next_deadline(self) -> float | None:
-        times = [self._report_at, self._push_at]
+        # A report that is due but cannot go out yet (one is awaiting its ack, no parent,
+        # reports off) is not a deadline: the ack, the timeout or set_topology wakes us.
+        # Returning it made the shell's poll spin on a past deadline (poll(0)).
+        times = [self._report_at if self._can_report() else None, self._push_at]
         if self._outstanding:
             times.append(self._outstanding[1] + self.settings.report_timeout_sec)
         if self.tier in ("root", "broker"):
@@ -285,6 +288,9 @@ class ProbeCore:
         }
 
     # --- reporting up -----------------------------------------------------------------
+    def _can_report(self) -> bool:
+        return self._outstanding is None and self.parent is not None and self.settings.report
+
     def _due(self, when: float) -> None:
         if self._report_at is None or when < self._report_at:
             self._report_at = when
@@ -316,10 +322,14 @@ class ProbeCore:
         self._outstanding = None
         self._failing_since = None
         effects = self._apply_membership(body, now)
+        # The round that carried a role or stall change is not stable either: a broker
+        # acks with its mirror's epoch, which the change has not reached yet, so without
+        # this a leaf's set_role backed off to the cap at once instead of running at base.
         stable = (bool(body.get("complete")) and body.get("epoch") == self._last_ack_epoch
-                  and self._sent_state == (self.role, self.stalled)
+                  and self._acked_state == self._sent_state == (self.role, self.stalled)
                   and (self.tier != "broker" or self._reported_epoch == self.registry.epoch))
         self._last_ack_epoch = body.get("epoch", -1)
+        self._acked_state = self._sent_state
         self._due(now + self.backoff.on_success(stable))
         parent = body.get("parent") or {}
         if self.parent is not None and parent.get("pid") and self.parent.pid != parent.get("pid"):
@@ -345,7 +355,12 @@ class ProbeCore:
         if (self.tier != "leaf" or self.parent is None or not self.root_endpoint
                 or self.parent.endpoint == self.root_endpoint):
             return []
-        self._lost_broker = self.parent.incarnation or self.parent.endpoint
+        # Remember the broker process we leave, by incarnation, so that we do not go back
+        # while the root still lists it. One that never answered us is known by the root's
+        # record at its endpoint; if the root has none, whatever it lists there later was
+        # heard from after we left (a late broker, not a lost one): "" excludes nobody.
+        self._lost_broker = self.parent.incarnation or next(
+            (m.incarnation for m in self.mirror.members() if m.endpoint == self.parent.endpoint), "")
         return [Note(f"broker {self.parent.endpoint} lost ({why}); reporting to the root")] + \
             self._set_parent(self.root_endpoint, now)
 
@@ -374,7 +389,8 @@ class ProbeCore:
             except ValueError:
                 return [Note("ignored a malformed membership delta")]
         effects: list[Effect] = []
-        if self.tier == "leaf" and self._lost_broker and self.parent and self.parent.endpoint == self.root_endpoint:
+        if (self.tier == "leaf" and self._lost_broker is not None and self.parent
+                and self.parent.endpoint == self.root_endpoint):
             broker = self._new_broker()
             if broker is not None:
                 self._lost_broker = None
@@ -386,14 +402,14 @@ class ProbeCore:
     def _new_broker(self) -> str | None:
         for m in self.mirror.members():
             if (m.node == self.identity.node and m.tier == "broker" and m.state != "dead"
-                    and m.rank != self.identity.rank and (m.incarnation != self._lost_broker)
-                    and m.endpoint != self._lost_broker):
+                    and m.rank != self.identity.rank and m.incarnation != self._lost_broker):
                 return m.endpoint
         return None
 
     def _maybe_push(self, now: float) -> list[Effect]:
         """Root and brokers push membership changes to their children (debounced)."""
         if self.tier not in ("root", "broker") or not self.children:
+            self._push_at = None  # nobody to push to (the last child may have just left): no deadline
             return []
         view = self.view()
         if view.epoch == self._pushed_epoch:

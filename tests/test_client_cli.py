@@ -127,3 +127,27 @@ def test_pth_hook_costs_nothing_without_probing():
     out = subprocess.run([sys.executable, "-c", "import sys; print('kernel_probe' in sys.modules, "
                           "'zmq' in sys.modules)"], capture_output=True, text=True, env=env, timeout=30)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_explicit_endpoints_without_a_store_and_file_removed_at_exit(runtime_dir):
+    from kernel_probe.testing.harness import free_port
+
+    port = free_port()
+    base = {**os.environ, "PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime_dir), "WORLD_SIZE": "2",
+            "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "0.5"}
+    code = "import time; time.sleep(float(__import__('sys').argv[1]))"
+    root = subprocess.Popen([sys.executable, "-c", code, "8"], env={**base, "RANK": "0", "PROBING_PORT": str(port)})
+    leaf = subprocess.Popen([sys.executable, "-c", code, "60"],
+                            env={**base, "RANK": "1", "PROBING_PARENT_ENDPOINT": f"tcp://127.0.0.1:{port}"})
+    try:
+        client = wait_for(lambda: kernel_probe.connect(timeout=2), 20, what="the root")
+        wait_for(lambda: len(client.nodes_raw()["members"]) == 2, 20, what="the leaf at the root")
+        nodes = client.nodes()
+        assert list(nodes["tier"]) == ["root", "leaf"] and list(nodes["pid"]) == [root.pid, leaf.pid]
+        path = connfile.newest_alive(runtime_dir).path
+        root.wait(30)  # a clean exit removes the connection file
+        assert not path.exists()
+    finally:
+        for p in (root, leaf):
+            p.kill()
+            p.wait()

@@ -286,3 +286,14 @@ def test_subprocesses_of_a_rank_start_no_probe(launch, tmp_path):
         assert listening(forked) <= listening(pid)
     assert len(members(root)) == 2
     assert len(connfile.list_files(root.connection.path.parent)) == 1
+
+
+def test_stalled_main_thread(launch):
+    job = launch(worker_argv(), nodes=1, ranks_per_node=2, mode="plain",
+                 env={"PROBING_CLUSTER_STALL_SEC": "2", "PROBING_SAMPLE_INTERVAL_SEC": "0.25"})
+    job.wait_ready(60)
+    root = root_client()
+    # the idle worker's main thread sits on the same line forever: no step, same stack
+    m = wait_for(lambda: all(x["state"] == "stalled" for x in members(root).values()) and members(root), 20,
+                 what="both ranks stalled")
+    assert len(m) == 2

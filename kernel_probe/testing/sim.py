@@ -36,9 +36,10 @@ What is modelled, and how:
 - Each live rank gets ``on_timer`` at its ``next_deadline()`` and a sample tick every
   ``sample_sec`` that calls ``update_self`` with its step, step time and stall flag,
   like the shell's ``_sample``. Every wake-up that handled an input ends with
-  ``on_timer``, as the shell's loop does. A deadline that is already due when the core
-  has just run is honoured 1 ms later (the shell's poll would spin at that rate) and
-  counted in ``spins``: a core should never ask to be woken for nothing.
+  ``on_timer``, as the shell's loop does. A deadline that is already due is honoured
+  1 ms later (the shell's next turn). A timer wake-up that does nothing and still
+  leaves a due deadline is counted in ``spins``: the real shell would busy-loop there,
+  and a core should never ask to be woken for nothing.
 - ``freeze``: the process is stopped (SIGSTOP). It handles nothing, its timers do not
   fire, messages to it queue, its pid stays alive. ``thaw`` handles the queue in
   order, then its timers. ``kill``: it exits; everything queued or in flight to it is
@@ -110,6 +111,9 @@ class VirtualRank:
 class Simulation:
     """``nodes`` x ``ranks_per_node`` virtual ranks wired as the real probes are.
 
+    Node ``g`` runs on host ``f"host{g % hosts}"``: one host per node by default;
+    ``hosts=1`` puts every node on one machine, as the local test harness does.
+
     Start ranks with ``start`` / ``start_all``, move time with ``run_until`` /
     ``run_for``, break things with ``kill`` / ``freeze`` / ``thaw`` / ``leave``, and
     read the root's view with ``root_view`` / ``converged``.
@@ -118,10 +122,11 @@ class Simulation:
     def __init__(self, nodes: int, ranks_per_node: int, settings: Settings | None = None,
                  latency: float = 0.001, *, jitter: float = 0.0, seed: int = 0,
                  pid_poll_sec: float = 0.5, sample_sec: float = 1.0, token: str = "sim-token",
-                 record: bool = True) -> None:
+                 hosts: int | None = None, record: bool = True) -> None:
         if nodes < 1 or ranks_per_node < 1:
             raise ValueError("need at least one node and one rank per node")
         self.nodes, self.ranks_per_node = nodes, ranks_per_node
+        self.hosts = nodes if hosts is None else max(1, int(hosts))
         self.world_size = nodes * ranks_per_node
         self.settings = settings or Settings()
         self.latency, self.jitter = float(latency), float(jitter)
@@ -153,7 +158,7 @@ class Simulation:
         node, local = divmod(rank, self.ranks_per_node)
         return Identity(rank=rank, world_size=self.world_size, local_rank=local,
                         local_world_size=self.ranks_per_node, node=node, node_count=self.nodes,
-                        host=f"host{node}", run_id=self.run_id)
+                        host=f"host{node % self.hosts}", run_id=self.run_id)
 
     @staticmethod
     def endpoint(rank: int) -> str:
@@ -347,8 +352,7 @@ class Simulation:
             v.timer_at = None
             return
         if deadline <= self.now:
-            v.spins += 1  # the core just ran and still asks to be woken now
-            deadline = self.now + MIN_WAIT
+            deadline = self.now + MIN_WAIT  # the shell's next turn (an effect's outcome changed things)
         if deadline != v.timer_at:
             v.timer_at = deadline
             starts = v.starts
@@ -360,7 +364,12 @@ class Simulation:
         v.timer_at = None
         if v.frozen:
             return  # thaw() runs the timers
-        self._do(v, v.core.on_timer(self.now))
+        effects = v.core.on_timer(self.now)
+        self._do(v, effects)
+        if not effects and v.state == "up":
+            deadline = v.core.next_deadline()
+            if deadline is not None and deadline <= self.now:
+                v.spins += 1  # woken at its deadline, did nothing, and asks to be woken now again
         self._arm(v)
 
     # --- effects, as the shell carries them out ---------------------------------------------------
