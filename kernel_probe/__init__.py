@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from .client import Client
     from .shell.probe_thread import ProbeThread
 
-__all__ = ["start", "stop", "set_role", "connect", "probe", "ProbeError", "ConnectError", "AuthError",
-           "JobEndedError"]
+__all__ = ["start", "stop", "set_role", "log", "table", "connect", "probe", "ProbeError", "ConnectError",
+           "AuthError", "JobEndedError", "QueryFailed", "QueryResult"]
 __version__ = "0.1.0"
 
 _OWNER_VAR = "_PROBING_OWNER_PID"  # children inherit it: a subprocess never starts a second probe
@@ -96,7 +96,7 @@ def connect(target: str | os.PathLike | None = None, token: str | None = None, t
 
 
 def __getattr__(name: str) -> Any:  # the error classes live with the client, imported on demand
-    if name in ("ProbeError", "ConnectError", "AuthError", "JobEndedError"):
+    if name in ("ProbeError", "ConnectError", "AuthError", "JobEndedError", "QueryFailed", "QueryResult"):
         from . import client
 
         return getattr(client, name)

@@ -3,6 +3,8 @@
     kernel-probe list [--prune]              jobs (their roots) on this machine
     kernel-probe -t TARGET nodes             the membership table
     kernel-probe -t TARGET info              the answering probe's identity
+    kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
+    kernel-probe -t TARGET stacks            main-thread stacks of every rank, grouped
 
 Errors are one line on stderr and a non-zero exit, never a traceback.
 """
@@ -31,6 +33,16 @@ def _parser() -> argparse.ArgumentParser:
     nodes = sub.add_parser("nodes", help="the job's membership: one row per rank")
     nodes.add_argument("--departures", action="store_true", help="also list ranks that died or left")
     sub.add_parser("info", help="the answering probe's identity")
+    q = sub.add_parser("query", help="run one read-only SELECT over the job's tables")
+    q.add_argument("sql")
+    q.add_argument("--local", action="store_true", help="ask only the probe at TARGET (its own tables)")
+    q.add_argument("--per-rank", action="store_true", help="run the statement as-is on every rank, concatenated")
+    q.add_argument("--strict", action="store_true", help="fail instead of returning a partial answer")
+    q.add_argument("--ranks", default=None, help="only these ranks, e.g. 0-3,8")
+    q.add_argument("--explain", action="store_true", help="show the plan instead of running it")
+    q.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    st = sub.add_parser("stacks", help="main-thread Python stacks of every rank, grouped")
+    st.add_argument("--all-threads", action="store_true", help="every thread, not only the main one")
     return p
 
 
@@ -106,7 +118,90 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"list": cmd_list, "nodes": cmd_nodes, "info": cmd_info}
+def parse_ranks(spec: str | None) -> list[int] | None:
+    """'0-3,8' -> [0, 1, 2, 3, 8]."""
+    if not spec:
+        return None
+    ranks: list[int] = []
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            ranks.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise SystemExit(f"kernel-probe: bad --ranks {spec!r}: expected e.g. 0-3,8") from None
+    return ranks
+
+
+def _query_timeout(args: argparse.Namespace) -> float:
+    return args.timeout if args.timeout != 5.0 else 10.0  # queries default to DESIGN's 10 s
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    import kernel_probe
+
+    with kernel_probe.connect(args.target, token=args.token, timeout=min(args.timeout, 10.0)) as client:
+        result = client.query(args.sql, timeout=_query_timeout(args), strict=args.strict, per_rank=args.per_rank,
+                              ranks=parse_ranks(args.ranks), local=args.local, explain=args.explain)
+    if args.explain:
+        print(result.explain)
+        return 0
+    df = result.df
+    if args.format == "csv":
+        sys.stdout.write(df.to_csv(index=False))
+    elif args.format == "json":
+        sys.stdout.write(df.to_json(orient="records", lines=True, date_format="iso"))
+    else:
+        import pandas as pd
+
+        with pd.option_context("display.max_rows", 200, "display.max_columns", 50, "display.width", 200):
+            print(df.to_string(index=False) if len(df) else "(no rows)")
+    print(result.footer(), file=sys.stderr if args.format != "table" else sys.stdout)
+    return 0
+
+
+STACKS_SQL = ("SELECT _rank, thread_name, is_main, depth, function, file, line FROM stacks {where} "
+              "ORDER BY _rank, thread_name, depth")
+
+
+def cmd_stacks(args: argparse.Namespace) -> int:
+    import kernel_probe
+
+    sql = STACKS_SQL.format(where="" if args.all_threads else "WHERE is_main")
+    with kernel_probe.connect(args.target, token=args.token, timeout=min(args.timeout, 10.0)) as client:
+        result = client.query(sql, timeout=_query_timeout(args))
+    print(format_stacks(result.table.to_pylist()))
+    print(result.footer())
+    return 0
+
+
+def format_stacks(rows: list[dict]) -> str:
+    """Identical stacks are printed once, with the ranks that share them."""
+    stacks: dict[tuple, list[int]] = {}
+    current: dict[tuple[int, str], list[str]] = {}
+    for r in rows:
+        current.setdefault((r["_rank"], r["thread_name"]), []).append(
+            f"  {r['file']}:{r['line']} in {r['function']}")
+    for (rank, thread), frames in current.items():
+        stacks.setdefault((thread, tuple(frames)), []).append(rank)
+    out = []
+    for (thread, frames), ranks in sorted(stacks.items(), key=lambda kv: kv[1]):
+        label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)} ({len(ranks)})"
+        out.append(f"{label} · thread {thread} (innermost first):")
+        out.extend(frames)
+    return "\n".join(out) if out else "(no stacks)"
+
+
+def _span(ranks: list[int]) -> str:
+    ranks = sorted(set(ranks))
+    parts, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(parts)
+
+
+COMMANDS = {"list": cmd_list, "nodes": cmd_nodes, "info": cmd_info, "query": cmd_query, "stacks": cmd_stacks}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import zmq
 
@@ -177,11 +177,13 @@ class Client:
             self._sock.close(0)
             self._sock = None
 
-    def request(self, type_: str, body: dict, timeout: float = 5.0) -> wire.Envelope:
+    def request(self, type_: str, body: dict, timeout: float = 5.0,
+                on_progress: Callable[[dict], None] | None = None) -> wire.Envelope:
         with self._lock:
-            return self._request(type_, body, timeout)
+            return self._request(type_, body, timeout, on_progress)
 
-    def _request(self, type_: str, body: dict, timeout: float) -> wire.Envelope:
+    def _request(self, type_: str, body: dict, timeout: float,
+                 on_progress: Callable[[dict], None] | None = None) -> wire.Envelope:
         sock = self._socket()
         msg = wire.Message(type_, body, msg_id=uuid.uuid4().hex)
         sock.send_multipart(self._codec.encode(msg))
@@ -202,6 +204,10 @@ class Client:
             except wire.WireError:
                 continue  # not for us, or forged: keep waiting for the real answer
             if env.msg.corr_id != msg.msg_id:
+                continue
+            if env.msg.type == "query_progress":
+                if on_progress is not None:
+                    on_progress(env.msg.body)
                 continue
             if env.msg.type == "error":
                 raise ProbeError(f"{env.msg.body.get('code')}: {env.msg.body.get('message')}")
@@ -245,6 +251,41 @@ class Client:
         except _Refused as refused:
             raise AuthError(f"the probe at {self.endpoint} refused our credentials ({refused.reason})") from None
 
+    def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
+              ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
+              local: bool = False, explain: bool = False,
+              on_progress: Callable[[dict], None] | None = None) -> "QueryResult":
+        """Run one read-only SELECT over the job (DESIGN section 5).
+
+        ``ranks`` restricts the ranks asked; ``params`` bind as ``$name``; ``local`` asks
+        only the probe connected to; ``explain`` returns the plan without running it.
+        Partial answers are allowed unless ``strict``; ``coverage`` says who answered.
+        """
+        body: dict[str, Any] = {"sql": sql, "timeout": float(timeout), "per_rank": per_rank, "local": local,
+                                "explain": explain, "ranks": None if ranks is None else [int(r) for r in ranks],
+                                "params": dict(params) if params else None}
+        try:
+            env = self.request("query", body, timeout + ANSWER_GRACE, on_progress)
+        except _Refused as refused:
+            raise AuthError(f"the probe at {self.endpoint} refused our credentials ({refused.reason})") from None
+        except ValueError as exc:  # params that JSON cannot carry
+            raise QueryFailed(f"cannot send the query: {exc}", code="bad_params") from None
+        reply = env.msg.body
+        coverage = reply.get("coverage") or {}
+        if reply.get("status") != "ok":
+            err = reply.get("error") or {}
+            raise QueryFailed(_error_line(err), code=err.get("code", "error"), line=err.get("line"),
+                              col=err.get("col"), coverage=coverage)
+        if explain:
+            return QueryResult(None, coverage, explain=reply.get("explain", ""))
+        if not env.msg.buffers:
+            raise QueryFailed("the probe answered without a result", coverage=coverage)
+        table = wire.ipc_to_table(env.msg.buffers[0])
+        if strict and coverage.get("partial"):
+            raise QueryFailed(f"partial answer refused (strict): {describe_failures(coverage)}", code="partial",
+                              coverage=coverage)
+        return QueryResult(table, coverage, explain=coverage.get("explain", ""))
+
     def nodes_raw(self, timeout: float = 5.0) -> dict:
         return self._call("nodes_request", {}, timeout).msg.body
 
@@ -283,6 +324,66 @@ def members_frame(members: list[dict]) -> "pd.DataFrame":
     df["step"] = df["step"].astype("Int64")
     df["step_time_ms"] = pd.to_numeric(df["step_time_ms"], errors="coerce").astype("float64")
     return df
+
+
+ANSWER_GRACE = 3.0  # the root answers by the deadline; allow for transfer and a slow client
+
+
+class QueryFailed(ProbeError):
+    """The query was refused or failed; ``code``, ``line``/``col`` where known, and coverage."""
+
+    def __init__(self, message: str, *, code: str = "error", line: int | None = None, col: int | None = None,
+                 coverage: dict | None = None) -> None:
+        super().__init__(message)
+        self.code, self.line, self.col, self.coverage = code, line, col, coverage or {}
+
+
+def _error_line(err: dict) -> str:
+    message = str(err.get("message") or err.get("code") or "query failed").splitlines()[0]
+    if err.get("line") is not None and "line" not in message:
+        message += f" (line {err['line']}" + (f", column {err['col']})" if err.get("col") is not None else ")")
+    return message
+
+
+def describe_failures(coverage: dict) -> str:
+    failed = coverage.get("failed") or {}
+    shown = ", ".join(f"rank {r} ({why})" for r, why in list(failed.items())[:8])
+    more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
+    return f"{len(failed)} of {len(coverage.get('targeted') or [])} ranks failed: {shown}{more}"
+
+
+class QueryResult:
+    """``df`` (pandas, coverage also in ``df.attrs``), ``table`` (Arrow), ``coverage``."""
+
+    def __init__(self, table: Any, coverage: dict, explain: str = "") -> None:
+        self.table = table
+        self.coverage = coverage
+        self.explain = explain
+        self._df = None
+
+    @property
+    def df(self) -> "pd.DataFrame":
+        if self._df is None and self.table is not None:
+            self._df = self.table.to_pandas()
+            self._df.attrs["coverage"] = self.coverage
+        return self._df
+
+    @property
+    def plan(self) -> str:
+        return self.coverage.get("plan", "")
+
+    def footer(self) -> str:
+        """One line: '8/8 ranks · 12 ms · partial-aggregate' (and what failed)."""
+        c = self.coverage
+        text = f"{len(c.get('answered', []))}/{len(c.get('targeted', []))} ranks · {c.get('elapsed_ms', 0):.0f} ms · {self.plan}"
+        if c.get("pruned"):
+            text += f" · {len(c['pruned'])} pruned"
+        if c.get("partial"):
+            text += f" · PARTIAL: {describe_failures(c)}"
+        return text
+
+    def __repr__(self) -> str:
+        return f"<QueryResult {0 if self.table is None else self.table.num_rows} rows · {self.footer()}>"
 
 
 class _Refused(Exception):

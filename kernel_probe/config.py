@@ -43,6 +43,13 @@ class Settings:
     root_endpoint: str | None = None  # PROBING_ROOT_ENDPOINT: explicit root, no store
     sample_interval_sec: float = 1.0  # PROBING_SAMPLE_INTERVAL_SEC: progress/pid-watch period
     role: str | None = None  # PROBING_ROLE: this rank's role until set_role() says otherwise
+    # Rank-local tables (kernel_probe.tables): ring sizes in rows; the oldest rows fall off.
+    steps_rows: int = 10000  # PROBING_STEPS_ROWS: `steps`, one row per optimizer step
+    metrics_rows: int = 10000  # PROBING_METRICS_ROWS: `metrics`, one row per kernel_probe.log()
+    memory_rows: int = 3600  # PROBING_MEMORY_ROWS: `memory`, one row per sample and device
+    collectives_rows: int = 10000  # PROBING_COLLECTIVES_ROWS: `collectives`, one row per call
+    memory_sample_sec: float = 5.0  # PROBING_MEMORY_SAMPLE_SEC: `memory` sampling period
+    collectives: bool = True  # PROBING_COLLECTIVES: 0 leaves torch.distributed's functions unwrapped
 
     def __repr__(self) -> str:  # the token must never reach a log line
         shown = {k: v for k, v in self.__dict__.items() if k != "auth_token"}
@@ -162,6 +169,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         root_endpoint=_text(env, "PROBING_ROOT_ENDPOINT"),
         sample_interval_sec=_number(env, "PROBING_SAMPLE_INTERVAL_SEC", 1.0, 0.01),
         role=_text(env, "PROBING_ROLE"),
+        steps_rows=int(_number(env, "PROBING_STEPS_ROWS", 10000, 1)),
+        metrics_rows=int(_number(env, "PROBING_METRICS_ROWS", 10000, 1)),
+        memory_rows=int(_number(env, "PROBING_MEMORY_ROWS", 3600, 1)),
+        collectives_rows=int(_number(env, "PROBING_COLLECTIVES_ROWS", 10000, 1)),
+        memory_sample_sec=_number(env, "PROBING_MEMORY_SAMPLE_SEC", 5.0, 0.01),
+        collectives=_flag(env, "PROBING_COLLECTIVES", True),
     )
 
 

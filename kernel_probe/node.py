@@ -126,6 +126,9 @@ class ProbeCore:
         self._pushed_epoch = 0
         self._push_at: float | None = None
         self._report_seq = 0
+        from .fanout import FanOut  # the query plane rides the same tree
+
+        self.fanout = FanOut(self)
         self._watched: dict[int, int] = {}  # rank -> pid under the pid watch
         self._watched_epoch = -1
 
@@ -182,6 +185,7 @@ class ProbeCore:
             effects += self._send_report(now)
         effects += self._maybe_push(now)
         effects += self._sync_watches()
+        effects += self.fanout.on_timer(now)
         return effects
 
     def _sync_watches(self) -> list[Effect]:
@@ -206,6 +210,8 @@ class ProbeCore:
                 return self._on_ack(body, now)
             if kind == "membership":
                 return self._apply_membership(body, now)
+            if kind == "subquery":
+                return self.fanout.on_subquery(env, now)
             if kind == "error" and self._outstanding and env.msg.corr_id == self._outstanding[0]:
                 return self._report_failed(now, f"parent answered {body.get('code')}")
             return []
@@ -213,6 +219,10 @@ class ProbeCore:
             return self._on_child_report(sender, env, now)
         if kind == "bye":
             return self._on_bye(body, now)
+        if kind == "query":
+            return self.fanout.on_client_query(sender, env, now)
+        if kind == "subresult":
+            return self.fanout.on_subresult(sender, env, now)
         if kind == "info_request":
             return [Send(sender, Message("info", self.info(), corr_id=env.header.msg_id))]
         if kind == "nodes_request":
@@ -253,6 +263,7 @@ class ProbeCore:
             times.append(self._outstanding[1] + self.settings.report_timeout_sec)
         if self.tier in ("root", "broker"):
             times.append(self.registry.next_deadline())
+        times.append(self.fanout.next_deadline())
         return min((t for t in times if t is not None), default=None)
 
     # --- what this rank says about itself --------------------------------------------

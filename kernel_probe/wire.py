@@ -89,9 +89,12 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     },
     "nodes_request": {},
     "nodes": {"members": list, "departures": list, "epoch": int},
-    # query plane (fields may grow); Arrow IPC travels in buffers
-    "query": {"sql": str, "deadline": (int, float)},
-    "query_result": {"status": str},
+    # query plane; Arrow IPC streams travel in buffers (see table_to_ipc)
+    "query": {"sql": str, "timeout": (int, float)},  # client -> probe
+    "query_progress": {"qid": str, "answered": int, "targeted": int},  # probe -> client, on long queries
+    "query_result": {"status": str},  # probe -> client: one buffer, the answer
+    "subquery": {"qid": str, "plan": dict, "deadline": (int, float), "ranks": list},  # parent -> child
+    "subresult": {"qid": str, "status": str, "answered": list, "failed": dict, "scans": list},  # child -> parent
     "error": {"code": str, "message": str},
 }
 
@@ -456,3 +459,26 @@ def parse_refusal(frames: list[Any]) -> tuple[str, str] | None:
         return data.decode("ascii"), run.decode("ascii")
     except Exception:
         return None
+
+
+# --------------------------------------------------------------------------- Arrow payloads
+
+
+def table_to_ipc(table: Any) -> bytes:
+    """An Arrow table as one IPC stream (the only binary payload format; never pickle)."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def ipc_to_table(data: bytes) -> Any:
+    """The table in an IPC stream from a peer; ``WireError("malformed")`` for anything else."""
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+    except Exception as exc:  # pyarrow raises several types for bad input
+        raise WireError("malformed", f"not an Arrow IPC stream: {exc}") from None

@@ -94,6 +94,9 @@ def _orders(nodes: int, per_node: int) -> dict[str, list[int]]:
 @pytest.mark.parametrize("layout", [(2, 2), (8, 4)], ids=["2x2", "8x4"])
 @pytest.mark.parametrize("gap", [0.0, 0.002], ids=["together", "2ms apart"])
 def test_converges_within_200ms_of_the_last_start_in_every_order(layout, gap):
+    """A launch: every process starts within a few ms, in any order. A child whose parent
+    is not up yet fails and retries after 50 ms, 100 ms, ...; the bound holds because the
+    parents come up early in that schedule. (Parents seconds late: the next test.)"""
     nodes, per_node = layout
     for name, order in _orders(nodes, per_node).items():
         sim = Simulation(nodes, per_node)
@@ -117,7 +120,13 @@ def test_a_parent_that_starts_seconds_late_is_reached_within_a_second(late):
     first = [r for r in range(32) if (r != 0 if late == "root" else r % 4)]
     sim.start_all(order=first)
     sim.run_for(3.0)
-    assert sim.send_failures["heartbeat"] > 0
+    for rank in first:
+        tries = [t for t, r, kind in sim.failed if r == rank and kind == "heartbeat"]
+        if tries:  # its parent is a late one: retried after 50 ms (sooner if a change is due),
+            g = gaps(tries)  # doubling to at most a second, never left for the 10 s tick
+            assert g[0] <= 0.05 and max(g + [sim.now - tries[-1]]) <= 1.0 + 1e-6, (rank, g)
+    children_of_late = set(range(4, 32, 4)) | {1, 2, 3} if late == "root" else set(first)  # brokers + root's leaves
+    assert {r for _, r, _ in sim.failed} == children_of_late
     for r in sorted(set(range(32)) - set(first)):
         sim.start(r)
     took = sim.wait_for(sim.converged, 5.0, check_every=0.001)
@@ -306,10 +315,7 @@ def test_a_frozen_broker_s_leaves_move_to_the_root_and_nothing_flaps_on_thaw(ext
     for r in (5, 6, 7):
         states = log.states(r)
         assert None not in states, log.changes[r]  # never removed
-        assert states in (["alive"], ["alive", "dead", "alive"]), log.changes[r]
-        if len(states) == 3:  # see the xfail below: a dead window until the leaf re-parents
-            (_, _), (died, _), (back, _) = log.changes[r]
-            assert back - died <= 2 * CAP + TIMEOUT - STALE + 0.1, log.changes[r]
+        assert states == ["alive"], log.changes[r]  # the grace after the broker covers the move
         assert log.changes[r][-1][0] < log.thawed  # nothing at all changes after the thaw
         assert sim.ranks[r].parent == 0  # they do not go back to the broker they left
     assert log.states(BROKER) == ["alive", "dead", None, "alive"], log.changes[BROKER]
@@ -317,11 +323,6 @@ def test_a_frozen_broker_s_leaves_move_to_the_root_and_nothing_flaps_on_thaw(ext
     healthy(sim)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "membership limit (Registry._fresh_until): a leaf behind a broker is fresh at the root only "
-    "while its broker vouches for it, and the vouch ends with the broker; the root's own evidence "
-    "of the leaf can be 18 + 18 s old, while the leaf needs up to 18 + 5 s to notice a frozen broker "
-    "and re-parent, so it can be dead at the root for up to 2*18 + 5 - 25 = 16 s"))
 def test_a_frozen_broker_s_leaves_are_never_dead_at_the_root():
     for extra in (0.0, 5.0, 11.0, 17.0):
         sim = steady()
@@ -330,10 +331,6 @@ def test_a_frozen_broker_s_leaves_are_never_dead_at_the_root():
         assert all(log.states(r) == ["alive"] for r in (5, 6, 7)), (extra, {r: log.changes[r] for r in (5, 6, 7)})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "membership limit (Registry._fresh_until): when the root itself learns that a broker is gone "
-    "(its bye, or its pid watch when they share a host), the broker's vouch ends at once and "
-    "leaves whose own evidence is older than a TTL are dead until they re-parent (~a pid poll)"))
 @pytest.mark.parametrize("how", ["leaves cleanly", "is killed on the root's host"])
 def test_a_broker_that_the_root_sees_go_takes_no_leaf_with_it(how):
     for extra in (0.0, 5.0, 11.0, 17.0):

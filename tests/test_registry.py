@@ -378,13 +378,17 @@ def test_leaf_vouched_by_fresh_broker_survives_two_hops_of_18s():
     leaf_seen = T0 + 18 * 9
     assert reg.get(LEAF).last_seen == leaf_seen
     assert reg.next_deadline() == last_batch + STALE
-    # the broker goes silent: the broker and its leaf go stale together
+    # the broker goes silent: it goes stale first; its leaf gets one report period more
+    # (the grace to notice and re-parent to the root), then goes stale too
     assert reg.tick(last_batch + STALE - 0.001) is False
     assert reg.tick(last_batch + STALE) is True
     b, leaf = reg.get(BROKER), reg.get(LEAF)
-    assert (b.state, leaf.state) == ("dead", "dead")
-    assert leaf.since == b.since == last_batch + STALE
-    assert leaf.reason == "stale"
+    assert (b.state, leaf.state) == ("dead", "alive")
+    assert reg.next_deadline() == last_batch + STALE + reg.grace_sec
+    reg.tick(last_batch + STALE + reg.grace_sec)
+    leaf = reg.get(LEAF)
+    assert leaf.state == "dead" and leaf.reason == "stale"
+    assert leaf.since == b.since + reg.grace_sec
 
 
 def test_same_reports_without_broker_go_stale():
@@ -414,14 +418,17 @@ def test_broker_that_stops_mentioning_a_leaf_stops_vouching():
     assert reg.get(BROKER).state == "alive"
 
 
-def test_broker_leaving_gives_leaf_until_its_own_ttl_or_the_bye():
+def test_broker_leaving_gives_leaf_one_report_period_to_reparent():
     reg = Registry()
     batch(reg, T0 + 17, T0)
     reg.mark_dead(BROKER, None, "left", T0 + 20)
-    # vouching ended at the bye (T0+20); the leaf's own TTL ended at T0+25
-    assert reg.next_deadline() == T0 + STALE
-    reg.tick(T0 + STALE)
-    assert reg.get(LEAF).state == "dead"
+    # vouching ended at the bye (T0+20): the leaf has one report period (18 s) more
+    # to report to the root itself, longer than its own TTL (T0+25)
+    assert reg.next_deadline() == T0 + 20 + reg.grace_sec
+    reg.tick(T0 + 20 + reg.grace_sec - 0.001)
+    assert reg.get(LEAF).state == "alive"
+    reg.observe(rep(LEAF), T0 + 30)  # it did: heard directly now
+    assert reg.get(LEAF).via is None and reg.next_deadline() == T0 + 20 + STALE  # the broker's removal
 
 
 def test_broker_verdict_dead_kills_leaf_with_its_reason():

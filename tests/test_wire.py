@@ -95,7 +95,11 @@ SAMPLES: dict[str, tuple[dict, tuple[bytes, ...]]] = {
     ),
     "nodes_request": ({}, ()),
     "nodes": ({"members": [{"rank": 0}], "departures": [], "epoch": 3}, ()),
-    "query": ({"sql": "SELECT 1", "deadline": NOW + 10.5, "ranks": [1, 2]}, ()),
+    "query": ({"sql": "SELECT 1", "timeout": 10.5, "ranks": [1, 2]}, ()),
+    "query_progress": ({"qid": "q1", "answered": 3, "targeted": 8}, ()),
+    "subquery": ({"qid": "q1", "plan": {"mode": "ship-rows"}, "deadline": NOW + 9.5, "ranks": [1, 2]}, ()),
+    "subresult": ({"qid": "q1", "status": "ok", "answered": [1], "failed": {"2": "timeout"}, "scans": ["s"]},
+                  (b"ARROW1",)),
     "query_result": ({"status": "ok"}, (b"ARROW1\x00\xff", b"", b"\x00" * 1000)),
     "error": ({"code": "sql", "message": "Parser Error: ünïcode \udc80"}, ()),
 }
@@ -218,7 +222,7 @@ def test_frames_may_be_any_bytes_like(alice, bob):
 
 def test_message_accepts_list_buffers_and_reply_sets_corr_id(alice, bob):
     assert Message("query_result", {"status": "ok"}, [b"x"]).buffers == (b"x",)
-    req = bob.decode(alice.encode(Message("query", {"sql": "SELECT 1", "deadline": 5})))
+    req = bob.decode(alice.encode(Message("query", {"sql": "SELECT 1", "timeout": 5})))
     answer = reply(req, "query_result", {"status": "ok"}, [b"arrow"])
     assert answer == Message("query_result", {"status": "ok"}, (b"arrow",), req.header.msg_id)
     env = alice.decode(bob.encode(answer))
@@ -228,7 +232,7 @@ def test_message_accepts_list_buffers_and_reply_sets_corr_id(alice, bob):
 def test_schema_type_rules(alice, bob):
     # int accepted where float is; None allowed where listed; extra keys allowed.
     for msg in (
-        Message("query", {"sql": "SELECT 1", "deadline": 12}),
+        Message("query", {"sql": "SELECT 1", "timeout": 12}),
         Message("heartbeat_ack", {"epoch": 1, "complete": False, "delta": {"1": {}}, "extra": [1]}),
     ):
         assert bob.decode(alice.encode(msg)).msg == msg
@@ -706,3 +710,19 @@ def test_caller_chosen_msg_id_is_used_and_validated(alice, bob):
     assert env.header.msg_id == "r1-7"
     with pytest.raises(ValueError):
         alice.encode(Message("info_request", {}, msg_id=""))
+
+
+
+def test_arrow_ipc_round_trip_and_garbage():
+    import pyarrow as pa
+
+    from kernel_probe.wire import ipc_to_table, table_to_ipc
+
+    t = pa.table({"a": [1, None, 3], "b": ["x", "y", None]})
+    assert ipc_to_table(table_to_ipc(t)).equals(t)
+    empty = t.slice(0, 0)
+    assert ipc_to_table(table_to_ipc(empty)).schema == t.schema
+    for junk in (b"", b"garbage", table_to_ipc(t)[:-7]):
+        with pytest.raises(WireError) as err:
+            ipc_to_table(junk)
+        assert err.value.reason == "malformed"

@@ -145,7 +145,8 @@ class Member:
     via: int | None = None  # broker that vouched for it; None = heard directly
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # a field loop, not dataclasses.asdict (10x slower, and this runs per member per push)
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Member:
@@ -191,7 +192,8 @@ class Departure:
     why: str
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # a field loop, not dataclasses.asdict (10x slower, and this runs per member per push)
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Departure:
@@ -254,6 +256,8 @@ class Registry:
         self, stale_sec: float = 25.0, departures_kept: int = 1000, tombstones_kept: int = 10000
     ) -> None:
         self.stale_sec = _float("stale_sec", stale_sec)
+        # the longest report period at this TTL (Backoff.cap at the default maximum)
+        self.grace_sec = max(0.1, self.stale_sec - self.stale_sec // 4 - 1)
         if self.stale_sec <= 0:
             raise ValueError(f"stale_sec must be > 0, got {stale_sec!r}")
         _int("departures_kept", departures_kept)
@@ -426,7 +430,12 @@ class Registry:
         if b is None:
             return own
         b_end = b.since if b.state == DEAD else b.last_seen + self.stale_sec
-        return max(own, min(b_end, v[1] + self.stale_sec))
+        vouch_end = v[1] + self.stale_sec
+        if b_end > vouch_end:  # the broker outlives its word: it stopped vouching
+            return max(own, vouch_end)
+        # The broker went first: its leaves get one report period more to find the root
+        # themselves (a leaf notices a frozen broker only at its next report).
+        return max(own, b_end + self.grace_sec)
 
     def tick(self, now: float) -> bool:
         """Apply TTLs at ``now``: stale live members die, members dead for a TTL go.

@@ -24,9 +24,11 @@ import zmq
 
 from .. import wire
 from ..config import Identity, Settings
+from ..fanout import RunJob
 from ..node import PARENT, ConnectParent, Note, ProbeCore, Send, UnwatchPid, WatchPid
 from ..progress import StallDetector, StepClock, main_stack_signature, main_thread_importing
 from . import connfile
+from .jobs import JobRunner
 from .pidwatch import PidWatch
 
 log = logging.getLogger("kernel_probe")
@@ -149,7 +151,7 @@ class ProbeThread(threading.Thread):
                 now = self.clock()
                 deadlines = [next_sample, self.core.next_deadline(), self._resolve_at]
                 wait = min(d for d in deadlines if d is not None) - now
-                events = dict(self.poller.poll(max(0, int(wait * 1000) + 1)))
+                events = dict(self.poller.poll(max(1, int(wait * 1000) + 1)))  # >= 1 ms: never spin
                 now = self.clock()
                 if router in events:
                     self._drain_router(now)
@@ -327,6 +329,8 @@ class ProbeThread(threading.Thread):
                 return
             if cmd[0] == "role":
                 self._do(self.core.update_self(now, role=cmd[1]))
+            elif cmd[0] == "job":
+                self._do(self.core.fanout.on_job_done(cmd[1], cmd[2], now))
             elif cmd[0] == "call":  # run a function on this thread (tests, clients in-process)
                 fn, box = cmd[1], cmd[2]
                 try:
@@ -366,6 +370,9 @@ class ProbeThread(threading.Thread):
                 self._pids.unwatch(effect.key)
             elif isinstance(effect, Note):
                 log.info("probing rank %d: %s", self.identity.rank, effect.text)
+            elif isinstance(effect, RunJob):
+                job_id = effect.job_id
+                self.jobs.start(effect.kind, effect.args, lambda result, j=job_id: self.submit(("job", j, result)))
 
     def _send(self, effect: Send) -> None:
         try:

@@ -33,6 +33,8 @@ What is modelled, and how:
   unrelated pid, or none, and report a false exit). A watched process that exits is
   reported ``pid_poll_sec`` later; a watch of a pid that is already gone, at the next
   poll. Each report is delivered once and forgets the watch, like ``PidWatch.poll``.
+  (Difference: the shell polls pids in its sample tick, every ``sample_interval_sec``
+  = 1 s by default; pass ``pid_poll_sec=1.0`` to model that exactly.)
 - Each live rank gets ``on_timer`` at its ``next_deadline()`` and a sample tick every
   ``sample_sec`` that calls ``update_self`` with its step, step time and stall flag,
   like the shell's ``_sample``. Every wake-up that handled an input ends with
@@ -147,6 +149,7 @@ class Simulation:
         self.messages_sent: Counter[str] = Counter()
         self.bytes_sent: Counter[str] = Counter()
         self.send_failures: Counter[str] = Counter()
+        self.failed: list[tuple[float, int, str]] = []  # (t, rank, type) of sends the parent link refused
         self.dropped: Counter[str] = Counter()  # in flight to a closed connection or a dead rank
         self.rejected: Counter[str] = Counter()  # wire.Codec rejections, by reason
         self.cross_host_watches = 0
@@ -445,6 +448,8 @@ class Simulation:
             parent = self.ranks[v.parent] if v.parent is not None else None
             if parent is None or parent.state != "up":  # IMMEDIATE: no connection, no queueing
                 self.send_failures[msg.type] += 1
+                if self.record:
+                    self.failed.append((self.now, v.rank, msg.type))
                 if feed_failure and msg.type == "heartbeat":
                     self._do(v, v.core.on_send_failed(self.now))
                 return

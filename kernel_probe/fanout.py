@@ -1,0 +1,322 @@
+"""The sans-IO core of federated queries: fan a plan out over the tree, gather what
+arrives before each hop's deadline, merge, answer up.
+
+Rules of this file:
+- No sockets, threads, clock, DuckDB or Arrow. Results travel through here as opaque
+  Arrow IPC bytes; SQL work (planning, a rank's scans, merging, finishing) is a
+  ``RunJob`` effect the shell runs on a worker thread, whose outcome comes back
+  through ``on_job_done``. The I/O thread never waits for a query.
+- Deadlines are absolute. Each hop gives its children a little less time than it has,
+  so it can still merge and answer before its own deadline — with what it has.
+- Coverage is exact: every targeted rank ends up answered or failed with a reason
+  (dead, unreachable, timeout, or the error text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .node import PARENT, Effect, Send
+from .wire import Envelope, Message
+
+if TYPE_CHECKING:
+    from .node import ProbeCore
+
+FINISH_SHARE = 0.1  # part of the remaining time the root keeps for merging and finishing
+HOP_MARGIN_MAX = 0.5  # seconds each hop keeps for itself at most
+PROGRESS_AFTER = 1.0  # a query slower than this tells its client how far it got
+PROGRESS_EVERY = 0.5
+LIVE = ("alive", "stalled")
+
+
+@dataclass(frozen=True)
+class RunJob:
+    """Run SQL work off the I/O thread; ``kind`` is plan | rank | merge | finish."""
+
+    job_id: str
+    kind: str
+    args: dict
+
+
+@dataclass
+class Session:
+    qid: str
+    origin: bytes | None  # client routing id, or PARENT for a subquery
+    corr_id: str
+    deadline: float  # when this hop must have answered
+    gather_by: float  # when it stops waiting for its children / its own scan
+    started: float
+    request: dict = field(default_factory=dict)
+    plan: dict | None = None
+    targeted: list[int] = field(default_factory=list)
+    pruned: list[int] = field(default_factory=list)
+    waiting: dict[int, list[int]] = field(default_factory=dict)  # hop rank -> ranks it answers for
+    local: bool = False  # our own scan is running
+    parts: list[tuple[list[str], list[bytes]]] = field(default_factory=list)
+    answered: set[int] = field(default_factory=set)
+    failed: dict[int, str] = field(default_factory=dict)
+    errors: list[dict] = field(default_factory=list)  # fatal errors (row cap) seen anywhere
+    bytes_in: int = 0
+    stage: str = "gather"  # plan | gather | merge | done
+    next_progress: float = 0.0
+
+
+class FanOut:
+    def __init__(self, core: "ProbeCore") -> None:
+        self.core = core
+        self.sessions: dict[str, Session] = {}
+        self._jobs: dict[str, tuple[str, str]] = {}  # job id -> (qid, kind)
+        self._seq = 0
+
+    # --- helpers ------------------------------------------------------------------------
+    def _job(self, s: Session, kind: str, args: dict) -> RunJob:
+        self._seq += 1
+        job_id = f"{s.qid}/{kind}/{self._seq}"
+        self._jobs[job_id] = (s.qid, kind)
+        return RunJob(job_id, kind, args)
+
+    @property
+    def rank(self) -> int:
+        return self.core.identity.rank
+
+    def _hop_of(self, rank: int) -> tuple[int, bytes] | None:
+        """The direct child through which ``rank`` is reached, and its routing id."""
+        member = self.core.registry.get(rank)
+        hop = member.via if member is not None and member.via is not None else rank
+        for rid, child in self.core.children.items():
+            if child.rank == hop:
+                return hop, rid
+        return None
+
+    # --- a client asks ---------------------------------------------------------------------
+    def on_client_query(self, rid: bytes, env: Envelope, now: float) -> list[Effect]:
+        body = env.msg.body
+        timeout = max(0.05, min(float(body.get("timeout") or 10.0), 3600.0))
+        qid = f"{self.core.incarnation}-q{self._seq + 1}"
+        deadline = now + timeout
+        s = Session(qid, rid, env.header.msg_id, deadline, deadline - min(2.0, timeout * FINISH_SHARE), now,
+                    request=dict(body), next_progress=now + PROGRESS_AFTER)
+        self.sessions[qid] = s
+        if self.core.tier is None:
+            return self._fail_client(s, "not_ready", "this probe has not joined its job yet; try again in a moment")
+        local = bool(body.get("local"))
+        if self.core.tier != "root" and not local:
+            return self._fail_client(s, "not_root", "only the job's root answers cluster queries; connect to the root "
+                                                    "or ask this rank alone with --local")
+        s.stage = "plan"
+        members = [] if local else [m.to_dict() for m in self.core.registry.members()]
+        args = {
+            "sql": body["sql"], "per_rank": bool(body.get("per_rank")) or local, "ranks": body.get("ranks"),
+            "members": members, "local": local, "self_rank": self.rank,
+        }
+        return [self._job(s, "plan", args)]
+
+    def _after_plan(self, s: Session, result: dict, now: float) -> list[Effect]:
+        if "error" in result:
+            return self._fail_client(s, **result["error"])
+        s.plan = result["plan"]
+        s.pruned = list(result.get("pruned", []))
+        effects: list[Effect] = []
+        targets = list(result["targets"])
+        for rank, state in result.get("unavailable", {}).items():
+            s.failed[int(rank)] = state
+        s.targeted = sorted(set(targets) | set(s.failed))
+        s.stage = "gather"
+        if s.request.get("explain"):
+            s.stage = "done"
+            self.sessions.pop(s.qid, None)
+            body = {"status": "ok", "coverage": self.coverage(s, now), "explain": s.plan.get("explain", "")}
+            return [Send(s.origin, Message("query_result", body, corr_id=s.corr_id))]
+        if s.plan.get("mode") == "root-only" or not targets:
+            return effects + self._merge(s, now)
+        effects += self._fan(s, targets, now)
+        return effects + self._maybe_merge(s, now)
+
+    def _fan(self, s: Session, targets: list[int], now: float) -> list[Effect]:
+        """Start our own scan if we are targeted; send the rest down, one message per child."""
+        effects: list[Effect] = []
+        child_deadline = s.gather_by - min(HOP_MARGIN_MAX, max(0.0, s.gather_by - now) * FINISH_SHARE)
+        by_hop: dict[int, tuple[bytes, list[int]]] = {}
+        for rank in targets:
+            if rank == self.rank:
+                s.local = True
+                effects.append(self._job(s, "rank", {"plan": s.plan, "params": s.request.get("params"),
+                                                     "deadline": s.gather_by}))
+                continue
+            hop = self._hop_of(rank)
+            if hop is None:
+                s.failed[rank] = "unreachable"
+                continue
+            by_hop.setdefault(hop[0], (hop[1], []))[1].append(rank)
+        for hop, (rid, ranks) in by_hop.items():
+            s.waiting[hop] = ranks
+            body = {"qid": s.qid, "plan": s.plan, "deadline": child_deadline, "ranks": ranks,
+                    "params": s.request.get("params")}
+            effects.append(Send(rid, Message("subquery", body)))
+        return effects
+
+    # --- a parent asks -------------------------------------------------------------------------
+    def on_subquery(self, env: Envelope, now: float) -> list[Effect]:
+        body = env.msg.body
+        qid = body["qid"]
+        deadline = float(body["deadline"])
+        ranks = [r for r in body["ranks"] if isinstance(r, int)]
+        s = Session(qid, PARENT, env.header.msg_id, deadline,
+                    deadline - min(HOP_MARGIN_MAX, max(0.0, deadline - now) * FINISH_SHARE), now,
+                    request={"params": body.get("params")}, plan=body["plan"], targeted=ranks)
+        self.sessions[qid] = s
+        if self.core.tier is None:
+            s.failed.update({r: "not ready" for r in ranks})
+            return self._answer_parent(s, [], [])
+        effects = self._fan(s, ranks, now)
+        return effects + self._maybe_merge(s, now)
+
+    # --- answers come back -----------------------------------------------------------------------
+    def on_subresult(self, rid: bytes, env: Envelope, now: float) -> list[Effect]:
+        body = env.msg.body
+        s = self.sessions.get(body["qid"])
+        child = self.core.children.get(rid)
+        if s is None or s.stage != "gather" or child is None or child.rank not in s.waiting:
+            return []  # late, or not ours: the hop already answered without it
+        ranks = s.waiting.pop(child.rank)
+        for r, reason in body["failed"].items():
+            try:
+                s.failed[int(r)] = str(reason)[:500]
+            except ValueError:
+                continue
+        s.answered.update(r for r in body["answered"] if isinstance(r, int) and r in ranks)
+        if body.get("error"):
+            s.errors.append(body["error"])
+        names = [n for n in body["scans"] if isinstance(n, str)]
+        buffers = list(env.msg.buffers)
+        s.bytes_in += sum(len(b) for b in buffers) + int(body.get("bytes_below") or 0)
+        if body["status"] == "ok" and len(names) == len(buffers):
+            s.parts.append((names, buffers))
+        for r in ranks:
+            if r not in s.answered and r not in s.failed:
+                s.failed[r] = "no answer"
+        return self._maybe_merge(s, now)
+
+    def on_job_done(self, job_id: str, result: dict, now: float) -> list[Effect]:
+        qid, kind = self._jobs.pop(job_id, (None, None))
+        s = self.sessions.get(qid) if qid else None
+        if s is None:
+            return []
+        if kind == "plan":
+            return self._after_plan(s, result, now) if s.stage == "plan" else []
+        if kind == "rank":
+            if s.stage != "gather" or not s.local:
+                return []
+            s.local = False
+            if "error" in result:
+                err = result["error"]
+                s.failed[self.rank] = err.get("message", "error")
+                if err.get("code") == "row_cap":
+                    s.errors.append(err)
+            else:
+                s.answered.add(self.rank)
+                s.parts.append((result["scans"], result["buffers"]))
+            return self._maybe_merge(s, now)
+        if kind in ("merge", "finish"):
+            return self._answer(s, result, now)
+        return []
+
+    def on_timer(self, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        for s in list(self.sessions.values()):
+            if s.stage == "gather" and now >= s.gather_by:
+                for hop, ranks in s.waiting.items():
+                    s.failed.update({r: "timeout" for r in ranks})
+                s.waiting.clear()
+                if s.local:
+                    s.local = False
+                    s.failed[self.rank] = "timeout"
+                effects += self._maybe_merge(s, now)
+            elif s.stage in ("plan", "merge") and now >= s.deadline + 1.0:
+                # the worker never came back (a stuck user table): answer anyway
+                self.sessions.pop(s.qid, None)
+                if s.origin is PARENT:
+                    s.failed.update({r: "timeout" for r in s.targeted if r not in s.failed})
+                    effects += self._answer_parent(s, [], [])
+                else:
+                    effects += self._fail_client(s, "timeout", "the query did not finish before its deadline")
+            if s.origin is not PARENT and s.stage == "gather" and now >= s.next_progress:
+                s.next_progress = now + PROGRESS_EVERY
+                effects.append(Send(s.origin, Message("query_progress", {
+                    "qid": s.qid, "answered": len(s.answered), "targeted": len(s.targeted)}, corr_id=s.corr_id)))
+        return effects
+
+    def next_deadline(self) -> float | None:
+        times = []
+        for s in self.sessions.values():
+            if s.stage == "gather":
+                times.append(s.gather_by)
+                if s.origin is not PARENT:
+                    times.append(s.next_progress)
+            elif s.stage in ("plan", "merge"):
+                times.append(s.deadline + 1.0)
+        return min(times, default=None)
+
+    # --- merge and answer ------------------------------------------------------------------------
+    def _maybe_merge(self, s: Session, now: float) -> list[Effect]:
+        if s.stage != "gather" or s.waiting or s.local:
+            return []
+        return self._merge(s, now)
+
+    def _merge(self, s: Session, now: float) -> list[Effect]:
+        s.stage = "merge"
+        if s.errors:
+            return self._answer(s, {"error": s.errors[0]}, now)
+        if s.origin is PARENT and len(s.parts) <= 1:  # a leaf: nothing to merge with
+            names, buffers = s.parts[0] if s.parts else ([], [])
+            return self._answer_parent(s, names, buffers)
+        parts = [{"scans": names, "buffers": bufs} for names, bufs in s.parts]
+        common = {"plan": s.plan, "parts": parts, "deadline": s.deadline, "params": s.request.get("params")}
+        if s.origin is PARENT:
+            return [self._job(s, "merge", common)]
+        return [self._job(s, "finish", common)]
+
+    def _answer(self, s: Session, result: dict, now: float) -> list[Effect]:
+        s.stage = "done"
+        self.sessions.pop(s.qid, None)
+        if s.origin is PARENT:
+            if "error" in result and result["error"].get("code") == "row_cap":
+                return self._answer_parent(s, [], [], error=result["error"])
+            if "error" in result:
+                for r in list(s.answered):
+                    s.failed[r] = result["error"].get("message", "merge failed")
+                s.answered.clear()
+                return self._answer_parent(s, [], [])
+            return self._answer_parent(s, result["scans"], result["buffers"])
+        if "error" in result:
+            return self._fail_client(s, **result["error"])
+        coverage = self.coverage(s, now, result.get("bytes", 0))
+        body = {"status": "ok", "coverage": coverage, "columns": result.get("columns")}
+        return [Send(s.origin, Message("query_result", body, tuple(result["buffers"]), corr_id=s.corr_id))]
+
+    def coverage(self, s: Session, now: float, _final_bytes: int = 0) -> dict:
+        failed = {str(r): reason for r, reason in sorted(s.failed.items())}
+        plan = s.plan or {}
+        return {
+            "targeted": sorted(s.targeted), "answered": sorted(s.answered), "pruned": sorted(s.pruned),
+            "failed": failed, "partial": bool(failed), "elapsed_ms": round((now - s.started) * 1000.0, 3),
+            "bytes_shipped": s.bytes_in, "plan": plan.get("mode", "?"), "explain": plan.get("explain", ""),
+        }
+
+    def _answer_parent(self, s: Session, names: list[str], buffers: list[bytes], error: dict | None = None) -> list[Effect]:
+        self.sessions.pop(s.qid, None)
+        s.stage = "done"
+        body = {"qid": s.qid, "status": "ok" if names or not error else "error", "answered": sorted(s.answered),
+                "failed": {str(r): v for r, v in s.failed.items()}, "scans": names, "bytes_below": s.bytes_in}
+        if error:
+            body["error"] = error
+            body["status"] = "error"
+        return [Send(PARENT, Message("subresult", body, tuple(buffers), corr_id=s.corr_id))]
+
+    def _fail_client(self, s: Session, code: str = "error", message: str = "", **extra: Any) -> list[Effect]:
+        self.sessions.pop(s.qid, None)
+        s.stage = "done"
+        error = {"code": code, "message": message, **{k: v for k, v in extra.items() if v is not None}}
+        body = {"status": "error", "error": error, "coverage": self.coverage(s, self.core.now)}
+        return [Send(s.origin, Message("query_result", body, corr_id=s.corr_id))]

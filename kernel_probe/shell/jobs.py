@@ -1,0 +1,189 @@
+"""SQL work of the query plane, run on worker threads (never on the I/O thread).
+
+Each job kind mirrors a ``RunJob`` of ``fanout.py``: ``plan`` (root: sqlglot plan plus
+tag pruning), ``rank`` (this rank's scans), ``merge`` (partials of a node into
+partials), ``finish`` (root: merge, then the final SQL). Results go back to the I/O
+thread as plain dicts of Arrow IPC bytes. DuckDB, pyarrow and sqlglot are imported
+here, lazily: a probe that is never queried never loads them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator
+
+from .. import wire
+
+LIVE = ("alive", "stalled")
+NONE = b""  # a scan this rank could not run (it lacks the table): no rows and no schema
+
+
+class _LocalTables(Mapping):
+    """This rank's tables, converted to Arrow only when a scan asks for one."""
+
+    def __init__(self, tables: Any) -> None:
+        self._tables = tables
+
+    def __getitem__(self, name: str):
+        return self._tables.arrow(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tables.names())
+
+    def __len__(self) -> int:
+        return len(self._tables.names())
+
+
+def _error(exc: BaseException) -> dict:
+    code = getattr(exc, "code", "error")
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if code == "error" and type(exc).__name__ not in ("QueryError", "PlanError"):
+        message = f"{type(exc).__name__}: {message}"
+    return {"error": {"code": code, "message": message[:2000], "line": getattr(exc, "line", None),
+                      "col": getattr(exc, "col", None)}}
+
+
+def _encode(scans: Mapping[str, Any]) -> dict:
+    names = list(scans)
+    return {"scans": names, "buffers": [NONE if scans[n] is None else wire.table_to_ipc(scans[n]) for n in names]}
+
+
+def _decode(parts: list[dict]) -> list[dict[str, Any]]:
+    return [{n: (None if b == NONE else wire.ipc_to_table(b)) for n, b in zip(p["scans"], p["buffers"])}
+            for p in parts]
+
+
+class JobRunner:
+    """Runs jobs for one probe. ``tags()`` gives this rank's tag values; ``nodes()`` the
+    root's membership rows (for the ``nodes`` table)."""
+
+    MAX_RUNNING = 8  # a stuck user table holds a worker; never let them pile up without bound
+
+    def __init__(self, tables: Any, tags: Callable[[], dict], nodes: Callable[[], list[dict]], *,
+                 row_cap: int, threads: int = 1, memory_limit: str = "256MB") -> None:
+        self.tables = tables
+        self.tags = tags
+        self.nodes = nodes
+        self.row_cap = row_cap
+        self._engine = None
+        self._engine_args = {"threads": threads, "memory_limit": memory_limit}
+        self._running = 0
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            from ..sql.engine import Engine
+
+            self._engine = Engine(**self._engine_args)
+        return self._engine
+
+    def start(self, kind: str, args: dict, done: Callable[[dict], None]) -> None:
+        """Run a job on its own daemon thread; ``done(result)`` is called from that thread."""
+        with self._lock:
+            if self._running >= self.MAX_RUNNING:
+                done({"error": {"code": "busy", "message": "this probe is busy with earlier queries"}})
+                return
+            self._running += 1
+
+        def work() -> None:
+            try:
+                result = self.run(kind, args)
+            except BaseException as exc:  # never let a job kill its thread silently
+                result = _error(exc)
+            finally:
+                with self._lock:
+                    self._running -= 1
+            done(result)
+
+        threading.Thread(target=work, name=f"kernel-probe-{kind}", daemon=True).start()
+
+    def run(self, kind: str, args: dict) -> dict:
+        try:
+            return getattr(self, f"_{kind}")(args)
+        except Exception as exc:
+            return _error(exc)
+
+    # --- kinds ----------------------------------------------------------------------------
+    def _plan(self, args: dict) -> dict:
+        from ..sql.planner import plan as make_plan
+
+        catalog = {name: [] for name in self.tables.names()}
+        for row in self.tables.arrow("tables").to_pylist():
+            catalog.setdefault(row["table_name"], []).append(row["column_name"])
+        p = make_plan(args["sql"], per_rank=args["per_rank"], catalog=catalog)
+        plan = dict(p.to_dict(), explain=p.explain())
+        if args["local"]:
+            return {"plan": plan, "targets": [args["self_rank"]], "pruned": [], "unavailable": {}}
+        members = args["members"]
+        wanted = args.get("ranks")
+        if wanted is not None:
+            members = [m for m in members if m["rank"] in set(wanted)]
+        chosen = {m["rank"] for m in members}
+        if p.prune:
+            import pyarrow as pa
+
+            tags = pa.table({
+                "_rank": pa.array([m["rank"] for m in members], pa.int64()),
+                "_node": pa.array([m["node"] for m in members], pa.int64()),
+                "_host": pa.array([m["host"] for m in members], pa.string()),
+                "_local_rank": pa.array([m["local_rank"] for m in members], pa.int64()),
+                "_role": pa.array([m["role"] for m in members], pa.string()),
+            })
+            kept = self.engine.run(p.prune, {"_tags": tags}, params=args.get("params"))
+            chosen = set(kept.column(0).to_pylist())
+        live = [m["rank"] for m in members if m["state"] in LIVE and m["rank"] in chosen]
+        unavailable = {m["rank"]: m["state"] for m in members if m["state"] not in LIVE and m["rank"] in chosen}
+        pruned = sorted({m["rank"] for m in members} - chosen)
+        return {"plan": plan, "targets": sorted(live), "pruned": pruned, "unavailable": unavailable}
+
+    def _plan_of(self, args: dict):
+        from ..sql.planner import Plan
+
+        return Plan.from_dict({k: v for k, v in args["plan"].items() if k != "explain"})
+
+    def _rank(self, args: dict) -> dict:
+        from ..sql.execute import run_rank
+
+        scans = run_rank(self._plan_of(args), self.engine, _LocalTables(self.tables), self.tags(),
+                         params=args.get("params"), deadline=args.get("deadline"), row_cap=self.row_cap)
+        return _encode(scans)
+
+    def _merge(self, args: dict) -> dict:
+        from ..sql.execute import merge
+
+        merged = merge(self._plan_of(args), self.engine, _decode(args["parts"]), deadline=args.get("deadline"),
+                       row_cap=self.row_cap)
+        return _encode(merged)
+
+    def _finish(self, args: dict) -> dict:
+        from ..sql.execute import finish, merge
+
+        plan = self._plan_of(args)
+        merged = merge(plan, self.engine, _decode(args["parts"]), deadline=args.get("deadline"), row_cap=self.row_cap)
+        root_tables = {"nodes": self._nodes_table()}
+        table = finish(plan, self.engine, merged, root_tables, params=args.get("params"),
+                       deadline=args.get("deadline"), row_cap=self.row_cap)
+        data = wire.table_to_ipc(table)
+        return {"buffers": [data], "columns": table.column_names, "bytes": len(data)}
+
+    def _nodes_table(self):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from ..client import NODE_COLUMNS
+
+        rows = self.nodes()
+        types = {"last_seen": pa.float64(), "since": pa.float64(), "step": pa.int64(), "step_time_ms": pa.float64(),
+                 "host": pa.string(), "endpoint": pa.string(), "role": pa.string(), "incarnation": pa.string(),
+                 "state": pa.string(), "tier": pa.string(), "reason": pa.string()}
+        schema = pa.schema([(c, types.get(c, pa.int64())) for c in NODE_COLUMNS])
+        table = pa.Table.from_pylist([{c: r.get(c) for c in NODE_COLUMNS} for r in rows], schema=schema)
+        # users read times as timestamps, as in connect().nodes()
+        for col in ("last_seen", "since"):
+            i = table.schema.get_field_index(col)
+            seconds = table.column(col)
+            micros = pc.cast(pc.multiply(seconds, 1e6), pa.int64())
+            table = table.set_column(i, col, pc.cast(micros, pa.timestamp("us", tz="UTC")))
+        return table

@@ -1,0 +1,355 @@
+"""Local SQL execution on one rank: a sandboxed DuckDB answering one read-only SELECT.
+
+Rules of this file:
+
+- Lazy imports only. ``duckdb`` and ``pyarrow`` are imported inside functions, never at
+  module level: a probe that is never queried never loads them (a test checks
+  ``sys.modules`` after ``import kernel_probe.sql.engine``).
+- One DuckDB connection per :class:`Engine`, created on first use and sandboxed **at
+  connect time**: no external access (files, network), no extension autoload/install,
+  no community/unsigned extensions, no Python replacement scans, bounded threads and
+  memory, and ``temp_directory=''`` so nothing ever spills to disk. Then
+  ``SET lock_configuration=true`` so no query can undo any of that.
+- A query is exactly one statement and it is a SELECT (``WITH ... SELECT``, ``FROM t``,
+  ``VALUES``, ``DESCRIBE``/``SHOW``/``SUMMARIZE`` are parsed by DuckDB as SELECT too).
+  Everything else is refused before anything runs (``code="refused"``). The statement
+  that runs is the very ``Statement`` object that was checked.
+- A fresh cursor per query; the caller's tables are registered on that cursor only, so
+  no query can see or replace another query's tables. Parameters bind as ``$name``
+  values, never pasted into the SQL text. The cursor is closed in every case.
+- Deadlines are absolute ``time.time()`` values. A timer interrupts the cursor at the
+  deadline (``code="timeout"``); a deadline already past means the query never runs.
+- ``row_cap`` is an error, never a truncation: the result is streamed and the query
+  fails as soon as more than ``row_cap`` rows arrived (``code="row_cap"``).
+- Every failure surfaces as :class:`QueryError`, one line for a person, with
+  ``line L, column C`` when DuckDB reports a position.
+- Thread-safe: worker threads may call :meth:`Engine.run` concurrently (cursors of one
+  connection run in parallel; creating/closing them is guarded by a lock).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # for annotations only: never imported at runtime here
+    import duckdb
+    import pyarrow as pa
+
+__all__ = ["QueryError", "Engine", "check_select"]
+
+# How many rows one streamed batch holds when a row cap is in force.
+_BATCH_ROWS = 8192
+# How often the deadline timer re-sends interrupt() once it fired (see _Watchdog).
+_INTERRUPT_REPEAT_S = 0.01
+_REFUSED_TAIL = "queries are read-only SELECTs"
+
+# Sandbox options that must be set when the database is opened: some (temp_directory,
+# enable_external_access) cannot be tightened afterwards, and lock_configuration comes last.
+_SANDBOX: dict[str, object] = {
+    "enable_external_access": False,
+    "autoload_known_extensions": False,
+    "autoinstall_known_extensions": False,
+    "allow_community_extensions": False,
+    "allow_unsigned_extensions": False,
+    # Without this, `FROM x` could resolve to a Python variable `x` of some caller frame.
+    "python_enable_replacements": False,
+    # '' = no spill directory: an in-memory database past memory_limit errors instead of
+    # writing ./.tmp (DuckDB does that even with external access off).
+    "temp_directory": "",
+}
+# Options that may not exist in every DuckDB build; dropped (never the others) if unknown.
+_OPTIONAL = ("python_enable_replacements",)
+
+_ERROR_LABEL = re.compile(r"^[A-Za-z][A-Za-z _]*? Error: ")
+_LINE_RE = re.compile(r"^LINE (\d+): ?(.*)$")
+_LEADING_NOISE = re.compile(r"^(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*", re.S)
+_WORD = re.compile(r"[A-Za-z_]+")
+
+
+class QueryError(Exception):
+    """One line for a person: what was wrong, with 'line L, column C' when known.
+
+    ``code`` is ``"refused"`` (not a single read-only SELECT), ``"syntax"``,
+    ``"timeout"``, ``"row_cap"`` or ``"error"`` (anything else from DuckDB).
+    """
+
+    def __init__(
+        self, message: str, *, code: str = "error", line: int | None = None, col: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.line = line
+        self.col = col
+
+    def __repr__(self) -> str:
+        return f"QueryError({self.message!r}, code={self.code!r}, line={self.line!r}, col={self.col!r})"
+
+
+class Engine:
+    """A sandboxed DuckDB for one probe; see the module docstring for the rules."""
+
+    def __init__(self, *, threads: int = 1, memory_limit: str = "256MB") -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive int, got {threads!r}")
+        if not isinstance(memory_limit, str) or not memory_limit.strip():
+            raise ValueError(f"memory_limit must be a size string such as '256MB', got {memory_limit!r}")
+        self._threads = threads
+        self._memory_limit = memory_limit
+        self._lock = threading.Lock()
+        self._con: duckdb.DuckDBPyConnection | None = None
+        self._closed = False
+
+    # -- connection ---------------------------------------------------------------
+
+    def _connect(self) -> duckdb.DuckDBPyConnection:
+        import duckdb
+
+        config: dict[str, object] = dict(_SANDBOX)
+        config["threads"] = self._threads
+        config["memory_limit"] = self._memory_limit
+        while True:
+            try:
+                con = duckdb.connect(":memory:", config=config)
+                break
+            except duckdb.InvalidInputException as e:
+                # Only an optional option this build does not know may be dropped.
+                unknown = [o for o in _OPTIONAL if o in config and o in str(e)]
+                if not unknown or "not recognized" not in str(e) and "unrecognized" not in str(e):
+                    raise
+                for o in unknown:
+                    del config[o]
+        con.execute("SET lock_configuration=true")
+        return con
+
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
+        # Cursor creation registers the cursor with its parent: done under the lock.
+        with self._lock:
+            if self._closed:
+                raise QueryError("the query engine is closed", code="error")
+            if self._con is None:
+                self._con = self._connect()
+            return self._con.cursor()
+
+    def _close_cursor(self, cur: duckdb.DuckDBPyConnection) -> None:
+        with self._lock:
+            try:
+                cur.close()
+            except Exception:  # already closed with its parent: nothing left to free
+                pass
+
+    def close(self) -> None:
+        """Close the connection; later :meth:`run` calls fail with QueryError."""
+        with self._lock:
+            self._closed = True
+            con, self._con = self._con, None
+        if con is not None:
+            con.close()
+
+    # -- queries ------------------------------------------------------------------
+
+    def _check(self, cur: duckdb.DuckDBPyConnection, sql: str) -> Any:
+        """Return the single SELECT statement of `sql`, or raise QueryError."""
+        import duckdb
+
+        if not isinstance(sql, str):
+            raise QueryError(f"a query is SQL text, got {type(sql).__name__}", code="refused")
+        try:
+            stmts = cur.extract_statements(sql)
+        except duckdb.Error as e:
+            raise _translate(e, sql, self._memory_limit) from None
+        bad = [s for s in stmts if s.type != duckdb.StatementType.SELECT]
+        if bad:
+            raise QueryError(f"{_verb(bad[0])} is not allowed: {_REFUSED_TAIL}", code="refused")
+        if not stmts:
+            raise QueryError(f"the query is empty: {_REFUSED_TAIL}", code="refused")
+        if len(stmts) > 1:
+            raise QueryError(
+                f"{len(stmts)} statements given, only one is allowed: {_REFUSED_TAIL}", code="refused"
+            )
+        return stmts[0]
+
+    def run(
+        self,
+        sql: str,
+        tables: Mapping[str, pa.Table],
+        *,
+        params: Mapping[str, object] | None = None,
+        deadline: float | None = None,
+        row_cap: int | None = None,
+    ) -> pa.Table:
+        """Run one read-only SELECT over `tables` (registered under their names)."""
+        import duckdb
+        import pyarrow as pa
+
+        if row_cap is not None and (isinstance(row_cap, bool) or not isinstance(row_cap, int) or row_cap < 0):
+            raise ValueError(f"row_cap must be a non-negative int or None, got {row_cap!r}")
+        cur = self._cursor()
+        watchdog: _Watchdog | None = None
+        try:
+            stmt = self._check(cur, sql)
+            if deadline is not None and deadline <= time.time():
+                raise QueryError("query interrupted at its deadline (it had passed before the query ran)",
+                                 code="timeout")
+            for name, table in tables.items():
+                if not isinstance(name, str) or not name:
+                    raise QueryError(f"table names must be non-empty strings, got {name!r}")
+                try:
+                    cur.register(name, table)  # on this cursor only: gone when it closes
+                except duckdb.Error as e:
+                    raise QueryError(f"cannot register table {name!r}: {_translate(e, '', '')}") from None
+            if deadline is not None:
+                watchdog = _Watchdog(cur, deadline)
+            try:
+                # The checked Statement object runs, not a re-parse of the text.
+                rel = cur.sql(stmt, params=dict(params) if params else None)
+                if row_cap is None:
+                    return rel.to_arrow_table()
+                return _capped(rel, row_cap)
+            except duckdb.InterruptException:
+                raise QueryError("query interrupted at its deadline", code="timeout") from None
+            except duckdb.Error as e:
+                raise _translate(e, stmt.query, self._memory_limit) from None
+            except (pa.ArrowException, OSError) as e:
+                # An error while streaming reaches us through the Arrow C stream as an
+                # OSError carrying DuckDB's text: same translation, interrupt included.
+                if watchdog is not None and watchdog.fired and "Interrupted" in str(e):
+                    raise QueryError("query interrupted at its deadline", code="timeout") from None
+                raise _translate(e, stmt.query, self._memory_limit) from None
+        finally:
+            if watchdog is not None:
+                watchdog.stop()  # joined: no interrupt() reaches a closed cursor
+            self._close_cursor(cur)
+
+
+class _Watchdog:
+    """Interrupts a cursor at an absolute deadline.
+
+    Once fired it repeats interrupt() until stopped: an interrupt that lands just before
+    the query starts executing would otherwise be lost and the query run unbounded.
+    """
+
+    def __init__(self, cur: duckdb.DuckDBPyConnection, deadline: float) -> None:
+        self._cur = cur
+        self._done = threading.Event()
+        self.fired = False
+        self._timer = threading.Timer(max(0.0, deadline - time.time()), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        while not self._done.is_set():
+            try:
+                self._cur.interrupt()
+            except Exception:  # cursor already closed: the query is over
+                return
+            self._done.wait(_INTERRUPT_REPEAT_S)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._timer.cancel()
+        self._timer.join()
+
+
+def _capped(rel: Any, row_cap: int) -> pa.Table:
+    """Stream `rel` and fail as soon as more than `row_cap` rows arrived."""
+    import pyarrow as pa
+
+    # One extra row per batch at most is enough to detect the overflow early.
+    reader = rel.to_arrow_reader(max(1, min(_BATCH_ROWS, row_cap + 1)))
+    batches = []
+    seen = 0
+    for batch in reader:
+        seen += batch.num_rows
+        if seen > row_cap:
+            reader.close()
+            raise QueryError(
+                f"the result has more than {row_cap} rows (the row cap): filter, aggregate or add a LIMIT",
+                code="row_cap",
+            )
+        batches.append(batch)
+    return pa.Table.from_batches(batches, schema=reader.schema)
+
+
+def _verb(stmt: Any) -> str:
+    """What a refused statement is, in the user's words where possible (INSTALL, RESET)."""
+    m = _WORD.match(_LEADING_NOISE.sub("", stmt.query, count=1))
+    word = m.group(0).upper() if m else ""
+    if not word or word == "WITH":  # WITH ... INSERT: the type says more than the first word
+        return stmt.type.name.replace("_", " ")
+    return word
+
+
+def _position(text: str, sql: str) -> tuple[int | None, int | None]:
+    """(line, column), 1-based, from DuckDB's 'LINE n: ...' plus caret lines; best effort."""
+    lines = text.splitlines()
+    for i, ln in enumerate(lines):
+        m = _LINE_RE.match(ln)
+        if not m:
+            continue
+        line_no = int(m.group(1))
+        shown = m.group(2)
+        prefix = len(ln) - len(shown)
+        caret_line = lines[i + 1] if i + 1 < len(lines) else ""
+        caret = caret_line.find("^")
+        if caret < prefix:
+            return line_no, None
+        col = caret - prefix  # 0-based within what DuckDB showed
+        if shown.startswith("..."):
+            # DuckDB shows a window of a long line: locate it in the real line.
+            src = sql.splitlines()
+            real = src[line_no - 1] if 0 < line_no <= len(src) else ""
+            body = shown[3:]
+            if body.endswith("..."):
+                body = body[:-3]
+            start = real.find(body[: max(1, min(len(body), 40))]) if body else -1
+            if start < 0:
+                return line_no, None
+            col = start + (col - 3)
+        return line_no, col + 1
+    return None, None
+
+
+def _translate(e: Exception, sql: str, memory_limit: str) -> QueryError:
+    """DuckDB exception -> QueryError: first line without its label, position if given."""
+    import duckdb
+
+    text = str(e)
+    lines = text.splitlines()
+    first = lines[0] if lines else type(e).__name__
+    msg = _ERROR_LABEL.sub("", first, count=1).strip() or first
+    hints = [ln.strip() for ln in lines[1:] if ln.strip().startswith("Did you mean")]
+    if hints:
+        msg = f"{msg} {hints[0]}"
+    if isinstance(e, duckdb.OutOfMemoryException):
+        # The label carries the meaning here; nothing spills by design.
+        msg = f"out of memory (limit {memory_limit}, no spilling to disk): {msg}"
+    line, col = _position(text, sql)
+    if line is not None:
+        msg = f"{msg} (line {line}, column {col})" if col is not None else f"{msg} (line {line})"
+    parser = isinstance(e, duckdb.ParserException) or first.startswith("Parser Error:")
+    code = "syntax" if parser else "error"
+    return QueryError(msg, code=code, line=line, col=col)
+
+
+_checker: Engine | None = None
+_checker_lock = threading.Lock()
+
+
+def check_select(sql: str) -> None:
+    """Raise QueryError unless `sql` is exactly one read-only SELECT; runs nothing."""
+    global _checker
+    with _checker_lock:
+        if _checker is None:
+            # Its own small sandboxed engine: parsing needs a connection, never any data.
+            _checker = Engine(threads=1, memory_limit="16MB")
+        checker = _checker
+    cur = checker._cursor()
+    try:
+        checker._check(cur, sql)
+    finally:
+        checker._close_cursor(cur)

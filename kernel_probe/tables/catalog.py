@@ -1,0 +1,195 @@
+"""``LocalTables``: every table this rank can answer, recorded cheaply, converted on demand.
+
+Threads: the training thread only calls ``log`` and the optimizer hooks of ``steps``
+(each an O(1) append of one tuple to a bounded deque; no lock, no I/O). The probe
+thread calls ``sample`` about once a second, and ``names`` / ``arrow`` when a query
+asks. Registering user tables takes a lock held only for a dict update.
+
+Built-in tables (columns in ``convert.SCHEMAS``):
+
+- ``stacks``       every thread's live Python stack at query time
+- ``steps``        one row per optimizer step (torch's global optimizer hooks), plus the
+                   latest value of each key logged with the same ``step=``
+- ``memory``       sampled every PROBING_MEMORY_SAMPLE_SEC: rss, cpu %, CUDA per device
+- ``metrics``      ``log(**values)`` rows: ts + the union of logged keys
+- ``collectives``  torch.distributed calls made from Python (not DDP's C++ all-reduce)
+- ``process``      one row: pid, host, python, torch, argv, start_time, threads
+- ``env``          the environment, secret-looking names redacted
+- ``tables``       the catalog: table_name, column_name, column_type (Arrow type)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from typing import Any, Callable
+
+from ..config import Settings
+from ..progress import StepClock
+from . import convert, live
+from .recorders import Collectives, MemorySampler
+from .ring import Ring
+
+log = logging.getLogger("kernel_probe")
+
+BUILTIN_TABLES = ("collectives", "env", "memory", "metrics", "process", "stacks", "steps", "tables")
+RESERVED_NAMES = frozenset(BUILTIN_TABLES) | {"nodes", "cluster"}  # nodes / cluster.nodes: the probe's
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_now = time.time
+
+
+class TableError(Exception):
+    """A table could not be produced (a user callable raised, data not convertible).
+    ``str()`` is one line: ``table 'name': ExceptionType: first line of its message``."""
+
+    def __init__(self, table: str, message: str) -> None:
+        super().__init__(message)
+        self.table = table
+
+
+def _one_line(table: str, exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    detail = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    if len(detail) > 300:
+        detail = detail[:297] + "..."
+    return f"table {table!r}: {detail}"
+
+
+class LocalTables:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.steps = StepClock(rows=settings.steps_rows)
+        self._metrics = Ring(settings.metrics_rows)
+        self._metrics_append = self._metrics.append
+        self._memory = MemorySampler(settings.memory_rows, settings.memory_sample_sec)
+        self._collectives = Collectives(settings.collectives_rows, enabled=settings.collectives)
+        self._user: dict[str, Any] = {}
+        self._providers: dict[str, Callable[[], Any]] = {}
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    # --- the training thread ------------------------------------------------------------
+    def log(self, **values: Any) -> None:
+        """A row in ``metrics``: now + the given keys. O(1): the values are kept as given
+        (tensors too, converted with ``.item()`` at query time) — pass ``float(loss)``
+        to avoid holding tensors."""
+        if values:
+            self._metrics_append((_now(), values))
+
+    # --- any thread -----------------------------------------------------------------------
+    def table(self, name: str, data: Any) -> None:
+        """Register (or replace) a user table: a pandas DataFrame, a list of dicts, a dict
+        of columns, a pyarrow Table, or a callable returning one of those (called at query
+        time, on the probe thread). Data is converted when queried, so a list that keeps
+        growing is seen as it is at that moment."""
+        if not isinstance(name, str) or not _IDENTIFIER.match(name):
+            raise ValueError(f"table name must be an identifier ([A-Za-z_][A-Za-z0-9_]*), got {name!r}")
+        if name in RESERVED_NAMES:
+            raise ValueError(f"table name {name!r} is a built-in table")
+        if not callable(data) and not convert.is_table_data(data):
+            raise TypeError("table data must be a pandas DataFrame, a list of dicts, a pyarrow Table "
+                            f"or a callable returning one, got {type(data).__name__}")
+        with self._lock:
+            self._user[name] = data
+
+    def drop(self, name: str) -> None:
+        """Forget a user table (no error when unknown)."""
+        with self._lock:
+            self._user.pop(name, None)
+
+    def provide(self, name: str, fn: Callable[[], Any]) -> None:
+        """For the probe itself: a table served by ``fn()`` (Arrow, DataFrame or rows)
+        that may use a reserved name, e.g. ``nodes``; it is listed in ``names()`` and the
+        catalog like any other."""
+        if not _IDENTIFIER.match(name) or name in BUILTIN_TABLES:
+            raise ValueError(f"cannot provide table {name!r}")
+        with self._lock:
+            self._providers[name] = fn
+
+    # --- the probe thread --------------------------------------------------------------------
+    def sample(self, now: float) -> None:
+        """Every ~1 s from the probe thread. Installs the optimizer hooks and the
+        collective wrappers once the application has loaded torch (never imports it), and
+        samples ``memory`` when PROBING_MEMORY_SAMPLE_SEC has elapsed. Never raises."""
+        for what, fn in (("optimizer hooks", self.steps.install_torch_hooks),
+                         ("collective wrappers", self._collectives.install),
+                         ("memory sample", lambda: self._memory.maybe_sample(now))):
+            try:
+                fn()
+            except Exception as exc:
+                if what not in self._warned:
+                    self._warned.add(what)
+                    log.warning("probing: %s failed: %s: %s", what, type(exc).__name__, exc)
+
+    def close(self) -> None:
+        """Remove the optimizer hooks and restore torch.distributed's functions."""
+        self.steps.remove_hooks()
+        self._collectives.uninstall()
+
+    # --- queries -----------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted({*BUILTIN_TABLES, *self._user, *self._providers})
+
+    def arrow(self, name: str):
+        """The table now, as a ``pyarrow.Table``. KeyError for an unknown name; TableError
+        (one line) when it cannot be produced."""
+        builtin = getattr(self, f"_arrow_{name}", None) if name in BUILTIN_TABLES else None
+        if builtin is not None:
+            source: Any = builtin
+            make = builtin
+        else:
+            with self._lock:
+                if name in self._providers:
+                    source = self._providers[name]
+                elif name in self._user:
+                    source = self._user[name]
+                else:
+                    raise KeyError(f"no table named {name!r}")
+            make = (lambda: convert.user_table(source())) if callable(source) else (lambda: convert.user_table(source))
+        try:
+            return make()
+        except TableError:
+            raise
+        except Exception as exc:
+            raise TableError(name, _one_line(name, exc)) from exc
+
+    def schema(self, name: str):
+        """The table's Arrow schema (built-ins without converting any rows)."""
+        if name in convert.SCHEMAS and name not in ("steps", "metrics"):
+            return convert.schema(name)
+        return self.arrow(name).schema
+
+    # --- built-ins -----------------------------------------------------------------------------
+    def _arrow_stacks(self):
+        return convert.rows_table("stacks", live.stack_rows())
+
+    def _arrow_steps(self):
+        return convert.steps_table(self.steps.snapshot(), self._metrics.snapshot())
+
+    def _arrow_memory(self):
+        return convert.rows_table("memory", self._memory.rows.snapshot())
+
+    def _arrow_metrics(self):
+        return convert.metrics_table(self._metrics.snapshot())
+
+    def _arrow_collectives(self):
+        return convert.rows_table("collectives", self._collectives.rows.snapshot())
+
+    def _arrow_process(self):
+        return convert.rows_table("process", [live.process_row(self.settings.node_host)])
+
+    def _arrow_env(self):
+        return convert.rows_table("env", live.env_rows())
+
+    def _arrow_tables(self):
+        rows = []
+        for name in self.names():
+            try:
+                sch = self.schema(name)
+            except Exception:  # a failing user table is left out of the catalog, not an error
+                continue
+            rows.extend((name, field.name, str(field.type)) for field in sch)
+        return convert.rows_table("tables", rows)

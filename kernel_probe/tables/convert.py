@@ -1,0 +1,151 @@
+"""Rows to Arrow, at query time only. pyarrow is imported inside these functions, and
+pandas never (a DataFrame can only arrive from an application that already loaded it)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+# Column names and Arrow types of the built-in tables: an empty table keeps its schema.
+SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
+    "stacks": (("thread_id", "int64"), ("thread_name", "string"), ("is_main", "bool"), ("depth", "int64"),
+               ("function", "string"), ("file", "string"), ("line", "int64")),
+    "steps": (("step", "int64"), ("start", "float64"), ("duration_ms", "float64")),
+    "memory": (("ts", "float64"), ("rss_bytes", "int64"), ("cpu_percent", "float64"), ("device", "string"),
+               ("allocated_bytes", "int64"), ("reserved_bytes", "int64")),
+    "metrics": (("ts", "float64"),),
+    "collectives": (("ts", "float64"), ("op", "string"), ("bytes", "int64"), ("duration_ms", "float64"),
+                    ("async_op", "bool")),
+    "process": (("pid", "int64"), ("host", "string"), ("python", "string"), ("torch", "string"),
+                ("argv", "string"), ("start_time", "float64"), ("threads", "int64")),
+    "env": (("name", "string"), ("value", "string")),
+    "tables": (("table_name", "string"), ("column_name", "string"), ("column_type", "string")),
+}
+# metrics keys that are not joined into `steps` (they would collide with its own columns)
+STEPS_OWN = frozenset({"ts", "step", "start", "duration_ms"})
+_BASIC = frozenset({int, float, str, bool, bytes, type(None)})
+
+
+def _pa():
+    import pyarrow
+
+    return pyarrow
+
+
+def schema(name: str):
+    pa = _pa()
+    return pa.schema([pa.field(col, getattr(pa, "bool_" if typ == "bool" else typ)()) for col, typ in SCHEMAS[name]])
+
+
+def rows_table(name: str, rows: list[tuple]):
+    """A built-in table from its row tuples (in SCHEMAS order)."""
+    pa = _pa()
+    sch = schema(name)
+    columns = list(zip(*rows)) if rows else [()] * len(sch)
+    return pa.Table.from_arrays([pa.array(col, type=f.type) for col, f in zip(columns, sch)], schema=sch)
+
+
+def plain(value: Any) -> Any:
+    """A logged value as a Python scalar: numpy scalars and one-element tensors via
+    ``.item()`` (on a CUDA tensor that waits for the device, on this thread)."""
+    if type(value) in _BASIC:
+        return value
+    item = getattr(value, "item", None)
+    if item is not None and callable(item):
+        try:
+            return item()
+        except Exception:
+            return value
+    return value
+
+
+def infer_array(values: list):
+    """Arrow's own inference; a column it cannot type (mixed kinds, huge ints) becomes text."""
+    pa = _pa()
+    try:
+        return pa.array(values)
+    except Exception:
+        return pa.array([None if v is None else str(v) for v in values], type=pa.string())
+
+
+def _ordered_keys(dicts) -> list[str]:
+    keys: dict[str, None] = {}
+    for d in dicts:
+        for k in d:
+            keys[k] = None
+    return list(keys)
+
+
+def metrics_table(rows: list[tuple[float, dict]]):
+    """ts, then one column per key ever logged (first-seen order; missing -> NULL).
+    A logged key named ``ts`` is ignored (the column is the log time)."""
+    pa = _pa()
+    keys = [k for k in _ordered_keys(vals for _, vals in rows) if k != "ts"]
+    arrays = [pa.array([r[0] for r in rows], type=pa.float64())]
+    arrays += [infer_array([plain(vals.get(k)) for _, vals in rows]) for k in keys]
+    return pa.Table.from_arrays(arrays, names=["ts", *keys])
+
+
+def _step_key(value: Any) -> int | None:
+    value = plain(value)
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def steps_table(step_rows: list[tuple], metric_rows: list[tuple[float, dict]]):
+    """steps, plus every key logged together with ``step=``: its latest value for that step."""
+    latest: dict[tuple[int, str], Any] = {}
+    keys: dict[str, None] = {}
+    for _ts, vals in metric_rows:
+        if "step" not in vals:
+            continue
+        step = _step_key(vals["step"])
+        if step is None:
+            continue
+        for k, v in vals.items():
+            if k not in STEPS_OWN:
+                keys[k] = None
+                latest[(step, k)] = v
+    table = rows_table("steps", step_rows)
+    for k in keys:
+        table = table.append_column(k, infer_array([plain(latest.get((r[0], k))) for r in step_rows]))
+    return table
+
+
+def user_table(data: Any):
+    """A user table's data (DataFrame, list of dicts, dict of columns, Arrow) as Arrow."""
+    pa = _pa()
+    if isinstance(data, pa.Table):
+        return data
+    if isinstance(data, pa.RecordBatch):
+        return pa.Table.from_batches([data])
+    pd = sys.modules.get("pandas")
+    if pd is not None and isinstance(data, pd.DataFrame):
+        # a RangeIndex is dropped, any other index becomes columns
+        return pa.Table.from_pandas(data, preserve_index=None).replace_schema_metadata(None)
+    if isinstance(data, (list, tuple)):
+        rows = list(data)
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise TypeError(f"row {i} is a {type(row).__name__}, not a dict")
+        keys = _ordered_keys(rows)
+        return pa.Table.from_arrays([infer_array([plain(r.get(k)) for r in rows]) for k in keys], names=keys)
+    if isinstance(data, dict):
+        return pa.table({str(k): (v if isinstance(v, (pa.Array, pa.ChunkedArray)) else infer_array([plain(x) for x in v]))
+                         for k, v in data.items()})
+    raise TypeError(f"expected a pandas DataFrame, a list of dicts or a pyarrow Table, got {type(data).__name__}")
+
+
+def is_table_data(data: Any) -> bool:
+    """Cheap check at registration time, without importing pandas or pyarrow."""
+    if isinstance(data, (list, tuple, dict)):
+        return True
+    pd, pa = sys.modules.get("pandas"), sys.modules.get("pyarrow")
+    if pd is not None and isinstance(data, pd.DataFrame):
+        return True
+    return pa is not None and isinstance(data, (pa.Table, pa.RecordBatch))

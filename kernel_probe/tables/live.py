@@ -1,0 +1,64 @@
+"""Tables computed at query time, not recorded: stacks, process, env."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shlex
+import socket
+import sys
+import threading
+
+from ..progress import torch_initialized
+
+REDACTED = "<redacted>"
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE", re.IGNORECASE)
+
+
+def stack_rows() -> list[tuple]:
+    """(thread_id, thread_name, is_main, depth, function, file, line) for every frame of
+    every thread, depth 0 = innermost; the main thread first, then by thread id."""
+    frames = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    rows: list[tuple] = []
+    for tid in sorted(frames, key=lambda t: (t != main, t)):
+        frame = frames[tid]
+        name, is_main, depth = names.get(tid), tid == main, 0
+        while frame is not None:
+            code = frame.f_code
+            rows.append((tid, name, is_main, depth, code.co_name, code.co_filename, frame.f_lineno))
+            frame = frame.f_back
+            depth += 1
+    del frames, frame
+    return rows
+
+
+def process_row(host: str | None = None) -> tuple:
+    """(pid, host, python, torch, argv, start_time, threads); torch is NULL until the
+    application loaded it; threads counts OS threads (native ones included)."""
+    import psutil
+
+    proc = psutil.Process()
+    torch_version = getattr(sys.modules.get("torch"), "__version__", None) if torch_initialized() else None
+    argv = getattr(sys, "argv", None) or []
+    try:
+        argv_text = shlex.join(str(a) for a in argv)
+    except Exception:
+        argv_text = " ".join(map(str, argv))
+    with proc.oneshot():
+        start, threads = float(proc.create_time()), int(proc.num_threads())
+    return (os.getpid(), host or socket.gethostname(), platform.python_version(),
+            None if torch_version is None else str(torch_version), argv_text, start, threads)
+
+
+def is_secret(name: str) -> bool:
+    return SECRET_NAME.search(name) is not None
+
+
+def env_rows() -> list[tuple[str, str]]:
+    """(name, value) of this process's environment, sorted; secret-looking names redacted.
+
+    (This displays the environment; configuration is still read only by config.py.)"""
+    return [(k, REDACTED if is_secret(k) else v) for k, v in sorted(os.environ.copy().items())]

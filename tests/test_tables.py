@@ -1,0 +1,361 @@
+"""Rank-local tables: bounded O(1) recording, real torch hooks and collectives, Arrow on demand."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import platform
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+from kernel_probe.config import Settings, load_settings
+from kernel_probe.progress import StepClock
+from kernel_probe.tables import BUILTIN_TABLES, LocalTables, Ring, TableError
+from kernel_probe.tables.recorders import make_wrapper
+
+
+def make_tables(**overrides) -> LocalTables:
+    return LocalTables(dataclasses.replace(Settings(), **overrides))
+
+
+@pytest.fixture
+def tables():
+    t = make_tables()
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+# --- rings -----------------------------------------------------------------------------------
+
+
+def test_ring_keeps_only_the_newest_rows():
+    ring = Ring(5)
+    for i in range(15):
+        ring.append((i,))
+    assert len(ring) == 5 and ring.snapshot() == [(i,) for i in range(10, 15)]
+
+
+def test_recording_is_bounded_and_does_not_grow():
+    t = make_tables(metrics_rows=100, steps_rows=10)
+    for i in range(300):
+        t.log(step=i, loss=i / 10)
+    rows = t.arrow("metrics").to_pylist()
+    assert len(rows) == 100 and [r["step"] for r in rows] == list(range(200, 300))
+
+    clock = StepClock(rows=10)
+    for _ in range(30):
+        clock.on_step()
+    assert [r[0] for r in clock.snapshot()] == list(range(21, 31))
+
+    # rings full: another 20000 records allocate nothing that stays
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(20000):
+            clock.on_step()
+            t.log(step=i, loss=0.5)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 * 1024, grown
+    assert len(clock.rows) == 10 and len(t._metrics) == 100
+
+
+def test_step_clock_keeps_its_old_contract():
+    now = [100.0]
+    clock = StepClock(clock=lambda: now[0], wall=lambda: 1000.0 + now[0])
+    assert (clock.step, clock.step_time_ms) == (None, None)
+    clock.on_step()
+    assert (clock.step, clock.step_time_ms) == (1, None)
+    now[0] = 100.25
+    clock.on_step()
+    assert clock.step == 2 and clock.step_time_ms == pytest.approx(250.0)
+    assert clock.snapshot() == [(1, 1100.0, None), (2, 1100.0, pytest.approx(250.0))]
+    assert clock.install_torch_hooks() in (True, False)  # never raises, torch loaded or not
+    clock.remove_hooks()
+
+
+# --- steps from a real optimizer ---------------------------------------------------------------
+
+
+def test_steps_are_recorded_by_torch_global_optimizer_hooks(torch, tables):
+    tables.sample(time.time())  # the probe thread's tick installs the hooks
+    assert tables.steps.hooks_installed
+
+    # "training code" that knows nothing about the probe, except log()
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    for i in range(5):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        time.sleep(0.002)
+        opt.step()
+        tables.log(step=i + 1, loss=loss.item())
+    tables.log(step=3, loss=42.0, lr=0.01)  # the latest value per step and key wins
+
+    assert tables.steps.step == 5 and tables.steps.step_time_ms > 0
+    rows = tables.arrow("steps").to_pylist()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["duration_ms"] > 0 for r in rows)
+    starts = [r["start"] for r in rows]
+    assert starts == sorted(starts) and abs(starts[0] - time.time()) < 60
+    assert rows[2]["loss"] == 42.0 and rows[2]["lr"] == 0.01 and rows[0]["lr"] is None
+    assert all(isinstance(r["loss"], float) for r in rows)
+
+
+# --- metrics ---------------------------------------------------------------------------------------
+
+
+def test_metrics_union_columns_with_nulls(tables):
+    tables.log(a=1)
+    tables.log(b="x")
+    tables.log(a=2.5, c=True)
+    tables.log(d=1)
+    tables.log(d="text", ts=5)  # mixed kinds -> text; a logged "ts" does not replace the log time
+    table = tables.arrow("metrics")
+    assert table.column_names == ["ts", "a", "b", "c", "d"]
+    assert [str(table.schema.field(c).type) for c in table.column_names] == ["double", "double", "string", "bool", "string"]
+    rows = table.to_pylist()
+    assert [r["a"] for r in rows] == [1.0, None, 2.5, None, None]
+    assert [r["b"] for r in rows] == [None, "x", None, None, None]
+    assert [r["d"] for r in rows] == [None, None, None, "1", "text"]
+    assert all(abs(r["ts"] - time.time()) < 60 for r in rows)
+
+
+def test_metrics_accept_numpy_and_tensor_scalars(torch, tables):
+    import numpy as np
+
+    tables.log(step=np.int64(1), loss=torch.tensor(0.5), acc=np.float32(0.25))
+    assert tables.arrow("metrics").to_pylist()[0] | {"ts": 0} == {"ts": 0, "step": 1, "loss": 0.5, "acc": 0.25}
+
+
+# --- stacks --------------------------------------------------------------------------------------------
+
+
+def test_stacks_from_another_thread_show_the_main_thread():
+    box = []
+    worker = threading.Thread(target=lambda: box.append(make_tables().arrow("stacks")), name="asker")
+    worker.start()
+    worker.join()  # the main thread waits here, inside this test function
+    rows = box[0].to_pylist()
+    main = [r for r in rows if r["is_main"]]
+    assert main and {r["thread_id"] for r in main} == {threading.main_thread().ident}
+    assert any(r["function"] == "test_stacks_from_another_thread_show_the_main_thread"
+               and r["file"] == __file__ and r["line"] > 0 for r in main)
+    assert [r["depth"] for r in main] == list(range(len(main)))
+    assert any(r["thread_name"] == "asker" and not r["is_main"] for r in rows)
+
+
+# --- memory -----------------------------------------------------------------------------------------------
+
+
+def test_memory_samples_on_its_period():
+    t = make_tables(memory_sample_sec=5.0)
+    t.sample(100.0)
+    t.sample(101.0)  # not due yet
+    t.sample(105.5)
+    rows = t.arrow("memory").to_pylist()
+    assert [r["ts"] for r in rows] == [100.0, 105.5]
+    for r in rows:  # this process has not initialised CUDA
+        assert r["rss_bytes"] > 0 and r["cpu_percent"] >= 0
+        assert r["device"] is None and r["allocated_bytes"] is None and r["reserved_bytes"] is None
+
+
+# --- collectives -------------------------------------------------------------------------------------------
+
+
+def test_collectives_are_timed_without_changing_behaviour(torch, tmp_path):
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "barrier", "broadcast")}
+    t = make_tables()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        t.sample(time.time())
+        assert dist.all_reduce is not originals["all_reduce"]
+        assert dist.all_reduce.__wrapped__ is originals["all_reduce"] and dist.all_reduce.__name__ == "all_reduce"
+        assert pickle.loads(pickle.dumps(dist.all_reduce)) is dist.all_reduce
+
+        tensor = torch.arange(4, dtype=torch.float32)
+        assert dist.all_reduce(tensor) is None
+        assert tensor.tolist() == [0.0, 1.0, 2.0, 3.0]  # world of one: the sum is itself
+        work = dist.all_reduce(tensor, dist.ReduceOp.SUM, None, True)  # async_op positionally
+        work.wait()
+        dist.broadcast(torch.ones(2, 3, dtype=torch.float64), src=0)
+        dist.barrier()
+
+        for bad in ("not a tensor", None):  # the same exception as the original, unchanged
+            with pytest.raises(Exception) as wrapped_exc:
+                dist.all_reduce(bad)
+            with pytest.raises(Exception) as original_exc:
+                originals["all_reduce"](bad)
+            assert type(wrapped_exc.value) is type(original_exc.value)
+            assert str(wrapped_exc.value) == str(original_exc.value)
+
+        rows = t.arrow("collectives").to_pylist()
+        assert [(r["op"], r["bytes"], r["async_op"]) for r in rows] == [
+            ("all_reduce", 16, False), ("all_reduce", 16, True), ("broadcast", 48, False), ("barrier", 0, False)]
+        assert all(r["duration_ms"] >= 0 and abs(r["ts"] - time.time()) < 60 for r in rows)
+    finally:
+        t.close()
+        dist.destroy_process_group()
+    assert all(getattr(dist, name) is fn for name, fn in originals.items())
+
+
+def test_collective_wrapper_swallows_its_own_recording_errors():
+    def op(x, async_op=False):
+        return ("result", x)
+
+    def broken_append(_row):
+        raise RuntimeError("ring broke")
+
+    wrapped = make_wrapper(op, "op", broken_append, tensor_type=int, is_compiling=None)
+    assert wrapped(3) == ("result", 3) and wrapped.__wrapped__ is op
+
+    rows = []
+    wrapped = make_wrapper(op, "op", rows.append, tensor_type=int, is_compiling=lambda: True)
+    assert wrapped(3) == ("result", 3) and rows == []  # under torch.compile: the original only
+
+
+# --- process, env ----------------------------------------------------------------------------------------------
+
+
+def test_process_row(torch, tables):
+    rows = tables.arrow("process").to_pylist()
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["pid"] == os.getpid() and row["python"] == platform.python_version()
+    assert row["torch"] == torch.__version__ and row["host"]
+    assert 0 < row["start_time"] <= time.time() and row["threads"] >= 1
+    assert isinstance(row["argv"], str)
+
+
+def test_env_redacts_secret_looking_names(tables, monkeypatch):
+    monkeypatch.setenv("PROBING_AUTH_TOKEN", "hunter2")
+    monkeypatch.setenv("my_Api_Key", "k")
+    monkeypatch.setenv("DB_PASSWD", "p")
+    monkeypatch.setenv("KP_PLAIN_SETTING", "visible")
+    env = {r["name"]: r["value"] for r in tables.arrow("env").to_pylist()}
+    assert env["PROBING_AUTH_TOKEN"] == env["my_Api_Key"] == env["DB_PASSWD"] == "<redacted>"
+    assert env["KP_PLAIN_SETTING"] == "visible"
+    assert "hunter2" not in str(tables.arrow("env").to_pydict())
+
+
+# --- user tables and the catalog -------------------------------------------------------------------------------
+
+
+def test_user_tables_from_every_kind_of_data(tables):
+    import pandas as pd
+    import pyarrow as pa
+
+    tables.table("frame", pd.DataFrame({"a": [1, 2], "b": ["x", "y"]}))
+    tables.table("dicts", [{"a": 1}, {"a": 2, "c": 0.5}])
+    tables.table("arrow", pa.table({"z": pa.array([True])}))
+    calls = []
+    tables.table("live", lambda: calls.append(1) or [{"n": len(calls)}])
+    assert tables.arrow("frame").to_pydict() == {"a": [1, 2], "b": ["x", "y"]}
+    assert tables.arrow("dicts").to_pydict() == {"a": [1, 2], "c": [None, 0.5]}
+    assert tables.arrow("arrow").to_pydict() == {"z": [True]}
+    assert tables.arrow("live").to_pydict() == {"n": [1]} and tables.arrow("live").to_pydict() == {"n": [2]}
+    tables.table("dicts", [{"q": "replaced"}])
+    assert tables.arrow("dicts").to_pydict() == {"q": ["replaced"]}
+    assert {"frame", "dicts", "arrow", "live"} <= set(tables.names())
+    assert tables.names() == sorted(tables.names())
+
+
+def test_user_table_errors(tables):
+    def fails():
+        raise RuntimeError("database is down\nsecond line of detail")
+
+    tables.table("broken", fails)
+    with pytest.raises(TableError) as exc:
+        tables.arrow("broken")
+    assert "\n" not in str(exc.value) and "database is down" in str(exc.value) and "broken" in str(exc.value)
+    tables.table("not_a_table", lambda: 42)
+    with pytest.raises(TableError):
+        tables.arrow("not_a_table")
+    with pytest.raises(KeyError, match="no table named"):
+        tables.arrow("nope")
+    for bad in ("", "1abc", "a-b", "has space", "steps", "tables", "nodes", "env"):
+        with pytest.raises(ValueError):
+            tables.table(bad, [])
+    with pytest.raises(TypeError):
+        tables.table("weird", 42)
+
+
+def test_catalog_lists_every_table_and_column(torch, tables):
+    tables.log(step=1, loss=0.5)
+    tables.table("mine", [{"k": 1, "v": "x"}])
+    tables.table("broken", lambda: 1 / 0)
+    catalog = tables.arrow("tables").to_pylist()
+    listed = {}
+    for r in catalog:
+        listed.setdefault(r["table_name"], []).append((r["column_name"], r["column_type"]))
+    assert set(listed) == set(tables.names()) - {"broken"}
+    assert set(BUILTIN_TABLES) <= set(listed)
+    for name, columns in listed.items():
+        schema = tables.arrow(name).schema
+        assert columns == [(f.name, str(f.type)) for f in schema], name
+    assert listed["tables"] == [("table_name", "string"), ("column_name", "string"), ("column_type", "string")]
+    assert listed["mine"] == [("k", "int64"), ("v", "string")]
+    assert listed["metrics"] == [("ts", "double"), ("step", "int64"), ("loss", "double")]
+
+
+def test_empty_tables_keep_their_schema():
+    t = make_tables()
+    steps = t.arrow("steps")
+    assert steps.num_rows == 0
+    assert [(f.name, str(f.type)) for f in steps.schema] == [("step", "int64"), ("start", "double"), ("duration_ms", "double")]
+    assert [str(f.type) for f in t.arrow("collectives").schema] == ["double", "string", "int64", "double", "bool"]
+    assert t.arrow("memory").num_columns == 6 and t.arrow("metrics").column_names == ["ts"]
+
+    duckdb = pytest.importorskip("duckdb")
+    con = duckdb.connect()
+    for name in t.names():
+        con.register(name, t.arrow(name))
+    assert con.sql("SELECT count(*), sum(duration_ms), max(step) FROM steps").fetchall() == [(0, None, None)]
+    assert con.sql("SELECT count(*) FROM metrics").fetchall() == [(0,)]
+    assert con.sql("SELECT count(*) FROM tables WHERE table_name = 'steps'").fetchall() == [(3,)]
+
+
+# --- import cost ---------------------------------------------------------------------------------------------------
+
+
+def test_importing_and_recording_loads_no_pyarrow_pandas_or_torch():
+    code = (
+        "import sys\n"
+        "import kernel_probe.tables as kt\n"
+        "from kernel_probe.config import load_settings\n"
+        "t = kt.LocalTables(load_settings())\n"
+        "t.log(step=1, loss=0.5); t.steps.on_step(); t.sample(0.0); t.table('x', [{'a': 1}])\n"
+        "assert not t.steps.hooks_installed and 'x' in t.names()\n"
+        "heavy = [m for m in ('pyarrow', 'pandas', 'torch', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_settings_for_tables():
+    s = load_settings({})
+    assert (s.steps_rows, s.metrics_rows, s.memory_rows, s.collectives_rows) == (10000, 10000, 3600, 10000)
+    assert s.memory_sample_sec == 5.0 and s.collectives is True
+    s = load_settings({"PROBING_STEPS_ROWS": "50", "PROBING_MEMORY_SAMPLE_SEC": "0.5", "PROBING_COLLECTIVES": "0"})
+    assert (s.steps_rows, s.memory_sample_sec, s.collectives) == (50, 0.5, False)
+    with pytest.warns(RuntimeWarning):
+        assert load_settings({"PROBING_METRICS_ROWS": "0"}).metrics_rows == 10000
