@@ -26,8 +26,9 @@ __all__ = ["start", "stop", "set_role", "log", "table", "connect", "probe", "Pro
 __version__ = "0.1.0"
 
 _OWNER_VAR = "_PROBING_OWNER_PID"  # children inherit it: a subprocess never starts a second probe
-_lock = threading.Lock()
+_lock = threading.RLock()  # start() builds the tables under it
 _probe: "ProbeThread | None" = None
+_tables = None
 _role: str | None = None
 
 
@@ -87,6 +88,30 @@ def set_role(role: str | Mapping[str, Any] | None = None, /, **kw: Any) -> str:
     return value
 
 
+def local_tables():
+    """This process's telemetry tables (one per process; exist before and after the probe)."""
+    global _tables
+    if _tables is None:
+        with _lock:
+            if _tables is None:
+                from .config import load_settings
+                from .tables import LocalTables
+
+                _tables = LocalTables(load_settings())
+    return _tables
+
+
+def log(**values: Any) -> None:
+    """A row in this rank's ``metrics`` (e.g. ``log(step=12, loss=0.31)``): an O(1) append."""
+    local_tables().log(**values)
+
+
+def table(name: str, data: Any) -> None:
+    """A user table on this rank: a DataFrame, a list of dicts, an Arrow table, or a callable
+    returning one of those (called at query time)."""
+    local_tables().table(name, data)
+
+
 def connect(target: str | os.PathLike | None = None, token: str | None = None, timeout: float = 5.0) -> "Client":
     """A client of a running job: ``tcp://host:port``, a connection file, ``store://host:port[/run_id]``,
     or None for the newest job on this machine."""
@@ -112,8 +137,9 @@ def _at_exit() -> None:
 
 def _after_fork_in_child() -> None:
     # A forked child (a DataLoader worker) has no probe thread: forget the parent's.
-    global _probe
+    global _probe, _tables
     _probe = None
+    _tables = None
 
 
 atexit.register(_at_exit)

@@ -128,7 +128,10 @@ class FanOut:
             self.sessions.pop(s.qid, None)
             body = {"status": "ok", "coverage": self.coverage(s, now), "explain": s.plan.get("explain", "")}
             return [Send(s.origin, Message("query_result", body, corr_id=s.corr_id))]
-        if s.plan.get("mode") == "root-only" or not targets:
+        if s.plan.get("mode") == "root-only":  # the root's registry answers: nobody else is asked
+            s.targeted, s.answered, s.failed = [self.rank], {self.rank}, {}
+            return effects + self._merge(s, now)
+        if not targets:
             return effects + self._merge(s, now)
         effects += self._fan(s, targets, now)
         return effects + self._maybe_merge(s, now)

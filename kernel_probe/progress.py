@@ -10,6 +10,7 @@ the ``steps`` table) runs on the probe's I/O thread.
 from __future__ import annotations
 
 import sys
+from types import FrameType
 import threading
 import time
 from dataclasses import dataclass
@@ -142,7 +143,7 @@ def loaded_torch_module(name: str):
 def main_thread_importing() -> bool:
     """Is the main thread inside the import machinery right now?"""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    while frame is not None:
+    while isinstance(frame, FrameType):
         if frame.f_code.co_filename.startswith("<frozen importlib"):
             return True
         frame = frame.f_back
@@ -153,7 +154,7 @@ def main_stack_signature() -> tuple:
     """Where the main thread is right now, as (file, function, line) per frame."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     sig = []
-    while frame is not None and len(sig) < 64:
+    while isinstance(frame, FrameType) and len(sig) < 64:  # see tables/live.py: never trust f_back blindly
         code = frame.f_code
         sig.append((code.co_filename, code.co_name, frame.f_lineno))
         frame = frame.f_back

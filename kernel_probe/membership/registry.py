@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .liveness import ALIVE, DEAD, DEATH_EVENTS, STALLED, STATES, next_state

@@ -35,6 +35,22 @@ class _LocalTables(Mapping):
         return len(self._tables.names())
 
 
+class _Lazy(Mapping):
+    """Tables built only if a plan reads them."""
+
+    def __init__(self, makers: dict[str, Callable[[], Any]]) -> None:
+        self._makers = makers
+
+    def __getitem__(self, name: str):
+        return self._makers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+
 def _error(exc: BaseException) -> dict:
     code = getattr(exc, "code", "error")
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -162,7 +178,7 @@ class JobRunner:
 
         plan = self._plan_of(args)
         merged = merge(plan, self.engine, _decode(args["parts"]), deadline=args.get("deadline"), row_cap=self.row_cap)
-        root_tables = {"nodes": self._nodes_table()}
+        root_tables = _Lazy({"nodes": self._nodes_table})
         table = finish(plan, self.engine, merged, root_tables, params=args.get("params"),
                        deadline=args.get("deadline"), row_cap=self.row_cap)
         data = wire.table_to_ipc(table)
@@ -184,6 +200,6 @@ class JobRunner:
         for col in ("last_seen", "since"):
             i = table.schema.get_field_index(col)
             seconds = table.column(col)
-            micros = pc.cast(pc.multiply(seconds, 1e6), pa.int64())
+            micros = pc.cast(pc.floor(pc.multiply(seconds, 1e6)), pa.int64())
             table = table.set_column(i, col, pc.cast(micros, pa.timestamp("us", tz="UTC")))
         return table

@@ -26,7 +26,7 @@ from .. import wire
 from ..config import Identity, Settings
 from ..fanout import RunJob
 from ..node import PARENT, ConnectParent, Note, ProbeCore, Send, UnwatchPid, WatchPid
-from ..progress import StallDetector, StepClock, main_stack_signature, main_thread_importing
+from ..progress import StallDetector, main_stack_signature, main_thread_importing
 from . import connfile
 from .jobs import JobRunner
 from .pidwatch import PidWatch
@@ -69,7 +69,10 @@ class ProbeThread(threading.Thread):
         self.identity = identity
         self.clock = clock
         self.incarnation = uuid.uuid4().hex[:16]
-        self.steps = StepClock()
+        from .. import local_tables
+
+        self.tables = local_tables()
+        self.steps = self.tables.steps
         self.ready = threading.Event()
         self.endpoint: str | None = None
         self.connection_file: str | None = None
@@ -88,6 +91,7 @@ class ProbeThread(threading.Thread):
         self._discovery: Any = None
         self._resolve_at: float | None = None
         self._started_at = clock()
+        self._nodes_rows: list[dict] = []
 
     # --- other threads -----------------------------------------------------------------
     def submit(self, command: tuple) -> None:
@@ -140,6 +144,8 @@ class ProbeThread(threading.Thread):
         now = self.clock()
         self.core = ProbeCore(identity=ident, settings=s, endpoint=self.endpoint, pid=os.getpid(),
                               incarnation=self.incarnation, now=now)
+        self.jobs = JobRunner(self.tables, self._tags, lambda: self._nodes_rows, row_cap=s.query_row_cap,
+                              threads=s.query_threads, memory_limit=s.query_memory)
         self.poller = zmq.Poller()
         self.poller.register(router, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
@@ -267,6 +273,12 @@ class ProbeThread(threading.Thread):
             log.info("probing: discovery step failed (%s); retrying", exc)
             self._resolve_at = now + 1.0
 
+    def _tags(self) -> dict:
+        """This rank's tag columns (read from worker threads: plain attribute reads)."""
+        ident = self.identity
+        return {"_rank": ident.rank, "_node": ident.node, "_host": ident.host, "_local_rank": ident.local_rank,
+                "_role": self.core.role}
+
     def _write_connection_file(self) -> None:
         ident = self.identity
         try:
@@ -340,7 +352,7 @@ class ProbeThread(threading.Thread):
                 cmd[3].set()
 
     def _sample(self, now: float) -> None:
-        self.steps.install_torch_hooks()
+        self.tables.sample(now)
         stalled = self._stall.observe(now, self.steps.step, main_stack_signature())
         self._do(self.core.update_self(now, step=self.steps.step, step_time_ms=self.steps.step_time_ms,
                                        stalled=stalled))
@@ -371,6 +383,8 @@ class ProbeThread(threading.Thread):
             elif isinstance(effect, Note):
                 log.info("probing rank %d: %s", self.identity.rank, effect.text)
             elif isinstance(effect, RunJob):
+                if effect.kind == "finish":  # the registry belongs to this thread: hand workers a copy
+                    self._nodes_rows = [m.to_dict() for m in self.core.view().members()]
                 job_id = effect.job_id
                 self.jobs.start(effect.kind, effect.args, lambda result, j=job_id: self.submit(("job", j, result)))
 

@@ -8,6 +8,7 @@ import re
 import shlex
 import socket
 import sys
+from types import FrameType
 import threading
 
 from ..progress import torch_initialized
@@ -26,7 +27,9 @@ def stack_rows() -> list[tuple]:
     for tid in sorted(frames, key=lambda t: (t != main, t)):
         frame = frames[tid]
         name, is_main, depth = names.get(tid), tid == main, 0
-        while frame is not None:
+        # another thread's frame chain can hold a non-frame here on CPython 3.11 (a frame
+        # being torn down while we read it): stop at anything that is not a frame
+        while isinstance(frame, FrameType):
             code = frame.f_code
             rows.append((tid, name, is_main, depth, code.co_name, code.co_filename, frame.f_lineno))
             frame = frame.f_back

@@ -1,0 +1,272 @@
+"""Carrying out a :class:`~kernel_probe.sql.planner.Plan` in-process, at any hop of the tree.
+
+Rules of this file:
+
+- No I/O and no clock of its own: tables and an :class:`~kernel_probe.sql.engine.Engine`
+  come in, Arrow tables go out. The tree (leaf -> node broker -> root) and the tests call
+  the same four steps: :func:`select_ranks` (root, before sending), :func:`run_rank`
+  (every targeted rank), :func:`merge` (every broker, then the root) and :func:`finish`
+  (root).
+- Importing this module imports neither DuckDB nor sqlglot (the engine and the planner
+  load them when a query actually runs); pyarrow is loaded inside the functions.
+- The executor adds the tag columns: each rank's local table gets ``_rank, _node, _host,
+  _local_rank, _role`` as constant columns before any rank SQL sees it (per-rank mode:
+  the statement sees the untagged tables and the tags are appended to its result).
+- A rank that has no table of that name contributes ``None`` (no rows, no schema) to
+  that scan, not an error; only when no answering rank had it does the root fail.
+- Partial results travel as plain Arrow types: DuckDB returns integer sums as HUGEINT
+  (Arrow decimal128 with scale 0); each hop narrows those to int64 whenever the values
+  fit (otherwise they stay decimal and concatenation promotes the rest).
+- Parameters (``$name``) are handed to every SQL that mentions them, and only those
+  (DuckDB rejects parameters a statement does not use).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from .planner import TAGS
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from .engine import Engine
+    from .planner import Plan
+
+__all__ = ["TAG_TYPES", "tagged", "select_ranks", "run_rank", "merge", "finish"]
+
+log = logging.getLogger(__name__)
+
+# Arrow types of the tag columns, fixed so every rank's tables concatenate as they are.
+TAG_TYPES = {"_rank": "int64", "_node": "int64", "_host": "string", "_local_rank": "int64",
+             "_role": "string"}
+
+
+def tagged(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
+    """`table` with the five tag columns appended as constants (a column of the same name
+    is replaced: the tag is what the cluster query means by it)."""
+    import pyarrow as pa
+
+    n = table.num_rows
+    for name in TAGS:
+        typ = pa.type_for_alias(TAG_TYPES[name])
+        value = tags.get(name)
+        if value is not None and typ == pa.string():
+            value = str(value)
+        col = pa.repeat(pa.scalar(value, type=typ), n) if n else pa.array([], type=typ)
+        i = table.schema.get_field_index(name)
+        if i >= 0:
+            table = table.remove_column(i)
+        table = table.append_column(pa.field(name, typ), col)
+    return table
+
+
+def _tags_table(tags_rows: Sequence[Mapping[str, object]]) -> "pa.Table":
+    import pyarrow as pa
+
+    cols = {}
+    for name in TAGS:
+        typ = pa.type_for_alias(TAG_TYPES[name])
+        vals = [r.get(name) for r in tags_rows]
+        if typ == pa.string():
+            vals = [None if v is None else str(v) for v in vals]
+        cols[name] = pa.array(vals, type=typ)
+    return pa.table(cols)
+
+
+def _params_for(sql: str, params: Any) -> Any:
+    """The subset of named `params` that `sql` mentions as $name (DuckDB refuses extras)."""
+    if not params:
+        return None
+    if not isinstance(params, Mapping):
+        return params
+    used = {k: v for k, v in params.items()
+            if re.search(r"\$" + re.escape(str(k)) + r"(?![A-Za-z0-9_])", sql)}
+    return used or None
+
+
+def select_ranks(plan: "Plan", engine: "Engine", tags_rows: Sequence[Mapping[str, object]], *,
+                 params: Any = None, deadline: float | None = None) -> tuple[list[int], list[int]]:
+    """(targeted, pruned) ranks among `tags_rows` (one mapping of TAGS per live rank).
+
+    When the prune leaves no rank, the lowest live rank is still targeted: its own SQL
+    carries the same conditions, so it contributes no rows, only the schema that lets the
+    root give DuckDB's answer for an empty input (count 0, sum NULL, no rows)."""
+    ranks = sorted(int(r["_rank"]) for r in tags_rows)  # type: ignore[call-overload]
+    if plan.prune is None or not ranks:
+        return ranks, []
+    got = engine.run(plan.prune, {"_tags": _tags_table(tags_rows)},
+                     params=_params_for(plan.prune, params), deadline=deadline)
+    keep = {int(v) for v in got.column(0).to_pylist() if v is not None}
+    targeted = [r for r in ranks if r in keep]
+    if not targeted:
+        targeted = ranks[:1]
+    return targeted, [r for r in ranks if r not in targeted]
+
+
+def _lookup(tables: Mapping[str, "pa.Table"], name: str) -> "pa.Table":
+    """tables[name], matching case-insensitively as DuckDB does; KeyError if absent."""
+    try:
+        return tables[name]
+    except KeyError:
+        for k in list(tables.keys()):
+            if isinstance(k, str) and k.lower() == name:
+                return tables[k]
+        raise
+
+
+def _narrow(table: "pa.Table") -> "pa.Table":
+    """Integer sums (decimal128 with scale 0, DuckDB's HUGEINT) -> int64 where they fit."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for i, f in enumerate(table.schema):
+        if pa.types.is_decimal(f.type) and f.type.scale == 0:
+            try:
+                col = pc.cast(table.column(i), pa.int64())
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                continue  # does not fit: stays exact as decimal
+            table = table.set_column(i, pa.field(f.name, pa.int64()), col)
+    return table
+
+
+def _partial_scan(plan: "Plan", scan_name: str) -> bool:
+    return plan.mode == "partial-aggregate" and scan_name != plan.shape
+
+
+def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
+             tags: Mapping[str, object], *, params: Any = None, deadline: float | None = None,
+             row_cap: int | None = None, notes: list[str] | None = None) -> dict[str, "pa.Table | None"]:
+    """Run this rank's side of every "ranks" scan over its local `tables`.
+
+    A scan whose table this rank lacks (KeyError from `tables`) yields None, and a line
+    saying so goes to `notes` (when given) and the debug log."""
+    out: dict[str, pa.Table | None] = {}
+    per_rank = plan.mode == "per-rank"
+    cache: dict[str, pa.Table | None] = {}
+    for scan in plan.scans:
+        if scan.where != "ranks":
+            continue
+        regs: dict[str, pa.Table] = {}
+        missing = None
+        for name in scan.tables:
+            if name not in cache:
+                try:
+                    local = _lookup(tables, name)
+                except KeyError:
+                    cache[name] = None
+                else:
+                    cache[name] = local if per_rank else tagged(local, tags)
+            if cache[name] is None:
+                missing = name
+                break
+            regs[name] = cache[name]  # type: ignore[assignment]
+        if missing is not None:
+            msg = f"rank {tags.get('_rank')} has no table named {missing}"
+            log.debug(msg)
+            if notes is not None and msg not in notes:
+                notes.append(msg)
+            out[scan.name] = None
+            continue
+        result = engine.run(scan.sql, regs, params=_params_for(scan.sql, params), deadline=deadline,
+                            row_cap=row_cap)
+        if per_rank:
+            result = tagged(result, tags)
+        elif _partial_scan(plan, scan.name):
+            result = _narrow(result)
+        out[scan.name] = result
+    return out
+
+
+def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table | None"]], *,
+          deadline: float | None = None, row_cap: int | None = None) -> dict[str, "pa.Table | None"]:
+    """Concatenate each "ranks" scan's partials from `parts` (ranks or brokers below) and
+    reduce them with the scan's merge SQL. None when no part had a schema."""
+    import pyarrow as pa
+
+    out: dict[str, pa.Table | None] = {}
+    for scan in plan.scans:
+        if scan.where != "ranks":
+            continue
+        got = [p[scan.name] for p in parts if p.get(scan.name) is not None]
+        if not got:
+            out[scan.name] = None
+            continue
+        table = _concat(got)
+        if scan.merge:
+            table = engine.run(scan.merge, {scan.name: table}, deadline=deadline, row_cap=row_cap)
+            if _partial_scan(plan, scan.name):
+                table = _narrow(table)
+        out[scan.name] = table
+    return out
+
+
+def _concat(tables: Sequence["pa.Table"]) -> "pa.Table":
+    """One table from many partials of one scan, widening types where ranks differ."""
+    import pyarrow as pa
+
+    first = tables[0]
+    if len(tables) == 1:
+        return first
+    if all(t.schema.equals(first.schema) for t in tables[1:]):
+        return pa.concat_tables(tables)
+    names = first.column_names
+    if len(set(names)) != len(names) and all(t.column_names == names for t in tables):
+        # Arrow cannot unify schemas with duplicate names (SELECT count(*), count(*)):
+        # unify under positional names, then put the user's names back.
+        tmp = [f"c{i}" for i in range(len(names))]
+        out = pa.concat_tables([t.rename_columns(tmp) for t in tables], promote_options="permissive")
+        return out.rename_columns(names)
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def _conform(result: "pa.Table", shape: "pa.Table") -> "pa.Table":
+    """The final result under the shape's column names, cast to its types where possible."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if result.num_columns != shape.num_columns:
+        return result
+    result = result.rename_columns(shape.column_names)
+    for i, f in enumerate(shape.schema):
+        if result.schema.field(i).type != f.type:
+            try:
+                col = pc.cast(result.column(i), f.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                continue
+            result = result.set_column(i, pa.field(f.name, f.type), col)
+    return result
+
+
+def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None"],
+           root_tables: Mapping[str, "pa.Table"], *, params: Any = None,
+           deadline: float | None = None, row_cap: int | None = None) -> "pa.Table":
+    """Run the root-only scans over `root_tables`, register every scan result by name and
+    run the final SQL. A "ranks" scan with no schema from any rank is an error."""
+    from .engine import QueryError
+
+    regs: dict[str, pa.Table] = {}
+    for scan in plan.scans:
+        if scan.where == "root":
+            local = {}
+            for name in scan.tables:
+                try:
+                    local[name] = _lookup(root_tables, name)
+                except KeyError:
+                    raise QueryError(f"the root has no table named {name}", code="error") from None
+            regs[scan.name] = engine.run(scan.sql, local, params=_params_for(scan.sql, params),
+                                         deadline=deadline, row_cap=row_cap)
+            continue
+        table = merged.get(scan.name)
+        if table is None:
+            names = ", ".join(scan.tables) or scan.name
+            what = f"a table named {names}" if len(scan.tables) <= 1 else f"all of the tables {names}"
+            raise QueryError(f"no rank has {what}", code="error")
+        regs[scan.name] = table
+    result = engine.run(plan.final, regs, params=_params_for(plan.final, params), deadline=deadline,
+                        row_cap=row_cap)
+    if plan.shape is not None:
+        result = _conform(result, regs[plan.shape])
+    return result
