@@ -10,9 +10,21 @@ import sys
 import time
 
 import kernel_probe
-from kernel_probe.cli import format_nodes
+from kernel_probe.cli import STACKS_SQL, format_nodes, format_stacks
 from kernel_probe.client import ProbeError
 from kernel_probe.testing.harness import LocalJob
+
+
+DEMO_QUERIES = [
+    ("Which rank is the straggler? (partial aggregates on every rank, merged per node, finished at the root)",
+     "SELECT _rank, count(*) AS steps, round(avg(duration_ms), 1) AS avg_ms, round(max(duration_ms), 1) AS max_ms "
+     "FROM steps GROUP BY _rank ORDER BY avg_ms DESC"),
+    ("Memory per node (sampled every 5 s on each rank's probe thread)",
+     "SELECT _node, round(max(rss_bytes) / 1048576.0) AS max_rss_mib, round(avg(cpu_percent)) AS avg_cpu_pct "
+     "FROM memory GROUP BY _node ORDER BY _node"),
+    ("The last steps of rank 0 (the predicate on _rank prunes the other ranks: nothing is sent to them)",
+     "SELECT step, round(duration_ms, 1) AS ms FROM steps WHERE _rank = 0 ORDER BY step DESC LIMIT 3"),
+]
 
 
 def say(text: str) -> None:
@@ -57,10 +69,21 @@ def main() -> int:
         raw = wait("training; waiting for every rank's next heartbeat to carry its step (default interval 10 s)",
                    stepping, 60)
         say("\n" + format_nodes(raw, client.info()) + "\n")
+        for title, sql in DEMO_QUERIES:
+            result = client.query(sql)
+            say(f"{title}\n  {sql}\n")
+            say(result.df.to_string(index=False))
+            say(f"  [{result.footer()}]\n")
+        stacks = client.query(STACKS_SQL.format(where="WHERE is_main"))
+        say("Where is every rank's main thread right now?\n")
+        say(format_stacks(stacks.table.to_pylist()))
+        say(f"  [{stacks.footer()}]\n")
         say("While a job runs, from another shell on this machine:")
         say("  .venv/bin/kernel-probe list")
         say("  .venv/bin/kernel-probe nodes")
-        say(f"  .venv/bin/kernel-probe -t {client.endpoint} info")
+        say("  .venv/bin/kernel-probe stacks")
+        say('  .venv/bin/kernel-probe query "SELECT _rank, avg(duration_ms) AS ms FROM steps GROUP BY _rank ORDER BY ms DESC"')
+        say(f"  .venv/bin/kernel-probe -t {client.endpoint} query --local \"SELECT * FROM process\"")
         client.close()
         say("Stopping the job cleanly: SIGTERM to every rank; they agree on a last step and exit.")
         for pid in job.pids().values():

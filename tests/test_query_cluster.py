@@ -154,3 +154,25 @@ def test_dead_rank_is_reported_not_waited_for(job):
     assert time.monotonic() - t0 < 3
     assert r.coverage["failed"] == {"3": "dead"} and r.coverage["partial"]
     assert r.df["n"][0] == 300000
+
+
+def test_steps_and_stacks_of_an_unmodified_ddp_job(launch):
+    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.1"]
+    launch(argv, nodes=2, ranks_per_node=2, mode="torchrun")
+    root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
+
+    def stepping():
+        r = root.query("SELECT _rank, count(*) AS steps, avg(duration_ms) AS ms FROM steps GROUP BY _rank "
+                       "ORDER BY _rank")
+        return r if len(r.df) == 4 and (r.df["steps"] >= 3).all() else None
+
+    r = wait_for(stepping, 90, interval=0.5, what="optimizer steps on every rank")
+    assert r.coverage["plan"] == "rank-local" and (r.df["ms"] > 0).all()
+    stacks = root.query("SELECT _rank, function, file FROM stacks WHERE is_main")
+    for rank in range(4):
+        frames = stacks.df[stacks.df["_rank"] == rank]
+        assert any(f.endswith("tiny_ddp.py") and fn == "main" for f, fn in zip(frames["file"], frames["function"])), \
+            frames
+    # collectives called from Python (the script's stop-flag all_reduce) are timed; DDP's C++ reducer is not
+    coll = root.query("SELECT op, count(*) AS n FROM collectives GROUP BY op")
+    assert "all_reduce" in set(coll.df["op"])

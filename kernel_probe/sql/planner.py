@@ -753,39 +753,41 @@ class _Query:
             for n in sel.find_all(exp.Star, exp.Columns):
                 if isinstance(n.parent, exp.Count):
                     continue
+                if isinstance(n.parent, exp.Column) and _col_parts(n.parent)[0] not in aliases:
+                    continue  # u.*: another table's star
                 if n.find_ancestor(exp.Select) is sel:
                     return None
         col_set = {c.lower() for c in cols}
-        explained = set()
+        # Names something else defines: select aliases, table/CTE aliases and their column
+        # lists, and the catalog columns of the other tables read.
+        defined: set[str] = set()
+        qualifiers = {r.alias for r in self.refs}
         for n in self.stmt.find_all(exp.Alias):
-            explained.add(n.alias.lower())
+            defined.add(n.alias.lower())
         for n in self.stmt.find_all(exp.TableAlias):
-            explained.add(n.name.lower())
-            explained.update(c.name.lower() for c in n.args.get("columns") or [])
-        other_unknown = False
+            qualifiers.add(n.name.lower())
+            defined.update(c.name.lower() for c in n.args.get("columns") or [])
         for r in self.refs:
             if r.name != name:
-                oc = self.columns_of(r.name) if r.name != NODES else self.catalog.get(NODES)
-                if oc is None:
-                    other_unknown = True
-                else:
-                    explained.update(c.lower() for c in oc)
+                defined.update(c.lower() for c in (self.catalog.get(r.name) or []))
         referenced: set[str] = set()
         for col in self.stmt.find_all(exp.Column):
             parts = _col_parts(col)
+            head = parts[0]
             if parts[-1] == "*":
                 if len(parts) >= 2 and parts[-2] in aliases:
-                    return None
+                    return None  # t.*
                 continue
-            if len(parts) == 1 and parts[0] in aliases and parts[0] not in col_set:
-                return None  # the table as a struct: every column
-            referenced.update(p for p in parts if p in col_set or p in TAGS)
-            if len(parts) >= 2 and parts[0] in aliases:
+            if len(parts) >= 2 and head in aliases:
                 if parts[1] not in col_set and parts[1] not in TAGS:
-                    return None  # the catalog does not know this column of ours
-            elif parts[0] not in col_set and parts[0] not in TAGS and parts[0] not in explained:
-                if len(parts) == 1 and (other_unknown or parts[0] not in aliases):
-                    return None  # could be a column the catalog missed
+                    return None  # a column of ours the catalog does not know
+                referenced.add(parts[1])
+            elif head in col_set or head in TAGS:
+                referenced.add(head)  # ours, unqualified (or a struct path from it)
+            elif len(parts) == 1 and head in aliases:
+                return None  # the table as a struct of all its columns
+            elif not ((len(parts) >= 2 and head in qualifiers) or head in defined):
+                return None  # unknown: maybe a column of ours the catalog missed
         for j in self.stmt.find_all(exp.Join):
             for u in j.args.get("using") or []:
                 referenced.add(u.name.lower())

@@ -152,6 +152,9 @@ _DATA_FILTERS = [
     "x > {n}", "x IS NULL", "x IS NOT NULL", "y < {f}", "s = '{w}'", "s LIKE 'a%'", "b", "NOT b",
     "ts >= TIMESTAMP '2024-01-0{d} 00:00:00'", "g IN (1, 2, 3)", "x BETWEEN -100 AND 300",
     "coalesce(x, 0) % 3 = 0", "big > 1000000500000", "s IS NULL OR y > 0", "length(s) > 3",
+    "regexp_matches(s, '^[ab]')", "s ILIKE 'A%'", "ts::DATE = DATE '2024-01-0{d}'", "x // 300 = 1",
+    "list_contains([1, 2, 3], g)", "ifnull(s, 'none') <> 'beta'", "(x > 0) IS NOT DISTINCT FROM b",
+    "y BETWEEN -10.5 AND 10.5", "abs(x) < 50 OR x IS NULL", "strftime(ts, '%H')::INT < 12",
 ]
 _TAG_FILTERS = [
     "_rank IN ({r1}, {r2})", "_node = {node}", "_rank > 2", "_host = 'h1'", "_local_rank = 0",
@@ -396,7 +399,7 @@ def tricky_queries() -> list[GenQuery]:
         q("SELECT DISTINCT count(*) AS n FROM t GROUP BY _rank ORDER BY n", rl, label="distinct-rank-local"),
         q("SELECT _rank, median(x) AS m, string_agg(s, ',' ORDER BY id) AS ss FROM t GROUP BY _rank ORDER BY 1", rl),
         q("SELECT t._rank, _node, count(*) AS c FROM t GROUP BY t._rank, _node ORDER BY 1", rl),
-        q("SELECT _rank, count(*) FROM t GROUP BY _rank, g ORDER BY max(x)", pa_, label="rank-local-falls-through"),
+        q("SELECT _rank, count(*) FROM t GROUP BY _rank, g ORDER BY max(x), 1, 2", pa_, label="rank-local-falls-through"),
         # top-k
         q("SELECT * FROM t WHERE _host = 'h1' ORDER BY id LIMIT 3", tk),
         q("SELECT x FROM t WHERE x > $lo ORDER BY x, id LIMIT 4", tk, {"lo": 10}, label="params-topk"),
