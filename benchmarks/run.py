@@ -1,0 +1,10 @@
+"""`make bench`: every benchmark, one after the other (numbers go in the README)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+for script in ("recording.py", "query.py", "membership.py"):
+    print(f"== {script}", flush=True)
+    subprocess.run([sys.executable, str(HERE / script)], check=True)
