@@ -108,7 +108,7 @@ class FanOut:
         members = [] if local else [m.to_dict() for m in self.core.registry.members()]
         args = {
             "sql": body["sql"], "per_rank": bool(body.get("per_rank")) or local, "ranks": body.get("ranks"),
-            "members": members, "local": local, "self_rank": self.rank,
+            "members": members, "local": local, "self_rank": self.rank, "params": body.get("params"),
         }
         return [self._job(s, "plan", args)]
 

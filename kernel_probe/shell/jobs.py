@@ -123,6 +123,7 @@ class JobRunner:
 
     # --- kinds ----------------------------------------------------------------------------
     def _plan(self, args: dict) -> dict:
+        from ..sql.execute import select_ranks
         from ..sql.planner import plan as make_plan
 
         catalog = {name: [] for name in self.tables.names()}
@@ -136,23 +137,18 @@ class JobRunner:
         wanted = args.get("ranks")
         if wanted is not None:
             members = [m for m in members if m["rank"] in set(wanted)]
-        chosen = {m["rank"] for m in members}
-        if p.prune:
-            import pyarrow as pa
-
-            tags = pa.table({
-                "_rank": pa.array([m["rank"] for m in members], pa.int64()),
-                "_node": pa.array([m["node"] for m in members], pa.int64()),
-                "_host": pa.array([m["host"] for m in members], pa.string()),
-                "_local_rank": pa.array([m["local_rank"] for m in members], pa.int64()),
-                "_role": pa.array([m["role"] for m in members], pa.string()),
-            })
-            kept = self.engine.run(p.prune, {"_tags": tags}, params=args.get("params"))
-            chosen = set(kept.column(0).to_pylist())
-        live = [m["rank"] for m in members if m["state"] in LIVE and m["rank"] in chosen]
-        unavailable = {m["rank"]: m["state"] for m in members if m["state"] not in LIVE and m["rank"] in chosen}
-        pruned = sorted({m["rank"] for m in members} - chosen)
-        return {"plan": plan, "targets": sorted(live), "pruned": pruned, "unavailable": unavailable}
+        tags = [{"_rank": m["rank"], "_node": m["node"], "_host": m["host"], "_local_rank": m["local_rank"],
+                 "_role": m["role"]} for m in members]
+        chosen, pruned = select_ranks(p, self.engine, tags, params=args.get("params"))
+        state = {m["rank"]: m["state"] for m in members}
+        live = [r for r in chosen if state[r] in LIVE]
+        unavailable = {r: state[r] for r in chosen if state[r] not in LIVE}
+        if chosen and not live:
+            # only dead ranks match: still ask one live rank, whose own SQL filters every row
+            # out, so the root gets the schema and gives DuckDB's answer for an empty input
+            live = sorted(r for r, st in state.items() if st in LIVE)[:1]
+            pruned = [r for r in pruned if r not in live]
+        return {"plan": plan, "targets": live, "pruned": pruned, "unavailable": unavailable}
 
     def _plan_of(self, args: dict):
         from ..sql.planner import Plan

@@ -14,6 +14,11 @@ Rules of this file:
   the statement sees the untagged tables and the tags are appended to its result).
 - A rank that has no table of that name contributes ``None`` (no rows, no schema) to
   that scan, not an error; only when no answering rank had it does the root fail.
+- An empty input still has a schema: when pruning leaves no rank, one rank is asked
+  anyway (its SQL carries the same tag conditions, so it sends no rows), and the root
+  answers as DuckDB does over nothing (count 0, sum NULL, no rows).
+- A partial-aggregate answer takes its column names and types from the plan's ``shape``
+  scan (the statement itself with LIMIT 0), so it reads exactly like DuckDB's.
 - Partial results travel as plain Arrow types: DuckDB returns integer sums as HUGEINT
   (Arrow decimal128 with scale 0); each hop narrows those to int64 whenever the values
   fit (otherwise they stay decimal and concatenation promotes the rest).
@@ -89,12 +94,15 @@ def _params_for(sql: str, params: Any) -> Any:
 
 def select_ranks(plan: "Plan", engine: "Engine", tags_rows: Sequence[Mapping[str, object]], *,
                  params: Any = None, deadline: float | None = None) -> tuple[list[int], list[int]]:
-    """(targeted, pruned) ranks among `tags_rows` (one mapping of TAGS per live rank).
+    """(targeted, pruned) ranks among `tags_rows` (one mapping of TAGS per live rank);
+    ([], []) when the plan reads nothing on the ranks.
 
     When the prune leaves no rank, the lowest live rank is still targeted: its own SQL
     carries the same conditions, so it contributes no rows, only the schema that lets the
     root give DuckDB's answer for an empty input (count 0, sum NULL, no rows)."""
     ranks = sorted(int(r["_rank"]) for r in tags_rows)  # type: ignore[call-overload]
+    if not any(s.where == "ranks" for s in plan.scans):
+        return [], []  # root-only: nothing to send
     if plan.prune is None or not ranks:
         return ranks, []
     got = engine.run(plan.prune, {"_tags": _tags_table(tags_rows)},
@@ -183,18 +191,25 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
 def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table | None"]], *,
           deadline: float | None = None, row_cap: int | None = None) -> dict[str, "pa.Table | None"]:
     """Concatenate each "ranks" scan's partials from `parts` (ranks or brokers below) and
-    reduce them with the scan's merge SQL. None when no part had a schema."""
+    reduce them with the scan's merge SQL. None when no part had a schema; no entry at
+    all when no part mentioned the scan (nobody below was asked)."""
     import pyarrow as pa
 
     out: dict[str, pa.Table | None] = {}
     for scan in plan.scans:
-        if scan.where != "ranks":
+        if scan.where != "ranks" or not any(scan.name in p for p in parts):
             continue
         got = [p[scan.name] for p in parts if p.get(scan.name) is not None]
         if not got:
             out[scan.name] = None
             continue
-        table = _concat(got)
+        try:
+            table = _concat(got)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            from .engine import QueryError
+
+            raise QueryError(f"ranks disagree on the columns of {', '.join(scan.tables) or scan.name}: "
+                             f"{str(e).splitlines()[0]}", code="error") from None
         if scan.merge:
             table = engine.run(scan.merge, {scan.name: table}, deadline=deadline, row_cap=row_cap)
             if _partial_scan(plan, scan.name):
@@ -259,9 +274,12 @@ def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None
             regs[scan.name] = engine.run(scan.sql, local, params=_params_for(scan.sql, params),
                                          deadline=deadline, row_cap=row_cap)
             continue
-        table = merged.get(scan.name)
+        names = ", ".join(scan.tables) or scan.name
+        if scan.name not in merged:
+            raise QueryError(f"no rank was asked for {names} (all pruned or unavailable), so even its "
+                             "columns are unknown; select_ranks() keeps one rank for that", code="error")
+        table = merged[scan.name]
         if table is None:
-            names = ", ".join(scan.tables) or scan.name
             what = f"a table named {names}" if len(scan.tables) <= 1 else f"all of the tables {names}"
             raise QueryError(f"no rank has {what}", code="error")
         regs[scan.name] = table

@@ -17,6 +17,19 @@ Rules of this file:
 
       per-rank (asked for) | root-only | rank-local | partial-aggregate | top-k | ship-rows
 
+  per-rank: the statement as written on every rank (untagged tables), tags appended to
+  each result, concatenated. root-only: no table but ``nodes``; runs at the root.
+  rank-local: one table read directly by a plain SELECT grouped by ``_rank``: the
+  statement minus its ORDER BY/LIMIT runs whole on each rank, the root concatenates and
+  applies the trailer (ORDER BY only by output name or position). partial-aggregate:
+  one table, plain SELECT with decomposable aggregates (or SELECT DISTINCT): ranks
+  group and ship partials, brokers and root re-aggregate them, the root finishes the
+  user's select list / HAVING / ORDER BY / LIMIT over them. top-k: one table, no
+  aggregates, a literal LIMIT [OFFSET]: each rank and broker keeps the first
+  LIMIT+OFFSET rows in the query's order. ship-rows: anything else; each table is
+  scanned once, with the WHERE conjuncts that provably only filter it and, with a
+  catalog, only the columns the query can reach. Tag-only conjuncts on the query's one
+  rank table prune ranks before anything is sent.
 - User-visible text comes from the user's own SQL wherever the root runs it (ship-rows,
   top-k, rank-local, per-rank, root-only): table references are re-pointed by splicing
   the original text at the identifiers' positions, never by regenerating it, because
@@ -33,10 +46,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
-
-if TYPE_CHECKING:  # annotations only; bound at runtime by _load()
-    from sqlglot import exp as _exp_mod  # noqa: F401
+from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["TAGS", "NODES", "MODES", "PlanError", "Scan", "Plan", "plan"]
 
@@ -80,18 +90,20 @@ _SIMPLE_SELECT_ARGS = frozenset({"expressions", "from_", "where", "group", "havi
                                  "limit", "offset", "distinct"})
 
 exp: Any = None  # sqlglot.expressions, bound by _load()
+_POSITIONAL: Any = None  # exp.PositionalColumn (#1), or a class nothing is an instance of
 _sqlglot: Any = None
 
 
 def _load() -> None:
-    global exp, _sqlglot
+    global exp, _sqlglot, _POSITIONAL
     if exp is None:
         import sqlglot
         from sqlglot import exp as e
 
         _sqlglot = sqlglot
-        exp = e
+        _POSITIONAL = getattr(e, "PositionalColumn", type("_Never", (), {}))
         logging.getLogger("sqlglot").addFilter(_QuietFallback())
+        exp = e  # last: it is the "loaded" flag
 
 
 # --------------------------------------------------------------------------------------
@@ -185,10 +197,14 @@ class Plan:
 
     def explain(self) -> str:
         lines = [f"mode: {self.mode}"]
-        if self.prune:
+        if not any(s.where == "ranks" for s in self.scans):
+            lines.append("ranks: none contacted (answered at the root)")
+        elif self.prune:
             lines.append(f"prune: only ranks returned by  {self.prune}")
         else:
             lines.append("prune: none (every live rank is targeted)")
+        if self.mode == "per-rank":
+            lines.append("tags: _rank, _node, _host, _local_rank, _role appended to each rank's result")
         for s in self.scans:
             if s.where == "root":
                 lines.append(f"scan {s.name} (at the root over {', '.join(s.tables) or 'no tables'}):")
@@ -389,7 +405,7 @@ def _ident(name: str) -> str:
 
 
 def _sql(node: Any) -> str:
-    return node.sql(dialect="duckdb")
+    return node.sql(dialect="duckdb", comments=False)  # a -- comment may hold "*/"
 
 
 def _and_all(conds: Sequence[Any]) -> Any:
@@ -397,10 +413,6 @@ def _and_all(conds: Sequence[Any]) -> Any:
     for c in conds[1:]:
         out = exp.And(this=out, expression=c.copy())
     return out
-
-
-def _paren(node: Any) -> Any:
-    return node if isinstance(node, (exp.Column, exp.Literal, exp.Paren, exp.Func)) else exp.Paren(this=node)
 
 
 def _norm_key(node: Any, alias: str | None) -> str:
@@ -422,11 +434,11 @@ def _norm_key(node: Any, alias: str | None) -> str:
 
 
 def _rewrite(node: Any, visit: Callable[[Any], Any]) -> Any:
-    """Top-down rewrite of a copy: visit(n) returns a replacement or None to descend."""
+    """Top-down rewrite, in place, of a tree the caller owns (pass a copy): visit(n)
+    returns a replacement or None to descend into n."""
     rep = visit(node)
     if rep is not None:
         return rep
-    node = node.copy() if node.parent is None else node
     for key, val in list(node.args.items()):
         if isinstance(val, exp.Expr):
             node.set(key, _rewrite(val, visit))
@@ -450,18 +462,18 @@ def _trailer_start(sql: str) -> tuple[int, int]:
     toks = _sqlglot.tokenize(sql, read="duckdb")
     depth = 0
     start = None
-    end = len(sql)
+    end = 0  # just past the last token: a trailing comment is not part of the statement
     for t in toks:
         kind = t.token_type.name
+        if depth == 0 and kind == "SEMICOLON":
+            break
         if kind in _OPEN:
             depth += 1
         elif kind in _CLOSE:
             depth -= 1
-        elif depth == 0 and kind == "SEMICOLON":
-            end = t.start
-            break
         elif depth == 0 and start is None and kind in ("ORDER_BY", "LIMIT", "OFFSET", "FETCH"):
             start = t.start
+        end = t.end + 1
     return (end if start is None else start), end
 
 
@@ -561,6 +573,14 @@ def _collect_refs(root: Any) -> list[_Ref]:
     return refs
 
 
+def _modified(table: Any) -> bool:
+    """A table reference with anything beyond [cluster.]name [AS alias]."""
+    if set(k for k, v in table.args.items() if v) - {"this", "alias", "db"}:
+        return True
+    ta = table.args.get("alias")
+    return ta is not None and bool(ta.args.get("columns"))
+
+
 def _home(node: Any) -> tuple[Any, bool] | None:
     """(select, null_supplying) for a table directly in a select's FROM/JOIN, else None.
 
@@ -639,7 +659,10 @@ class _Query:
                 continue
             if r.span is None:
                 return None
-            text = new if r.has_alias or new == r.written else f"{new} AS {r.written if r.node.args.get('db') is None else _ident(r.name)}"
+            if r.has_alias or new == r.written:
+                text = new
+            else:  # keep the name columns qualify with: t.x must still mean this table
+                text = f"{new} AS {r.written if r.node.args.get('db') is None else _ident(r.name)}"
             edits.append((r.span[0], r.span[1], text))
         return _splice(self.sql, edits, end)
 
@@ -673,30 +696,31 @@ class _Query:
         ranks: the table is read once, not on the null-supplying side of an outer join, and
         the conjunct reads only this table's columns, deterministically, without subqueries,
         aggregates or windows."""
-        if self.ref_count(ref.name) != 1:
-            return []
+        if self.ref_count(ref.name) != 1 or _modified(ref.node):
+            return []  # samples, pivots, column renames: a filter below them is another query
         home = _home(ref.node)
         if home is None or home[1]:
             return []
         sel = home[0]
         where = sel.args.get("where")
-        if where is None:
-            return []
+        if where is None or sel.args.get("sample") is not None:
+            return []  # USING SAMPLE is applied before WHERE
         alone = not (sel.args.get("joins") or sel.args.get("laterals"))
         top = sel is self.stmt
         known = set(TAGS) | {c.lower() for c in (self.columns_of(ref.name) or [])}
         aliases = self.select_aliases(sel)
         out = []
         for c in _conjuncts(where.this):
-            if _has_query(c) or _has_agg(c) or c.find(exp.Window) or _is_volatile(c) or _has_srf(c):
-                continue
+            if _has_query(c) or _has_agg(c) or _is_volatile(c) or _has_srf(c) or \
+                    c.find(exp.Window, exp.Star, exp.Columns, _POSITIONAL):
+                continue  # (#1 and COLUMNS(...) mean other columns below a join)
             ok = True
             for col in c.find_all(exp.Column):
                 parts = _col_parts(col)
                 if "*" in parts:
                     ok = False
                 elif len(parts) == 2 and parts[0] == ref.alias:
-                    ok = ok and True
+                    pass  # qualified by this table's own name
                 elif len(parts) == 1:
                     name = parts[0]
                     if name not in known and (not (alone and top) or name in aliases):
@@ -737,16 +761,15 @@ class _Query:
             return None
         mine = [r for r in self.refs if r.name == name]
         aliases = {r.alias for r in mine}
+        if self.stmt.find(_POSITIONAL) is not None:
+            return None  # #n: a column by position, whatever the projection would drop
         for r in mine:
             home = _home(r.node)
             if home is None:
                 return None
             sel = home[0]
-            if set(k for k, v in r.node.args.items() if v) - {"this", "alias", "db"}:
-                return None  # pivots, samples...: may read every column
-            ta = r.node.args.get("alias")
-            if ta is not None and ta.args.get("columns"):
-                return None  # positional column renames
+            if _modified(r.node):
+                return None  # pivots, samples, positional column renames: every column
             for j in sel.args.get("joins") or []:
                 if (j.args.get("method") or "").upper() == "NATURAL":
                     return None
@@ -796,9 +819,11 @@ class _Query:
         return keep or ["_rank"]
 
     def scan_select(self, ref: _Ref, cols: list[str] | None, where: Sequence[Any]) -> str:
-        tab = ref.node.copy()
-        tab.set("db", None)
-        tab.set("catalog", None)
+        # The bare table (under its alias, for pushed conjuncts): samples, pivots and
+        # column renames stay in the final SQL, where they apply once to the union.
+        tab = exp.Table(this=ref.node.this.copy())
+        if ref.has_alias and not _modified(ref.node):
+            tab.set("alias", exp.TableAlias(this=exp.to_identifier(ref.node.alias)))
         s = exp.Select(expressions=[exp.column(c) for c in cols] if cols else [exp.Star()])
         s.set("from_", exp.From(this=tab))
         if where:
@@ -818,11 +843,8 @@ class _Query:
         extra = sorted(k for k, v in s.args.items() if v and k not in _SIMPLE_SELECT_ARGS)
         if extra:
             return f"the SELECT uses {', '.join(k.rstrip('_').upper() for k in extra)}"
-        if set(k for k, v in ref.node.args.items() if v) - {"this", "alias", "db"}:
-            return "the table reference has modifiers (sample, pivot...)"
-        ta = ref.node.args.get("alias")
-        if ta is not None and ta.args.get("columns"):
-            return "the table reference renames its columns"
+        if _modified(ref.node):
+            return "the table reference has a sample, a pivot or column renames"
         d = s.args.get("distinct")
         if d is not None and d.args.get("on") is not None:
             return "DISTINCT ON picks rows, it does not aggregate"
@@ -833,9 +855,6 @@ class _Query:
         if _has_srf(s):
             return "the query has a set-returning function"
         return s, ref
-
-    def prune_single(self, s: Any, ref: _Ref) -> str | None:
-        return self.prune_for(self.pushable(ref))
 
     # -- modes -------------------------------------------------------------------------
 
@@ -894,7 +913,7 @@ class _Query:
         trailer = self.sql[start:end].strip()
         distinct = "DISTINCT " if s.args.get("distinct") is not None else ""
         final = f"SELECT {distinct}* FROM {_ident(name)}" + (f" {trailer}" if trailer else "")
-        return Plan(mode="rank-local", scans=(scan,), final=final, prune=self.prune_single(s, ref),
+        return Plan(mode="rank-local", scans=(scan,), final=final, prune=self.prune_for(self.pushable(ref)),
                     order_matters=self.order_matters)
 
     def group_keys(self, s: Any, ref: _Ref) -> list[Any] | str | None:
@@ -916,6 +935,8 @@ class _Query:
         for k in g.expressions:
             if any(isinstance(n, (exp.Rollup, exp.Cube, exp.GroupingSets)) for n in k.walk()):
                 return "GROUPING SETS / ROLLUP / CUBE"
+            if isinstance(k, exp.Tuple) and not k.expressions:
+                continue  # GROUP BY (): the global group
             if isinstance(k, exp.Literal) and not k.is_string:
                 i = int(k.this)
                 if not 1 <= i <= len(items):
@@ -973,10 +994,9 @@ class _Query:
         if limit is None:
             return None
         if s.args.get("group") is not None or s.args.get("having") is not None or \
-                s.args.get("distinct") is not None or any(_has_agg(e) for e in s.expressions):
-            return None
-        n = _int_literal(limit.expression) if isinstance(limit, exp.Limit) and not limit.args.get("percent") \
-            and not limit.args.get("expressions") else None
+                s.args.get("distinct") is not None or _has_agg(s):
+            return None  # (an aggregate even in ORDER BY makes it an aggregate query)
+        n = _int_literal(limit.expression) if _plain_limit(limit) else None
         off = s.args.get("offset")
         o = 0 if off is None else _int_literal(off.expression)
         if n is None or o is None:
@@ -1006,6 +1026,8 @@ class _Query:
                 return "top-k: ORDER BY reaches a select alias through another alias"
             if _is_volatile(t):
                 return "top-k: ORDER BY is not deterministic"
+            if not t.find(exp.Column, exp.Star, exp.Columns, _POSITIONAL):
+                continue  # a constant orders nothing (and a literal 1 would read as a position)
             new = ob.copy()
             new.set("this", t.copy())
             order_exprs.append(new)
@@ -1031,7 +1053,7 @@ class _Query:
         if final is None:
             return "top-k: table position unknown in the text"
         scan = Scan(name=name, sql=_sql(rank), where="ranks", merge=_sql(merge), tables=(ref.name,))
-        return Plan(mode="top-k", scans=(scan,), final=final, prune=self.prune_single(s, ref),
+        return Plan(mode="top-k", scans=(scan,), final=final, prune=self.prune_for(self.pushable(ref)),
                     order_matters=self.order_matters)
 
     def ship_rows(self, notes: Sequence[str] = ()) -> Plan:
@@ -1067,6 +1089,19 @@ class _Query:
         return Plan(mode="ship-rows", scans=tuple(scans), final=final,
                     prune=self.prune_for(pushed_one) if pushed_one else None,
                     order_matters=self.order_matters, notes=tuple(extra))
+
+
+def _plain_limit(limit: Any) -> bool:
+    """LIMIT n: no PERCENT, no WITH TIES, no MySQL-style offset."""
+    if not isinstance(limit, exp.Limit):
+        return False
+    extra = {k for k, v in limit.args.items() if v} - {"expression"}
+    opts = limit.args.get("limit_options")
+    if opts is not None:
+        if any(opts.args.get(k) for k in ("percent", "with_ties")):
+            return False
+        extra.discard("limit_options")
+    return not extra
 
 
 def _int_literal(node: Any) -> int | None:
@@ -1176,12 +1211,15 @@ class _PartialBuilder:
         if not _is_agg(agg):
             raise _NoPushdown(f"{_sql(node)} is not an aggregate it can split")
         name = _fname(agg)
-        # DISTINCT aggregates: ship the distinct values, finish at the root.
-        arg0 = agg.this
+        # DISTINCT aggregates: ship the distinct values, finish at the root. (sqlglot puts
+        # DISTINCT in `this` of the functions it knows, in the first argument of others.)
+        anon = isinstance(agg, exp.Anonymous)
+        arg0 = (agg.expressions[0] if agg.expressions else None) if anon else agg.this
+        more = len(agg.expressions) > 1 if anon else bool(agg.args.get("expressions"))
         if isinstance(arg0, exp.Distinct):
             if cond is not None:
                 raise _NoPushdown("DISTINCT aggregate with FILTER")
-            if len(arg0.expressions) != 1 or (agg.args.get("expressions")):
+            if len(arg0.expressions) != 1 or more:
                 raise _NoPushdown(f"{_sql(agg)} has several arguments")
             arg = arg0.expressions[0]
             self.check_row_expr(arg, "a DISTINCT aggregate")
@@ -1205,6 +1243,8 @@ class _PartialBuilder:
         if extra:
             raise _NoPushdown(f"{_sql(agg)} has options ({', '.join(sorted(extra))})")
         for a in args:
+            if isinstance(a, exp.Order) or a.find(exp.Order):
+                raise _NoPushdown(f"{_sql(agg)} orders its input")
             self.check_row_expr(a, "an aggregate argument")
             if _has_agg(a):
                 raise _NoPushdown("nested aggregates")
@@ -1284,10 +1324,11 @@ class _PartialBuilder:
         clash = key_names & set(self.aliases)
         if clash:
             raise _NoPushdown(f"{sorted(clash)[0]} is both a grouped column and an alias")
+        for n in s.find_all(exp.Star, exp.Columns):
+            if not isinstance(n.parent, exp.Count):
+                raise _NoPushdown("a star or COLUMNS(...) expression")
         items = []
         for e in s.expressions:
-            if isinstance(e, (exp.Star, exp.Columns)) or e.find(exp.Star) and not e.find(exp.Count):
-                raise _NoPushdown("a star in the select list")
             if isinstance(e, exp.Alias):
                 new = e.copy()
                 new.set("this", self.rewrite(e.this, "the select list", True))
@@ -1357,11 +1398,11 @@ class _PartialBuilder:
         final.set("order", exp.Order(expressions=new_order) if new_order else None)
         shape_name = q.fresh("__shape")
         start, _ = _trailer_start(q.sql)
-        shape_sql = q.flat_text(start) + " LIMIT 0"
+        shape_sql = q.flat_text(start) + "\nLIMIT 0"  # newline: the text may end in a -- comment
         scans = (Scan(name=scan, sql=_sql(rank), where="ranks", merge=merge, tables=(ref.name,)),
                  Scan(name=shape_name, sql=shape_sql, where="ranks", merge=None, tables=(ref.name,)))
         return Plan(mode="partial-aggregate", scans=scans, final=_sql(final),
-                    prune=q.prune_single(s, ref), order_matters=q.order_matters, shape=shape_name)
+                    prune=q.prune_for(q.pushable(ref)), order_matters=q.order_matters, shape=shape_name)
 
 
 def _filtered(agg: Any, cond: Any) -> Any:

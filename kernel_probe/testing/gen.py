@@ -169,14 +169,15 @@ _AGGS = [
     "sum(x) FILTER (WHERE b)", "avg(y) FILTER (WHERE x > 0)", "mean(x)", "min(s)", "sum(x + 1)",
     "avg(x * 2.5)", "max(x) - min(x)", "sum(x) / count(*)", "count(*) * 2", "max(big)",
 ]
-_DISTINCT_AGGS = ["count(DISTINCT s)", "count(DISTINCT g)", "sum(DISTINCT g)", "avg(DISTINCT x % 10)"]
+_DISTINCT_AGGS = ["count(DISTINCT s)", "count(DISTINCT g)", "sum(DISTINCT g)", "avg(DISTINCT x % 10)",
+                  "mean(DISTINCT g)", "min(DISTINCT x)"]
 _DUP_INSENSITIVE = ["min(x)", "max(y)", "bool_or(b)", "max(ts)", "count(*)", "sum(x)"]
 _PROJ = ["id", "g", "x", "y", "s", "b", "ts", "big", "_rank", "_node", "_host", "x + 1 AS x1",
          "upper(s) AS su", "ifnull(x, 0)", "y * 2"]
 
 
-def _where(rng: random.Random, *, tag_p: float = 0.4, data_p: float = 0.6, params: dict[str, Any] | None = None,
-           prefix: str = "") -> str:
+def _where(rng: random.Random, *, tag_p: float = 0.4, data_p: float = 0.6,
+           params: dict[str, Any] | None = None) -> str:
     conds = []
     if rng.random() < data_p:
         conds.append(_fill(rng, rng.choice(_DATA_FILTERS)))
@@ -185,16 +186,7 @@ def _where(rng: random.Random, *, tag_p: float = 0.4, data_p: float = 0.6, param
     if params is not None and rng.random() < 0.2:
         params["lo"] = rng.randint(-500, 500)
         conds.append("x > $lo")
-    if prefix:
-        conds = [_qualify(c, prefix) for c in conds]
     return (" WHERE " + " AND ".join(conds)) if conds else ""
-
-
-def _qualify(cond: str, prefix: str) -> str:
-    out = cond
-    for c in ("_rank", "_node", "_host", "_local_rank", "_role"):
-        out = out.replace(c, f"{prefix}.{c}")
-    return out
 
 
 def _fill(rng: random.Random, tmpl: str) -> str:
@@ -338,6 +330,20 @@ def _q_setop(rng: random.Random) -> GenQuery:
                     frozenset({"ship-rows"}), label="setop")
 
 
+def _q_u(rng: random.Random) -> GenQuery:
+    """Table u, which one rank does not have at all."""
+    where = rng.choice(["", " WHERE z > 0.3", " WHERE _node <> 0", " WHERE k IN (1, 2, 3) AND _rank <> 4"])
+    if rng.random() < 0.6:
+        key = rng.choice(["k", "_node", "w"])
+        aggs = rng.sample(["count(*)", "sum(z)", "avg(z)", "max(w)", "stddev(z)", "count(DISTINCT w)"], 2)
+        if "count(DISTINCT w)" in aggs and "stddev(z)" in aggs:
+            aggs.remove("stddev(z)")
+        return GenQuery(f"SELECT {key}, {', '.join(aggs)} FROM u{where} GROUP BY {key} ORDER BY 1",
+                        frozenset({"partial-aggregate"}), label="u-agg")
+    return GenQuery(f"SELECT * FROM u{where} ORDER BY id, k, z, w, _rank LIMIT {rng.randint(1, 9)}",
+                    frozenset({"top-k"}), label="u-topk")
+
+
 def _q_per_rank(rng: random.Random) -> GenQuery:
     sql = rng.choice(["SELECT count(*) AS n, sum(x) AS sx FROM t", "SELECT g, count(*) AS n FROM t GROUP BY g",
                       "SELECT max(ts) AS last FROM t WHERE x > 0", "SELECT count(*) AS n FROM u"])
@@ -346,7 +352,7 @@ def _q_per_rank(rng: random.Random) -> GenQuery:
 
 _SHAPES = [(_q_projection, 3), (_q_topk, 4), (_q_global_agg, 5), (_q_grouped, 6), (_q_rank_local, 3),
            (_q_distinct, 2), (_q_count_distinct, 3), (_q_join, 3), (_q_window, 1), (_q_cte, 1),
-           (_q_subquery, 1), (_q_nodes, 1), (_q_setop, 1), (_q_per_rank, 1)]
+           (_q_subquery, 1), (_q_nodes, 1), (_q_setop, 1), (_q_per_rank, 1), (_q_u, 2)]
 
 
 def generate_queries(seed: int = 0, n: int = 300) -> list[GenQuery]:
@@ -405,6 +411,7 @@ def tricky_queries() -> list[GenQuery]:
         q("SELECT x FROM t WHERE x > $lo ORDER BY x, id LIMIT 4", tk, {"lo": 10}, label="params-topk"),
         q("SELECT id, x * 2 AS dbl FROM t ORDER BY dbl DESC NULLS LAST, id LIMIT 6", tk, label="order-by-alias"),
         q("SELECT id, y FROM t ORDER BY 2, 1 LIMIT 5 OFFSET 3", tk),
+        q("SELECT 1 AS one, 'k' AS k, x, id FROM t ORDER BY 1, k, 2, x, id LIMIT 4", tk, label="constant-order"),
         q("SELECT t.* FROM t WHERE id % 7 = 0 ORDER BY id LIMIT 5", tk),
         q("FROM t SELECT id, s ORDER BY s DESC, id LIMIT 4", tk, label="from-first"),
         q("SELECT * FROM u ORDER BY id, k, z, w LIMIT 10", tk, label="u-missing-on-one-rank"),
@@ -429,6 +436,22 @@ def tricky_queries() -> list[GenQuery]:
         q("SELECT DISTINCT ON (g) g, id FROM t ORDER BY g, id", sr, label="distinct-on"),
         q("SELECT t FROM t WHERE id % 50 = 0 ORDER BY id", sr, label="row-struct"),
         q("SELECT count(DISTINCT s), var_samp(y) FROM t", sr, label="distinct-plus-variance"),
+        q("SELECT count(x ORDER BY id), sum(x) FROM t", sr, label="ordered-aggregate"),
+        q("SELECT * FROM t PIVOT (sum(x) FOR g IN (1, 2)) WHERE \"1\" > 0 ORDER BY id", sr, label="pivot"),
+        q("SELECT a.c1, a.c3 FROM t AS a(c1, c2, c3) WHERE a.c3 > 0 ORDER BY 1", sr, label="column-renames"),
+        q("SELECT count(*), sum(x) FROM t TABLESAMPLE 100% WHERE x > 0", sr, label="sample-all"),
+        q("SELECT id FROM t WHERE x > 0 ORDER BY id LIMIT 10%", sr, label="limit-percent"),
+        q("SELECT #1, #3 FROM t WHERE _node = 1 AND #3 > 0 ORDER BY 1", sr, label="positional-columns"),
+        q("SELECT max(COLUMNS('^(x|y)$')) FROM t", sr, label="columns-expression"),
+        q("SELECT count(*), sum(x) FROM t WHERE x > 10000 GROUP BY ()", pa_, label="group-by-empty"),
+        q("SELECT mean(DISTINCT g), avg(DISTINCT x) FROM t", pa_, label="anonymous-distinct"),
+        # spelling: case, quotes, comments, cluster.<table>, trailing semicolon
+        q('SELECT "G", COUNT(*) AS "N" FROM "T" WHERE "X" > 0 GROUP BY "G" ORDER BY "G";', pa_, label="quoted"),
+        q("SELECT count(*) -- everything\nFROM t /* all ranks */ -- the end", pa_, label="comments"),
+        q("SELECT _rank, count(*) FROM t GROUP BY _rank -- per rank\nORDER BY 1 -- sorted", rl,
+          label="comments-rank-local"),
+        q("SELECT count(*), max(c.x) FROM cluster.t c WHERE c._node = 2", pa_, label="cluster-qualified"),
+        q("SELECT * FROM cluster.t ORDER BY id LIMIT 2", tk, label="cluster-qualified-topk"),
         # root only
         q("SELECT count(*) FROM cluster.nodes", ro),
         q("SELECT 42 AS answer", ro),

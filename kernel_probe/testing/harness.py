@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 import psutil
 
@@ -92,6 +92,7 @@ class LocalJob:
         run_id: str | None = None,
         python: str = sys.executable,
         grace: float = 10.0,
+        rank_env: Callable[[int], dict[str, str]] | None = None,
     ) -> None:
         if mode not in ("torchrun", "plain"):
             raise ValueError(f"mode must be 'torchrun' or 'plain', not {mode!r}")
@@ -110,6 +111,7 @@ class LocalJob:
         self.run_id = run_id or f"kp-{uuid.uuid4().hex[:10]}"
         self.python = python
         self.grace = grace  # seconds between SIGTERM and SIGKILL in close()
+        self.rank_env = rank_env  # plain mode: extra environment of one rank
         self.master_addr: str = _LOOPBACK
         self.master_port: int | None = None
         self.rdzv_port: int | None = None  # torchrun mode: the c10d rendezvous endpoint
@@ -191,6 +193,8 @@ class LocalJob:
             )
             # Explicit user env wins over the launcher defaults (e.g. OMP_NUM_THREADS).
             env.update({k: v for k, v in self.extra_env.items() if k == "OMP_NUM_THREADS"})
+            if self.rank_env is not None:  # e.g. a host name per simulated node
+                env.update(self.rank_env(rank))
             self._spawn([self.python, *self.argv], env, self.workdir / f"rank{rank}.log")
 
     def _torchrun_target(self) -> list[str]:

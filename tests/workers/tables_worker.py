@@ -18,6 +18,7 @@ def main() -> None:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-sec", type=float, default=30.0)
     p.add_argument("--gen", type=int, default=None)
+    p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--seconds", type=float, default=600)
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
@@ -36,11 +37,13 @@ def main() -> None:
 
     kernel_probe.table("slow", slow)
     kernel_probe.table("fast", [{"rank": rank, "v": 2}])
-    if args.gen is not None:
-        from kernel_probe.testing.gen import rank_tables
+    if args.gen is not None:  # the differential test's data for this rank, and its role
+        from kernel_probe.testing.gen import make_ranks
 
-        for name, table in rank_tables(args.gen, rank, world).items():
+        mine = make_ranks(args.gen, nodes=args.nodes, per_node=world // args.nodes)[rank]
+        for name, table in mine.tables.items():
             kernel_probe.table(name, table)
+        kernel_probe.set_role(mine.role)
     print(f"tables ready rank={rank}", flush=True)
     end = time.monotonic() + args.seconds
     while time.monotonic() < end:
