@@ -75,8 +75,13 @@ def test_real_job_matches_duckdb_on_the_union(cluster):
         modes[r.coverage["plan"]] = modes.get(r.coverage["plan"], 0) + 1
         if gq.expect is not None:
             assert r.coverage["plan"] in gq.expect, f"{what}: plan {r.coverage['plan']}"
-        ordered = bool(re.search(r"\border\s+by\b", gq.sql, re.I)) and not gq.per_rank
-        assert_same(r.table, want, ordered=ordered and _top_level_order(gq.sql), what=what)
+        ordered = _top_level_order(gq.sql) and not gq.per_rank
+        if re.search(r"\blimit\b", gq.sql, re.I) and not ordered:
+            # LIMIT without ORDER BY: any rows of the union are right; which ones depends
+            # on which rank answered first
+            assert r.table.num_rows == want.num_rows and r.table.column_names == want.column_names, what
+            continue
+        assert_same(r.table, want, ordered=ordered, what=what)
     print(f"{len(QUERIES)} queries over a real 3x2 job matched DuckDB on the union; modes: {modes}")
     assert modes.get("partial-aggregate", 0) > 30 and modes.get("top-k", 0) > 10
 
