@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="tcp://host:port, a connection file, store://host:port[/run_id] "
                         "(default: the newest job on this machine)")
     p.add_argument("--token", default=None, help="the job's PROBING_AUTH_TOKEN (default: from the environment)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for an answer (default 5; 10 for queries)")
     p.add_argument("--version", action="version", version=f"kernel-probe {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="probes (job roots) on this machine")
@@ -41,8 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--ranks", default=None, help="only these ranks, e.g. 0-3,8")
     q.add_argument("--explain", action="store_true", help="show the plan instead of running it")
     q.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    q.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     st = sub.add_parser("stacks", help="main-thread Python stacks of every rank, grouped")
     st.add_argument("--all-threads", action="store_true", help="every thread, not only the main one")
+    st.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     return p
 
 
@@ -104,15 +107,15 @@ def format_nodes(raw: dict, info: dict, departures: bool = False) -> str:
 def cmd_nodes(args: argparse.Namespace) -> int:
     import kernel_probe
 
-    with kernel_probe.connect(args.target, token=args.token, timeout=args.timeout) as client:
-        print(format_nodes(client.nodes_raw(args.timeout), client.info_, departures=args.departures))
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
+        print(format_nodes(client.nodes_raw(_connect_timeout(args)), client.info_, departures=args.departures))
     return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     import kernel_probe
 
-    with kernel_probe.connect(args.target, token=args.token, timeout=args.timeout) as client:
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
         for k, v in client.info_.items():
             print(f"{k}: {v}")
     return 0
@@ -132,14 +135,18 @@ def parse_ranks(spec: str | None) -> list[int] | None:
     return ranks
 
 
+def _connect_timeout(args: argparse.Namespace) -> float:
+    return min(args.timeout, 10.0) if args.timeout else 5.0
+
+
 def _query_timeout(args: argparse.Namespace) -> float:
-    return args.timeout if args.timeout != 5.0 else 10.0  # queries default to DESIGN's 10 s
+    return args.timeout or 10.0  # DESIGN's default query deadline
 
 
 def cmd_query(args: argparse.Namespace) -> int:
     import kernel_probe
 
-    with kernel_probe.connect(args.target, token=args.token, timeout=min(args.timeout, 10.0)) as client:
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
         result = client.query(args.sql, timeout=_query_timeout(args), strict=args.strict, per_rank=args.per_rank,
                               ranks=parse_ranks(args.ranks), local=args.local, explain=args.explain)
     if args.explain:
@@ -167,7 +174,7 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     import kernel_probe
 
     sql = STACKS_SQL.format(where="" if args.all_threads else "WHERE is_main")
-    with kernel_probe.connect(args.target, token=args.token, timeout=min(args.timeout, 10.0)) as client:
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
         result = client.query(sql, timeout=_query_timeout(args))
     print(format_stacks(result.table.to_pylist()))
     print(result.footer())

@@ -15,7 +15,6 @@ Rules of this file:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from .config import Identity, Settings
 from .membership import Backoff, Registry
@@ -512,6 +511,3 @@ class ProbeCore:
     def _drop_child_rank(self, rank: int) -> None:
         for rid in [rid for rid, c in self.children.items() if c.rank == rank]:
             del self.children[rid]
-
-    def child_ranks(self) -> Iterable[int]:
-        return (c.rank for c in self.children.values())

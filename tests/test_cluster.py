@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import stat
-import subprocess
-import sys
 import time
 
 import psutil
@@ -42,6 +39,14 @@ def converged(client: Client, world: int) -> dict[int, dict] | None:
     m = members(client)
     ok = sorted(m) == list(range(world)) and all(r["state"] == "alive" for r in m.values())
     return m if ok else None
+
+
+def running_job(launch, nodes: int, per_node: int, mode: str, env: dict = FAST):
+    """A converged job of idle workers: (job, root client, the root's view by rank)."""
+    job = launch(worker_argv(), nodes=nodes, ranks_per_node=per_node, mode=mode, env=env)
+    job.wait_ready(90)
+    root = root_client()
+    return job, root, wait_for(lambda: converged(root, nodes * per_node), 60, what="convergence")
 
 
 def rank_client(root: Client, endpoint: str) -> Client:
@@ -98,10 +103,7 @@ def test_set_role_reaches_root_within_a_second(launch, tmp_path):
 
 # --- 3 ----------------------------------------------------------------------------------
 def test_killed_leaf_is_dead_fast_then_removed(launch):
-    job = launch(worker_argv(), nodes=2, ranks_per_node=2, mode="plain", env=FAST)
-    job.wait_ready(60)
-    root = root_client()
-    view = wait_for(lambda: converged(root, 4), 60, what="convergence")
+    job, root, view = running_job(launch, 2, 2, mode="plain")
     victim = next(r for r, m in view.items() if m["tier"] == "leaf" and m["node"] == 1)
     t0 = time.monotonic()
     job.kill(victim)
@@ -123,10 +125,7 @@ def test_killed_leaf_is_dead_fast_then_removed(launch):
 
 
 def test_torchrun_worker_death_and_job_end(launch):
-    job = launch(worker_argv(), nodes=2, ranks_per_node=2, mode="torchrun", env=FAST)
-    job.wait_ready(90)
-    root = root_client()
-    view = wait_for(lambda: converged(root, 4), 60, what="convergence")
+    job, root, view = running_job(launch, 2, 2, mode="torchrun")
     conn_path = root.connection.path
     victim = next(r for r, m in view.items() if m["node"] == 1 and m["tier"] == "leaf")
     sibling = next(r for r, m in view.items() if m["node"] == 1 and r != victim)
@@ -158,10 +157,7 @@ def test_torchrun_worker_death_and_job_end(launch):
 
 # --- 4 ----------------------------------------------------------------------------------
 def test_frozen_leaf_goes_dead_after_one_ttl_and_comes_back(launch):
-    job = launch(worker_argv(), nodes=2, ranks_per_node=2, mode="plain", env=FAST)
-    job.wait_ready(60)
-    root = root_client()
-    view = wait_for(lambda: converged(root, 4), 60, what="convergence")
+    job, root, view = running_job(launch, 2, 2, mode="plain")
     victim = next(r for r, m in view.items() if m["tier"] == "leaf" and m["node"] == 1)
     t0 = time.monotonic()
     job.freeze(victim)
@@ -179,10 +175,7 @@ def test_frozen_leaf_goes_dead_after_one_ttl_and_comes_back(launch):
 
 # --- 5 ----------------------------------------------------------------------------------
 def test_killed_broker_leaves_reparent_to_root(launch):
-    job = launch(worker_argv(), nodes=2, ranks_per_node=3, mode="plain", env=FAST)
-    job.wait_ready(60)
-    root = root_client()
-    view = wait_for(lambda: converged(root, 6), 60, what="convergence")
+    job, root, view = running_job(launch, 2, 3, mode="plain")
     broker = next(r for r, m in view.items() if m["tier"] == "broker")
     orphans = [r for r, m in view.items() if m["node"] == view[broker]["node"] and r != broker]
     t0 = time.monotonic()

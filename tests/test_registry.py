@@ -3,7 +3,6 @@ broker vouching, deltas, and a property test that mirrors reproduce the source."
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest

@@ -86,7 +86,7 @@ class QueryError(Exception):
         self.col = col
 
     def __repr__(self) -> str:
-        return f"QueryError({self.message!r}, code={self.code!r}, line={self.line!r}, col={self.col!r})"
+        return f"{type(self).__name__}({self.message!r}, code={self.code!r}, line={self.line!r}, col={self.col!r})"
 
 
 class Engine:

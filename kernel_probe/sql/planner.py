@@ -48,6 +48,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from .engine import QueryError
+
 __all__ = ["TAGS", "NODES", "MODES", "PlanError", "Scan", "Plan", "plan"]
 
 TAGS = ("_rank", "_node", "_host", "_local_rank", "_role")
@@ -110,19 +112,12 @@ def _load() -> None:
 # Public data
 
 
-class PlanError(Exception):
+class PlanError(QueryError):
     """A query the planner will not run: one line, ``code`` "syntax" | "refused" | "unsupported"."""
 
     def __init__(self, message: str, *, code: str = "refused", line: int | None = None,
                  col: int | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-        self.line = line
-        self.col = col
-
-    def __repr__(self) -> str:
-        return f"PlanError({self.message!r}, code={self.code!r}, line={self.line!r}, col={self.col!r})"
+        super().__init__(message, code=code, line=line, col=col)
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         dist.init_process_group(backend="gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
     else:
-        rank, world = 0, 1
+        rank = 0
 
     model: nn.Module = build_model()
     if distributed:
