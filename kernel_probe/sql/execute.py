@@ -178,6 +178,8 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
                 notes.append(msg)
             out[scan.name] = None
             continue
+        if scan.name == plan.shape:  # names and types only: binding does not depend on the rows
+            regs = {n: t.slice(0, 0) for n, t in regs.items()}
         result = engine.run(scan.sql, regs, params=_params_for(scan.sql, params), deadline=deadline,
                             row_cap=row_cap)
         if per_rank:
