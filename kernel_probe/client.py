@@ -31,7 +31,6 @@ NODE_COLUMNS = [
     "pid", "role", "incarnation", "state", "last_seen", "since", "step", "step_time_ms", "tier", "reason",
 ]
 DEPARTURE_COLUMNS = ["rank", "incarnation", "host", "pid", "when", "why"]
-PROTOCOL_VERSION = 1
 
 
 class ProbeError(Exception):
@@ -233,9 +232,9 @@ class Client:
             raise AuthError(f"the probe at {self.endpoint} refused our credentials ({refused.reason}): "
                             f"wrong or missing PROBING_AUTH_TOKEN?") from None
         info = env.msg.body
-        if info.get("protocol") != PROTOCOL_VERSION:
+        if info.get("protocol") != wire.PROTOCOL_VERSION:
             raise ProbeError(f"the probe at {self.endpoint} speaks protocol {info.get('protocol')}, "
-                             f"this client {PROTOCOL_VERSION}: upgrade probing-magics on one side")
+                             f"this client {wire.PROTOCOL_VERSION}: upgrade probing-magics on one side")
         self.info_ = info
         self.run_id = info.get("run_id", self.run_id)
         return info

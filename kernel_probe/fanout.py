@@ -27,7 +27,6 @@ FINISH_SHARE = 0.1  # part of the remaining time the root keeps for merging and 
 HOP_MARGIN_MAX = 0.5  # seconds each hop keeps for itself at most
 PROGRESS_AFTER = 1.0  # a query slower than this tells its client how far it got
 PROGRESS_EVERY = 0.5
-LIVE = ("alive", "stalled")
 
 
 @dataclass(frozen=True)
@@ -294,11 +293,11 @@ class FanOut:
             return self._answer_parent(s, result["scans"], result["buffers"])
         if "error" in result:
             return self._fail_client(s, **result["error"])
-        coverage = self.coverage(s, now, result.get("bytes", 0))
+        coverage = self.coverage(s, now)
         body = {"status": "ok", "coverage": coverage, "columns": result.get("columns")}
         return [Send(s.origin, Message("query_result", body, tuple(result["buffers"]), corr_id=s.corr_id))]
 
-    def coverage(self, s: Session, now: float, _final_bytes: int = 0) -> dict:
+    def coverage(self, s: Session, now: float) -> dict:
         failed = {str(r): reason for r, reason in sorted(s.failed.items())}
         plan = s.plan or {}
         return {

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 
 from .config import Identity, Settings
 from .membership import Backoff, Registry
-from .wire import Envelope, Message
+from .wire import PROTOCOL_VERSION, Envelope, Message
 
-PROTOCOL_VERSION = 1
 PUSH_DEBOUNCE_SEC = 0.02  # batch near-simultaneous joins into one push / one report
 PARENT = None  # the ``to`` of a Send that goes up the parent connection
 

@@ -56,6 +56,7 @@ __all__ = [
     "refusal_reason",
 ]
 
+PROTOCOL_VERSION = 1  # the application protocol (info handshake, connection files)
 PROTOCOL = b"PMG1"  # first frame of every message; bump on any incompatible change
 REFUSED = b"PMG1-REFUSED"  # first frame of the one unsigned reply (see refusal_frames)
 SIGNATURE_BYTES = 32  # raw SHA-256 digest

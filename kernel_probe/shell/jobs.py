@@ -14,8 +14,10 @@ from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 from .. import wire
+from ..membership import ALIVE, STALLED
 
-LIVE = ("alive", "stalled")
+LIVE = (ALIVE, STALLED)  # ranks a query asks
+
 NONE = b""  # a scan this rank could not run (it lacks the table): no rows and no schema
 
 
@@ -178,7 +180,7 @@ class JobRunner:
         table = finish(plan, self.engine, merged, root_tables, params=args.get("params"),
                        deadline=args.get("deadline"), row_cap=self.row_cap)
         data = wire.table_to_ipc(table)
-        return {"buffers": [data], "columns": table.column_names, "bytes": len(data)}
+        return {"buffers": [data], "columns": table.column_names}
 
     def _nodes_table(self):
         import pyarrow as pa

@@ -138,7 +138,7 @@ class ProbeThread(threading.Thread):
             port = router.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{advertise_host(s, ident, host)}:{port}"
         self._use_store = s.torchrun_cluster and ident.in_job and ident.has_store and not s.parent_endpoint
-        key = self._key()
+        key = self.key = self._key()
         self.codec = wire.Codec(key, sender=f"rank{ident.rank}", incarnation=self.incarnation,
                                 clock=self.clock, limits=limits)
         now = self.clock()
@@ -285,15 +285,11 @@ class ProbeThread(threading.Thread):
             info = connfile.ConnectionInfo(
                 endpoint=self.endpoint, run_id=ident.run_id, world_size=ident.world_size, pid=os.getpid(),
                 pid_create_time=psutil.Process().create_time(), host=socket.gethostname(), incarnation=self.incarnation,
-                key=self.codec_key_hex, started=self.clock(), protocol=1,
+                key=self.key.hex(), started=self.clock(), protocol=wire.PROTOCOL_VERSION,
             )
             self.connection_file = str(connfile.write(self.settings.runtime_dir, info))
         except Exception as exc:
             log.warning("probing: could not write the connection file: %s", exc)
-
-    @property
-    def codec_key_hex(self) -> str:
-        return self.codec._key.hex()
 
     # --- inputs ------------------------------------------------------------------------------
     def _drain_router(self, now: float) -> None:
