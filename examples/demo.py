@@ -10,7 +10,8 @@ import sys
 import time
 
 import kernel_probe
-from kernel_probe.cli import STACKS_SQL, format_nodes, format_stacks
+from kernel_probe.cli import format_nodes
+from kernel_probe.summaries import format_stacks, group_stacks, stacks_sql
 from kernel_probe.client import ProbeError
 from kernel_probe.testing.harness import LocalJob
 
@@ -74,9 +75,9 @@ def main() -> int:
             say(f"{title}\n  {sql}\n")
             say(result.df.to_string(index=False))
             say(f"  [{result.footer()}]\n")
-        stacks = client.query(STACKS_SQL.format(where="WHERE is_main"))
+        stacks = client.query(stacks_sql())
         say("Where is every rank's main thread right now?\n")
-        say(format_stacks(stacks.table.to_pylist()))
+        say(format_stacks(group_stacks(stacks.table.to_pylist())))
         say(f"  [{stacks.footer()}]\n")
         say("While a job runs, from another shell on this machine:")
         say("  .venv/bin/kernel-probe list")

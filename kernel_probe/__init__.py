@@ -6,6 +6,8 @@ Public API (DESIGN.md section 7)::
     kernel_probe.set_role("trainer")      # or a dict / keyword args -> "k=v,..."
     c = kernel_probe.connect(target=None, token=None)
     c.nodes()                             # pandas DataFrame, one row per rank
+    c = await kernel_probe.connect_async(target)   # the same, for asyncio code (the Jupyter server)
+    kernel_probe.job_registry().jobs()    # jobs on this machine and jobs added by address
 
 Importing this package is cheap: no torch, pandas, DuckDB or pyarrow until asked for.
 """
@@ -18,11 +20,13 @@ import threading
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
-    from .client import Client
+    from .client import AsyncClient, Client
+    from .jobs import JobRegistry
     from .shell.probe_thread import ProbeThread
 
-__all__ = ["start", "stop", "set_role", "log", "table", "connect", "probe", "ProbeError", "ConnectError",
-           "AuthError", "JobEndedError", "QueryFailed", "QueryResult"]
+__all__ = ["start", "stop", "set_role", "log", "table", "connect", "connect_async", "job_registry", "probe",
+           "ProbeError", "ConnectError", "AuthError", "JobEndedError", "QueryFailed", "QueryResult", "Client",
+           "AsyncClient", "Job", "JobRegistry", "UnknownJob"]
 __version__ = "0.1.0"
 
 _OWNER_VAR = "_PROBING_OWNER_PID"  # children inherit it: a subprocess never starts a second probe
@@ -120,11 +124,31 @@ def connect(target: str | os.PathLike | None = None, token: str | None = None, t
     return _connect(target, token=token, timeout=timeout)
 
 
-def __getattr__(name: str) -> Any:  # the error classes live with the client, imported on demand
-    if name in ("ProbeError", "ConnectError", "AuthError", "JobEndedError", "QueryFailed", "QueryResult"):
-        from . import client
+async def connect_async(target: str | os.PathLike | None = None, token: str | None = None,
+                        timeout: float = 5.0) -> "AsyncClient":
+    """``connect()`` for asyncio code: an ``AsyncClient`` whose methods are awaited."""
+    from .client import connect_async as _connect_async
 
-        return getattr(client, name)
+    return await _connect_async(target, token=token, timeout=timeout)
+
+
+def job_registry() -> "JobRegistry":
+    """This process's registry of jobs: running on this machine, or added by address."""
+    from .jobs import job_registry as _job_registry
+
+    return _job_registry()
+
+
+_LAZY = {"ProbeError": "client", "ConnectError": "client", "AuthError": "client", "JobEndedError": "client",
+         "QueryFailed": "client", "QueryResult": "client", "Client": "client", "AsyncClient": "client",
+         "Job": "jobs", "JobRegistry": "jobs", "UnknownJob": "jobs"}
+
+
+def __getattr__(name: str) -> Any:  # the client side is imported on demand: a rank never needs it
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(name)
 
 

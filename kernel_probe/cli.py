@@ -123,16 +123,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def parse_ranks(spec: str | None) -> list[int] | None:
     """'0-3,8' -> [0, 1, 2, 3, 8]."""
-    if not spec:
-        return None
-    ranks: list[int] = []
+    from .summaries import parse_ranks as _parse
+
     try:
-        for part in spec.split(","):
-            lo, _, hi = part.strip().partition("-")
-            ranks.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise SystemExit(f"kernel-probe: bad --ranks {spec!r}: expected e.g. 0-3,8") from None
-    return ranks
+        return _parse(spec)
+    except ValueError as exc:
+        raise SystemExit(f"kernel-probe: {exc}") from None
 
 
 def _connect_timeout(args: argparse.Namespace) -> float:
@@ -166,46 +162,15 @@ def cmd_query(args: argparse.Namespace) -> int:
     return 0
 
 
-STACKS_SQL = ("SELECT _rank, thread_name, is_main, depth, function, file, line FROM stacks {where} "
-              "ORDER BY _rank, thread_name, depth")
-
-
 def cmd_stacks(args: argparse.Namespace) -> int:
     import kernel_probe
+    from .summaries import format_stacks, group_stacks, stacks_sql
 
-    sql = STACKS_SQL.format(where="" if args.all_threads else "WHERE is_main")
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
-        result = client.query(sql, timeout=_query_timeout(args))
-    print(format_stacks(result.table.to_pylist()))
+        result = client.query(stacks_sql(args.all_threads), timeout=_query_timeout(args))
+    print(format_stacks(group_stacks(result.table.to_pylist())))
     print(result.footer())
     return 0
-
-
-def format_stacks(rows: list[dict]) -> str:
-    """Identical stacks are printed once, with the ranks that share them."""
-    stacks: dict[tuple, list[int]] = {}
-    current: dict[tuple[int, str], list[str]] = {}
-    for r in rows:
-        current.setdefault((r["_rank"], r["thread_name"]), []).append(
-            f"  {r['file']}:{r['line']} in {r['function']}")
-    for (rank, thread), frames in current.items():
-        stacks.setdefault((thread, tuple(frames)), []).append(rank)
-    out = []
-    for (thread, frames), ranks in sorted(stacks.items(), key=lambda kv: kv[1]):
-        label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)} ({len(ranks)})"
-        out.append(f"{label} · thread {thread} (innermost first):")
-        out.extend(frames)
-    return "\n".join(out) if out else "(no stacks)"
-
-
-def _span(ranks: list[int]) -> str:
-    ranks = sorted(set(ranks))
-    parts, start = [], ranks[0]
-    for a, b in zip(ranks, ranks[1:] + [None]):
-        if b != a + 1:
-            parts.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(parts)
 
 
 COMMANDS = {"list": cmd_list, "nodes": cmd_nodes, "info": cmd_info, "query": cmd_query, "stacks": cmd_stacks}

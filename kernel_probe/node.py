@@ -93,6 +93,7 @@ class ProbeCore:
     step: int | None = None
     step_time_ms: float | None = None
     stalled: bool = False
+    stalled_where: str = ""  # where the main thread is stuck while stalled (its innermost frame)
 
     registry: Registry = field(init=False)  # authoritative: the job (root) or the node (broker)
     mirror: Registry = field(init=False)  # the job's membership as pushed down by the parent
@@ -146,13 +147,16 @@ class ProbeCore:
         return effects + self.on_timer(now)
 
     def update_self(self, now: float, *, role: str | None = None, step: int | None = None,
-                    step_time_ms: float | None = None, stalled: bool | None = None) -> list[Effect]:
+                    step_time_ms: float | None = None, stalled: bool | None = None,
+                    stalled_where: str = "") -> list[Effect]:
         """Local facts changed. A role or progress-state change is reported immediately."""
         urgent = False
         if role is not None and role != self.role:
             self.role, urgent = role, True
         if stalled is not None and stalled != self.stalled:
             self.stalled, urgent = stalled, True
+        if stalled is not None:
+            self.stalled_where = stalled_where if stalled else ""
         if step is not None:
             self.step = step
         if step_time_ms is not None:
@@ -273,6 +277,7 @@ class ProbeCore:
             "host": ident.host, "endpoint": self.endpoint, "pid": self.pid, "role": self.role,
             "incarnation": self.incarnation, "tier": self.tier or "leaf", "step": self.step,
             "step_time_ms": self.step_time_ms, "stalled": self.stalled, "age": 0.0,
+            "reason": self.stalled_where if self.stalled else "",
         }
 
     def info(self) -> dict:

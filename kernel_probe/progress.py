@@ -161,6 +161,14 @@ def main_stack_signature() -> tuple:
     return tuple(sig)
 
 
+def stuck_where(stack: tuple) -> str:
+    """Where a stalled main thread is stuck, for a person: its innermost Python frame."""
+    if not stack:
+        return ""
+    file, function, line = stack[0]
+    return f"in {function} ({file.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line})"
+
+
 @dataclass
 class StallDetector:
     """Sans-IO: no new step and the same main-thread stack for ``stall_sec`` means stalled."""

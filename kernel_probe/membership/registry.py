@@ -350,7 +350,7 @@ class Registry:
         state = STALLED if r.stalled else ALIVE
         fresh = Member(
             **r.identity, state=state, last_seen=evidence, since=evidence,
-            step=r.step, step_time_ms=r.step_time_ms, reason="", via=via,
+            step=r.step, step_time_ms=r.step_time_ms, reason=r.reason if r.stalled else "", via=via,
         )  # fmt: skip
         if old is None:  # join
             self._store(fresh)
@@ -378,7 +378,7 @@ class Registry:
                     fresh,
                     state=new_state,
                     since=evidence if changed_state else old.since,
-                    reason="" if new_state != DEAD else old.reason,
+                    reason=(old.reason if new_state == DEAD else r.reason if new_state == STALLED else ""),
                 )
             )
         if via is None:

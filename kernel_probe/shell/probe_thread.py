@@ -26,9 +26,9 @@ from .. import wire
 from ..config import Identity, Settings
 from ..fanout import RunJob
 from ..node import PARENT, ConnectParent, Note, ProbeCore, Send, UnwatchPid, WatchPid
-from ..progress import StallDetector, main_stack_signature, main_thread_importing
+from ..progress import StallDetector, main_stack_signature, main_thread_importing, stuck_where
 from . import connfile
-from .jobs import JobRunner
+from .sql_tasks import SqlTaskRunner
 from .pidwatch import PidWatch
 
 log = logging.getLogger("kernel_probe")
@@ -144,7 +144,7 @@ class ProbeThread(threading.Thread):
         now = self.clock()
         self.core = ProbeCore(identity=ident, settings=s, endpoint=self.endpoint, pid=os.getpid(),
                               incarnation=self.incarnation, now=now)
-        self.jobs = JobRunner(self.tables, self._tags, lambda: self._nodes_rows, row_cap=s.query_row_cap,
+        self.jobs = SqlTaskRunner(self.tables, self._tags, lambda: self._nodes_rows, row_cap=s.query_row_cap,
                               threads=s.query_threads, memory_limit=s.query_memory)
         self.poller = zmq.Poller()
         self.poller.register(router, zmq.POLLIN)
@@ -349,9 +349,10 @@ class ProbeThread(threading.Thread):
 
     def _sample(self, now: float) -> None:
         self.tables.sample(now)
-        stalled = self._stall.observe(now, self.steps.step, main_stack_signature())
+        stack = main_stack_signature()
+        stalled = self._stall.observe(now, self.steps.step, stack)
         self._do(self.core.update_self(now, step=self.steps.step, step_time_ms=self.steps.step_time_ms,
-                                       stalled=stalled))
+                                       stalled=stalled, stalled_where=stuck_where(stack) if stalled else ""))
         for key in self._pids.poll():
             self._do(self.core.on_process_exit(key, now))
 

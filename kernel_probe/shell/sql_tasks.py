@@ -72,7 +72,7 @@ def _decode(parts: list[dict]) -> list[dict[str, Any]]:
             for p in parts]
 
 
-class JobRunner:
+class SqlTaskRunner:
     """Runs jobs for one probe. ``tags()`` gives this rank's tag values; ``nodes()`` the
     root's membership rows (for the ``nodes`` table)."""
 
@@ -186,14 +186,12 @@ class JobRunner:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        from ..client import NODE_COLUMNS
-
         rows = self.nodes()
         types = {"last_seen": pa.float64(), "since": pa.float64(), "step": pa.int64(), "step_time_ms": pa.float64(),
                  "host": pa.string(), "endpoint": pa.string(), "role": pa.string(), "incarnation": pa.string(),
                  "state": pa.string(), "tier": pa.string(), "reason": pa.string()}
-        schema = pa.schema([(c, types.get(c, pa.int64())) for c in NODE_COLUMNS])
-        table = pa.Table.from_pylist([{c: r.get(c) for c in NODE_COLUMNS} for r in rows], schema=schema)
+        schema = pa.schema([(c, types.get(c, pa.int64())) for c in wire.MEMBER_COLUMNS])
+        table = pa.Table.from_pylist([{c: r.get(c) for c in wire.MEMBER_COLUMNS} for r in rows], schema=schema)
         # users read times as timestamps, as in connect().nodes()
         for col in ("last_seen", "since"):
             i = table.schema.get_field_index(col)

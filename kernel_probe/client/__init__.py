@@ -1,0 +1,36 @@
+"""Talk to a running job from another process: the notebook kernel, the Jupyter server,
+the CLI. ``connect(target)`` resolves where the root is and which key signs our
+messages (``targets``) and checks it with a handshake; ``Client`` (blocking) and
+``AsyncClient`` (asyncio) keep any number of requests in flight on one connection,
+matched to their answers by a sans-IO core (``requests``), and turn every failure
+into a one-line ``ProbeError`` (never a traceback from zmq or torch).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .aio import AsyncClient, connect_async
+from .blocking import Client
+from .errors import AuthError, ConnectError, JobEndedError, ProbeError, QueryFailed
+from .results import (ANSWER_GRACE, DEPARTURE_COLUMNS, NODE_COLUMNS, QueryResult, describe_failures,
+                      members_frame)
+from .targets import Target, resolve
+
+__all__ = [
+    "connect", "connect_async", "resolve", "Target", "Client", "AsyncClient", "QueryResult",
+    "ProbeError", "ConnectError", "JobEndedError", "AuthError", "QueryFailed",
+    "NODE_COLUMNS", "DEPARTURE_COLUMNS", "ANSWER_GRACE", "members_frame", "describe_failures",
+]
+
+
+def connect(target: str | os.PathLike | None = None, token: str | None = None, timeout: float = 5.0) -> Client:
+    """A client of the job at ``target`` (``tcp://host:port``, a connection file,
+    ``store://host:port[/run_id]``, or None for the newest job here), checked with a handshake."""
+    client = Client.from_target(resolve(target, token))
+    try:
+        client.handshake(timeout)
+    except BaseException:
+        client.close()
+        raise
+    return client

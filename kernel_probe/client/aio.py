@@ -1,0 +1,188 @@
+"""The asyncio client: for the Jupyter server, whose event loop must never block.
+
+One ``AsyncClient`` per job, used from one event loop: a reader task receives every
+message and resolves the future of the request it answers, so any number of
+requests run at once on one connection. Cancelling an awaiting coroutine abandons
+that request only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+
+import zmq
+import zmq.asyncio
+
+from .. import wire
+from ..shell import connfile
+from . import results
+from .errors import AuthError, ConnectError, JobEndedError, ProbeError, QueryFailed, Refused
+from .requests import Answered, Failed, Progress, Requests
+from .targets import Target
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+class AsyncClient:
+    """One connection to a probe for asyncio code; the same methods as ``Client``, awaited."""
+
+    def __init__(self, target: Target) -> None:
+        self.endpoint = target.endpoint
+        self.run_id = target.run_id
+        self.connection = target.connection
+        self.info_: dict[str, Any] = {}
+        self._token = target.token
+        self._requests = Requests(target.key)
+        self._futures: dict[str, asyncio.Future] = {}
+        self._progress: dict[str, Callable[[dict], None]] = {}
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._closed = False
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._closed:
+            raise ConnectError(f"the client of {self.endpoint} is closed")
+        if self._sock is None:
+            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_message_bytes)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read(self._sock))
+        return self._sock
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            for event in self._requests.receive(frames):
+                if isinstance(event, Progress):
+                    callback = self._progress.get(event.msg_id)
+                    if callback is not None:
+                        try:
+                            callback(event.body)
+                        except Exception:
+                            pass  # a broken progress callback must not stop every request
+                    continue
+                future = self._futures.get(event.msg_id)
+                if future is None or future.done():
+                    continue
+                if isinstance(event, Answered):
+                    future.set_result(event.envelope)
+                elif isinstance(event, Failed):
+                    future.set_exception(event.error)
+
+    async def request(self, type_: str, body: dict, timeout: float = 5.0,
+                      on_progress: Callable[[dict], None] | None = None) -> wire.Envelope:
+        sock = self._socket()
+        msg_id, frames = self._requests.send(type_, body)
+        future = asyncio.get_running_loop().create_future()
+        self._futures[msg_id] = future
+        if on_progress is not None:
+            self._progress[msg_id] = on_progress
+        try:
+            await sock.send_multipart(frames)
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise self._no_answer(timeout) from None
+        finally:
+            self._requests.forget(msg_id)
+            self._futures.pop(msg_id, None)
+            self._progress.pop(msg_id, None)
+
+    def _no_answer(self, timeout: float) -> ConnectError:
+        conn = self.connection
+        if conn is not None and not connfile.is_alive(conn):
+            return JobEndedError(f"job {conn.run_id} has ended: its root (pid {conn.pid}) is gone")
+        return ConnectError(f"no answer from {self.endpoint} within {timeout:g} s: the job ended or its root "
+                            f"is unreachable")
+
+    async def handshake(self, timeout: float = 5.0) -> dict:
+        try:
+            env = await self.request("info_request", {}, timeout)
+        except Refused as refused:
+            if refused.run_id and self._token and refused.run_id != self.run_id:
+                self.run_id = refused.run_id
+                self._requests.rekey(wire.derive_key(self._token, refused.run_id))
+                return await self.handshake(timeout)
+            raise results.refused_error(refused, self.endpoint) from None
+        self.info_ = results.checked_info(env.msg.body, self.endpoint)
+        self.run_id = self.info_.get("run_id", self.run_id)
+        return self.info_
+
+    async def _call(self, type_: str, body: dict, timeout: float,
+                    on_progress: Callable[[dict], None] | None = None) -> wire.Envelope:
+        try:
+            return await self.request(type_, body, timeout, on_progress)
+        except Refused as refused:
+            raise AuthError(f"the probe at {self.endpoint} refused our credentials ({refused.reason})") from None
+
+    async def info(self, timeout: float = 5.0) -> dict:
+        self.info_ = (await self._call("info_request", {}, timeout)).msg.body
+        return self.info_
+
+    async def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
+                    ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
+                    local: bool = False, explain: bool = False,
+                    on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
+        """As ``Client.query``; decoding the Arrow answer is cheap, so it stays on the loop."""
+        body = results.query_body(sql, timeout, per_rank, ranks, params, local, explain)
+        try:
+            env = await self._call("query", body, timeout + results.ANSWER_GRACE, on_progress)
+        except ValueError as exc:
+            raise QueryFailed(f"cannot send the query: {exc}", code="bad_params") from None
+        return results.query_result(env, strict=strict, explain=explain)
+
+    async def nodes_raw(self, timeout: float = 5.0) -> dict:
+        return (await self._call("nodes_request", {}, timeout)).msg.body
+
+    async def nodes(self, timeout: float = 5.0) -> "pd.DataFrame":
+        return results.members_frame((await self.nodes_raw(timeout))["members"])
+
+    async def departures(self, timeout: float = 5.0) -> "pd.DataFrame":
+        return results.departures_frame((await self.nodes_raw(timeout))["departures"])
+
+    def close(self) -> None:
+        """Close the socket; requests still waiting fail with ``ConnectError``."""
+        self._closed = True
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(ConnectError(f"the client of {self.endpoint} was closed"))
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<kernel_probe.AsyncClient {self.endpoint} run={self.run_id}>"
+
+
+async def connect_async(target: str | None = None, token: str | None = None, timeout: float = 5.0) -> AsyncClient:
+    """``connect()`` for asyncio code. Resolving a ``store://`` target talks to a TCPStore
+    (blocking), so it runs on a worker thread."""
+    from .targets import resolve
+
+    resolved = await asyncio.get_running_loop().run_in_executor(None, lambda: resolve(target, token))
+    client = AsyncClient(resolved)
+    try:
+        await client.handshake(timeout)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+__all__ = ["AsyncClient", "connect_async", "ProbeError"]

@@ -1,0 +1,231 @@
+"""The blocking client: for scripts, the CLI, the notebook kernel and widget threads.
+
+Several threads may use one ``Client`` at once and each keeps its own request in
+flight: whichever waiting thread holds the socket reads for everybody and hands each
+answer to its owner (leader/follower), so a slow query does not delay a ``nodes()``
+on the same connection. Progress callbacks run on the thread that asked. Interrupting
+a wait (KeyboardInterrupt) abandons that request only; the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+
+import zmq
+
+from .. import wire
+from ..shell import connfile
+from . import results
+from .errors import AuthError, ConnectError, JobEndedError, QueryFailed, Refused
+from .requests import Answered, Failed, Progress, Requests
+from .targets import Target
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+_SLICE_SEC = 0.05  # how long the reading thread holds the socket before letting a sender in
+
+
+class _Waiter:
+    __slots__ = ("event", "outcome", "progress")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.outcome: Answered | Failed | None = None
+        self.progress: collections.deque[dict] = collections.deque()
+
+
+class Client:
+    """One connection to a probe (normally the root). Thread-safe; requests run concurrently."""
+
+    def __init__(self, endpoint: str, key: bytes, *, run_id: str | None = None, token: str | None = None,
+                 connection: connfile.ConnectionInfo | None = None) -> None:
+        self.endpoint = endpoint
+        self.run_id = run_id
+        self.connection = connection
+        self.info_: dict[str, Any] = {}
+        self._token = token
+        self._io = threading.Lock()  # held by whoever touches the socket
+        self._state = threading.Lock()  # guards the matcher and the waiters
+        self._requests = Requests(key)
+        self._waiters: dict[str, _Waiter] = {}
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+
+    @classmethod
+    def from_target(cls, target: Target) -> "Client":
+        return cls(target.endpoint, target.key, run_id=target.run_id, token=target.token,
+                   connection=target.connection)
+
+    # ------------------------------------------------------------------ transport
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_message_bytes)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def request(self, type_: str, body: dict, timeout: float = 5.0,
+                on_progress: Callable[[dict], None] | None = None) -> wire.Envelope:
+        """Send one request and wait for its answer; ``ConnectError`` after ``timeout`` seconds."""
+        waiter = _Waiter()
+        with self._state:
+            msg_id, frames = self._requests.send(type_, body)  # ValueError: a body we cannot send
+            self._waiters[msg_id] = waiter
+        try:
+            with self._io:
+                try:
+                    self._socket().send_multipart(frames)
+                except BaseException:
+                    self._drop_socket()  # a send cut short must not leave half a message queued
+                    raise
+            return self._wait(waiter, time.monotonic() + timeout, timeout, on_progress)
+        finally:
+            with self._state:
+                self._requests.forget(msg_id)
+                self._waiters.pop(msg_id, None)
+            self._wake_one()  # if we were reading, let another waiter take over at once
+
+    def _wait(self, waiter: _Waiter, deadline: float, timeout: float,
+              on_progress: Callable[[dict], None] | None) -> wire.Envelope:
+        while True:
+            while waiter.progress:
+                body = waiter.progress.popleft()
+                if on_progress is not None:
+                    on_progress(body)
+            outcome = waiter.outcome
+            if isinstance(outcome, Answered):
+                return outcome.envelope
+            if isinstance(outcome, Failed):
+                raise outcome.error
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._no_answer(timeout)
+            if self._io.acquire(blocking=False):
+                try:
+                    self._read(min(left, _SLICE_SEC))
+                finally:
+                    self._io.release()
+            else:
+                waiter.event.wait(min(left, _SLICE_SEC))
+                waiter.event.clear()
+
+    def _read(self, seconds: float) -> None:
+        """Read whatever arrives within ``seconds`` and hand it to its waiters (``_io`` held)."""
+        sock = self._socket()
+        if not sock.poll(max(1, int(seconds * 1000))):
+            return
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            with self._state:
+                events = self._requests.receive(frames)
+                for event in events:
+                    waiter = self._waiters.get(event.msg_id)
+                    if waiter is None:
+                        continue
+                    if isinstance(event, Progress):
+                        waiter.progress.append(event.body)
+                    else:
+                        waiter.outcome = event
+                    waiter.event.set()
+
+    def _wake_one(self) -> None:
+        with self._state:
+            waiter = next(iter(self._waiters.values()), None)
+        if waiter is not None:
+            waiter.event.set()
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def _no_answer(self, timeout: float) -> ConnectError:
+        conn = self.connection
+        if conn is not None and not connfile.is_alive(conn):
+            return JobEndedError(f"job {conn.run_id} has ended: its root (pid {conn.pid}) is gone")
+        return ConnectError(f"no answer from {self.endpoint} within {timeout:g} s: the job ended or its root "
+                            f"is unreachable")
+
+    # ------------------------------------------------------------------ API
+
+    def handshake(self, timeout: float = 5.0) -> dict:
+        """Check that a probe answers and accepts our key; learn the run id on the way."""
+        try:
+            env = self.request("info_request", {}, timeout)
+        except Refused as refused:
+            if refused.run_id and self._token and refused.run_id != self.run_id:
+                # tcp:// with a token: the refusal names the job, whose key we can now derive
+                self.run_id = refused.run_id
+                with self._state:
+                    self._requests.rekey(wire.derive_key(self._token, refused.run_id))
+                return self.handshake(timeout)
+            raise results.refused_error(refused, self.endpoint) from None
+        self.info_ = results.checked_info(env.msg.body, self.endpoint)
+        self.run_id = self.info_.get("run_id", self.run_id)
+        return self.info_
+
+    def _call(self, type_: str, body: dict, timeout: float, on_progress: Callable[[dict], None] | None = None
+              ) -> wire.Envelope:
+        try:
+            return self.request(type_, body, timeout, on_progress)
+        except Refused as refused:
+            raise AuthError(f"the probe at {self.endpoint} refused our credentials ({refused.reason})") from None
+
+    def info(self, timeout: float = 5.0) -> dict:
+        """The answering probe's run id, world size, rank, tier, pid and member counts."""
+        self.info_ = self._call("info_request", {}, timeout).msg.body
+        return self.info_
+
+    def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
+              ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
+              local: bool = False, explain: bool = False,
+              on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
+        """Run one read-only SELECT over the job (DESIGN section 5).
+
+        ``ranks`` restricts the ranks asked; ``params`` bind as ``$name``; ``local`` asks
+        only the probe connected to; ``explain`` returns the plan without running it.
+        Partial answers are allowed unless ``strict``; ``coverage`` says who answered.
+        ``on_progress`` receives ``{"answered", "targeted"}`` reports on this thread.
+        """
+        body = results.query_body(sql, timeout, per_rank, ranks, params, local, explain)
+        try:
+            env = self._call("query", body, timeout + results.ANSWER_GRACE, on_progress)
+        except ValueError as exc:  # params that JSON cannot carry
+            raise QueryFailed(f"cannot send the query: {exc}", code="bad_params") from None
+        return results.query_result(env, strict=strict, explain=explain)
+
+    def nodes_raw(self, timeout: float = 5.0) -> dict:
+        """The ``nodes`` answer as sent: ``members``, ``departures`` (lists of dicts), ``epoch``."""
+        return self._call("nodes_request", {}, timeout).msg.body
+
+    def nodes(self, timeout: float = 5.0) -> "pd.DataFrame":
+        """One row per rank: the membership as the root sees it (DESIGN section 3 columns)."""
+        return results.members_frame(self.nodes_raw(timeout)["members"])
+
+    def departures(self, timeout: float = 5.0) -> "pd.DataFrame":
+        """Ranks that died or left: rank, incarnation, host, pid, when, why."""
+        return results.departures_frame(self.nodes_raw(timeout)["departures"])
+
+    def close(self) -> None:
+        with self._io:
+            self._drop_socket()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<kernel_probe.Client {self.endpoint} run={self.run_id}>"

@@ -1,0 +1,125 @@
+"""What a client returns: query results with coverage, membership frames, and the
+pure translation between request arguments / answers and message bodies that the
+blocking and the asyncio client share."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from .. import wire
+from .errors import AuthError, ProbeError, QueryFailed, Refused
+
+if TYPE_CHECKING:  # pandas is imported only when a DataFrame is asked for
+    import pandas as pd
+
+NODE_COLUMNS = list(wire.MEMBER_COLUMNS)
+DEPARTURE_COLUMNS = list(wire.DEPARTURE_COLUMNS)
+
+ANSWER_GRACE = 3.0  # the root answers by the deadline; allow for transfer and a slow client
+
+
+def members_frame(members: list[dict]) -> "pd.DataFrame":
+    """One row per rank, typed: timestamps as UTC datetimes, step as a nullable integer."""
+    import pandas as pd
+
+    df = pd.DataFrame(members, columns=NODE_COLUMNS)
+    for col in ("last_seen", "since"):
+        df[col] = pd.to_datetime(df[col], unit="s", utc=True)
+    df["step"] = df["step"].astype("Int64")
+    df["step_time_ms"] = pd.to_numeric(df["step_time_ms"], errors="coerce").astype("float64")
+    return df
+
+
+def departures_frame(departures: list[dict]) -> "pd.DataFrame":
+    import pandas as pd
+
+    df = pd.DataFrame(departures, columns=DEPARTURE_COLUMNS)
+    df["when"] = pd.to_datetime(df["when"], unit="s", utc=True)
+    return df
+
+
+def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | None,
+               params: Mapping[str, Any] | None, local: bool, explain: bool) -> dict:
+    return {"sql": sql, "timeout": float(timeout), "per_rank": per_rank, "local": local, "explain": explain,
+            "ranks": None if ranks is None else [int(r) for r in ranks],
+            "params": dict(params) if params else None}
+
+
+def query_result(env: wire.Envelope, *, strict: bool, explain: bool) -> "QueryResult":
+    """The answer to a ``query`` as a ``QueryResult``, or the ``QueryFailed`` it means."""
+    reply = env.msg.body
+    coverage = reply.get("coverage") or {}
+    if reply.get("status") != "ok":
+        err = reply.get("error") or {}
+        raise QueryFailed(error_line(err), code=err.get("code", "error"), line=err.get("line"),
+                          col=err.get("col"), coverage=coverage)
+    if explain:
+        return QueryResult(None, coverage, explain=reply.get("explain", ""))
+    if not env.msg.buffers:
+        raise QueryFailed("the probe answered without a result", coverage=coverage)
+    table = wire.ipc_to_table(env.msg.buffers[0])
+    if strict and coverage.get("partial"):
+        raise QueryFailed(f"partial answer refused (strict): {describe_failures(coverage)}", code="partial",
+                          coverage=coverage)
+    return QueryResult(table, coverage, explain=coverage.get("explain", ""))
+
+
+def checked_info(info: dict, endpoint: str) -> dict:
+    """The handshake's answer, or the error that a protocol mismatch means."""
+    if info.get("protocol") != wire.PROTOCOL_VERSION:
+        raise ProbeError(f"the probe at {endpoint} speaks protocol {info.get('protocol')}, "
+                         f"this client {wire.PROTOCOL_VERSION}: upgrade probing-magics on one side")
+    return info
+
+
+def refused_error(refused: Refused, endpoint: str) -> AuthError:
+    return AuthError(f"the probe at {endpoint} refused our credentials ({refused.reason}): "
+                     f"wrong or missing PROBING_AUTH_TOKEN?")
+
+
+def error_line(err: dict) -> str:
+    message = str(err.get("message") or err.get("code") or "query failed").splitlines()[0]
+    if err.get("line") is not None and "line" not in message:
+        message += f" (line {err['line']}" + (f", column {err['col']})" if err.get("col") is not None else ")")
+    return message
+
+
+def describe_failures(coverage: dict) -> str:
+    failed = coverage.get("failed") or {}
+    shown = ", ".join(f"rank {r} ({why})" for r, why in list(failed.items())[:8])
+    more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
+    return f"{len(failed)} of {len(coverage.get('targeted') or [])} ranks failed: {shown}{more}"
+
+
+class QueryResult:
+    """``df`` (pandas, coverage also in ``df.attrs``), ``table`` (Arrow), ``coverage``."""
+
+    def __init__(self, table: Any, coverage: dict, explain: str = "") -> None:
+        self.table = table
+        self.coverage = coverage
+        self.explain = explain
+        self._df = None
+
+    @property
+    def df(self) -> "pd.DataFrame":
+        if self._df is None and self.table is not None:
+            self._df = self.table.to_pandas()
+            self._df.attrs["coverage"] = self.coverage
+        return self._df
+
+    @property
+    def plan(self) -> str:
+        return self.coverage.get("plan", "")
+
+    def footer(self) -> str:
+        """One line: '8/8 ranks · 12 ms · partial-aggregate' (and what failed)."""
+        c = self.coverage
+        text = f"{len(c.get('answered', []))}/{len(c.get('targeted', []))} ranks · {c.get('elapsed_ms', 0):.0f} ms · {self.plan}"
+        if c.get("pruned"):
+            text += f" · {len(c['pruned'])} pruned"
+        if c.get("partial"):
+            text += f" · PARTIAL: {describe_failures(c)}"
+        return text
+
+    def __repr__(self) -> str:
+        return f"<QueryResult {0 if self.table is None else self.table.num_rows} rows · {self.footer()}>"

@@ -1,0 +1,117 @@
+"""Where a job's root is and which key signs our messages, from what a user typed.
+
+Targets: ``tcp://host:port``; a connection-file path; ``store://host:port[/run_id]``
+(the root's endpoint read from the job's TCPStore); nothing (the newest live
+connection file on this machine). Resolving never talks to the probe itself; the
+client's handshake does that.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import wire
+from ..config import Settings, load_settings, run_id_from
+from ..shell import connfile
+from .errors import AuthError, ConnectError
+
+
+@dataclass(frozen=True)
+class Target:
+    """A resolved target: enough to open a connection to the root."""
+
+    endpoint: str
+    key: bytes
+    run_id: str | None = None
+    token: str | None = None  # kept in memory only, to re-derive the key for tcp:// targets
+    connection: connfile.ConnectionInfo | None = None  # the job's connection file, when there is one
+
+
+def resolve(target: str | os.PathLike | None = None, token: str | None = None,
+            settings: Settings | None = None) -> Target:
+    """Turn what a user typed into an endpoint and a key; ``ConnectError``/``AuthError`` if it cannot."""
+    settings = settings or load_settings()
+    token = token or settings.auth_token
+    conn: connfile.ConnectionInfo | None = None
+    run_id: str | None = None
+    key: bytes | None = None
+    target_s = os.fspath(target) if target is not None else None
+
+    if target_s is None or target_s == "":
+        conn = connfile.newest_alive(settings.runtime_dir)
+        if conn is None:
+            raise ConnectError(f"no running job found on this machine (no live connection file in "
+                               f"{settings.runtime_dir}); start the job with PROBING=1 or pass a target")
+        endpoint = conn.endpoint
+    elif target_s.startswith("tcp://"):
+        endpoint = target_s
+        if not token:  # a job on this machine: its connection file has the key
+            conn = next((c for c in connfile.list_files(settings.runtime_dir)
+                         if c.endpoint == endpoint and connfile.is_alive(c)), None)
+    elif target_s.startswith("store://"):
+        endpoint, run_id, key = _from_store(target_s, token, settings.discover_timeout_sec)
+    else:
+        path = Path(target_s).expanduser()
+        if not path.exists():
+            raise ConnectError(f"unknown target {target_s!r}: expected tcp://host:port, store://host:port[/run_id], "
+                               f"or a connection file")
+        try:
+            conn = connfile.read(path)
+        except ValueError as exc:
+            raise ConnectError(str(exc)) from None
+        endpoint = conn.endpoint
+
+    if conn is not None:
+        run_id = conn.run_id
+        key = bytes.fromhex(conn.key) if not token else wire.derive_key(token, conn.run_id)
+    elif key is None:
+        if not token:
+            raise AuthError(f"no key for {endpoint}: pass token= (or set PROBING_AUTH_TOKEN), or use a "
+                            f"connection file / store:// target")
+        key = wire.derive_key(token, run_id or "")
+    return Target(endpoint, key, run_id=run_id, token=token, connection=conn)
+
+
+def _from_store(target: str, token: str | None, timeout: float) -> tuple[str, str, bytes]:
+    rest = target[len("store://"):]
+    hostport, _, run = rest.partition("/")
+    host, _, port_s = hostport.rpartition(":")
+    if not host or not port_s.isdigit():
+        raise ConnectError(f"bad store target {target!r}: expected store://host:port[/run_id]")
+    from ..shell.discovery import DiscoveryError, StoreDiscovery
+
+    if run and "/r" in run:
+        candidates = [run]
+    else:
+        base = run_id_from({"TORCHELASTIC_RUN_ID": run, "MASTER_ADDR": host, "MASTER_PORT": port_s}).rsplit("/r", 1)[0]
+        candidates = [f"{base}/r{i}" for i in range(32)]
+    try:
+        disc = StoreDiscovery(host, int(port_s), candidates[0], timeout_sec=timeout)
+    except DiscoveryError as exc:
+        raise ConnectError(f"cannot reach the job's store: {exc}") from None
+    try:
+        master = None
+        for run_id in candidates:  # r0, r1, ...: the newest restart of the job wins
+            disc.run_id = run_id
+            found = disc.read_master()
+            if found is None:
+                break
+            master, newest = found, run_id
+        if master is None:
+            raise ConnectError(f"no probing root registered in the store at {hostport} for run "
+                               f"{run or '(default)'}: is the job running with PROBING=1?")
+        disc.run_id = newest
+        if token:
+            key = wire.derive_key(token, newest)
+        else:
+            secret = disc.read_secret()
+            if secret is None:
+                raise AuthError(f"the job in the store at {hostport} publishes no secret: pass its token")
+            key = wire.derive_key(secret, newest)
+        return master["endpoint"], newest, key
+    except DiscoveryError as exc:
+        raise ConnectError(f"cannot read the job's store: {exc}") from None
+    finally:
+        disc.close()
