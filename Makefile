@@ -19,7 +19,7 @@ demo: install
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The sans-IO cores only: seconds, no processes.
+# No processes: the sans-IO cores, the planner, differential SQL through the simulator (~2 min).
 test-fast: install
 	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
 

@@ -30,9 +30,8 @@ __all__ = ["start", "stop", "set_role", "log", "table", "connect", "connect_asyn
 __version__ = "0.1.0"
 
 _OWNER_VAR = "_PROBING_OWNER_PID"  # children inherit it: a subprocess never starts a second probe
-_lock = threading.RLock()  # start() builds the tables under it
+_lock = threading.RLock()  # guards _probe
 _probe: "ProbeThread | None" = None
-_tables = None
 _role: str | None = None
 
 
@@ -94,15 +93,9 @@ def set_role(role: str | Mapping[str, Any] | None = None, /, **kw: Any) -> str:
 
 def local_tables():
     """This process's telemetry tables (one per process; exist before and after the probe)."""
-    global _tables
-    if _tables is None:
-        with _lock:
-            if _tables is None:
-                from .config import load_settings
-                from .tables import LocalTables
+    from .tables import local_tables as _local_tables
 
-                _tables = LocalTables(load_settings())
-    return _tables
+    return _local_tables()
 
 
 def log(**values: Any) -> None:
@@ -161,9 +154,8 @@ def _at_exit() -> None:
 
 def _after_fork_in_child() -> None:
     # A forked child (a DataLoader worker) has no probe thread: forget the parent's.
-    global _probe, _tables
+    global _probe
     _probe = None
-    _tables = None
 
 
 atexit.register(_at_exit)

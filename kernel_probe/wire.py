@@ -34,9 +34,11 @@ import math
 import re
 import secrets
 import time
+import types
+import typing
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypedDict
 
 __all__ = [
     "PROTOCOL",
@@ -68,36 +70,170 @@ _HEADER_KEYS = ("type", "sender", "incarnation", "seq", "ts", "msg_id", "corr_id
 
 _NoneType = type(None)
 
-# Required body keys of every message type and their JSON types. Extra keys are
-# allowed (so fields can grow without a protocol bump); bool never passes for
-# int, int passes for float. One table, so the whole protocol is one glance.
-SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
+# Every message body, declared once. The ``*Fields`` base holds the keys a body must
+# have; the class itself adds the optional ones (checked too, when present). Unknown
+# keys are allowed, so fields can grow without a protocol bump. ``SCHEMAS`` (below) is
+# derived from these classes: the whole protocol is this one glance. bool never passes
+# for int; int passes for float.
+
+
+class HeartbeatBody(TypedDict):  # child -> parent: the child's report first, then (broker) its node's
+    reports: list
+    known_epoch: int
+
+
+class _HeartbeatAckFields(TypedDict):
+    epoch: int
+    complete: bool
+    delta: dict | None
+
+
+class HeartbeatAckBody(_HeartbeatAckFields, total=False):
+    parent: dict  # who answered: rank, pid, host, incarnation, tier
+
+
+class MembershipBody(TypedDict):  # parent -> child push
+    epoch: int
+    complete: bool
+    delta: dict
+
+
+class ByeBody(TypedDict):  # child -> parent, clean exit
+    rank: int
+    incarnation: str
+    reason: str
+
+
+class EmptyBody(TypedDict):
+    pass
+
+
+class _InfoFields(TypedDict):
+    protocol: int
+    run_id: str
+    world_size: int
+    rank: int
+    tier: str
+    pid: int
+    incarnation: str
+
+
+class InfoBody(_InfoFields, total=False):
+    counts: dict
+    epoch: int
+    host: str
+    placed_at: float | None
+    converged_at: float | None
+
+
+class NodesBody(TypedDict):
+    members: list  # dicts with MEMBER_COLUMNS (and ``via``)
+    departures: list  # dicts with DEPARTURE_COLUMNS
+    epoch: int
+
+
+class _QueryFields(TypedDict):
+    sql: str
+    timeout: float
+
+
+class QueryBody(_QueryFields, total=False):  # client -> probe
+    per_rank: bool
+    local: bool
+    explain: bool
+    ranks: list | None
+    params: dict | None
+
+
+class QueryProgressBody(TypedDict):  # probe -> client, on long queries
+    qid: str
+    answered: int
+    targeted: int
+
+
+class _QueryResultFields(TypedDict):
+    status: str  # "ok" | "error"
+
+
+class QueryResultBody(_QueryResultFields, total=False):  # probe -> client; ok: one buffer, the answer
+    coverage: dict
+    error: dict  # code, message, line, col
+    explain: str
+    columns: list | None
+
+
+class _SubqueryFields(TypedDict):
+    qid: str
+    plan: dict
+    deadline: float
+    ranks: list
+
+
+class SubqueryBody(_SubqueryFields, total=False):  # parent -> child
+    params: dict | None
+
+
+class _SubresultFields(TypedDict):
+    qid: str
+    status: str
+    answered: list
+    failed: dict
+    scans: list  # names of the scans, one Arrow IPC buffer each
+
+
+class SubresultBody(_SubresultFields, total=False):  # child -> parent
+    bytes_below: int
+    error: dict
+
+
+class ErrorBody(TypedDict):
+    code: str
+    message: str
+
+
+BODIES: dict[str, type] = {
     # membership plane
-    "heartbeat": {"reports": list, "known_epoch": int},  # child -> parent, self first
-    "heartbeat_ack": {"epoch": int, "complete": bool, "delta": (dict, _NoneType)},
-    "membership": {"epoch": int, "complete": bool, "delta": dict},  # parent -> child push
-    "bye": {"rank": int, "incarnation": str, "reason": str},  # child -> parent, clean exit
+    "heartbeat": HeartbeatBody,
+    "heartbeat_ack": HeartbeatAckBody,
+    "membership": MembershipBody,
+    "bye": ByeBody,
     # client plane
-    "info_request": {},
-    "info": {
-        "protocol": int,
-        "run_id": str,
-        "world_size": int,
-        "rank": int,
-        "tier": str,
-        "pid": int,
-        "incarnation": str,
-    },
-    "nodes_request": {},
-    "nodes": {"members": list, "departures": list, "epoch": int},
+    "info_request": EmptyBody,
+    "info": InfoBody,
+    "nodes_request": EmptyBody,
+    "nodes": NodesBody,
     # query plane; Arrow IPC streams travel in buffers (see table_to_ipc)
-    "query": {"sql": str, "timeout": (int, float)},  # client -> probe
-    "query_progress": {"qid": str, "answered": int, "targeted": int},  # probe -> client, on long queries
-    "query_result": {"status": str},  # probe -> client: one buffer, the answer
-    "subquery": {"qid": str, "plan": dict, "deadline": (int, float), "ranks": list},  # parent -> child
-    "subresult": {"qid": str, "status": str, "answered": list, "failed": dict, "scans": list},  # child -> parent
-    "error": {"code": str, "message": str},
+    "query": QueryBody,
+    "query_progress": QueryProgressBody,
+    "query_result": QueryResultBody,
+    "subquery": SubqueryBody,
+    "subresult": SubresultBody,
+    "error": ErrorBody,
 }
+
+
+def _json_types(annotation: Any) -> tuple[type, ...]:
+    """``dict | None`` -> (dict, NoneType); ``list[dict]`` -> (list,)."""
+    if annotation is None or annotation is _NoneType:
+        return (_NoneType,)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return tuple(t for arg in typing.get_args(annotation) for t in _json_types(arg))
+    return (origin or annotation,)
+
+
+def _schema(body: type) -> tuple[dict[str, tuple[type, ...]], dict[str, tuple[type, ...]]]:
+    hints = typing.get_type_hints(body)
+    required = {k: _json_types(hints[k]) for k in sorted(body.__required_keys__)}
+    optional = {k: _json_types(hints[k]) for k in sorted(body.__optional_keys__)}
+    return required, optional
+
+
+# message type -> (required keys, optional keys), each key -> accepted JSON types
+SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {}
+OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {}
+for _type, _body in BODIES.items():
+    SCHEMAS[_type], OPTIONAL[_type] = _schema(_body)
 
 
 # The columns of one member and of one departure in a ``nodes`` answer, in the order
@@ -242,6 +378,9 @@ def _schema_problem(type_: str, body: Any) -> str | None:
         if key not in body:
             return f"{type_} body lacks {key!r}"
         if not _is_json_type(body[key], expected):
+            return f"{type_}.{key} has type {type(body[key]).__name__}"
+    for key, expected in OPTIONAL[type_].items():
+        if key in body and not _is_json_type(body[key], expected):
             return f"{type_}.{key} has type {type(body[key]).__name__}"
     return None
 

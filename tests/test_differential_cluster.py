@@ -12,11 +12,11 @@ import pytest
 
 import kernel_probe
 from kernel_probe.sql.engine import Engine
+from kernel_probe.testing.differential import Oracle, assert_same, top_level_order
 from kernel_probe.testing.gen import generate_queries, make_ranks, tricky_queries
 from kernel_probe.testing.harness import LocalJob
 
 from .conftest import wait_for
-from .test_differential import VCluster, assert_same
 
 pytestmark = pytest.mark.cluster
 SEED, NODES, PER_NODE = 11, 3, 2
@@ -45,7 +45,7 @@ def cluster(tmp_path_factory):
 
         wait_for(ready, 90, interval=0.3, what="6 ranks with their tables and roles")
         engine = Engine(threads=1, memory_limit="1GB")
-        yield root, VCluster(ranks, engine)
+        yield root, Oracle(ranks, engine)
     finally:
         job.close()
         mp.undo()
@@ -69,13 +69,13 @@ def test_real_job_matches_duckdb_on_the_union(cluster):
     modes: dict[str, int] = {}
     for i, gq in enumerate(QUERIES):
         what = f"query {i} [{gq.label}] {gq.sql!r} per_rank={gq.per_rank} params={gq.params}"
-        want = oracle.oracle(gq.sql, per_rank=gq.per_rank, params=gq.params)
+        want = oracle.run(gq.sql, per_rank=gq.per_rank, params=gq.params)
         r = root.query(gq.sql, per_rank=gq.per_rank, params=gq.params, timeout=30)
         assert not r.coverage["partial"], f"{what}: {r.coverage}"
         modes[r.coverage["plan"]] = modes.get(r.coverage["plan"], 0) + 1
         if gq.expect is not None:
             assert r.coverage["plan"] in gq.expect, f"{what}: plan {r.coverage['plan']}"
-        ordered = _top_level_order(gq.sql) and not gq.per_rank
+        ordered = top_level_order(gq.sql) and not gq.per_rank
         if re.search(r"\blimit\b", gq.sql, re.I) and not ordered:
             # LIMIT without ORDER BY: any rows of the union are right; which ones depends
             # on which rank answered first
@@ -84,14 +84,3 @@ def test_real_job_matches_duckdb_on_the_union(cluster):
         assert_same(r.table, want, ordered=ordered, what=what)
     print(f"{len(QUERIES)} queries over a real 3x2 job matched DuckDB on the union; modes: {modes}")
     assert modes.get("partial-aggregate", 0) > 30 and modes.get("top-k", 0) > 10
-
-
-def _top_level_order(sql: str) -> bool:
-    """ORDER BY outside any parenthesis (a window's or a subquery's does not order the answer)."""
-    depth, low = 0, sql.lower()
-    for i, ch in enumerate(low):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0 and low.startswith("order by", i):
-            return True
-    return False

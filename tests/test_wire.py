@@ -726,3 +726,18 @@ def test_arrow_ipc_round_trip_and_garbage():
         with pytest.raises(WireError) as err:
             ipc_to_table(junk)
         assert err.value.reason == "malformed"
+
+
+def test_member_columns_are_the_registry_records_less_the_routing_field():
+    from kernel_probe.membership.registry import MEMBER_FIELDS
+
+    assert set(wire.MEMBER_COLUMNS) == set(MEMBER_FIELDS) - {"via"}
+    assert len(wire.MEMBER_COLUMNS) == len(set(wire.MEMBER_COLUMNS))
+
+
+def test_every_body_is_declared_once_and_checked_with_its_optional_keys():
+    assert set(wire.BODIES) == set(wire.SCHEMAS) == set(wire.OPTIONAL)
+    assert wire.SCHEMAS["query"] == {"sql": (str,), "timeout": (float,)}
+    codec = Codec(KEY, sender="a", incarnation="i")
+    with pytest.raises(ValueError, match="query.ranks"):
+        codec.encode(Message("query", {"sql": "SELECT 1", "timeout": 1.0, "ranks": "0-3"}))

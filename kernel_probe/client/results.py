@@ -39,7 +39,7 @@ def departures_frame(departures: list[dict]) -> "pd.DataFrame":
 
 
 def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | None,
-               params: Mapping[str, Any] | None, local: bool, explain: bool) -> dict:
+               params: Mapping[str, Any] | None, local: bool, explain: bool) -> wire.QueryBody:
     return {"sql": sql, "timeout": float(timeout), "per_rank": per_rank, "local": local, "explain": explain,
             "ranks": None if ranks is None else [int(r) for r in ranks],
             "params": dict(params) if params else None}

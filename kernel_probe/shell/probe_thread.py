@@ -24,12 +24,14 @@ import zmq
 
 from .. import wire
 from ..config import Identity, Settings
-from ..fanout import RunJob
-from ..node import PARENT, ConnectParent, Note, ProbeCore, Send, UnwatchPid, WatchPid
+from ..effects import PARENT, RunSqlTask, Send, StoreOp
+from ..interpreter import EffectInterpreter
+from ..placement import signing_key
 from ..progress import StallDetector, main_stack_signature, main_thread_importing, stuck_where
 from . import connfile
 from .sql_tasks import SqlTaskRunner
 from .pidwatch import PidWatch
+from ..rank_core import RankCore
 
 log = logging.getLogger("kernel_probe")
 
@@ -62,14 +64,14 @@ def bind_host(settings: Settings, identity: Identity) -> str:
     return "0.0.0.0"
 
 
-class ProbeThread(threading.Thread):
+class ProbeThread(threading.Thread, EffectInterpreter):
     def __init__(self, settings: Settings, identity: Identity, clock: Callable[[], float] = time.time) -> None:
         super().__init__(name="kernel-probe", daemon=True)
         self.settings = settings
         self.identity = identity
         self.clock = clock
         self.incarnation = uuid.uuid4().hex[:16]
-        from .. import local_tables
+        from ..tables import local_tables
 
         self.tables = local_tables()
         self.steps = self.tables.steps
@@ -77,7 +79,7 @@ class ProbeThread(threading.Thread):
         self.endpoint: str | None = None
         self.connection_file: str | None = None
         self.error: str | None = None
-        self.core: ProbeCore | None = None
+        self.core: RankCore | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -89,9 +91,6 @@ class ProbeThread(threading.Thread):
         self._pids = PidWatch()
         self._parent_sock: zmq.Socket | None = None
         self._discovery: Any = None
-        self._resolve_at: float | None = None
-        self._started_at = clock()
-        self._nodes_rows: list[dict] = []
 
     # --- other threads -----------------------------------------------------------------
     def submit(self, command: tuple) -> None:
@@ -142,20 +141,22 @@ class ProbeThread(threading.Thread):
         self.codec = wire.Codec(key, sender=f"rank{ident.rank}", incarnation=self.incarnation,
                                 clock=self.clock, limits=limits)
         now = self.clock()
-        self.core = ProbeCore(identity=ident, settings=s, endpoint=self.endpoint, pid=os.getpid(),
-                              incarnation=self.incarnation, now=now)
-        self.jobs = SqlTaskRunner(self.tables, self._tags, lambda: self._nodes_rows, row_cap=s.query_row_cap,
-                              threads=s.query_threads, memory_limit=s.query_memory)
+        self.core = RankCore(identity=ident, settings=s, endpoint=self.endpoint, pid=os.getpid(),
+                             incarnation=self.incarnation, now=now)
+        self.sql = SqlTaskRunner(self.tables, self._tags, row_cap=s.query_row_cap,
+                                 threads=s.query_threads, memory_limit=s.query_memory)
         self.poller = zmq.Poller()
         self.poller.register(router, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
-        self._place(now)
+        self.carry_out(self.core.start(now, use_store=self._use_store))
+        if self.core.tier == "root" and ident.rank == 0:  # a rank cut off from its store runs alone, but is not the job
+            self._write_connection_file()
         self.ready.set()
         next_sample = now
         try:
             while not self._stop.is_set():
                 now = self.clock()
-                deadlines = [next_sample, self.core.next_deadline(), self._resolve_at]
+                deadlines = [next_sample, self.core.next_deadline()]
                 wait = min(d for d in deadlines if d is not None) - now
                 events = dict(self.poller.poll(max(1, int(wait * 1000) + 1)))  # >= 1 ms: never spin
                 now = self.clock()
@@ -165,40 +166,30 @@ class ProbeThread(threading.Thread):
                     self._drain_parent(now)
                 if self._wake_r in events:
                     self._drain_commands(now)
-                if self._resolve_at is not None and now >= self._resolve_at:
-                    self._resolve(now)
                 if now >= next_sample:
                     self._sample(now)
                     next_sample = now + s.sample_interval_sec
-                self._do(self.core.on_timer(now))
+                self.carry_out(self.core.on_timer(now))
         finally:
             self._shutdown()
 
     # --- where am I in the tree ------------------------------------------------------------
     def _key(self) -> bytes:
-        s, ident = self.settings, self.identity
+        """Open the store (when this rank uses one) and let the core's rule pick the key."""
+        store_secret = None
         if self._use_store:
             try:
                 self._discovery = self._open_store()
+                if not self.settings.auth_token:
+                    store_secret = self._discovery.shared_secret(wire.new_secret())
             except Exception as exc:  # no torch, store gone: run alone rather than not at all
                 log.warning("probing: store discovery unavailable (%s); this probe runs standalone", exc)
-                self._use_store = False
-        if s.auth_token:
-            return wire.derive_key(s.auth_token, ident.run_id)
-        if self._use_store:
-            try:
-                secret = self._discovery.shared_secret(wire.new_secret())
-                if not ident.single_host:
-                    log.warning("probing: no PROBING_AUTH_TOKEN; peers authenticate with a per-job secret "
-                                "kept in the job's store (anyone who can reach the store can read it)")
-                return wire.derive_key(secret, ident.run_id)
-            except Exception as exc:  # no torch, store gone: run alone rather than not at all
-                log.warning("probing: store discovery unavailable (%s); this probe runs standalone", exc)
-                self._use_store = False
-                self._discovery = None
-        if ident.world_size == 1 and not s.parent_endpoint and not s.root_endpoint:
-            return wire.derive_key(wire.new_secret(), ident.run_id)  # only our connection file knows it
-        return wire.derive_key(None, ident.run_id)
+                self._use_store, self._discovery = False, None
+        key, warning = signing_key(self.settings, self.identity, use_store=self._use_store,
+                                   store_secret=store_secret, fresh_secret=wire.new_secret())
+        if warning:
+            log.warning("probing: %s", warning)
+        return key
 
     def _open_store(self):
         self._await_torch()
@@ -219,59 +210,6 @@ class ProbeThread(threading.Thread):
             if self._stop.wait(0.05):
                 raise RuntimeError("stopped")
         import torch  # noqa: F401  (waits until torch/__init__ has finished)
-
-    def _my_record(self) -> dict:
-        return {"endpoint": self.endpoint, "rank": self.identity.rank, "incarnation": self.incarnation,
-                "pid": os.getpid(), "host": self.identity.host}
-
-    def _place(self, now: float) -> None:
-        s, ident = self.settings, self.identity
-        if s.parent_endpoint:
-            self._do(self.core.set_topology("leaf", s.parent_endpoint, s.root_endpoint or s.parent_endpoint, now))
-        elif ident.rank == 0 or not self._use_store:
-            if self._use_store:
-                try:
-                    self._discovery.publish_master(self._my_record())
-                    if ident.local_rank == 0:
-                        self._discovery.elect_local0(ident.node, self._my_record())
-                except Exception as exc:
-                    log.warning("probing: could not publish the root in the store: %s", exc)
-            self._do(self.core.set_topology("root", None, None, now))
-            if ident.rank == 0:  # a rank cut off from its store runs alone, but is not the job
-                self._write_connection_file()
-        else:
-            self._started_at = now  # a non-local0 rank gives local rank 0 this long to win the election
-            self._resolve_at = now
-
-    def _resolve(self, now: float) -> None:
-        """One non-blocking discovery step (reads that find nothing retry shortly)."""
-        ident, core = self.identity, self.core
-        self._resolve_at = None
-        try:
-            if core.tier is None:
-                mine = self._my_record()
-                waited = now - self._started_at >= self.settings.discover_timeout_sec
-                if ident.local_rank == 0 or waited:
-                    winner = self._discovery.elect_local0(ident.node, mine)
-                else:
-                    winner = self._discovery.read_local0(ident.node)
-                if winner is None:
-                    self._resolve_at = now + 0.05
-                    return
-                if winner.get("incarnation") == self.incarnation:
-                    self._do(core.set_topology("broker", None, None, now))  # serve leaves before the root is known
-                else:
-                    self._do(core.set_topology("leaf", winner["endpoint"], None, now))
-            if core.root_endpoint is None:
-                master = self._discovery.read_master()
-                if master is None:
-                    self._resolve_at = now + 0.05
-                    return
-                parent = master["endpoint"] if core.tier == "broker" else (core.parent.endpoint if core.parent else None)
-                self._do(core.set_topology(core.tier, parent, master["endpoint"], now))
-        except Exception as exc:
-            log.info("probing: discovery step failed (%s); retrying", exc)
-            self._resolve_at = now + 1.0
 
     def _tags(self) -> dict:
         """This rank's tag columns (read from worker threads: plain attribute reads)."""
@@ -306,7 +244,7 @@ class ProbeThread(threading.Thread):
             except wire.WireError as exc:
                 self._refuse(rid, exc.reason, now)
                 continue
-            self._do(self.core.on_message(env, rid, now))
+            self.carry_out(self.core.on_message(env, rid, now))
 
     def _drain_parent(self, now: float) -> None:
         for _ in range(MAX_BATCH):
@@ -322,7 +260,7 @@ class ProbeThread(threading.Thread):
                 env = self.codec.decode(frames)
             except wire.WireError:
                 continue
-            self._do(self.core.on_message(env, PARENT, now))
+            self.carry_out(self.core.on_message(env, PARENT, now))
 
     def _drain_commands(self, now: float) -> None:
         try:
@@ -336,9 +274,9 @@ class ProbeThread(threading.Thread):
             except queue.Empty:
                 return
             if cmd[0] == "role":
-                self._do(self.core.update_self(now, role=cmd[1]))
-            elif cmd[0] == "job":
-                self._do(self.core.fanout.on_job_done(cmd[1], cmd[2], now))
+                self.carry_out(self.core.update_self(now, role=cmd[1]))
+            elif cmd[0] == "sql_done":
+                self.sql_task_done(cmd[1], cmd[2])
             elif cmd[0] == "call":  # run a function on this thread (tests, clients in-process)
                 fn, box = cmd[1], cmd[2]
                 try:
@@ -351,10 +289,10 @@ class ProbeThread(threading.Thread):
         self.tables.sample(now)
         stack = main_stack_signature()
         stalled = self._stall.observe(now, self.steps.step, stack)
-        self._do(self.core.update_self(now, step=self.steps.step, step_time_ms=self.steps.step_time_ms,
-                                       stalled=stalled, stalled_where=stuck_where(stack) if stalled else ""))
+        self.carry_out(self.core.update_self(now, step=self.steps.step, step_time_ms=self.steps.step_time_ms,
+                                             stalled=stalled, stalled_where=stuck_where(stack) if stalled else ""))
         for key in self._pids.poll():
-            self._do(self.core.on_process_exit(key, now))
+            self.carry_out(self.core.on_process_exit(key, now))
 
     def _refuse(self, rid: bytes, reason: str, now: float) -> None:
         self._refusals = [t for t in self._refusals if now - t < 1.0]
@@ -366,26 +304,42 @@ class ProbeThread(threading.Thread):
         except zmq.ZMQError:
             pass
 
-    # --- effects ------------------------------------------------------------------------------
-    def _do(self, effects) -> None:
-        for effect in effects:
-            if isinstance(effect, Send):
-                self._send(effect)
-            elif isinstance(effect, ConnectParent):
-                self._connect_parent(effect.endpoint)
-            elif isinstance(effect, WatchPid):
-                self._pids.watch(effect.key, effect.pid)
-            elif isinstance(effect, UnwatchPid):
-                self._pids.unwatch(effect.key)
-            elif isinstance(effect, Note):
-                log.info("probing rank %d: %s", self.identity.rank, effect.text)
-            elif isinstance(effect, RunJob):
-                if effect.kind == "finish":  # the registry belongs to this thread: hand workers a copy
-                    self._nodes_rows = [m.to_dict() for m in self.core.view().members()]
-                job_id = effect.job_id
-                self.jobs.start(effect.kind, effect.args, lambda result, j=job_id: self.submit(("job", j, result)))
+    # --- effects (EffectInterpreter) ----------------------------------------------------------
+    def now(self) -> float:
+        return self.clock()
 
-    def _send(self, effect: Send) -> None:
+    def note(self, text: str) -> None:
+        log.info("probing rank %d: %s", self.identity.rank, text)
+
+    def watch_pid(self, key: object, pid: int) -> None:
+        self._pids.watch(key, pid)
+
+    def unwatch_pid(self, key: object) -> None:
+        self._pids.unwatch(key)
+
+    def connect_parent(self, endpoint: str | None) -> None:
+        self._connect_parent(endpoint)
+
+    def run_sql_task(self, task: RunSqlTask) -> None:
+        self.sql.start(task.kind, task.args, lambda result, t=task.task_id: self.submit(("sql_done", t, result)))
+
+    def run_store_op(self, op: StoreOp) -> object:
+        # on this thread, like every store call: each is bounded by the discovery timeout
+        d, args = self._discovery, op.args
+        try:
+            if op.op == "publish_master":
+                return d.publish_master(args["record"])
+            if op.op == "elect_local0":
+                return d.elect_local0(args["node"], args["record"], stale=args.get("stale"))
+            if op.op == "read_local0":
+                return d.read_local0(args["node"])
+            if op.op == "read_master":
+                return d.read_master()
+            raise ValueError(f"unknown store step {op.op!r}")
+        except Exception as exc:
+            return {"error": str(exc) or type(exc).__name__}
+
+    def send(self, effect: Send) -> None:
         try:
             frames = self.codec.encode(effect.msg)
         except ValueError as exc:
@@ -399,7 +353,7 @@ class ProbeThread(threading.Thread):
                 sock.send_multipart(frames, zmq.NOBLOCK)
             except zmq.ZMQError:
                 if effect.msg.type == "heartbeat":
-                    self._do(self.core.on_send_failed(self.clock()))
+                    self.carry_out(self.core.on_send_failed(self.clock()))
             return
         try:
             self.router.send_multipart([effect.to, *frames], zmq.NOBLOCK)
@@ -429,7 +383,7 @@ class ProbeThread(threading.Thread):
         try:
             if self.core is not None and self._parent_sock is not None:
                 for effect in self.core.goodbye():
-                    self._send(effect)
+                    self.send(effect)
                 time.sleep(0.05)  # let libzmq flush the goodbye (linger is 0)
         except Exception:
             pass

@@ -1,6 +1,6 @@
 """SQL work of the query plane, run on worker threads (never on the I/O thread).
 
-Each job kind mirrors a ``RunJob`` of ``fanout.py``: ``plan`` (root: sqlglot plan plus
+Each task kind mirrors a ``RunSqlTask`` of ``query_fanout.py``: ``plan`` (root: sqlglot plan plus
 tag pruning), ``rank`` (this rank's scans), ``merge`` (partials of a node into
 partials), ``finish`` (root: merge, then the final SQL). Results go back to the I/O
 thread as plain dicts of Arrow IPC bytes. DuckDB, pyarrow and sqlglot are imported
@@ -73,16 +73,16 @@ def _decode(parts: list[dict]) -> list[dict[str, Any]]:
 
 
 class SqlTaskRunner:
-    """Runs jobs for one probe. ``tags()`` gives this rank's tag values; ``nodes()`` the
-    root's membership rows (for the ``nodes`` table)."""
+    """Runs SQL tasks for one probe. ``tables`` has ``names()`` and ``arrow(name)``;
+    ``tags()`` gives this rank's tag values. ``run`` works in the caller's thread (the
+    simulator), ``start`` on a worker thread (the probe)."""
 
     MAX_RUNNING = 8  # a stuck user table holds a worker; never let them pile up without bound
 
-    def __init__(self, tables: Any, tags: Callable[[], dict], nodes: Callable[[], list[dict]], *,
+    def __init__(self, tables: Any, tags: Callable[[], dict], *,
                  row_cap: int, threads: int = 1, memory_limit: str = "256MB") -> None:
         self.tables = tables
         self.tags = tags
-        self.nodes = nodes
         self.row_cap = row_cap
         self._engine = None
         self._engine_args = {"threads": threads, "memory_limit": memory_limit}
@@ -98,7 +98,7 @@ class SqlTaskRunner:
         return self._engine
 
     def start(self, kind: str, args: dict, done: Callable[[dict], None]) -> None:
-        """Run a job on its own daemon thread; ``done(result)`` is called from that thread."""
+        """Run a task on its own daemon thread; ``done(result)`` is called from that thread."""
         with self._lock:
             if self._running >= self.MAX_RUNNING:
                 done({"error": {"code": "busy", "message": "this probe is busy with earlier queries"}})
@@ -108,7 +108,7 @@ class SqlTaskRunner:
         def work() -> None:
             try:
                 result = self.run(kind, args)
-            except BaseException as exc:  # never let a job kill its thread silently
+            except BaseException as exc:  # never let a task kill its thread silently
                 result = _error(exc)
             finally:
                 with self._lock:
@@ -176,26 +176,27 @@ class SqlTaskRunner:
 
         plan = self._plan_of(args)
         merged = merge(plan, self.engine, _decode(args["parts"]), deadline=args.get("deadline"), row_cap=self.row_cap)
-        root_tables = _Lazy({"nodes": self._nodes_table})
+        root_tables = _Lazy({"nodes": lambda: nodes_arrow(args.get("nodes") or [])})
         table = finish(plan, self.engine, merged, root_tables, params=args.get("params"),
                        deadline=args.get("deadline"), row_cap=self.row_cap)
         data = wire.table_to_ipc(table)
         return {"buffers": [data], "columns": table.column_names}
 
-    def _nodes_table(self):
-        import pyarrow as pa
-        import pyarrow.compute as pc
 
-        rows = self.nodes()
-        types = {"last_seen": pa.float64(), "since": pa.float64(), "step": pa.int64(), "step_time_ms": pa.float64(),
-                 "host": pa.string(), "endpoint": pa.string(), "role": pa.string(), "incarnation": pa.string(),
-                 "state": pa.string(), "tier": pa.string(), "reason": pa.string()}
-        schema = pa.schema([(c, types.get(c, pa.int64())) for c in wire.MEMBER_COLUMNS])
-        table = pa.Table.from_pylist([{c: r.get(c) for c in wire.MEMBER_COLUMNS} for r in rows], schema=schema)
-        # users read times as timestamps, as in connect().nodes()
-        for col in ("last_seen", "since"):
-            i = table.schema.get_field_index(col)
-            seconds = table.column(col)
-            micros = pc.cast(pc.floor(pc.multiply(seconds, 1e6)), pa.int64())
-            table = table.set_column(i, col, pc.cast(micros, pa.timestamp("us", tz="UTC")))
-        return table
+def nodes_arrow(rows: list[dict]):
+    """The `nodes` table of a cluster query: the root's registry rows, times as timestamps."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    types = {"last_seen": pa.float64(), "since": pa.float64(), "step": pa.int64(), "step_time_ms": pa.float64(),
+             "host": pa.string(), "endpoint": pa.string(), "role": pa.string(), "incarnation": pa.string(),
+             "state": pa.string(), "tier": pa.string(), "reason": pa.string()}
+    schema = pa.schema([(c, types.get(c, pa.int64())) for c in wire.MEMBER_COLUMNS])
+    table = pa.Table.from_pylist([{c: r.get(c) for c in wire.MEMBER_COLUMNS} for r in rows], schema=schema)
+    # users read times as timestamps, as in connect().nodes()
+    for col in ("last_seen", "since"):
+        i = table.schema.get_field_index(col)
+        seconds = table.column(col)
+        micros = pc.cast(pc.floor(pc.multiply(seconds, 1e6)), pa.int64())
+        table = table.set_column(i, col, pc.cast(micros, pa.timestamp("us", tz="UTC")))
+    return table

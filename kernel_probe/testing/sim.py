@@ -1,11 +1,12 @@
-"""A deterministic in-process network of ``ProbeCore``s: many virtual ranks, one fake clock.
+"""A deterministic in-process network of ``RankCore``s: many virtual ranks, one fake clock.
 
 Rules of this file:
 
 - It plays the part of ``shell/probe_thread.py`` for every virtual rank, and nothing
   more: the cores decide, the simulation only carries out their effects the way the
-  real shell and ZeroMQ would. Where the two could differ, the shell's behaviour wins
-  (and the difference is written down here).
+  real shell and ZeroMQ would, through the same ``EffectInterpreter`` the probe thread
+  uses (one dispatch table: an effect the simulation cannot carry out raises). Where the
+  two could differ, the shell's behaviour wins (and the difference is written down here).
 - Time is a float that only ``run_until`` moves. Nothing here reads a real clock, and
   nothing is random unless a seed asks for it, so a run is a pure function of its
   inputs: a failing scenario replays exactly.
@@ -14,10 +15,21 @@ Rules of this file:
 
 What is modelled, and how:
 
-- Topology as the shell resolves it from the store: rank 0 is the root and also node
-  0's broker; local rank 0 of every other node is its broker (parent: the root); the
-  rest are leaves (parent: their node's broker, which is the root on node 0). Every
-  rank knows the root's endpoint. Discovery itself is instant.
+- Topology: with ``discovery="store"`` (the default) every rank finds its place through
+  the core's own ``placement`` against a simulated store (a dictionary with
+  compare-and-set), exactly as the real shell runs it against the job's TCPStore; store
+  steps take no time. When local rank 0 starts within ``discover_timeout_sec`` of its
+  node's other ranks the result is: rank 0 is the root and node 0's broker; local rank 0
+  of every other node is its broker (parent: the root); the rest are leaves (parent:
+  their node's broker). ``discovery="fixed"`` skips the store and places ranks in that
+  shape at once, for studies of the membership protocol on a given tree (a parent that
+  starts seconds late keeps its place).
+- SQL: each virtual rank can hold tables (``tables=``: rank -> {name: Arrow table} or
+  ``SimTables``);
+  a ``RunSqlTask`` runs the real ``SqlTaskRunner`` synchronously (the one place that
+  reads the real clock: DuckDB's deadline is the simulated time left, in real seconds)
+  and its outcome comes back ``sql_latency`` later, so ``query()`` runs a federated query through the same
+  cores, messages and SQL steps as a real job.
 - ``Send(to=PARENT)`` goes to the rank of the endpoint of the last ``ConnectParent``.
   Like a DEALER with ``IMMEDIATE``, a send to a parent that is not running (not
   started yet, or exited) fails at once; the shell then calls ``on_send_failed`` for a
@@ -53,14 +65,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import wire
 from ..config import Identity, Settings
+from ..effects import PARENT, RunSqlTask, Send, StoreOp
+from ..interpreter import EffectInterpreter
 from ..membership import Member
-from ..node import PARENT, ConnectParent, Note, ProbeCore, Send, UnwatchPid, WatchPid
+from ..rank_core import RankCore
 
 __all__ = ["T0", "Simulation", "Sent", "VirtualRank"]
 
@@ -88,7 +103,7 @@ class VirtualRank:
     identity: Identity
     state: str = "new"  # "new" (not started) | "up" | "dead"
     frozen: bool = False
-    core: ProbeCore | None = None
+    core: RankCore | None = None
     codec: wire.Codec | None = None
     pid: int = 0
     starts: int = 0
@@ -103,6 +118,8 @@ class VirtualRank:
     stalled: bool = False
     spins: int = 0
     sent: int = 0
+    shell: "_SimShell | None" = None
+    sql: Any = None  # its SqlTaskRunner, when the simulation holds tables
 
     @property
     def rid(self) -> bytes:
@@ -124,11 +141,16 @@ class Simulation:
     def __init__(self, nodes: int, ranks_per_node: int, settings: Settings | None = None,
                  latency: float = 0.001, *, jitter: float = 0.0, seed: int = 0,
                  pid_poll_sec: float = 0.5, sample_sec: float = 1.0, token: str = "sim-token",
-                 hosts: int | None = None, record: bool = True) -> None:
+                 hosts: int | None = None, record: bool = True, discovery: str = "store",
+                 tables: Callable[[int], dict] | None = None, tags: Callable[[int], dict] | None = None,
+                 sql_latency: float = 0.002, host_of: Callable[[int], str] | None = None) -> None:
+        if discovery not in ("store", "fixed"):
+            raise ValueError("discovery is 'store' or 'fixed'")
         if nodes < 1 or ranks_per_node < 1:
             raise ValueError("need at least one node and one rank per node")
         self.nodes, self.ranks_per_node = nodes, ranks_per_node
         self.hosts = nodes if hosts is None else max(1, int(hosts))
+        self._host_of = host_of or (lambda node: f"host{node % self.hosts}")
         self.world_size = nodes * ranks_per_node
         self.settings = settings or Settings()
         self.latency, self.jitter = float(latency), float(jitter)
@@ -155,13 +177,22 @@ class Simulation:
         self.cross_host_watches = 0
         self.notes: list[tuple[float, int, str]] = []
         self.events_run = 0
+        self.discovery = discovery
+        self.store: dict[str, dict] = {}  # the job's store, as placement sees it
+        self.store_ops: Counter[str] = Counter()
+        self._tables, self._tags, self.sql_latency = tables, tags, float(sql_latency)
+        self._clients = itertools.count(1)
+        self.last_finish_nodes: list[dict] | None = None
+        self._answers: dict[bytes, list[wire.Envelope]] = {}  # client routing id -> what arrived
+        self._client_codec = wire.Codec(self._key, sender="sim-client", incarnation="sim-client",
+                                        clock=lambda: self.now)
 
     # --- topology ----------------------------------------------------------------------
     def _identity(self, rank: int) -> Identity:
         node, local = divmod(rank, self.ranks_per_node)
         return Identity(rank=rank, world_size=self.world_size, local_rank=local,
                         local_world_size=self.ranks_per_node, node=node, node_count=self.nodes,
-                        host=f"host{node % self.hosts}", run_id=self.run_id)
+                        host=self._host_of(node), run_id=self.run_id)
 
     @staticmethod
     def endpoint(rank: int) -> str:
@@ -237,16 +268,23 @@ class Simulation:
         incarnation = f"sim{rank}i{v.starts}"
         v.codec = wire.Codec(self._key, sender=f"rank{rank}", incarnation=incarnation,
                              clock=lambda: self.now)
-        v.core = ProbeCore(identity=v.identity, settings=self.settings, endpoint=self.endpoint(rank),
-                           pid=v.pid, incarnation=incarnation, now=self.now)
+        v.core = RankCore(identity=v.identity, settings=self.settings, endpoint=self.endpoint(rank),
+                          pid=v.pid, incarnation=incarnation, now=self.now)
+        v.shell = _SimShell(self, v)
+        if self._tables is not None and v.sql is None:
+            tag_of = self._tags or self.tags_of
+            v.sql = _sim_sql_runner(self._tables(rank), lambda r=rank: tag_of(r), self.settings)
         v.parent, v.conn, v.watches, v.pending, v.timer_at = None, 0, {}, deque(), None
-        tier, root = self.tier_of(rank), self.endpoint(0)
-        if tier == "root":
-            effects = v.core.set_topology("root", None, None, self.now)
-        elif tier == "broker":
-            effects = v.core.set_topology("broker", root, root, self.now)
+        if self.discovery == "store":
+            effects = v.core.start(self.now, use_store=True)
         else:
-            effects = v.core.set_topology("leaf", self.endpoint(self.broker_of(rank)), root, self.now)
+            tier, root = self.tier_of(rank), self.endpoint(0)
+            if tier == "root":
+                effects = v.core.set_topology("root", None, None, self.now)
+            elif tier == "broker":
+                effects = v.core.set_topology("broker", root, root, self.now)
+            else:
+                effects = v.core.set_topology("leaf", self.endpoint(self.broker_of(rank)), root, self.now)
         self._do(v, effects)
         self._arm(v)
         self._start_sampling(v)
@@ -334,7 +372,7 @@ class Simulation:
         self._at(self.now + self.sample_sec, lambda: self._sample(v, starts))
 
     # --- feeding a core -------------------------------------------------------------------------
-    def _input(self, v: VirtualRank, fn: Callable[[ProbeCore], list], timer: bool = True) -> None:
+    def _input(self, v: VirtualRank, fn: Callable[[RankCore], list], timer: bool = True) -> None:
         """Hand ``fn(core)`` to the rank's I/O thread: now, or after a thaw if it is frozen."""
         if v.state != "up":
             return
@@ -377,20 +415,40 @@ class Simulation:
 
     # --- effects, as the shell carries them out ---------------------------------------------------
     def _do(self, v: VirtualRank, effects: list) -> None:
-        for effect in effects:
-            if v.state != "up":
-                return
-            if isinstance(effect, Send):
-                self._send(v, effect)
-            elif isinstance(effect, ConnectParent):
-                self._connect(v, effect.endpoint)
-            elif isinstance(effect, WatchPid):
-                self._watch(v, effect.key, effect.pid)
-            elif isinstance(effect, UnwatchPid):
-                v.watches.pop(effect.key, None)
-            elif isinstance(effect, Note):
-                if self.record:
-                    self.notes.append((self.now, v.rank, effect.text))
+        if v.state == "up":
+            v.shell.carry_out(effects)
+
+    def _store_op(self, op: StoreOp) -> object:
+        """The job's store as discovery uses it: set, compare-and-set, get."""
+        self.store_ops[op.op] += 1
+        args = op.args
+        if op.op == "publish_master":
+            self.store["master"] = dict(args["record"])
+            return None
+        if op.op == "read_master":
+            return self.store.get("master")
+        key = f"node/{args['node']}/local0"
+        if op.op == "read_local0":
+            return self.store.get(key)
+        if op.op == "elect_local0":
+            current = self.store.get(key)
+            if current is None or (args.get("stale") is not None and current == args["stale"]):
+                self.store[key] = dict(args["record"])
+            return self.store[key]
+        raise ValueError(f"unknown store step {op.op!r}")
+
+    def _run_sql(self, v: VirtualRank, task: RunSqlTask) -> None:
+        if v.sql is None:
+            result = {"error": {"code": "error", "message": "this simulation holds no tables"}}
+        else:
+            args = task.args
+            if task.kind == "finish":
+                self.last_finish_nodes = args.get("nodes")  # what the root's `nodes` was, for oracles
+            if args.get("deadline") is not None:  # DuckDB really runs: give it the time left, on its clock
+                args = dict(args, deadline=time.time() + max(0.0, args["deadline"] - self.now))
+            result = v.sql.run(task.kind, args)
+        self._at(self.now + self.sql_latency,
+                 lambda: self._input(v, lambda core: core.on_sql_task_done(task.task_id, result, self.now)))
 
     def _connect(self, v: VirtualRank, endpoint: str | None) -> None:
         v.parent = self._rank_of(endpoint)
@@ -420,7 +478,7 @@ class Simulation:
             if watcher.starts != starts:
                 return
 
-            def fn(core: ProbeCore) -> list:
+            def fn(core: RankCore) -> list:
                 if watcher.watches.get(key) != pid:
                     return []  # unwatched or re-pointed meanwhile
                 del watcher.watches[key]
@@ -457,6 +515,12 @@ class Simulation:
             self._count(v, dst, msg.type, frames)
             self._at(self._deliver_at(v.rank, dst.rank), lambda: self._arrive_up(dst, frames, rid))
             return
+        if effect.to in self._answers:  # to a client connected to this rank's ROUTER
+            self._count(v, v, msg.type, frames)
+            client_codec = self._client_codec
+            self._at(self._deliver_at(v.rank, -1),
+                     lambda: self._answers[effect.to].append(client_codec.decode(frames)))
+            return
         child_rank, conn = self._rids.get(effect.to, (None, 0))
         child = self.ranks[child_rank] if child_rank is not None else None
         if child is None or child.state != "up" or child.conn != conn:
@@ -486,7 +550,7 @@ class Simulation:
             self.dropped["to a dead rank"] += 1
             return
 
-        def fn(core: ProbeCore) -> list:
+        def fn(core: RankCore) -> list:
             env = self._decode(dst, frames)
             return [] if env is None else core.on_message(env, rid, self.now)
 
@@ -498,7 +562,7 @@ class Simulation:
             self.dropped["to a dead rank"] += 1
             return
 
-        def fn(core: ProbeCore) -> list:
+        def fn(core: RankCore) -> list:
             if dst.conn != conn:
                 self.dropped["to a closed connection"] += 1
                 return []
@@ -507,13 +571,54 @@ class Simulation:
 
         self._input(dst, fn)
 
+    # --- a client -------------------------------------------------------------------------------
+    def tags_of(self, rank: int) -> dict:
+        """A rank's tag columns, as its probe gives them."""
+        ident, core = self.ranks[rank].identity, self.ranks[rank].core
+        return {"_rank": rank, "_node": ident.node, "_host": ident.host, "_local_rank": ident.local_rank,
+                "_role": core.role if core is not None else ""}
+
+    def request(self, type_: str, body: dict, rank: int = 0, timeout: float = 30.0) -> wire.Envelope:
+        """A client's request to ``rank`` (default: the root), through the wire; runs the
+        simulation until the answer arrives (``query_progress`` reports are skipped)."""
+        v = self.ranks[rank]
+        rid = f"client#{next(self._clients)}".encode()
+        self._answers[rid] = []
+        msg_id = f"sim-{rid.decode()}"
+        frames = self._client_codec.encode(wire.Message(type_, body, msg_id=msg_id))
+
+        def arrive() -> None:
+            def fn(core: RankCore) -> list:
+                env = self._decode(v, frames)
+                return [] if env is None else core.on_message(env, rid, self.now)
+
+            self._input(v, fn)
+
+        self._at(self.now + self.latency, arrive)
+
+        def answered() -> bool:
+            return any(e.msg.type != "query_progress" for e in self._answers[rid])
+
+        if not self.run_for(timeout, answered, check_every=0.001):
+            raise TimeoutError(f"no answer to {type_} within {timeout} simulated seconds")
+        env = next(e for e in self._answers.pop(rid) if e.msg.type != "query_progress")
+        assert env.msg.corr_id == msg_id
+        return env
+
+    def query(self, sql: str, *, timeout: float = 10.0, **options: Any) -> wire.Envelope:
+        """A federated query from a client at the root, as ``Client.query`` sends it."""
+        body = {"sql": sql, "timeout": float(timeout), "per_rank": False, "local": False, "explain": False,
+                "ranks": None, "params": None}
+        body.update(options)
+        return self.request("query", body, timeout=timeout + 5.0)
+
     # --- reading the result -------------------------------------------------------------------
     @property
-    def root(self) -> ProbeCore | None:
+    def root(self) -> RankCore | None:
         v = self.ranks[0]
         return v.core if v.state == "up" else None
 
-    def core(self, rank: int) -> ProbeCore:
+    def core(self, rank: int) -> RankCore:
         return self.ranks[rank].core
 
     def root_view(self) -> dict[int, Member]:
@@ -550,3 +655,74 @@ class Simulation:
 
     def live_ranks(self) -> list[int]:
         return [v.rank for v in self.ranks if v.state == "up"]
+
+
+class _SimShell(EffectInterpreter):
+    """One virtual rank's shell: the shared interpreter, carried out by the simulation."""
+
+    def __init__(self, sim: Simulation, v: VirtualRank) -> None:
+        self.sim, self.v, self.core = sim, v, v.core
+
+    def halted(self) -> bool:
+        return self.v.state != "up"
+
+    def now(self) -> float:
+        return self.sim.now
+
+    def send(self, effect: Send) -> None:
+        self.sim._send(self.v, effect)
+
+    def connect_parent(self, endpoint: str | None) -> None:
+        self.sim._connect(self.v, endpoint)
+
+    def watch_pid(self, key: object, pid: int) -> None:
+        self.sim._watch(self.v, key, pid)
+
+    def unwatch_pid(self, key: object) -> None:
+        self.v.watches.pop(key, None)
+
+    def note(self, text: str) -> None:
+        if self.sim.record:
+            self.sim.notes.append((self.sim.now, self.v.rank, text))
+
+    def run_sql_task(self, task: RunSqlTask) -> None:
+        self.sim._run_sql(self.v, task)
+
+    def run_store_op(self, op: StoreOp) -> object:
+        return self.sim._store_op(op)
+
+
+class SimTables:
+    """A virtual rank's tables as the SQL runner reads a probe's: names(), arrow(name),
+    and the ``tables`` catalog. ``listed=False`` keeps them out of the catalog (they can
+    still be scanned): a root that plans without knowing their columns."""
+
+    def __init__(self, tables: dict, listed: bool = True) -> None:
+        self._tables = dict(tables)
+        self.listed = listed
+
+    def names(self) -> list[str]:
+        return sorted(set(self._tables if self.listed else ()) | {"tables"})
+
+    def arrow(self, name: str):
+        if name == "tables":
+            if not self.listed:
+                import pyarrow as pa
+
+                return pa.table({"table_name": pa.array([], pa.string()), "column_name": pa.array([], pa.string()),
+                                 "column_type": pa.array([], pa.string())})
+            import pyarrow as pa
+
+            rows = [{"table_name": t, "column_name": c, "column_type": str(tab.schema.field(c).type)}
+                    for t, tab in sorted(self._tables.items()) for c in tab.column_names]
+            return pa.Table.from_pylist(rows, schema=pa.schema([("table_name", pa.string()),
+                                                                ("column_name", pa.string()),
+                                                                ("column_type", pa.string())]))
+        return self._tables[name]
+
+
+def _sim_sql_runner(tables: Any, tags: Callable[[], dict], settings: Settings):
+    from ..shell.sql_tasks import SqlTaskRunner
+
+    return SqlTaskRunner(tables if isinstance(tables, SimTables) else SimTables(tables), tags, row_cap=settings.query_row_cap,
+                         threads=settings.query_threads, memory_limit=settings.query_memory)

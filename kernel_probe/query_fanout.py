@@ -4,8 +4,11 @@ arrives before each hop's deadline, merge, answer up.
 Rules of this file:
 - No sockets, threads, clock, DuckDB or Arrow. Results travel through here as opaque
   Arrow IPC bytes; SQL work (planning, a rank's scans, merging, finishing) is a
-  ``RunJob`` effect the shell runs on a worker thread, whose outcome comes back
-  through ``on_job_done``. The I/O thread never waits for a query.
+  ``RunSqlTask`` effect the shell runs on a worker thread, whose outcome comes back
+  through ``on_sql_task_done``. The I/O thread never waits for a query.
+- It sees the membership tree only through the narrow ``Tree`` interface (who am I,
+  through which child is a rank reached, who is a member): no reaching into the
+  rank core's registry or children.
 - Deadlines are absolute. Each hop gives its children a little less time than it has,
   so it can still merge and answer before its own deadline — with what it has.
 - Coverage is exact: every targeted rank ends up answered or failed with a reason
@@ -15,13 +18,10 @@ Rules of this file:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .node import PARENT, Effect, Send
+from .effects import PARENT, Effect, RunSqlTask, Send
 from .wire import Envelope, Message
-
-if TYPE_CHECKING:
-    from .node import ProbeCore
 
 FINISH_SHARE = 0.1  # part of the remaining time the root keeps for merging and finishing
 HOP_MARGIN_MAX = 0.5  # seconds each hop keeps for itself at most
@@ -29,17 +29,29 @@ PROGRESS_AFTER = 1.0  # a query slower than this tells its client how far it got
 PROGRESS_EVERY = 0.5
 
 
-@dataclass(frozen=True)
-class RunJob:
-    """Run SQL work off the I/O thread; ``kind`` is plan | rank | merge | finish."""
+class Tree(Protocol):
+    """What the fan-out needs to know about this rank's place in the membership tree."""
 
-    job_id: str
-    kind: str
-    args: dict
+    @property
+    def rank(self) -> int: ...
+
+    incarnation: str
+    tier: str | None
+
+    def hop_to(self, rank: int) -> tuple[int, bytes] | None:
+        """The direct child (its rank, its routing id) through which ``rank`` is reached."""
+
+    def child_rank(self, rid: bytes) -> int | None:
+        """The rank of the direct child connected as ``rid``."""
+
+    def member_rows(self) -> list[dict]:
+        """This probe's registry, one dict per member (the root: the whole job)."""
 
 
 @dataclass
-class Session:
+class HopQuery:
+    """One query's state at this hop: what it waits for, what arrived, who failed why."""
+
     qid: str
     origin: bytes | None  # client routing id, or PARENT for a subquery
     corr_id: str
@@ -61,59 +73,50 @@ class Session:
     next_progress: float = 0.0
 
 
-class FanOut:
-    def __init__(self, core: "ProbeCore") -> None:
-        self.core = core
-        self.sessions: dict[str, Session] = {}
-        self._jobs: dict[str, tuple[str, str]] = {}  # job id -> (qid, kind)
+class QueryFanOut:
+    def __init__(self, tree: Tree) -> None:
+        self.tree = tree
+        self.queries: dict[str, HopQuery] = {}
+        self._tasks: dict[str, tuple[str, str]] = {}  # SQL task id -> (qid, kind)
         self._seq = 0
 
     # --- helpers ------------------------------------------------------------------------
-    def _job(self, s: Session, kind: str, args: dict) -> RunJob:
+    def _task(self, s: HopQuery, kind: str, args: dict) -> RunSqlTask:
         self._seq += 1
-        job_id = f"{s.qid}/{kind}/{self._seq}"
-        self._jobs[job_id] = (s.qid, kind)
-        return RunJob(job_id, kind, args)
+        task_id = f"{s.qid}/{kind}/{self._seq}"
+        self._tasks[task_id] = (s.qid, kind)
+        return RunSqlTask(task_id, kind, args)
 
     @property
     def rank(self) -> int:
-        return self.core.identity.rank
-
-    def _hop_of(self, rank: int) -> tuple[int, bytes] | None:
-        """The direct child through which ``rank`` is reached, and its routing id."""
-        member = self.core.registry.get(rank)
-        hop = member.via if member is not None and member.via is not None else rank
-        for rid, child in self.core.children.items():
-            if child.rank == hop:
-                return hop, rid
-        return None
+        return self.tree.rank
 
     # --- a client asks ---------------------------------------------------------------------
     def on_client_query(self, rid: bytes, env: Envelope, now: float) -> list[Effect]:
         body = env.msg.body
         timeout = max(0.05, min(float(body.get("timeout") or 10.0), 3600.0))
-        qid = f"{self.core.incarnation}-q{self._seq + 1}"
+        qid = f"{self.tree.incarnation}-q{self._seq + 1}"
         deadline = now + timeout
-        s = Session(qid, rid, env.header.msg_id, deadline, deadline - min(2.0, timeout * FINISH_SHARE), now,
+        s = HopQuery(qid, rid, env.header.msg_id, deadline, deadline - min(2.0, timeout * FINISH_SHARE), now,
                     request=dict(body), next_progress=now + PROGRESS_AFTER)
-        self.sessions[qid] = s
-        if self.core.tier is None:
-            return self._fail_client(s, "not_ready", "this probe has not joined its job yet; try again in a moment")
+        self.queries[qid] = s
+        if self.tree.tier is None:
+            return self._fail_client(s, now, "not_ready", "this probe has not joined its job yet; try again in a moment")
         local = bool(body.get("local"))
-        if self.core.tier != "root" and not local:
-            return self._fail_client(s, "not_root", "only the job's root answers cluster queries; connect to the root "
+        if self.tree.tier != "root" and not local:
+            return self._fail_client(s, now, "not_root", "only the job's root answers cluster queries; connect to the root "
                                                     "or ask this rank alone with --local")
         s.stage = "plan"
-        members = [] if local else [m.to_dict() for m in self.core.registry.members()]
+        members = [] if local else self.tree.member_rows()
         args = {
             "sql": body["sql"], "per_rank": bool(body.get("per_rank")) or local, "ranks": body.get("ranks"),
             "members": members, "local": local, "self_rank": self.rank, "params": body.get("params"),
         }
-        return [self._job(s, "plan", args)]
+        return [self._task(s, "plan", args)]
 
-    def _after_plan(self, s: Session, result: dict, now: float) -> list[Effect]:
+    def _after_plan(self, s: HopQuery, result: dict, now: float) -> list[Effect]:
         if "error" in result:
-            return self._fail_client(s, **result["error"])
+            return self._fail_client(s, now, **result["error"])
         s.plan = result["plan"]
         s.pruned = list(result.get("pruned", []))
         effects: list[Effect] = []
@@ -124,7 +127,7 @@ class FanOut:
         s.stage = "gather"
         if s.request.get("explain"):
             s.stage = "done"
-            self.sessions.pop(s.qid, None)
+            self.queries.pop(s.qid, None)
             body = {"status": "ok", "coverage": self.coverage(s, now), "explain": s.plan.get("explain", "")}
             return [Send(s.origin, Message("query_result", body, corr_id=s.corr_id))]
         if s.plan.get("mode") == "root-only":  # the root's registry answers: nobody else is asked
@@ -135,7 +138,7 @@ class FanOut:
         effects += self._fan(s, targets, now)
         return effects + self._maybe_merge(s, now)
 
-    def _fan(self, s: Session, targets: list[int], now: float) -> list[Effect]:
+    def _fan(self, s: HopQuery, targets: list[int], now: float) -> list[Effect]:
         """Start our own scan if we are targeted; send the rest down, one message per child."""
         effects: list[Effect] = []
         child_deadline = s.gather_by - min(HOP_MARGIN_MAX, max(0.0, s.gather_by - now) * FINISH_SHARE)
@@ -143,10 +146,10 @@ class FanOut:
         for rank in targets:
             if rank == self.rank:
                 s.local = True
-                effects.append(self._job(s, "rank", {"plan": s.plan, "params": s.request.get("params"),
+                effects.append(self._task(s, "rank", {"plan": s.plan, "params": s.request.get("params"),
                                                      "deadline": s.gather_by}))
                 continue
-            hop = self._hop_of(rank)
+            hop = self.tree.hop_to(rank)
             if hop is None:
                 s.failed[rank] = "unreachable"
                 continue
@@ -164,11 +167,11 @@ class FanOut:
         qid = body["qid"]
         deadline = float(body["deadline"])
         ranks = [r for r in body["ranks"] if isinstance(r, int)]
-        s = Session(qid, PARENT, env.header.msg_id, deadline,
+        s = HopQuery(qid, PARENT, env.header.msg_id, deadline,
                     deadline - min(HOP_MARGIN_MAX, max(0.0, deadline - now) * FINISH_SHARE), now,
                     request={"params": body.get("params")}, plan=body["plan"], targeted=ranks)
-        self.sessions[qid] = s
-        if self.core.tier is None:
+        self.queries[qid] = s
+        if self.tree.tier is None:
             s.failed.update({r: "not ready" for r in ranks})
             return self._answer_parent(s, [], [])
         effects = self._fan(s, ranks, now)
@@ -177,11 +180,11 @@ class FanOut:
     # --- answers come back -----------------------------------------------------------------------
     def on_subresult(self, rid: bytes, env: Envelope, now: float) -> list[Effect]:
         body = env.msg.body
-        s = self.sessions.get(body["qid"])
-        child = self.core.children.get(rid)
-        if s is None or s.stage != "gather" or child is None or child.rank not in s.waiting:
+        s = self.queries.get(body["qid"])
+        child = self.tree.child_rank(rid)
+        if s is None or s.stage != "gather" or child is None or child not in s.waiting:
             return []  # late, or not ours: the hop already answered without it
-        ranks = s.waiting.pop(child.rank)
+        ranks = s.waiting.pop(child)
         for r, reason in body["failed"].items():
             try:
                 s.failed[int(r)] = str(reason)[:500]
@@ -200,9 +203,9 @@ class FanOut:
                 s.failed[r] = "no answer"
         return self._maybe_merge(s, now)
 
-    def on_job_done(self, job_id: str, result: dict, now: float) -> list[Effect]:
-        qid, kind = self._jobs.pop(job_id, (None, None))
-        s = self.sessions.get(qid) if qid else None
+    def on_sql_task_done(self, task_id: str, result: dict, now: float) -> list[Effect]:
+        qid, kind = self._tasks.pop(task_id, (None, None))
+        s = self.queries.get(qid) if qid else None
         if s is None:
             return []
         if kind == "plan":
@@ -226,7 +229,7 @@ class FanOut:
 
     def on_timer(self, now: float) -> list[Effect]:
         effects: list[Effect] = []
-        for s in list(self.sessions.values()):
+        for s in list(self.queries.values()):
             if s.stage == "gather" and now >= s.gather_by:
                 for hop, ranks in s.waiting.items():
                     s.failed.update({r: "timeout" for r in ranks})
@@ -237,12 +240,12 @@ class FanOut:
                 effects += self._maybe_merge(s, now)
             elif s.stage in ("plan", "merge") and now >= s.deadline + 1.0:
                 # the worker never came back (a stuck user table): answer anyway
-                self.sessions.pop(s.qid, None)
+                self.queries.pop(s.qid, None)
                 if s.origin is PARENT:
                     s.failed.update({r: "timeout" for r in s.targeted if r not in s.failed})
                     effects += self._answer_parent(s, [], [])
                 else:
-                    effects += self._fail_client(s, "timeout", "the query did not finish before its deadline")
+                    effects += self._fail_client(s, now, "timeout", "the query did not finish before its deadline")
             if s.origin is not PARENT and s.stage == "gather" and now >= s.next_progress:
                 s.next_progress = now + PROGRESS_EVERY
                 effects.append(Send(s.origin, Message("query_progress", {
@@ -251,7 +254,7 @@ class FanOut:
 
     def next_deadline(self) -> float | None:
         times = []
-        for s in self.sessions.values():
+        for s in self.queries.values():
             if s.stage == "gather":
                 times.append(s.gather_by)
                 if s.origin is not PARENT:
@@ -261,12 +264,12 @@ class FanOut:
         return min(times, default=None)
 
     # --- merge and answer ------------------------------------------------------------------------
-    def _maybe_merge(self, s: Session, now: float) -> list[Effect]:
+    def _maybe_merge(self, s: HopQuery, now: float) -> list[Effect]:
         if s.stage != "gather" or s.waiting or s.local:
             return []
         return self._merge(s, now)
 
-    def _merge(self, s: Session, now: float) -> list[Effect]:
+    def _merge(self, s: HopQuery, now: float) -> list[Effect]:
         s.stage = "merge"
         if s.errors:
             return self._answer(s, {"error": s.errors[0]}, now)
@@ -276,12 +279,13 @@ class FanOut:
         parts = [{"scans": names, "buffers": bufs} for names, bufs in s.parts]
         common = {"plan": s.plan, "parts": parts, "deadline": s.deadline, "params": s.request.get("params")}
         if s.origin is PARENT:
-            return [self._job(s, "merge", common)]
-        return [self._job(s, "finish", common)]
+            return [self._task(s, "merge", common)]
+        # the root's registry, for a plan that reads `nodes` (the worker must not touch ours)
+        return [self._task(s, "finish", dict(common, nodes=self.tree.member_rows()))]
 
-    def _answer(self, s: Session, result: dict, now: float) -> list[Effect]:
+    def _answer(self, s: HopQuery, result: dict, now: float) -> list[Effect]:
         s.stage = "done"
-        self.sessions.pop(s.qid, None)
+        self.queries.pop(s.qid, None)
         if s.origin is PARENT:
             if "error" in result and result["error"].get("code") == "row_cap":
                 return self._answer_parent(s, [], [], error=result["error"])
@@ -292,12 +296,12 @@ class FanOut:
                 return self._answer_parent(s, [], [])
             return self._answer_parent(s, result["scans"], result["buffers"])
         if "error" in result:
-            return self._fail_client(s, **result["error"])
+            return self._fail_client(s, now, **result["error"])
         coverage = self.coverage(s, now)
         body = {"status": "ok", "coverage": coverage, "columns": result.get("columns")}
         return [Send(s.origin, Message("query_result", body, tuple(result["buffers"]), corr_id=s.corr_id))]
 
-    def coverage(self, s: Session, now: float) -> dict:
+    def coverage(self, s: HopQuery, now: float) -> dict:
         failed = {str(r): reason for r, reason in sorted(s.failed.items())}
         plan = s.plan or {}
         return {
@@ -306,8 +310,8 @@ class FanOut:
             "bytes_shipped": s.bytes_in, "plan": plan.get("mode", "?"), "explain": plan.get("explain", ""),
         }
 
-    def _answer_parent(self, s: Session, names: list[str], buffers: list[bytes], error: dict | None = None) -> list[Effect]:
-        self.sessions.pop(s.qid, None)
+    def _answer_parent(self, s: HopQuery, names: list[str], buffers: list[bytes], error: dict | None = None) -> list[Effect]:
+        self.queries.pop(s.qid, None)
         s.stage = "done"
         body = {"qid": s.qid, "status": "ok" if names or not error else "error", "answered": sorted(s.answered),
                 "failed": {str(r): v for r, v in s.failed.items()}, "scans": names, "bytes_below": s.bytes_in}
@@ -316,9 +320,10 @@ class FanOut:
             body["status"] = "error"
         return [Send(PARENT, Message("subresult", body, tuple(buffers), corr_id=s.corr_id))]
 
-    def _fail_client(self, s: Session, code: str = "error", message: str = "", **extra: Any) -> list[Effect]:
-        self.sessions.pop(s.qid, None)
+    def _fail_client(self, s: HopQuery, now: float, code: str = "error", message: str = "",
+                     **extra: Any) -> list[Effect]:
+        self.queries.pop(s.qid, None)
         s.stage = "done"
         error = {"code": code, "message": message, **{k: v for k, v in extra.items() if v is not None}}
-        body = {"status": "error", "error": error, "coverage": self.coverage(s, self.core.now)}
+        body = {"status": "error", "error": error, "coverage": self.coverage(s, now)}
         return [Send(s.origin, Message("query_result", body, corr_id=s.corr_id))]

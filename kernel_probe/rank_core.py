@@ -17,48 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .config import Identity, Settings
+from .effects import PARENT, ConnectParent, Effect, Note, Send, UnwatchPid, WatchPid
 from .membership import Backoff, Registry
+from .placement import Place, Placement
+from .query_fanout import QueryFanOut
 from .wire import PROTOCOL_VERSION, Envelope, Message
 
 PUSH_DEBOUNCE_SEC = 0.02  # batch near-simultaneous joins into one push / one report
-PARENT = None  # the ``to`` of a Send that goes up the parent connection
 
 # Fields of a member record that describe the rank itself (a report's identity).
 REPORT_FIELDS = (
     "rank", "world_size", "local_rank", "local_world_size", "node", "node_count", "host",
     "endpoint", "pid", "role", "incarnation", "tier", "step", "step_time_ms",
 )
-
-
-# --- effects --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Send:
-    to: bytes | None  # a ROUTER routing id, or PARENT
-    msg: Message
-
-
-@dataclass(frozen=True)
-class ConnectParent:
-    endpoint: str | None  # None: drop the parent connection
-
-
-@dataclass(frozen=True)
-class WatchPid:
-    key: object  # a rank, or "parent"
-    pid: int
-
-
-@dataclass(frozen=True)
-class UnwatchPid:
-    key: object
-
-
-@dataclass(frozen=True)
-class Note:
-    text: str  # something worth a log line
-
-
-Effect = Send | ConnectParent | WatchPid | UnwatchPid | Note
 
 
 @dataclass
@@ -81,7 +52,10 @@ class ParentInfo:
 
 
 @dataclass
-class ProbeCore:
+class RankCore:
+    """One rank's probe, without I/O: membership (its tier, reports, pushes) and, riding
+    the same tree, the query fan-out (``fanout``)."""
+
     identity: Identity
     settings: Settings
     endpoint: str
@@ -125,13 +99,35 @@ class ProbeCore:
         self._pushed_epoch = 0
         self._push_at: float | None = None
         self._report_seq = 0
-        from .fanout import FanOut  # the query plane rides the same tree
-
-        self.fanout = FanOut(self)
+        self.fanout = QueryFanOut(self)  # the query plane rides the same tree
+        self.placement: Placement | None = None  # set by start(); tests may call set_topology directly
         self._watched: dict[int, int] = {}  # rank -> pid under the pid watch
         self._watched_epoch = -1
 
     # --- inputs ---------------------------------------------------------------------
+    def start(self, now: float, *, use_store: bool) -> list[Effect]:
+        """Begin: find this rank's place (through the job's store when ``use_store``)."""
+        record = {"endpoint": self.endpoint, "rank": self.identity.rank, "incarnation": self.incarnation,
+                  "pid": self.pid, "host": self.identity.host}
+        self.placement = Placement(self.identity, self.settings, record, use_store=use_store)
+        return self._placed(self.placement.start(now), now)
+
+    def on_store_result(self, op: str, result: object, now: float) -> list[Effect]:
+        """The outcome of a ``StoreOp`` (see ``placement``)."""
+        self.now = now
+        if self.placement is None:
+            return []
+        return self._placed(self.placement.on_store_result(op, result, now), now)
+
+    def _placed(self, outputs: list, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        for out in outputs:
+            if isinstance(out, Place):
+                effects += self.set_topology(out.tier, out.parent, out.root, now)
+            else:
+                effects.append(out)
+        return effects
+
     def set_topology(self, tier: str, parent: str | None, root: str | None, now: float) -> list[Effect]:
         """Discovery resolved where this rank sits (a broker may learn its parent later:
         it serves its leaves meanwhile); start reporting at once."""
@@ -171,6 +167,8 @@ class ProbeCore:
     def on_timer(self, now: float) -> list[Effect]:
         self.now = now
         effects: list[Effect] = []
+        if self.placement is not None and not self.placement.done:
+            effects += self.placement.on_timer(now)
         if self.tier is None:
             return effects
         if self.tier in ("root", "broker"):
@@ -266,7 +264,34 @@ class ProbeCore:
         if self.tier in ("root", "broker"):
             times.append(self.registry.next_deadline())
         times.append(self.fanout.next_deadline())
+        if self.placement is not None:
+            times.append(self.placement.next_deadline())
         return min((t for t in times if t is not None), default=None)
+
+    def on_sql_task_done(self, task_id: str, result: dict, now: float) -> list[Effect]:
+        """SQL work a ``RunSqlTask`` asked for has finished (on a worker thread)."""
+        self.now = now
+        return self.fanout.on_sql_task_done(task_id, result, now)
+
+    # --- the narrow view the query fan-out has of the tree (query_fanout.Tree) ---------
+    @property
+    def rank(self) -> int:
+        return self.identity.rank
+
+    def hop_to(self, rank: int) -> tuple[int, bytes] | None:
+        member = self.registry.get(rank)
+        hop = member.via if member is not None and member.via is not None else rank
+        for rid, child in self.children.items():
+            if child.rank == hop:
+                return hop, rid
+        return None
+
+    def child_rank(self, rid: bytes) -> int | None:
+        child = self.children.get(rid)
+        return None if child is None else child.rank
+
+    def member_rows(self) -> list[dict]:
+        return [m.to_dict() for m in self.view().members()]
 
     # --- what this rank says about itself --------------------------------------------
     def report(self) -> dict:

@@ -1,4 +1,4 @@
-"""ProbeCore behaviour in a simulated job: many virtual ranks, a fake clock, no sockets.
+"""RankCore behaviour in a simulated job: many virtual ranks, a fake clock, no sockets.
 
 Every scenario runs the real cores and the real wire codec inside
 ``kernel_probe.testing.sim.Simulation`` (see its header for what is modelled). Default
@@ -115,8 +115,10 @@ def test_converges_within_200ms_of_the_last_start_in_every_order(layout, gap):
 @pytest.mark.parametrize("late", ["root", "brokers"])
 def test_a_parent_that_starts_seconds_late_is_reached_within_a_second(late):
     """Reports to a parent that is not up fail at once (IMMEDIATE) and are retried on the
-    fast failure schedule (50 ms doubling to 1 s), never left for the 10 s tick."""
-    sim = Simulation(8, 4)
+    fast failure schedule (50 ms doubling to 1 s), never left for the 10 s tick. On a
+    given tree (``discovery="fixed"``): through the store, a broker seconds late loses
+    its election (see the placement tests below)."""
+    sim = Simulation(8, 4, discovery="fixed")
     first = [r for r in range(32) if (r != 0 if late == "root" else r % 4)]
     sim.start_all(order=first)
     sim.run_for(3.0)
@@ -136,8 +138,8 @@ def test_a_parent_that_starts_seconds_late_is_reached_within_a_second(late):
 
 def test_leaves_whose_broker_starts_late_report_to_the_root_meanwhile_and_then_join_it():
     """After 5 s of failures a leaf reports to the root; once the root lists its broker,
-    the leaf goes back under it (the broker was late, not lost)."""
-    sim = Simulation(2, 4)
+    the leaf goes back under it (the broker was late, not lost). On a given tree, as above."""
+    sim = Simulation(2, 4, discovery="fixed")
     for r in (0, 1, 2, 3, 5, 6, 7):
         sim.start(r)
     sim.run_for(8.0)
@@ -441,3 +443,44 @@ def test_1024_ranks_converge_and_stay_converged_for_five_minutes():
     out = _scale(64, 16, minutes=5)
     assert out["per_rank_per_min"]["heartbeat"] <= 60 / CAP + 0.1
     assert out["per_rank_per_min"].get("membership", 0) == 0
+
+
+# --- placement through the job's store (placement.py, simulated store) -----------------
+
+
+def test_a_local0_that_starts_after_the_discover_timeout_loses_the_election_and_joins_as_a_leaf():
+    sim = Simulation(2, 4)
+    for r in (0, 1, 2, 3, 5, 6, 7):
+        sim.start(r)
+    sim.run_for(Settings().discover_timeout_sec + 0.5)
+    brokers = [r for r in (5, 6, 7) if sim.core(r).tier == "broker"]
+    assert len(brokers) == 1, [sim.core(r).tier for r in (5, 6, 7)]
+    sim.start(BROKER)  # local rank 0 of node 1, late: a leaf under the elected broker
+    took = sim.wait_for(sim.converged, 2.0, check_every=0.001)
+    assert took is not None and took < 0.3, took
+    assert sim.core(BROKER).tier == "leaf" and sim.ranks[BROKER].parent == brokers[0]
+    tiers = {r: m.tier for r, m in sim.root_view().items()}
+    assert tiers[0] == "root" and tiers[brokers[0]] == "broker" and tiers[BROKER] == "leaf"
+    healthy(sim)
+
+
+def test_a_late_root_is_found_through_the_store_and_brokers_serve_their_leaves_meanwhile():
+    sim = Simulation(4, 4)
+    sim.start_all(order=list(range(1, 16)))
+    sim.run_for(2.0)
+    assert [sim.core(r).tier for r in (4, 8, 12)] == ["broker"] * 3  # elected, waiting for the root
+    assert all(sim.ranks[r].parent == sim.broker_of(r) for r in range(16) if r % 4 and r > 3)
+    sim.start(0)
+    took = sim.wait_for(sim.converged, 2.0, check_every=0.001)
+    assert took is not None and took < 0.3, took
+    assert sim.store_ops["read_master"] > 0 and "master" in sim.store
+    healthy(sim)
+
+
+def test_placement_tiers_match_the_expected_tree_when_everyone_starts_together():
+    sim = Simulation(3, 3)
+    sim.start_all(order=[8, 7, 6, 5, 4, 3, 2, 1, 0])
+    assert sim.wait_for(sim.converged, 1.0, check_every=0.001) is not None
+    assert {r: sim.core(r).tier for r in range(9)} == {r: sim.tier_of(r) for r in range(9)}
+    assert {r: sim.ranks[r].parent for r in range(1, 9)} == {
+        r: (0 if sim.tier_of(r) == "broker" else sim.broker_of(r)) for r in range(1, 9)}

@@ -1,0 +1,76 @@
+"""What the sans-IO cores ask their shell to do: one small immutable class per effect.
+
+The rank core (membership) and the query fan-out return lists of these; exactly one
+interpreter (``interpreter.EffectInterpreter``) carries them out, shared by the real
+probe thread and the simulator, so a simulated job does everything a real one does.
+Nothing here knows sockets, threads or clocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from .wire import Message
+
+PARENT = None  # the ``to`` of a Send that goes up the parent connection
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``msg`` to a child (its ROUTER routing id) or up to the parent (``PARENT``)."""
+
+    to: bytes | None
+    msg: Message
+
+
+@dataclass(frozen=True)
+class ConnectParent:
+    """Dial the parent at ``endpoint`` (dropping the old connection); None: no parent."""
+
+    endpoint: str | None
+
+
+@dataclass(frozen=True)
+class WatchPid:
+    """Report when process ``pid`` exits; ``key`` is a rank, or "parent"."""
+
+    key: object
+    pid: int
+
+
+@dataclass(frozen=True)
+class UnwatchPid:
+    key: object
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something worth a log line."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class RunSqlTask:
+    """Run SQL work off the I/O thread; ``kind`` is plan | rank | merge | finish. Its
+    outcome comes back through ``RankCore.on_sql_task_done(task_id, result, now)``."""
+
+    task_id: str
+    kind: str
+    args: dict
+
+
+@dataclass(frozen=True)
+class StoreOp:
+    """One step of discovery through the job's TCPStore (see ``placement``): ``op`` is
+    publish_master | elect_local0 | read_local0 | read_master. Its outcome comes back
+    through ``RankCore.on_store_result(op, result, now)`` (``None``: not there yet; an
+    exception text under ``"error"``: the store failed)."""
+
+    op: str
+    args: dict
+
+
+Effect = Union[Send, ConnectParent, WatchPid, UnwatchPid, Note, RunSqlTask, StoreOp]
+EFFECT_TYPES: tuple[type, ...] = (Send, ConnectParent, WatchPid, UnwatchPid, Note, RunSqlTask, StoreOp)

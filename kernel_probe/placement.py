@@ -1,0 +1,139 @@
+"""Sans-IO: where a rank sits in the tree, decided through the job's store, and which
+key signs its messages.
+
+Rules of this file:
+- No store, socket or clock: the store's answers come in as inputs
+  (``on_store_result``), store steps go out as ``StoreOp`` effects, decisions as
+  ``Place``; the rank core applies them. The real shell runs the steps against the
+  job's TCPStore (``shell/discovery.py``), the simulator against a dictionary.
+- The election, as the seed describes it: global rank 0 is the root (it publishes
+  itself); each node's broker is whoever wins ``compare_set`` on the node's key. Local
+  rank 0 runs at once; any other rank first reads, and runs itself only after
+  ``discover_timeout`` without a winner (with ``--virtual-local-rank`` every worker has
+  local rank 0, so the first to arrive wins). A broker serves its leaves before it
+  knows the root; a leaf reports to its broker, and learns the root for re-parenting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import Identity, Settings
+from .effects import Note, StoreOp
+from .wire import derive_key
+
+RETRY_SEC = 0.05  # a key that is not there yet is read again this soon
+ERROR_RETRY_SEC = 1.0  # after a store error
+
+
+@dataclass(frozen=True)
+class Place:
+    """Decision: this rank's tier, its parent's endpoint and the root's (None: not known yet)."""
+
+    tier: str
+    parent: str | None
+    root: str | None
+
+
+class Placement:
+    """One rank's discovery, driven by the rank core."""
+
+    def __init__(self, identity: Identity, settings: Settings, record: dict, *, use_store: bool) -> None:
+        self.identity = identity
+        self.settings = settings
+        self.record = record  # what this rank publishes: endpoint, rank, incarnation, pid, host
+        self.use_store = use_store
+        self.tier: str | None = None
+        self.parent: str | None = None
+        self.root: str | None = None
+        self.retry_at: float | None = None
+        self._started = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.tier is not None and (self.tier == "root" or self.root is not None)
+
+    def start(self, now: float) -> list[StoreOp | Place | Note]:
+        s, ident = self.settings, self.identity
+        self._started = now
+        if s.parent_endpoint:  # an explicit tree, no store
+            self.tier, self.parent, self.root = "leaf", s.parent_endpoint, s.root_endpoint or s.parent_endpoint
+            return [Place(self.tier, self.parent, self.root)]
+        if ident.rank == 0 or not self.use_store:  # a rank cut off from its store runs alone
+            self.tier = "root"
+            out: list[StoreOp | Place | Note] = []
+            if self.use_store:
+                out.append(StoreOp("publish_master", {"record": self.record}))
+                if ident.local_rank == 0:
+                    out.append(StoreOp("elect_local0", {"node": ident.node, "record": self.record}))
+            return out + [Place("root", None, None)]
+        self.retry_at = now
+        return []
+
+    def next_deadline(self) -> float | None:
+        return None if self.done else self.retry_at
+
+    def on_timer(self, now: float) -> list[StoreOp]:
+        if self.done or self.retry_at is None or now < self.retry_at:
+            return []
+        self.retry_at = None
+        if self.tier is None:
+            waited = now - self._started >= self.settings.discover_timeout_sec
+            if self.identity.local_rank == 0 or waited:
+                return [StoreOp("elect_local0", {"node": self.identity.node, "record": self.record})]
+            return [StoreOp("read_local0", {"node": self.identity.node})]
+        return [StoreOp("read_master", {})]
+
+    def on_store_result(self, op: str, result: object, now: float) -> list[StoreOp | Place | Note]:
+        """The outcome of a ``StoreOp``: a dict record, None (not there yet), or
+        ``{"error": text}`` when the store failed."""
+        if isinstance(result, dict) and "error" in result:
+            if op == "publish_master" or self.tier == "root":
+                return [Note(f"could not {op.replace('_', ' ')} in the store: {result['error']}")]
+            self.retry_at = now + ERROR_RETRY_SEC
+            return [Note(f"discovery step {op} failed ({result['error']}); retrying")]
+        if self.tier == "root" or self.done:
+            return []
+        if op in ("elect_local0", "read_local0") and self.tier is None:
+            if not isinstance(result, dict):
+                self.retry_at = now + RETRY_SEC
+                return []
+            if result.get("rank") == self.record.get("rank") and result.get("incarnation") != self.record.get(
+                    "incarnation"):
+                # the node's key names an earlier process of this very rank (it restarted): take over
+                return [StoreOp("elect_local0", {"node": self.identity.node, "record": self.record, "stale": result})]
+            if result.get("incarnation") == self.record.get("incarnation"):
+                self.tier, self.parent = "broker", None  # serve leaves before the root is known
+            else:
+                self.tier, self.parent = "leaf", str(result.get("endpoint"))
+            return [Place(self.tier, self.parent, None), StoreOp("read_master", {})]
+        if op == "read_master" and self.tier is not None:
+            if not isinstance(result, dict):
+                self.retry_at = now + RETRY_SEC
+                return []
+            self.root = str(result.get("endpoint"))
+            if self.tier == "broker":
+                self.parent = self.root
+            return [Place(self.tier, self.parent, self.root)]
+        return []
+
+
+def signing_key(settings: Settings, identity: Identity, *, use_store: bool, store_secret: str | None,
+                fresh_secret: str) -> tuple[bytes, str | None]:
+    """The key that signs this rank's messages, and a warning to log once (or None).
+
+    A token wins. Without one, ranks that share a store agree on the secret published
+    there (``store_secret``); a lone process keeps a fresh secret that only its
+    connection file knows; ranks wired by explicit endpoints derive from the run id
+    (loopback only: the shell binds loopback without a token).
+    """
+    if settings.auth_token:
+        return derive_key(settings.auth_token, identity.run_id), None
+    if use_store and store_secret:
+        warning = None if identity.single_host else (
+            "no PROBING_AUTH_TOKEN; peers authenticate with a per-job secret kept in the job's store "
+            "(anyone who can reach the store can read it)")
+        return derive_key(store_secret, identity.run_id), warning
+    if identity.world_size == 1 and not settings.parent_endpoint and not settings.root_endpoint:
+        return derive_key(fresh_secret, identity.run_id), None
+    return derive_key(None, identity.run_id), None

@@ -1,0 +1,77 @@
+"""Federated query planner: one cluster SELECT -> per-rank scans, merges and a root finish.
+
+Rules of this file:
+
+- Sans-IO and pure: SQL text (plus an optional catalog) in, a :class:`Plan` out. No DuckDB,
+  no Arrow, no sockets, no clock. The plan is plain data (``to_dict``/``from_dict``) that
+  travels down the tree; ``execute.py`` carries it out at every hop.
+- sqlglot is imported on first use (``_sqlglot``), never at module level: a rank that
+  only decodes a plan (``Plan.from_dict``) does not pay for it.
+- The meaning of a cluster query is DESIGN.md section 5: every table name is the union,
+  over the targeted ranks, of that rank's table with the tag columns ``TAGS`` appended;
+  ``nodes`` / ``cluster.nodes`` is the root's registry (no tags) and is only ever read at
+  the root. The answer must equal DuckDB's on that union.
+- Pushdown happens only where it provably keeps that answer. Each mode below has a
+  builder that either proves its preconditions or says why not (a note kept in the plan,
+  shown by ``explain()``), and planning falls through, in this order::
+
+      per-rank (asked for) | root-only | rank-local | partial-aggregate | top-k | ship-rows
+
+  per-rank: the statement as written on every rank (untagged tables), tags appended to
+  each result, concatenated. root-only: no table but ``nodes``; runs at the root.
+  rank-local: one table read directly by a plain SELECT grouped by ``_rank``: the
+  statement minus its ORDER BY/LIMIT runs whole on each rank, the root concatenates and
+  applies the trailer (ORDER BY only by output name or position). partial-aggregate:
+  one table, plain SELECT with decomposable aggregates (or SELECT DISTINCT): ranks
+  group and ship partials, brokers and root re-aggregate them, the root finishes the
+  user's select list / HAVING / ORDER BY / LIMIT over them. top-k: one table, no
+  aggregates, a literal LIMIT [OFFSET]: each rank and broker keeps the first
+  LIMIT+OFFSET rows in the query's order. ship-rows: anything else; each table is
+  scanned once, with the WHERE conjuncts that provably only filter it and, with a
+  catalog, only the columns the query can reach. Tag-only conjuncts on the query's one
+  rank table prune ranks before anything is sent.
+- User-visible text comes from the user's own SQL wherever the root runs it (ship-rows,
+  top-k, rank-local, per-rank, root-only): table references are re-pointed by splicing
+  the original text at the identifiers' positions, never by regenerating it, because
+  DuckDB names unaliased columns after its own parse tree and a regenerated
+  ``ifnull(x, 0)`` would come back as ``COALESCE(x, 0)``. Only partial-aggregate must
+  rewrite the select list; its answer then takes names and types from the ``shape`` scan
+  (the statement itself with ``LIMIT 0``, run on each rank).
+- Every identifier the planner invents (scan names, partial columns) is checked against
+  every identifier of the query, so it cannot capture a user name.
+
+Layout: ``model`` (Plan, Scan, PlanError, Declined: plain data, no sqlglot), ``parse``
+(parsing and refusals), ``syntax`` (sqlglot helpers, text splicing), ``analysis`` (table
+references, pushable filters, projections, the shared one-table shape), ``modes`` (the
+builders), ``partial`` (partial aggregation).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from . import modes
+from .analysis import Query
+from .model import MODES, NODES, TAGS, Declined, Plan, PlanError, Scan
+from .parse import _parse
+
+__all__ = ["TAGS", "NODES", "MODES", "PlanError", "Scan", "Plan", "Declined", "plan"]
+
+
+def plan(sql: str, *, per_rank: bool = False,
+         catalog: Mapping[str, Sequence[str]] | None = None) -> Plan:
+    """Plan one cluster query (DuckDB dialect); raise PlanError if it cannot run."""
+    stmt = _parse(sql)
+    q = Query(sql, stmt, catalog, per_rank)
+    if per_rank:
+        return modes.per_rank(q)
+    if not q.rank_refs:
+        return modes.root_only(q)
+    notes: list[str] = []
+    for build in (modes.rank_local, modes.partial_aggregate, modes.top_k):
+        got = build(q)
+        if isinstance(got, Plan):
+            return got
+        if got.reason:
+            notes.append(got.reason)
+    return modes.ship_rows(q, notes)

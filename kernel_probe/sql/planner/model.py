@@ -1,0 +1,133 @@
+"""The plan model: plain data that travels down the tree (``to_dict``/``from_dict``),
+with no sqlglot, DuckDB or Arrow. ``execute.py`` carries a plan out at every hop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..engine import QueryError
+
+TAGS = ("_rank", "_node", "_host", "_local_rank", "_role")
+NODES = "nodes"
+MODES = ("per-rank", "rank-local", "partial-aggregate", "top-k", "ship-rows", "root-only")
+_WHERES = ("ranks", "root")
+
+
+class PlanError(QueryError):
+    """A query the planner will not run: one line, ``code`` "syntax" | "refused" | "unsupported"."""
+
+    def __init__(self, message: str, *, code: str = "refused", line: int | None = None,
+                 col: int | None = None) -> None:
+        super().__init__(message, code=code, line=line, col=col)
+
+
+@dataclass(frozen=True)
+class Scan:
+    """One input of the final query.
+
+    ``sql`` runs on every targeted rank over its local tables ``tables`` (tagged), or at the
+    root over the root's tables when ``where == "root"``. The results are concatenated under
+    ``name`` and, when ``merge`` is set, reduced by it (partial -> partial) at every node
+    broker and at the root.
+    """
+
+    name: str
+    sql: str
+    where: str = "ranks"
+    merge: str | None = None
+    tables: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "sql": self.sql, "where": self.where, "merge": self.merge,
+                "tables": list(self.tables)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Scan":
+        where = d.get("where", "ranks")
+        if where not in _WHERES:
+            raise ValueError(f"scan 'where' must be one of {_WHERES}, got {where!r}")
+        merge = d.get("merge")
+        return cls(name=str(d["name"]), sql=str(d["sql"]), where=where,
+                   merge=None if merge is None else str(merge),
+                   tables=tuple(str(t) for t in d.get("tables", ())))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a cluster query runs; see the module docstring and DESIGN.md section 5.
+
+    ``prune``: SQL over ``_tags`` (columns ``TAGS``, one row per live rank) returning the
+    ``_rank`` values to target, or None for all ranks. ``shape``: the name of a scan whose
+    (empty) result carries the answer's column names and types; the root renames and casts
+    the final result to it. ``notes``: why pushdown stopped where it did.
+    """
+
+    mode: str
+    scans: tuple[Scan, ...]
+    final: str
+    prune: str | None = None
+    order_matters: bool = False
+    shape: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "scans": [s.to_dict() for s in self.scans], "final": self.final,
+                "prune": self.prune, "order_matters": self.order_matters, "shape": self.shape,
+                "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        mode = d.get("mode")
+        if mode not in MODES:
+            raise ValueError(f"plan mode must be one of {MODES}, got {mode!r}")
+        scans = tuple(Scan.from_dict(s) for s in d.get("scans", ()))
+        shape = d.get("shape")
+        if shape is not None and shape not in {s.name for s in scans}:
+            raise ValueError(f"plan shape {shape!r} names no scan")
+        prune = d.get("prune")
+        return cls(mode=mode, scans=scans, final=str(d["final"]),
+                   prune=None if prune is None else str(prune),
+                   order_matters=bool(d.get("order_matters", False)),
+                   shape=None if shape is None else str(shape),
+                   notes=tuple(str(n) for n in d.get("notes", ())))
+
+    def explain(self) -> str:
+        lines = [f"mode: {self.mode}"]
+        if not any(s.where == "ranks" for s in self.scans):
+            lines.append("ranks: none contacted (answered at the root)")
+        elif self.prune:
+            lines.append(f"prune: only ranks returned by  {self.prune}")
+        else:
+            lines.append("prune: none (every live rank is targeted)")
+        if self.mode == "per-rank":
+            lines.append("tags: _rank, _node, _host, _local_rank, _role appended to each rank's result")
+        for s in self.scans:
+            if s.where == "root":
+                lines.append(f"scan {s.name} (at the root over {', '.join(s.tables) or 'no tables'}):")
+                lines.append(f"  root SQL:  {s.sql}")
+            else:
+                lines.append(f"scan {s.name} (on each targeted rank over {', '.join(s.tables) or 'no tables'}):")
+                lines.append(f"  rank SQL:  {s.sql}")
+                if s.merge:
+                    lines.append(f"  merge SQL: {s.merge}   (at each node broker and at the root)")
+                else:
+                    lines.append("  merge: concatenation")
+        lines.append(f"final SQL (at the root): {self.final}")
+        if self.shape:
+            lines.append(f"output names and types: those of scan {self.shape}")
+        if self.order_matters:
+            lines.append("row order: as the final ORDER BY gives it")
+        for n in self.notes:
+            lines.append(f"note: {n}")
+        return "\n".join(lines)
+
+
+
+@dataclass(frozen=True)
+class Declined:
+    """A mode builder's answer when its mode does not apply. ``reason`` (shown by
+    ``explain()``) says why a query that looked like it could use the mode cannot;
+    empty when the query is simply not of that shape."""
+
+    reason: str = ""

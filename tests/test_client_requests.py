@@ -1,0 +1,119 @@
+"""The client's sans-IO core (many requests in flight on one connection) and the shared
+summaries (rank lists, grouped stacks, stall suspects): no sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_probe import wire
+from kernel_probe.client.errors import Refused, RequestFailed
+from kernel_probe.client.requests import Answered, Failed, Progress, Requests
+from kernel_probe.summaries import (group_stacks, parse_ranks, rank_span, ranks_label, stall_suspects,
+                                    suspect_ranks)
+
+KEY = wire.derive_key("t", "run")
+
+
+def _probe() -> wire.Codec:
+    return wire.Codec(KEY, sender="rank0", incarnation="p1")
+
+
+def _answer(probe: wire.Codec, frames: list[bytes], type_: str, body: dict) -> list[bytes]:
+    return probe.encode(wire.reply(probe.decode(frames), type_, body))
+
+
+def test_answers_reach_their_own_request_in_any_order() -> None:
+    client, probe = Requests(KEY), _probe()
+    a, fa = client.send("nodes_request", {})
+    b, fb = client.send("info_request", {})
+    assert client.pending == {a, b}
+    ra, rb = probe.decode(fa), probe.decode(fb)  # the probe reads them in order, answers in any
+    info = {"protocol": 1, "run_id": "run", "world_size": 1, "rank": 0, "tier": "root", "pid": 1, "incarnation": "p1"}
+    second = client.receive(probe.encode(wire.reply(rb, "info", info)))
+    first = client.receive(probe.encode(wire.reply(ra, "nodes", {"members": [], "departures": [], "epoch": 3})))
+    assert [type(e) for e in second] == [Answered] and second[0].msg_id == b
+    assert second[0].envelope.msg.body["run_id"] == "run"
+    assert [type(e) for e in first] == [Answered] and first[0].msg_id == a
+    assert client.pending == frozenset()
+
+
+def test_progress_stays_pending_and_late_answers_are_dropped() -> None:
+    client, probe = Requests(KEY), _probe()
+    q, fq = client.send("query", {"sql": "SELECT 1", "timeout": 5.0})
+    req = probe.decode(fq)
+    progress = client.receive(probe.encode(wire.reply(req, "query_progress", {"qid": "x", "answered": 1,
+                                                                              "targeted": 4})))
+    assert progress == [Progress(q, {"qid": "x", "answered": 1, "targeted": 4})]
+    assert q in client.pending
+    client.forget(q)  # the caller gave up (timeout, KeyboardInterrupt)
+    assert client.receive(probe.encode(wire.reply(req, "query_result", {"status": "ok"}))) == []
+
+
+def test_refusal_fails_every_request_and_errors_fail_one() -> None:
+    client, probe = Requests(KEY), _probe()
+    a, fa = client.send("nodes_request", {})
+    b, _ = client.send("info_request", {})
+    err = client.receive(_answer(probe, fa, "error", {"code": "unsupported", "message": "no"}))
+    assert len(err) == 1 and isinstance(err[0], Failed) and err[0].msg_id == a
+    assert isinstance(err[0].error, RequestFailed) and "unsupported" in str(err[0].error)
+    refused = client.receive(wire.refusal_frames("bad_signature", "run"))
+    assert [e.msg_id for e in refused] == [b] and isinstance(refused[0].error, Refused)
+    assert refused[0].error.run_id == "run"
+
+
+def test_forged_and_foreign_frames_are_ignored() -> None:
+    client = Requests(KEY)
+    client.send("nodes_request", {})
+    other = wire.Codec(wire.derive_key("other", "run"), sender="rank0", incarnation="p1")
+    forged = other.encode(wire.Message("nodes", {"members": [], "departures": [], "epoch": 1}, corr_id="x"))
+    assert client.receive(forged) == []
+    assert client.receive([b"garbage"]) == []
+    uncorrelated = _probe().encode(wire.Message("nodes", {"members": [], "departures": [], "epoch": 1}))
+    assert client.receive(uncorrelated) == []
+
+
+def test_a_body_the_wire_refuses_is_not_left_pending() -> None:
+    client = Requests(KEY)
+    with pytest.raises(ValueError):
+        client.send("query", {"sql": "SELECT 1", "timeout": 5.0, "params": {"x": object()}})
+    assert client.pending == frozenset()
+
+
+# --- summaries -------------------------------------------------------------------------
+
+
+def test_rank_lists_parse_and_print() -> None:
+    assert parse_ranks("0-3,8") == [0, 1, 2, 3, 8]
+    assert parse_ranks(" ") is None and parse_ranks(None) is None
+    for bad in ("a", "3-1", "-2", "1-"):
+        with pytest.raises(ValueError):
+            parse_ranks(bad)
+    assert rank_span([5, 0, 1, 2, 4, 7]) == "0-2,4-5,7"
+    assert ranks_label([3]) == "rank 3" and ranks_label([0, 1, 2, 4]) == "ranks 0-2,4 (4)"
+
+
+def _frame(rank: int, depth: int, fn: str, line: int = 1) -> dict:
+    return {"_rank": rank, "thread_name": "MainThread", "depth": depth, "function": fn, "file": "train.py",
+            "line": line}
+
+
+def test_identical_stacks_are_grouped_innermost_first() -> None:
+    rows = []
+    for r in (0, 1, 2, 4):
+        rows += [_frame(r, 1, "main"), _frame(r, 0, "backward")]
+    rows += [_frame(3, 0, "fetch_next_batch", 42), _frame(3, 1, "main")]
+    groups = group_stacks(rows)
+    assert [g.label for g in groups] == ["ranks 0-2,4 (4)", "rank 3"]
+    assert [f.function for f in groups[0].frames] == ["backward", "main"]
+    assert groups[1].to_dict()["frames"][0] == {"function": "fetch_next_batch", "file": "train.py", "line": 42}
+
+
+def test_the_odd_stalled_rank_out_is_the_suspect() -> None:
+    members = [{"rank": r, "state": "stalled", "reason": "in backward (graph.py:825)"} for r in (0, 1, 2)]
+    members += [{"rank": 3, "state": "stalled", "reason": "in fetch_next_batch (train.py:42)"},
+                {"rank": 4, "state": "alive", "reason": ""}]
+    (s,) = stall_suspects(members)
+    assert s.ranks == (3,) and s.others == 3
+    assert s.text == "suspect: rank 3, in fetch_next_batch (train.py:42); 3 others wait in backward (graph.py:825)"
+    assert suspect_ranks(members) == {3}
+    assert stall_suspects([m for m in members if m["rank"] != 3]) == []  # all in one place: nobody stands out
