@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from IPython.core.error import StdinNotImplementedError, UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 
 import kernel_probe
 from kernel_probe.summaries import group_stacks, stacks_sql
@@ -187,6 +187,7 @@ class ClusterMagics(Magics):
             return None
 
     # ------------------------------------------------------------------ SQL
+    @no_var_expand  # $name is a query parameter here, never text pasted in by IPython
     @line_cell_magic
     def cluster_sql(self, line: str, cell: str | None = None) -> Any:
         """%%cluster_sql [--timeout S] [--ranks SPEC] [--strict] [--per-rank] [--local] [--explain] [-o NAME] [NAME <<]

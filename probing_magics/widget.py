@@ -72,6 +72,26 @@ def render_summary(raw: dict, run_id: str | None, now: float, note: str = "") ->
     return "<div class='probing-nodes-summary'>" + " · ".join(parts) + "</div>"
 
 
+def render_text(raw: dict, run_id: str | None, now: float, note: str = "") -> str:
+    """The same view as plain text (a terminal, or a notebook saved without widget state)."""
+    members = sorted(raw.get("members") or [], key=lambda m: (m.get("node") or 0, m.get("rank") or 0))
+    counts: dict[str, int] = {}
+    for m in members:
+        counts[m.get("state") or "?"] = counts.get(m.get("state") or "?", 0) + 1
+    head = f"{len(members)} ranks · " + " · ".join(f"{n} {s}" for s, n in counts.items())
+    lines = [f"{head} · run {run_id or '?'} · updated {_clock(now)}" + (f" · {note}" if note else "")]
+    suspects = {r for s in stall_suspects(members) for r in s.ranks}
+    for m in members:
+        st = m.get("step_time_ms")
+        lines.append(f"  rank {m.get('rank')} node {m.get('node')} {m.get('host') or ''} {m.get('role') or '-'} "
+                     f"{m.get('state')}{' (suspect)' if m.get('rank') in suspects else ''} step {m.get('step')}"
+                     + ("" if st is None else f" {st:.1f} ms") + (f" {m['reason']}" if m.get("reason") else ""))
+    lines += [f"  {s.text}" for s in stall_suspects(members)]
+    lines += [f"  departed: rank {d.get('rank')} at {_clock(d.get('when'))} ({d.get('why')})"
+              for d in raw.get("departures") or []]
+    return "\n".join(lines)
+
+
 def render_table(raw: dict, now: float) -> str:
     """Ranks grouped by node (host, local rank, role, coloured state, last-seen age, step,
     step time with a bar relative to the median), stall suspects, and departures."""
@@ -139,6 +159,7 @@ class NodesView(widgets.VBox):
         self.run_id: str | None = None
         self.raw: dict | None = None  # the last membership shown
         self.ended = False
+        self.text = "connecting…"  # the last view as plain text
         self._stop = threading.Event()
         self._refreshed = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"{THREAD_PREFIX}-{next(_counter)}", daemon=True)
@@ -171,6 +192,7 @@ class NodesView(widgets.VBox):
         data = super()._repr_mimebundle_(**kwargs)
         if data is not None:  # a static copy for saved / converted notebooks
             data["text/html"] = self.summary.value + self.table.value
+            data["text/plain"] = self.text
         return data
 
     # -------------------------------------------------------------- the view's own thread
@@ -185,7 +207,9 @@ class NodesView(widgets.VBox):
                         self.run_id = client.run_id
                     raw = client.nodes_raw(timeout)
                     self.raw = raw
-                    self._show(render_summary(raw, self.run_id, time.time()), render_table(raw, time.time()))
+                    now = time.time()
+                    self.text = render_text(raw, self.run_id, now)
+                    self._show(render_summary(raw, self.run_id, now), render_table(raw, now))
                 except kernel_probe.JobEndedError:
                     self._ended()
                     return
@@ -216,6 +240,7 @@ class NodesView(widgets.VBox):
     def _ended(self) -> None:
         self.ended = True
         raw = self.raw or {}
+        self.text = render_text(raw, self.run_id, time.time(), "job ended")
         self._show(render_summary(raw, self.run_id, time.time(), "job ended"), self.table.value)
 
     def _show(self, summary: str, table: str) -> None:

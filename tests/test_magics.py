@@ -121,6 +121,8 @@ def test_outputs_line_form_and_params(ip):
     df, err = run(ip, "%%cluster_sql\nSELECT count(*) AS n, $hostile AS echoed, '$not_a_param' AS s FROM fast "
                       "WHERE CAST(v AS VARCHAR) = $hostile")
     assert err is None and df["n"][0] == 0 and df["echoed"][0] == "x' OR 1=1 --" and df["s"][0] == "$not_a_param"
+    df, err = run(ip, "%cluster_sql SELECT $hostile AS echoed")  # the line form: IPython must not expand it
+    assert err is None and df["echoed"][0] == "x' OR 1=1 --"
 
 
 def test_unknown_parameter_and_bad_options(ip, capsys):

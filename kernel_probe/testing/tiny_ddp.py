@@ -2,7 +2,8 @@
 
 Run it as ``python -m kernel_probe.testing.tiny_ddp`` (single process) or under
 torchrun (by module or by path). It is deliberately an ordinary training script:
-it contains no probe code at all; the probe attaches from outside (``PROBING=1``
+it contains no probe code (only ``--log-metrics`` adds one ``kernel_probe.log`` call,
+the way a user records a metric); the probe attaches from outside (``PROBING=1``
 and the ``.pth`` hook), exactly as it would to a user's job.
 
 Each rank prints ``rank R step N loss X`` (steps counted from 1, ``X`` is the full
@@ -52,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds to sleep per step, so the job lives long enough to look at (default 0.2)",
     )
     p.add_argument("--forever", action="store_true", help="ignore --steps, run until SIGTERM/SIGINT")
+    p.add_argument("--log-metrics", action="store_true",
+                   help="also record each step's loss with kernel_probe.log (a user metric in `metrics`)")
     p.add_argument("--hang-rank", type=int, default=None, help="this rank hangs in fetch_next_batch (hang mode)")
     p.add_argument("--hang-after", type=int, default=5, help="hang mode: steps before the hang (default 5)")
     return p.parse_args(argv)
@@ -119,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
             step += 1
             print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+            if args.log_metrics:
+                import kernel_probe  # only with the flag: the script itself stays probe-free
+
+                kernel_probe.log(step=step, loss=loss.item())
             if args.step_sleep > 0:
                 time.sleep(args.step_sleep)
             if _should_stop(distributed):
