@@ -1,13 +1,21 @@
 """`make demo`: a bundled CPU training job (tiny DDP model, gloo) as two simulated nodes
 of two ranks each, every rank started with PROBING=1 and no probe code in the script;
-then the live membership, as another process on this machine sees it."""
+then the live membership, as another process on this machine sees it, a few cluster
+queries, and notebooks/quickstart.ipynb executed headless against the job.
+
+`python examples/demo.py --hang` starts the same job in hang mode (rank 3 stuck in its
+data loader) and keeps it running for notebooks/diagnose_hang.ipynb until Ctrl-C."""
 
 from __future__ import annotations
 
+import argparse
+import html
 import os
+import re
 import signal
 import sys
 import time
+from pathlib import Path
 
 import kernel_probe
 from kernel_probe.cli import format_nodes
@@ -46,8 +54,92 @@ def wait(what: str, predicate, timeout: float):
     raise SystemExit(f"demo: gave up after {timeout:.0f} s waiting for: {what}")
 
 
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+EXECUTED = NOTEBOOKS / "executed"  # git-ignored
+
+
+def output_text(output: dict) -> str:
+    """What a cell output shows, as text (a widget: its plain-text fallback)."""
+    if output.get("output_type") == "stream":
+        return output.get("text", "")
+    if output.get("output_type") == "error":
+        return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(output.get("traceback", [])))
+    data = output.get("data", {})
+    if "text/plain" in data:
+        return data["text/plain"]
+    if "text/html" in data:
+        return html.unescape(re.sub(r"<[^>]+>", " ", data["text/html"]))
+    return ""
+
+
+def run_notebook(name: str) -> int:
+    """Execute notebooks/<name> headless against the running job; print each cell and what it showed."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    say(f"Executing notebooks/{name} headless (nbclient) against the running job\n")
+    client = NotebookClient(nb, kernel_name="python3", timeout=120, store_widget_state=True,
+                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    failed = 0
+    try:
+        client.execute()
+    except CellExecutionError as exc:
+        failed = 1
+        say(f"notebook failed: {str(exc).splitlines()[0] if str(exc) else exc}")
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        say("In:  " + cell.source.replace("\n", "\n     "))
+        shown = "".join(output_text(o) for o in cell.get("outputs", [])).strip("\n")
+        if shown:
+            say("Out: " + shown.replace("\n", "\n     "))
+        say("")
+    EXECUTED.mkdir(exist_ok=True)
+    nbformat.write(nb, EXECUTED / name)
+    say(f"executed notebook saved to {EXECUTED / name}\n")
+    return failed
+
+
+def hang_demo() -> int:
+    """The demo job with rank 3 hung in its data loader, kept running for diagnose_hang.ipynb."""
+    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2", "--log-metrics",
+            "--hang-rank", "3", "--hang-after", "20"]
+    env = {"PROBING": "1", "PROBING_ROLE": "trainer", "PROBING_CLUSTER_STALL_SEC": "5",
+           "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "2"}
+    say("Starting the demo job in hang mode: rank 3 gets stuck in fetch_next_batch after 20 steps")
+    with LocalJob(argv, nodes=2, ranks_per_node=2, mode="torchrun", env=env) as job:
+        client = wait("waiting for the job's root probe", lambda: kernel_probe.connect(timeout=2), 120)
+
+        def all_stalled():
+            members = client.nodes_raw()["members"]
+            return len(members) == 4 and all(m["state"] == "stalled" for m in members)
+
+        wait("waiting until every rank is stalled (about 20 steps, then 5 s without progress)", all_stalled, 120)
+        say(format_nodes(client.nodes_raw(), client.info()) + "\n")
+        client.close()
+        say("The job is hung. Open notebooks/diagnose_hang.ipynb (e.g. .venv/bin/jupyter lab notebooks/) and run it.")
+        say("Press Ctrl-C here to stop the job.")
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            say("\nstopping the job")
+            for pid in job.pids().values():
+                os.kill(pid, signal.SIGTERM)
+            job.wait(60)
+    return 0
+
+
 def main() -> int:
-    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2"]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hang", action="store_true", help="start the job in hang mode and keep it running")
+    p.add_argument("--no-notebook", action="store_true", help="skip executing notebooks/quickstart.ipynb")
+    args = p.parse_args()
+    if args.hang:
+        return hang_demo()
+    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2", "--log-metrics"]
     say("Starting the bundled training job: 2 nodes x 2 ranks (two torchrun invocations, c10d), PROBING=1")
     with LocalJob(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "1", "PROBING_ROLE": "trainer"}) as job:
         t0 = time.monotonic()
@@ -86,12 +178,13 @@ def main() -> int:
         say('  .venv/bin/kernel-probe query "SELECT _rank, avg(duration_ms) AS ms FROM steps GROUP BY _rank ORDER BY ms DESC"')
         say(f"  .venv/bin/kernel-probe -t {client.endpoint} query --local \"SELECT * FROM process\"")
         client.close()
+        notebook_failed = 0 if args.no_notebook else run_notebook("quickstart.ipynb")
         say("Stopping the job cleanly: SIGTERM to every rank; they agree on a last step and exit.")
         for pid in job.pids().values():
             os.kill(pid, signal.SIGTERM)
         codes = job.wait(60)
     say(f"job stopped; torchrun agents exited with {codes}")
-    return 0 if codes == [0, 0] else 1
+    return 0 if codes == [0, 0] and not notebook_failed else 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from typing import Callable, TypeVar
 
 import pytest
 
+pytest_plugins = ["pytest_jupyter.jupyter_server"]  # jp_fetch & co. (only a root conftest may declare it)
+
 T = TypeVar("T")
 WORKER = str(Path(__file__).parent / "workers" / "worker.py")
 

@@ -2,11 +2,17 @@
 
 Run it as ``python -m kernel_probe.testing.tiny_ddp`` (single process) or under
 torchrun (by module or by path). It is deliberately an ordinary training script:
-it contains no probe code at all; the probe attaches from outside (``PROBING=1``
+it contains no probe code (only ``--log-metrics`` adds one ``kernel_probe.log`` call,
+the way a user records a metric); the probe attaches from outside (``PROBING=1``
 and the ``.pth`` hook), exactly as it would to a user's job.
 
 Each rank prints ``rank R step N loss X`` (steps counted from 1, ``X`` is the full
 ``repr`` of the float) to stdout, flushed, once per step.
+
+Hang mode (``--hang-rank R --hang-after N``): after N steps, rank R blocks in its data
+loader (``fetch_next_batch``) while the other ranks wait for it in DDP's gradient
+all-reduce inside ``backward()`` — the shape of a real hang, for ``diagnose_hang.ipynb``.
+SIGTERM/SIGINT releases the hung rank, so the job still stops cleanly.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds to sleep per step, so the job lives long enough to look at (default 0.2)",
     )
     p.add_argument("--forever", action="store_true", help="ignore --steps, run until SIGTERM/SIGINT")
+    p.add_argument("--log-metrics", action="store_true",
+                   help="also record each step's loss with kernel_probe.log (a user metric in `metrics`)")
+    p.add_argument("--hang-rank", type=int, default=None, help="this rank hangs in fetch_next_batch (hang mode)")
+    p.add_argument("--hang-after", type=int, default=5, help="hang mode: steps before the hang (default 5)")
     return p.parse_args(argv)
 
 
@@ -67,6 +77,16 @@ def make_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(SAMPLES_PER_RANK, FEATURES, generator=gen)
     y = x @ truth + 0.1 * torch.randn(SAMPLES_PER_RANK, 1, generator=gen)
     return x, y
+
+
+def fetch_next_batch(x: torch.Tensor, y: torch.Tensor, step: int, hang: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data loader: the next batch of this rank's data (round robin). With ``hang``
+    it never returns until the job is asked to stop, like a loader stuck on I/O."""
+    while hang and not _stop_requested:
+        time.sleep(1.0)
+    i = step % (SAMPLES_PER_RANK // BATCH)
+    return x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,19 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     loss_fn = nn.MSELoss()
     x, y = make_data(rank)
-    batches = SAMPLES_PER_RANK // BATCH
 
     step = 0
     try:
         while args.forever or step < args.steps:
-            i = step % batches
-            xb, yb = x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
+            hang = rank == args.hang_rank and step >= args.hang_after
+            xb, yb = fetch_next_batch(x, y, step, hang)
             opt.zero_grad()
             loss = loss_fn(model(xb), yb)
             loss.backward()
             opt.step()
             step += 1
             print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+            if args.log_metrics:
+                import kernel_probe  # only with the flag: the script itself stays probe-free
+
+                kernel_probe.log(step=step, loss=loss.item())
             if args.step_sleep > 0:
                 time.sleep(args.step_sleep)
             if _should_stop(distributed):

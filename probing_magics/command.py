@@ -1,0 +1,207 @@
+"""A magic's line (and cell) parsed into one command object before anything runs.
+
+``%%cluster_sql [--timeout S] [--ranks SPEC] [--strict] [--per-rank] [--local] [--explain]
+[-o NAME] [NAME <<]`` with the SQL in the cell, or the line form
+``x = %cluster_sql [options] SELECT ...``. Options come first; the SQL is kept as typed
+(no shell-style unquoting), so quotes inside it survive. ``$name`` in the SQL names a
+Python variable bound as a DuckDB query parameter, never pasted into the text.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from IPython.core.error import UsageError
+
+from kernel_probe.summaries import parse_ranks
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
+_FLAGS = {"--strict": "strict", "--per-rank": "per_rank", "--local": "local", "--explain": "explain"}
+_VALUED = {"--timeout", "--ranks", "-o", "--out"}
+
+SQL_USAGE = ("usage: %%cluster_sql [--timeout S] [--ranks SPEC] [--strict] [--per-rank] [--local] [--explain] "
+             "[-o NAME] [NAME <<]  (SQL in the cell), or  x = %cluster_sql [options] SELECT ...")
+
+
+@dataclass
+class SQLCommand:
+    sql: str
+    timeout: float | None = None
+    ranks: list[int] | None = None
+    strict: bool | None = None  # None: the ClusterSQL.strict setting
+    per_rank: bool = False
+    local: bool = False
+    explain: bool = False
+    out: str | None = None  # -o NAME / NAME <<: where the full DataFrame goes
+    param_names: list[str] = field(default_factory=list)
+
+    def params(self, namespace: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The values of ``$name`` from the user's namespace; ``UsageError`` naming a missing one."""
+        if not self.param_names:
+            return None
+        missing = [n for n in self.param_names if n not in namespace]
+        if missing:
+            raise UsageError(f"${missing[0]}: no variable {missing[0]!r} is defined in this notebook")
+        return {n: _plain(namespace[n]) for n in self.param_names}
+
+
+def _plain(value: Any) -> Any:
+    """numpy/pandas scalars as the Python values a JSON body can carry."""
+    if hasattr(value, "item") and not isinstance(value, (list, tuple, dict, str, bytes)) and \
+            getattr(value, "ndim", 0) == 0:
+        try:
+            return value.item()
+        except (TypeError, ValueError):
+            return value
+    return value
+
+
+def _take_options(tokens: list[str], usage: str) -> tuple[dict[str, str | bool], int]:
+    """Leading options of ``tokens`` -> (options, index of the first token that is not one)."""
+    opts: dict[str, str | bool] = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok == "--":  # explicit end of options
+            return opts, i + 1
+        if not tok.startswith("-") or tok.startswith("--") and len(tok) > 2 and tok[2] == "-":
+            break
+        name, eq, value = tok.partition("=")
+        if name in _FLAGS and not eq:
+            opts[name] = True
+            i += 1
+            continue
+        if name in _VALUED:
+            if not eq:
+                if i + 1 >= len(tokens):
+                    raise UsageError(f"option {name} needs a value; {usage}")
+                value = tokens[i + 1]
+                i += 1
+            opts[name] = value
+            i += 1
+            continue
+        if re.match(r"-\d", tok):  # a negative number is SQL, not an option
+            break
+        raise UsageError(f"unknown option {tok!r}; {usage}")
+    return opts, i
+
+
+def parse_sql_command(line: str, cell: str | None = None) -> SQLCommand:
+    """``line`` (and ``cell`` for the cell magic) -> an ``SQLCommand``; ``UsageError`` if malformed."""
+    tokens = line.split()
+    opts, used = _take_options(tokens, SQL_USAGE)
+    rest = tokens[used:]
+    out = opts.get("-o") or opts.get("--out")
+    if len(rest) >= 2 and rest[1] == "<<" or len(rest) >= 1 and rest[0].endswith("<<") and rest[0] != "<<":
+        target = rest[0][:-2] if rest[0].endswith("<<") else rest[0]
+        rest = rest[1:] if rest[0].endswith("<<") else rest[2:]
+        if out:
+            raise UsageError("give either -o NAME or NAME <<, not both")
+        out = target
+    if out is not None and not _IDENT.match(str(out)):
+        raise UsageError(f"{out!r} is not a valid Python variable name")
+    # the SQL: the rest of the line as typed (from where the options ended) plus the cell
+    line_sql = _after_tokens(line, len(tokens) - len(rest))
+    sql = "\n".join(part for part in (line_sql, cell or "") if part.strip()).strip()
+    if not sql:
+        raise UsageError("no SQL to run; " + SQL_USAGE)
+    cmd = SQLCommand(sql=sql, out=str(out) if out else None)
+    if "--timeout" in opts:
+        cmd.timeout = _positive(opts["--timeout"], "--timeout")
+    if "--ranks" in opts:
+        try:
+            cmd.ranks = parse_ranks(str(opts["--ranks"]))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    cmd.strict = True if opts.get("--strict") else None
+    cmd.per_rank = bool(opts.get("--per-rank"))
+    cmd.local = bool(opts.get("--local"))
+    cmd.explain = bool(opts.get("--explain"))
+    cmd.param_names = parameter_names(sql)
+    return cmd
+
+
+def _after_tokens(line: str, n: int) -> str:
+    """``line`` without its first ``n`` whitespace-separated tokens (the rest as typed)."""
+    pos = 0
+    for _ in range(n):
+        m = re.compile(r"\s*\S+").match(line, pos)
+        if m is None:
+            return ""
+        pos = m.end()
+    return line[pos:].strip()
+
+
+def _positive(value: str | bool, name: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name} takes a number of seconds, not {value!r}") from None
+    if not number > 0:
+        raise UsageError(f"{name} must be more than 0 seconds")
+    return number
+
+
+def parameter_names(sql: str) -> list[str]:
+    """Names of ``$name`` parameters, in order of first use; those inside string literals,
+    quoted identifiers and comments do not count (DuckDB's own tokenizer rules, via sqlglot)."""
+    from sqlglot.dialects.duckdb import DuckDB
+    from sqlglot.errors import TokenError
+
+    try:
+        tokens = DuckDB().tokenize(sql)
+    except TokenError:
+        return []  # the probe reports the syntax error with its line and column
+    names: list[str] = []
+    for dollar, name in zip(tokens, tokens[1:]):
+        if dollar.token_type.name == "PARAMETER" and dollar.text == "$" and name.start == dollar.end + 1 \
+                and _IDENT.match(name.text) and name.text not in names:
+            names.append(name.text)
+    return names
+
+
+@dataclass
+class OptionsCommand:
+    """The options of ``%cluster_connect``, ``%cluster_stacks`` and ``%cluster_nodes``."""
+
+    positional: list[str]
+    options: dict[str, str]
+
+
+def parse_options(line: str, valued: set[str], usage: str, max_positional: int = 0) -> OptionsCommand:
+    """A simple ``[POSITIONAL] [--opt VALUE]...`` line; ``UsageError`` for anything else."""
+    tokens = line.split()
+    positional: list[str] = []
+    options: dict[str, str] = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok.startswith("-"):
+            name, eq, value = tok.partition("=")
+            if name not in valued:
+                raise UsageError(f"unknown option {tok!r}; {usage}")
+            if not eq:
+                if i + 1 >= len(tokens):
+                    raise UsageError(f"option {name} needs a value; {usage}")
+                value = tokens[i + 1]
+                i += 1
+            options[name] = value
+        else:
+            positional.append(tok)
+        i += 1
+    if len(positional) > max_positional:
+        raise UsageError(f"unexpected {' '.join(positional[max_positional:])!r}; {usage}")
+    return OptionsCommand(positional, options)
+
+
+def seconds_option(cmd: OptionsCommand, name: str, default: float) -> float:
+    return _positive(cmd.options[name], name) if name in cmd.options else default
+
+
+def ranks_option(cmd: OptionsCommand) -> list[int] | None:
+    try:
+        return parse_ranks(cmd.options.get("--ranks"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None

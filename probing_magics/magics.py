@@ -1,0 +1,305 @@
+"""The IPython magics: ``%cluster_connect``, ``%%cluster_sql``, ``%cluster_stacks``, ``%cluster_nodes``.
+
+State lives on the magics instance of one shell (its client, its live views), never on
+the class. Every cluster failure is shown as one line (``ClusterError``), bad options as
+IPython's ``UsageError``; an interrupted query prints one line and leaves the
+connection usable.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import sys
+import time
+from typing import Any
+
+from IPython.core.error import StdinNotImplementedError, UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
+
+import kernel_probe
+from kernel_probe.summaries import group_stacks, stacks_sql
+
+from .command import parse_options, parse_sql_command, ranks_option, seconds_option
+from .display import ClusterError, ClusterFrame, ExplainText, StacksView
+from .settings import ClusterSQL
+
+CONNECT_USAGE = "usage: %cluster_connect [TARGET] [--token-env VAR] [--timeout S]"
+STACKS_USAGE = "usage: %cluster_stacks [--ranks SPEC] [--timeout S]"
+NODES_USAGE = "usage: %cluster_nodes [--interval S]"
+NOT_CONNECTED = "not connected — run %cluster_connect"
+INTERRUPTED = "query interrupted; the connection is still usable"
+
+
+class QueryProgress:
+    """``on_progress`` for a query: after one second, ranks answered / targeted as an
+    ipywidgets bar in a notebook or a text line in a terminal; removed by ``done()``.
+    Runs on the cell's thread (the client delivers progress to the thread that waits)."""
+
+    def __init__(self, in_notebook: bool, after: float = 1.0) -> None:
+        self.in_notebook, self.after = in_notebook, after
+        self.t0 = time.monotonic()
+        self.bar: Any = None
+        self.handle: Any = None
+        self.text_shown = False
+        self.events = 0
+
+    def __call__(self, body: dict) -> None:
+        self.events += 1
+        if time.monotonic() - self.t0 < self.after:
+            return
+        answered, targeted = int(body.get("answered") or 0), int(body.get("targeted") or 0)
+        label = f"{answered}/{targeted} ranks"
+        if self.in_notebook:
+            if self.bar is None:
+                import ipywidgets as widgets
+                from IPython.display import display
+
+                self.bar = widgets.IntProgress(value=answered, min=0, max=max(targeted, 1), description=label,
+                                               style={"description_width": "initial"})
+                self.handle = display(self.bar, display_id=True)
+            else:
+                self.bar.max = max(targeted, 1)
+                self.bar.value = answered
+                self.bar.description = label
+        else:
+            sys.stderr.write(f"\r{label} answered…")
+            sys.stderr.flush()
+            self.text_shown = True
+
+    def done(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            if self.handle is not None:
+                self.handle.update({"text/plain": ""}, raw=True)
+            self.bar = None
+        if self.text_shown:
+            sys.stderr.write("\r" + " " * 40 + "\r")
+            sys.stderr.flush()
+            self.text_shown = False
+
+
+@magics_class
+class ClusterMagics(Magics):
+    """The cluster magics of one IPython shell."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.settings = ClusterSQL(parent=shell)
+        self.client: kernel_probe.Client | None = None
+        self.target: str | None = None  # what views connect to (the same job as self.client)
+        self._token: str | None = None
+        self.views: dict[str, Any] = {}  # cell id (or "") -> that cell's live NodesView
+
+    # ------------------------------------------------------------------ connection
+    def _in_notebook(self) -> bool:
+        return getattr(self.shell, "kernel", None) is not None
+
+    def _describe(self, client: kernel_probe.Client) -> str:
+        info = client.info_ or {}
+        text = f"run {client.run_id} · world size {info.get('world_size', '?')}"
+        try:
+            members = client.nodes_raw(self.settings.connect_timeout)["members"]
+        except kernel_probe.ProbeError:
+            return text + f" · {client.endpoint}"
+        states: dict[str, int] = {}
+        for m in members:
+            states[m["state"]] = states.get(m["state"], 0) + 1
+        counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items(), key=lambda kv: kv[0] != "alive"))
+        return f"{text} · {counts or '0 alive'} · {client.endpoint}"
+
+    def _set_client(self, client: kernel_probe.Client, target: str | None, token: str | None) -> None:
+        if self.client is not None and self.client is not client:
+            self.client.close()
+        self.client, self.target, self._token = client, target, token
+
+    def _drop_client(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.client = None
+
+    def connected(self) -> kernel_probe.Client:
+        """This shell's client; connects to the newest job on this machine when none was chosen."""
+        if self.client is not None:
+            return self.client
+        job = kernel_probe.job_registry().newest()
+        if job is None:
+            raise ClusterError(f"{NOT_CONNECTED} (no running job found on this machine)")
+        try:
+            client = kernel_probe.connect(job.target, timeout=self.settings.connect_timeout)
+        except kernel_probe.ProbeError as exc:
+            raise ClusterError(f"{NOT_CONNECTED} (the newest job here did not answer: {exc})") from None
+        self._set_client(client, job.target, None)
+        print(f"connected to the newest job on this machine: {self._describe(client)}")
+        return client
+
+    def _failed(self, exc: kernel_probe.ProbeError) -> ClusterError:
+        if isinstance(exc, kernel_probe.JobEndedError):
+            self._drop_client()  # the next magic connects to whatever job runs then
+            return ClusterError(f"job ended: {exc}")
+        return ClusterError(str(exc))
+
+    @line_magic
+    def cluster_connect(self, line: str) -> None:
+        """%cluster_connect [TARGET] [--token-env VAR] [--timeout S]
+
+        Connect this notebook to a job: TARGET is tcp://host:port, a connection file,
+        store://host:port[/run_id], or nothing for the newest job on this machine. A token
+        comes from PROBING_AUTH_TOKEN, the variable named by --token-env, or a hidden
+        prompt; it is never typed into a cell."""
+        cmd = parse_options(line, {"--token-env", "--timeout"}, CONNECT_USAGE, max_positional=1)
+        timeout = seconds_option(cmd, "--timeout", self.settings.connect_timeout)
+        token = None
+        if "--token-env" in cmd.options:
+            var = cmd.options["--token-env"]
+            token = os.environ.get(var)
+            if not token:
+                raise UsageError(f"--token-env {var}: the environment variable {var} is not set")
+        target = cmd.positional[0] if cmd.positional else None
+        if target is None:
+            job = kernel_probe.job_registry().newest()
+            if job is None:
+                raise ClusterError("no running job found on this machine: start one with PROBING=1, "
+                                   "or pass its address (tcp://host:port or store://host:port/run_id)")
+            target = job.target
+        try:
+            try:
+                client = kernel_probe.connect(target, token=token, timeout=timeout)
+            except kernel_probe.AuthError:
+                token = self._ask_token(target, token)
+                if token is None:
+                    raise
+                client = kernel_probe.connect(target, token=token, timeout=timeout)
+        except kernel_probe.ProbeError as exc:
+            raise ClusterError(str(exc)) from None
+        self._set_client(client, target, token)
+        print(f"connected: {self._describe(client)}")
+
+    def _ask_token(self, target: str, tried: str | None) -> str | None:
+        """A hidden prompt, only when nobody gave a token and someone can answer it."""
+        if tried or os.environ.get("PROBING_AUTH_TOKEN"):
+            return None
+        if not self._in_notebook() and not sys.stdin.isatty():
+            return None
+        try:
+            return getpass.getpass(f"token for {target}: ") or None
+        except (StdinNotImplementedError, EOFError, OSError):
+            return None
+
+    # ------------------------------------------------------------------ SQL
+    @no_var_expand  # $name is a query parameter here, never text pasted in by IPython
+    @line_cell_magic
+    def cluster_sql(self, line: str, cell: str | None = None) -> Any:
+        """%%cluster_sql [--timeout S] [--ranks SPEC] [--strict] [--per-rank] [--local] [--explain] [-o NAME] [NAME <<]
+
+        Run one SELECT over every rank of the job (the cell), or  x = %cluster_sql SELECT ...
+        Returns a pandas DataFrame with every row; shows at most ClusterSQL.display_limit
+        rows and who answered. $name binds the Python variable `name` as a query parameter."""
+        cmd = parse_sql_command(line, cell)
+        params = cmd.params(self.shell.user_ns)
+        client = self.connected()
+        progress = QueryProgress(self._in_notebook())
+        try:
+            result = client.query(cmd.sql, timeout=cmd.timeout or self.settings.timeout,
+                                  strict=self.settings.strict if cmd.strict is None else cmd.strict,
+                                  per_rank=cmd.per_rank, ranks=cmd.ranks, params=params, local=cmd.local,
+                                  explain=cmd.explain, on_progress=progress)
+        except KeyboardInterrupt:
+            print(INTERRUPTED)
+            return None
+        except kernel_probe.ProbeError as exc:
+            raise self._failed(exc) from None
+        finally:
+            progress.done()
+        if cmd.explain:
+            return ExplainText(result.explain, result.footer())
+        frame = ClusterFrame.wrap(result.df, result.footer(), self.settings.display_limit)
+        if cmd.out:
+            self.shell.user_ns[cmd.out] = frame
+        return frame
+
+    # ------------------------------------------------------------------ stacks
+    @line_magic
+    def cluster_stacks(self, line: str) -> StacksView | None:
+        """%cluster_stacks [--ranks SPEC] [--timeout S]
+
+        Where every rank's main thread is right now; identical stacks grouped, innermost frame first."""
+        cmd = parse_options(line, {"--ranks", "--timeout"}, STACKS_USAGE)
+        ranks = ranks_option(cmd)
+        timeout = seconds_option(cmd, "--timeout", self.settings.timeout)
+        client = self.connected()
+        progress = QueryProgress(self._in_notebook())
+        try:
+            result = client.query(stacks_sql(), timeout=timeout, ranks=ranks, on_progress=progress)
+        except KeyboardInterrupt:
+            print(INTERRUPTED)
+            return None
+        except kernel_probe.ProbeError as exc:
+            raise self._failed(exc) from None
+        finally:
+            progress.done()
+        return StacksView(group_stacks(result.table.to_pylist()), result.footer(),
+                          bool(result.coverage.get("partial")))
+
+    # ------------------------------------------------------------------ live view
+    @line_magic
+    def cluster_nodes(self, line: str) -> None:
+        """%cluster_nodes [--interval S]
+
+        A live table of the job's ranks, refreshed in the background (the cell returns at once)."""
+        from IPython.display import display
+
+        from .widget import NodesView
+
+        cmd = parse_options(line, {"--interval"}, NODES_USAGE)
+        interval = seconds_option(cmd, "--interval", self.settings.widget_interval)
+        self.connected()  # the same job as the cells (auto-connects like every magic)
+        key = self._cell_id()
+        previous = self.views.pop(key, None)
+        if previous is not None:  # the same cell run again: its old view stops
+            previous.close()
+        view = NodesView(self.target, self._token, interval=interval, timeout=self.settings.connect_timeout)
+        self.views[key] = view
+        view.start(first_wait=min(2.0, self.settings.connect_timeout))
+        display(view)
+        return None
+
+    def _cell_id(self) -> str:
+        kernel = getattr(self.shell, "kernel", None)
+        try:
+            parent = kernel.get_parent() if kernel is not None else {}
+            return str((parent.get("metadata") or {}).get("cellId") or "")
+        except Exception:
+            return ""
+
+    def close(self) -> None:
+        for view in self.views.values():
+            view.close()
+        self.views.clear()
+        self._drop_client()
+
+
+_MAGIC_NAMES = {"line": ["cluster_connect", "cluster_sql", "cluster_stacks", "cluster_nodes"], "cell": ["cluster_sql"]}
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext probing_magics``: register the magics and the ClusterSQL settings. Connects nothing."""
+    if getattr(ipython, "_probing_magics", None) is not None:
+        return
+    magics = ClusterMagics(ipython)
+    ipython.register_magics(magics)
+    ipython.configurables.append(magics.settings)
+    ipython._probing_magics = magics
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    magics = getattr(ipython, "_probing_magics", None)
+    if magics is None:
+        return
+    magics.close()
+    if magics.settings in ipython.configurables:
+        ipython.configurables.remove(magics.settings)
+    for kind, names in _MAGIC_NAMES.items():
+        for name in names:
+            ipython.magics_manager.magics[kind].pop(name, None)
+    ipython._probing_magics = None

@@ -1,0 +1,168 @@
+"""The server extension's side of the jobs: one ``AsyncClient`` per job, reused.
+
+Everything here runs on the Jupyter server's event loop and never blocks it: registry
+calls that read connection files, check pids or handshake (``jobs()``, ``get()``,
+``add()``) go to a small thread pool; cluster calls are awaited on the ``AsyncClient``
+(zmq.asyncio). Every call has a deadline, and while a request to a job of this machine
+is in flight its root's pid is watched, so a job that dies mid-request fails that
+request within a fraction of a second instead of at its deadline.
+
+A client is closed and dropped when its job ends, is removed or disappears from the
+registry, and on errors that mean its connection is bad (refused credentials, the
+job gone); a mere timeout keeps it (other requests may be in flight on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable, TypeVar
+
+import psutil
+
+import kernel_probe
+from kernel_probe import AsyncClient, AuthError, ConnectError, Job, JobEndedError, JobRegistry
+
+T = TypeVar("T")
+
+ROOT_WATCH_SEC = 0.25  # how often the root's pid is checked while a request waits
+SLACK_SEC = 2.0  # beyond a call's own deadline, before the server gives up on it regardless
+
+
+class TimedOut(ConnectError):
+    """The job did not answer within the deadline (it may be frozen or far away)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class ClusterClients:
+    """The jobs the server knows and a cached client for each (one per server)."""
+
+    def __init__(self, registry: JobRegistry | None = None, workers: int = 4) -> None:
+        self._registry = registry
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="probing-server")
+        self._clients: dict[str, AsyncClient] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+
+    @property
+    def registry(self) -> JobRegistry:
+        return self._registry if self._registry is not None else kernel_probe.job_registry()
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kw))
+
+    async def jobs(self) -> list[Job]:
+        """The jobs running here and those added; clients of jobs no longer listed are dropped."""
+        jobs = await self._blocking(self.registry.jobs)
+        listed = {j.id for j in jobs}
+        for job_id in [i for i in self._clients if i not in listed]:
+            self.drop(job_id)
+        return jobs
+
+    async def job(self, job_id: str) -> Job:
+        """The job ``job_id`` (``kernel_probe.UnknownJob`` if there is none)."""
+        return await self._blocking(self.registry.get, job_id)
+
+    async def add(self, target: str, token: str | None, timeout: float) -> Job:
+        """Add a job by address (handshake on the pool); its token stays in this process."""
+        started = asyncio.get_running_loop().time()
+        try:
+            job = await asyncio.wait_for(self._blocking(self.registry.add, target, token, timeout),
+                                         timeout + SLACK_SEC)
+        except asyncio.TimeoutError:
+            raise TimedOut(f"no answer from {target} within {timeout:g} s") from None
+        except ConnectError as exc:
+            raise self._classified(exc, started, timeout) from None
+        self.drop(job.id)  # re-added with another token: the old client signs with the old key
+        return job
+
+    async def remove(self, job_id: str) -> None:
+        await self._blocking(self.registry.remove, job_id)
+        self.drop(job_id)
+
+    async def _client(self, job: Job, timeout: float) -> AsyncClient:
+        client = self._clients.get(job.id)
+        if client is not None:
+            return client
+        lock = self._connecting.setdefault(job.id, asyncio.Lock())
+        async with lock:  # concurrent first requests share one handshake
+            client = self._clients.get(job.id)
+            if client is None:
+                client = await self.registry.connect_async(job.id, timeout)
+                self._clients[job.id] = client
+            return client
+
+    async def call(self, job_id: str, fn: Callable[[AsyncClient], Awaitable[T]], timeout: float) -> T:
+        """``await fn(client)`` for job ``job_id``; ``timeout`` is the deadline ``fn`` gives its request.
+        Raises ``UnknownJob``, ``JobEndedError``, ``TimedOut``, ``ConnectError``, ``AuthError``,
+        ``QueryFailed`` (all ``ProbeError``)."""
+        job = await self.job(job_id)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def run() -> T:
+            return await fn(await self._client(job, timeout))
+
+        try:
+            return await self._watched(job, run(), timeout * 2 + SLACK_SEC)  # a handshake, then the request
+        except (JobEndedError, AuthError):
+            self.drop(job.id)
+            raise
+        except ConnectError as exc:
+            classified = self._classified(exc, started, timeout)
+            if not isinstance(classified, TimedOut):
+                self.drop(job.id)
+            raise classified from None
+
+    @staticmethod
+    def _classified(exc: ConnectError, started: float, timeout: float) -> ConnectError:
+        """A ``ConnectError`` raised after waiting the whole deadline is a timeout."""
+        if isinstance(exc, (JobEndedError, TimedOut)):
+            return exc
+        if asyncio.get_running_loop().time() - started >= timeout * 0.9:
+            return TimedOut(str(exc))
+        return exc
+
+    async def _watched(self, job: Job, work: Awaitable[T], deadline: float) -> T:
+        """``work``, failed early when a local job's root exits, and abandoned after ``deadline``."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(self._root_exit(job)) if job.source == "local" and job.pid else None
+        try:
+            waiting = {task} if watch is None else {task, watch}
+            done, _ = await asyncio.wait(waiting, timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            if watch is not None and watch in done:
+                raise JobEndedError(f"job {job.run_id} has ended: its root (pid {job.pid}) exited")
+            raise TimedOut(f"job {job.run_id or job.id} did not answer within {deadline:g} s")
+        finally:
+            for t in (task, watch):
+                if t is not None and not t.done():
+                    t.cancel()
+
+    @staticmethod
+    async def _root_exit(job: Job) -> None:
+        while _pid_alive(int(job.pid or 0)):
+            await asyncio.sleep(ROOT_WATCH_SEC)
+
+    def drop(self, job_id: str) -> None:
+        """Close and forget the client of ``job_id`` (requests waiting on it fail)."""
+        client = self._clients.pop(job_id, None)
+        self._connecting.pop(job_id, None)
+        if client is not None:
+            client.close()
+
+    def cached(self) -> list[str]:
+        """Ids of the jobs that have an open client (for tests and diagnostics)."""
+        return list(self._clients)
+
+    def close(self) -> None:
+        for job_id in list(self._clients):
+            self.drop(job_id)
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,275 @@
+"""The routes under ``<base_url>/probing/api/`` (DESIGN.md section 7).
+
+Every handler is a jupyter_server ``APIHandler``: authenticated (token, cookie + XSRF)
+and authorized (resource ``probing``; GET is "read", the rest "write"). Answers are
+JSON; errors are JSON ``{"message", "code"}`` (plus ``line``/``col`` for SQL) with
+a real status: 400 bad input or SQL, 403 refused, 404 unknown job, 409 a job of this
+machine cannot be removed, 502 unreachable or ended, 503 busy, 504 timed out.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import Any, Awaitable, Callable
+
+import tornado.web
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+
+import kernel_probe
+from kernel_probe import wire
+from kernel_probe.client import ANSWER_GRACE
+from kernel_probe.summaries import group_stacks, parse_ranks, stacks_sql, stall_suspects
+
+from .. import __version__
+from .clients import ClusterClients, TimedOut
+from .jsonsafe import json_safe, table_rows
+
+API_VERSION = 1  # bump when a route's shape changes; the panel checks it at start
+AUTH_RESOURCE = "probing"
+JOB_ID = r"(?P<job_id>[A-Za-z0-9._-]+)"
+MAX_TIMEOUT = 300.0
+DEFAULT_ROW_LIMIT = 10_000
+STATE_KEY = "probing_magics"  # where the ClusterClients live in the tornado settings
+
+
+class ApiError(Exception):
+    """An error answer: HTTP status, a machine-readable code, a one-line message."""
+
+    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.code, self.extra = status, code, extra
+
+
+# QueryFailed codes that mean "the job could not answer in time / now", not "your query is wrong"
+_QUERY_STATUS = {"timeout": 504, "busy": 503, "partial": 502}
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """The HTTP answer an exception from the cluster or the registry means."""
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, kernel_probe.UnknownJob):
+        return ApiError(404, "unknown_job", message)
+    if isinstance(exc, kernel_probe.QueryFailed):
+        status = _QUERY_STATUS.get(exc.code, 400)
+        return ApiError(status, exc.code, message, line=exc.line, col=exc.col, coverage=json_safe(exc.coverage))
+    if isinstance(exc, kernel_probe.AuthError):
+        return ApiError(403, "job_refused", message)
+    if isinstance(exc, TimedOut):
+        return ApiError(504, "timeout", message)
+    if isinstance(exc, kernel_probe.JobEndedError):
+        return ApiError(502, "job_ended", message)
+    if isinstance(exc, kernel_probe.ConnectError):
+        return ApiError(502, "unreachable", message)
+    if isinstance(exc, kernel_probe.ProbeError):
+        return ApiError(502, "probe_error", message)
+    if isinstance(exc, ValueError):
+        return ApiError(400, "bad_request", message)
+    raise exc
+
+
+def json_errors(method: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """Answer expected failures as JSON with their status; anything else stays a 500."""
+
+    @functools.wraps(method)
+    async def wrapper(self: "ProbingHandler", *args: Any, **kw: Any) -> None:
+        try:
+            await method(self, *args, **kw)
+        except Exception as exc:
+            try:
+                err = api_error(exc)
+            except Exception:
+                raise exc from None
+            self.set_status(err.status)
+            self.log.info("probing: %s %s -> %d %s", self.request.method, self.request.path, err.status, err)
+            self.reply({"message": str(err), "code": err.code,
+                        **{k: v for k, v in err.extra.items() if v is not None}})
+
+    return wrapper
+
+
+class ProbingHandler(APIHandler):
+    auth_resource = AUTH_RESOURCE
+
+    @property
+    def clients(self) -> ClusterClients:
+        return self.settings[STATE_KEY]
+
+    def reply(self, body: Any) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(body, allow_nan=False))
+
+    def body(self) -> dict:
+        try:
+            data = json.loads(self.request.body or b"{}")
+        except ValueError:
+            raise ApiError(400, "bad_request", "the request body is not JSON") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "bad_request", "the request body must be a JSON object")
+        return data
+
+
+def _timeout(value: Any, default: float) -> float:
+    if value is None or value == "":
+        return default
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        raise ApiError(400, "bad_request", f"bad timeout {value!r}: expected seconds") from None
+    if not 0 < t <= MAX_TIMEOUT:
+        raise ApiError(400, "bad_request", f"timeout must be in (0, {MAX_TIMEOUT:g}] seconds")
+    return t
+
+
+def _ranks(value: Any) -> list[int] | None:
+    """'0-3,8', [0, 1] or None -> a rank list (None: every rank)."""
+    if value is None or isinstance(value, str):
+        return parse_ranks(value)
+    if isinstance(value, list) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value):
+        return value
+    raise ApiError(400, "bad_request", "ranks must be a list of ranks or a string like 0-3,8")
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise ApiError(400, "bad_request", f"{name} must be true or false")
+    return value
+
+
+class VersionHandler(ProbingHandler):
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def get(self) -> None:
+        self.reply({"api": API_VERSION, "package": __version__, "protocol": wire.PROTOCOL_VERSION})
+
+
+class JobsHandler(ProbingHandler):
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def get(self) -> None:
+        jobs = await self.clients.jobs()
+        self.reply({"jobs": [json_safe(j.to_dict()) for j in jobs], "now": time.time()})
+
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def post(self) -> None:
+        body = self.body()
+        target, token = body.get("target"), body.get("token")
+        if not isinstance(target, str) or not target.strip().startswith(("tcp://", "store://")):
+            raise ApiError(400, "bad_request", "target must be an address: tcp://host:port or store://host:port[/run_id]")
+        if token is not None and not isinstance(token, str):
+            raise ApiError(400, "bad_request", "token must be a string")
+        job = await self.clients.add(target.strip(), token or None, _timeout(body.get("timeout"), 5.0))
+        self.set_status(201)
+        self.reply(json_safe(job.to_dict()))
+
+
+class JobHandler(ProbingHandler):
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def get(self, job_id: str) -> None:
+        self.reply(json_safe((await self.clients.job(job_id)).to_dict()))
+
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def delete(self, job_id: str) -> None:
+        job = await self.clients.job(job_id)
+        if job.source != "added":
+            raise ApiError(409, "local_job", f"job {job_id} runs on this machine: it cannot be removed, only stopped")
+        await self.clients.remove(job_id)
+        self.set_status(204)
+        self.finish()
+
+
+class NodesHandler(ProbingHandler):
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def get(self, job_id: str) -> None:
+        timeout = _timeout(self.get_query_argument("timeout", None), 5.0)
+
+        async def nodes(client: kernel_probe.AsyncClient) -> tuple[dict, dict]:
+            return await client.nodes_raw(timeout), dict(client.info_)
+
+        raw, info = await self.clients.call(job_id, nodes, timeout)
+        members = raw.get("members") or []
+        self.reply(json_safe({
+            "job_id": job_id, "run_id": info.get("run_id"), "world_size": info.get("world_size"), "info": info,
+            "epoch": raw.get("epoch"), "members": members, "departures": raw.get("departures") or [],
+            "suspects": [s.to_dict() for s in stall_suspects(members)], "now": time.time(),
+        }))
+
+
+class QueryHandler(ProbingHandler):
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def post(self, job_id: str) -> None:
+        body = self.body()
+        sql = body.get("sql")
+        if not isinstance(sql, str) or not sql.strip():
+            raise ApiError(400, "bad_request", "sql must be a non-empty string")
+        timeout = _timeout(body.get("timeout"), 10.0)
+        ranks, per_rank, strict = _ranks(body.get("ranks")), _flag(body, "per_rank"), _flag(body, "strict")
+        limit = body.get("limit", DEFAULT_ROW_LIMIT)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ApiError(400, "bad_request", "limit must be a non-negative integer")
+
+        async def query(client: kernel_probe.AsyncClient) -> Any:
+            return await client.query(sql, timeout=timeout, strict=strict, per_rank=per_rank, ranks=ranks)
+
+        result = await self.clients.call(job_id, query, timeout + ANSWER_GRACE)
+        columns, rows, truncated = table_rows(result.table, limit)
+        self.reply({"columns": columns, "rows": rows, "row_count": result.table.num_rows, "truncated": truncated,
+                    "coverage": json_safe(result.coverage), "footer": result.footer()})
+
+
+class StacksHandler(ProbingHandler):
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def get(self, job_id: str) -> None:
+        ranks = _ranks(self.get_query_argument("ranks", None))
+        timeout = _timeout(self.get_query_argument("timeout", None), 10.0)
+
+        async def stacks(client: kernel_probe.AsyncClient) -> Any:
+            return await client.query(stacks_sql(), timeout=timeout, ranks=ranks)
+
+        result = await self.clients.call(job_id, stacks, timeout + ANSWER_GRACE)
+        rows = result.table.to_pylist()
+        per_rank: dict[int, list[dict]] = {}
+        for row in rows:
+            per_rank.setdefault(int(row["_rank"]), []).append(row)
+        self.reply(json_safe({
+            "groups": [g.to_dict() for g in group_stacks(rows)],
+            "ranks": {str(r): group_stacks(rs)[0].to_dict() for r, rs in sorted(per_rank.items())},
+            "coverage": result.coverage, "footer": result.footer(),
+        }))
+
+
+def setup_handlers(web_app: tornado.web.Application) -> ClusterClients:
+    """Register the routes under the server's base_url; returns the server's job clients."""
+    clients = web_app.settings.get(STATE_KEY)
+    if clients is None:
+        clients = web_app.settings[STATE_KEY] = ClusterClients()
+    base = url_path_join(web_app.settings.get("base_url", "/"), "probing", "api")
+    web_app.add_handlers(".*$", [
+        (url_path_join(base, "version"), VersionHandler),
+        (url_path_join(base, "jobs"), JobsHandler),
+        (url_path_join(base, "jobs", JOB_ID), JobHandler),
+        (url_path_join(base, "jobs", JOB_ID, "nodes"), NodesHandler),
+        (url_path_join(base, "jobs", JOB_ID, "query"), QueryHandler),
+        (url_path_join(base, "jobs", JOB_ID, "stacks"), StacksHandler),
+    ])
+    return clients

@@ -1,0 +1,260 @@
+"""``%cluster_nodes``: a live view of a job's ranks that keeps itself current.
+
+One background thread per view, with its own client, refreshes it every ``interval``
+seconds; the cell that displayed it returns at once. The view is displayed from the
+cell's thread and only ever updated from its own thread (each refresh batched with
+``hold_sync``), the pattern ipywidgets supports. The thread ends when the view is
+closed (``close()`` or the frontend closing its comm), when the job ends (the view then
+says so) or when the kernel exits. A saved or converted notebook shows the last table:
+the view's display carries it as ``text/html`` next to the widget.
+"""
+
+from __future__ import annotations
+
+import atexit
+import html
+import itertools
+import os
+import statistics
+import threading
+import time
+import weakref
+from typing import Any
+
+import ipywidgets as widgets
+
+import kernel_probe
+from kernel_probe.summaries import ranks_label, stall_suspects
+
+from .display import ERROR, MUTED, WARN
+
+THREAD_PREFIX = "probing-nodes-view"
+STATE_COLOURS = {"alive": "var(--jp-success-color1, #2e7d32)", "stalled": WARN, "dead": ERROR}
+_counter = itertools.count(1)
+_live: "weakref.WeakSet[NodesView]" = weakref.WeakSet()
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f} s ago"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def _clock(ts: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts)) if ts else ""
+
+
+def _cell(value: Any) -> str:
+    return "" if value is None or value == "" else html.escape(str(value))
+
+
+def render_summary(raw: dict, run_id: str | None, now: float, note: str = "") -> str:
+    """Counts per state and the update time, on one line."""
+    members = raw.get("members") or []
+    counts: dict[str, int] = {}
+    for m in members:
+        counts[m.get("state") or "?"] = counts.get(m.get("state") or "?", 0) + 1
+    parts = [f"<b>{len(members)} rank{'s' if len(members) != 1 else ''}</b>"]
+    for state in ("alive", "stalled", "dead"):
+        if counts.get(state):
+            parts.append(f"<span style='color:{STATE_COLOURS[state]}'>{counts[state]} {state}</span>")
+    parts += [f"{n} {html.escape(s)}" for s, n in counts.items() if s not in STATE_COLOURS]
+    if raw.get("departures"):
+        parts.append(f"{len(raw['departures'])} departed")
+    parts.append(f"<span style='color:{MUTED}'>run {html.escape(str(run_id or '?'))} · updated {_clock(now)}</span>")
+    if note:
+        parts.append(f"<b style='color:{ERROR}'>{html.escape(note)}</b>")
+    return "<div class='probing-nodes-summary'>" + " · ".join(parts) + "</div>"
+
+
+def render_text(raw: dict, run_id: str | None, now: float, note: str = "") -> str:
+    """The same view as plain text (a terminal, or a notebook saved without widget state)."""
+    members = sorted(raw.get("members") or [], key=lambda m: (m.get("node") or 0, m.get("rank") or 0))
+    counts: dict[str, int] = {}
+    for m in members:
+        counts[m.get("state") or "?"] = counts.get(m.get("state") or "?", 0) + 1
+    head = f"{len(members)} ranks · " + " · ".join(f"{n} {s}" for s, n in counts.items())
+    lines = [f"{head} · run {run_id or '?'} · updated {_clock(now)}" + (f" · {note}" if note else "")]
+    suspects = {r for s in stall_suspects(members) for r in s.ranks}
+    for m in members:
+        st = m.get("step_time_ms")
+        lines.append(f"  rank {m.get('rank')} node {m.get('node')} {m.get('host') or ''} {m.get('role') or '-'} "
+                     f"{m.get('state')}{' (suspect)' if m.get('rank') in suspects else ''} step {m.get('step')}"
+                     + ("" if st is None else f" {st:.1f} ms") + (f" {m['reason']}" if m.get("reason") else ""))
+    lines += [f"  {s.text}" for s in stall_suspects(members)]
+    lines += [f"  departed: rank {d.get('rank')} at {_clock(d.get('when'))} ({d.get('why')})"
+              for d in raw.get("departures") or []]
+    return "\n".join(lines)
+
+
+def render_table(raw: dict, now: float) -> str:
+    """Ranks grouped by node (host, local rank, role, coloured state, last-seen age, step,
+    step time with a bar relative to the median), stall suspects, and departures."""
+    members = sorted(raw.get("members") or [], key=lambda m: (m.get("node") or 0, m.get("rank") or 0))
+    suspects = stall_suspects(members)
+    suspect_of = {r: s for s in suspects for r in s.ranks}
+    times = [m["step_time_ms"] for m in members if isinstance(m.get("step_time_ms"), (int, float))]
+    median = statistics.median(times) if times else None
+    head = ("<tr><th>rank</th><th>local</th><th>host</th><th>role</th><th>state</th><th>last seen</th>"
+            "<th>step</th><th>step time</th><th></th><th style='text-align:left'>reason</th></tr>")
+    rows = []
+    for node, group in itertools.groupby(members, key=lambda m: m.get("node")):
+        group = list(group)
+        hosts = sorted({str(m.get("host") or "") for m in group})
+        rows.append(f"<tr class='probing-node'><td colspan='10' style='text-align:left'><b>node {_cell(node)}</b> "
+                    f"<span style='color:{MUTED}'>{html.escape(', '.join(hosts))} · {ranks_label(m['rank'] for m in group)}"
+                    f"</span></td></tr>")
+        for m in group:
+            state = m.get("state") or ""
+            colour = STATE_COLOURS.get(state, MUTED)
+            st = m.get("step_time_ms")
+            bar = ""
+            if isinstance(st, (int, float)) and median:
+                ratio = st / median
+                width = min(100.0, 50.0 * ratio)  # the median fills half the bar
+                bar_colour = WARN if ratio >= 1.5 else "var(--jp-brand-color1, #1976d2)"
+                bar = (f"<div title='{ratio:.2f}x median' style='width:80px;background:var(--jp-layout-color2,#eee)'>"
+                       f"<div style='width:{width:.0f}%;height:8px;background:{bar_colour}'></div></div>")
+            mark = ""
+            if m.get("rank") in suspect_of:
+                mark = f" <b style='color:{ERROR}' title='{html.escape(suspect_of[m['rank']].text)}'>⚠ suspect</b>"
+            last_seen = m.get("last_seen")
+            rows.append(
+                f"<tr class='probing-rank' data-rank='{_cell(m.get('rank'))}' data-state='{html.escape(state)}'>"
+                f"<td>{_cell(m.get('rank'))}</td><td>{_cell(m.get('local_rank'))}</td><td>{_cell(m.get('host'))}</td>"
+                f"<td>{_cell(m.get('role'))}</td><td style='color:{colour};font-weight:bold'>{html.escape(state)}{mark}</td>"
+                f"<td>{_age(now - last_seen) if last_seen else ''}</td><td>{_cell(m.get('step'))}</td>"
+                f"<td>{'' if st is None else f'{st:.1f} ms'}</td><td>{bar}</td>"
+                f"<td style='text-align:left'>{_cell(m.get('reason'))}</td></tr>")
+    out = [f"<table class='probing-nodes'>{head}{''.join(rows)}</table>"]
+    for s in suspects:
+        out.append(f"<div class='probing-suspect' style='color:{ERROR}'>⚠ {html.escape(s.text)}</div>")
+    departures = raw.get("departures") or []
+    if departures:
+        drows = "".join(
+            f"<tr><td>{_cell(d.get('rank'))}</td><td>{_cell(d.get('host'))}</td><td>{_cell(d.get('pid'))}</td>"
+            f"<td>{_clock(d.get('when'))}</td><td>{_cell(d.get('why'))}</td></tr>"
+            for d in sorted(departures, key=lambda d: d.get("when") or 0, reverse=True))
+        out.append(f"<div style='margin-top:0.5em'><b>departed</b></div><table class='probing-departures'>"
+                   f"<tr><th>rank</th><th>host</th><th>pid</th><th>when</th><th>why</th></tr>{drows}</table>")
+    return "".join(out)
+
+
+class NodesView(widgets.VBox):
+    """The live membership table of one job (see the module docstring)."""
+
+    def __init__(self, target: str | None, token: str | None = None, interval: float = 2.0,
+                 timeout: float = 5.0) -> None:
+        self.summary = widgets.HTML("<i>connecting…</i>")
+        self.table = widgets.HTML("")
+        super().__init__([self.summary, self.table])
+        self.add_class("probing-nodes-view")
+        self.target, self._token = target, token
+        self.interval, self.timeout = interval, timeout
+        self.run_id: str | None = None
+        self.raw: dict | None = None  # the last membership shown
+        self.ended = False
+        self.text = "connecting…"  # the last view as plain text
+        self._stop = threading.Event()
+        self._refreshed = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"{THREAD_PREFIX}-{next(_counter)}", daemon=True)
+        if self.comm is not None:  # the frontend closing the widget stops the thread too
+            self.comm.on_close(lambda _msg: self._stop.set())
+        _live.add(self)
+
+    # -------------------------------------------------------------- life cycle (cell's thread)
+    def start(self, first_wait: float = 0.0) -> "NodesView":
+        """Start refreshing; wait up to ``first_wait`` seconds for the first table."""
+        self.thread.start()
+        if first_wait:
+            self._refreshed.wait(first_wait)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def close(self) -> None:
+        self._stop.set()
+        for child in (self.summary, self.table):
+            child.close()
+        super().close()
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict | None:
+        data = super()._repr_mimebundle_(**kwargs)
+        if data is not None:  # a static copy for saved / converted notebooks
+            data["text/html"] = self.summary.value + self.table.value
+            data["text/plain"] = self.text
+        return data
+
+    # -------------------------------------------------------------- the view's own thread
+    def _run(self) -> None:
+        client = None
+        timeout = min(self.timeout, max(1.5, self.interval))
+        try:
+            while not self._stop.is_set():
+                try:
+                    if client is None:
+                        client = kernel_probe.connect(self.target, token=self._token, timeout=timeout)
+                        self.run_id = client.run_id
+                    raw = client.nodes_raw(timeout)
+                    self.raw = raw
+                    now = time.time()
+                    self.text = render_text(raw, self.run_id, now)
+                    self._show(render_summary(raw, self.run_id, now), render_table(raw, now))
+                except kernel_probe.JobEndedError:
+                    self._ended()
+                    return
+                except kernel_probe.ProbeError as exc:
+                    if self._target_gone():
+                        self._ended()
+                        return
+                    if client is not None:
+                        client.close()
+                        client = None
+                    note = f"unreachable, retrying: {str(exc).splitlines()[0]}"
+                    self._show(render_summary(self.raw or {}, self.run_id, time.time(), note), self.table.value)
+                except Exception as exc:  # a view never dies silently: say what went wrong, keep trying
+                    self._show(render_summary(self.raw or {}, self.run_id, time.time(), f"error: {exc}"),
+                               self.table.value)
+                self._refreshed.set()
+                self._stop.wait(self.interval)
+        finally:
+            self._refreshed.set()
+            if client is not None:
+                client.close()
+
+    def _target_gone(self) -> bool:
+        """A connection-file target whose file was removed: the job stopped cleanly."""
+        t = self.target
+        return bool(t) and not str(t).startswith(("tcp://", "store://")) and not os.path.exists(str(t))
+
+    def _ended(self) -> None:
+        self.ended = True
+        raw = self.raw or {}
+        self.text = render_text(raw, self.run_id, time.time(), "job ended")
+        self._show(render_summary(raw, self.run_id, time.time(), "job ended"), self.table.value)
+
+    def _show(self, summary: str, table: str) -> None:
+        if self._stop.is_set() or self.comm is None:
+            return  # closed meanwhile: nothing to update
+        with self.summary.hold_sync(), self.table.hold_sync():
+            self.summary.value = summary
+            self.table.value = table
+
+
+def stop_all() -> None:
+    """Stop every view's thread (the kernel is exiting)."""
+    for view in list(_live):
+        view.stop()
+
+
+atexit.register(stop_all)

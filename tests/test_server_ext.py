@@ -1,0 +1,306 @@
+"""The Jupyter server extension's routes (issue 8, "Must be shown by tests" 1): a real
+jupyter_server (pytest-jupyter) in this process, real local jobs, real ZeroMQ; every
+route, every error status, 403 without credentials, and a job that dies mid-request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import kernel_probe
+from kernel_probe.testing.harness import LocalJob
+from probing_magics.server import STATE_KEY
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.cluster
+TABLES = str(Path(__file__).parent / "workers" / "tables_worker.py")
+FAST = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
+        "PROBING_SAMPLE_INTERVAL_SEC": "0.25", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "1"}
+TOKEN = "server-ext-test-token"
+
+
+def _start_job(tmp_path_factory, mp: pytest.MonkeyPatch, argv: list[str], nodes: int, per_node: int,
+               env: dict[str, str]) -> LocalJob:
+    runtime = tmp_path_factory.mktemp("runtime")
+    mp.setenv("PROBING_RUNTIME_DIR", str(runtime))  # the server (this process) finds the job there
+    job = LocalJob([TABLES, *argv], nodes=nodes, ranks_per_node=per_node, mode="plain",
+                   env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), **FAST, **env},
+                   workdir=tmp_path_factory.mktemp("job")).start()
+    job.wait_ready(60)
+    return job
+
+
+def _converged(world: int) -> kernel_probe.Client:
+    client = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
+
+    def all_alive_with_tables() -> bool:
+        alive = [m for m in client.nodes_raw()["members"] if m["state"] == "alive"]
+        r = client.query("SELECT count(*) AS n FROM fast", timeout=5)
+        return len(alive) == world and r.df["n"][0] == world and not r.coverage["partial"]
+
+    wait_for(all_alive_with_tables, 60, interval=0.2, what=f"{world} live ranks with their tables")
+    return client
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """2 nodes x 2 ranks with a token (so it can also be added by address)."""
+    mp = pytest.MonkeyPatch()
+    j = _start_job(tmp_path_factory, mp, ["--rows", "100"], 2, 2, {"PROBING_AUTH_TOKEN": TOKEN})
+    try:
+        _converged(4).close()
+        yield j
+    finally:
+        j.close()
+        mp.undo()
+
+
+@pytest.fixture
+def jp_server_config():
+    # the fixture server ignores installed config: enable the extension here
+    return {"ServerApp": {"jpserver_extensions": {"probing_magics": True}}}
+
+
+@pytest.fixture
+def api(jp_fetch, jp_web_app):
+    """api(method, *path, body=None, params=None, auth=True) -> (status, JSON or None)."""
+
+    async def call(method: str, *path: str, body: object = None, params: dict | None = None,
+                   auth: bool = True, timeout: float = 60) -> tuple[int, object]:
+        kw: dict = {"method": method, "raise_error": False, "request_timeout": timeout}
+        if body is not None:
+            kw["body"] = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        elif method == "POST":
+            kw["body"] = ""
+        if not auth:
+            kw["headers"] = {"Authorization": ""}
+        resp = await jp_fetch("probing", "api", *path, params=params, **kw)
+        text = resp.body.decode()
+        return resp.code, (json.loads(text) if text else None)
+
+    yield call
+    clients = jp_web_app.settings.get(STATE_KEY)
+    if clients is not None:  # close this server's job clients while its event loop is alive
+        clients.close()
+
+
+async def _local_job_id(api) -> str:
+    status, body = await api("GET", "jobs")
+    assert status == 200, body
+    local = [j for j in body["jobs"] if j["source"] == "local" and j["alive"]]
+    assert len(local) == 1, body
+    return local[0]["id"]
+
+
+async def test_version(api):
+    import probing_magics
+    from kernel_probe import wire
+
+    status, body = await api("GET", "version")
+    assert status == 200
+    assert body == {"api": 1, "package": probing_magics.__version__, "protocol": wire.PROTOCOL_VERSION}
+
+
+async def test_every_route_refuses_requests_without_credentials(api, job):
+    job_id = await _local_job_id(api)
+    for method, path, body in [("GET", ("version",), None), ("GET", ("jobs",), None),
+                               ("POST", ("jobs",), {"target": "tcp://127.0.0.1:1"}),
+                               ("GET", ("jobs", job_id), None), ("DELETE", ("jobs", job_id), None),
+                               ("GET", ("jobs", job_id, "nodes"), None), ("GET", ("jobs", job_id, "stacks"), None),
+                               ("POST", ("jobs", job_id, "query"), {"sql": "SELECT 1"})]:
+        status, _ = await api(method, *path, body=body, auth=False)
+        assert status == 403, (method, path, status)
+
+
+async def test_jobs_and_nodes_grouped_by_node(api, job):
+    status, body = await api("GET", "jobs")
+    assert status == 200
+    (local,) = [j for j in body["jobs"] if j["source"] == "local"]
+    assert local["world_size"] == 4 and local["alive"] is True and local["endpoint"].startswith("tcp://")
+    status, one = await api("GET", "jobs", local["id"])
+    assert status == 200 and one["id"] == local["id"]
+
+    status, nodes = await api("GET", "jobs", local["id"], "nodes")
+    assert status == 200, nodes
+    assert nodes["world_size"] == 4 and nodes["run_id"] == local["run_id"]
+    members = nodes["members"]
+    assert sorted(m["rank"] for m in members) == [0, 1, 2, 3]
+    assert {m["state"] for m in members} == {"alive"}
+    by_node: dict[int, list[int]] = {}
+    for m in members:
+        by_node.setdefault(m["node"], []).append(m["rank"])
+    assert sorted(sorted(r) for r in by_node.values()) == [[0, 1], [2, 3]]
+    assert nodes["suspects"] == [] and nodes["departures"] == []
+    assert abs(nodes["now"] - time.time()) < 5
+
+
+async def test_one_client_per_job_is_reused(api, job, jp_web_app):
+    job_id = await _local_job_id(api)
+    clients = jp_web_app.settings[STATE_KEY]
+    results = await asyncio.gather(*[api("GET", "jobs", job_id, "nodes") for _ in range(5)])
+    assert [s for s, _ in results] == [200] * 5
+    assert clients.cached() == [job_id]
+    first = clients._clients[job_id]
+    assert (await api("GET", "jobs", job_id, "nodes"))[0] == 200
+    assert clients._clients[job_id] is first
+
+
+async def test_query_rows_coverage_and_json_safe_values(api, job):
+    job_id = await _local_job_id(api)
+    status, body = await api("POST", "jobs", job_id, "query",
+                             body={"sql": "SELECT _rank, v FROM fast ORDER BY _rank"})
+    assert status == 200, body
+    assert body["columns"] == ["_rank", "v"] and body["rows"] == [[0, 2], [1, 2], [2, 2], [3, 2]]
+    assert body["coverage"]["answered"] == [0, 1, 2, 3] and not body["coverage"]["partial"]
+    assert body["footer"].startswith("4/4 ranks · ") and body["truncated"] is False
+
+    sql = ("SELECT _rank, TIMESTAMP '2024-01-02 03:04:05' AS t, 'nan'::DOUBLE AS x, 1.5::DECIMAL(4,1) AS d "
+           "FROM fast WHERE _rank = 0")
+    status, body = await api("POST", "jobs", job_id, "query", body={"sql": sql})
+    assert status == 200, body
+    assert body["rows"] == [[0, "2024-01-02T03:04:05", None, 1.5]]
+
+    status, body = await api("POST", "jobs", job_id, "query",
+                             body={"sql": "SELECT _rank FROM fast ORDER BY _rank", "ranks": "1-2", "limit": 1})
+    assert status == 200, body
+    assert body["coverage"]["targeted"] == [1, 2] and body["rows"] == [[1]]
+    assert body["truncated"] is True and body["row_count"] == 2
+
+    status, body = await api("POST", "jobs", job_id, "query",
+                             body={"sql": "SELECT count(*) AS n FROM big", "per_rank": True, "ranks": [0, 3],
+                                   "strict": True, "timeout": 5})
+    assert status == 200, body
+    assert body["coverage"]["plan"] == "per-rank" and body["columns"][:2] == ["n", "_rank"]
+    assert sorted(tuple(row[:2]) for row in body["rows"]) == [(100, 0), (100, 3)]
+
+
+async def test_bad_input_and_bad_sql_are_400(api, job):
+    job_id = await _local_job_id(api)
+    status, body = await api("POST", "jobs", job_id, "query", body={"sql": "SELECT _rank\nFROM fast\nWHERE ("})
+    assert status == 400 and body["code"] == "syntax" and body["line"] == 3, body
+    assert "\n" not in body["message"]
+    status, body = await api("POST", "jobs", job_id, "query", body={"sql": "DROP TABLE fast"})
+    assert status == 400 and body["code"] == "refused", body
+    for bad in ["{not json", {"sql": ""}, {"sql": 1}, {"sql": "SELECT 1 FROM fast", "ranks": "a-b"},
+                {"sql": "SELECT 1 FROM fast", "ranks": [-1]}, {"sql": "SELECT 1 FROM fast", "timeout": -1},
+                {"sql": "SELECT 1 FROM fast", "per_rank": "yes"}, {"sql": "SELECT 1 FROM fast", "limit": "all"}, [1]]:
+        status, body = await api("POST", "jobs", job_id, "query", body=bad)
+        assert status == 400 and body["code"] == "bad_request" and body["message"], (bad, body)
+    assert (await api("GET", "jobs", job_id, "stacks", params={"ranks": "x"}))[0] == 400
+    assert (await api("GET", "jobs", job_id, "nodes", params={"timeout": "soon"}))[0] == 400
+    for bad in [{}, {"target": "/etc/passwd"}, {"target": "tcp://127.0.0.1:1", "token": 5}]:
+        status, body = await api("POST", "jobs", body=bad)
+        assert status == 400 and body["code"] == "bad_request", (bad, body)
+
+
+async def test_unknown_job_is_404(api, job):
+    for method, path in [("GET", ("jobs", "nope")), ("GET", ("jobs", "nope", "nodes")),
+                         ("GET", ("jobs", "nope", "stacks")), ("DELETE", ("jobs", "nope"))]:
+        status, body = await api(method, *path)
+        assert status == 404 and body["code"] == "unknown_job", (path, body)
+    status, body = await api("POST", "jobs", "nope", "query", body={"sql": "SELECT 1"})
+    assert status == 404
+
+
+async def test_stacks_grouped_and_per_rank(api, job):
+    job_id = await _local_job_id(api)
+    status, body = await api("GET", "jobs", job_id, "stacks")
+    assert status == 200, body
+    assert sorted(r for g in body["groups"] for r in g["ranks"]) == [0, 1, 2, 3]
+    assert sorted(body["ranks"]) == ["0", "1", "2", "3"]
+    frames = body["ranks"]["2"]["frames"]
+    assert frames and {"function", "file", "line"} <= set(frames[0])
+    assert any(f["file"].endswith("tables_worker.py") for f in frames)
+    assert body["footer"].startswith("4/4 ranks")
+    status, body = await api("GET", "jobs", job_id, "stacks", params={"ranks": "2"})
+    assert status == 200 and list(body["ranks"]) == ["2"] and body["coverage"]["targeted"] == [2]
+
+
+async def test_add_by_address_token_stays_in_the_server(api, job):
+    local_id = await _local_job_id(api)
+    _, local = await api("GET", "jobs", local_id)
+    endpoint = local["endpoint"]
+    status, body = await api("POST", "jobs", body={"target": endpoint, "token": "wrong"})
+    assert status == 403 and body["code"] == "job_refused", body
+    status, body = await api("POST", "jobs", body={"target": "tcp://127.0.0.1:9", "token": "x", "timeout": 1})
+    assert status in (502, 504), body
+
+    status, added = await api("POST", "jobs", body={"target": endpoint, "token": TOKEN})
+    assert status == 201, added
+    assert added["source"] == "added" and added["id"].startswith("addr-") and added["world_size"] == 4
+    status, listing = await api("GET", "jobs")
+    assert added["id"] in [j["id"] for j in listing["jobs"]]
+    status, nodes = await api("GET", "jobs", added["id"], "nodes")
+    assert status == 200 and len(nodes["members"]) == 4
+    for answer in (added, listing, nodes):
+        assert TOKEN not in json.dumps(answer)
+
+    assert (await api("DELETE", "jobs", local_id))[0] == 409
+    assert (await api("DELETE", "jobs", added["id"]))[0] == 204
+    assert added["id"] not in [j["id"] for j in (await api("GET", "jobs"))[1]["jobs"]]
+    assert (await api("DELETE", "jobs", added["id"]))[0] == 404
+
+
+async def test_frozen_root_is_504_and_the_server_keeps_answering(api, job):
+    job_id = await _local_job_id(api)
+    assert (await api("GET", "jobs", job_id, "nodes"))[0] == 200
+    job.freeze(0)
+    try:
+        t0 = time.monotonic()
+        pending = asyncio.ensure_future(api("GET", "jobs", job_id, "nodes", params={"timeout": "1.5"}))
+        await asyncio.sleep(0.3)
+        status, _ = await api("GET", "version")  # the event loop is not blocked by the waiting request
+        assert status == 200 and not pending.done()
+        status, body = await pending
+        assert status == 504 and body["code"] == "timeout", body
+        assert time.monotonic() - t0 < 6
+    finally:
+        job.thaw(0)
+    status, body = await api("GET", "jobs", job_id, "nodes")
+    assert status == 200, body
+
+
+@pytest.fixture
+def dying_job(tmp_path_factory):
+    """1 node x 2 ranks whose `slow` table blocks on rank 1 for 60 s (a query waits for it)."""
+    mp = pytest.MonkeyPatch()
+    j = _start_job(tmp_path_factory, mp, ["--rows", "10", "--slow-rank", "1", "--slow-sec", "60"], 1, 2, {})
+    try:
+        # no query before the test's: any query asks rank 1 for its catalog, which calls `slow`
+        client = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
+        wait_for(lambda: sum(m["state"] == "alive" for m in client.nodes_raw()["members"]) == 2, 60,
+                 interval=0.2, what="2 live ranks")
+        client.close()
+        yield j
+    finally:
+        j.close()
+        mp.undo()
+
+
+async def test_job_dying_mid_request_is_502_and_the_server_still_answers(api, dying_job, jp_web_app):
+    job_id = await _local_job_id(api)
+    assert (await api("GET", "jobs", job_id, "nodes"))[0] == 200
+    query = asyncio.ensure_future(api("POST", "jobs", job_id, "query", body={"sql": "SELECT * FROM slow",
+                                                                           "timeout": 30}))
+    await asyncio.sleep(1.0)
+    t0 = time.monotonic()
+    assert (await api("GET", "version"))[0] == 200
+    assert time.monotonic() - t0 < 1.0 and not query.done()
+    t_kill = time.monotonic()
+    dying_job.kill(0)  # the root, while it waits for rank 1
+    status, body = await asyncio.wait_for(query, 20)
+    took = time.monotonic() - t_kill
+    print(f"query answered {status} {body['code']} {took:.2f} s after the root was killed")
+    assert status in (502, 504) and body["code"] in ("job_ended", "timeout", "unreachable"), body
+    assert took < 5  # the root's pid is watched: no waiting for the 30 s deadline
+    assert job_id not in jp_web_app.settings[STATE_KEY].cached()  # its client was closed and dropped
+    assert (await api("GET", "version"))[0] == 200
+    status, body = await api("GET", "jobs", job_id, "nodes")
+    assert status in (404, 502) and body["code"] in ("unknown_job", "job_ended"), body
+    status, body = await api("GET", "jobs")
+    assert job_id not in [j["id"] for j in body["jobs"]]
