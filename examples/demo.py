@@ -81,7 +81,8 @@ def run_notebook(name: str) -> int:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     say(f"Executing notebooks/{name} headless (nbclient) against the running job\n")
     client = NotebookClient(nb, kernel_name="python3", timeout=120, store_widget_state=True,
-                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+                            resources={"metadata": {"path": str(NOTEBOOKS)}},
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"])  # no TCP-transport warning
     failed = 0
     try:
         client.execute()

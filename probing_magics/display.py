@@ -4,8 +4,6 @@ with its row limit and coverage footer, grouped stacks, one-line errors."""
 from __future__ import annotations
 
 import html
-from typing import Any
-
 import pandas as pd
 
 from kernel_probe.summaries import StackGroup, format_stacks
@@ -24,11 +22,6 @@ class ClusterError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         return [f"\x1b[1;31m{self}\x1b[0m"]
-
-
-def footer_parts(coverage: dict, footer: str) -> tuple[str, bool]:
-    """The footer text and whether it is a warning (a partial answer)."""
-    return footer, bool(coverage.get("partial"))
 
 
 class ClusterFrame(pd.DataFrame):
@@ -109,9 +102,3 @@ class StacksView:
     def __repr__(self) -> str:
         return f"{format_stacks(self.groups)}\n{self.footer}"
 
-
-def render_value(value: Any) -> str:
-    """A cell of a table, for HTML."""
-    if value is None or (isinstance(value, float) and value != value):
-        return ""
-    return html.escape(str(value))

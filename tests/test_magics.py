@@ -283,6 +283,26 @@ def test_interrupt_in_a_real_kernel(job):
         text = _text(_drain(kc, msg_id, True, 20))
         assert re.search(r"0\s+4\b", text) and "4/4 ranks" in text, text
         print(f"interrupt -> idle: {took * 1000:.0f} ms")
+
+        # the live view in a real kernel: displayed by the cell, then updated by its own thread
+        msg_id = kc.execute("%cluster_nodes --interval 0.3")
+        shown = _drain(kc, msg_id, True, 20)
+        assert any("application/vnd.jupyter.widget-view+json" in m["content"].get("data", {}) for m in shown)
+        updates, deadline = [], time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # no cell runs now
+            try:
+                msg = kc.get_iopub_msg(timeout=0.1)
+            except queue.Empty:
+                continue
+            if msg["msg_type"] == "comm_msg" and msg["content"]["data"].get("method") == "update":
+                updates.append(msg["content"]["data"]["state"])
+        assert len(updates) >= 3 and any("updated" in u.get("value", "") for u in updates), updates
+        assert any("4 alive" in u.get("value", "") for u in updates)
+        msg_id = kc.execute("import threading\n"
+                            "view = next(iter(get_ipython()._probing_magics.views.values()))\n"
+                            "view.close(); view.thread.join(5)\n"
+                            "print([t.name for t in threading.enumerate() if t.name.startswith('probing-nodes-view')])")
+        assert "[]" in _text(_drain(kc, msg_id, True, 10))
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
