@@ -109,6 +109,8 @@ def hang_demo() -> int:
             "--hang-rank", "3", "--hang-after", "20"]
     env = {"PROBING": "1", "PROBING_ROLE": "trainer", "PROBING_CLUSTER_STALL_SEC": "5",
            "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "2"}
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as cleanly as Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
     say("Starting the demo job in hang mode: rank 3 gets stuck in fetch_next_batch after 20 steps")
     with LocalJob(argv, nodes=2, ranks_per_node=2, mode="torchrun", env=env) as job:
         client = wait("waiting for the job's root probe", lambda: kernel_probe.connect(timeout=2), 120)
@@ -139,7 +141,11 @@ def main() -> int:
     p.add_argument("--no-notebook", action="store_true", help="skip executing notebooks/quickstart.ipynb")
     args = p.parse_args()
     if args.hang:
-        return hang_demo()
+        try:
+            return hang_demo()
+        except KeyboardInterrupt:  # before the job was up: LocalJob has already stopped it
+            say("\nstopped")
+            return 130
     argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2", "--log-metrics"]
     say("Starting the bundled training job: 2 nodes x 2 ranks (two torchrun invocations, c10d), PROBING=1")
     with LocalJob(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "1", "PROBING_ROLE": "trainer"}) as job:
