@@ -28,6 +28,7 @@ FAST = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": 
         "PROBING_SAMPLE_INTERVAL_SEC": "0.25"}
 ROWS = 3000
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+TOKEN = "the-jobs-token"
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +36,19 @@ def job(tmp_path_factory):
     runtime = tmp_path_factory.mktemp("runtime")
     mp = pytest.MonkeyPatch()
     mp.setenv("PROBING_RUNTIME_DIR", str(runtime))
+    # with a token: a client without the job's connection file needs it (the hidden-prompt test)
     j = LocalJob([TABLES, "--rows", str(ROWS), "--slow-rank", "1", "--slow-sec", "40"], nodes=2, ranks_per_node=2,
-                 mode="plain", env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), **FAST},
+                 mode="plain", env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), "PROBING_AUTH_TOKEN": TOKEN,
+                                    **FAST},
                  workdir=tmp_path_factory.mktemp("job")).start()
     try:
         j.wait_ready(60)
         root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
         wait_for(lambda: root.query("SELECT count(*) AS n FROM fast", timeout=5).df["n"][0] == 4, 60, interval=0.2,
                  what="4 ranks with their tables")
+        endpoint = root.endpoint
         root.close()
-        yield j, runtime
+        yield j, runtime, endpoint
     finally:
         j.close()
         mp.undo()
@@ -55,7 +59,7 @@ def ip(job, monkeypatch):
     """IPython's test shell with the extension freshly loaded (no connection yet)."""
     from IPython.testing.globalipapp import get_ipython
 
-    _, runtime = job
+    _, runtime, _ = job
     monkeypatch.setenv("PROBING_RUNTIME_DIR", str(runtime))
     shell = get_ipython()
     shell.run_line_magic("reload_ext", "probing_magics")
@@ -252,7 +256,7 @@ def _text(msgs: list[dict]) -> str:
 def test_interrupt_in_a_real_kernel(job):
     from jupyter_client.manager import KernelManager
 
-    _, runtime = job
+    _, runtime, endpoint = job
     km = KernelManager(kernel_name="python3")
     km.start_kernel(env={**__import__("os").environ, "PROBING_RUNTIME_DIR": str(runtime)})
     kc = km.client()
@@ -303,6 +307,21 @@ def test_interrupt_in_a_real_kernel(job):
                             "view.close(); view.thread.join(5)\n"
                             "print([t.name for t in threading.enumerate() if t.name.startswith('probing-nodes-view')])")
         assert "[]" in _text(_drain(kc, msg_id, True, 10))
+
+        # a target without a key here (no connection file to read it from): a hidden prompt asks for the token
+        msg_id = kc.execute(f"%env PROBING_RUNTIME_DIR={runtime}-elsewhere\n%cluster_connect {endpoint}",
+                            allow_stdin=True)
+        request = kc.get_stdin_msg(timeout=20)
+        assert request["msg_type"] == "input_request" and request["content"]["password"] is True
+        assert endpoint in request["content"]["prompt"]
+        kc.input(TOKEN)
+        replies = _drain(kc, msg_id, True, 20)
+        text = _text(replies)
+        assert "connected: run" in text and "world size 4" in text and TOKEN not in text
+        # and without anyone to answer (a headless run), the same connect fails in one line
+        msg_id = kc.execute(f"%cluster_connect {endpoint}", allow_stdin=False)
+        text = _text(_drain(kc, msg_id, True, 20))
+        assert "no key for" in text and "Traceback" not in text
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
