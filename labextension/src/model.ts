@@ -1,0 +1,247 @@
+/**
+ * The Cluster panel's state and its one poll. Views only read from here and call its
+ * methods; they re-render on `changed`.
+ *
+ * Each tick: check the server extension's version (once, and again after the server
+ * was gone), list the jobs, keep the chosen one (or the newest), fetch its nodes.
+ * A tick that cannot reach the Jupyter server rejects, so the lumino `Poll` backs off
+ * and only pings the version route until the server answers again. The poll stands by
+ * while the panel is hidden or the browser tab is in the background.
+ */
+import { Poll } from '@lumino/polling';
+import { ISignal, Signal } from '@lumino/signaling';
+
+import { API_VERSION, ApiError, IJob, INodes, IStackGroup, IVersion, ServerGone, api } from './request';
+
+export type Status =
+  | 'starting'
+  | 'no-extension' // the probing routes are missing or speak another API version
+  | 'server-gone' // the Jupyter server does not answer
+  | 'no-job' // nothing running on the server's machine, nothing added
+  | 'job-unreachable' // the chosen job did not answer, ended or refused us
+  | 'error'
+  | 'ready';
+
+const MAX_BACKOFF_MS = 30_000;
+
+export class ClusterModel {
+  constructor(intervalSeconds = 2) {
+    this._poll = new Poll({
+      auto: false,
+      factory: () => this._tick(),
+      frequency: { interval: intervalSeconds * 1000, backoff: true, max: MAX_BACKOFF_MS },
+      name: 'probing-magics:cluster',
+      standby: () => (this._visible ? 'when-hidden' : true)
+    });
+  }
+
+  /** Emitted whenever anything shown changed. */
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  /** Emitted when the user chose another job (the plugin saves it with the layout). */
+  get chosenChanged(): ISignal<this, string | null> {
+    return this._chosenChanged;
+  }
+
+  get status(): Status {
+    return this._status;
+  }
+  get message(): string {
+    return this._message;
+  }
+  get version(): IVersion | null {
+    return this._version;
+  }
+  get jobs(): IJob[] {
+    return this._jobs;
+  }
+  /** The job shown: the chosen one when it is listed, else the newest. */
+  get job(): IJob | null {
+    return this._jobs.find(j => j.id === this._shown) ?? null;
+  }
+  get chosen(): string | null {
+    return this._chosen;
+  }
+  get nodes(): INodes | null {
+    return this._nodes;
+  }
+  get updated(): Date | null {
+    return this._updated;
+  }
+  get selectedRank(): number | null {
+    return this._selectedRank;
+  }
+  get stack(): IStackGroup | null {
+    return this._stack;
+  }
+  get stackMessage(): string {
+    return this._stackMessage;
+  }
+
+  set intervalSeconds(seconds: number) {
+    this._poll.frequency = { ...this._poll.frequency, interval: Math.max(0.5, seconds) * 1000 };
+  }
+
+  /** Whether the panel is on screen; hidden, the poll stands by. */
+  set visible(value: boolean) {
+    this._visible = value;
+    if (value && this._started) {
+      void this._poll.refresh();
+    }
+  }
+
+  start(chosen: string | null = null): void {
+    this._chosen = chosen;
+    this._started = true;
+    void this._poll.start();
+  }
+
+  refresh(): Promise<void> {
+    return this._poll.refresh();
+  }
+
+  choose(jobId: string | null): void {
+    if (jobId === this._chosen) {
+      return;
+    }
+    this._chosen = jobId;
+    this._chosenChanged.emit(jobId);
+    this._forgetJob();
+    void this.refresh();
+  }
+
+  async addJob(target: string, token: string): Promise<IJob> {
+    const job = await api.addJob(target, token);
+    this.choose(job.id);
+    return job;
+  }
+
+  async removeJob(jobId: string): Promise<void> {
+    await api.removeJob(jobId);
+    if (this._chosen === jobId) {
+      this.choose(null);
+    }
+    await this.refresh();
+  }
+
+  /** Show the current stack of one rank (null: close it). */
+  async selectRank(rank: number | null): Promise<void> {
+    this._selectedRank = rank;
+    this._stack = null;
+    this._stackMessage = rank === null ? '' : `loading the stack of rank ${rank}…`;
+    this._changed.emit();
+    const job = this.job;
+    if (rank === null || job === null) {
+      return;
+    }
+    try {
+      const reply = await api.stacks(job.id, String(rank));
+      if (this._selectedRank !== rank) {
+        return; // another rank was clicked meanwhile
+      }
+      this._stack = reply.ranks[String(rank)] ?? null;
+      this._stackMessage = this._stack ? '' : `rank ${rank} did not answer (${reply.footer})`;
+    } catch (error) {
+      if (this._selectedRank !== rank) {
+        return;
+      }
+      this._stackMessage = error instanceof Error ? error.message : String(error);
+    }
+    this._changed.emit();
+  }
+
+  dispose(): void {
+    this._poll.dispose();
+    Signal.clearData(this);
+  }
+
+  private async _tick(): Promise<void> {
+    try {
+      if (this._version === null) {
+        const version = await api.version();
+        if (version.api !== API_VERSION) {
+          this._set(
+            'no-extension',
+            `the server extension is of another version (API ${version.api}, package ${version.package}); ` +
+              `this panel needs API ${API_VERSION}: install the same probing-magics in the server's environment`
+          );
+          throw new Error('server extension version mismatch');
+        }
+        this._version = version;
+      }
+      const { jobs } = await api.jobs();
+      this._jobs = jobs;
+      const job = jobs.find(j => j.id === this._chosen) ?? jobs[0] ?? null;
+      if (job === null) {
+        this._forgetJob();
+        this._set('no-job', 'No job found. Start one on the server’s machine with PROBING=1, or add one by address.');
+        return;
+      }
+      if (job.id !== this._shown) {
+        this._forgetJob();
+        this._shown = job.id;
+      }
+      try {
+        this._nodes = await api.nodes(job.id);
+        this._updated = new Date();
+        this._set('ready', '');
+      } catch (error) {
+        if (error instanceof ApiError && (error.jobUnreachable || error.code === 'unknown_job')) {
+          this._nodes = null;
+          this._set('job-unreachable', `Job ${job.run_id ?? job.id} unreachable: ${error.message}`);
+          return; // the server is fine: keep the normal interval
+        }
+        throw error;
+      }
+    } catch (error) {
+      if (error instanceof ServerGone) {
+        this._version = null; // it may come back upgraded: check again
+        this._set('server-gone', 'The Jupyter server does not answer; polling paused until it is back.');
+      } else if (error instanceof ApiError && error.routeMissing) {
+        this._version = null;
+        this._set(
+          'no-extension',
+          'The probing server extension is missing from this Jupyter server (or of another version): ' +
+            'install probing-magics in its environment and restart it.'
+        );
+      } else if (!(this._status === 'no-extension')) {
+        this._set('error', error instanceof Error ? error.message : String(error));
+      }
+      throw error; // the poll backs off
+    }
+  }
+
+  private _forgetJob(): void {
+    this._shown = null;
+    this._nodes = null;
+    this._updated = null;
+    this._selectedRank = null;
+    this._stack = null;
+    this._stackMessage = '';
+  }
+
+  private _set(status: Status, message: string): void {
+    this._status = status;
+    this._message = message;
+    this._changed.emit();
+  }
+
+  private _poll: Poll;
+  private _changed = new Signal<this, void>(this);
+  private _chosenChanged = new Signal<this, string | null>(this);
+  private _status: Status = 'starting';
+  private _message = 'Connecting to the server extension…';
+  private _version: IVersion | null = null;
+  private _jobs: IJob[] = [];
+  private _chosen: string | null = null;
+  private _shown: string | null = null;
+  private _nodes: INodes | null = null;
+  private _updated: Date | null = null;
+  private _selectedRank: number | null = null;
+  private _stack: IStackGroup | null = null;
+  private _stackMessage = '';
+  private _visible = false;
+  private _started = false;
+}

@@ -1,0 +1,179 @@
+/**
+ * The one place that talks to the server extension (`<base_url>/probing/api/`).
+ *
+ * Every request goes through `ServerConnection.makeRequest`, so the base URL (also
+ * under a JupyterHub prefix), the token and the XSRF cookie come from the server
+ * settings. Failures are typed: `ServerGone` when the Jupyter server does not answer
+ * at all, `ApiError` (status, code, message) when it answers with an error.
+ */
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+/** The route shapes this panel understands; the server says which it serves. */
+export const API_VERSION = 1;
+
+export interface IVersion {
+  api: number;
+  package: string;
+  protocol: number;
+}
+
+export interface IJob {
+  id: string;
+  source: 'local' | 'added';
+  target: string;
+  run_id: string | null;
+  endpoint: string | null;
+  world_size: number | null;
+  pid: number | null;
+  host: string | null;
+  started: number | null;
+  alive: boolean | null;
+  added: number | null;
+}
+
+export interface IMember {
+  rank: number;
+  world_size: number;
+  local_rank: number;
+  local_world_size: number;
+  node: number;
+  node_count: number;
+  host: string;
+  endpoint: string;
+  pid: number;
+  role: string | null;
+  incarnation: number;
+  state: string;
+  last_seen: number | null;
+  since: number | null;
+  step: number | null;
+  step_time_ms: number | null;
+  tier: string | null;
+  reason: string | null;
+}
+
+export interface IDeparture {
+  rank: number;
+  incarnation: number;
+  host: string;
+  pid: number;
+  when: number;
+  why: string;
+}
+
+export interface ISuspect {
+  ranks: number[];
+  where: string;
+  others: number;
+  others_where: string;
+  text: string;
+}
+
+export interface INodes {
+  job_id: string;
+  run_id: string | null;
+  world_size: number | null;
+  members: IMember[];
+  departures: IDeparture[];
+  suspects: ISuspect[];
+  /** The server's clock when it answered (epoch seconds): ages are computed against it. */
+  now: number;
+}
+
+export interface IFrame {
+  function: string;
+  file: string;
+  line: number | null;
+}
+
+export interface IStackGroup {
+  ranks: number[];
+  label: string;
+  thread: string;
+  frames: IFrame[];
+}
+
+export interface IStacks {
+  groups: IStackGroup[];
+  ranks: { [rank: string]: IStackGroup };
+  footer: string;
+}
+
+/** The Jupyter server did not answer (stopped, restarting, network down). */
+export class ServerGone extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = 'ServerGone';
+  }
+}
+
+/** The server answered with an error status; `code` says what kind. */
+export class ApiError extends Error {
+  constructor(
+    readonly status: number,
+    readonly code: string,
+    message: string,
+    readonly line: number | null = null,
+    readonly col: number | null = null
+  ) {
+    super(message);
+    this.name = 'ApiError';
+  }
+
+  /** The probing routes are not there at all (extension not installed or not enabled). */
+  get routeMissing(): boolean {
+    return this.status === 404 && this.code === 'no_route';
+  }
+
+  /** The job did not answer, ended or refused us (502, 503, 504, or its credentials). */
+  get jobUnreachable(): boolean {
+    return this.status >= 502 || this.code === 'job_refused';
+  }
+}
+
+async function request<T>(path: string, init: RequestInit = {}, query = ''): Promise<T> {
+  const settings = ServerConnection.makeSettings();
+  const url = URLExt.join(settings.baseUrl, 'probing', 'api', path) + query;
+  let response: Response;
+  try {
+    response = await ServerConnection.makeRequest(url, init, settings);
+  } catch (error) {
+    throw new ServerGone(`the Jupyter server does not answer (${String(error)})`);
+  }
+  const text = await response.text();
+  let body: any = null;
+  try {
+    body = text ? JSON.parse(text) : null;
+  } catch {
+    body = null; // not ours: e.g. the server's HTML 404 page
+  }
+  if (!response.ok) {
+    if (body === null || typeof body.code !== 'string') {
+      const code = response.status === 404 ? 'no_route' : 'http_error';
+      throw new ApiError(response.status, code, `${response.status} ${response.statusText} for ${path}`);
+    }
+    throw new ApiError(response.status, body.code, body.message ?? response.statusText, body.line, body.col);
+  }
+  return body as T;
+}
+
+function jsonPost(body: unknown): RequestInit {
+  return { method: 'POST', body: JSON.stringify(body) };
+}
+
+export const api = {
+  version: (): Promise<IVersion> => request<IVersion>('version'),
+  jobs: (): Promise<{ jobs: IJob[]; now: number }> => request('jobs'),
+  addJob: (target: string, token: string): Promise<IJob> =>
+    request<IJob>('jobs', jsonPost({ target, token: token || null })),
+  removeJob: (id: string): Promise<void> =>
+    request<void>(`jobs/${encodeURIComponent(id)}`, { method: 'DELETE' }),
+  nodes: (id: string): Promise<INodes> => request<INodes>(`jobs/${encodeURIComponent(id)}/nodes`),
+  stacks: (id: string, ranks?: string): Promise<IStacks> =>
+    request<IStacks>(
+      `jobs/${encodeURIComponent(id)}/stacks`,
+      {},
+      ranks ? `?ranks=${encodeURIComponent(ranks)}` : ''
+    )
+};
