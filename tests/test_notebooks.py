@@ -69,7 +69,7 @@ def rows(c) -> int:
 
 
 def test_quickstart(launch):
-    launch(DDP, nodes=2, ranks_per_node=2, mode="torchrun", env=FAST)
+    launch(DDP, nodes=2, ranks_per_node=2, mode="torchrun", env=FAST, grace=2)
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.3, what="the root")
 
     def ready():
@@ -99,7 +99,7 @@ def test_quickstart(launch):
 
 def test_diagnose_hang_finds_the_hung_rank(launch):
     env = {**FAST, "PROBING_CLUSTER_STALL_SEC": "3"}
-    launch([*DDP, "--hang-rank", "3", "--hang-after", "5"], nodes=2, ranks_per_node=2, mode="torchrun", env=env)
+    launch([*DDP, "--hang-rank", "3", "--hang-after", "5"], nodes=2, ranks_per_node=2, mode="torchrun", env=env, grace=2)
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.3, what="the root")
     wait_for(lambda: [m["state"] for m in root.nodes_raw()["members"]] == ["stalled"] * 4, 90, interval=0.5,
              what="all 4 ranks stalled")
