@@ -254,7 +254,7 @@ class ClusterMagics(Magics):
         cmd = parse_options(line, {"--interval"}, NODES_USAGE)
         interval = seconds_option(cmd, "--interval", self.settings.widget_interval)
         self.connected()  # the same job as the cells (auto-connects like every magic)
-        key = self._cell_id()
+        key = self._cell_id()  # "" where the frontend sends no cell id: a new view then replaces the last one
         previous = self.views.pop(key, None)
         if previous is not None:  # the same cell run again: its old view stops
             previous.close()
@@ -302,4 +302,5 @@ def unload_ipython_extension(ipython: Any) -> None:
     for kind, names in _MAGIC_NAMES.items():
         for name in names:
             ipython.magics_manager.magics[kind].pop(name, None)
+    ipython.magics_manager.registry.pop(type(magics).__name__, None)
     ipython._probing_magics = None

@@ -85,6 +85,9 @@ def test_quickstart(launch):
     view = widget_html(nb, cell(nb, "%cluster_nodes"))
     assert "4 ranks" in view and "4 alive" in view and view.count("data-state='alive'") == 4
     assert "node 0" in view and "node 1" in view and "trainer" in view
+    # the static copies a saved or converted notebook shows without the widget state
+    nodes_cell = cell(nb, "%cluster_nodes")
+    assert html_of(nodes_cell).count("data-state='alive'") == 4 and "4 alive" in text(nodes_cell)
     steps = cell(nb, "%%cluster_sql -o step_times")
     assert rows(steps) == 4 and "4/4 ranks" in text(steps) and "<table" in html_of(steps)
     assert re.search(r"slowest rank: [0-3] on node [01] \([\d.]+ ms per step", text(cell(nb, "slowest =")))
