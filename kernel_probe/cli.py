@@ -85,15 +85,16 @@ def format_nodes(raw: dict, info: dict, departures: bool = False) -> str:
     """The membership as a plain-text table (the CLI and the demo print this)."""
     now = time.time()
     counts: dict[str, int] = {}
-    rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "ROLE", "STATE", "SEEN", "STEP", "STEP MS")]
+    rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "ROLE", "STATE", "SEEN", "STEP", "STEP MS", "COMPUTE MS",
+             "WAIT MS")]
     for m in raw["members"]:
         counts[m["state"]] = counts.get(m["state"], 0) + 1
         state = m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
         step_ms = m.get("step_time_ms")
         rows.append((str(m["rank"]), str(m["node"]), str(m["local_rank"]), m["host"], str(m["pid"]), m["tier"],
                      m["role"] or "-", state, f"{max(0.0, now - m['last_seen']):.1f}s ago",
-                     "-" if m.get("step") is None else str(m["step"]),
-                     "-" if step_ms is None else f"{step_ms:.1f}"))
+                     "-" if m.get("step") is None else str(m["step"]), _ms(step_ms), _ms(m.get("compute_ms")),
+                     _ms(m.get("comm_wait_ms"))))
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     lines = [f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}"]
     lines += _rows(rows)
@@ -102,6 +103,10 @@ def format_nodes(raw: dict, info: dict, departures: bool = False) -> str:
         for d in raw["departures"]:
             lines.append(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}) {d['why']} at {_age(d['when'])}")
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:

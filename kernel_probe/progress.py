@@ -9,11 +9,14 @@ the ``steps`` table) runs on the probe's I/O thread.
 
 from __future__ import annotations
 
+import functools
 import sys
-from types import FrameType
 import threading
 import time
+import weakref
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable
 
 from .tables.ring import Ring
 
@@ -21,16 +24,32 @@ _OPTIMIZER_FILE_PART = "torch/optim/"
 
 
 class StepClock:
-    """Counts optimizer steps and keeps the newest ``rows`` of them for the ``steps`` table.
+    """Counts optimizer steps and keeps the newest ``rows`` of them for the ``steps`` table,
+    each split into the phases that tell a straggler from the ranks that wait for it.
 
     ``step`` is the number of optimizer ``step()`` calls seen since the hooks were
     installed (every optimizer counts: two optimizers stepping per iteration count two).
     ``step_time_ms`` is the interval between the last two step ends (None until there
-    are two). Each step also appends ``(step, start, duration_ms)`` to ``rows``:
-    ``start`` (epoch seconds) is when the step's interval began — the previous step's
-    end; for the first step, its ``step_pre`` hook — and ``duration_ms`` runs from there
-    to this step's end. A first step whose pre hook was missed (hooks installed in the
-    middle of ``step()``) has ``start`` = its end and ``duration_ms`` None.
+    are two). Each step appends one row (the columns of ``steps``, in the order of
+    ``tables.convert.SCHEMAS``): ``start`` (epoch seconds) is when
+    the step's interval began — the previous step's end; for the first step, its
+    ``step_pre`` hook — and ``duration_ms`` runs from there to this step's end. A first
+    step whose pre hook was missed has ``start`` = its end and ``duration_ms`` None.
+
+    Phases (milliseconds; None where not seen, never guessed):
+
+    - ``forward_ms``: time inside ``DistributedDataParallel.forward`` (summed over the
+      step's forwards: gradient accumulation counts every micro-batch);
+    - ``data_ms``: from the previous step's end to this step's first DDP forward (the
+      data loader, and anything else the loop does between steps);
+    - ``backward_ms``: inside ``torch.autograd.backward`` up to the last gradient of a DDP
+      module's parameters (the compute part; all of the call without DDP);
+    - ``comm_wait_ms``: the rest of the backward call after that last gradient — blocked
+      on DDP's gradient all-reduce, i.e. waiting for the slowest rank;
+    - ``optimizer_ms``: inside ``optimizer.step()``.
+
+    Under DDP every rank's ``duration_ms`` is the same; the straggler is the rank with
+    the most compute and the least ``comm_wait_ms``.
     """
 
     def __init__(self, clock=time.perf_counter, rows: int = 10000, wall=time.time) -> None:
@@ -38,41 +57,100 @@ class StepClock:
         self._wall = wall
         self.step: int | None = None
         self.step_time_ms: float | None = None
+        self.compute_ms: float | None = None  # forward + backward of the latest step
+        self.comm_wait_ms: float | None = None
         self._last_end: float | None = None
         self._last_end_wall: float | None = None
         self._pre: float | None = None
         self._pre_wall: float | None = None
         self._handles: list = []
-        self.rows = Ring(rows)  # (step, start, duration_ms)
+        self._grad_hooked: weakref.WeakSet = weakref.WeakSet()  # DDP modules whose gradients we time
+        self.rows = Ring(rows)
         self._append = self.rows.append
+        self._reset_phases()
 
+    def _reset_phases(self) -> None:
+        self._opt_start: float | None = None
+        self._first_fwd: float | None = None
+        self._fwd_start: float | None = None
+        self._fwd_ms: float | None = None
+        self._bwd_start: float | None = None
+        self._bwd_ms: float | None = None
+        self._wait_ms: float | None = None
+        self._last_grad: float | None = None
+
+    # --- the training thread: O(1) each, never raise ---------------------------------------
     def on_step_pre(self, *_args, **_kwargs) -> None:
-        """Global optimizer pre hook: only the very first step needs its start time."""
+        """Global optimizer pre hook."""
+        now = self._clock()
+        self._opt_start = now
         if self._pre is None and self._last_end is None:
-            self._pre = self._clock()
+            self._pre = now
             self._pre_wall = self._wall()
         # returns None: torch takes a non-None result as replacement (args, kwargs)
 
+    def on_forward_start(self) -> None:
+        now = self._clock()
+        self._fwd_start = now
+        if self._first_fwd is None:
+            self._first_fwd = now
+
+    def on_forward_end(self) -> None:
+        start = self._fwd_start
+        if start is not None:
+            self._fwd_ms = (self._fwd_ms or 0.0) + (self._clock() - start) * 1000.0
+            self._fwd_start = None
+
+    def on_backward_start(self) -> None:
+        self._bwd_start = self._clock()
+        self._last_grad = None
+
+    def on_grad_ready(self, *_args) -> None:
+        """Post-accumulate-grad hook on a DDP module's parameters."""
+        self._last_grad = self._clock()
+
+    def on_backward_end(self) -> None:
+        start = self._bwd_start
+        if start is None:
+            return
+        now, last = self._clock(), self._last_grad
+        saw_grads = last is not None and start <= last <= now
+        self._bwd_ms = (self._bwd_ms or 0.0) + ((last if saw_grads else now) - start) * 1000.0
+        if saw_grads:
+            self._wait_ms = (self._wait_ms or 0.0) + (now - last) * 1000.0
+        self._bwd_start = None
+
     def on_step(self, *_args, **_kwargs) -> None:
-        """Global optimizer post hook (the training thread): O(1), never raises."""
+        """Global optimizer post hook."""
         try:
             now = self._clock()
             wall = self._wall()
             last, last_wall = self._last_end, self._last_end_wall
             self._last_end, self._last_end_wall = now, wall
             step = self.step = (self.step or 0) + 1
+            opt = self._opt_start
+            opt_ms = (now - opt) * 1000.0 if opt is not None else None
+            first = self._first_fwd
+            data_ms = (first - last) * 1000.0 if first is not None and last is not None and first >= last else None
+            fwd, bwd, wait = self._fwd_ms, self._bwd_ms, self._wait_ms
+            phases = (data_ms, fwd, bwd, wait, opt_ms)
+            self.compute_ms = fwd + bwd if fwd is not None and bwd is not None else None
+            self.comm_wait_ms = wait
+            self._reset_phases()
             if last is not None:
                 ms = self.step_time_ms = (now - last) * 1000.0
-                self._append((step, last_wall, ms))
+                self._append((step, last_wall, ms, *phases))
             elif self._pre is not None:
-                self._append((step, self._pre_wall, (now - self._pre) * 1000.0))
+                self._append((step, self._pre_wall, (now - self._pre) * 1000.0, *phases))
             else:
-                self._append((step, wall, None))
+                self._append((step, wall, None, *phases))
         except Exception:  # telemetry never reaches the training loop
             pass
 
+    # --- the probe thread ----------------------------------------------------------------------
     def install_torch_hooks(self) -> bool:
-        """Register on every optimizer's step without touching the training script.
+        """Register on every optimizer's step, on DDP's forward and on autograd's backward,
+        without touching the training script.
 
         Only once the script has fully imported torch: the probe never pays for it, and
         never imports a torch submodule itself (see ``loaded_torch_module``).
@@ -82,34 +160,105 @@ class StepClock:
         hook) would raise in the training thread. So when other global hooks exist and
         the main thread is inside ``torch/optim`` right now, wait for the next sample.
         """
-        if self._handles:
-            return True
-        optimizer = loaded_torch_module("torch.optim.optimizer")
-        register_post = getattr(optimizer, "register_optimizer_step_post_hook", None)
-        if register_post is None:
-            return False
-        register_pre = getattr(optimizer, "register_optimizer_step_pre_hook", None)
-        others = len(getattr(optimizer, "_global_optimizer_pre_hooks", ())) + len(
-            getattr(optimizer, "_global_optimizer_post_hooks", ()))
-        if others and _main_thread_in(_OPTIMIZER_FILE_PART):
-            return False
-        if register_pre is not None:
-            self._handles.append(register_pre(self.on_step_pre))
-        self._handles.append(register_post(self.on_step))
+        if not self._handles:
+            optimizer = loaded_torch_module("torch.optim.optimizer")
+            register_post = getattr(optimizer, "register_optimizer_step_post_hook", None)
+            if register_post is None:
+                return False
+            register_pre = getattr(optimizer, "register_optimizer_step_pre_hook", None)
+            others = len(getattr(optimizer, "_global_optimizer_pre_hooks", ())) + len(
+                getattr(optimizer, "_global_optimizer_post_hooks", ()))
+            if others and _main_thread_in(_OPTIMIZER_FILE_PART):
+                return False
+            if register_pre is not None:
+                self._handles.append(register_pre(self.on_step_pre))
+            self._handles.append(register_post(self.on_step))
+            self._add(_wrap(loaded_torch_module("torch.autograd"), "backward", self._timed_backward))
+        if not any(isinstance(h, _Wrapped) and h.name == "forward" for h in self._handles):
+            ddp = getattr(loaded_torch_module("torch.nn.parallel.distributed"), "DistributedDataParallel", None)
+            if ddp is not None:  # DDP loads late (or never): looked for at every sample until then
+                self._add(_wrap(ddp, "forward", self._timed_forward))
         return True
+
+    def _add(self, handle: Any) -> None:
+        if handle is not None:
+            self._handles.append(handle)
+
+    def _timed_forward(self, original: Callable) -> Callable:
+        clock = self
+
+        @functools.wraps(original)
+        def forward(module, *args, **kwargs):
+            if module not in clock._grad_hooked:
+                clock._hook_grads(module)
+            clock.on_forward_start()
+            try:
+                return original(module, *args, **kwargs)
+            finally:
+                clock.on_forward_end()
+
+        return forward
+
+    def _hook_grads(self, module: Any) -> None:
+        """Once per DDP module: know when its last gradient is ready (compute done)."""
+        try:
+            self._grad_hooked.add(module)
+            for p in module.parameters():
+                if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+                    self._handles.append(p.register_post_accumulate_grad_hook(self.on_grad_ready))
+        except Exception:
+            pass
+
+    def _timed_backward(self, original: Callable) -> Callable:
+        clock = self
+
+        @functools.wraps(original)
+        def backward(*args, **kwargs):
+            clock.on_backward_start()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                clock.on_backward_end()
+
+        return backward
 
     @property
     def hooks_installed(self) -> bool:
         return bool(self._handles)
 
     def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        for handle in reversed(self._handles):
+            try:
+                handle.remove()
+            except Exception:
+                pass
         self._handles.clear()
+        self._grad_hooked = weakref.WeakSet()
 
     def snapshot(self) -> list:
         """The recorded rows, oldest first (safe from any thread)."""
         return self.rows.snapshot()
+
+
+class _Wrapped:
+    """A function replaced on its owner (a module or a class) by a timing wrapper;
+    ``remove()`` puts the original back (unless someone replaced ours meanwhile)."""
+
+    def __init__(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        self.owner, self.name = owner, name
+        self.original = getattr(owner, name)
+        self.wrapper = make(self.original)
+        setattr(owner, name, self.wrapper)
+
+    def remove(self) -> None:
+        if getattr(self.owner, self.name, None) is self.wrapper:
+            setattr(self.owner, self.name, self.original)
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> _Wrapped | None:
+    if owner is None or not callable(getattr(owner, name, None)):
+        return None
+    return _Wrapped(owner, name, make)
 
 
 def _main_thread_in(path_part: str) -> bool:

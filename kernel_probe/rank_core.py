@@ -28,7 +28,7 @@ PUSH_DEBOUNCE_SEC = 0.02  # batch near-simultaneous joins into one push / one re
 # Fields of a member record that describe the rank itself (a report's identity).
 REPORT_FIELDS = (
     "rank", "world_size", "local_rank", "local_world_size", "node", "node_count", "host",
-    "endpoint", "pid", "role", "incarnation", "tier", "step", "step_time_ms",
+    "endpoint", "pid", "role", "incarnation", "tier", "step", "step_time_ms", "compute_ms", "comm_wait_ms",
 )
 
 
@@ -66,6 +66,8 @@ class RankCore:
     role: str = ""
     step: int | None = None
     step_time_ms: float | None = None
+    compute_ms: float | None = None
+    comm_wait_ms: float | None = None
     stalled: bool = False
     stalled_where: str = ""  # where the main thread is stuck while stalled (its innermost frame)
 
@@ -144,7 +146,8 @@ class RankCore:
 
     def update_self(self, now: float, *, role: str | None = None, step: int | None = None,
                     step_time_ms: float | None = None, stalled: bool | None = None,
-                    stalled_where: str = "") -> list[Effect]:
+                    stalled_where: str = "", compute_ms: float | None = None,
+                    comm_wait_ms: float | None = None) -> list[Effect]:
         """Local facts changed. A role or progress-state change is reported immediately."""
         urgent = False
         if role is not None and role != self.role:
@@ -157,6 +160,10 @@ class RankCore:
             self.step = step
         if step_time_ms is not None:
             self.step_time_ms = step_time_ms
+        if compute_ms is not None:
+            self.compute_ms = compute_ms
+        if comm_wait_ms is not None:
+            self.comm_wait_ms = comm_wait_ms
         if self.tier in ("root", "broker"):
             self.registry.observe(self.report(), now)
         if urgent and self.parent is not None:
@@ -301,7 +308,8 @@ class RankCore:
             "local_world_size": ident.local_world_size, "node": ident.node, "node_count": ident.node_count,
             "host": ident.host, "endpoint": self.endpoint, "pid": self.pid, "role": self.role,
             "incarnation": self.incarnation, "tier": self.tier or "leaf", "step": self.step,
-            "step_time_ms": self.step_time_ms, "stalled": self.stalled, "age": 0.0,
+            "step_time_ms": self.step_time_ms, "compute_ms": self.compute_ms, "comm_wait_ms": self.comm_wait_ms,
+            "stalled": self.stalled, "age": 0.0,
             "reason": self.stalled_where if self.stalled else "",
         }
 

@@ -240,7 +240,8 @@ for _type, _body in BODIES.items():
 # users see them (``connect().nodes()``, the ``nodes`` table, the notebook and the panel).
 MEMBER_COLUMNS: tuple[str, ...] = (
     "rank", "world_size", "local_rank", "local_world_size", "node", "node_count", "host", "endpoint",
-    "pid", "role", "incarnation", "state", "last_seen", "since", "step", "step_time_ms", "tier", "reason",
+    "pid", "role", "incarnation", "state", "last_seen", "since", "step", "step_time_ms", "compute_ms",
+    "comm_wait_ms", "tier", "reason",
 )
 DEPARTURE_COLUMNS: tuple[str, ...] = ("rank", "incarnation", "host", "pid", "when", "why")
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from kernel_probe import wire
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -58,9 +60,11 @@ def test_member_field_order_is_the_nodes_table():
     assert MEMBER_FIELDS == (
         "rank", "world_size", "local_rank", "local_world_size", "node", "node_count",
         "host", "endpoint", "pid", "role", "incarnation", "state", "last_seen", "since",
-        "step", "step_time_ms", "tier", "reason", "via",
+        "step", "step_time_ms", "compute_ms", "comm_wait_ms", "tier", "reason", "via",
     )  # fmt: skip
-    assert set(MEMBERSHIP_FIELDS) == set(MEMBER_FIELDS) - {"last_seen", "step", "step_time_ms"}
+    assert set(MEMBERSHIP_FIELDS) == set(MEMBER_FIELDS) - {"last_seen", "step", "step_time_ms", "compute_ms",
+                                                           "comm_wait_ms"}
+    assert MEMBER_FIELDS[:-1] == wire.MEMBER_COLUMNS  # the nodes table's columns, in its order
 
 
 def test_member_dict_round_trip_and_optional_keys():

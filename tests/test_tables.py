@@ -81,7 +81,8 @@ def test_step_clock_keeps_its_old_contract():
     now[0] = 100.25
     clock.on_step()
     assert clock.step == 2 and clock.step_time_ms == pytest.approx(250.0)
-    assert clock.snapshot() == [(1, 1100.0, None), (2, 1100.0, pytest.approx(250.0))]
+    none = (None,) * 5  # no phases seen: data, forward, backward, comm wait, optimizer
+    assert clock.snapshot() == [(1, 1100.0, None, *none), (2, 1100.0, pytest.approx(250.0), *none)]
     assert clock.install_torch_hooks() in (True, False)  # never raises, torch loaded or not
     clock.remove_hooks()
 
@@ -318,7 +319,8 @@ def test_empty_tables_keep_their_schema():
     t = make_tables()
     steps = t.arrow("steps")
     assert steps.num_rows == 0
-    assert [(f.name, str(f.type)) for f in steps.schema] == [("step", "int64"), ("start", "double"), ("duration_ms", "double")]
+    assert [(f.name, str(f.type)) for f in steps.schema] == [("step", "int64"), ("start", "double"), ("duration_ms", "double")] + [
+        (phase, "double") for phase in ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms")]
     assert [str(f.type) for f in t.arrow("collectives").schema] == ["double", "string", "int64", "double", "bool"]
     assert t.arrow("memory").num_columns == 6 and t.arrow("metrics").column_names == ["ts"]
 
@@ -328,7 +330,7 @@ def test_empty_tables_keep_their_schema():
         con.register(name, t.arrow(name))
     assert con.sql("SELECT count(*), sum(duration_ms), max(step) FROM steps").fetchall() == [(0, None, None)]
     assert con.sql("SELECT count(*) FROM metrics").fetchall() == [(0,)]
-    assert con.sql("SELECT count(*) FROM tables WHERE table_name = 'steps'").fetchall() == [(3,)]
+    assert con.sql("SELECT count(*) FROM tables WHERE table_name = 'steps'").fetchall() == [(8,)]
 
 
 # --- import cost ---------------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ def members_frame(members: list[dict]) -> "pd.DataFrame":
     for col in ("last_seen", "since"):
         df[col] = pd.to_datetime(df[col], unit="s", utc=True)
     df["step"] = df["step"].astype("Int64")
-    df["step_time_ms"] = pd.to_numeric(df["step_time_ms"], errors="coerce").astype("float64")
+    for col in ("step_time_ms", "compute_ms", "comm_wait_ms"):
+        df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
     return df
 
 

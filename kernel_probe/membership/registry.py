@@ -140,6 +140,8 @@ class Member:
     since: float
     step: int | None = None
     step_time_ms: float | None = None
+    compute_ms: float | None = None  # forward + backward of the latest step (see progress.StepClock)
+    comm_wait_ms: float | None = None  # blocked on gradient all-reduce in the latest step
     tier: str = "leaf"  # "root" | "broker" | "leaf"
     reason: str = ""  # "" while live; why it died: "exited", "left", "stale", free text
     via: int | None = None  # broker that vouched for it; None = heard directly
@@ -159,6 +161,8 @@ class Member:
         kw["since"] = _float("since", _need(d, "since"))
         kw["step"] = _opt_int("step", d.get("step"))
         kw["step_time_ms"] = _opt_float("step_time_ms", d.get("step_time_ms"))
+        kw["compute_ms"] = _opt_float("compute_ms", d.get("compute_ms"))
+        kw["comm_wait_ms"] = _opt_float("comm_wait_ms", d.get("comm_wait_ms"))
         kw["tier"] = _str("tier", d.get("tier", "leaf"), choices=TIERS)
         kw["reason"] = _str("reason", d.get("reason", ""))
         kw["via"] = _opt_int("via", d.get("via"))
@@ -172,7 +176,7 @@ IDENTITY_FIELDS: tuple[str, ...] = (
     "host", "endpoint", "pid", "role", "incarnation", "tier",
 )  # fmt: skip
 # changes here bump only `version`; everything else is membership and bumps `epoch`
-TELEMETRY_FIELDS: tuple[str, ...] = ("last_seen", "step", "step_time_ms")
+TELEMETRY_FIELDS: tuple[str, ...] = ("last_seen", "step", "step_time_ms", "compute_ms", "comm_wait_ms")
 MEMBERSHIP_FIELDS: tuple[str, ...] = tuple(f for f in MEMBER_FIELDS if f not in TELEMETRY_FIELDS)
 
 
@@ -213,6 +217,8 @@ class _Report:
     identity: dict[str, Any]  # IDENTITY_FIELDS + rank
     step: int | None
     step_time_ms: float | None
+    compute_ms: float | None
+    comm_wait_ms: float | None
     stalled: bool
     age: float
     verdict: str
@@ -234,6 +240,8 @@ class _Report:
             identity=ident,
             step=_opt_int("step", d.get("step")),
             step_time_ms=_opt_float("step_time_ms", d.get("step_time_ms")),
+            compute_ms=_opt_float("compute_ms", d.get("compute_ms")),
+            comm_wait_ms=_opt_float("comm_wait_ms", d.get("comm_wait_ms")),
             stalled=stalled,
             age=age,
             verdict=_str("verdict", d.get("verdict", "alive"), choices=VERDICTS),
@@ -350,7 +358,8 @@ class Registry:
         state = STALLED if r.stalled else ALIVE
         fresh = Member(
             **r.identity, state=state, last_seen=evidence, since=evidence,
-            step=r.step, step_time_ms=r.step_time_ms, reason=r.reason if r.stalled else "", via=via,
+            step=r.step, step_time_ms=r.step_time_ms, compute_ms=r.compute_ms, comm_wait_ms=r.comm_wait_ms,
+            reason=r.reason if r.stalled else "", via=via,
         )  # fmt: skip
         if old is None:  # join
             self._store(fresh)

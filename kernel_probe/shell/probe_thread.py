@@ -289,7 +289,9 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self.tables.sample(now)
         stack = main_stack_signature()
         stalled = self._stall.observe(now, self.steps.step, stack)
-        self.carry_out(self.core.update_self(now, step=self.steps.step, step_time_ms=self.steps.step_time_ms,
+        steps = self.steps
+        self.carry_out(self.core.update_self(now, step=steps.step, step_time_ms=steps.step_time_ms,
+                                             compute_ms=steps.compute_ms, comm_wait_ms=steps.comm_wait_ms,
                                              stalled=stalled, stalled_where=stuck_where(stack) if stalled else ""))
         for key in self._pids.poll():
             self.carry_out(self.core.on_process_exit(key, now))

@@ -189,6 +189,7 @@ def nodes_arrow(rows: list[dict]):
     import pyarrow.compute as pc
 
     types = {"last_seen": pa.float64(), "since": pa.float64(), "step": pa.int64(), "step_time_ms": pa.float64(),
+             "compute_ms": pa.float64(), "comm_wait_ms": pa.float64(),
              "host": pa.string(), "endpoint": pa.string(), "role": pa.string(), "incarnation": pa.string(),
              "state": pa.string(), "tier": pa.string(), "reason": pa.string()}
     schema = pa.schema([(c, types.get(c, pa.int64())) for c in wire.MEMBER_COLUMNS])

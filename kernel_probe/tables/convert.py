@@ -10,7 +10,9 @@ from typing import Any
 SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
     "stacks": (("thread_id", "int64"), ("thread_name", "string"), ("is_main", "bool"), ("depth", "int64"),
                ("function", "string"), ("file", "string"), ("line", "int64")),
-    "steps": (("step", "int64"), ("start", "float64"), ("duration_ms", "float64")),
+    "steps": (("step", "int64"), ("start", "float64"), ("duration_ms", "float64"), ("data_ms", "float64"),
+              ("forward_ms", "float64"), ("backward_ms", "float64"), ("comm_wait_ms", "float64"),
+              ("optimizer_ms", "float64")),
     "memory": (("ts", "float64"), ("rss_bytes", "int64"), ("cpu_percent", "float64"), ("device", "string"),
                ("allocated_bytes", "int64"), ("reserved_bytes", "int64")),
     "metrics": (("ts", "float64"),),
@@ -22,7 +24,7 @@ SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
     "tables": (("table_name", "string"), ("column_name", "string"), ("column_type", "string")),
 }
 # metrics keys that are not joined into `steps` (they would collide with its own columns)
-STEPS_OWN = frozenset({"ts", "step", "start", "duration_ms"})
+STEPS_OWN = frozenset({"ts", *(col for col, _ in SCHEMAS["steps"])})
 _BASIC = frozenset({int, float, str, bool, bytes, type(None)})
 
 

@@ -13,6 +13,10 @@ Hang mode (``--hang-rank R --hang-after N``): after N steps, rank R blocks in it
 loader (``fetch_next_batch``) while the other ranks wait for it in DDP's gradient
 all-reduce inside ``backward()`` — the shape of a real hang, for ``diagnose_hang.ipynb``.
 SIGTERM/SIGINT releases the hung rank, so the job still stops cleanly.
+
+Straggler mode (``--slow-rank R --slow-ms M``): rank R spends about M ms more compute in
+every forward. Under DDP every rank's step then takes as long as R's (the others wait for
+it in the gradient all-reduce): total step time cannot name R; the per-step phases can.
 """
 
 from __future__ import annotations
@@ -57,13 +61,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also record each step's loss with kernel_probe.log (a user metric in `metrics`)")
     p.add_argument("--hang-rank", type=int, default=None, help="this rank hangs in fetch_next_batch (hang mode)")
     p.add_argument("--hang-after", type=int, default=5, help="hang mode: steps before the hang (default 5)")
+    p.add_argument("--slow-rank", type=int, default=None, help="this rank computes more in every forward")
+    p.add_argument("--slow-ms", type=float, default=100.0, help="straggler mode: extra compute per step in ms")
     return p.parse_args(argv)
 
 
-def build_model() -> nn.Module:
+class ExtraCompute(nn.Module):
+    """Busy matrix products for ``ms`` milliseconds per forward (no parameters, so every
+    rank's model has the same parameters, as DDP requires)."""
+
+    def __init__(self, ms: float = 0.0) -> None:
+        super().__init__()
+        self.ms = ms
+        self.work = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        end = time.perf_counter() + self.ms / 1000.0
+        while time.perf_counter() < end:
+            torch.mm(self.work, self.work)
+        return x
+
+
+def build_model(extra_ms: float = 0.0) -> nn.Module:
     """The same tiny MLP on every rank (seed 0); DDP broadcasts rank 0's copy anyway."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+    return nn.Sequential(ExtraCompute(extra_ms), nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
 
 
 def make_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rank = 0
 
-    model: nn.Module = build_model()
+    model: nn.Module = build_model(args.slow_ms if rank == args.slow_rank else 0.0)
     if distributed:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

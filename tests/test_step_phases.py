@@ -1,0 +1,120 @@
+"""Per-step phases (issue: find the straggler that DDP hides): the clock's arithmetic with a
+fake clock, then real torch hooks in this process (DDP of world size 1 with a user's own
+comm hook), installed and removed without a trace."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from kernel_probe.progress import StepClock
+
+
+def test_phases_of_a_step_from_its_hook_times():
+    t = [10.0]
+    clock = StepClock(clock=lambda: t[0], wall=lambda: 1000.0 + t[0])
+
+    def at(x, fn, *a):
+        t[0] = x
+        fn(*a)
+
+    at(10.00, clock.on_step_pre)
+    at(10.01, clock.on_step)  # step 1 ends at 10.01
+    at(10.11, clock.on_forward_start)  # 100 ms of data wait
+    at(10.14, clock.on_forward_end)  # 30 ms forward
+    at(10.15, clock.on_backward_start)
+    at(10.17, clock.on_grad_ready)
+    at(10.19, clock.on_grad_ready)  # compute done: 40 ms of backward
+    at(10.24, clock.on_backward_end)  # 50 ms blocked on the all-reduce
+    at(10.25, clock.on_step_pre)
+    at(10.27, clock.on_step)  # 20 ms of optimizer
+    step, start, duration, data, fwd, bwd, wait, opt = clock.snapshot()[-1]
+    assert step == 2 and start == pytest.approx(1010.01) and duration == pytest.approx(260.0)
+    assert (data, fwd, bwd, wait, opt) == tuple(pytest.approx(v) for v in (100.0, 30.0, 40.0, 50.0, 20.0))
+    assert clock.compute_ms == pytest.approx(70.0) and clock.comm_wait_ms == pytest.approx(50.0)
+
+
+def test_what_is_not_seen_stays_null_and_micro_batches_add_up():
+    t = [0.0]
+    clock = StepClock(clock=lambda: t[0])
+    clock.on_step()
+    t[0] = 1.0
+    clock.on_backward_start()  # no DDP: a backward without gradient hooks
+    t[0] = 1.5
+    clock.on_backward_end()
+    t[0] = 2.0
+    clock.on_step()
+    data, fwd, bwd, wait, opt = clock.snapshot()[-1][3:]
+    assert (data, fwd, wait, opt) == (None, None, None, None) and bwd == pytest.approx(500.0)
+    assert clock.compute_ms is None and clock.comm_wait_ms is None
+    for i in range(3):  # gradient accumulation: three forwards and backwards in one step
+        t[0] = 3.0 + i
+        clock.on_forward_start()
+        t[0] += 0.1
+        clock.on_forward_end()
+        clock.on_backward_start()
+        t[0] += 0.2
+        clock.on_grad_ready()
+        t[0] += 0.05
+        clock.on_backward_end()
+    clock.on_step()
+    data, fwd, bwd, wait, opt = clock.snapshot()[-1][3:]
+    assert fwd == pytest.approx(300.0) and bwd == pytest.approx(600.0) and wait == pytest.approx(150.0)
+    assert data == pytest.approx(1000.0)  # from the last step's end (2.0) to the first forward (3.0)
+
+
+@pytest.fixture
+def ddp_world_of_one():
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield torch
+    finally:
+        dist.destroy_process_group()
+
+
+def test_real_hooks_time_ddp_compose_with_a_users_comm_hook_and_come_off(ddp_world_of_one):
+    torch = ddp_world_of_one
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    original_forward, original_backward = DDP.forward, torch.autograd.backward
+    clock = StepClock()
+    assert clock.install_torch_hooks()
+    assert DDP.forward is not original_forward and torch.autograd.backward is not original_backward
+
+    calls = []
+
+    def users_hook(state, bucket):  # the user's own communication hook, registered as usual
+        calls.append(1)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+    model.register_comm_hook(None, users_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    for _ in range(4):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    rows = clock.snapshot()
+    assert len(rows) == 4 and calls  # the user's hook still runs
+    for step, _start, _dur, data, fwd, bwd, wait, opt_ms in rows[1:]:
+        assert all(v is not None and v >= 0 for v in (data, fwd, bwd, wait, opt_ms)), rows
+    assert clock.compute_ms > 0 and clock.comm_wait_ms is not None
+
+    clock.remove_hooks()
+    assert DDP.forward is original_forward and torch.autograd.backward is original_backward
+    before = len(clock.snapshot())
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    assert len(clock.snapshot()) == before  # nothing of ours runs any more
