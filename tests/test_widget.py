@@ -83,9 +83,9 @@ def test_rows_follow_a_death_and_a_hang_with_no_cell_running(ip, job):
     assert "node 0" in view.table.value and "node 1" in view.table.value
 
     j.kill(1)  # nothing runs in the shell from here on: only the view's thread updates it
-    wait_for(lambda: states(view).get(1) == "dead" or "probing-departures" in view.table.value, 15,
-             what="rank 1 dead in the view")
-    wait_for(lambda: "1 dead" in view.summary.value or "departed" in view.summary.value, 5, what="counts")
+    wait_for(lambda: states(view).get(1) == "dead", 15, what="rank 1 dead in the view")
+    assert "3 alive" in view.summary.value and "1 dead" in view.summary.value
+    assert states(view) == {0: "alive", 1: "dead", 2: "alive", 3: "alive"}
 
     hang_file.write_text("now")
     wait_for(lambda: "suspect: rank 3, in fetch_next_batch (hang_worker.py:" in view.table.value, 20,
