@@ -89,6 +89,9 @@ def test_not_connected(ip, tmp_path, monkeypatch, capsys):
     assert "not connected — run %cluster_connect" in one_line_error(capsys, err)
     _, err = run(ip, "%cluster_connect")
     assert isinstance(err, ClusterError) and "no running job found" in one_line_error(capsys, err)
+    for magic in ("%cluster_stacks", "%cluster_nodes"):
+        _, err = run(ip, magic)
+        assert isinstance(err, ClusterError) and "not connected" in one_line_error(capsys, err)
 
 
 def test_connect_prints_one_line(ip, capsys):

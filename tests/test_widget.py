@@ -106,7 +106,9 @@ def test_rows_follow_a_death_and_a_hang_with_no_cell_running(ip, job):
 
 
 def test_running_the_cell_twice_leaks_no_thread(ip):
-    first = show_nodes(ip)
+    ip.run_line_magic("config", "ClusterSQL.widget_interval = 0.25")
+    first = show_nodes(ip, "")
+    assert first.interval == 0.25
     second = show_nodes(ip)
     assert first is not second
     wait_for(lambda: not first.thread.is_alive(), 5, what="the first view's thread to end")
