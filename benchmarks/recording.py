@@ -3,6 +3,8 @@
 - optimizer.step() of a small model with and without the probe's global step hooks
 - kernel_probe.log(step=..., loss=..., lr=...) per call
 - a gloo all_reduce with and without the collectives wrapper
+- a whole DDP training step (zero_grad, forward, backward, step; 1 rank) with and without
+  every hook the step phases use (optimizer, DDP.forward, autograd.backward, gradient hooks)
 
     .venv/bin/python benchmarks/recording.py
 """
@@ -64,8 +66,33 @@ def main() -> int:
         wrapped.sample(time.time())  # installs the wrappers (torch.distributed is loaded)
         on = min(on, per_call(lambda: dist.all_reduce(t), m))
         wrapped.close()
-    dist.destroy_process_group()
     print(f"gloo all_reduce(4 KiB), 1 rank: off {off * 1e6:.1f} us, on {on * 1e6:.1f} us -> ratio {on / off:.3f}")
+
+    from kernel_probe.progress import StepClock
+
+    for width in (64, 256):
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+            torch.nn.Linear(width, 4 * width), torch.nn.ReLU(), torch.nn.Linear(4 * width, width)))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        x = torch.randn(64, width)
+
+        def train_step():
+            opt.zero_grad()
+            ddp(x).square().mean().backward()
+            opt.step()
+
+        off = on = float("inf")
+        for _ in range(7):  # interleaved: drift on a shared machine hits both sides alike
+            off = min(off, per_call(train_step, 200))
+            clock = StepClock()
+            assert clock.install_torch_hooks()
+            on = min(on, per_call(train_step, 200))
+            clock.remove_hooks()
+        assert len(clock.snapshot()) > 0 and clock.compute_ms is not None
+        print(f"DDP training step, MLP {width}-{4 * width}-{width}, batch 64, step phases: off {off * 1e6:.0f} us, "
+              f"on {on * 1e6:.0f} us -> ratio {on / off:.4f} (+{(on - off) * 1e6:.1f} us per step)")
+    dist.destroy_process_group()
     return 0
 
 

@@ -70,14 +70,9 @@ class StepClock:
         self._reset_phases()
 
     def _reset_phases(self) -> None:
-        self._opt_start: float | None = None
-        self._first_fwd: float | None = None
-        self._fwd_start: float | None = None
-        self._fwd_ms: float | None = None
-        self._bwd_start: float | None = None
-        self._bwd_ms: float | None = None
-        self._wait_ms: float | None = None
-        self._last_grad: float | None = None
+        # one statement: this runs on the training thread once per step
+        self._opt_start = self._first_fwd = self._fwd_start = self._fwd_ms = self._bwd_start = self._bwd_ms = \
+            self._wait_ms = self._last_grad = None
 
     # --- the training thread: O(1) each, never raise ---------------------------------------
     def on_step_pre(self, *_args, **_kwargs) -> None:
@@ -136,7 +131,8 @@ class StepClock:
             phases = (data_ms, fwd, bwd, wait, opt_ms)
             self.compute_ms = fwd + bwd if fwd is not None and bwd is not None else None
             self.comm_wait_ms = wait
-            self._reset_phases()
+            self._opt_start = self._first_fwd = self._fwd_start = self._fwd_ms = self._bwd_start = self._bwd_ms = \
+                self._wait_ms = self._last_grad = None
             if last is not None:
                 ms = self.step_time_ms = (now - last) * 1000.0
                 self._append((step, last_wall, ms, *phases))
@@ -185,10 +181,12 @@ class StepClock:
             self._handles.append(handle)
 
     def _timed_forward(self, original: Callable) -> Callable:
-        clock = self
+        clock, compiling = self, _is_compiling()
 
         @functools.wraps(original)
         def forward(module, *args, **kwargs):
+            if compiling():  # never put our clock reads into a graph dynamo traces
+                return original(module, *args, **kwargs)
             if module not in clock._grad_hooked:
                 clock._hook_grads(module)
             clock.on_forward_start()
@@ -210,10 +208,12 @@ class StepClock:
             pass
 
     def _timed_backward(self, original: Callable) -> Callable:
-        clock = self
+        clock, compiling = self, _is_compiling()
 
         @functools.wraps(original)
         def backward(*args, **kwargs):
+            if compiling():
+                return original(*args, **kwargs)
             clock.on_backward_start()
             try:
                 return original(*args, **kwargs)
@@ -238,6 +238,12 @@ class StepClock:
     def snapshot(self) -> list:
         """The recorded rows, oldest first (safe from any thread)."""
         return self.rows.snapshot()
+
+
+def _is_compiling() -> Callable[[], bool]:
+    compiler = loaded_torch_module("torch.compiler")
+    check = getattr(compiler, "is_compiling", None)
+    return check if callable(check) else (lambda: False)
 
 
 class _Wrapped:
