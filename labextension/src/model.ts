@@ -107,6 +107,7 @@ export class ClusterModel {
       return;
     }
     this._chosen = jobId;
+    this._choice++;
     this._chosenChanged.emit(jobId);
     this._forgetJob();
     void this.refresh();
@@ -158,6 +159,7 @@ export class ClusterModel {
   }
 
   private async _tick(): Promise<void> {
+    const choice = this._choice; // a tick that outlives a change of job must not show the old one
     try {
       if (this._version === null) {
         const version = await api.version();
@@ -172,6 +174,9 @@ export class ClusterModel {
         this._version = version;
       }
       const { jobs } = await api.jobs();
+      if (choice !== this._choice) {
+        return;
+      }
       this._jobs = jobs;
       const job = jobs.find(j => j.id === this._chosen) ?? jobs[0] ?? null;
       if (job === null) {
@@ -184,10 +189,17 @@ export class ClusterModel {
         this._shown = job.id;
       }
       try {
-        this._nodes = await api.nodes(job.id);
+        const nodes = await api.nodes(job.id);
+        if (choice !== this._choice) {
+          return;
+        }
+        this._nodes = nodes;
         this._updated = new Date();
         this._set('ready', '');
       } catch (error) {
+        if (choice !== this._choice) {
+          return;
+        }
         if (error instanceof ApiError && (error.jobUnreachable || error.code === 'unknown_job')) {
           this._nodes = null;
           this._set('job-unreachable', `Job ${job.run_id ?? job.id} unreachable: ${error.message}`);
@@ -236,6 +248,7 @@ export class ClusterModel {
   private _version: IVersion | null = null;
   private _jobs: IJob[] = [];
   private _chosen: string | null = null;
+  private _choice = 0;
   private _shown: string | null = null;
   private _nodes: INodes | null = null;
   private _updated: Date | null = null;

@@ -1,0 +1,254 @@
+"""The JupyterLab Cluster panel in a real browser (issue 8, "Must be shown by tests" 2).
+
+A real `jupyter lab` subprocess (the installed server extension and lab extension), a
+live local job (tiny DDP training, plain mode: one rank can be killed alone), and Debian
+Chromium driven by Playwright (nothing downloaded). Run twice: at the root and under a
+`base_url` prefix, as behind JupyterHub. Screenshots land in test-artifacts/lab-browser/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kernel_probe.testing.harness import LocalJob, free_port
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = ROOT / "test-artifacts" / "lab-browser"
+TOKEN = "lab-browser-test-token"
+POLL_SEC = 1.0  # the panel's poll interval, set through the settings registry
+JOB_ENV = {"PROBING": "1", "PROBING_ROLE": "trainer", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "1",
+           "PROBING_SAMPLE_INTERVAL_SEC": "0.25"}
+INSERT_BUTTON = '#probing-cluster .jp-Toolbar [data-command="probing-magics:insert-sql-cell"]'
+
+
+def _settings(user_settings: Path) -> None:
+    """User settings: no news toast over the screenshots, a fast poll for the panel."""
+    files = {
+        "@jupyterlab/apputils-extension/notification.jupyterlab-settings":
+            {"checkForUpdates": False, "fetchNews": "false"},
+        "probing-magics/plugin.jupyterlab-settings": {"pollInterval": POLL_SEC},
+    }
+    for rel, value in files.items():
+        path = user_settings / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value))
+
+
+class Lab:
+    """A `jupyter lab` subprocess on a free port, isolated config, settings and workspaces."""
+
+    def __init__(self, tmp: Path, base_url: str, runtime: Path, log_path: Path) -> None:
+        self.base_url = base_url
+        self.port = free_port()
+        self.root_dir = tmp / "root"
+        shutil.copytree(ROOT / "notebooks", self.root_dir)
+        user_settings = tmp / "lab-user-settings"
+        _settings(user_settings)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBING", "JUPYTER"))}
+        env.update({"PROBING_RUNTIME_DIR": str(runtime), "JUPYTER_CONFIG_DIR": str(tmp / "jupyter-config"),
+                    "JUPYTER_RUNTIME_DIR": str(tmp / "jupyter-runtime")})
+        argv = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
+                f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={self.root_dir}",
+                f"--ServerApp.base_url={base_url}", f"--LabApp.user_settings_dir={user_settings}",
+                f"--LabApp.workspaces_dir={tmp / 'workspaces'}", "--LabApp.expose_app_in_browser=True"]
+        if os.geteuid() == 0:
+            argv.append("--allow-root")
+        self.log_path = log_path
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=tmp)
+        wait_for(self._answers, 60, interval=0.2, what=f"jupyter lab on port {self.port}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}{self.base_url}"
+
+    def _answers(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited: {self.log_path.read_text()[-2000:]}")
+        with urllib.request.urlopen(f"{self.url}probing/api/version?token={TOKEN}", timeout=2) as resp:
+            return resp.status == 200
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+def _rows(page) -> dict[int, dict]:
+    """The panel's ranks: {rank: {"node": n, "state": s}}."""
+    return {int(r["rank"]): r for r in page.evaluate("""() =>
+        [...document.querySelectorAll('#probing-cluster .pm-Cluster-node')].flatMap(node =>
+            [...node.querySelectorAll('.pm-Cluster-rank')].map(row => ({
+                rank: row.dataset.rank, node: Number(node.dataset.node), state: row.dataset.state})))""")}
+
+
+def _shot(page, selector: str, out: Path, name: str) -> Path:
+    path = out / name
+    page.locator(selector).screenshot(path=str(path))
+    print(f"screenshot: {path}")
+    return path
+
+
+def _run_cell(page, text: str) -> None:
+    """Select the notebook cell whose source starts with ``text``, run it (Shift+Enter), wait until done."""
+    cell = page.locator(".jp-NotebookPanel .jp-CodeCell",
+                        has=page.locator(".jp-InputArea-editor", has_text=text)).first
+    cell.locator(".jp-InputArea-prompt").click()
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_function("(el) => /\\[\\d+\\]/.test(el.querySelector('.jp-InputArea-prompt').textContent)",
+                           arg=cell.element_handle(), timeout=60_000)
+
+
+@pytest.fixture(params=["/", "/prefix/"], ids=["root", "base_url"])
+def variant(request):
+    return request.param
+
+
+def test_cluster_panel_in_chromium(variant, tmp_path):
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: install the Debian package chromium (apt-get install -y chromium)",
+                    pytrace=False)
+    from playwright.sync_api import expect, sync_playwright
+
+    out = ARTIFACTS / ("root" if variant == "/" else "base_url")
+    out.mkdir(parents=True, exist_ok=True)
+    runtime = tmp_path / "runtime"
+    lab = Lab(tmp_path, variant, runtime, out / "jupyter-lab.log")
+    job: LocalJob | None = None
+    try:
+        with sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(str(tmp_path / "chromium-profile"), executable_path=CHROMIUM,
+                                                        headless=True, args=CHROMIUM_FLAGS,
+                                                        viewport={"width": 1500, "height": 950})
+            try:
+                page = ctx.pages[0] if ctx.pages else ctx.new_page()
+                page.set_default_timeout(30_000)
+                page.goto(f"{lab.url}lab?token={TOKEN}")
+                page.wait_for_selector("#jp-main-dock-panel")
+
+                # the panel, before any job runs: it says so
+                page.click('.jp-SideBar [data-id="probing-cluster"]')
+                expect(page.locator("#probing-cluster .pm-Cluster-status.pm-status-no-job")).to_contain_text(
+                    "No job found")
+
+                # a job starts: every rank appears under its node
+                job = LocalJob(["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2"],
+                               nodes=2, ranks_per_node=2, mode="plain",
+                               env={**JOB_ENV, "PROBING_RUNTIME_DIR": str(runtime)}, workdir=tmp_path / "job").start()
+                job.wait_ready(90)
+                page.wait_for_function("""() => [...document.querySelectorAll('#probing-cluster .pm-Cluster-rank')]
+                    .filter(r => r.dataset.state === 'alive' &&
+                                 r.querySelector('.pm-Cluster-ms').textContent !== '').length === 4""",
+                                       timeout=90_000)
+                rows = _rows(page)
+                assert {r: v["node"] for r, v in rows.items()} == {r: job.node_of(r) for r in range(4)}
+                expect(page.locator("#probing-cluster .pm-Cluster-summary")).to_contain_text("4 alive")
+                expect(page.locator("#probing-cluster .pm-Cluster-rank[data-rank='0'] .pm-Cluster-role")) \
+                    .to_have_text("trainer")
+
+                # click a rank: its current stack
+                page.click("#probing-cluster .pm-Cluster-rank[data-rank='2']")
+                stack = page.locator("#probing-cluster .pm-Cluster-stack[data-rank='2']")
+                expect(stack.locator(".pm-Cluster-frame").first).to_be_visible()
+                expect(stack).to_contain_text("tiny_ddp.py")
+                light_bg = page.evaluate("getComputedStyle(document.querySelector('#probing-cluster'))"
+                                         ".backgroundColor")
+                _shot(page, "#probing-cluster", out, "panel-light.png")
+
+                # the dark theme: the panel follows JupyterLab's CSS variables
+                page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', "
+                              "{theme: 'JupyterLab Dark'})")
+                page.wait_for_selector("body[data-jp-theme-name='JupyterLab Dark']", state="attached")
+                page.wait_for_function("""(light) => getComputedStyle(document.querySelector('#probing-cluster'))
+                    .backgroundColor !== light""", arg=light_bg)
+                _shot(page, "#probing-cluster", out, "panel-dark.png")
+                page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', "
+                              "{theme: 'JupyterLab Light'})")
+                page.wait_for_selector("body[data-jp-theme-name='JupyterLab Light']", state="attached")
+
+                # the quickstart notebook: its %cluster_nodes widget renders the job's rows
+                page.evaluate("async () => { await window.jupyterapp.commands.execute('docmanager:open', "
+                              "{path: 'quickstart.ipynb'}); }")
+                page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-CodeCell")
+                page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.ready")
+                for text in ("%load_ext probing_magics", "%cluster_connect", "%cluster_nodes"):
+                    _run_cell(page, text)
+                widget = page.locator(".jp-OutputArea .probing-nodes-view").first
+                expect(widget.locator("tr.probing-rank")).to_have_count(4)
+                expect(widget.locator("tr.probing-rank[data-state='alive']")).to_have_count(4)
+                _shot(page, ".jp-OutputArea:has(.probing-nodes-view)", out, "widget.png")
+
+                # the insert-cell command: panel toolbar button, then the palette
+                cells = page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell")
+                before = cells.count()
+                page.click(INSERT_BUTTON)
+                expect(cells).to_have_count(before + 1)
+                sql_cells = page.locator(".jp-NotebookPanel .jp-Cell .jp-InputArea-editor",
+                                         has_text="%%cluster_sql")
+                n_sql = sql_cells.count()
+                page.keyboard.press("Control+Shift+C")
+                page.keyboard.type("Insert a %%cluster_sql Cell")
+                page.keyboard.press("Enter")
+                expect(cells).to_have_count(before + 2)
+                expect(sql_cells).to_have_count(n_sql + 1)
+
+                # add a job by address (the same job, by its root's endpoint): chosen and saved
+                endpoint = json.loads(urllib.request.urlopen(
+                    f"{lab.url}probing/api/jobs?token={TOKEN}", timeout=10).read())["jobs"][0]["endpoint"]
+                page.click("#probing-cluster .pm-Cluster-add summary")
+                page.fill("#probing-cluster .pm-Cluster-addTarget", endpoint)
+                page.click("#probing-cluster .pm-Cluster-add button[type='submit']")
+                expect(page.locator("#probing-cluster .pm-Cluster-addMessage")).to_contain_text("added")
+                select = page.locator("#probing-cluster .pm-Cluster-jobSelect")
+                expect(select).to_have_value(re.compile(r"^addr-"))
+                chosen = select.input_value()
+                page.wait_for_selector("#probing-cluster .pm-Cluster-body[data-status='ready'] "
+                                       ".pm-Cluster-rank[data-rank='0']")
+
+                # reload: the panel is back in its place, with the chosen job
+                page.wait_for_timeout(1500)  # the layout and state are saved shortly after a change
+                page.reload()
+                page.wait_for_selector("#probing-cluster .pm-Cluster-rank[data-rank='0']")
+                expect(page.locator("#probing-cluster")).to_be_visible()
+                expect(page.locator("#probing-cluster .pm-Cluster-jobSelect")).to_have_value(chosen)
+
+                # last (under DDP the other ranks fail soon after, in their all-reduce): a rank dies and turns dead
+                # within about one poll (plus the root's pid watch)
+                t_kill = time.monotonic()
+                job.kill(3)
+                page.wait_for_selector("#probing-cluster .pm-Cluster-rank[data-rank='3'][data-state='dead']",
+                                       timeout=15_000)
+                took = time.monotonic() - t_kill
+                print(f"rank 3 shown dead {took:.2f} s after it was killed (poll interval {POLL_SEC} s)")
+                assert took < POLL_SEC + 4
+                _shot(page, "#probing-cluster", out, "panel-dead-rank.png")
+            except BaseException:
+                page.screenshot(path=str(out / "failure.png"))
+                print(f"screenshot of the failure: {out / 'failure.png'}; jupyter lab log: {lab.log_path}")
+                raise
+            finally:
+                ctx.close()
+    finally:
+        if job is not None:
+            job.close()
+        lab.close()
