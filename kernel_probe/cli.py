@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--prune", action="store_true", help="remove the connection files of jobs that are gone")
     nodes = sub.add_parser("nodes", help="the job's membership: one row per rank")
     nodes.add_argument("--departures", action="store_true", help="also list ranks that died or left")
+    nodes.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                       help="print the table again every SECONDS; follows the job across relaunches")
     sub.add_parser("info", help="the answering probe's identity")
     q = sub.add_parser("query", help="run one read-only SELECT over the job's tables")
     q.add_argument("sql")
@@ -67,11 +69,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not infos:
         print(f"no probes on this machine (connection files in {directory})")
         return 0
-    rows = [("RUN ID", "ENDPOINT", "WORLD", "PID", "HOST", "STARTED", "STATUS")]
+    rows = [("RUN ID", "ENDPOINT", "WORLD", "PID", "HOST", "STARTED", "STATUS", "STORE (for -t on another host)")]
     for info in infos:
         status = "running" if connfile.is_alive(info) else "gone"
         rows.append((info.run_id, info.endpoint, str(info.world_size), str(info.pid), info.host,
-                     _age(info.started), status))
+                     _age(info.started), status, info.store or "-"))
     print("\n".join(_rows(rows)))
     return 0
 
@@ -113,8 +115,34 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     import kernel_probe
 
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
-        print(format_nodes(client.nodes_raw(_connect_timeout(args)), client.info_, departures=args.departures))
-    return 0
+        if args.watch is None:
+            print(format_nodes(client.nodes_raw(_connect_timeout(args)), client.info_, departures=args.departures))
+            return 0
+        return _watch_nodes(client, args)
+
+
+def _watch_nodes(client, args: argparse.Namespace) -> int:
+    """Print the table every ``--watch`` seconds; say once that the job ended, and once that
+    it restarted when the client follows it to a new launch (Ctrl-C stops)."""
+    from .client import ConnectError, JobEndedError
+
+    ended = False
+    while True:
+        try:
+            raw = client.nodes_raw(_connect_timeout(args))
+        except JobEndedError as exc:
+            if not ended:
+                print(f"{exc}; waiting for it to be launched again (Ctrl-C to stop)", flush=True)
+            ended = True
+        except ConnectError as exc:
+            print(f"kernel-probe: {exc}", file=sys.stderr, flush=True)
+        else:
+            ended = False
+            while (notice := client.take_notice()) is not None:
+                print(notice, flush=True)
+            print(f"--- {datetime.now().strftime('%H:%M:%S')}", flush=True)
+            print(format_nodes(raw, client.info_, departures=args.departures), flush=True)
+        time.sleep(max(0.1, args.watch))
 
 
 def cmd_info(args: argparse.Namespace) -> int:

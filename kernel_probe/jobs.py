@@ -49,13 +49,14 @@ class Job:
     started: float | None = None
     alive: bool | None = None
     added: float | None = None
+    store: str | None = None  # the store:// address to copy (rendezvous endpoint and id), when known
     _token: str | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the token."""
         return {"id": self.id, "source": self.source, "target": self.target, "run_id": self.run_id,
                 "endpoint": self.endpoint, "world_size": self.world_size, "pid": self.pid, "host": self.host,
-                "started": self.started, "alive": self.alive, "added": self.added}
+                "started": self.started, "alive": self.alive, "added": self.added, "store": self.store}
 
 
 def _local_id(info: connfile.ConnectionInfo) -> str:
@@ -65,7 +66,7 @@ def _local_id(info: connfile.ConnectionInfo) -> str:
 def _local_job(info: connfile.ConnectionInfo) -> Job:
     return Job(id=_local_id(info), source=LOCAL, target=str(info.path), run_id=info.run_id, endpoint=info.endpoint,
                world_size=info.world_size, pid=info.pid, host=info.host, started=info.started,
-               alive=connfile.is_alive(info))
+               alive=connfile.is_alive(info), store=info.store or None)
 
 
 class JobRegistry:
@@ -117,7 +118,8 @@ class JobRegistry:
         job_id = "addr-" + hashlib.sha256(target.encode()).hexdigest()[:12]
         job = Job(id=job_id, source=ADDED, target=target, run_id=info.get("run_id"), endpoint=client.endpoint,
                   world_size=info.get("world_size"), pid=info.get("pid"), host=None, started=None, alive=None,
-                  added=time.time(), _token=token)
+                  added=time.time(), store=target if target.startswith("store://") else client.store,
+                  _token=token)
         with self._lock:
             self._added[job_id] = job
         return job

@@ -5,6 +5,11 @@ flight: whichever waiting thread holds the socket reads for everybody and hands 
 answer to its owner (leader/follower), so a slow query does not delay a ``nodes()``
 on the same connection. Progress callbacks run on the thread that asked. Interrupting
 a wait (KeyboardInterrupt) abandons that request only; the connection stays usable.
+
+A job that is stopped and launched again (same run id) is followed: while its root is
+gone a request fails with ``JobEndedError`` within about a second (never a hang); once a
+new launch is found (``follow.find_relaunch``) the client switches to it, and
+``take_notice()`` says so once.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from .. import wire
 from ..shell import connfile
 from . import results
 from .errors import AuthError, ConnectError, JobEndedError, QueryFailed, Refused
+from .follow import find_relaunch, restart_notice, root_gone
 from .requests import Answered, Failed, Progress, Requests
 from .targets import Target
 
@@ -27,6 +33,11 @@ if TYPE_CHECKING:
     import pandas as pd
 
 _SLICE_SEC = 0.05  # how long the reading thread holds the socket before letting a sender in
+_GONE_CHECK_SEC = (0.3, 1.0)  # a request unanswered this long checks whether the root is gone; then this often
+
+
+class _RootGone(Exception):
+    """Internal: the root this request went to is gone (or the client followed a relaunch)."""
 
 
 class _Waiter:
@@ -42,11 +53,21 @@ class Client:
     """One connection to a probe (normally the root). Thread-safe; requests run concurrently."""
 
     def __init__(self, endpoint: str, key: bytes, *, run_id: str | None = None, token: str | None = None,
-                 connection: connfile.ConnectionInfo | None = None) -> None:
+                 connection: connfile.ConnectionInfo | None = None, spec: str | None = None,
+                 store: str | None = None) -> None:
         self.endpoint = endpoint
         self.run_id = run_id
         self.connection = connection
+        self.store = store  # the job's store:// address to show people, when known
         self.info_: dict[str, Any] = {}
+        self.restarts = 0  # launches of the job this client followed
+        self._target = Target(endpoint, key, run_id=run_id, token=token, connection=connection, spec=spec,
+                              store=store)
+        self._generation = 0  # bumped when the client switches to a new launch
+        self._ended: str | None = None  # why the root is known to be gone (until a relaunch is found)
+        self._notices: collections.deque[str] = collections.deque()
+        self._follow_lock = threading.Lock()
+        self._answered = False  # "gone" means the root answered once and is not there any more
         self._token = token
         self._io = threading.Lock()  # held by whoever touches the socket
         self._state = threading.Lock()  # guards the matcher and the waiters
@@ -58,7 +79,7 @@ class Client:
     @classmethod
     def from_target(cls, target: Target) -> "Client":
         return cls(target.endpoint, target.key, run_id=target.run_id, token=target.token,
-                   connection=target.connection)
+                   connection=target.connection, spec=target.spec, store=target.store)
 
     # ------------------------------------------------------------------ transport
 
@@ -74,7 +95,22 @@ class Client:
 
     def request(self, type_: str, body: dict, timeout: float = 5.0,
                 on_progress: Callable[[dict], None] | None = None) -> wire.Envelope:
-        """Send one request and wait for its answer; ``ConnectError`` after ``timeout`` seconds."""
+        """Send one request and wait for its answer; ``ConnectError`` after ``timeout`` seconds,
+        ``JobEndedError`` as soon as the root is known to be gone and no new launch is found."""
+        deadline = time.monotonic() + timeout
+        if self._ended is not None and not self._follow(self._generation):
+            raise JobEndedError(self._ended)
+        for attempt in range(3):  # a relaunch found mid-request: send it again to the new root
+            generation = self._generation
+            try:
+                return self._request_once(type_, body, deadline, timeout, on_progress, generation)
+            except _RootGone:
+                if not self._follow(generation):
+                    raise JobEndedError(self._ended or f"job {self.run_id} has ended") from None
+        raise JobEndedError(self._ended or f"job {self.run_id} has ended")
+
+    def _request_once(self, type_: str, body: dict, deadline: float, timeout: float,
+                      on_progress: Callable[[dict], None] | None, generation: int) -> wire.Envelope:
         waiter = _Waiter()
         with self._state:
             msg_id, frames = self._requests.send(type_, body)  # ValueError: a body we cannot send
@@ -86,7 +122,7 @@ class Client:
                 except BaseException:
                     self._drop_socket()  # a send cut short must not leave half a message queued
                     raise
-            return self._wait(waiter, time.monotonic() + timeout, timeout, on_progress)
+            return self._wait(waiter, deadline, timeout, on_progress, generation)
         finally:
             with self._state:
                 self._requests.forget(msg_id)
@@ -94,7 +130,8 @@ class Client:
             self._wake_one()  # if we were reading, let another waiter take over at once
 
     def _wait(self, waiter: _Waiter, deadline: float, timeout: float,
-              on_progress: Callable[[dict], None] | None) -> wire.Envelope:
+              on_progress: Callable[[dict], None] | None, generation: int) -> wire.Envelope:
+        next_check = time.monotonic() + _GONE_CHECK_SEC[0]
         while True:
             while waiter.progress:
                 body = waiter.progress.popleft()
@@ -102,12 +139,22 @@ class Client:
                     on_progress(body)
             outcome = waiter.outcome
             if isinstance(outcome, Answered):
+                self._answered = True
                 return outcome.envelope
             if isinstance(outcome, Failed):
                 raise outcome.error
-            left = deadline - time.monotonic()
+            if self._generation != generation:
+                raise _RootGone()  # another thread followed the job to a new launch
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise self._no_answer(timeout)
+            if now >= next_check and self._answered:
+                why = root_gone(self.endpoint, self.connection)
+                if why is not None:
+                    self._ended = why
+                    raise _RootGone()
+                next_check = time.monotonic() + _GONE_CHECK_SEC[1]
             if self._io.acquire(blocking=False):
                 try:
                     self._read(min(left, _SLICE_SEC))
@@ -116,6 +163,43 @@ class Client:
             else:
                 waiter.event.wait(min(left, _SLICE_SEC))
                 waiter.event.clear()
+
+    def _follow(self, generation: int) -> bool:
+        """Switch to the job's new launch if there is one; True if this client now talks to
+        a live root (another thread may have switched already)."""
+        with self._follow_lock:
+            if self._generation != generation:
+                return True
+            new = find_relaunch(self._target)
+            if new is None:
+                return False
+            with self._io:
+                self._drop_socket()
+                with self._state:
+                    self._requests.rekey(new.key)
+                    self.endpoint, self.run_id, self.connection = new.endpoint, new.run_id, new.connection
+                    self.store = new.store or self.store
+                    self._target = Target(new.endpoint, new.key, run_id=new.run_id, token=self._token,
+                                          connection=new.connection, spec=self._target.spec, store=self.store)
+                    self._ended = None
+                    self.restarts += 1
+                    self._generation += 1
+            self._notices.append(restart_notice(self._target, new, self.restarts))
+            generation = self._generation
+        try:  # the new root's pid and counts (same run id and world size)
+            env = self._request_once("info_request", {}, time.monotonic() + 2.0, 2.0, None, generation)
+            self.info_ = results.checked_info(env.msg.body, self.endpoint)
+        except Exception:
+            pass  # the next request says what is wrong
+        return True
+
+    def take_notice(self) -> str | None:
+        """A one-line notice (e.g. "job X restarted: following its new launch ...") not shown
+        yet, or None. Each notice is returned once."""
+        try:
+            return self._notices.popleft()
+        except IndexError:
+            return None
 
     def _read(self, seconds: float) -> None:
         """Read whatever arrives within ``seconds`` and hand it to its waiters (``_io`` held)."""

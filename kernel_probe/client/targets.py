@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import wire
 from ..config import Settings, load_settings, run_id_from
 from ..shell import connfile
-from .errors import AuthError, ConnectError
+from .errors import AuthError, ConnectError, JobEndedError
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,8 @@ class Target:
     run_id: str | None = None
     token: str | None = None  # kept in memory only, to re-derive the key for tcp:// targets
     connection: connfile.ConnectionInfo | None = None  # the job's connection file, when there is one
+    spec: str | None = None  # what the user typed (None: the newest job here), to find a relaunch by
+    store: str | None = None  # the job's store:// address, when known (for people to copy)
 
 
 def resolve(target: str | os.PathLike | None = None, token: str | None = None,
@@ -71,47 +73,73 @@ def resolve(target: str | os.PathLike | None = None, token: str | None = None,
             raise AuthError(f"no key for {endpoint}: pass token= (or set PROBING_AUTH_TOKEN), or use a "
                             f"connection file / store:// target")
         key = wire.derive_key(token, run_id or "")
-    return Target(endpoint, key, run_id=run_id, token=token, connection=conn)
+    store = target_s if target_s and target_s.startswith("store://") else (conn.store if conn else None)
+    return Target(endpoint, key, run_id=run_id, token=token, connection=conn, spec=target_s or None,
+                  store=store or None)
 
 
-def _from_store(target: str, token: str | None, timeout: float) -> tuple[str, str, bytes]:
+def parse_store(target: str) -> tuple[str, int, str]:
+    """``store://host:port[/run]`` -> (host, port, run); ``ConnectError`` when malformed."""
     rest = target[len("store://"):]
     hostport, _, run = rest.partition("/")
     host, _, port_s = hostport.rpartition(":")
+    host = host.strip("[]")
     if not host or not port_s.isdigit():
         raise ConnectError(f"bad store target {target!r}: expected store://host:port[/run_id]")
-    from ..shell.discovery import DiscoveryError, StoreDiscovery
+    return host, int(port_s), run.strip("/")
 
+
+def _from_store(target: str, token: str | None, timeout: float) -> tuple[str, str, bytes]:
+    """Read the root's record from the store a user named: the rendezvous store at
+    ``--rdzv-endpoint`` (run = ``--rdzv-id``) or the agent store at ``MASTER_PORT``.
+    Plain-Python reads (no torch import): a few milliseconds."""
+    from ..shell.discovery import DiscoveryError, StoreReader, StoreRefused
+
+    host, port, run = parse_store(target)
+    hostport = f"{host}:{port}"
     if run and "/r" in run:
-        candidates = [run]
+        bases, fixed = [run.rsplit("/r", 1)[0]], run
     else:
-        base = run_id_from({"TORCHELASTIC_RUN_ID": run, "MASTER_ADDR": host, "MASTER_PORT": port_s}).rsplit("/r", 1)[0]
-        candidates = [f"{base}/r{i}" for i in range(32)]
+        # the rendezvous id as typed ("none" when torchrun got no --rdzv-id), or, for the
+        # agent store, the run id torchrun derives from MASTER_ADDR:MASTER_PORT
+        default = run_id_from({"TORCHELASTIC_RUN_ID": run, "MASTER_ADDR": host,
+                               "MASTER_PORT": str(port)}).rsplit("/r", 1)[0]
+        bases, fixed = ([default] if run else [default, "none"]), None
     try:
-        disc = StoreDiscovery(host, int(port_s), candidates[0], timeout_sec=timeout)
+        reader = StoreReader(host, port, timeout_sec=min(timeout, 2.0))
     except DiscoveryError as exc:
+        if isinstance(exc, StoreRefused):  # the agents hosting the store are gone: so is the job
+            raise JobEndedError(f"the job's store at {hostport} is gone: the job ended (or is not started yet)") from None
         raise ConnectError(f"cannot reach the job's store: {exc}") from None
     try:
-        master = None
-        for run_id in candidates:  # r0, r1, ...: the newest restart of the job wins
-            disc.run_id = run_id
-            found = disc.read_master()
-            if found is None:
+        found: tuple[dict, str] | None = None
+        for base in bases:
+            candidates = [fixed] if fixed else [f"{base}/r{i}" for i in range(64)]
+            for store_run in candidates:  # r0, r1, ...: the newest restart of the job wins
+                master = reader.read_master(store_run)
+                if master is None:
+                    break
+                found = master, store_run
+            if found:
                 break
-            master, newest = found, run_id
-        if master is None:
+        if found is None:
             raise ConnectError(f"no probing root registered in the store at {hostport} for run "
-                               f"{run or '(default)'}: is the job running with PROBING=1?")
-        disc.run_id = newest
+                               f"{run or '(default)'}: is the job running with PROBING=1 (and is this its "
+                               f"--rdzv-endpoint and --rdzv-id)?")
+        master, store_run = found
+        run_id = str(master.get("run_id") or store_run)  # the rendezvous store's record names the run id
         if token:
-            key = wire.derive_key(token, newest)
+            key = wire.derive_key(token, run_id)
         else:
-            secret = disc.read_secret()
+            secret = reader.read_secret(store_run)
             if secret is None:
                 raise AuthError(f"the job in the store at {hostport} publishes no secret: pass its token")
-            key = wire.derive_key(secret, newest)
-        return master["endpoint"], newest, key
+            key = wire.derive_key(secret, run_id)
+        endpoint = master.get("endpoint")
+        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            raise ConnectError(f"the store at {hostport} holds a bad root record for run {store_run}")
+        return endpoint, run_id, key
     except DiscoveryError as exc:
         raise ConnectError(f"cannot read the job's store: {exc}") from None
     finally:
-        disc.close()
+        reader.close()

@@ -69,6 +69,7 @@ class ConnectionInfo:
     key: str  # hex of the signing key a client needs (never the token itself)
     started: float
     protocol: int
+    store: str = ""  # the store:// address a user elsewhere can copy (empty: none known)
     path: Path | None = None  # where it was read from / written to; not serialised
 
     def to_dict(self) -> dict:
@@ -101,7 +102,8 @@ class ConnectionInfo:
             bytes.fromhex(values["key"])
         except ValueError:
             raise ValueError("field 'key' is not hex") from None
-        return cls(**values, path=path)
+        store = d.get("store", "")  # optional: files of older writers lack it
+        return cls(**values, store=store if isinstance(store, str) else "", path=path)
 
 
 def _safe(run_id: str) -> str:

@@ -8,6 +8,16 @@ plain client ``TCPStore(..., is_master=False, wait_for_workers=False)`` works wi
 * ``LOCAL0_KEY``  -- each node's broker, elected with ``compare_set``.
 * ``SECRET_KEY``  -- a per-job random secret when no auth token is configured.
 
+Where a client finds the root (issue 10): the store a user knows is the rendezvous
+store at ``--rdzv-endpoint`` (the c10d backend's TCPStore, hosted by one agent), not the
+agent store at ``MASTER_PORT`` (measured with torch 2.13: two different TCPStores; the
+workers' environment names only the agent store). So the root also publishes its
+master record and the job's secret in the rendezvous store under the rendezvous id
+(``probing/torchrun/<rdzv id>/r<restart>/...``); it learns the endpoint from its
+agent's command line (``rendezvous_of_agent``). A client reads either store with
+``StoreReader``: the TCPStore wire protocol in plain Python (validate, check, get), so
+``store://`` never imports torch (~5 s here) and answers in milliseconds.
+
 Facts this module is built around (measured, see BUILD_NOTES.md): ``get`` on a missing
 key blocks until the store timeout, so every read does a non-blocking ``check`` first;
 after a store error the client connection can stay broken for good, so any failure
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +41,10 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "DiscoveryError",
+    "StoreReader",
+    "StoreRefused",
+    "rendezvous_of_agent",
+    "agent_arguments",
     "LOCAL0_KEY",
     "MASTER_KEY",
     "SECRET_KEY",
@@ -46,6 +61,10 @@ _T = TypeVar("_T")
 
 class DiscoveryError(Exception):
     """The store is unreachable, misbehaves, or holds garbage under one of our keys."""
+
+
+class StoreRefused(DiscoveryError):
+    """Nothing listens at the store's address: the agents that host it are gone."""
 
 
 def _encode(value: Any) -> str:
@@ -269,3 +288,149 @@ class StoreDiscovery:
 
     def __repr__(self) -> str:
         return f"StoreDiscovery({self.host!r}, {self.port}, run_id={self.run_id!r})"
+
+
+# -- reading a store without torch ---------------------------------------------------------
+
+# torch/csrc/distributed/c10d/TCPStoreBackend.hpp (stable since torch 2.0): a query is
+# one QueryType byte, then arguments; strings and byte vectors are a uint64 length
+# (native byte order: little-endian everywhere torch runs) and the bytes.
+_VALIDATE, _GET, _CHECK = 0, 3, 5
+_MAGIC = 0x3C85F7CE
+_READY = 0
+_MAX_VALUE = 1 << 20  # our values are a few hundred bytes
+_KEY_PREFIX = "/"  # torch's TCPStore client puts this before every user key
+
+
+def _key(value: str) -> bytes:
+    data = (_KEY_PREFIX + value).encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+class StoreReader:
+    """A read-only TCPStore client in plain Python: ``check`` and ``get`` of our keys.
+
+    ``DiscoveryError`` (one line) when the store is not there or answers nonsense;
+    ``ConnectionRefusedError`` inside it means nothing listens: the job's agents are gone.
+    """
+
+    def __init__(self, host: str, port: int, timeout_sec: float = 2.0) -> None:
+        self.host, self.port, self.timeout_sec = host, int(port), float(timeout_sec)
+        try:
+            self._sock = socket.create_connection((host, self.port), timeout=self.timeout_sec)
+        except OSError as exc:
+            error = StoreRefused if isinstance(exc, ConnectionRefusedError) else DiscoveryError
+            raise error(f"TCPStore {host}:{port} is not reachable: {_one_line(exc)}") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._send(struct.pack("<BI", _VALIDATE, _MAGIC))
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            raise DiscoveryError(f"TCPStore {self.host}:{self.port}: {_one_line(exc)}") from None
+
+    def _recv(self, n: int) -> bytes:
+        out = bytearray()
+        try:
+            while len(out) < n:
+                chunk = self._sock.recv(n - len(out))
+                if not chunk:
+                    raise DiscoveryError(f"TCPStore {self.host}:{self.port} closed the connection")
+                out += chunk
+        except OSError as exc:
+            raise DiscoveryError(f"TCPStore {self.host}:{self.port}: {_one_line(exc)}") from None
+        return bytes(out)
+
+    def check(self, key: str) -> bool:
+        """Is ``key`` set? (never blocks, unlike ``get`` on a missing key)"""
+        self._send(struct.pack("<BQ", _CHECK, 1) + _key(key))
+        return self._recv(1)[0] == _READY
+
+    def get(self, key: str) -> bytes | None:
+        """The value of ``key``, or None when it is not set."""
+        if not self.check(key):
+            return None
+        self._send(struct.pack("<B", _GET) + _key(key))
+        (size,) = struct.unpack("<Q", self._recv(8))
+        if size > _MAX_VALUE:
+            raise DiscoveryError(f"TCPStore {self.host}:{self.port}: value of {key!r} is too large ({size} bytes)")
+        return self._recv(size)
+
+    def get_json(self, key: str) -> Any:
+        raw = self.get(key)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise DiscoveryError(f"TCPStore {self.host}:{self.port}: key {key!r} holds a non-JSON value") from None
+
+    def read_master(self, run_id: str) -> dict | None:
+        value = self.get_json(MASTER_KEY.format(run_id=run_id))
+        return value if isinstance(value, dict) else None
+
+    def read_secret(self, run_id: str) -> str | None:
+        value = self.get_json(SECRET_KEY.format(run_id=run_id))
+        return value if isinstance(value, str) and value else None
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- the rendezvous endpoint as typed on the torchrun command line -------------------------
+
+def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg[len(name) + 1:]
+    return None
+
+
+def agent_arguments(argv: list[str], environ: dict[str, str]) -> dict[str, str | None]:
+    """What a torchrun agent was told about its rendezvous: ``endpoint``, ``backend``, ``id``
+    (its command line first, then torchrun's ``PET_*`` variables, as torchrun reads them)."""
+    def pick(flag: str, env: str) -> str | None:
+        names = (f"--{flag}", f"--{flag.replace('-', '_')}")
+        return _flag_value(argv, names) or environ.get(env) or None
+
+    return {"endpoint": pick("rdzv-endpoint", "PET_RDZV_ENDPOINT"),
+            "backend": pick("rdzv-backend", "PET_RDZV_BACKEND"),
+            "id": pick("rdzv-id", "PET_RDZV_ID"),
+            "standalone": "1" if ("--standalone" in argv or environ.get("PET_STANDALONE")) else None}
+
+
+def rendezvous_of_agent(default_port: int = 29400) -> tuple[str, int, str] | None:
+    """``(host, port, rdzv id)`` of this worker's torchrun agent (its parent process) as the
+    user typed them (``--rdzv-endpoint``, ``--rdzv-id``), or None (no agent; static or
+    standalone rendezvous: then the agent store is the only store)."""
+    try:
+        import psutil
+
+        parent = psutil.Process().parent()
+        if parent is None:
+            return None
+        args = agent_arguments(parent.cmdline(), parent.environ())
+    except Exception:  # no agent, or we may not look at it
+        return None
+    if args["standalone"] or (args["backend"] or "static") != "c10d" or not args["endpoint"]:
+        return None
+    host, sep, port = args["endpoint"].strip().rpartition(":")
+    if not sep:
+        host, port = args["endpoint"].strip(), str(default_port)
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        return None
+    return host, int(port), args["id"] or "none"

@@ -91,6 +91,9 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self._pids = PidWatch()
         self._parent_sock: zmq.Socket | None = None
         self._discovery: Any = None
+        self._store_secret: str | None = None
+        self.rendezvous: tuple[str, int, str] | None = None  # the root's torchrun --rdzv-endpoint and --rdzv-id
+        self._mirrored = False  # the root's record is in the rendezvous store too
 
     # --- other threads -----------------------------------------------------------------
     def submit(self, command: tuple) -> None:
@@ -181,7 +184,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
             try:
                 self._discovery = self._open_store()
                 if not self.settings.auth_token:
-                    store_secret = self._discovery.shared_secret(wire.new_secret())
+                    store_secret = self._store_secret = self._discovery.shared_secret(wire.new_secret())
             except Exception as exc:  # no torch, store gone: run alone rather than not at all
                 log.warning("probing: store discovery unavailable (%s); this probe runs standalone", exc)
                 self._use_store, self._discovery = False, None
@@ -193,8 +196,10 @@ class ProbeThread(threading.Thread, EffectInterpreter):
 
     def _open_store(self):
         self._await_torch()
-        from .discovery import StoreDiscovery
+        from .discovery import StoreDiscovery, rendezvous_of_agent
 
+        if self.identity.rank == 0:
+            self.rendezvous = rendezvous_of_agent()
         return StoreDiscovery(self.identity.master_addr, int(self.identity.master_port),
                               self.identity.run_id, timeout_sec=self.settings.discover_timeout_sec)
 
@@ -224,10 +229,45 @@ class ProbeThread(threading.Thread, EffectInterpreter):
                 endpoint=self.endpoint, run_id=ident.run_id, world_size=ident.world_size, pid=os.getpid(),
                 pid_create_time=psutil.Process().create_time(), host=socket.gethostname(), incarnation=self.incarnation,
                 key=self.key.hex(), started=self.clock(), protocol=wire.PROTOCOL_VERSION,
+                store=self.store_address(),
             )
             self.connection_file = str(connfile.write(self.settings.runtime_dir, info))
         except Exception as exc:
             log.warning("probing: could not write the connection file: %s", exc)
+
+    def store_address(self) -> str:
+        """The ``store://`` address to copy: the rendezvous endpoint and id as typed on the
+        torchrun command line when the root mirrored itself there, else the agent store."""
+        ident = self.identity
+        if not self._use_store:
+            return ""
+        if self.rendezvous is not None and self._mirrored:
+            host, port, rdzv_id = self.rendezvous
+            return f"store://{host}:{port}/{rdzv_id}"
+        hostport = f"{ident.master_addr}:{ident.master_port}"
+        base = ident.run_id.rsplit("/r", 1)[0]
+        return f"store://{hostport}" + ("" if base == hostport else f"/{base}")
+
+    def _mirror_master(self, record: dict) -> None:
+        """Publish the root's record and the job's secret in the rendezvous store too, under
+        the rendezvous id, so ``store://<--rdzv-endpoint>/<--rdzv-id>`` finds the job."""
+        ident = self.identity
+        if self.rendezvous is None:
+            return
+        host, port, rdzv_id = self.rendezvous
+        if (host, port) == (ident.master_addr, ident.master_port):
+            return
+        from .discovery import StoreDiscovery
+
+        restart = ident.run_id.rsplit("/r", 1)[-1]
+        try:
+            with StoreDiscovery(host, port, f"{rdzv_id}/r{restart}", timeout_sec=self.settings.discover_timeout_sec) as d:
+                d.publish_master({**record, "run_id": ident.run_id})
+                if self._store_secret:
+                    d.shared_secret(self._store_secret)
+            self._mirrored = True
+        except Exception as exc:
+            log.warning("probing: could not publish the root in the rendezvous store %s:%d (%s)", host, port, exc)
 
     # --- inputs ------------------------------------------------------------------------------
     def _drain_router(self, now: float) -> None:
@@ -330,7 +370,9 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         d, args = self._discovery, op.args
         try:
             if op.op == "publish_master":
-                return d.publish_master(args["record"])
+                d.publish_master(args["record"])
+                self._mirror_master(args["record"])
+                return None
             if op.op == "elect_local0":
                 return d.elect_local0(args["node"], args["record"], stale=args.get("stale"))
             if op.op == "read_local0":

@@ -93,6 +93,12 @@ class LocalJob:
         python: str = sys.executable,
         grace: float = 10.0,
         rank_env: Callable[[int], dict[str, str]] | None = None,
+        rdzv_port: int | None = None,
+        rdzv_host: str = _LOOPBACK,
+        node_prefix: Callable[[int], list[str]] | None = None,
+        node_env: Callable[[int], dict[str, str]] | None = None,
+        node_addr: Callable[[int], str] | None = None,
+        node_args: Callable[[int], list[str]] | None = None,
     ) -> None:
         if mode not in ("torchrun", "plain"):
             raise ValueError(f"mode must be 'torchrun' or 'plain', not {mode!r}")
@@ -114,7 +120,12 @@ class LocalJob:
         self.rank_env = rank_env  # plain mode: extra environment of one rank
         self.master_addr: str = _LOOPBACK
         self.master_port: int | None = None
-        self.rdzv_port: int | None = None  # torchrun mode: the c10d rendezvous endpoint
+        # torchrun mode: the c10d rendezvous endpoint (given: the same command as a previous launch)
+        self.rdzv_port: int | None = rdzv_port
+        self.rdzv_host = rdzv_host
+        # torchrun mode, per agent (simulated hosts, e.g. network namespaces): a command
+        # prefix (``ip netns exec NAME``), extra environment, --local-addr, more agent options
+        self.node_prefix, self.node_env, self.node_addr, self.node_args = node_prefix, node_env, node_addr, node_args
 
         self._procs: list[subprocess.Popen[bytes]] = []  # top level: agents or plain workers
         self._logs: list[IO[bytes]] = []
@@ -209,32 +220,36 @@ class LocalJob:
         return list(self.argv)  # a script path
 
     def _start_torchrun(self) -> None:
-        self.rdzv_port = free_port()
+        if self.rdzv_port is None:
+            self.rdzv_port = free_port()
         # torchrun starts workers with its own sys.executable (or $PYTHON_EXEC): the agent
         # runs on self.python, so the workers do too without leaking PYTHON_EXEC to them.
         env = self._base_env()
         target = self._torchrun_target()
         for node in range(self.nodes):
             cmd = [
+                *(self.node_prefix(node) if self.node_prefix else []),
                 self.python,
                 "-m",
                 "torch.distributed.run",
                 f"--nnodes={self.nodes}",
                 f"--nproc-per-node={self.ranks_per_node}",
                 "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={_LOOPBACK}:{self.rdzv_port}",
+                f"--rdzv-endpoint={self.rdzv_host}:{self.rdzv_port}",
                 f"--rdzv-id={self.run_id}",
                 "--max-restarts=0",
                 # Without it MASTER_ADDR is the FQDN/"localhost"; pin loopback like the rdzv.
-                f"--local-addr={_LOOPBACK}",
+                f"--local-addr={self.node_addr(node) if self.node_addr else _LOOPBACK}",
                 # Per-rank logs (tee keeps them in the agent log too, prefixed "[defaultN]:").
                 f"--log-dir={self.workdir / f'node{node}'}",
                 "--tee=3",
                 "--monitor-interval=0.1",
+                *(self.node_args(node) if self.node_args else []),
                 *target,
             ]
+            node_env = {**env, **self.node_env(node)} if self.node_env else env
             # Started one after the other; c10d assigns GROUP_RANK in join order anyway.
-            self._spawn(cmd, env, self.workdir / f"agent{node}.log")
+            self._spawn(cmd, node_env, self.workdir / f"agent{node}.log")
 
     # --------------------------------------------------------------- reaping
     def _reap_loop(self) -> None:
@@ -298,6 +313,11 @@ class LocalJob:
         with self._lock:
             self._seen.update(found)
         return {rank: info[0].pid for rank, info in sorted(found.items())}
+
+    @property
+    def store_target(self) -> str:
+        """torchrun mode: ``store://<--rdzv-endpoint>/<--rdzv-id>``, as a user would type it."""
+        return f"store://{self.rdzv_host}:{self.rdzv_port}/{self.run_id}"
 
     def wait_ready(self, timeout: float = 60) -> dict[int, int]:
         """Block until all N*M worker pids are known; return rank -> pid.

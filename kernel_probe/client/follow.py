@@ -1,0 +1,83 @@
+"""Telling a job that ended from one that is slow, and finding its next launch.
+
+The everyday restart (issue 10): the user stops a torchrun job and runs the same
+command again: same rendezvous id, so the same run id, but a new root process at a new
+endpoint with a new per-job secret. A client connected to the first launch must say
+"job ended" quickly while nothing runs (never wait out a long timeout), and follow the
+job to its new launch by itself once there is one.
+
+* ``root_gone``: the root's process is gone, not merely slow or cut off: its pid is dead
+  (a connection file on this machine), or nothing listens at its endpoint any more (a
+  refused TCP connect; a cut link times out instead, and is not "gone").
+* ``find_relaunch``: the same job's new root: the same ``store://`` address read again
+  (the rendezvous store is hosted by the new agents), or a live connection file here
+  with the same run id and another root process.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from .. import wire
+from ..config import load_settings
+from ..shell import connfile
+from .errors import ProbeError
+from .targets import Target, resolve
+
+PROBE_TIMEOUT_SEC = 0.5  # a TCP connect to a live root on a reachable host takes microseconds
+
+
+def _base(run_id: str | None) -> str:
+    return (run_id or "").rsplit("/r", 1)[0]  # in-place restarts (r0, r1, ...) are the same job
+
+
+def root_gone(endpoint: str, connection: connfile.ConnectionInfo | None) -> str | None:
+    """Why the root at ``endpoint`` is known to be gone, or None (alive, slow, or unreachable)."""
+    if connection is not None:
+        if connfile.is_alive(connection):
+            return None
+        return f"job {connection.run_id} has ended: its root (pid {connection.pid}) is gone"
+    hostport = endpoint[len("tcp://"):] if endpoint.startswith("tcp://") else endpoint
+    host, _, port = hostport.rpartition(":")
+    if not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_SEC):
+            return None
+    except ConnectionRefusedError:
+        return f"the job's root at {endpoint} is gone (nothing listens there any more): the job ended"
+    except OSError:
+        return None  # a timeout or no route: unreachable, which is not the same as ended
+
+
+def find_relaunch(current: Target) -> Target | None:
+    """The job's new launch (another root process, same job), or None while there is none."""
+    if current.spec and current.spec.startswith("store://"):
+        try:
+            new = resolve(current.spec, current.token)
+        except ProbeError:
+            return None
+        return None if (new.endpoint, new.key) == (current.endpoint, current.key) else new
+    directory = (current.connection.path.parent if current.connection is not None and current.connection.path
+                 else load_settings().runtime_dir)
+    old_pid = current.connection.pid if current.connection is not None else None
+    for info in connfile.list_files(Path(directory)):  # newest first
+        if _base(info.run_id) != _base(current.run_id) or info.pid == old_pid or not connfile.is_alive(info):
+            continue
+        if info.endpoint == current.endpoint and old_pid is None:
+            continue  # the very root we talk to
+        key = wire.derive_key(current.token, info.run_id) if current.token else bytes.fromhex(info.key)
+        return Target(info.endpoint, key, run_id=info.run_id, token=current.token, connection=info,
+                      spec=current.spec, store=info.store or current.store)
+    return None
+
+
+def restart_notice(old: Target, new: Target, restarts: int) -> str:
+    """What a front end says, once, when it followed a job to its new launch."""
+    pid = f"root pid {new.connection.pid} " if new.connection is not None else ""
+    return (f"job {_base(new.run_id) or new.run_id} restarted: following its new launch "
+            f"({pid}at {new.endpoint}; restart {restarts})")
+
+
+__all__ = ["root_gone", "find_relaunch", "restart_notice", "PROBE_TIMEOUT_SEC"]
