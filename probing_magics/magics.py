@@ -129,6 +129,8 @@ class ClusterMagics(Magics):
             client = kernel_probe.connect(job.target, timeout=self.settings.connect_timeout)
         except kernel_probe.ProbeError as exc:
             raise ClusterError(f"{NOT_CONNECTED} (the newest job here did not answer: {exc})") from None
+        except KeyboardInterrupt:
+            raise ClusterError("interrupted while connecting") from None
         self._set_client(client, job.target, None)
         print(f"connected to the newest job on this machine: {self._describe(client)}")
         return client
@@ -172,6 +174,8 @@ class ClusterMagics(Magics):
                 client = kernel_probe.connect(target, token=token, timeout=timeout)
         except kernel_probe.ProbeError as exc:
             raise ClusterError(str(exc)) from None
+        except KeyboardInterrupt:
+            raise ClusterError("interrupted while connecting") from None
         self._set_client(client, target, token)
         print(f"connected: {self._describe(client)}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import kernel_probe
-from kernel_probe.testing.harness import LocalJob, free_port
+from kernel_probe.testing.harness import LocalJob
 from probing_magics.display import ClusterError, ClusterFrame, ExplainText, StacksView
 
 from .conftest import wait_for, worker_argv
@@ -185,13 +186,17 @@ def test_stacks_grouped(ip):
 
 
 def test_unreachable_and_missing_token(ip, capsys, monkeypatch):
-    port = free_port()
+    # a port we hold bound but never listen on: nobody answers there, and nobody else can take it
+    hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    hold.bind(("127.0.0.1", 0))
+    port = hold.getsockname()[1]
     _, err = run(ip, f"%cluster_connect tcp://127.0.0.1:{port} --timeout 0.5")
     assert isinstance(err, ClusterError) and "no key for" in one_line_error(capsys, err)  # no token, no prompt here
     monkeypatch.setenv("PROBING_TEST_TOKEN", "s3cret")
     _, err = run(ip, f"%cluster_connect tcp://127.0.0.1:{port} --token-env PROBING_TEST_TOKEN --timeout 0.5")
     assert isinstance(err, ClusterError) and "unreachable" in one_line_error(capsys, err)
     assert "s3cret" not in str(err)
+    hold.close()
 
 
 def test_partial_answer_timeout_setting_and_strict(ip, capsys):
