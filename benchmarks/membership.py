@@ -100,6 +100,22 @@ def simulation(nodes: int, per_node: int, minutes: float) -> tuple[float, float]
     return cpu, sim.converged()
 
 
+def traffic(world: int) -> tuple[float, float, float]:
+    """Bytes on the wire to converge, and per 60 s in steady state, for ``world`` ranks
+    on nodes of 8 (default intervals); and the CPU seconds the simulation took."""
+    from kernel_probe.testing.sim import Simulation
+
+    t0 = time.process_time()
+    sim = Simulation(world // 8, 8, record=False)
+    sim.start_all()
+    sim.wait_for(sim.converged, 30, check_every=0.01)
+    converge = sum(sim.bytes_sent.values())
+    sim.run_for(60)
+    before = sum(sim.bytes_sent.values())
+    sim.run_for(60)
+    return converge, sum(sim.bytes_sent.values()) - before, time.process_time() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--window", type=float, default=30.0)
@@ -118,6 +134,11 @@ def main() -> int:
     lags = convergence(args.runs, runtime)
     print(f"convergence, torchrun 2x2, default intervals, {len(lags)} runs: "
           f"median {statistics.median(lags) * 1000:.0f} ms, max {max(lags) * 1000:.0f} ms")
+    print("membership traffic in the simulator (nodes of 8, default intervals):")
+    for world in (128, 256, 512, 1024):
+        converge, steady, cpu = traffic(world)
+        print(f"  {world:5d} ranks: converge {converge / 1e6:6.2f} MB ({converge / world:6.0f} B/rank), "
+              f"steady {steady / 1e3:7.1f} KB per 60 s ({steady / world:5.0f} B/rank); {cpu:.1f} s CPU")
     try:
         cpu, ok = simulation(64, 16, 5)
         print(f"simulation: 1024 virtual ranks, 5 simulated minutes: {cpu:.1f} s CPU, converged={ok}")

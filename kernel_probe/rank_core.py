@@ -35,6 +35,7 @@ REPORT_FIELDS = (
 @dataclass
 class Child:
     rank: int
+    node: int = 0  # pushes to it carry its node's members only
     known_epoch: int = 0
     pid: int = 0
     host: str = ""
@@ -469,17 +470,20 @@ class RankCore:
         self._push_at = None
         self._pushed_epoch = view.epoch
         effects: list[Effect] = []
-        # Children at the same epoch get the same delta: build it once per epoch, not
-        # once per child (a full delta of a big job costs milliseconds; a broker has
-        # dozens of children, the root hundreds). Bodies are never mutated once built.
-        bodies: dict[int, dict] = {}
+        # A child is sent what it uses: its own node's members (the root alone holds the
+        # whole job), so a round's pushes grow with the job, not with its square.
+        # Children of one node at the same epoch get the same delta: built once. Bodies
+        # are never mutated once built.
+        bodies: dict[tuple[int, int], dict] = {}
+        complete = self._complete()
         for rid, child in self.children.items():
             if child.known_epoch == view.epoch:
                 continue
-            body = bodies.get(child.known_epoch)
+            key = (child.known_epoch, child.node)
+            body = bodies.get(key)
             if body is None:
-                body = bodies[child.known_epoch] = {"epoch": view.epoch, "complete": self._complete(),
-                                                    "delta": view.delta_since(child.known_epoch)}
+                body = bodies[key] = {"epoch": view.epoch, "complete": complete,
+                                      "delta": view.delta_since(child.known_epoch, child.node)}
             child.known_epoch = view.epoch
             effects.append(Send(rid, Message("membership", body)))
         return effects
@@ -504,7 +508,7 @@ class RankCore:
         child = self.children.get(rid)
         if child is None or child.incarnation != first.get("incarnation"):
             self._drop_child_rank(child_rank)
-            child = self.children[rid] = Child(child_rank, pid=int(first.get("pid") or 0),
+            child = self.children[rid] = Child(child_rank, node=_node_of(first), pid=int(first.get("pid") or 0),
                                                host=str(first.get("host") or ""),
                                                incarnation=str(first.get("incarnation") or ""))
         child.known_epoch = int(env.msg.body.get("known_epoch") or 0)
@@ -522,7 +526,7 @@ class RankCore:
         view = self.view()
         ack = {
             "epoch": view.epoch, "complete": self._complete(),
-            "delta": view.delta_since(child.known_epoch) if child.known_epoch != view.epoch else None,
+            "delta": view.delta_since(child.known_epoch, child.node) if child.known_epoch != view.epoch else None,
             "parent": {"rank": self.identity.rank, "pid": self.pid, "host": self.identity.host,
                        "incarnation": self.incarnation, "tier": self.tier},
         }
@@ -548,3 +552,10 @@ class RankCore:
     def _drop_child_rank(self, rank: int) -> None:
         for rid in [rid for rid, c in self.children.items() if c.rank == rank]:
             del self.children[rid]
+
+
+def _node_of(report: dict) -> int:
+    try:
+        return int(report.get("node") or 0)
+    except (TypeError, ValueError):
+        return 0

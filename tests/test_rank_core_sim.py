@@ -484,3 +484,39 @@ def test_placement_tiers_match_the_expected_tree_when_everyone_starts_together()
     assert {r: sim.core(r).tier for r in range(9)} == {r: sim.tier_of(r) for r in range(9)}
     assert {r: sim.ranks[r].parent for r in range(1, 9)} == {
         r: (0 if sim.tier_of(r) == "broker" else sim.broker_of(r)) for r in range(1, 9)}
+
+
+# --- linear membership: what flows down is what each tier uses ---------------------------
+
+
+def _converge_bytes(world: int) -> tuple[float, float]:
+    sim = Simulation(world // 8, 8, record=False)
+    sim.start_all()
+    assert sim.wait_for(sim.converged, 30, check_every=0.01) is not None
+    converge = sum(sim.bytes_sent.values())
+    sim.run_for(60)
+    before = sum(sim.bytes_sent.values())
+    sim.run_for(60)
+    return converge, sum(sim.bytes_sent.values()) - before
+
+
+def test_membership_traffic_grows_with_the_job_not_its_square():
+    (c64, s64), (c256, s256) = _converge_bytes(64), _converge_bytes(256)
+    assert c256 / c64 < 4 * 1.3, (c64, c256)  # 4x the ranks: about 4x the bytes, not 16x
+    assert s256 / s64 < 4 * 1.3, (s64, s256)
+    assert c256 < 256 * 2500, c256  # ~2 KB per rank to converge
+
+
+def test_only_the_root_holds_the_whole_membership():
+    sim = Simulation(4, 4)
+    sim.start_all()
+    assert sim.wait_for(sim.converged, 5.0) is not None
+    sim.run_for(1.0)
+    assert len(sim.root.registry) == 16
+    for rank in range(1, 16):
+        mirror = {m.rank for m in sim.core(rank).mirror.members()}
+        node = sim.ranks[rank].identity.node
+        assert mirror == set(range(node * 4, node * 4 + 4)), (rank, mirror)
+    sim.kill(6)  # a leaf's broker still learns of the death through its node's delta
+    assert sim.wait_for(lambda: sim.core(4).mirror.get(6) is not None
+                        and sim.core(4).mirror.get(6).state == "dead", 60) is not None

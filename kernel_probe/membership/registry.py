@@ -275,6 +275,10 @@ class Registry:
         self._members: dict[int, Member] = {}
         self._changed_at: dict[int, int] = {}  # rank -> epoch of its last membership change
         self._tombstones: dict[int, int] = {}  # rank -> epoch of its removal, oldest first
+        # per node, so a child is sent its own node's changes only (delta_since(e, node=g))
+        self._by_node: dict[int, set[int]] = {}  # node -> ranks present
+        self._node_of: dict[int, int] = {}  # rank -> node, also while tombstoned
+        self._complete: tuple[int, int, bool] = (-1, -1, False)  # (epoch, world_size, answer)
         self._floor = 0  # delta_since(e) is exact for e >= _floor; older epochs get a full one
         # rank -> (broker, when it last said "alive" about it); see _fresh_until
         self._vouch: dict[int, tuple[int, float]] = {}
@@ -297,11 +301,26 @@ class Registry:
         self._bump_version()
         return self.epoch
 
+    def _place(self, rank: int, node: int | None) -> None:
+        """Keep the per-node index: ``rank`` is now on ``node`` (None: gone)."""
+        old = self._node_of.get(rank)
+        if old is not None and old != node:
+            ranks = self._by_node.get(old)
+            if ranks is not None:
+                ranks.discard(rank)
+                if not ranks:
+                    del self._by_node[old]
+        if node is not None:
+            self._by_node.setdefault(node, set()).add(rank)
+            self._node_of[rank] = node
+
     def _store(self, new: Member) -> None:
         old = self._members.get(new.rank)
         if old == new:
             return
         self._members[new.rank] = new
+        if old is None or old.node != new.node:
+            self._place(new.rank, new.node)
         if old is None or _membership(old) != _membership(new):
             self._changed_at[new.rank] = self._bump_epoch()
             self._tombstones.pop(new.rank, None)  # present again: the upsert says it all
@@ -309,7 +328,9 @@ class Registry:
             self._bump_version()
 
     def _remove(self, rank: int) -> None:
-        del self._members[rank]
+        node = self._members.pop(rank).node
+        self._place(rank, None)
+        self._node_of[rank] = node  # the tombstone still belongs to its node
         self._changed_at.pop(rank, None)
         self._vouch.pop(rank, None)
         self._tombstone(rank, self._bump_epoch())
@@ -321,6 +342,8 @@ class Registry:
             oldest = next(iter(self._tombstones))
             # a mirror older than this removal could miss it: it now needs a full sync
             self._floor = max(self._floor, self._tombstones.pop(oldest))
+            if oldest not in self._members:
+                self._node_of.pop(oldest, None)
 
     def _kill(self, m: Member, event: str, why: str, when: float, last_seen: float | None = None) -> None:
         state = next_state(m.state, event)
@@ -494,23 +517,30 @@ class Registry:
         return out
 
     def complete(self, world_size: int) -> bool:
-        """Every rank 0..world_size-1 is present and not dead."""
-        return all(
-            (m := self._members.get(r)) is not None and m.state != DEAD for r in range(world_size)
-        )
+        """Every rank 0..world_size-1 is present and not dead (computed once per epoch:
+        presence and state are membership, which moves the epoch)."""
+        epoch, size, answer = self._complete
+        if epoch != self.epoch or size != world_size:
+            answer = all(
+                (m := self._members.get(r)) is not None and m.state != DEAD for r in range(world_size)
+            )
+            self._complete = (self.epoch, world_size, answer)
+        return answer
 
     def __len__(self) -> int:
         return len(self._members)
 
     # -- deltas: membership pub/sub down the tree
 
-    def delta_since(self, epoch: int) -> dict[str, Any]:
-        """What a mirror at ``epoch`` needs to reach ``self.epoch``.
+    def delta_since(self, epoch: int, node: int | None = None) -> dict[str, Any]:
+        """What a mirror at ``epoch`` needs to reach ``self.epoch``; with ``node``, of that
+        node's members only (what a child on that node uses: the pushes of a round then
+        grow with the job, not with its square).
 
         ``{"epoch", "full", "base", "upserts": [member dicts], "removed": [ranks]}``;
         ``base`` is the epoch the delta starts from (0 for a full one). Full, with every
-        member, when ``epoch`` is 0, not an int, newer than ours, or older than the
-        tombstones we kept.
+        member (of the node), when ``epoch`` is 0, not an int, newer than ours, or older
+        than the tombstones we kept.
         """
         exact = (
             isinstance(epoch, int)
@@ -518,24 +548,22 @@ class Registry:
             and 0 < epoch <= self.epoch
             and epoch >= self._floor
         )
+        ranks = sorted(self._members if node is None else self._by_node.get(node, ()))
         if not exact:
             return {
                 "epoch": self.epoch,
                 "full": True,
                 "base": 0,
-                "upserts": [self._members[r].to_dict() for r in sorted(self._members)],
+                "upserts": [self._members[r].to_dict() for r in ranks],
                 "removed": [],
             }
         return {
             "epoch": self.epoch,
             "full": False,
             "base": epoch,
-            "upserts": [
-                self._members[r].to_dict()
-                for r in sorted(self._members)
-                if self._changed_at.get(r, 0) > epoch
-            ],
-            "removed": sorted(r for r, e in self._tombstones.items() if e > epoch),
+            "upserts": [self._members[r].to_dict() for r in ranks if self._changed_at.get(r, 0) > epoch],
+            "removed": sorted(r for r, e in self._tombstones.items()
+                              if e > epoch and (node is None or self._node_of.get(r) == node)),
         }
 
     def apply_delta(self, delta: Mapping[str, Any]) -> bool:
@@ -574,6 +602,9 @@ class Registry:
             new = {m.rank: m for m in ups}
             changed = new != self._members
             self._members = new
+            self._by_node, self._node_of = {}, {}
+            for m in ups:
+                self._place(m.rank, m.node)
             # we cannot tell a child in between our old epoch and this one what it
             # missed: everything older than this epoch gets a full delta from us
             self._changed_at = {r: epoch for r in new}
@@ -586,11 +617,13 @@ class Registry:
                 if self._members.get(m.rank) != m:
                     changed = True
                 self._members[m.rank] = m
+                self._place(m.rank, m.node)
                 self._changed_at[m.rank] = epoch
                 self._tombstones.pop(m.rank, None)
             for r in removed:
                 if self._members.pop(r, None) is not None:
                     changed = True
+                    self._place(r, None)
                 self._changed_at.pop(r, None)
                 self._tombstone(r, epoch)
         self._vouch.clear()  # a mirror never runs TTLs
