@@ -4,9 +4,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo lab test test-fast bench clean chromium
 
-$(STAMP): pyproject.toml constraints.txt
+# the Cluster panel (labextension/) is built by the editable install: rebuild when its sources change
+$(STAMP): pyproject.toml constraints.txt labextension/package.json labextension/yarn.lock $(wildcard labextension/src/*)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
@@ -16,8 +17,20 @@ install: $(STAMP)
 demo: install
 	$(PY) examples/demo.py
 
-test: install
+# The demo job and JupyterLab with the Cluster panel (extra `jupyter lab` arguments: LAB_ARGS=...).
+lab: install
+	$(PY) examples/lab.py $(LAB_ARGS)
+
+test: install chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The browser test drives Debian's Chromium (Playwright downloads nothing): install it when missing.
+chromium:
+	@test -x /usr/bin/chromium || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	  else echo "make test needs /usr/bin/chromium: install the Debian package chromium (apt-get install chromium)" >&2; \
+	    exit 1; fi; }
 
 # No processes: the sans-IO cores, the planner, differential SQL through the simulator (~2 min).
 test-fast: install
