@@ -200,16 +200,17 @@ def test_unreachable_and_missing_token(ip, capsys, monkeypatch):
 
 
 def test_partial_answer_timeout_setting_and_strict(ip, capsys):
-    run(ip, "%config ClusterSQL.timeout = 1.5")
+    run(ip, "%config ClusterSQL.timeout = 3")  # rank 1's `slow` blocks for 40 s
     t0 = time.monotonic()
     df, err = run(ip, "%%cluster_sql\nSELECT v, _rank FROM slow ORDER BY _rank")
-    assert err is None and time.monotonic() - t0 < 6
+    assert err is None, err
+    assert time.monotonic() - t0 < 10  # the timeout setting, not the 40 s of the slow rank
     assert list(df["_rank"]) == [0, 2, 3]
     assert df.attrs["coverage"]["failed"] == {1: "timeout"} or df.attrs["coverage"]["failed"] == {"1": "timeout"}
     assert "PARTIAL" in repr(df) and "rank 1 (timeout)" in repr(df)
     assert "jp-warn-color" in df._repr_html_() and "rank 1 (timeout)" in df._repr_html_()
     assert re.search(r"\d/4 ranks answered", capsys.readouterr().err)  # over 1 s: a progress line (terminal)
-    _, err = run(ip, "%%cluster_sql --strict --timeout 1.2\nSELECT v FROM slow")
+    _, err = run(ip, "%%cluster_sql --strict --timeout 2.5\nSELECT v FROM slow")
     assert isinstance(err, ClusterError)
     assert "partial answer refused (strict)" in one_line_error(capsys, err)
 
