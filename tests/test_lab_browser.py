@@ -56,22 +56,31 @@ class Lab:
     def __init__(self, tmp: Path, base_url: str, runtime: Path, log_path: Path) -> None:
         self.base_url = base_url
         self.port = free_port()
-        self.root_dir = tmp / "root"
-        shutil.copytree(ROOT / "notebooks", self.root_dir)
+        self.tmp = tmp
+        root_dir = tmp / "root"
+        shutil.copytree(ROOT / "notebooks", root_dir)
         user_settings = tmp / "lab-user-settings"
         _settings(user_settings)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBING", "JUPYTER"))}
-        env.update({"PROBING_RUNTIME_DIR": str(runtime), "JUPYTER_CONFIG_DIR": str(tmp / "jupyter-config"),
-                    "JUPYTER_RUNTIME_DIR": str(tmp / "jupyter-runtime")})
-        argv = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
-                f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={self.root_dir}",
-                f"--ServerApp.base_url={base_url}", f"--LabApp.user_settings_dir={user_settings}",
-                f"--LabApp.workspaces_dir={tmp / 'workspaces'}", "--LabApp.expose_app_in_browser=True"]
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBING", "JUPYTER"))}
+        self.env.update({"PROBING_RUNTIME_DIR": str(runtime), "JUPYTER_CONFIG_DIR": str(tmp / "jupyter-config"),
+                         "JUPYTER_RUNTIME_DIR": str(tmp / "jupyter-runtime")})
+        self.argv = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
+                     f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={root_dir}",
+                     f"--ServerApp.base_url={base_url}", f"--LabApp.user_settings_dir={user_settings}",
+                     f"--LabApp.workspaces_dir={tmp / 'workspaces'}", "--LabApp.expose_app_in_browser=True"]
         if os.geteuid() == 0:
-            argv.append("--allow-root")
+            self.argv.append("--allow-root")
         self.log_path = log_path
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=tmp)
+        self.start()
+
+    def start(self, server_extension: bool = True) -> None:
+        """Start (again, on the same port); without the server extension if asked (user config)."""
+        config = self.tmp / "jupyter-config" / "jupyter_server_config.json"
+        config.parent.mkdir(exist_ok=True)
+        config.write_text(json.dumps({"ServerApp": {"jpserver_extensions": {"probing_magics": server_extension}}}))
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=self.tmp)
         wait_for(self._answers, 60, interval=0.2, what=f"jupyter lab on port {self.port}")
 
     @property
@@ -81,16 +90,20 @@ class Lab:
     def _answers(self) -> bool:
         if self.proc.poll() is not None:
             raise RuntimeError(f"jupyter lab exited: {self.log_path.read_text()[-2000:]}")
-        with urllib.request.urlopen(f"{self.url}probing/api/version?token={TOKEN}", timeout=2) as resp:
+        with urllib.request.urlopen(f"{self.url}api/status?token={TOKEN}", timeout=2) as resp:
             return resp.status == 200
 
-    def close(self) -> None:
+    def stop(self) -> None:
         self.proc.terminate()
         try:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.stop()
         self._log.close()
 
 
@@ -242,6 +255,15 @@ def test_cluster_panel_in_chromium(variant, tmp_path):
                 print(f"rank 3 shown dead {took:.2f} s after it was killed (poll interval {POLL_SEC} s)")
                 assert took < POLL_SEC + 4
                 _shot(page, "#probing-cluster", out, "panel-dead-rank.png")
+
+                if variant == "/":  # once: the server goes away, then comes back without our extension
+                    lab.stop()
+                    expect(page.locator("#probing-cluster .pm-Cluster-status.pm-status-server-gone")).to_be_visible()
+                    lab.start(server_extension=False)
+                    # polling resumed (with backoff) and asked the version route: missing, said plainly
+                    expect(page.locator("#probing-cluster .pm-Cluster-status.pm-status-no-extension")) \
+                        .to_contain_text("server extension is missing", timeout=40_000)
+                    _shot(page, "#probing-cluster", out, "panel-no-extension.png")
             except BaseException:
                 page.screenshot(path=str(out / "failure.png"))
                 print(f"screenshot of the failure: {out / 'failure.png'}; jupyter lab log: {lab.log_path}")

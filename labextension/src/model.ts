@@ -22,14 +22,15 @@ export type Status =
   | 'error'
   | 'ready';
 
-const MAX_BACKOFF_MS = 30_000;
+const MAX_BACKOFF_MS = 15_000;
+const BACKOFF_FACTOR = 2; // after an error the next tick waits 2x longer, up to 15 s
 
 export class ClusterModel {
   constructor(intervalSeconds = 2) {
     this._poll = new Poll({
       auto: false,
       factory: () => this._tick(),
-      frequency: { interval: intervalSeconds * 1000, backoff: true, max: MAX_BACKOFF_MS },
+      frequency: { interval: intervalSeconds * 1000, backoff: BACKOFF_FACTOR, max: MAX_BACKOFF_MS },
       name: 'probing-magics:cluster',
       standby: () => (this._visible ? 'when-hidden' : true)
     });

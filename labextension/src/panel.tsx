@@ -307,9 +307,10 @@ function Stack({ model }: { model: ClusterModel }): JSX.Element | null {
 
 function ClusterBody({ model }: { model: ClusterModel }): JSX.Element {
   const nodes = model.nodes;
+  const serverOk = !['starting', 'no-extension', 'server-gone'].includes(model.status);
   return (
     <div className="pm-Cluster-body" data-status={model.status}>
-      <JobChooser model={model} />
+      {serverOk && <JobChooser model={model} />}
       {model.status !== 'ready' && (
         <div className={`pm-Cluster-status pm-status-${model.status}`}>{model.message}</div>
       )}
@@ -320,7 +321,7 @@ function ClusterBody({ model }: { model: ClusterModel }): JSX.Element {
           <Stack model={model} />
         </>
       )}
-      {model.status !== 'no-extension' && model.status !== 'server-gone' && <AddJobForm model={model} />}
+      {serverOk && <AddJobForm model={model} />}
     </div>
   );
 }
