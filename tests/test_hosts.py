@@ -191,6 +191,10 @@ def check_cut(watcher: Watcher, cut_at: float, healed_at: float, cut: list[int],
         assert q["elapsed"] <= QUERY_TIMEOUT + SLACK, q
     errors = watcher.of("query_error", since=cut_at - 1.0) + watcher.of("nodes_error", since=cut_at - 1.0)
     assert not errors, errors
+    # after the removal the cut ranks are no longer members: queries target the others only
+    after = [q for q in watcher.of("query", since=removed + 0.2) if q["t"] + q["elapsed"] < healed_at]
+    print("queries after the removal, before the restore:",
+          [(q["partial"], q["targeted"], sorted(q["failed"])) for q in after])
     return {"dead_after": max(dead_at[r] - cut_at for r in cut), "removed_after": max(gone_at[r] - cut_at for r in cut),
             "queries_during": len(during), "max_query_s": max(q["elapsed"] for q in during)}
 

@@ -3,12 +3,15 @@
 One ``AsyncClient`` per job, used from one event loop: a reader task receives every
 message and resolves the future of the request it answers, so any number of
 requests run at once on one connection. Cancelling an awaiting coroutine abandons
-that request only.
+that request only. A relaunched job is followed as by ``Client`` (``follow``): the
+checks that touch files or sockets run on a worker thread, never on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import zmq
@@ -18,8 +21,15 @@ from .. import wire
 from ..shell import connfile
 from . import results
 from .errors import AuthError, ConnectError, JobEndedError, ProbeError, QueryFailed, Refused
+from .follow import find_relaunch, restart_notice, root_gone
 from .requests import Answered, Failed, Progress, Requests
 from .targets import Target
+
+_GONE_CHECK_SEC = (0.3, 1.0)  # as in the blocking client
+
+
+class _RootGone(Exception):
+    pass
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -32,8 +42,16 @@ class AsyncClient:
         self.endpoint = target.endpoint
         self.run_id = target.run_id
         self.connection = target.connection
+        self.store = target.store  # the job's store:// address to show people, when known
         self.info_: dict[str, Any] = {}
         self._token = target.token
+        self._target = target
+        self.restarts = 0
+        self._generation = 0
+        self._ended: str | None = None
+        self._answered = False
+        self._notices: collections.deque[str] = collections.deque()
+        self._follow_lock: asyncio.Lock | None = None
         self._requests = Requests(target.key)
         self._futures: dict[str, asyncio.Future] = {}
         self._progress: dict[str, Callable[[dict], None]] = {}
@@ -80,21 +98,94 @@ class AsyncClient:
 
     async def request(self, type_: str, body: dict, timeout: float = 5.0,
                       on_progress: Callable[[dict], None] | None = None) -> wire.Envelope:
+        deadline = time.monotonic() + timeout
+        if self._ended is not None and not await self._follow(self._generation):
+            raise JobEndedError(self._ended)
+        for _ in range(3):  # a relaunch found mid-request: send it again to the new root
+            generation = self._generation
+            try:
+                return await self._request_once(type_, body, deadline, timeout, on_progress, generation)
+            except _RootGone:
+                if not await self._follow(generation):
+                    raise JobEndedError(self._ended or f"job {self.run_id} has ended") from None
+        raise JobEndedError(self._ended or f"job {self.run_id} has ended")
+
+    async def _request_once(self, type_: str, body: dict, deadline: float, timeout: float,
+                            on_progress: Callable[[dict], None] | None, generation: int) -> wire.Envelope:
         sock = self._socket()
         msg_id, frames = self._requests.send(type_, body)
         future = asyncio.get_running_loop().create_future()
         self._futures[msg_id] = future
         if on_progress is not None:
             self._progress[msg_id] = on_progress
+        loop = asyncio.get_running_loop()
         try:
             await sock.send_multipart(frames)
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            raise self._no_answer(timeout) from None
+            next_check = time.monotonic() + _GONE_CHECK_SEC[0]
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._no_answer(timeout)
+                try:
+                    envelope = await asyncio.wait_for(asyncio.shield(future), min(left, _GONE_CHECK_SEC[1] / 2))
+                    self._answered = True
+                    return envelope
+                except asyncio.TimeoutError:
+                    pass
+                if self._generation != generation:
+                    raise _RootGone()
+                if self._answered and time.monotonic() >= next_check:
+                    why = await loop.run_in_executor(None, root_gone, self.endpoint, self.connection)
+                    if why is not None:
+                        self._ended = why
+                        raise _RootGone()
+                    next_check = time.monotonic() + _GONE_CHECK_SEC[1]
         finally:
+            if not future.done():
+                future.cancel()
             self._requests.forget(msg_id)
             self._futures.pop(msg_id, None)
             self._progress.pop(msg_id, None)
+
+    async def _follow(self, generation: int) -> bool:
+        """Switch to the job's new launch if there is one (see ``Client._follow``)."""
+        if self._follow_lock is None:
+            self._follow_lock = asyncio.Lock()
+        async with self._follow_lock:
+            if self._generation != generation:
+                return True
+            new = await asyncio.get_running_loop().run_in_executor(None, find_relaunch, self._target)
+            if new is None:
+                return False
+            if self._reader is not None:
+                self._reader.cancel()
+                self._reader = None
+            if self._sock is not None:
+                self._sock.close(0)
+                self._sock = None
+            self._requests.rekey(new.key)
+            self.endpoint, self.run_id, self.connection = new.endpoint, new.run_id, new.connection
+            self.store = new.store or self.store
+            self._target = Target(new.endpoint, new.key, run_id=new.run_id, token=self._token,
+                                  connection=new.connection, spec=self._target.spec, store=self.store)
+            self._ended = None
+            self.restarts += 1
+            self._generation += 1
+            self._notices.append(restart_notice(self._target, new, self.restarts))
+            generation = self._generation
+        try:
+            env = await self._request_once("info_request", {}, time.monotonic() + 2.0, 2.0, None, generation)
+            self.info_ = results.checked_info(env.msg.body, self.endpoint)
+        except Exception:
+            pass
+        return True
+
+    def take_notice(self) -> str | None:
+        """A one-line notice not shown yet (e.g. that the job restarted), or None; each once."""
+        try:
+            return self._notices.popleft()
+        except IndexError:
+            return None
 
     def _no_answer(self, timeout: float) -> ConnectError:
         conn = self.connection

@@ -8,7 +8,8 @@ job to its new launch by itself once there is one.
 
 * ``root_gone``: the root's process is gone, not merely slow or cut off: its pid is dead
   (a connection file on this machine), or nothing listens at its endpoint any more (a
-  refused TCP connect; a cut link times out instead, and is not "gone").
+  refused TCP connect; a cut link times out and a frozen root still accepts, so neither
+  is "gone").
 * ``find_relaunch``: the same job's new root: the same ``store://`` address read again
   (the rendezvous store is hosted by the new agents), or a live connection file here
   with the same run id and another root process.
@@ -34,10 +35,9 @@ def _base(run_id: str | None) -> str:
 
 def root_gone(endpoint: str, connection: connfile.ConnectionInfo | None) -> str | None:
     """Why the root at ``endpoint`` is known to be gone, or None (alive, slow, or unreachable)."""
-    if connection is not None:
-        if connfile.is_alive(connection):
-            return None
+    if connection is not None and not connfile.is_alive(connection):
         return f"job {connection.run_id} has ended: its root (pid {connection.pid}) is gone"
+    # a process still shutting down may hold its pid for seconds after closing its port
     hostport = endpoint[len("tcp://"):] if endpoint.startswith("tcp://") else endpoint
     host, _, port = hostport.rpartition(":")
     if not port.isdigit():

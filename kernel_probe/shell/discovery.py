@@ -413,17 +413,22 @@ def agent_arguments(argv: list[str], environ: dict[str, str]) -> dict[str, str |
 
 
 def rendezvous_of_agent(default_port: int = 29400) -> tuple[str, int, str] | None:
-    """``(host, port, rdzv id)`` of this worker's torchrun agent (its parent process) as the
+    """``(host, port, rdzv id)`` of this worker's torchrun agent (its nearest ancestor) as the
     user typed them (``--rdzv-endpoint``, ``--rdzv-id``), or None (no agent; static or
     standalone rendezvous: then the agent store is the only store)."""
+    args = None
     try:
         import psutil
 
-        parent = psutil.Process().parent()
-        if parent is None:
-            return None
-        args = agent_arguments(parent.cmdline(), parent.environ())
-    except Exception:  # no agent, or we may not look at it
+        # the agent is the parent, unless the worker runs under a wrapper (a shell, --no-python)
+        for proc in psutil.Process().parents()[:3]:
+            argv = proc.cmdline()
+            if any("torch.distributed.run" in a or a.endswith("torchrun") or a.startswith("--rdzv") for a in argv):
+                args = agent_arguments(argv, proc.environ())
+                break
+    except Exception:  # we may not look at it
+        return None
+    if args is None:
         return None
     if args["standalone"] or (args["backend"] or "static") != "c10d" or not args["endpoint"]:
         return None
