@@ -24,6 +24,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Mapping
@@ -279,6 +280,12 @@ class Registry:
         self._by_node: dict[int, set[int]] = {}  # node -> ranks present
         self._node_of: dict[int, int] = {}  # rank -> node, also while tombstoned
         self._complete: tuple[int, int, bool] = (-1, -1, False)  # (epoch, world_size, answer)
+        # TTL deadlines, so a tick looks at the members that are due, not at every member:
+        # (when, rank) entries, each a lower bound of that member's real deadline
+        # (_fresh_until never ends before the member's own TTL); _due[rank] is the newest
+        # entry of a rank, older ones are skipped when they surface.
+        self._deadlines: list[tuple[float, int]] = []
+        self._due: dict[int, float] = {}
         self._floor = 0  # delta_since(e) is exact for e >= _floor; older epochs get a full one
         # rank -> (broker, when it last said "alive" about it); see _fresh_until
         self._vouch: dict[int, tuple[int, float]] = {}
@@ -321,13 +328,30 @@ class Registry:
         self._members[new.rank] = new
         if old is None or old.node != new.node:
             self._place(new.rank, new.node)
+        if old is None or old.last_seen != new.last_seen or old.state != new.state or old.since != new.since:
+            self._schedule(new.rank, new.since + self.stale_sec if new.state == DEAD
+                           else new.last_seen + self.stale_sec)
+            # the members it vouches for (a broker's leaves, on its node) may end sooner now:
+            # back to their own TTL, a lower bound that tick and next_deadline refine
+            for r in self._by_node.get(new.node, ()):
+                m = self._members[r]
+                if m.via == new.rank and m.state != DEAD:
+                    self._schedule(r, m.last_seen + self.stale_sec)
         if old is None or _membership(old) != _membership(new):
             self._changed_at[new.rank] = self._bump_epoch()
             self._tombstones.pop(new.rank, None)  # present again: the upsert says it all
         else:
             self._bump_version()
 
+    def _schedule(self, rank: int, when: float) -> None:
+        self._due[rank] = when
+        heapq.heappush(self._deadlines, (when, rank))
+        if len(self._deadlines) > 4 * len(self._members) + 64:  # superseded entries: compact
+            self._deadlines = [(w, r) for r, w in self._due.items()]
+            heapq.heapify(self._deadlines)
+
     def _remove(self, rank: int) -> None:
+        self._due.pop(rank, None)
         node = self._members.pop(rank).node
         self._place(rank, None)
         self._node_of[rank] = node  # the tombstone still belongs to its node
@@ -476,25 +500,57 @@ class Registry:
         """
         now = _float("now", now)
         self._begin()
+        heap = self._deadlines
+        due: set[int] = set()
+        while heap and heap[0][0] <= now:
+            when, rank = heapq.heappop(heap)
+            if self._due.get(rank) == when and rank in self._members:
+                due.add(rank)
         # deadlines first, so one member's death in this tick cannot shift another's
-        until = {r: self._fresh_until(m) for r, m in self._members.items() if m.state != DEAD}
-        for rank in sorted(until):
-            if now >= until[rank]:
-                self._kill(self._members[rank], "stale", "stale", when=until[rank])
-        for rank in sorted(self._members):
-            m = self._members[rank]
-            if m.state == DEAD and now >= m.since + self.stale_sec:
-                if next_state(m.state, "expired") is None:
+        until = {r: self._fresh_until(self._members[r]) for r in due if self._members[r].state != DEAD}
+        for rank in sorted(due):
+            m = self._members.get(rank)
+            if m is None:
+                continue
+            if m.state == DEAD:
+                if now >= m.since + self.stale_sec and next_state(m.state, "expired") is None:
                     self._remove(rank)
+                else:
+                    self._schedule(rank, m.since + self.stale_sec)
+            elif now >= until[rank]:
+                self._kill(m, "stale", "stale", when=until[rank])
+            else:
+                self._schedule(rank, until[rank])  # a broker vouches for it: later than its own TTL
+        # members that died in this tick may be due for removal in it too (a very late tick)
+        late: list[tuple[float, int]] = []
+        while heap and heap[0][0] <= now:
+            when, rank = heapq.heappop(heap)
+            m = self._members.get(rank)
+            if m is None or self._due.get(rank) != when:
+                continue
+            if m.state == DEAD and next_state(m.state, "expired") is None:
+                self._remove(rank)
+            else:
+                late.append((when, rank))
+        for entry in late:
+            heapq.heappush(heap, entry)
         return self.epoch != self._e0
 
     def next_deadline(self) -> float | None:
         """Earliest time at which ``tick`` could change something (None: no members)."""
-        times = [
-            m.since + self.stale_sec if m.state == DEAD else self._fresh_until(m)
-            for m in self._members.values()
-        ]
-        return min(times, default=None)
+        heap = self._deadlines
+        while heap:
+            when, rank = heap[0]
+            m = self._members.get(rank)
+            if m is None or self._due.get(rank) != when:
+                heapq.heappop(heap)  # superseded
+                continue
+            exact = m.since + self.stale_sec if m.state == DEAD else self._fresh_until(m)
+            if exact == when:
+                return when
+            heapq.heappop(heap)  # a lower bound (a broker vouches for it): make it exact
+            self._schedule(rank, exact)
+        return None
 
     # -- reading
 
