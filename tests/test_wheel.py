@@ -78,8 +78,7 @@ def test_installed_wheel_is_enabled_and_ok_without_node(wheel, tmp_path):
     ours = Path(_run([sys.executable, "-c", "import jupyterlab, pathlib; "
                       "print(pathlib.Path(jupyterlab.__file__).parent.parent)"]).stdout.strip())
     (site / "borrowed_site.pth").write_text(f"{ours}\n")  # jupyterlab & co.; not our editable source tree
-    _run([sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "-q",
-          "--prefix", str(env_dir), str(wheel)])
+    _install(wheel, env_dir, site)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "PYTHON"))}
     env.update({"PATH": str(env_dir / "bin"), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
                 "JUPYTER_DATA_DIR": str(tmp_path / "data"), "JUPYTER_PLATFORM_DIRS": "0"})
@@ -93,6 +92,21 @@ def test_installed_wheel_is_enabled_and_ok_without_node(wheel, tmp_path):
     print(server_out, lab_out)
     assert "probing_magics enabled" in _plain(server_out) and "probing_magics 0.1.0 OK" in _plain(server_out)
     assert "probing-magics v0.1.0 enabled OK (python, probing-magics)" in _plain(lab_out)
+
+
+def _install(wheel: Path, prefix: Path, site: Path) -> None:
+    """Install a pure-Python wheel by hand: its files into site-packages, its .data/data tree under
+    the prefix. (Not pip: pip would see, and uninstall, the editable install of the environment
+    running the tests.)"""
+    with zipfile.ZipFile(wheel) as zf:
+        for name in zf.namelist():
+            head, _, rest = name.partition("/")
+            if head.endswith(".data") and rest.startswith("data/"):
+                dest = prefix / rest[len("data/"):]
+            else:
+                dest = site / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(zf.read(name))
 
 
 def _plain(text: str) -> str:
