@@ -9,6 +9,11 @@ Rules of this file (read them before changing it):
    code paths -- the clock is injected, so every rule below is testable with a
    fake clock.
 3. A message is ``[PROTOCOL, signature, header_json, body_json, *buffers]``.
+   No frame is larger than ``Limits.max_frame_bytes`` (1 MiB): a longer body or buffer
+   travels as several consecutive frames, and the header's ``parts`` lists how many
+   frames each of body and buffers spans. The sockets refuse longer frames (ZeroMQ's
+   MAXMSGSIZE), so a peer can never make the process allocate and free big buffers --
+   which glibc would keep resident for good (its dynamic mmap/trim thresholds).
    The signature is HMAC-SHA256 over every frame after it, each prefixed with
    its 8-byte big-endian length, so frames cannot be re-split, dropped or
    appended without breaking it. It is checked with ``hmac.compare_digest``
@@ -124,6 +129,7 @@ class InfoBody(_InfoFields, total=False):
     host: str
     placed_at: float | None
     converged_at: float | None
+    rejected: dict  # bad messages this probe dropped, by reason (REJECT_REASONS, plus "dropped" before decode)
 
 
 class NodesBody(TypedDict):
@@ -295,7 +301,8 @@ class Envelope:
 @dataclass(frozen=True)
 class Limits:
     max_message_bytes: int = 64 * 2**20  # whole message (sum of frames)
-    max_frames: int = 16
+    max_frame_bytes: int = 2**20  # one ZeroMQ frame: the sockets' MAXMSGSIZE; longer parts are split
+    max_frames: int = 96  # 64 MiB of buffers in 1 MiB frames, a chunked body, header, signature
     max_header_bytes: int = 4096
     max_body_bytes: int = 8 * 2**20
     skew_sec: float = 300.0  # |now - header.ts| beyond this -> "stale"
@@ -454,10 +461,16 @@ class Codec:
                 "corr_id": msg.corr_id,
             }
         )
-        parts = [header, body, *buffers]
+        lim = self.limits
+        step = lim.max_frame_bytes
+        chunked = [[part[i:i + step] for i in range(0, len(part), step)] or [b""] for part in (body, *buffers)]
+        if any(len(c) > 1 for c in chunked):
+            fields = json.loads(header)
+            fields["parts"] = [len(c) for c in chunked]
+            header = _dumps(fields)
+        parts = [header, *(chunk for c in chunked for chunk in c)]
         # Refuse to send what a peer with the same limits would reject: better a
         # clear error here than a silent drop over there.
-        lim = self.limits
         if (
             len(parts) + 2 > lim.max_frames
             or len(header) > lim.max_header_bytes
@@ -490,6 +503,9 @@ class Codec:
         total = sum(map(len, frames))
         if total > lim.max_message_bytes:
             raise WireError("oversized", f"{total} bytes")
+        longest = max(map(len, frames), default=0)
+        if longest > lim.max_frame_bytes:
+            raise WireError("oversized", f"a frame of {longest} bytes")
         if len(frames) > 2 and len(frames[2]) > lim.max_header_bytes:
             raise WireError("oversized", f"header of {len(frames[2])} bytes")
         if len(frames) > 3 and len(frames[3]) > lim.max_body_bytes:
@@ -507,13 +523,16 @@ class Codec:
         if not hmac.compare_digest(frames[1], _sign(self._key, frames[2:])):
             raise WireError("bad_signature")
 
-        # 4. Header.
-        header = self._parse_header(frames[2])
+        # 4. Header, and the parts that span several frames.
+        header, counts = self._parse_header(frames[2])
+        parts = self._join(frames[3:], counts)
+        if len(parts[0]) > lim.max_body_bytes:
+            raise WireError("oversized", f"body of {len(parts[0])} bytes")
 
         # 5. Type, then body.
         if header.type not in SCHEMAS:
             raise WireError("unknown_type", header.type[:64])
-        body = _loads(frames[3])
+        body = _loads(parts[0])
         problem = _schema_problem(header.type, body)
         if problem:
             raise WireError("malformed", problem)
@@ -533,11 +552,24 @@ class Codec:
         while len(self._last_seq) > lim.history:
             self._last_seq.popitem(last=False)
 
-        msg = Message(header.type, body, tuple(frames[4:]), header.corr_id)
+        msg = Message(header.type, body, tuple(parts[1:]), header.corr_id)
         return Envelope(header, msg)
 
     @staticmethod
-    def _parse_header(data: bytes) -> Header:
+    def _join(frames: list[bytes], counts: list[int] | None) -> list[bytes]:
+        """Body and buffers from the frames after the header (``counts``: frames per part)."""
+        if counts is None:
+            return frames
+        if sum(counts) != len(frames):
+            raise WireError("malformed", f"header.parts spans {sum(counts)} frames, {len(frames)} came")
+        out, at = [], 0
+        for n in counts:
+            out.append(b"".join(frames[at:at + n]))
+            at += n
+        return out
+
+    @staticmethod
+    def _parse_header(data: bytes) -> tuple[Header, list[int] | None]:
         obj = _loads(data)
         if not isinstance(obj, dict):
             raise WireError("malformed", "header is not an object")
@@ -554,6 +586,10 @@ class Codec:
             raise WireError("malformed", "header.ts must be a finite number")
         if corr_id is not None and not isinstance(corr_id, str):
             raise WireError("malformed", "header.corr_id must be a string or null")
+        counts = obj.get("parts")
+        if counts is not None and (not isinstance(counts, list) or not counts
+                                   or not all(_is_json_type(n, int) and n >= 1 for n in counts)):
+            raise WireError("malformed", "header.parts must be a list of positive integers")
         return Header(
             type=obj["type"],
             sender=obj["sender"],
@@ -562,7 +598,7 @@ class Codec:
             ts=float(ts),
             msg_id=obj["msg_id"],
             corr_id=corr_id,
-        )
+        ), counts
 
 
 # --------------------------------------------------------------------------- refusals

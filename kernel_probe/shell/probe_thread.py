@@ -35,9 +35,27 @@ from ..rank_core import RankCore
 
 log = logging.getLogger("kernel_probe")
 
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
+
 REFUSALS_PER_SEC = 20  # unsigned refusals are cheap to trigger: never amplify a flood
 TORCH_GRACE_SEC = 3.0  # how long a rank's own script gets to import torch before the probe does
 MAX_BATCH = 256  # messages handled per socket per wake-up, so no peer can starve the timers
+# Bad messages are short-lived buffers allocated on libzmq's I/O thread and copied on ours;
+# glibc keeps what is freed in its arenas. The 1 MiB frame cap (wire rule 3) bounds what stays
+# at an arena's top; what sits in its free lists goes back to the OS here: after this many
+# rejected bytes, or once a burst of them is over, at most once a second.
+TRIM_AFTER_BYTES = 4 * 2**20
+TRIM_EVERY_SEC = 1.0
 
 
 def advertise_host(settings: Settings, identity: Identity, bind: str) -> str:
@@ -87,6 +105,11 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._refusals: list[float] = []
+        self.dropped = 0  # messages that never reached the codec (no routing id and payload)
+        self._rejected_bytes = 0  # since the last trim
+        self._next_trim = 0.0
+        self._last_reject = 0.0
+        self.trims = 0
         self._stall = StallDetector(settings.stall_sec)
         self._pids = PidWatch()
         self._parent_sock: zmq.Socket | None = None
@@ -128,7 +151,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         limits = wire.Limits()
         router = self.router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+        router.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)  # longer frames: the peer is cut off (see wire rule 3)
         router.setsockopt(zmq.SNDHWM, 1000)
         router.setsockopt(zmq.RCVHWM, 1000)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
@@ -173,6 +196,9 @@ class ProbeThread(threading.Thread, EffectInterpreter):
                     self._sample(now)
                     next_sample = now + s.sample_interval_sec
                 self.carry_out(self.core.on_timer(now))
+                if self._rejected_bytes and now >= self._next_trim and (
+                        self._rejected_bytes >= TRIM_AFTER_BYTES or now - self._last_reject >= TRIM_EVERY_SEC):
+                    self._release_memory(now)
         finally:
             self._shutdown()
 
@@ -277,11 +303,14 @@ class ProbeThread(threading.Thread, EffectInterpreter):
             except zmq.Again:
                 return
             if len(frames) < 2:
+                self.dropped += 1
                 continue
             rid, payload = frames[0], frames[1:]
             try:
                 env = self.codec.decode(payload)
             except wire.WireError as exc:
+                self._rejected_bytes += sum(map(len, payload))
+                self._last_reject = now
                 self._refuse(rid, exc.reason, now)
                 continue
             self.carry_out(self.core.on_message(env, rid, now))
@@ -336,6 +365,13 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         for key in self._pids.poll():
             self.carry_out(self.core.on_process_exit(key, now))
 
+    def _release_memory(self, now: float) -> None:
+        self._rejected_bytes = 0
+        self._next_trim = now + TRIM_EVERY_SEC
+        if _malloc_trim is not None:  # glibc only; elsewhere the memory is merely kept
+            _malloc_trim(0)  # a ctypes.CDLL call: the GIL is released meanwhile
+            self.trims += 1
+
     def _refuse(self, rid: bytes, reason: str, now: float) -> None:
         self._refusals = [t for t in self._refusals if now - t < 1.0]
         if len(self._refusals) >= REFUSALS_PER_SEC or reason == "replay":
@@ -383,9 +419,19 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         except Exception as exc:
             return {"error": str(exc) or type(exc).__name__}
 
+    def rejected(self) -> dict:
+        """Bad messages dropped so far, by reason: the codec's counts plus those dropped before it."""
+        counts = {reason: n for reason, n in self.codec.rejected.items() if n}
+        if self.dropped:
+            counts["dropped"] = self.dropped
+        return counts
+
     def send(self, effect: Send) -> None:
+        msg = effect.msg
+        if msg.type == "info":  # the codec lives here, not in the core: add its counter
+            msg = wire.Message(msg.type, dict(msg.body, rejected=self.rejected()), msg.buffers, msg.corr_id, msg.msg_id)
         try:
-            frames = self.codec.encode(effect.msg)
+            frames = self.codec.encode(msg)
         except ValueError as exc:
             log.warning("probing: not sending %s: %s", effect.msg.type, exc)
             return
@@ -416,7 +462,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a parent that is not there
         sock.setsockopt(zmq.SNDHWM, 16)
         sock.setsockopt(zmq.RCVHWM, 1000)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_message_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_frame_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.connect(endpoint)

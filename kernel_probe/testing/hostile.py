@@ -1,0 +1,213 @@
+"""A hostile peer for tests: sends a probe every kind of bad message and keeps count.
+
+Each message it sends is one the probe must reject; ``expected`` counts them by the
+reason ``wire.Codec`` gives (``malformed``, ``bad_signature``, ``replay``, ``stale``,
+``oversized``), so a test can compare with the counter the probe exposes in ``info``.
+Signed frames are built with ``wire.Codec`` (the only frame builder) and then damaged.
+
+Kinds: random frames, replayed signed frames, truncated multipart messages, oversized
+messages, valid-looking queries signed with a wrong key, stale timestamps, and a flood of
+short-lived connections, some sending 2 MB frames. A frame over the sockets' limit
+(``Limits.max_frame_bytes``) never reaches the probe's code: ZeroMQ cuts that connection
+off (and whatever else it had queued), so those go on throwaway connections and are
+counted apart (``cut_off``). ``run_for`` mixes everything from several threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import time
+import uuid
+from typing import Callable
+
+import zmq
+
+from .. import wire
+
+__all__ = ["HostilePeer", "expected_reason"]
+
+BIG = 2 * 2**20  # the 2 MB frames of the issue's report
+
+
+def expected_reason(frames: list[bytes], limits: wire.Limits = wire.Limits()) -> str:
+    """Why the probe's codec rejects these (unsigned, random) frames: the codec's own order."""
+    total = sum(map(len, frames))
+    if (len(frames) > limits.max_frames or total > limits.max_message_bytes
+            or max(map(len, frames)) > limits.max_frame_bytes
+            or (len(frames) > 2 and len(frames[2]) > limits.max_header_bytes)
+            or (len(frames) > 3 and len(frames[3]) > limits.max_body_bytes)):
+        return "oversized"
+    return "malformed"
+
+
+class HostilePeer:
+    """Bad messages against one probe ``endpoint``; ``key`` is the job's real key (for
+    replays and damaged signed frames), ``expected`` what the probe should have counted."""
+
+    def __init__(self, endpoint: str, key: bytes, seed: int = 0) -> None:
+        self.endpoint = endpoint
+        self.key = key
+        self.ctx = zmq.Context()
+        self.expected: collections.Counter[str] = collections.Counter()
+        self.accepted = 0  # valid messages sent on purpose (the first copy of each replayed one)
+        self.cut_off = 0  # messages with a frame over the sockets' limit (never reach the probe's code)
+        self.connections = 0
+        self.bytes_sent = 0
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self._big = bytes(self._rng.getrandbits(8) for _ in range(4096)) * (BIG // 4096)
+
+    # --- sockets ---------------------------------------------------------------------------
+    def _socket(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 5000)  # what we count as sent must reach the probe
+        s.setsockopt(zmq.SNDTIMEO, 5000)
+        s.setsockopt(zmq.RCVHWM, 10)  # refusals we never read
+        s.connect(self.endpoint)
+        with self._lock:
+            self.connections += 1
+        return s
+
+    def _send(self, sock: zmq.Socket, frames: list[bytes], reason: str | None) -> None:
+        sock.send_multipart(frames)  # raises zmq.Again after SNDTIMEO: then it was not sent, not counted
+        with self._lock:
+            self.bytes_sent += sum(map(len, frames))
+            if reason is None:
+                self.accepted += 1
+            else:
+                self.expected[reason] += 1
+
+    def _codec(self, key: bytes | None = None, clock: Callable[[], float] = time.time) -> wire.Codec:
+        return wire.Codec(key or self.key, sender=f"hostile-{uuid.uuid4().hex[:6]}",
+                          incarnation=uuid.uuid4().hex[:16], clock=clock)
+
+    # --- kinds -----------------------------------------------------------------------------
+    def random_frames(self, sock: zmq.Socket, rng: random.Random) -> None:
+        frames = []
+        for _ in range(rng.randint(1, 6)):
+            if rng.random() < 0.1:
+                frames.append(wire.PROTOCOL)  # looks like ours at first glance
+            else:
+                frames.append(rng.randbytes(rng.randint(0, 2048)))
+        self._send(sock, frames, expected_reason(frames))
+
+    def big_frames(self, rng: random.Random) -> None:
+        """Random frames with a 2 MB one, on a connection of their own (ZeroMQ cuts it off)."""
+        frames = [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(0, 2))]
+        frames.insert(rng.randint(0, len(frames)), self._big)
+        sock = self._socket()
+        try:
+            sock.send_multipart(frames)
+            with self._lock:
+                self.cut_off += 1
+                self.bytes_sent += sum(map(len, frames))
+        except zmq.Again:
+            pass
+        finally:
+            sock.close()
+
+    def replayed(self, sock: zmq.Socket, copies: int = 5) -> None:
+        frames = self._codec().encode(wire.Message("info_request", {}))
+        self._send(sock, frames, None)  # the original is valid: answered, not counted
+        for _ in range(copies):
+            self._send(sock, frames, "replay")
+
+    def truncated(self, sock: zmq.Socket, rng: random.Random) -> None:
+        frames = self._codec().encode(wire.Message("query", {"sql": "SELECT 1", "timeout": 5.0}))
+        if rng.random() < 0.5:
+            self._send(sock, frames[: rng.randint(1, 3)], "malformed")  # parts missing
+        else:
+            body = frames[3]
+            cut = frames[:3] + [body[: rng.randint(0, len(body) - 1)]]
+            self._send(sock, cut, "bad_signature")  # a part cut short
+
+    def oversized(self, sock: zmq.Socket, rng: random.Random) -> None:
+        roll = rng.random()
+        if roll < 0.05:  # 65 MiB in 1 MiB frames: over the whole-message limit
+            frames = [wire.PROTOCOL, b"s" * 32] + [self._big[: 2**20]] * 65
+        elif roll < 0.5:
+            frames = [wire.PROTOCOL, b"s" * 32, b"{" * 5000, b"{}"]  # header over 4 KiB
+        else:
+            frames = [wire.PROTOCOL] + [b"x"] * 100  # too many parts
+        self._send(sock, frames, "oversized")
+
+    def wrong_key(self, sock: zmq.Socket) -> None:
+        codec = self._codec(key=b"k" * 32)
+        msg = wire.Message("query", {"sql": "SELECT count(*) FROM work", "timeout": 5.0})
+        self._send(sock, codec.encode(msg), "bad_signature")
+
+    def stale(self, sock: zmq.Socket) -> None:
+        codec = self._codec(clock=lambda: time.time() - 3600)
+        self._send(sock, codec.encode(wire.Message("nodes_request", {})), "stale")
+
+    def one_round(self, sock: zmq.Socket, rng: random.Random) -> None:
+        kind = rng.random()
+        if kind < 0.4:
+            self.random_frames(sock, rng)
+        elif kind < 0.55:
+            self.replayed(sock, copies=rng.randint(1, 5))
+        elif kind < 0.7:
+            self.truncated(sock, rng)
+        elif kind < 0.75:
+            self.oversized(sock, rng)
+        elif kind < 0.9:
+            self.wrong_key(sock)
+        else:
+            self.stale(sock)
+
+    # --- a minute of it ----------------------------------------------------------------------
+    def run_for(self, seconds: float, threads: int = 3, flood_connections: int = 300,
+                per_second: float = 200.0) -> None:
+        """Mixed bad messages from ``threads`` long-lived connections at about
+        ``per_second`` messages in all, plus ``flood_connections`` short-lived connections
+        (each sends a few bad messages, then goes) spread over the run."""
+        end = time.monotonic() + seconds
+        workers = [threading.Thread(target=self._steady, args=(end, per_second / threads, i), daemon=True)
+                   for i in range(threads)]
+        workers.append(threading.Thread(target=self._flood, args=(end, flood_connections), daemon=True))
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    def _steady(self, end: float, rate: float, index: int) -> None:
+        rng = random.Random(self._rng.random() + index)
+        sock = self._socket()
+        try:
+            while time.monotonic() < end:
+                t0 = time.monotonic()
+                try:
+                    self.one_round(sock, rng)
+                except zmq.Again:
+                    pass
+                time.sleep(max(0.0, 1.0 / rate - (time.monotonic() - t0)))
+        finally:
+            sock.close()
+
+    def _flood(self, end: float, connections: int) -> None:
+        rng = random.Random(self._rng.random() + 1000)
+        start = time.monotonic()
+        gap = max(0.0, (end - start) / max(1, connections))
+        open_socks: collections.deque = collections.deque()
+        for _ in range(connections):
+            if time.monotonic() >= end:
+                break
+            sock = self._socket()
+            open_socks.append(sock)
+            for _ in range(rng.randint(1, 3)):
+                try:
+                    self.random_frames(sock, rng)
+                except zmq.Again:
+                    pass
+            if rng.random() < 0.3:
+                self.big_frames(rng)
+            while len(open_socks) > 200:  # at most a few hundred at once
+                open_socks.popleft().close()
+            time.sleep(gap)
+        for sock in open_socks:
+            sock.close()
+
+    def close(self) -> None:
+        self.ctx.term()  # waits for lingering sends: what we counted has been delivered

@@ -1,0 +1,137 @@
+"""Hostile peers (issue 10, part 4): a minute of bad messages against a live job's root.
+
+Random frames, replayed signed frames, truncated multipart messages, oversized messages,
+a flood of a few hundred connections (some sending 2 MB frames), valid-looking queries
+with a wrong key, stale timestamps. Every bad message is counted in the root's `info`
+(``rejected``), nothing crashes, the training step of the attacked rank is not slowed
+beyond the bound, heartbeats and queries keep working, the root's RSS grows <= 10 MiB.
+Also the wire rule that makes the RSS bound hold: no frame over 1 MiB (longer parts split).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import kernel_probe
+from kernel_probe import wire
+from kernel_probe.testing.hostile import HostilePeer
+
+from .conftest import wait_for
+
+BUSY = str(Path(__file__).parent / "workers" / "busy_worker.py")
+ATTACK_SEC = 60.0
+BASELINE_SEC = 8.0
+# short TTL: a probe kept from its heartbeats for 4 s would show a dead rank
+SETTINGS = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "1",
+            "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5", "PROBING_SAMPLE_INTERVAL_SEC": "0.25"}
+STEP_SLOWDOWN_MAX = 1.25  # median step time under attack / before it, on the attacked rank
+RSS_GROWTH_MAX_MIB = 10.0
+KEY = wire.derive_key("t", "run")
+
+
+# --- the wire rule behind the RSS bound (no processes) -----------------------------------------
+
+def test_long_parts_travel_in_frames_of_at_most_one_mib():
+    a = wire.Codec(KEY, "a", "ia")
+    b = wire.Codec(KEY, "b", "ib")
+    big = bytes(range(256)) * (5 * 2**20 // 256 + 7)
+    frames = a.encode(wire.Message("subresult", {"qid": "q", "status": "ok", "answered": [1], "failed": {},
+                                                 "scans": ["s", "t"]}, (big, b"")))
+    assert max(map(len, frames)) <= wire.Limits().max_frame_bytes and len(frames) == 3 + 1 + 6 + 1
+    env = b.decode(frames)
+    assert env.msg.buffers == (big, b"") and env.msg.body["scans"] == ["s", "t"]
+
+
+def test_damaged_chunked_messages_are_rejected():
+    a = wire.Codec(KEY, "a", "ia")
+    b = wire.Codec(KEY, "b", "ib")
+    frames = a.encode(wire.Message("subresult", {"qid": "q", "status": "ok", "answered": [], "failed": {},
+                                                 "scans": ["s"]}, (b"x" * (3 * 2**20),)))
+    for bad, reason in [(frames[:-1], "bad_signature"), (frames + [b""], "bad_signature"),
+                        (frames[:5] + [frames[5][:10], frames[5][10:]] + frames[6:], "bad_signature"),  # re-split
+                        (frames[:4] + [frames[4] + frames[5]] + frames[6:], "oversized"),
+                        ([*frames[:2], b"x" * (2**20 + 1)], "oversized"),
+                        ([wire.PROTOCOL] + [b"x"] * 100, "oversized")]:
+        with pytest.raises(wire.WireError) as err:
+            b.decode(bad)
+        assert err.value.reason == reason
+
+
+# --- a minute against a live job --------------------------------------------------------------
+
+@pytest.mark.cluster
+def test_a_minute_of_hostile_peers(launch, runtime_dir):
+    job = launch([BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", "20000"], nodes=1, ranks_per_node=2, mode="plain", env=SETTINGS)
+    job.wait_ready(60)
+    client = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
+    query = "SELECT rank, count(*) AS n FROM work GROUP BY rank ORDER BY rank"
+    wait_for(lambda: client.query(query, timeout=5).coverage["answered"] == [0, 1], 60, interval=0.3,
+             what="both ranks answering")
+    root = psutil.Process(client.info_["pid"])
+    key = bytes.fromhex(json.loads(next(runtime_dir.glob("*.json")).read_text())["key"])
+    assert client.info()["rejected"] == {}
+
+    time.sleep(BASELINE_SEC)  # steps without the attack, and the root's RSS once settled
+    rss_before = root.memory_info().rss
+    attack_start = time.time()
+    peer = HostilePeer(client.endpoint, key, seed=10)
+    attacker = threading.Thread(target=peer.run_for, args=(ATTACK_SEC,),
+                                kwargs={"threads": 3, "flood_connections": 300, "per_second": 150}, daemon=True)
+    attacker.start()
+    failures: list[str] = []
+    rss_peak, queries, polls = rss_before, 0, 0
+    while attacker.is_alive():
+        t0 = time.monotonic()
+        try:
+            r = client.query(query, timeout=5)
+            queries += 1
+            if r.coverage["answered"] != [0, 1] or r.coverage["partial"]:
+                failures.append(f"query: {r.footer()} {r.coverage['failed']}")
+            for _ in range(2):
+                raw = client.nodes_raw(timeout=5)
+                polls += 1
+                states = {m["rank"]: m["state"] for m in raw["members"]}
+                if states != {0: "alive", 1: "alive"} or raw["departures"]:
+                    failures.append(f"nodes: {states} {raw['departures']}")
+                time.sleep(0.25)
+        except Exception as exc:
+            failures.append(f"{type(exc).__name__}: {exc}")
+        rss_peak = max(rss_peak, root.memory_info().rss)
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+    attacker.join()
+    attack_end = time.time()
+    peer.close()
+
+    expected = {reason: n for reason, n in peer.expected.items() if n}
+    counted = wait_for(lambda: (lambda got: got if got == expected else None)(client.info()["rejected"]), 20,
+                       interval=0.5, what=f"the root to count {expected}")
+    time.sleep(3)  # the probe trims after a burst
+    rss_after = root.memory_info().rss
+
+    steps = client.query("SELECT t, dur_ms FROM work WHERE rank = 0 AND step >= 0", timeout=10).df
+    before = steps[(steps.t >= attack_start - BASELINE_SEC) & (steps.t < attack_start)].dur_ms
+    during = steps[(steps.t >= attack_start) & (steps.t < attack_end)].dur_ms
+    slowdown = statistics.median(during) / statistics.median(before)
+    growth = (rss_after - rss_before) / 2**20
+    print(f"\nhostile peers {ATTACK_SEC:.0f} s: {sum(expected.values())} bad messages counted exactly {counted}; "
+          f"{peer.cut_off} messages with a 2 MB frame cut off by ZeroMQ; {peer.accepted} valid originals of replays; "
+          f"{peer.connections} connections; {peer.bytes_sent / 2**20:.0f} MiB sent")
+    print(f"during it: {queries} queries and {polls} nodes() polls, {len(failures)} failures")
+    print(f"attacked rank's step: median {statistics.median(before):.2f} ms before, "
+          f"{statistics.median(during):.2f} ms during (x{slowdown:.3f}; {len(before)} / {len(during)} steps)")
+    print(f"root RSS: {rss_before / 2**20:.1f} MiB before, peak {rss_peak / 2**20:.1f}, after {rss_after / 2**20:.1f} "
+          f"(growth {growth:+.1f} MiB)")
+
+    assert not failures, failures[:5]
+    assert root.is_running() and client.info()["pid"] == root.pid  # no crash, the probe still answers
+    assert peer.connections >= 250 and queries >= ATTACK_SEC * 0.5
+    assert counted == expected and set(expected) >= {"malformed", "bad_signature", "replay", "stale", "oversized"}
+    assert slowdown <= STEP_SLOWDOWN_MAX
+    assert growth <= RSS_GROWTH_MAX_MIB
