@@ -1,7 +1,7 @@
 """``kernel-probe``: the command line, mirroring the seed's entry points.
 
     kernel-probe list [--prune]              jobs (their roots) on this machine
-    kernel-probe -t TARGET nodes             the membership table
+    kernel-probe -t TARGET nodes [--watch S] the membership table (again every S s, following relaunches)
     kernel-probe -t TARGET info              the answering probe's identity
     kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
     kernel-probe -t TARGET stacks            main-thread stacks of every rank, grouped
