@@ -25,9 +25,11 @@ from kernel_probe.testing.harness import LocalJob
 
 
 DEMO_QUERIES = [
-    ("Which rank is the straggler? (partial aggregates on every rank, merged per node, finished at the root)",
-     "SELECT _rank, count(*) AS steps, round(avg(duration_ms), 1) AS avg_ms, round(max(duration_ms), 1) AS max_ms "
-     "FROM steps GROUP BY _rank ORDER BY avg_ms DESC"),
+    ("Which rank is the straggler? Under DDP every rank's step takes as long (step_ms); the straggler computes the "
+     "most and waits the least (rank 2 of the demo job does extra work in every forward)",
+     "SELECT _rank, count(*) AS steps, round(median(duration_ms), 1) AS step_ms, "
+     "round(median(forward_ms + backward_ms), 1) AS compute_ms, round(median(comm_wait_ms), 1) AS wait_ms "
+     "FROM steps WHERE step > 1 GROUP BY _rank ORDER BY compute_ms DESC"),
     ("Memory per node (sampled every 5 s on each rank's probe thread)",
      "SELECT _node, round(max(rss_bytes) / 1048576.0) AS max_rss_mib, round(avg(cpu_percent)) AS avg_cpu_pct "
      "FROM memory GROUP BY _node ORDER BY _node"),
@@ -146,7 +148,8 @@ def main() -> int:
         except KeyboardInterrupt:  # before the job was up: LocalJob has already stopped it
             say("\nstopped")
             return 130
-    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2", "--log-metrics"]
+    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2", "--log-metrics",
+            "--slow-rank", "2", "--slow-ms", "60"]
     say("Starting the bundled training job: 2 nodes x 2 ranks (two torchrun invocations, c10d), PROBING=1")
     with LocalJob(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "1", "PROBING_ROLE": "trainer"}) as job:
         t0 = time.monotonic()
