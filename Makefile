@@ -37,6 +37,7 @@ test-fast: install
 	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
 
 bench: install
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,bench]'
 	$(PY) benchmarks/run.py
 
 clean:

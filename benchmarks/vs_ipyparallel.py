@@ -1,0 +1,166 @@
+"""Ours vs. ipyparallel, side by side in one run, on the same data (issue: fast enough to
+beat ipyparallel). N ranks of a plain job (each with a ``big`` table of ROWS rows) beside N
+idle ipyparallel engines holding the same rows as a DataFrame; the same questions asked
+of both, interleaved, REPS times each; p50 and p90 in ms and the ratio ours / theirs.
+
+    .venv/bin/python benchmarks/vs_ipyparallel.py [--ranks 4 8] [--reps 60]
+
+ipyparallel is a benchmark dependency only (`pip install '.[bench]'`, done by `make bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import kernel_probe  # noqa: E402
+from kernel_probe.testing.harness import LocalJob  # noqa: E402
+
+TABLES = str(ROOT / "tests" / "workers" / "tables_worker.py")
+ROWS = 10_000
+
+
+def _engine_setup(n: int, rank: int) -> None:
+    """On engine ``rank``: the same rows as that rank's `big` table (see tables_worker.py)."""
+    import pandas as pd
+
+    globals()["big"] = pd.DataFrame({"id": range(rank * n, (rank + 1) * n), "g": [i % 10 for i in range(n)],
+                                     "x": [float(i % 97) for i in range(n)]})
+
+
+def _count() -> int:
+    return len(big)  # noqa: F821 (defined on the engine)
+
+
+def _grouped() -> Any:
+    return big.groupby("g").agg(n=("x", "size"), s=("x", "sum"))  # noqa: F821
+
+
+def _rows() -> Any:
+    return big[big["id"] % 10 == 0]  # noqa: F821
+
+
+def _main_stack() -> list:
+    import sys
+    import threading
+    import traceback
+
+    frame = sys._current_frames()[threading.main_thread().ident]
+    return [(f.name, f.filename, f.lineno) for f in traceback.extract_stack(frame)]
+
+
+def questions(client: Any, view: Any) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
+    import pandas as pd
+
+    def theirs_grouped():
+        parts = view.apply_sync(_grouped)
+        merged = pd.concat(parts).groupby(level=0).sum()
+        return merged.assign(avg=merged["s"] / merged["n"])
+
+    return [
+        ("count of rows over all ranks",
+         lambda: client.query("SELECT count(*) AS n FROM big").df["n"][0],
+         lambda: sum(view.apply_sync(_count))),
+        ("grouped count and avg",
+         lambda: client.query("SELECT g, count(*) AS n, avg(x) AS a FROM big GROUP BY g ORDER BY g").df,
+         theirs_grouped),
+        ("~1000 rows from every rank, concatenated",
+         lambda: client.query("SELECT id, g, x FROM big WHERE id % 10 = 0").df,
+         lambda: pd.concat(view.apply_sync(_rows))),
+        ("every rank's main-thread stack",
+         lambda: client.query("SELECT _rank, depth, function FROM stacks WHERE is_main").df,
+         lambda: view.apply_sync(_main_stack)),
+    ]
+
+
+def _p(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run(n: int, reps: int) -> None:
+    import ipyparallel as ipp
+
+    runtime = tempfile.mkdtemp(prefix="kp-vs-ipp-")
+    os.environ["PROBING_RUNTIME_DIR"] = runtime
+    job = LocalJob([TABLES, "--rows", str(ROWS)], nodes=max(1, n // 2), ranks_per_node=min(2, n), mode="plain",
+                   env={"PROBING": "1", "PROBING_RUNTIME_DIR": runtime})
+    cluster = ipp.Cluster(n=n, log_level=40)
+    with job:
+        job.wait_ready(120)
+        rc = cluster.start_and_connect_sync()
+        try:
+            view = rc[:]
+            view.block = True
+            for i, engine in enumerate(rc):
+                engine.apply_sync(_engine_setup, ROWS, i)
+            client = None
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    client = kernel_probe.connect(timeout=2)
+                    if client.query("SELECT count(*) AS n FROM big").df["n"][0] == n * ROWS:
+                        break
+                except kernel_probe.ProbeError:
+                    pass
+                time.sleep(0.3)
+            qs = questions(client, view)
+            for _, ours, theirs in qs:  # warm both sides (our ranks load DuckDB on the first query)
+                for _ in range(3):
+                    ours()
+                    theirs()
+            print(f"{n} ranks / engines, {ROWS} rows each, {reps} interleaved repetitions (ms):")
+            print(f"  {'question':42s} {'ours p50':>9s} {'p90':>7s} {'ipp p50':>9s} {'p90':>7s} {'ours/ipp':>9s}")
+            for title, ours, theirs in qs:
+                a, b = [], []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    ours()
+                    a.append((time.perf_counter() - t) * 1000)
+                    t = time.perf_counter()
+                    theirs()
+                    b.append((time.perf_counter() - t) * 1000)
+                ratio = statistics.median(a) / statistics.median(b)
+                print(f"  {title:42s} {statistics.median(a):9.1f} {_p(a, .9):7.1f} {statistics.median(b):9.1f} "
+                      f"{_p(b, .9):7.1f} {ratio:9.2f}")
+
+            def timed(fn):
+                t0 = time.perf_counter()
+                fn()
+                return (time.perf_counter() - t0) * 1000
+
+            members = statistics.median(timed(client.nodes) for _ in range(reps))
+            status = statistics.median(timed(rc.queue_status) for _ in range(reps))
+            print(f"  {'membership: nodes() vs queue_status()':42s} {members:9.1f} {'':7s} {status:9.1f} {'':7s} "
+                  f"{members / status:9.2f}")
+            client.close()
+        finally:
+            cluster.stop_cluster_sync()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--reps", type=int, default=60)
+    args = ap.parse_args()
+    try:
+        import ipyparallel  # noqa: F401
+    except ImportError:
+        print("vs_ipyparallel: ipyparallel is not installed (pip install '.[bench]')")
+        return 1
+    for n in args.ranks:
+        run(n, args.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
