@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["start", "stop", "set_role", "log", "table", "connect", "connect_async", "job_registry", "probe",
            "ProbeError", "ConnectError", "AuthError", "JobEndedError", "QueryFailed", "QueryResult", "Client",
-           "AsyncClient", "Job", "JobRegistry", "UnknownJob"]
+           "AsyncClient", "Job", "JobRegistry", "UnknownJob", "PROTOCOL_VERSION"]
 __version__ = "0.1.0"
 
 _OWNER_VAR = "_PROBING_OWNER_PID"  # children inherit it: a subprocess never starts a second probe
@@ -138,6 +138,10 @@ _LAZY = {"ProbeError": "client", "ConnectError": "client", "AuthError": "client"
 
 
 def __getattr__(name: str) -> Any:  # the client side is imported on demand: a rank never needs it
+    if name == "PROTOCOL_VERSION":  # what this package speaks (front ends show it; clients check it)
+        from .wire import PROTOCOL_VERSION
+
+        return PROTOCOL_VERSION
     if name in _LAZY:
         import importlib
 
