@@ -132,21 +132,24 @@ def _run_cell(page, text: str) -> None:
                            arg=cell.element_handle(), timeout=60_000)
 
 
-@pytest.fixture(params=["/", "/prefix/"], ids=["root", "base_url"])
-def variant(request):
-    return request.param
+TABLES = str(Path(__file__).parent / "workers" / "tables_worker.py")
+# (name, base_url, the job's worker, a file on its ranks' main-thread stack). At the root: DDP
+# training, so steps and step-time bars show; under the prefix: idle ranks, which start in seconds.
+VARIANTS = [("root", "/", ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2"], "tiny_ddp.py"),
+            ("base_url", "/prefix/", [TABLES, "--rows", "10"], "tables_worker.py")]
 
 
-def test_cluster_panel_in_chromium(variant, tmp_path):
+@pytest.mark.parametrize("name, base_url, worker, stack_file", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: install the Debian package chromium (apt-get install -y chromium)",
                     pytrace=False)
     from playwright.sync_api import expect, sync_playwright
 
-    out = ARTIFACTS / ("root" if variant == "/" else "base_url")
+    out = ARTIFACTS / name
     out.mkdir(parents=True, exist_ok=True)
     runtime = tmp_path / "runtime"
-    lab = Lab(tmp_path, variant, runtime, out / "jupyter-lab.log")
+    lab = Lab(tmp_path, base_url, runtime, out / "jupyter-lab.log")
     job: LocalJob | None = None
     try:
         with sync_playwright() as pw:
@@ -165,14 +168,14 @@ def test_cluster_panel_in_chromium(variant, tmp_path):
                     "No job found")
 
                 # a job starts: every rank appears under its node
-                job = LocalJob(["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2"],
-                               nodes=2, ranks_per_node=2, mode="plain",
+                job = LocalJob(worker, nodes=2, ranks_per_node=2, mode="plain",
                                env={**JOB_ENV, "PROBING_RUNTIME_DIR": str(runtime)}, workdir=tmp_path / "job").start()
                 job.wait_ready(90)
                 page.wait_for_function("""() => [...document.querySelectorAll('#probing-cluster .pm-Cluster-rank')]
-                    .filter(r => r.dataset.state === 'alive' &&
-                                 r.querySelector('.pm-Cluster-ms').textContent !== '').length === 4""",
-                                       timeout=90_000)
+                    .filter(r => r.dataset.state === 'alive').length === 4""", timeout=90_000)
+                if name == "root":  # training: step times arrive with the next heartbeats
+                    page.wait_for_function("""() => [...document.querySelectorAll('#probing-cluster .pm-Cluster-ms')]
+                        .some(e => e.textContent !== '')""", timeout=60_000)
                 rows = _rows(page)
                 assert {r: v["node"] for r, v in rows.items()} == {r: job.node_of(r) for r in range(4)}
                 expect(page.locator("#probing-cluster .pm-Cluster-summary")).to_contain_text("4 alive")
@@ -183,7 +186,7 @@ def test_cluster_panel_in_chromium(variant, tmp_path):
                 page.click("#probing-cluster .pm-Cluster-rank[data-rank='2']")
                 stack = page.locator("#probing-cluster .pm-Cluster-stack[data-rank='2']")
                 expect(stack.locator(".pm-Cluster-frame").first).to_be_visible()
-                expect(stack).to_contain_text("tiny_ddp.py")
+                expect(stack).to_contain_text(stack_file)
                 light_bg = page.evaluate("getComputedStyle(document.querySelector('#probing-cluster'))"
                                          ".backgroundColor")
                 _shot(page, "#probing-cluster", out, "panel-light.png")
@@ -245,7 +248,7 @@ def test_cluster_panel_in_chromium(variant, tmp_path):
                 expect(page.locator("#probing-cluster")).to_be_visible()
                 expect(page.locator("#probing-cluster .pm-Cluster-jobSelect")).to_have_value(chosen)
 
-                # last (under DDP the other ranks fail soon after, in their all-reduce): a rank dies and turns dead
+                # last (under DDP the others fail soon after, in their all-reduce): a rank dies and turns dead
                 # within about one poll (plus the root's pid watch)
                 t_kill = time.monotonic()
                 job.kill(3)
@@ -256,7 +259,7 @@ def test_cluster_panel_in_chromium(variant, tmp_path):
                 assert took < POLL_SEC + 4
                 _shot(page, "#probing-cluster", out, "panel-dead-rank.png")
 
-                if variant == "/":  # once: the server goes away, then comes back without our extension
+                if name == "root":  # once: the server goes away, then comes back without our extension
                     lab.stop()
                     expect(page.locator("#probing-cluster .pm-Cluster-status.pm-status-server-gone")).to_be_visible()
                     lab.start(server_extension=False)
