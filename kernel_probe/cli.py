@@ -151,6 +151,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
         for k, v in client.info_.items():
             print(f"{k}: {v}")
+        if client.store:  # what to type on another host
+            print(f"store: {client.store}")
     return 0
 
 

@@ -166,6 +166,7 @@ def test_clients_in_two_namespaces_and_store_target_as_typed(cluster):
                        text=True)
         print(f"kernel-probe -t {typed} info from host {other}: {time.monotonic() - t0:.2f} s")
         assert info.returncode == 0 and f"run_id: {RUN_ID}/r0" in info.stdout, info.stdout + info.stderr
+        assert f"store: {typed}" in info.stdout
     finally:
         watcher.stop()
 
