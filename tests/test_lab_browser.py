@@ -33,6 +33,7 @@ ARTIFACTS = ROOT / "test-artifacts" / "lab-browser"
 TOKEN = "lab-browser-test-token"
 POLL_SEC = 1.0  # the panel's poll interval, set through the settings registry
 JOB_ENV = {"PROBING": "1", "PROBING_ROLE": "trainer", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "1",
+           "PROBING_CLUSTER_STALL_SEC": "4",
            "PROBING_SAMPLE_INTERVAL_SEC": "0.25"}
 INSERT_BUTTON = '#probing-cluster .jp-Toolbar [data-command="probing-magics:insert-sql-cell"]'
 
@@ -132,11 +133,13 @@ def _run_cell(page, text: str) -> None:
                            arg=cell.element_handle(), timeout=60_000)
 
 
-TABLES = str(Path(__file__).parent / "workers" / "tables_worker.py")
+STALL = str(Path(__file__).parent / "workers" / "stall_worker.py")
 # (name, base_url, the job's worker, a file on its ranks' main-thread stack). At the root: DDP
-# training, so steps and step-time bars show; under the prefix: idle ranks, which start in seconds.
+# training, so steps and step-time bars show. Under the prefix: ranks whose main threads make no
+# progress (no torch: they start in seconds); after PROBING_CLUSTER_STALL_SEC all are stalled and
+# rank 3, stuck where the others are not, is the suspect.
 VARIANTS = [("root", "/", ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2"], "tiny_ddp.py"),
-            ("base_url", "/prefix/", [TABLES, "--rows", "10"], "tables_worker.py")]
+            ("base_url", "/prefix/", [STALL, "--odd-rank", "3"], "stall_worker.py")]
 
 
 @pytest.mark.parametrize("name, base_url, worker, stack_file", VARIANTS, ids=[v[0] for v in VARIANTS])
@@ -172,13 +175,13 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                                env={**JOB_ENV, "PROBING_RUNTIME_DIR": str(runtime)}, workdir=tmp_path / "job").start()
                 job.wait_ready(90)
                 page.wait_for_function("""() => [...document.querySelectorAll('#probing-cluster .pm-Cluster-rank')]
-                    .filter(r => r.dataset.state === 'alive').length === 4""", timeout=90_000)
+                    .filter(r => ['alive', 'stalled'].includes(r.dataset.state)).length === 4""", timeout=90_000)
                 if name == "root":  # training: step times arrive with the next heartbeats
                     page.wait_for_function("""() => [...document.querySelectorAll('#probing-cluster .pm-Cluster-ms')]
                         .some(e => e.textContent !== '')""", timeout=60_000)
                 rows = _rows(page)
                 assert {r: v["node"] for r, v in rows.items()} == {r: job.node_of(r) for r in range(4)}
-                expect(page.locator("#probing-cluster .pm-Cluster-summary")).to_contain_text("4 alive")
+                expect(page.locator("#probing-cluster .pm-Cluster-summary")).to_contain_text("0 dead")
                 expect(page.locator("#probing-cluster .pm-Cluster-rank[data-rank='0'] .pm-Cluster-role")) \
                     .to_have_text("trainer")
 
@@ -190,6 +193,14 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                 light_bg = page.evaluate("getComputedStyle(document.querySelector('#probing-cluster'))"
                                          ".backgroundColor")
                 _shot(page, "#probing-cluster", out, "panel-light.png")
+
+                if name == "base_url":  # every rank stalls; rank 3, alone elsewhere, is the suspect
+                    expect(page.locator("#probing-cluster .pm-Cluster-rank[data-rank='3'].pm-suspect")) \
+                        .to_be_visible(timeout=60_000)
+                    expect(page.locator("#probing-cluster .pm-Cluster-suspect")) \
+                        .to_contain_text("suspect: rank 3, in fetch_next_batch")
+                    expect(page.locator("#probing-cluster .pm-Cluster-rank[data-state='stalled']")).to_have_count(4)
+                    _shot(page, "#probing-cluster", out, "panel-suspect.png")
 
                 # the dark theme: the panel follows JupyterLab's CSS variables
                 page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', "
@@ -211,7 +222,7 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                     _run_cell(page, text)
                 widget = page.locator(".jp-OutputArea .probing-nodes-view").first
                 expect(widget.locator("tr.probing-rank")).to_have_count(4)
-                expect(widget.locator("tr.probing-rank[data-state='alive']")).to_have_count(4)
+                expect(widget.locator("tr.probing-rank[data-state='dead']")).to_have_count(0)
                 _shot(page, ".jp-OutputArea:has(.probing-nodes-view)", out, "widget.png")
 
                 # the insert-cell command: panel toolbar button, then the palette

@@ -22,13 +22,14 @@ TABLES = str(Path(__file__).parent / "workers" / "tables_worker.py")
 FAST = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
         "PROBING_SAMPLE_INTERVAL_SEC": "0.25", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "1"}
 TOKEN = "server-ext-test-token"
+STALL = str(Path(__file__).parent / "workers" / "stall_worker.py")
 
 
 def _start_job(tmp_path_factory, mp: pytest.MonkeyPatch, argv: list[str], nodes: int, per_node: int,
-               env: dict[str, str]) -> LocalJob:
+               env: dict[str, str], worker: str = TABLES) -> LocalJob:
     runtime = tmp_path_factory.mktemp("runtime")
     mp.setenv("PROBING_RUNTIME_DIR", str(runtime))  # the server (this process) finds the job there
-    job = LocalJob([TABLES, *argv], nodes=nodes, ranks_per_node=per_node, mode="plain",
+    job = LocalJob([worker, *argv], nodes=nodes, ranks_per_node=per_node, mode="plain",
                    env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), **FAST, **env},
                    workdir=tmp_path_factory.mktemp("job")).start()
     job.wait_ready(60)
@@ -304,3 +305,36 @@ async def test_job_dying_mid_request_is_502_and_the_server_still_answers(api, dy
     assert status in (404, 502) and body["code"] in ("unknown_job", "job_ended"), body
     status, body = await api("GET", "jobs")
     assert job_id not in [j["id"] for j in body["jobs"]]
+
+
+@pytest.fixture
+def stalled_job(tmp_path_factory):
+    """2 nodes x 2 ranks whose main threads make no progress; rank 3 is stuck somewhere else."""
+    mp = pytest.MonkeyPatch()
+    j = _start_job(tmp_path_factory, mp, ["--odd-rank", "3"], 2, 2, {"PROBING_CLUSTER_STALL_SEC": "2"}, worker=STALL)
+    try:
+        wait_for(lambda: kernel_probe.connect(timeout=2).close() or True, 60, interval=0.2, what="the root")
+        yield j
+    finally:
+        j.close()
+        mp.undo()
+
+
+async def test_stalled_ranks_name_the_suspect(api, stalled_job):
+    job_id = await _local_job_id(api)
+
+    async def all_stalled() -> dict | None:
+        status, body = await api("GET", "jobs", job_id, "nodes")
+        members = body.get("members", []) if status == 200 else []
+        return body if len(members) == 4 and {m["state"] for m in members} == {"stalled"} else None
+
+    deadline = time.monotonic() + 60
+    while (nodes := await all_stalled()) is None:
+        assert time.monotonic() < deadline, "the ranks did not all turn stalled"
+        await asyncio.sleep(0.3)
+    (suspect,) = nodes["suspects"]
+    assert suspect["ranks"] == [3] and suspect["others"] == 3
+    assert suspect["where"].startswith("in fetch_next_batch (stall_worker.py:")
+    assert suspect["text"].startswith("suspect: rank 3, in fetch_next_batch") and "wait_in_all_reduce" in suspect["text"]
+    assert {m["rank"]: m["reason"].split(" (")[0] for m in nodes["members"]} == {
+        0: "in wait_in_all_reduce", 1: "in wait_in_all_reduce", 2: "in wait_in_all_reduce", 3: "in fetch_next_batch"}

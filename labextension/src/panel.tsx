@@ -189,7 +189,11 @@ function RankRow(props: {
     >
       <td className="pm-Cluster-rankName">
         <span className="pm-Cluster-dot" title={m.state} /> {m.rank}
-        {suspect && <span className="pm-Cluster-suspectTag">suspect</span>}
+        {suspect && (
+          <span className="pm-Cluster-suspectTag" title="suspect: stuck where the other stalled ranks are not">
+            !
+          </span>
+        )}
       </td>
       <td className="pm-Cluster-role">{m.role ?? ''}</td>
       <td className="pm-Cluster-step">{m.step ?? '—'}</td>
