@@ -151,7 +151,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
         for k, v in client.info_.items():
             print(f"{k}: {v}")
-        if client.store:  # what to type on another host
+        if client.store and not client.info_.get("store"):  # a root that does not say it itself
             print(f"store: {client.store}")
     return 0
 

@@ -15,6 +15,7 @@ Rules of this file:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .config import Identity, Settings
 from .effects import PARENT, ConnectParent, Effect, Note, Send, UnwatchPid, WatchPid
@@ -71,6 +72,7 @@ class RankCore:
     comm_wait_ms: float | None = None
     stalled: bool = False
     stalled_where: str = ""  # where the main thread is stuck while stalled (its innermost frame)
+    info_extras: Callable[[], dict] | None = None  # facts only the shell has (rejected counts, store://)
 
     registry: Registry = field(init=False)  # authoritative: the job (root) or the node (broker)
     mirror: Registry = field(init=False)  # the job's membership as pushed down by the parent
@@ -316,12 +318,15 @@ class RankCore:
 
     def info(self) -> dict:
         view = self.view()
-        return {
+        body = {
             "protocol": PROTOCOL_VERSION, "run_id": self.identity.run_id, "world_size": self.identity.world_size,
             "rank": self.identity.rank, "tier": self.tier or "leaf", "pid": self.pid, "incarnation": self.incarnation,
             "counts": view.counts(), "epoch": view.epoch, "host": self.identity.host,
             "placed_at": self.placed_at, "converged_at": self.converged_at,
         }
+        if self.info_extras is not None:
+            body.update(self.info_extras())
+        return body
 
     def view(self) -> Registry:
         """The best membership this probe knows: its own registry at the root, else the mirror."""

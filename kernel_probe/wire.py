@@ -130,6 +130,7 @@ class InfoBody(_InfoFields, total=False):
     placed_at: float | None
     converged_at: float | None
     rejected: dict  # bad messages this probe dropped, by reason (REJECT_REASONS, plus "dropped" before decode)
+    store: str  # the store:// address to type on another host ("" when the job has no store)
 
 
 class NodesBody(TypedDict):

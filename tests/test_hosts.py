@@ -145,6 +145,9 @@ def test_clients_in_two_namespaces_and_store_target_as_typed(cluster):
         from kernel_probe.jobs import JobRegistry  # what the server and the magics show
 
         assert [j.to_dict()["store"] for j in JobRegistry(runtime).jobs()] == [typed]
+        info = net.run(root_host, [sys.executable, "-m", "kernel_probe.cli", "info"], capture_output=True,
+                       text=True, env={**os.environ, "PROBING_RUNTIME_DIR": str(runtime)})
+        assert info.stdout.count(f"store: {typed}\n") == 1, info.stdout  # the root's own info answer says it
 
         other = (root_host + 1) % HOSTS
         remote = Watcher(net, other, typed, "--poll", "0.2", "--seconds", "3")

@@ -174,6 +174,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self.poller = zmq.Poller()
         self.poller.register(router, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        self.core.info_extras = self._info_extras
         self.carry_out(self.core.start(now, use_store=self._use_store))
         if self.core.tier == "root" and ident.rank == 0:  # a rank cut off from its store runs alone, but is not the job
             self._write_connection_file()
@@ -313,6 +314,9 @@ class ProbeThread(threading.Thread, EffectInterpreter):
                 self._last_reject = now
                 self._refuse(rid, exc.reason, now)
                 continue
+            if env.msg.type == "query" and os.environ.get("KP_DEBUG_LOG"):
+                with open(os.environ["KP_DEBUG_LOG"], "a") as f:
+                    f.write(f"{time.time():.3f} IN {env.header.msg_id} seq={env.header.seq}\n")
             self.carry_out(self.core.on_message(env, rid, now))
 
     def _drain_parent(self, now: float) -> None:
@@ -426,12 +430,13 @@ class ProbeThread(threading.Thread, EffectInterpreter):
             counts["dropped"] = self.dropped
         return counts
 
+    def _info_extras(self) -> dict:
+        """What the core's info answer cannot know: the codec's counts and the store address."""
+        return {"rejected": self.rejected(), "store": self.store_address()}
+
     def send(self, effect: Send) -> None:
-        msg = effect.msg
-        if msg.type == "info":  # the codec lives here, not in the core: add its counter
-            msg = wire.Message(msg.type, dict(msg.body, rejected=self.rejected()), msg.buffers, msg.corr_id, msg.msg_id)
         try:
-            frames = self.codec.encode(msg)
+            frames = self.codec.encode(effect.msg)
         except ValueError as exc:
             log.warning("probing: not sending %s: %s", effect.msg.type, exc)
             return
@@ -447,8 +452,10 @@ class ProbeThread(threading.Thread, EffectInterpreter):
             return
         try:
             self.router.send_multipart([effect.to, *frames], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the peer left or is flooded: replies are best effort, the peer retries
+        except zmq.ZMQError as exc:
+            if os.environ.get("KP_DEBUG_LOG"):
+                with open(os.environ["KP_DEBUG_LOG"], "a") as f:
+                    f.write(f"{time.time():.3f} SENDFAIL {msg.type} {msg.corr_id} {exc}\n")  # the peer left or is flooded: replies are best effort, the peer retries
 
     def _connect_parent(self, endpoint: str | None) -> None:
         if self._parent_sock is not None:
