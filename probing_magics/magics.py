@@ -177,7 +177,11 @@ class ClusterMagics(Magics):
         except KeyboardInterrupt:
             raise ClusterError("interrupted while connecting") from None
         self._set_client(client, target, token)
-        print(f"connected: {self._describe(client)}")
+        line = f"connected: {self._describe(client)}"
+        store = (client.info_ or {}).get("store") or getattr(client, "store", "")
+        if store and not str(target or "").startswith("store://"):
+            line += f" · from another host: %cluster_connect {store}"
+        print(line)
 
     def _ask_token(self, target: str, tried: str | None) -> str | None:
         """A hidden prompt, only when nobody gave a token and someone can answer it."""

@@ -101,6 +101,7 @@ def test_connect_prints_one_line(ip, capsys):
     out = capsys.readouterr().out.strip()
     assert len(out.splitlines()) == 1
     assert re.search(r"^connected: run \S+ · world size 4 · 4 alive · tcp://", out), out
+    assert re.search(r" · from another host: %cluster_connect store://127\.0\.0\.1:\d+", out), out  # what to type elsewhere
 
 
 def test_auto_connect_and_cell_magic(ip, capsys):
