@@ -82,7 +82,11 @@ class Lab:
         config.write_text(json.dumps({"ServerApp": {"jpserver_extensions": {"probing_magics": server_extension}}}))
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      cwd=self.tmp)
-        wait_for(self._answers, 60, interval=0.2, what=f"jupyter lab on port {self.port}")
+        try:
+            wait_for(self._answers, 60, interval=0.2, what=f"jupyter lab on port {self.port}")
+        except BaseException:
+            self.close()  # never leave a server behind
+            raise
 
     @property
     def url(self) -> str:

@@ -100,11 +100,10 @@ async def _local_job_id(api) -> str:
 
 async def test_version(api):
     import probing_magics
-    from kernel_probe import wire
 
     status, body = await api("GET", "version")
     assert status == 200
-    assert body == {"api": 1, "package": probing_magics.__version__, "protocol": wire.PROTOCOL_VERSION}
+    assert body == {"api": 1, "package": probing_magics.__version__, "protocol": kernel_probe.PROTOCOL_VERSION}
 
 
 async def test_every_route_refuses_requests_without_credentials(api, job):

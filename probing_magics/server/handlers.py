@@ -20,7 +20,6 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
 import kernel_probe
-from kernel_probe import wire
 from kernel_probe.client import ANSWER_GRACE
 from kernel_probe.summaries import group_stacks, parse_ranks, stacks_sql, stall_suspects
 
@@ -147,7 +146,7 @@ class VersionHandler(ProbingHandler):
     @authorized
     @json_errors
     async def get(self) -> None:
-        self.reply({"api": API_VERSION, "package": __version__, "protocol": wire.PROTOCOL_VERSION})
+        self.reply({"api": API_VERSION, "package": __version__, "protocol": kernel_probe.PROTOCOL_VERSION})
 
 
 class JobsHandler(ProbingHandler):
