@@ -110,11 +110,8 @@ class JobRegistry:
         target = target.strip()
         if not (target.startswith("tcp://") or target.startswith("store://")):
             raise ConnectError(f"bad address {target!r}: expected tcp://host:port or store://host:port[/run_id]")
-        client = Client.from_target(resolve(target, token))
-        try:
-            info = client.handshake(timeout)
-        finally:
-            client.close()
+        with Client.open(resolve(target, token), timeout) as client:
+            info = client.info_
         job_id = "addr-" + hashlib.sha256(target.encode()).hexdigest()[:12]
         job = Job(id=job_id, source=ADDED, target=target, run_id=info.get("run_id"), endpoint=client.endpoint,
                   world_size=info.get("world_size"), pid=info.get("pid"), host=None, started=None, alive=None,
@@ -147,26 +144,14 @@ class JobRegistry:
 
     def connect(self, job_id: str | None = None, timeout: float = 5.0) -> Client:
         """A new blocking client of the job, checked with a handshake."""
-        client = Client.from_target(self.target(job_id))
-        try:
-            client.handshake(timeout)
-        except BaseException:
-            client.close()
-            raise
-        return client
+        return Client.open(self.target(job_id), timeout)
 
     async def connect_async(self, job_id: str | None = None, timeout: float = 5.0) -> AsyncClient:
         """A new asyncio client of the job, checked with a handshake."""
         import asyncio
 
         target = await asyncio.get_running_loop().run_in_executor(None, self.target, job_id)
-        client = AsyncClient(target)
-        try:
-            await client.handshake(timeout)
-        except BaseException:
-            client.close()
-            raise
-        return client
+        return await AsyncClient.open(target, timeout)
 
 
 _registry: JobRegistry | None = None

@@ -27,10 +27,4 @@ __all__ = [
 def connect(target: str | os.PathLike | None = None, token: str | None = None, timeout: float = 5.0) -> Client:
     """A client of the job at ``target`` (``tcp://host:port``, a connection file,
     ``store://host:port[/run_id]``, or None for the newest job here), checked with a handshake."""
-    client = Client.from_target(resolve(target, token))
-    try:
-        client.handshake(timeout)
-    except BaseException:
-        client.close()
-        raise
-    return client
+    return Client.open(resolve(target, token), timeout)

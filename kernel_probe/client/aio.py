@@ -10,7 +10,6 @@ checks that touch files or sockets run on a worker thread, never on the loop.
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -18,41 +17,23 @@ import zmq
 import zmq.asyncio
 
 from .. import wire
-from ..shell import connfile
 from . import results
+from .base import GONE_CHECK_SEC, ClientState, RootGone
 from .errors import AuthError, ConnectError, JobEndedError, ProbeError, QueryFailed, Refused
-from .follow import find_relaunch, restart_notice, root_gone
-from .requests import Answered, Failed, Progress, Requests
+from .follow import find_relaunch, root_gone
+from .requests import Answered, Failed, Progress
 from .targets import Target
-
-_GONE_CHECK_SEC = (0.3, 1.0)  # as in the blocking client
-
-
-class _RootGone(Exception):
-    pass
 
 if TYPE_CHECKING:
     import pandas as pd
 
 
-class AsyncClient:
+class AsyncClient(ClientState):
     """One connection to a probe for asyncio code; the same methods as ``Client``, awaited."""
 
     def __init__(self, target: Target) -> None:
-        self.endpoint = target.endpoint
-        self.run_id = target.run_id
-        self.connection = target.connection
-        self.store = target.store  # the job's store:// address to show people, when known
-        self.info_: dict[str, Any] = {}
-        self._token = target.token
-        self._target = target
-        self.restarts = 0
-        self._generation = 0
-        self._ended: str | None = None
-        self._answered = False
-        self._notices: collections.deque[str] = collections.deque()
+        super().__init__(target)
         self._follow_lock: asyncio.Lock | None = None
-        self._requests = Requests(target.key)
         self._futures: dict[str, asyncio.Future] = {}
         self._progress: dict[str, Callable[[dict], None]] = {}
         self._sock: zmq.asyncio.Socket | None = None
@@ -105,10 +86,10 @@ class AsyncClient:
             generation = self._generation
             try:
                 return await self._request_once(type_, body, deadline, timeout, on_progress, generation)
-            except _RootGone:
+            except RootGone:
                 if not await self._follow(generation):
-                    raise JobEndedError(self._ended or f"job {self.run_id} has ended") from None
-        raise JobEndedError(self._ended or f"job {self.run_id} has ended")
+                    raise self._ended_error() from None
+        raise self._ended_error()
 
     async def _request_once(self, type_: str, body: dict, deadline: float, timeout: float,
                             on_progress: Callable[[dict], None] | None, generation: int) -> wire.Envelope:
@@ -121,25 +102,25 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         try:
             await sock.send_multipart(frames)
-            next_check = time.monotonic() + _GONE_CHECK_SEC[0]
+            next_check = time.monotonic() + GONE_CHECK_SEC[0]
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._no_answer(timeout)
                 try:
-                    envelope = await asyncio.wait_for(asyncio.shield(future), min(left, _GONE_CHECK_SEC[1] / 2))
+                    envelope = await asyncio.wait_for(asyncio.shield(future), min(left, GONE_CHECK_SEC[1] / 2))
                     self._answered = True
                     return envelope
                 except asyncio.TimeoutError:
                     pass
                 if self._generation != generation:
-                    raise _RootGone()
+                    raise RootGone()
                 if self._answered and time.monotonic() >= next_check:
                     why = await loop.run_in_executor(None, root_gone, self.endpoint, self.connection)
                     if why is not None:
                         self._ended = why
-                        raise _RootGone()
-                    next_check = time.monotonic() + _GONE_CHECK_SEC[1]
+                        raise RootGone()
+                    next_check = time.monotonic() + GONE_CHECK_SEC[1]
         finally:
             if not future.done():
                 future.cancel()
@@ -163,15 +144,7 @@ class AsyncClient:
             if self._sock is not None:
                 self._sock.close(0)
                 self._sock = None
-            self._requests.rekey(new.key)
-            self.endpoint, self.run_id, self.connection = new.endpoint, new.run_id, new.connection
-            self.store = new.store or self.store
-            self._target = Target(new.endpoint, new.key, run_id=new.run_id, token=self._token,
-                                  connection=new.connection, spec=self._target.spec, store=self.store)
-            self._ended = None
-            self.restarts += 1
-            self._generation += 1
-            self._notices.append(restart_notice(self._target, new, self.restarts))
+            self._switch_to(new)
             generation = self._generation
         try:
             env = await self._request_once("info_request", {}, time.monotonic() + 2.0, 2.0, None, generation)
@@ -180,32 +153,25 @@ class AsyncClient:
             pass
         return True
 
-    def take_notice(self) -> str | None:
-        """A one-line notice not shown yet (e.g. that the job restarted), or None; each once."""
+    @classmethod
+    async def open(cls, target: Target, timeout: float = 5.0) -> "AsyncClient":
+        """A client of ``target``, checked with a handshake (closed again if that fails)."""
+        client = cls(target)
         try:
-            return self._notices.popleft()
-        except IndexError:
-            return None
-
-    def _no_answer(self, timeout: float) -> ConnectError:
-        conn = self.connection
-        if conn is not None and not connfile.is_alive(conn):
-            return JobEndedError(f"job {conn.run_id} has ended: its root (pid {conn.pid}) is gone")
-        return ConnectError(f"no answer from {self.endpoint} within {timeout:g} s: the job ended or its root "
-                            f"is unreachable")
+            await client.handshake(timeout)
+        except BaseException:
+            client.close()
+            raise
+        return client
 
     async def handshake(self, timeout: float = 5.0) -> dict:
         try:
             env = await self.request("info_request", {}, timeout)
         except Refused as refused:
-            if refused.run_id and self._token and refused.run_id != self.run_id:
-                self.run_id = refused.run_id
-                self._requests.rekey(wire.derive_key(self._token, refused.run_id))
+            if self._learn_from(refused):
                 return await self.handshake(timeout)
             raise results.refused_error(refused, self.endpoint) from None
-        self.info_ = results.checked_info(env.msg.body, self.endpoint)
-        self.run_id = self.info_.get("run_id", self.run_id)
-        return self.info_
+        return self._shook_hands(env)
 
     async def _call(self, type_: str, body: dict, timeout: float,
                     on_progress: Callable[[dict], None] | None = None) -> wire.Envelope:
@@ -257,9 +223,6 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        return f"<kernel_probe.AsyncClient {self.endpoint} run={self.run_id}>"
-
 
 async def connect_async(target: str | None = None, token: str | None = None, timeout: float = 5.0) -> AsyncClient:
     """``connect()`` for asyncio code. Resolving a ``store://`` target talks to a TCPStore
@@ -267,13 +230,7 @@ async def connect_async(target: str | None = None, token: str | None = None, tim
     from .targets import resolve
 
     resolved = await asyncio.get_running_loop().run_in_executor(None, lambda: resolve(target, token))
-    client = AsyncClient(resolved)
-    try:
-        await client.handshake(timeout)
-    except BaseException:
-        client.close()
-        raise
-    return client
+    return await AsyncClient.open(resolved, timeout)
 
 
 __all__ = ["AsyncClient", "connect_async", "ProbeError"]

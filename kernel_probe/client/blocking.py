@@ -24,20 +24,16 @@ import zmq
 from .. import wire
 from ..shell import connfile
 from . import results
-from .errors import AuthError, ConnectError, JobEndedError, QueryFailed, Refused
-from .follow import find_relaunch, restart_notice, root_gone
-from .requests import Answered, Failed, Progress, Requests
+from .base import GONE_CHECK_SEC, ClientState, RootGone
+from .errors import AuthError, JobEndedError, QueryFailed, Refused
+from .follow import find_relaunch, root_gone
+from .requests import Answered, Failed, Progress
 from .targets import Target
 
 if TYPE_CHECKING:
     import pandas as pd
 
 _SLICE_SEC = 0.05  # how long the reading thread holds the socket before letting a sender in
-_GONE_CHECK_SEC = (0.3, 1.0)  # a request unanswered this long checks whether the root is gone; then this often
-
-
-class _RootGone(Exception):
-    """Internal: the root this request went to is gone (or the client followed a relaunch)."""
 
 
 class _Waiter:
@@ -49,29 +45,17 @@ class _Waiter:
         self.progress: collections.deque[dict] = collections.deque()
 
 
-class Client:
+class Client(ClientState):
     """One connection to a probe (normally the root). Thread-safe; requests run concurrently."""
 
     def __init__(self, endpoint: str, key: bytes, *, run_id: str | None = None, token: str | None = None,
                  connection: connfile.ConnectionInfo | None = None, spec: str | None = None,
                  store: str | None = None) -> None:
-        self.endpoint = endpoint
-        self.run_id = run_id
-        self.connection = connection
-        self.store = store  # the job's store:// address to show people, when known
-        self.info_: dict[str, Any] = {}
-        self.restarts = 0  # launches of the job this client followed
-        self._target = Target(endpoint, key, run_id=run_id, token=token, connection=connection, spec=spec,
-                              store=store)
-        self._generation = 0  # bumped when the client switches to a new launch
-        self._ended: str | None = None  # why the root is known to be gone (until a relaunch is found)
-        self._notices: collections.deque[str] = collections.deque()
+        super().__init__(Target(endpoint, key, run_id=run_id, token=token, connection=connection, spec=spec,
+                                store=store))
         self._follow_lock = threading.Lock()
-        self._answered = False  # "gone" means the root answered once and is not there any more
-        self._token = token
         self._io = threading.Lock()  # held by whoever touches the socket
         self._state = threading.Lock()  # guards the matcher and the waiters
-        self._requests = Requests(key)
         self._waiters: dict[str, _Waiter] = {}
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
@@ -80,6 +64,17 @@ class Client:
     def from_target(cls, target: Target) -> "Client":
         return cls(target.endpoint, target.key, run_id=target.run_id, token=target.token,
                    connection=target.connection, spec=target.spec, store=target.store)
+
+    @classmethod
+    def open(cls, target: Target, timeout: float = 5.0) -> "Client":
+        """A client of ``target``, checked with a handshake (closed again if that fails)."""
+        client = cls.from_target(target)
+        try:
+            client.handshake(timeout)
+        except BaseException:
+            client.close()
+            raise
+        return client
 
     # ------------------------------------------------------------------ transport
 
@@ -100,14 +95,14 @@ class Client:
         deadline = time.monotonic() + timeout
         if self._ended is not None and not self._follow(self._generation):
             raise JobEndedError(self._ended)
-        for attempt in range(3):  # a relaunch found mid-request: send it again to the new root
+        for _ in range(3):  # a relaunch found mid-request: send it again to the new root
             generation = self._generation
             try:
                 return self._request_once(type_, body, deadline, timeout, on_progress, generation)
-            except _RootGone:
+            except RootGone:
                 if not self._follow(generation):
-                    raise JobEndedError(self._ended or f"job {self.run_id} has ended") from None
-        raise JobEndedError(self._ended or f"job {self.run_id} has ended")
+                    raise self._ended_error() from None
+        raise self._ended_error()
 
     def _request_once(self, type_: str, body: dict, deadline: float, timeout: float,
                       on_progress: Callable[[dict], None] | None, generation: int) -> wire.Envelope:
@@ -131,7 +126,7 @@ class Client:
 
     def _wait(self, waiter: _Waiter, deadline: float, timeout: float,
               on_progress: Callable[[dict], None] | None, generation: int) -> wire.Envelope:
-        next_check = time.monotonic() + _GONE_CHECK_SEC[0]
+        next_check = time.monotonic() + GONE_CHECK_SEC[0]
         while True:
             while waiter.progress:
                 body = waiter.progress.popleft()
@@ -144,7 +139,7 @@ class Client:
             if isinstance(outcome, Failed):
                 raise outcome.error
             if self._generation != generation:
-                raise _RootGone()  # another thread followed the job to a new launch
+                raise RootGone()  # another thread followed the job to a new launch
             now = time.monotonic()
             left = deadline - now
             if left <= 0:
@@ -153,8 +148,8 @@ class Client:
                 why = root_gone(self.endpoint, self.connection)
                 if why is not None:
                     self._ended = why
-                    raise _RootGone()
-                next_check = time.monotonic() + _GONE_CHECK_SEC[1]
+                    raise RootGone()
+                next_check = time.monotonic() + GONE_CHECK_SEC[1]
             if self._io.acquire(blocking=False):
                 try:
                     self._read(min(left, _SLICE_SEC))
@@ -176,15 +171,7 @@ class Client:
             with self._io:
                 self._drop_socket()
                 with self._state:
-                    self._requests.rekey(new.key)
-                    self.endpoint, self.run_id, self.connection = new.endpoint, new.run_id, new.connection
-                    self.store = new.store or self.store
-                    self._target = Target(new.endpoint, new.key, run_id=new.run_id, token=self._token,
-                                          connection=new.connection, spec=self._target.spec, store=self.store)
-                    self._ended = None
-                    self.restarts += 1
-                    self._generation += 1
-            self._notices.append(restart_notice(self._target, new, self.restarts))
+                    self._switch_to(new)
             generation = self._generation
         try:  # the new root's pid and counts (same run id and world size)
             env = self._request_once("info_request", {}, time.monotonic() + 2.0, 2.0, None, generation)
@@ -192,14 +179,6 @@ class Client:
         except Exception:
             pass  # the next request says what is wrong
         return True
-
-    def take_notice(self) -> str | None:
-        """A one-line notice (e.g. "job X restarted: following its new launch ...") not shown
-        yet, or None. Each notice is returned once."""
-        try:
-            return self._notices.popleft()
-        except IndexError:
-            return None
 
     def _read(self, seconds: float) -> None:
         """Read whatever arrives within ``seconds`` and hand it to its waiters (``_io`` held)."""
@@ -234,13 +213,6 @@ class Client:
             self._sock.close(0)
             self._sock = None
 
-    def _no_answer(self, timeout: float) -> ConnectError:
-        conn = self.connection
-        if conn is not None and not connfile.is_alive(conn):
-            return JobEndedError(f"job {conn.run_id} has ended: its root (pid {conn.pid}) is gone")
-        return ConnectError(f"no answer from {self.endpoint} within {timeout:g} s: the job ended or its root "
-                            f"is unreachable")
-
     # ------------------------------------------------------------------ API
 
     def handshake(self, timeout: float = 5.0) -> dict:
@@ -248,16 +220,12 @@ class Client:
         try:
             env = self.request("info_request", {}, timeout)
         except Refused as refused:
-            if refused.run_id and self._token and refused.run_id != self.run_id:
-                # tcp:// with a token: the refusal names the job, whose key we can now derive
-                self.run_id = refused.run_id
-                with self._state:
-                    self._requests.rekey(wire.derive_key(self._token, refused.run_id))
+            with self._state:
+                learnt = self._learn_from(refused)
+            if learnt:
                 return self.handshake(timeout)
             raise results.refused_error(refused, self.endpoint) from None
-        self.info_ = results.checked_info(env.msg.body, self.endpoint)
-        self.run_id = self.info_.get("run_id", self.run_id)
-        return self.info_
+        return self._shook_hands(env)
 
     def _call(self, type_: str, body: dict, timeout: float, on_progress: Callable[[dict], None] | None = None
               ) -> wire.Envelope:
@@ -310,6 +278,3 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"<kernel_probe.Client {self.endpoint} run={self.run_id}>"

@@ -1,0 +1,90 @@
+"""What the blocking and the asyncio client share, whatever their transport: which root
+they talk to, which key signs for it, how a refusal teaches the run id, how they switch
+to a relaunched job and say so once, and the errors a request that got no answer means."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from .. import wire
+from ..shell import connfile
+from . import results
+from .errors import ConnectError, JobEndedError, Refused
+from .follow import restart_notice
+from .requests import Requests
+from .targets import Target
+
+# A request unanswered this long (after the root answered once) checks whether the root is
+# gone; then again this often.
+GONE_CHECK_SEC = (0.3, 1.0)
+
+
+class RootGone(Exception):
+    """Internal: the root a request went to is gone (or the client followed a relaunch)."""
+
+
+class ClientState:
+    """The part of a client that is not I/O. Subclasses guard it as their transport needs."""
+
+    def __init__(self, target: Target) -> None:
+        self.endpoint = target.endpoint
+        self.run_id = target.run_id
+        self.connection = target.connection
+        self.store = target.store  # the job's store:// address to show people, when known
+        self.info_: dict[str, Any] = {}
+        self.restarts = 0  # launches of the job this client followed
+        self._target = target
+        self._token = target.token
+        self._generation = 0  # bumped when the client switches to a new launch
+        self._ended: str | None = None  # why the root is known to be gone (until a relaunch is found)
+        self._answered = False  # "gone" means the root answered once and is not there any more
+        self._notices: collections.deque[str] = collections.deque()
+        self._requests = Requests(target.key)
+
+    def _switch_to(self, new: Target) -> None:
+        """Talk to the job's new launch from now on (the caller dropped the old socket)."""
+        self._requests.rekey(new.key)
+        self.endpoint, self.run_id, self.connection = new.endpoint, new.run_id, new.connection
+        self.store = new.store or self.store
+        self._target = Target(new.endpoint, new.key, run_id=new.run_id, token=self._token,
+                              connection=new.connection, spec=self._target.spec, store=self.store)
+        self._ended = None
+        self.restarts += 1
+        self._generation += 1
+        self._notices.append(restart_notice(self._target, new, self.restarts))
+
+    def _learn_from(self, refused: Refused) -> bool:
+        """A ``tcp://`` target with a token: the refusal names the job, whose key we can
+        now derive. True when the client rekeyed and should try again."""
+        if refused.run_id and self._token and refused.run_id != self.run_id:
+            self.run_id = refused.run_id
+            self._requests.rekey(wire.derive_key(self._token, refused.run_id))
+            return True
+        return False
+
+    def _shook_hands(self, env: wire.Envelope) -> dict:
+        self.info_ = results.checked_info(env.msg.body, self.endpoint)
+        self.run_id = self.info_.get("run_id", self.run_id)
+        return self.info_
+
+    def take_notice(self) -> str | None:
+        """A one-line notice (e.g. "job X restarted: following its new launch ...") not shown
+        yet, or None. Each notice is returned once."""
+        try:
+            return self._notices.popleft()
+        except IndexError:
+            return None
+
+    def _no_answer(self, timeout: float) -> ConnectError:
+        conn = self.connection
+        if conn is not None and not connfile.is_alive(conn):
+            return JobEndedError(f"job {conn.run_id} has ended: its root (pid {conn.pid}) is gone")
+        return ConnectError(f"no answer from {self.endpoint} within {timeout:g} s: the job ended or its root "
+                            f"is unreachable")
+
+    def _ended_error(self) -> JobEndedError:
+        return JobEndedError(self._ended or f"job {self.run_id} has ended")
+
+    def __repr__(self) -> str:
+        return f"<kernel_probe.{type(self).__name__} {self.endpoint} run={self.run_id}>"
