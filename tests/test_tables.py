@@ -361,3 +361,23 @@ def test_settings_for_tables():
     assert (s.steps_rows, s.memory_sample_sec, s.collectives) == (50, 0.5, False)
     with pytest.warns(RuntimeWarning):
         assert load_settings({"PROBING_METRICS_ROWS": "0"}).metrics_rows == 10000
+
+
+def test_the_catalog_never_calls_a_user_callable():
+    """A slow user table must not hold queries that never read it: the catalog shows a
+    callable's columns as of its last call, and leaves it out before the first."""
+    t = make_tables()
+    calls = []
+
+    def slow():
+        calls.append(1)
+        return [{"a": 1, "b": "x"}]
+
+    t.table("slow", slow)
+    catalog = t.arrow("tables").to_pylist()
+    assert calls == [] and not [r for r in catalog if r["table_name"] == "slow"]
+    assert t.arrow("slow").num_rows == 1 and calls == [1]
+    cols = [r["column_name"] for r in t.arrow("tables").to_pylist() if r["table_name"] == "slow"]
+    assert cols == ["a", "b"] and calls == [1]
+    t.table("slow", lambda: [{"c": 2.0}])  # replaced: its old columns are forgotten
+    assert not [r for r in t.arrow("tables").to_pylist() if r["table_name"] == "slow"]

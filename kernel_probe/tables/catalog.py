@@ -67,6 +67,9 @@ class LocalTables:
         self._collectives = Collectives(settings.collectives_rows, enabled=settings.collectives)
         self._user: dict[str, Any] = {}
         self._providers: dict[str, Callable[[], Any]] = {}
+        # schemas of user callables as of their last call: the catalog never calls one (a slow
+        # callable would hold every query, even those that never read it)
+        self._seen_schemas: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._warned: set[str] = set()
 
@@ -93,11 +96,13 @@ class LocalTables:
                             f"or a callable returning one, got {type(data).__name__}")
         with self._lock:
             self._user[name] = data
+            self._seen_schemas.pop(name, None)
 
     def drop(self, name: str) -> None:
         """Forget a user table (no error when unknown)."""
         with self._lock:
             self._user.pop(name, None)
+            self._seen_schemas.pop(name, None)
 
     def provide(self, name: str, fn: Callable[[], Any]) -> None:
         """For the probe itself: a table served by ``fn()`` (Arrow, DataFrame or rows)
@@ -150,16 +155,26 @@ class LocalTables:
                     raise KeyError(f"no table named {name!r}")
             make = (lambda: convert.user_table(source())) if callable(source) else (lambda: convert.user_table(source))
         try:
-            return make()
+            table = make()
+            if callable(source) and builtin is None:
+                self._seen_schemas[name] = table.schema
+            return table
         except TableError:
             raise
         except Exception as exc:
             raise TableError(name, _one_line(name, exc)) from exc
 
     def schema(self, name: str):
-        """The table's Arrow schema (built-ins without converting any rows)."""
+        """The table's Arrow schema (built-ins without converting any rows). A user callable
+        is not called for it: its schema as of its last call, KeyError before the first."""
         if name in convert.SCHEMAS and name not in ("steps", "metrics"):
             return convert.schema(name)
+        with self._lock:
+            user = self._user.get(name)
+        if callable(user):
+            if name not in self._seen_schemas:
+                raise KeyError(f"{name} has not been read yet")
+            return self._seen_schemas[name]
         return self.arrow(name).schema
 
     # --- built-ins -----------------------------------------------------------------------------
