@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo lab test test-fast bench clean chromium
+.PHONY: install demo lab test test-fast bench clean chromium soak
 
 # the Cluster panel (labextension/) is built by the editable install: rebuild when its sources change
 $(STAMP): pyproject.toml constraints.txt labextension/package.json labextension/yarn.lock $(wildcard labextension/src/*)
@@ -35,6 +35,10 @@ chromium:
 # No processes: the sans-IO cores, the planner, differential SQL through the simulator (~2 min).
 test-fast: install
 	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
+
+# The 10-minute soak (make test runs its 60-second version): busy ranks, GIL holds, queries, polls.
+soak: install
+	KP_SOAK_SEC=600 $(PY) -m pytest tests/test_soak.py -s $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,bench]'
