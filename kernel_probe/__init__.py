@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from .shell.probe_thread import ProbeThread
 
 __all__ = ["start", "stop", "set_role", "log", "table", "connect", "connect_async", "job_registry", "probe",
-           "ProbeError", "ConnectError", "AuthError", "JobEndedError", "QueryFailed", "QueryResult", "Client",
-           "AsyncClient", "Job", "JobRegistry", "UnknownJob", "PROTOCOL_VERSION"]
+           "ProbeError", "ConnectError", "AuthError", "JobEndedError", "NoAnswerError", "QueryFailed", "QueryResult",
+           "Client", "AsyncClient", "Job", "JobRegistry", "UnknownJob", "PROTOCOL_VERSION"]
 __version__ = "0.1.0"
 
 _OWNER_VAR = "_PROBING_OWNER_PID"  # children inherit it: a subprocess never starts a second probe
@@ -133,6 +133,7 @@ def job_registry() -> "JobRegistry":
 
 
 _LAZY = {"ProbeError": "client", "ConnectError": "client", "AuthError": "client", "JobEndedError": "client",
+         "NoAnswerError": "client",
          "QueryFailed": "client", "QueryResult": "client", "Client": "client", "AsyncClient": "client",
          "Job": "jobs", "JobRegistry": "jobs", "UnknownJob": "jobs"}
 

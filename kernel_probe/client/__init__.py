@@ -12,14 +12,14 @@ import os
 
 from .aio import AsyncClient, connect_async
 from .blocking import Client
-from .errors import AuthError, ConnectError, JobEndedError, ProbeError, QueryFailed
+from .errors import AuthError, ConnectError, JobEndedError, NoAnswerError, ProbeError, QueryFailed
 from .results import (ANSWER_GRACE, DEPARTURE_COLUMNS, NODE_COLUMNS, QueryResult, describe_failures,
                       members_frame)
 from .targets import Target, resolve
 
 __all__ = [
     "connect", "connect_async", "resolve", "Target", "Client", "AsyncClient", "QueryResult",
-    "ProbeError", "ConnectError", "JobEndedError", "AuthError", "QueryFailed",
+    "ProbeError", "ConnectError", "JobEndedError", "NoAnswerError", "AuthError", "QueryFailed",
     "NODE_COLUMNS", "DEPARTURE_COLUMNS", "ANSWER_GRACE", "members_frame", "describe_failures",
 ]
 

@@ -10,7 +10,7 @@ from typing import Any
 from .. import wire
 from ..shell import connfile
 from . import results
-from .errors import ConnectError, JobEndedError, Refused
+from .errors import ConnectError, JobEndedError, NoAnswerError, Refused
 from .follow import restart_notice
 from .requests import Requests
 from .targets import Target
@@ -80,8 +80,8 @@ class ClientState:
         conn = self.connection
         if conn is not None and not connfile.is_alive(conn):
             return JobEndedError(f"job {conn.run_id} has ended: its root (pid {conn.pid}) is gone")
-        return ConnectError(f"no answer from {self.endpoint} within {timeout:g} s: the job ended or its root "
-                            f"is unreachable")
+        return NoAnswerError(f"no answer from {self.endpoint} within {timeout:g} s: the job ended or its root "
+                             f"is unreachable")
 
     def _ended_error(self) -> JobEndedError:
         return JobEndedError(self._ended or f"job {self.run_id} has ended")

@@ -15,6 +15,10 @@ class JobEndedError(ConnectError):
     """The job's root process is gone."""
 
 
+class NoAnswerError(ConnectError):
+    """Nothing answered within the timeout (the root may be busy, frozen or cut off)."""
+
+
 class AuthError(ProbeError):
     """The probe refused our credentials."""
 

@@ -71,14 +71,13 @@ class ClusterClients:
 
     async def add(self, target: str, token: str | None, timeout: float) -> Job:
         """Add a job by address (handshake on the pool); its token stays in this process."""
-        started = asyncio.get_running_loop().time()
         try:
             job = await asyncio.wait_for(self._blocking(self.registry.add, target, token, timeout),
                                          timeout + SLACK_SEC)
         except asyncio.TimeoutError:
             raise TimedOut(f"no answer from {target} within {timeout:g} s") from None
         except ConnectError as exc:
-            raise self._classified(exc, started, timeout) from None
+            raise self._classified(exc) from None
         self.drop(job.id)  # re-added with another token: the old client signs with the old key
         return job
 
@@ -103,8 +102,6 @@ class ClusterClients:
         Raises ``UnknownJob``, ``JobEndedError``, ``TimedOut``, ``ConnectError``, ``AuthError``,
         ``QueryFailed`` (all ``ProbeError``)."""
         job = await self.job(job_id)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
 
         async def run() -> T:
             return await fn(await self._client(job, timeout))
@@ -115,17 +112,15 @@ class ClusterClients:
             self.drop(job.id)
             raise
         except ConnectError as exc:
-            classified = self._classified(exc, started, timeout)
+            classified = self._classified(exc)
             if not isinstance(classified, TimedOut):
                 self.drop(job.id)
             raise classified from None
 
     @staticmethod
-    def _classified(exc: ConnectError, started: float, timeout: float) -> ConnectError:
-        """A ``ConnectError`` raised after waiting the whole deadline is a timeout."""
-        if isinstance(exc, (JobEndedError, TimedOut)):
-            return exc
-        if asyncio.get_running_loop().time() - started >= timeout * 0.9:
+    def _classified(exc: ConnectError) -> ConnectError:
+        """No answer within the deadline is a timeout (504), not an unreachable job (502)."""
+        if isinstance(exc, kernel_probe.NoAnswerError):
             return TimedOut(str(exc))
         return exc
 
