@@ -94,6 +94,8 @@ class AsyncClient(ClientState):
     async def _request_once(self, type_: str, body: dict, deadline: float, timeout: float,
                             on_progress: Callable[[dict], None] | None, generation: int) -> wire.Envelope:
         sock = self._socket()
+        # numbered and handed to the socket in one step (no await between): zmq.asyncio sends in
+        # call order, so the probe never sees a lower sequence number after a higher one
         msg_id, frames = self._requests.send(type_, body)
         future = asyncio.get_running_loop().create_future()
         self._futures[msg_id] = future

@@ -107,16 +107,21 @@ class Client(ClientState):
     def _request_once(self, type_: str, body: dict, deadline: float, timeout: float,
                       on_progress: Callable[[dict], None] | None, generation: int) -> wire.Envelope:
         waiter = _Waiter()
-        with self._state:
-            msg_id, frames = self._requests.send(type_, body)  # ValueError: a body we cannot send
-            self._waiters[msg_id] = waiter
+        # Numbered and sent under one lock: the probe drops a sequence number lower than one it
+        # has seen (a replay), so two threads must not send theirs out of order.
+        with self._io:
+            with self._state:
+                msg_id, frames = self._requests.send(type_, body)  # ValueError: a body we cannot send
+                self._waiters[msg_id] = waiter
+            try:
+                self._socket().send_multipart(frames)
+            except BaseException:
+                self._drop_socket()  # a send cut short must not leave half a message queued
+                with self._state:
+                    self._requests.forget(msg_id)
+                    self._waiters.pop(msg_id, None)
+                raise
         try:
-            with self._io:
-                try:
-                    self._socket().send_multipart(frames)
-                except BaseException:
-                    self._drop_socket()  # a send cut short must not leave half a message queued
-                    raise
             return self._wait(waiter, deadline, timeout, on_progress, generation)
         finally:
             with self._state:
