@@ -70,27 +70,29 @@ def main() -> int:
 
     from kernel_probe.progress import StepClock
 
-    for width in (64, 256):
+    for width in (256, 1024):
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
             torch.nn.Linear(width, 4 * width), torch.nn.ReLU(), torch.nn.Linear(4 * width, width)))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        x = torch.randn(64, width)
+        x = torch.randn(256, width)
 
         def train_step():
             opt.zero_grad()
             ddp(x).square().mean().backward()
             opt.step()
 
+        for _ in range(20):
+            train_step()  # warm up (DDP builds its buckets, the allocator settles)
         off = on = float("inf")
-        for _ in range(7):  # interleaved: drift on a shared machine hits both sides alike
-            off = min(off, per_call(train_step, 200))
+        for _ in range(12):  # many short interleaved rounds: drift and hiccups hit both sides alike
+            off = min(off, per_call(train_step, 10))
             clock = StepClock()
             assert clock.install_torch_hooks()
-            on = min(on, per_call(train_step, 200))
+            on = min(on, per_call(train_step, 10))
             clock.remove_hooks()
         assert len(clock.snapshot()) > 0 and clock.compute_ms is not None
-        print(f"DDP training step, MLP {width}-{4 * width}-{width}, batch 64, step phases: off {off * 1e6:.0f} us, "
+        print(f"DDP training step, MLP {width}-{4 * width}-{width}, batch 256, step phases: off {off * 1e6:.0f} us, "
               f"on {on * 1e6:.0f} us -> ratio {on / off:.4f} (+{(on - off) * 1e6:.1f} us per step)")
     dist.destroy_process_group()
     return 0
