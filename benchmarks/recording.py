@@ -70,6 +70,14 @@ def main() -> int:
 
     from kernel_probe.progress import StepClock
 
+    clock = StepClock()
+    pre_post = per_call(lambda: (clock.on_step_pre(), clock.on_step()), n)
+    phases = per_call(lambda: (clock.on_forward_start(), clock.on_forward_end(), clock.on_backward_start(),
+                               clock.on_grad_ready(), clock.on_backward_end()), n)
+    grad = per_call(clock.on_grad_ready, n)
+    print(f"step phase hooks on the training thread: optimizer pre+post {pre_post * 1e9:.0f} ns, forward/backward "
+          f"{phases * 1e9:.0f} ns, plus {grad * 1e9:.0f} ns per DDP parameter tensor (its gradient hook's body)")
+
     for width in (256, 1024):
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
