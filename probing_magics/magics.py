@@ -205,13 +205,26 @@ class ClusterMagics(Magics):
         rows and who answered. $name binds the Python variable `name` as a query parameter."""
         cmd = parse_sql_command(line, cell)
         params = cmd.params(self.shell.user_ns)
+        result = self._query(cmd.sql, timeout=cmd.timeout or self.settings.timeout,
+                             strict=self.settings.strict if cmd.strict is None else cmd.strict,
+                             per_rank=cmd.per_rank, ranks=cmd.ranks, params=params, local=cmd.local,
+                             explain=cmd.explain)
+        if result is None:
+            return None
+        if cmd.explain:
+            return ExplainText(result.explain, result.footer())
+        frame = ClusterFrame.wrap(result.df, result.footer(), self.settings.display_limit)
+        if cmd.out:
+            self.shell.user_ns[cmd.out] = frame
+        return frame
+
+    def _query(self, sql: str, **options: Any) -> kernel_probe.QueryResult | None:
+        """One query on this shell's client with a progress bar after a second; None when
+        the user interrupted it (one line printed, the connection still usable)."""
         client = self.connected()
         progress = QueryProgress(self._in_notebook())
         try:
-            result = client.query(cmd.sql, timeout=cmd.timeout or self.settings.timeout,
-                                  strict=self.settings.strict if cmd.strict is None else cmd.strict,
-                                  per_rank=cmd.per_rank, ranks=cmd.ranks, params=params, local=cmd.local,
-                                  explain=cmd.explain, on_progress=progress)
+            return client.query(sql, on_progress=progress, **options)
         except KeyboardInterrupt:
             print(INTERRUPTED)
             return None
@@ -219,12 +232,6 @@ class ClusterMagics(Magics):
             raise self._failed(exc) from None
         finally:
             progress.done()
-        if cmd.explain:
-            return ExplainText(result.explain, result.footer())
-        frame = ClusterFrame.wrap(result.df, result.footer(), self.settings.display_limit)
-        if cmd.out:
-            self.shell.user_ns[cmd.out] = frame
-        return frame
 
     # ------------------------------------------------------------------ stacks
     @line_magic
@@ -235,17 +242,9 @@ class ClusterMagics(Magics):
         cmd = parse_options(line, {"--ranks", "--timeout"}, STACKS_USAGE)
         ranks = ranks_option(cmd)
         timeout = seconds_option(cmd, "--timeout", self.settings.timeout)
-        client = self.connected()
-        progress = QueryProgress(self._in_notebook())
-        try:
-            result = client.query(stacks_sql(), timeout=timeout, ranks=ranks, on_progress=progress)
-        except KeyboardInterrupt:
-            print(INTERRUPTED)
+        result = self._query(stacks_sql(), timeout=timeout, ranks=ranks)
+        if result is None:
             return None
-        except kernel_probe.ProbeError as exc:
-            raise self._failed(exc) from None
-        finally:
-            progress.done()
         return StacksView(group_stacks(result.table.to_pylist()), result.footer(),
                           bool(result.coverage.get("partial")))
 
