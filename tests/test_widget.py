@@ -88,8 +88,10 @@ def test_rows_follow_a_death_and_a_hang_with_no_cell_running(ip, job):
     assert states(view) == {0: "alive", 1: "dead", 2: "alive", 3: "alive"}
 
     hang_file.write_text("now")
-    wait_for(lambda: "suspect: rank 3, in fetch_next_batch (hang_worker.py:" in view.table.value, 20,
-             what="rank 3 marked as the suspect")
+    # stall detection runs on each rank's own clock: wait until all three live ranks say so
+    wait_for(lambda: "suspect: rank 3, in fetch_next_batch (hang_worker.py:" in view.table.value
+             and all(states(view).get(r) == "stalled" for r in (0, 2, 3)), 20,
+             what="ranks 0, 2, 3 stalled and rank 3 marked as the suspect")
     table = view.table.value
     assert re.search(r"data-rank='3' data-state='stalled'>.*?⚠ suspect", table)
     assert "wait in wait_for_gradients (hang_worker.py:" in table
