@@ -44,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--ranks", default=None, help="only these ranks, e.g. 0-3,8")
     q.add_argument("--explain", action="store_true", help="show the plan instead of running it")
     q.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    q.add_argument("--profile", action="store_true", help="also show where the time went, hop by hop")
     q.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     st = sub.add_parser("stacks", help="main-thread Python stacks of every rank, grouped")
     st.add_argument("--all-threads", action="store_true", help="every thread, not only the main one")
@@ -193,7 +194,10 @@ def cmd_query(args: argparse.Namespace) -> int:
 
         with pd.option_context("display.max_rows", 200, "display.max_columns", 50, "display.width", 200):
             print(df.to_string(index=False) if len(df) else "(no rows)")
-    print(result.footer(), file=sys.stderr if args.format != "table" else sys.stdout)
+    side = sys.stderr if args.format != "table" else sys.stdout
+    print(result.footer(), file=side)
+    if args.profile:
+        print(result.profile(), file=side)
     return 0
 
 

@@ -13,6 +13,9 @@ Rules of this file:
   so it can still merge and answer before its own deadline — with what it has.
 - Coverage is exact: every targeted rank ends up answered or failed with a reason
   (dead, unreachable, timeout, or the error text).
+- Every answer says where its time went (``coverage["profile"]``): planning, each rank's
+  scan, each merge, the finish, and per hop the round trip less the child's own time (the
+  transfer). Each hop reports its part up with its subresult; the root sums it up.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ FINISH_SHARE = 0.1  # part of the remaining time the root keeps for merging and 
 HOP_MARGIN_MAX = 0.5  # seconds each hop keeps for itself at most
 PROGRESS_AFTER = 1.0  # a query slower than this tells its client how far it got
 PROGRESS_EVERY = 0.5
+MAX_PROFILE_ROWS = 64  # merges and hops a profile lists at most (a 1024-rank job has 128 brokers)
 
 
 class Tree(Protocol):
@@ -71,6 +75,54 @@ class HopQuery:
     bytes_in: int = 0
     stage: str = "gather"  # plan | gather | merge | done
     next_progress: float = 0.0
+    timing: "HopTiming" = field(default_factory=lambda: HopTiming())
+
+
+@dataclass
+class HopTiming:
+    """Where one hop's time went, in milliseconds; what a subresult carries up as ``profile``."""
+
+    plan_ms: float | None = None
+    scans: dict[int, float] = field(default_factory=dict)  # rank -> its scan's own time
+    merges: list[dict] = field(default_factory=list)  # {rank, ms, parts}: brokers' and the root's merges
+    hops: list[dict] = field(default_factory=list)  # {parent, child, rtt_ms, transfer_ms}
+    finish_ms: float | None = None
+    sent: dict[int, float] = field(default_factory=dict)  # child hop -> when its subquery left
+    task_started: dict[str, float] = field(default_factory=dict)  # task kind -> when it was handed out
+
+    def to_body(self, elapsed_ms: float) -> dict:
+        return {"elapsed_ms": round(elapsed_ms, 3), "scans": {str(r): ms for r, ms in self.scans.items()},
+                "merges": self.merges[-MAX_PROFILE_ROWS:], "hops": self.hops[-MAX_PROFILE_ROWS:]}
+
+    def absorb(self, parent: int, child: int, body: Any, rtt_ms: float) -> None:
+        """Take a child's profile in; a malformed one costs its details, never the answer."""
+        try:
+            if not isinstance(body, dict):
+                raise TypeError("no profile")
+            for r, ms in (body.get("scans") or {}).items():
+                self.scans[int(r)] = float(ms)
+            self.merges += [{"rank": int(m["rank"]), "ms": float(m["ms"]), "parts": int(m["parts"])}
+                            for m in (body.get("merges") or [])[:MAX_PROFILE_ROWS]]
+            self.hops += [{"parent": int(h["parent"]), "child": int(h["child"]), "rtt_ms": float(h["rtt_ms"]),
+                           "transfer_ms": float(h["transfer_ms"])} for h in (body.get("hops") or [])[:MAX_PROFILE_ROWS]]
+            child_ms = float(body.get("elapsed_ms") or 0.0)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            child_ms = 0.0
+        self.hops.append({"parent": parent, "child": child, "rtt_ms": round(rtt_ms, 3),
+                          "transfer_ms": round(max(0.0, rtt_ms - child_ms), 3)})
+
+    def summary(self, elapsed_ms: float, bytes_shipped: int) -> dict:
+        scans = sorted(self.scans.items(), key=lambda kv: kv[1])
+        slowest = scans[-1] if scans else (None, None)
+        transfers = [h["transfer_ms"] for h in self.hops]
+        return {
+            "elapsed_ms": round(elapsed_ms, 3), "plan_ms": self.plan_ms,
+            "scan": {"ranks": len(scans), "median_ms": scans[len(scans) // 2][1] if scans else None,
+                     "slowest_ms": slowest[1], "slowest_rank": slowest[0]},
+            "merges": self.merges[-MAX_PROFILE_ROWS:], "finish_ms": self.finish_ms,
+            "hops": self.hops[-MAX_PROFILE_ROWS:], "transfer_ms_max": max(transfers, default=None),
+            "bytes_shipped": bytes_shipped,
+        }
 
 
 class QueryFanOut:
@@ -115,6 +167,7 @@ class QueryFanOut:
         return [self._task(s, "plan", args)]
 
     def _after_plan(self, s: HopQuery, result: dict, now: float) -> list[Effect]:
+        s.timing.plan_ms = round((now - s.started) * 1000.0, 3)
         if "error" in result:
             return self._fail_client(s, now, **result["error"])
         s.plan = result["plan"]
@@ -146,6 +199,7 @@ class QueryFanOut:
         for rank in targets:
             if rank == self.rank:
                 s.local = True
+                s.timing.task_started["rank"] = now
                 effects.append(self._task(s, "rank", {"plan": s.plan, "params": s.request.get("params"),
                                                      "deadline": s.gather_by}))
                 continue
@@ -156,6 +210,7 @@ class QueryFanOut:
             by_hop.setdefault(hop[0], (hop[1], []))[1].append(rank)
         for hop, (rid, ranks) in by_hop.items():
             s.waiting[hop] = ranks
+            s.timing.sent[hop] = now
             body = {"qid": s.qid, "plan": s.plan, "deadline": child_deadline, "ranks": ranks,
                     "params": s.request.get("params")}
             effects.append(Send(rid, Message("subquery", body)))
@@ -173,7 +228,7 @@ class QueryFanOut:
         self.queries[qid] = s
         if self.tree.tier is None:
             s.failed.update({r: "not ready" for r in ranks})
-            return self._answer_parent(s, [], [])
+            return self._answer_parent(s, [], [], now=now)
         effects = self._fan(s, ranks, now)
         return effects + self._maybe_merge(s, now)
 
@@ -193,6 +248,7 @@ class QueryFanOut:
         s.answered.update(r for r in body["answered"] if isinstance(r, int) and r in ranks)
         if body.get("error"):
             s.errors.append(body["error"])
+        s.timing.absorb(self.rank, child, body.get("profile"), (now - s.timing.sent.get(child, now)) * 1000.0)
         names = [n for n in body["scans"] if isinstance(n, str)]
         buffers = list(env.msg.buffers)
         s.bytes_in += sum(len(b) for b in buffers) + int(body.get("bytes_below") or 0)
@@ -222,7 +278,13 @@ class QueryFanOut:
             else:
                 s.answered.add(self.rank)
                 s.parts.append((result["scans"], result["buffers"]))
+                s.timing.scans[self.rank] = _ms(result, now, s.timing.task_started.get("rank"))
             return self._maybe_merge(s, now)
+        if kind == "merge" and "error" not in result:
+            s.timing.merges.append({"rank": self.rank, "ms": _ms(result, now, s.timing.task_started.get(kind)),
+                                    "parts": len(s.parts)})
+        if kind == "finish":
+            s.timing.finish_ms = _ms(result, now, s.timing.task_started.get(kind))
         if kind in ("merge", "finish"):
             return self._answer(s, result, now)
         return []
@@ -243,7 +305,7 @@ class QueryFanOut:
                 self.queries.pop(s.qid, None)
                 if s.origin is PARENT:
                     s.failed.update({r: "timeout" for r in s.targeted if r not in s.failed})
-                    effects += self._answer_parent(s, [], [])
+                    effects += self._answer_parent(s, [], [], now=now)
                 else:
                     effects += self._fail_client(s, now, "timeout", "the query did not finish before its deadline")
             if s.origin is not PARENT and s.stage == "gather" and now >= s.next_progress:
@@ -275,9 +337,10 @@ class QueryFanOut:
             return self._answer(s, {"error": s.errors[0]}, now)
         if s.origin is PARENT and len(s.parts) <= 1:  # a leaf: nothing to merge with
             names, buffers = s.parts[0] if s.parts else ([], [])
-            return self._answer_parent(s, names, buffers)
+            return self._answer_parent(s, names, buffers, now=now)
         parts = [{"scans": names, "buffers": bufs} for names, bufs in s.parts]
         common = {"plan": s.plan, "parts": parts, "deadline": s.deadline, "params": s.request.get("params")}
+        s.timing.task_started["merge" if s.origin is PARENT else "finish"] = now
         if s.origin is PARENT:
             return [self._task(s, "merge", common)]
         # the root's registry, for a plan that reads `nodes` (the worker must not touch ours)
@@ -288,13 +351,13 @@ class QueryFanOut:
         self.queries.pop(s.qid, None)
         if s.origin is PARENT:
             if "error" in result and result["error"].get("code") == "row_cap":
-                return self._answer_parent(s, [], [], error=result["error"])
+                return self._answer_parent(s, [], [], error=result["error"], now=now)
             if "error" in result:
                 for r in list(s.answered):
                     s.failed[r] = result["error"].get("message", "merge failed")
                 s.answered.clear()
-                return self._answer_parent(s, [], [])
-            return self._answer_parent(s, result["scans"], result["buffers"])
+                return self._answer_parent(s, [], [], now=now)
+            return self._answer_parent(s, result["scans"], result["buffers"], now=now)
         if "error" in result:
             return self._fail_client(s, now, **result["error"])
         coverage = self.coverage(s, now)
@@ -304,17 +367,21 @@ class QueryFanOut:
     def coverage(self, s: HopQuery, now: float) -> dict:
         failed = {str(r): reason for r, reason in sorted(s.failed.items())}
         plan = s.plan or {}
+        elapsed_ms = (now - s.started) * 1000.0
         return {
             "targeted": sorted(s.targeted), "answered": sorted(s.answered), "pruned": sorted(s.pruned),
-            "failed": failed, "partial": bool(failed), "elapsed_ms": round((now - s.started) * 1000.0, 3),
+            "failed": failed, "partial": bool(failed), "elapsed_ms": round(elapsed_ms, 3),
             "bytes_shipped": s.bytes_in, "plan": plan.get("mode", "?"), "explain": plan.get("explain", ""),
+            "profile": s.timing.summary(elapsed_ms, s.bytes_in),
         }
 
-    def _answer_parent(self, s: HopQuery, names: list[str], buffers: list[bytes], error: dict | None = None) -> list[Effect]:
+    def _answer_parent(self, s: HopQuery, names: list[str], buffers: list[bytes], error: dict | None = None,
+                       *, now: float) -> list[Effect]:
         self.queries.pop(s.qid, None)
         s.stage = "done"
         body = {"qid": s.qid, "status": "ok" if names or not error else "error", "answered": sorted(s.answered),
-                "failed": {str(r): v for r, v in s.failed.items()}, "scans": names, "bytes_below": s.bytes_in}
+                "failed": {str(r): v for r, v in s.failed.items()}, "scans": names, "bytes_below": s.bytes_in,
+                "profile": s.timing.to_body((now - s.started) * 1000.0)}
         if error:
             body["error"] = error
             body["status"] = "error"
@@ -327,3 +394,11 @@ class QueryFanOut:
         error = {"code": code, "message": message, **{k: v for k, v in extra.items() if v is not None}}
         body = {"status": "error", "error": error, "coverage": self.coverage(s, now)}
         return [Send(s.origin, Message("query_result", body, corr_id=s.corr_id))]
+
+
+def _ms(result: dict, now: float, started: float | None) -> float:
+    """A task's own time as its worker measured it, else the time since it was handed out."""
+    own = result.get("ms")
+    if isinstance(own, (int, float)) and not isinstance(own, bool):
+        return round(float(own), 3)
+    return round((now - started) * 1000.0, 3) if started is not None else 0.0

@@ -191,6 +191,7 @@ class _SubresultFields(TypedDict):
 class SubresultBody(_SubresultFields, total=False):  # child -> parent
     bytes_below: int
     error: dict
+    profile: dict  # where this hop's time went (query_fanout.HopTiming)
 
 
 class ErrorBody(TypedDict):

@@ -1,7 +1,7 @@
 """A magic's line (and cell) parsed into one command object before anything runs.
 
 ``%%cluster_sql [--timeout S] [--ranks SPEC] [--strict] [--per-rank] [--local] [--explain]
-[-o NAME] [NAME <<]`` with the SQL in the cell, or the line form
+[--profile] [-o NAME] [NAME <<]`` with the SQL in the cell, or the line form
 ``x = %cluster_sql [options] SELECT ...``. Options come first; the SQL is kept as typed
 (no shell-style unquoting), so quotes inside it survive. ``$name`` in the SQL names a
 Python variable bound as a DuckDB query parameter, never pasted into the text.
@@ -18,11 +18,12 @@ from IPython.core.error import UsageError
 from kernel_probe.summaries import parse_ranks
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
-_FLAGS = {"--strict": "strict", "--per-rank": "per_rank", "--local": "local", "--explain": "explain"}
+_FLAGS = {"--strict": "strict", "--per-rank": "per_rank", "--local": "local", "--explain": "explain",
+          "--profile": "profile"}
 _VALUED = {"--timeout", "--ranks", "-o", "--out"}
 
 SQL_USAGE = ("usage: %%cluster_sql [--timeout S] [--ranks SPEC] [--strict] [--per-rank] [--local] [--explain] "
-             "[-o NAME] [NAME <<]  (SQL in the cell), or  x = %cluster_sql [options] SELECT ...")
+             "[--profile] [-o NAME] [NAME <<]  (SQL in the cell), or  x = %cluster_sql [options] SELECT ...")
 
 
 @dataclass
@@ -34,6 +35,7 @@ class SQLCommand:
     per_rank: bool = False
     local: bool = False
     explain: bool = False
+    profile: bool = False  # also print where the time went, hop by hop
     out: str | None = None  # -o NAME / NAME <<: where the full DataFrame goes
     param_names: list[str] = field(default_factory=list)
 
@@ -119,6 +121,7 @@ def parse_sql_command(line: str, cell: str | None = None) -> SQLCommand:
     cmd.per_rank = bool(opts.get("--per-rank"))
     cmd.local = bool(opts.get("--local"))
     cmd.explain = bool(opts.get("--explain"))
+    cmd.profile = bool(opts.get("--profile"))
     cmd.param_names = parameter_names(sql)
     return cmd
 

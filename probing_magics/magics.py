@@ -198,11 +198,13 @@ class ClusterMagics(Magics):
     @no_var_expand  # $name is a query parameter here, never text pasted in by IPython
     @line_cell_magic
     def cluster_sql(self, line: str, cell: str | None = None) -> Any:
-        """%%cluster_sql [--timeout S] [--ranks SPEC] [--strict] [--per-rank] [--local] [--explain] [-o NAME] [NAME <<]
+        """%%cluster_sql [--timeout S] [--ranks SPEC] [--strict] [--per-rank] [--local] [--explain] [--profile]
+        [-o NAME] [NAME <<]
 
         Run one SELECT over every rank of the job (the cell), or  x = %cluster_sql SELECT ...
         Returns a pandas DataFrame with every row; shows at most ClusterSQL.display_limit
-        rows and who answered. $name binds the Python variable `name` as a query parameter."""
+        rows and who answered. $name binds the Python variable `name` as a query parameter.
+        --profile also prints where the time went, hop by hop."""
         cmd = parse_sql_command(line, cell)
         params = cmd.params(self.shell.user_ns)
         result = self._query(cmd.sql, timeout=cmd.timeout or self.settings.timeout,
@@ -213,6 +215,8 @@ class ClusterMagics(Magics):
             return None
         if cmd.explain:
             return ExplainText(result.explain, result.footer())
+        if cmd.profile:
+            print(result.profile())
         frame = ClusterFrame.wrap(result.df, result.footer(), self.settings.display_limit)
         if cmd.out:
             self.shell.user_ns[cmd.out] = frame

@@ -13,7 +13,8 @@ Rules of this file:
 - Same column names, same rows as a multiset (in order when the query orders them),
   floats within 1e-9 relative/absolute, NULLs equal.
 - Planning without a catalog is covered by a second job whose root lists none of the
-  queried tables in its catalog. Pushdown is checked too: generated aggregate / top-k / rank-local
+  queried tables in its catalog; the merge SQL, which brokers run only on large inputs,
+  by a third job whose brokers reduce every input. Pushdown is checked too: generated aggregate / top-k / rank-local
   shapes must not be planned as ship-rows, and partial aggregates ship little.
 """
 
@@ -38,8 +39,9 @@ PER_NODE = 2
 class Job:
     """A simulated job and its oracle."""
 
-    def __init__(self, ranks: list[VRank], engine: Engine, root_catalog: bool = True) -> None:
-        self.sim = SimCluster(ranks, PER_NODE, root_catalog=root_catalog)
+    def __init__(self, ranks: list[VRank], engine: Engine, root_catalog: bool = True,
+                 merge_above_rows: int | None = None) -> None:
+        self.sim = SimCluster(ranks, PER_NODE, root_catalog=root_catalog, merge_above_rows=merge_above_rows)
         self.oracle = Oracle(ranks, engine, nodes=self.sim.nodes)
 
     def check(self, gq: GenQuery) -> str:
@@ -73,24 +75,30 @@ def cluster(engine: Engine) -> Job:
 
 
 @pytest.fixture(scope="module")
+def reducing(engine: Engine) -> Job:
+    """Brokers run the merge SQL on every input, however small."""
+    return Job(make_ranks(seed=7), engine, merge_above_rows=0)
+
+
+@pytest.fixture(scope="module")
 def uncataloged(engine: Engine) -> Job:
     """The root's catalog lists none of the queried tables: it plans without knowing their columns."""
     return Job(make_ranks(seed=7), engine, root_catalog=False)
 
 
-def test_generated_queries_match_duckdb_on_the_union(cluster: Job, uncataloged: Job) -> None:
+def test_generated_queries_match_duckdb_on_the_union(cluster: Job, reducing: Job, uncataloged: Job) -> None:
     queries = generate_queries(seed=2024, n=N_GENERATED)
     modes: collections.Counter[str] = collections.Counter()
     failures = []
     for i, gq in enumerate(queries):
-        job = uncataloged if i % 3 == 2 else cluster
+        job = (cluster, reducing, uncataloged)[i % 3]
         try:
             mode = job.check(gq)
         except AssertionError as e:
             failures.append(str(e))
             continue
         modes[mode] += 1
-        if gq.expect is not None and (job is cluster or gq.label not in ("projection", "join", "cte")):
+        if gq.expect is not None and (job is not uncataloged or gq.label not in ("projection", "join", "cte")):
             # without a catalog only projections may be lost, never the mode
             assert mode in gq.expect, f"expected {sorted(gq.expect)}, got {mode}: {gq.sql}"
     print(f"\n{len(queries)} generated queries, modes: {dict(sorted(modes.items()))}")
@@ -101,10 +109,12 @@ def test_generated_queries_match_duckdb_on_the_union(cluster: Job, uncataloged: 
 
 
 @pytest.mark.parametrize("gq", tricky_queries(), ids=lambda g: g.label or g.sql[:60])
-def test_tricky_queries_match_duckdb_on_the_union(cluster: Job, uncataloged: Job, gq: GenQuery) -> None:
+def test_tricky_queries_match_duckdb_on_the_union(cluster: Job, reducing: Job, uncataloged: Job,
+                                                  gq: GenQuery) -> None:
     mode = cluster.check(gq)
     if gq.expect is not None:
         assert mode in gq.expect, f"expected {sorted(gq.expect)}, got {mode}: {gq.sql}"
+    reducing.check(gq)
     uncataloged.check(gq)
 
 

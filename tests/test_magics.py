@@ -168,6 +168,14 @@ def test_ranks_per_rank_local_explain(ip):
     assert err is None and isinstance(plan, ExplainText) and "partial-aggregate" in plan.text
 
 
+def test_profile_prints_where_the_time_went(ip, capsys):
+    capsys.readouterr()
+    df, err = run(ip, "%%cluster_sql --profile\nSELECT g, count(*) AS n FROM big GROUP BY g")
+    out = capsys.readouterr().out
+    assert err is None and len(df) == 10
+    assert "where the time went" in out and "rank scans   4 ranks" in out and out.count("  hop  ") == 3, out
+
+
 def test_display_limit_keeps_every_row(ip):
     run(ip, "%config ClusterSQL.display_limit = 7")
     df, err = run(ip, "%cluster_sql SELECT id FROM big")

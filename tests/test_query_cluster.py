@@ -144,6 +144,25 @@ def test_local_query_and_cli(job):
     assert out.returncode == 0 and "partial-aggregate" in out.stdout
 
 
+def test_every_answer_says_where_its_time_went(job):
+    _, root = job
+    r = root.query("SELECT g, count(*) AS n, avg(x) AS a FROM big GROUP BY g ORDER BY g")
+    p = r.coverage["profile"]
+    assert p["scan"]["ranks"] == 4 and 0 < p["scan"]["median_ms"] <= p["scan"]["slowest_ms"]
+    assert p["scan"]["slowest_rank"] in range(4)
+    # the tree: the root asks its leaf and the other node's broker, which asks its leaf
+    assert sorted(h["child"] for h in p["hops"]) == [1, 2, 3]
+    assert all(0 <= h["transfer_ms"] <= h["rtt_ms"] < r.coverage["elapsed_ms"] for h in p["hops"])
+    assert [m["parts"] for m in p["merges"]] == [2]  # the broker: its own partial and its leaf's
+    assert 0 < p["plan_ms"] and 0 < p["finish_ms"] and p["plan_ms"] + p["finish_ms"] < r.coverage["elapsed_ms"]
+    assert p["bytes_shipped"] == r.coverage["bytes_shipped"] > 0
+    out = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "query", "--profile",
+                          "SELECT count(*) AS n FROM big"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "where the time went" in out.stdout and "rank scans   4 ranks" in out.stdout, out.stdout
+    assert out.stdout.count("  hop  ") == 3, out.stdout
+
+
 def test_dead_rank_is_reported_not_waited_for(job):
     j, root = job
     j.kill(3)

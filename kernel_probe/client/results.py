@@ -122,5 +122,35 @@ class QueryResult:
             text += f" · PARTIAL: {describe_failures(c)}"
         return text
 
+    def profile(self) -> str:
+        """Where the time went, hop by hop (from ``coverage["profile"]``), as text."""
+        return format_profile(self.coverage)
+
     def __repr__(self) -> str:
         return f"<QueryResult {0 if self.table is None else self.table.num_rows} rows · {self.footer()}>"
+
+
+def format_profile(coverage: dict) -> str:
+    """The per-hop timings every answer carries: planning, rank scans, merges, each hop's
+    round trip and transfer (round trip less the child's own time), the finish."""
+    p = coverage.get("profile") or {}
+    if not p:
+        return "no profile in this answer (a probe older than this client)"
+
+    def ms(v: Any) -> str:
+        return "-" if v is None else f"{v:.1f} ms"
+
+    scan = p.get("scan") or {}
+    lines = [f"where the time went ({ms(p.get('elapsed_ms'))} at the root, plan {coverage.get('plan', '?')}):",
+             f"  plan         {ms(p.get('plan_ms'))}"]
+    if scan.get("ranks"):
+        lines.append(f"  rank scans   {scan['ranks']} ranks: median {ms(scan.get('median_ms'))}, "
+                     f"slowest {ms(scan.get('slowest_ms'))} (rank {scan.get('slowest_rank')})")
+    for m in p.get("merges") or []:
+        lines.append(f"  merge        at rank {m['rank']}: {ms(m['ms'])} over {m['parts']} parts")
+    for h in p.get("hops") or []:
+        lines.append(f"  hop          rank {h['parent']} -> {h['child']}: round trip {ms(h['rtt_ms'])}, "
+                     f"transfer {ms(h['transfer_ms'])}")
+    lines.append(f"  finish       {ms(p.get('finish_ms'))}")
+    lines.append(f"  shipped      {p.get('bytes_shipped', coverage.get('bytes_shipped', 0))} bytes up the tree")
+    return "\n".join(lines)

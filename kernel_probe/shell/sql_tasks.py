@@ -9,15 +9,20 @@ here, lazily: a probe that is never queried never loads them.
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 from .. import wire
 from ..membership import ALIVE, STALLED
+from ..sql.execute import MERGE_ABOVE_ROWS, ShapeCache
 
 LIVE = (ALIVE, STALLED)  # ranks a query asks
 
+PLAN_CACHE_SIZE = 128
+WORKER_IDLE_SEC = 60.0  # a worker thread with nothing to do for this long ends
 NONE = b""  # a scan this rank could not run (it lacks the table): no rows and no schema
 
 
@@ -78,6 +83,7 @@ class SqlTaskRunner:
     simulator), ``start`` on a worker thread (the probe)."""
 
     MAX_RUNNING = 8  # a stuck user table holds a worker; never let them pile up without bound
+    merge_above_rows: int | None = MERGE_ABOVE_ROWS  # a broker reduces its partials only past this
 
     def __init__(self, tables: Any, tags: Callable[[], dict], *,
                  row_cap: int, threads: int = 1, memory_limit: str = "256MB") -> None:
@@ -87,7 +93,11 @@ class SqlTaskRunner:
         self._engine = None
         self._engine_args = {"threads": threads, "memory_limit": memory_limit}
         self._running = 0
+        self._idle = 0  # workers waiting for a task, not yet spoken for
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._shapes = ShapeCache()
+        self._plans: dict[tuple, tuple] = {}  # (sql, per_rank, catalog) -> (Plan, its dict)
 
     @property
     def engine(self):
@@ -98,30 +108,50 @@ class SqlTaskRunner:
         return self._engine
 
     def start(self, kind: str, args: dict, done: Callable[[dict], None]) -> None:
-        """Run a task on its own daemon thread; ``done(result)`` is called from that thread."""
+        """Run a task on a worker thread; ``done(result)`` is called from that thread.
+
+        Workers are daemon threads kept for a while after their task (starting a thread
+        per task cost more than a small scan); a new one starts only when none is idle,
+        so a task stuck in a user's table never holds up the next."""
         with self._lock:
             if self._running >= self.MAX_RUNNING:
                 done({"error": {"code": "busy", "message": "this probe is busy with earlier queries"}})
                 return
             self._running += 1
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1  # that idle worker is spoken for
+            self._work.put((kind, args, done))  # under the lock: a worker timing out sees it
+        if spawn:
+            threading.Thread(target=self._worker, name="kernel-probe-sql", daemon=True).start()
 
-        def work() -> None:
+    def _worker(self) -> None:
+        while True:
+            try:
+                kind, args, done = self._work.get(timeout=WORKER_IDLE_SEC)
+            except queue.Empty:
+                with self._lock:
+                    if self._work.empty():
+                        self._idle -= 1
+                        return
+                continue  # a task came in as we timed out: it counted on us
             try:
                 result = self.run(kind, args)
             except BaseException as exc:  # never let a task kill its thread silently
                 result = _error(exc)
-            finally:
-                with self._lock:
-                    self._running -= 1
+            with self._lock:
+                self._running -= 1
+                self._idle += 1
             done(result)
 
-        threading.Thread(target=work, name=f"kernel-probe-{kind}", daemon=True).start()
-
     def run(self, kind: str, args: dict) -> dict:
+        started = time.perf_counter()
         try:
-            return getattr(self, f"_{kind}")(args)
+            result = getattr(self, f"_{kind}")(args)
         except Exception as exc:
-            return _error(exc)
+            result = _error(exc)
+        result["ms"] = round((time.perf_counter() - started) * 1000.0, 3)  # the fan-out's profile
+        return result
 
     # --- kinds ----------------------------------------------------------------------------
     def _plan(self, args: dict) -> dict:
@@ -131,8 +161,18 @@ class SqlTaskRunner:
         catalog = {name: [] for name in self.tables.names()}
         for row in self.tables.arrow("tables").to_pylist():
             catalog.setdefault(row["table_name"], []).append(row["column_name"])
-        p = make_plan(args["sql"], per_rank=args["per_rank"], catalog=catalog)
-        plan = dict(p.to_dict(), explain=p.explain())
+        # a dashboard asks the same question again and again: sqlglot plans it once
+        key = (args["sql"], bool(args["per_rank"]), tuple((t, tuple(c)) for t, c in sorted(catalog.items())))
+        with self._lock:
+            known = self._plans.get(key)
+        if known is None:
+            p = make_plan(args["sql"], per_rank=args["per_rank"], catalog=catalog)
+            known = (p, dict(p.to_dict(), explain=p.explain()))
+            with self._lock:
+                self._plans[key] = known
+                while len(self._plans) > PLAN_CACHE_SIZE:
+                    self._plans.pop(next(iter(self._plans)))
+        p, plan = known
         if args["local"]:
             return {"plan": plan, "targets": [args["self_rank"]], "pruned": [], "unavailable": {}}
         members = args["members"]
@@ -161,21 +201,23 @@ class SqlTaskRunner:
         from ..sql.execute import run_rank
 
         scans = run_rank(self._plan_of(args), self.engine, _LocalTables(self.tables), self.tags(),
-                         params=args.get("params"), deadline=args.get("deadline"), row_cap=self.row_cap)
+                         params=args.get("params"), deadline=args.get("deadline"), row_cap=self.row_cap,
+                         shapes=self._shapes)
         return _encode(scans)
 
     def _merge(self, args: dict) -> dict:
         from ..sql.execute import merge
 
         merged = merge(self._plan_of(args), self.engine, _decode(args["parts"]), deadline=args.get("deadline"),
-                       row_cap=self.row_cap)
+                       row_cap=self.row_cap, reduce_above=self.merge_above_rows)
         return _encode(merged)
 
     def _finish(self, args: dict) -> dict:
         from ..sql.execute import finish, merge
 
         plan = self._plan_of(args)
-        merged = merge(plan, self.engine, _decode(args["parts"]), deadline=args.get("deadline"), row_cap=self.row_cap)
+        merged = merge(plan, self.engine, _decode(args["parts"]), deadline=args.get("deadline"), row_cap=self.row_cap,
+                       at_root=True)
         root_tables = _Lazy({"nodes": lambda: nodes_arrow(args.get("nodes") or [])})
         table = finish(plan, self.engine, merged, root_tables, params=args.get("params"),
                        deadline=args.get("deadline"), row_cap=self.row_cap)

@@ -29,6 +29,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import heapq
 import re
 import threading
 import time
@@ -188,7 +189,7 @@ class Engine:
         if row_cap is not None and (isinstance(row_cap, bool) or not isinstance(row_cap, int) or row_cap < 0):
             raise ValueError(f"row_cap must be a non-negative int or None, got {row_cap!r}")
         cur = self._cursor()
-        watchdog: _Watchdog | None = None
+        watch: tuple[int, _Watch] | None = None
         try:
             stmt = self._check(cur, sql)
             if deadline is not None and deadline <= time.time():
@@ -202,7 +203,7 @@ class Engine:
                 except duckdb.Error as e:
                     raise QueryError(f"cannot register table {name!r}: {_translate(e, '', '')}") from None
             if deadline is not None:
-                watchdog = _Watchdog(cur, deadline)
+                watch = _WATCHDOG.arm(cur, deadline)
             try:
                 # The checked Statement object runs, not a re-parse of the text.
                 rel = cur.sql(stmt, params=dict(params) if params else None)
@@ -216,43 +217,82 @@ class Engine:
             except (pa.ArrowException, OSError) as e:
                 # An error while streaming reaches us through the Arrow C stream as an
                 # OSError carrying DuckDB's text: same translation, interrupt included.
-                if watchdog is not None and watchdog.fired and "Interrupted" in str(e):
+                if watch is not None and watch[1].fired and "Interrupted" in str(e):
                     raise QueryError("query interrupted at its deadline", code="timeout") from None
                 raise _translate(e, stmt.query, self._memory_limit) from None
         finally:
-            if watchdog is not None:
-                watchdog.stop()  # joined: no interrupt() reaches a closed cursor
+            if watch is not None:
+                _WATCHDOG.disarm(watch)  # before the close: no interrupt() reaches a closed cursor
             self._close_cursor(cur)
 
 
-class _Watchdog:
-    """Interrupts a cursor at an absolute deadline.
+class _Watch:
+    """One armed deadline: its cursor, and whether interrupt() was sent."""
 
-    Once fired it repeats interrupt() until stopped: an interrupt that lands just before
-    the query starts executing would otherwise be lost and the query run unbounded.
+    __slots__ = ("cur", "fired")
+
+    def __init__(self, cur: duckdb.DuckDBPyConnection) -> None:
+        self.cur = cur
+        self.fired = False
+
+
+class _Watchdog:
+    """Interrupts cursors at their absolute deadlines, from one thread for the whole process
+    (a timer thread per query cost more than a small query).
+
+    Once a deadline fired it repeats interrupt() until disarmed: an interrupt that lands
+    just before the query starts executing would otherwise be lost and the query run
+    unbounded. interrupt() is sent under the lock that ``disarm`` takes, so none reaches a
+    cursor after it was disarmed (and closed).
     """
 
-    def __init__(self, cur: duckdb.DuckDBPyConnection, deadline: float) -> None:
-        self._cur = cur
-        self._done = threading.Event()
-        self.fired = False
-        self._timer = threading.Timer(max(0.0, deadline - time.time()), self._fire)
-        self._timer.daemon = True
-        self._timer.start()
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, _Watch]] = []  # heap: (when, seq, watch)
+        self._armed: set[int] = set()
+        self._seq = 0
+        self._thread: threading.Thread | None = None
 
-    def _fire(self) -> None:
-        self.fired = True
-        while not self._done.is_set():
-            try:
-                self._cur.interrupt()
-            except Exception:  # cursor already closed: the query is over
-                return
-            self._done.wait(_INTERRUPT_REPEAT_S)
+    def arm(self, cur: duckdb.DuckDBPyConnection, deadline: float) -> tuple[int, _Watch]:
+        watch = _Watch(cur)
+        with self._cond:
+            self._seq += 1
+            heapq.heappush(self._due, (deadline, self._seq, watch))
+            self._armed.add(self._seq)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kernel-probe-sql-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._seq, watch
 
-    def stop(self) -> None:
-        self._done.set()
-        self._timer.cancel()
-        self._timer.join()
+    def disarm(self, token: tuple[int, _Watch]) -> None:
+        with self._cond:
+            self._armed.discard(token[0])  # its heap entry is dropped when it comes up
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                while self._due and self._due[0][1] not in self._armed:
+                    heapq.heappop(self._due)
+                if not self._due:
+                    self._cond.wait()
+                    continue
+                when, seq, watch = self._due[0]
+                wait = when - time.time()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                heapq.heappop(self._due)
+                watch.fired = True
+                try:
+                    watch.cur.interrupt()
+                except Exception:  # cursor already closed: the query is over
+                    self._armed.discard(seq)
+                    continue
+                heapq.heappush(self._due, (time.time() + _INTERRUPT_REPEAT_S, seq, watch))
+
+
+_WATCHDOG = _Watchdog()
 
 
 def _capped(rel: Any, row_cap: int) -> pa.Table:

@@ -24,12 +24,18 @@ Rules of this file:
   fit (otherwise they stay decimal and concatenation promotes the rest).
 - Parameters (``$name``) are handed to every SQL that mentions them, and only those
   (DuckDB rejects parameters a statement does not use).
+- A DuckDB pass costs milliseconds whatever the data, so a hop saves the ones it can:
+  a broker re-aggregates its partials only past ``MERGE_ABOVE_ROWS`` rows, the root only
+  when the final SQL needs one row per group (variance), since the final re-aggregates
+  any number of partial rows; a rank keeps the shape scan's answer, which depends only
+  on the SQL and the tables' schemas.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .planner import TAGS
@@ -43,6 +49,9 @@ if TYPE_CHECKING:
 __all__ = ["TAG_TYPES", "tagged", "select_ranks", "run_rank", "merge", "finish"]
 
 log = logging.getLogger(__name__)
+
+MERGE_ABOVE_ROWS = 4096  # below this, concatenating partials is cheaper than reducing them
+SHAPE_CACHE_SIZE = 64
 
 # Arrow types of the tag columns, fixed so every rank's tables concatenate as they are.
 TAG_TYPES = {"_rank": "int64", "_node": "int64", "_host": "string", "_local_rank": "int64",
@@ -144,9 +153,43 @@ def _partial_scan(plan: "Plan", scan_name: str) -> bool:
     return plan.mode == "partial-aggregate" and scan_name != plan.shape
 
 
+class ShapeCache:
+    """Answers of shape scans (a statement with LIMIT 0) by SQL, input schemas and
+    parameters: they bind the same whatever the rows, so a rank runs each once."""
+
+    def __init__(self, size: int = SHAPE_CACHE_SIZE) -> None:
+        self._size = size
+        self._answers: dict[tuple, "pa.Table"] = {}
+        self._lock = threading.Lock()  # ranks run scans on several worker threads
+
+    @staticmethod
+    def key(sql: str, regs: Mapping[str, "pa.Table"], params: Any) -> tuple | None:
+        try:
+            bound = tuple(sorted((str(k), type(v).__name__, repr(v)) for k, v in params.items())) \
+                if isinstance(params, Mapping) else repr(params)
+        except Exception:
+            return None
+        return (sql, tuple((n, t.schema) for n, t in sorted(regs.items())), bound)
+
+    def get(self, key: tuple | None) -> "pa.Table | None":
+        if key is None:
+            return None
+        with self._lock:
+            return self._answers.get(key)
+
+    def put(self, key: tuple | None, table: "pa.Table") -> None:
+        if key is None:
+            return
+        with self._lock:
+            if len(self._answers) >= self._size:
+                self._answers.pop(next(iter(self._answers)))  # the oldest goes
+            self._answers[key] = table
+
+
 def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
              tags: Mapping[str, object], *, params: Any = None, deadline: float | None = None,
-             row_cap: int | None = None, notes: list[str] | None = None) -> dict[str, "pa.Table | None"]:
+             row_cap: int | None = None, notes: list[str] | None = None,
+             shapes: ShapeCache | None = None) -> dict[str, "pa.Table | None"]:
     """Run this rank's side of every "ranks" scan over its local `tables`.
 
     A scan whose table this rank lacks (KeyError from `tables`) yields None, and a line
@@ -178,10 +221,17 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
                 notes.append(msg)
             out[scan.name] = None
             continue
+        key = None
         if scan.name == plan.shape:  # names and types only: binding does not depend on the rows
             regs = {n: t.slice(0, 0) for n, t in regs.items()}
+            key = shapes.key(scan.sql, regs, params) if shapes is not None else None
+            if key is not None and (known := shapes.get(key)) is not None:  # type: ignore[union-attr]
+                out[scan.name] = known
+                continue
         result = engine.run(scan.sql, regs, params=_params_for(scan.sql, params), deadline=deadline,
                             row_cap=row_cap)
+        if key is not None:
+            shapes.put(key, result)  # type: ignore[union-attr]
         if per_rank:
             result = tagged(result, tags)
         elif _partial_scan(plan, scan.name):
@@ -191,10 +241,13 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
 
 
 def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table | None"]], *,
-          deadline: float | None = None, row_cap: int | None = None) -> dict[str, "pa.Table | None"]:
+          deadline: float | None = None, row_cap: int | None = None,
+          reduce_above: int | None = MERGE_ABOVE_ROWS, at_root: bool = False) -> dict[str, "pa.Table | None"]:
     """Concatenate each "ranks" scan's partials from `parts` (ranks or brokers below) and
-    reduce them with the scan's merge SQL. None when no part had a schema; no entry at
-    all when no part mentioned the scan (nobody below was asked)."""
+    reduce them with the scan's merge SQL: at a broker past `reduce_above` rows (None:
+    never), at the root (`at_root`) when the final needs it (``Scan.merge_at_root``).
+    None when no part had a schema; no entry at all when no part mentioned the scan
+    (nobody below was asked)."""
     import pyarrow as pa
 
     out: dict[str, pa.Table | None] = {}
@@ -212,7 +265,8 @@ def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table
 
             raise QueryError(f"ranks disagree on the columns of {', '.join(scan.tables) or scan.name}: "
                              f"{str(e).splitlines()[0]}", code="error") from None
-        if scan.merge:
+        if scan.merge and (scan.merge_at_root if at_root else
+                           reduce_above is not None and table.num_rows > reduce_above):
             table = engine.run(scan.merge, {scan.name: table}, deadline=deadline, row_cap=row_cap)
             if _partial_scan(plan, scan.name):
                 table = _narrow(table)

@@ -28,8 +28,10 @@ class Scan:
 
     ``sql`` runs on every targeted rank over its local tables ``tables`` (tagged), or at the
     root over the root's tables when ``where == "root"``. The results are concatenated under
-    ``name`` and, when ``merge`` is set, reduced by it (partial -> partial) at every node
-    broker and at the root.
+    ``name`` and, when ``merge`` is set, may be reduced by it (partial -> partial) at a node
+    broker: the final SQL re-aggregates any number of partial rows, so reducing only saves
+    bytes. ``merge_at_root``: the final needs them reduced (one row per group; variance by
+    Chan's formula), so the root runs ``merge`` too.
     """
 
     name: str
@@ -37,10 +39,11 @@ class Scan:
     where: str = "ranks"
     merge: str | None = None
     tables: tuple[str, ...] = ()
+    merge_at_root: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "sql": self.sql, "where": self.where, "merge": self.merge,
-                "tables": list(self.tables)}
+                "tables": list(self.tables), "merge_at_root": self.merge_at_root}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Scan":
@@ -50,7 +53,8 @@ class Scan:
         merge = d.get("merge")
         return cls(name=str(d["name"]), sql=str(d["sql"]), where=where,
                    merge=None if merge is None else str(merge),
-                   tables=tuple(str(t) for t in d.get("tables", ())))
+                   tables=tuple(str(t) for t in d.get("tables", ())),
+                   merge_at_root=bool(d.get("merge_at_root", False)))
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ class Plan:
                 lines.append(f"scan {s.name} (on each targeted rank over {', '.join(s.tables) or 'no tables'}):")
                 lines.append(f"  rank SQL:  {s.sql}")
                 if s.merge:
-                    lines.append(f"  merge SQL: {s.merge}   (at each node broker and at the root)")
+                    where = "at the root, and at each node broker" if s.merge_at_root else "at node brokers"
+                    lines.append(f"  merge SQL: {s.merge}   ({where} with many partial rows)")
                 else:
                     lines.append("  merge: concatenation")
         lines.append(f"final SQL (at the root): {self.final}")

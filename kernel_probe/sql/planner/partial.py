@@ -294,7 +294,8 @@ class PartialBuilder:
         shape_name = q.fresh("__shape")
         start, _ = _trailer_start(q.sql)
         shape_sql = q.flat_text(start) + "\nLIMIT 0"  # newline: the text may end in a -- comment
-        scans = (Scan(name=scan, sql=_sql(rank), where="ranks", merge=merge, tables=(ref.name,)),
+        scans = (Scan(name=scan, sql=_sql(rank), where="ranks", merge=merge, tables=(ref.name,),
+                      merge_at_root=bool(self.var_groups)),
                  Scan(name=shape_name, sql=shape_sql, where="ranks", merge=None, tables=(ref.name,)))
         return Plan(mode="partial-aggregate", scans=scans, final=_sql(final),
                     prune=q.prune_for(q.pushable(ref)), order_matters=q.order_matters, shape=shape_name)
