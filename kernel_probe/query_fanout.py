@@ -13,6 +13,9 @@ Rules of this file:
   so it can still merge and answer before its own deadline — with what it has.
 - Coverage is exact: every targeted rank ends up answered or failed with a reason
   (dead, unreachable, timeout, or the error text).
+- A client's handshake warms the tree: every rank loads its query engine (DuckDB,
+  pyarrow; the root sqlglot too) on a worker before the first query needs it, so the
+  first answer comes fast, and a job nobody connects to never pays that memory.
 - Every answer says where its time went (``coverage["profile"]``): planning, each rank's
   scan, each merge, the finish, and per hop the round trip less the child's own time (the
   transfer). Each hop reports its part up with its subresult; the root sums it up.
@@ -30,6 +33,7 @@ FINISH_SHARE = 0.1  # part of the remaining time the root keeps for merging and 
 HOP_MARGIN_MAX = 0.5  # seconds each hop keeps for itself at most
 PROGRESS_AFTER = 1.0  # a query slower than this tells its client how far it got
 PROGRESS_EVERY = 0.5
+WARM_EVERY = 60.0  # seconds: the root warms the tree again at most this often (new ranks, relaunches)
 MAX_PROFILE_ROWS = 64  # merges and hops a profile lists at most (a 1024-rank job has 128 brokers)
 
 
@@ -50,6 +54,9 @@ class Tree(Protocol):
 
     def member_rows(self) -> list[dict]:
         """This probe's registry, one dict per member (the root: the whole job)."""
+
+    def child_ids(self) -> list[bytes]:
+        """The routing ids of this probe's direct children."""
 
 
 @dataclass
@@ -131,6 +138,7 @@ class QueryFanOut:
         self.queries: dict[str, HopQuery] = {}
         self._tasks: dict[str, tuple[str, str]] = {}  # SQL task id -> (qid, kind)
         self._seq = 0
+        self._warmed_at: float | None = None
 
     # --- helpers ------------------------------------------------------------------------
     def _task(self, s: HopQuery, kind: str, args: dict) -> RunSqlTask:
@@ -215,6 +223,20 @@ class QueryFanOut:
                     "params": s.request.get("params")}
             effects.append(Send(rid, Message("subquery", body)))
         return effects
+
+    # --- warming up -------------------------------------------------------------------------
+    def on_client_hello(self, now: float) -> list[Effect]:
+        """A client connected to this probe (the root): warm this rank and every rank below."""
+        if self.tree.tier != "root" or self._warmed_at is not None and now - self._warmed_at < WARM_EVERY:
+            return []
+        return self.on_warm(now, planner=True)
+
+    def on_warm(self, now: float, planner: bool = False) -> list[Effect]:
+        """Load the query engine here (a no-op once loaded) and pass the word on down."""
+        self._warmed_at = now
+        self._seq += 1
+        return [RunSqlTask(f"warm/{self._seq}", "warm", {"planner": planner})] + \
+            [Send(rid, Message("warm", {})) for rid in self.tree.child_ids()]
 
     # --- a parent asks -------------------------------------------------------------------------
     def on_subquery(self, env: Envelope, now: float) -> list[Effect]:

@@ -222,6 +222,8 @@ class RankCore:
                 return self._apply_membership(body, now)
             if kind == "subquery":
                 return self.fanout.on_subquery(env, now)
+            if kind == "warm":
+                return self.fanout.on_warm(now)
             if kind == "error" and self._outstanding and env.msg.corr_id == self._outstanding[0]:
                 return self._report_failed(now, f"parent answered {body.get('code')}")
             return []
@@ -233,8 +235,8 @@ class RankCore:
             return self.fanout.on_client_query(sender, env, now)
         if kind == "subresult":
             return self.fanout.on_subresult(sender, env, now)
-        if kind == "info_request":
-            return [Send(sender, Message("info", self.info(), corr_id=env.header.msg_id))]
+        if kind == "info_request":  # every client's handshake: its first query comes next
+            return [Send(sender, Message("info", self.info(), corr_id=env.header.msg_id))] + self.fanout.on_client_hello(now)
         if kind == "nodes_request":
             return [Send(sender, Message("nodes", self.nodes_body(), corr_id=env.header.msg_id))]
         return [Send(sender, Message("error", {"code": "unsupported", "message": f"this probe does not serve {kind!r}"},
@@ -299,6 +301,9 @@ class RankCore:
     def child_rank(self, rid: bytes) -> int | None:
         child = self.children.get(rid)
         return None if child is None else child.rank
+
+    def child_ids(self) -> list[bytes]:
+        return list(self.children)
 
     def member_rows(self) -> list[dict]:
         return [m.to_dict() for m in self.view().members()]

@@ -215,6 +215,7 @@ BODIES: dict[str, type] = {
     "query_progress": QueryProgressBody,
     "query_result": QueryResultBody,
     "subquery": SubqueryBody,
+    "warm": EmptyBody,  # parent -> child: a client connected; load the query engine now
     "subresult": SubresultBody,
     "error": ErrorBody,
 }

@@ -98,6 +98,7 @@ SAMPLES: dict[str, tuple[dict, tuple[bytes, ...]]] = {
     "query": ({"sql": "SELECT 1", "timeout": 10.5, "ranks": [1, 2]}, ()),
     "query_progress": ({"qid": "q1", "answered": 3, "targeted": 8}, ()),
     "subquery": ({"qid": "q1", "plan": {"mode": "ship-rows"}, "deadline": NOW + 9.5, "ranks": [1, 2]}, ()),
+    "warm": ({}, ()),
     "subresult": ({"qid": "q1", "status": "ok", "answered": [1], "failed": {"2": "timeout"}, "scans": ["s"]},
                   (b"ARROW1",)),
     "query_result": ({"status": "ok"}, (b"ARROW1\x00\xff", b"", b"\x00" * 1000)),

@@ -154,6 +154,18 @@ class SqlTaskRunner:
         return result
 
     # --- kinds ----------------------------------------------------------------------------
+    def _warm(self, args: dict) -> dict:
+        """Load what a query needs before one comes: DuckDB and its connection, the
+        catalog's Arrow conversion (pyarrow, and pandas when installed: pyarrow imports it
+        on its first array), and at the root the planner (sqlglot builds its dialect
+        tables on first use)."""
+        self.engine.run("SELECT count(*) FROM tables", {"tables": self.tables.arrow("tables")})
+        if args.get("planner"):
+            from ..sql.planner import plan as make_plan
+
+            make_plan("SELECT count(*) AS n FROM t WHERE _rank >= 0 GROUP BY _node", catalog={"t": ["x"]})
+        return {}
+
     def _plan(self, args: dict) -> dict:
         from ..sql.execute import select_ranks
         from ..sql.planner import plan as make_plan

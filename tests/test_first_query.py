@@ -1,0 +1,35 @@
+"""The first query (issue 9, point 3): a job nobody connects to never loads a query
+engine; a client's handshake warms every rank, so its first query meets loaded engines."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+import kernel_probe
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.cluster
+WORKER = str(Path(__file__).parent / "workers" / "worker.py")
+ENGINE_LIBS = ("duckdb", "libarrow")  # shared objects a loaded query engine maps
+
+
+def loaded(pid: int) -> set[str]:
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {lib for lib in ENGINE_LIBS if lib in maps}
+
+
+def test_connect_warms_every_rank_and_nothing_before(launch, runtime_dir):
+    job = launch([WORKER], nodes=2, ranks_per_node=2, mode="plain")
+    pids = job.wait_ready(60)
+    wait_for(lambda: list(runtime_dir.glob("*.json")), 30, what="the connection file")
+    time.sleep(2.0)  # heartbeats, pushes, the catalog sampled: everything but a client
+    assert all(loaded(pid) == set() for pid in pids.values()), {r: loaded(p) for r, p in pids.items()}
+    with kernel_probe.connect(timeout=5) as client:
+        wait_for(lambda: all(loaded(pid) == set(ENGINE_LIBS) for pid in pids.values()), 30,
+                 what="every rank to load its query engine after the handshake")
+        r = client.query("SELECT _rank, count(*) AS frames FROM stacks WHERE is_main GROUP BY _rank ORDER BY _rank")
+        assert list(r.df["_rank"]) == [0, 1, 2, 3] and not r.coverage["partial"]
