@@ -7,6 +7,7 @@ import os
 import re
 import stat
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -81,6 +82,9 @@ def test_two_nodes_converge_at_default_intervals(launch):
     assert lag < 2.0
     # only the 4 ranks run probes: the torchrun agents never do
     assert len(connfile.list_files(root.connection.path.parent)) == 1
+    # the workers never import torch, and their probes elected brokers through the store
+    # without it: an idle rank does not gain torch's memory from its probe
+    assert not [rank for rank, pid in pids.items() if "libtorch" in Path(f"/proc/{pid}/maps").read_text()]
 
 
 # --- 2 ----------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Discovery through the job's own TCPStore (DESIGN.md section 2, "Discovery").
 
 torchrun hands every worker ``MASTER_ADDR``/``MASTER_PORT`` of the agent's store; a
-plain client ``TCPStore(..., is_master=False, wait_for_workers=False)`` works without
-``init_process_group``. The probe keeps three keys there, all under ``probing/``:
+client works without ``init_process_group``. The probe keeps three keys there, all
+under ``probing/``:
 
 * ``MASTER_KEY``  -- the root's endpoint and incarnation (set by the root).
 * ``LOCAL0_KEY``  -- each node's broker, elected with ``compare_set``.
@@ -14,15 +14,18 @@ agent store at ``MASTER_PORT`` (measured with torch 2.13: two different TCPStore
 workers' environment names only the agent store). So the root also publishes its
 master record and the job's secret in the rendezvous store under the rendezvous id
 (``probing/torchrun/<rdzv id>/r<restart>/...``); it learns the endpoint from its
-agent's command line (``rendezvous_of_agent``). A client reads either store with
-``StoreReader``: the TCPStore wire protocol in plain Python (validate, check, get), so
-``store://`` never imports torch (~5 s here) and answers in milliseconds.
+agent's command line (``rendezvous_of_agent``).
+
+Probes and clients talk to either store with ``PlainStore``: the TCPStore wire protocol
+in plain Python (validate, check, get, set, compare_set), so neither ever imports torch
+(~5 s and hundreds of MB here): a rank whose script never imported torch does not gain
+torch's memory from its probe, and ``store://`` answers in milliseconds.
 
 Facts this module is built around (measured, see BUILD_NOTES.md): ``get`` on a missing
 key blocks until the store timeout, so every read does a non-blocking ``check`` first;
 after a store error the client connection can stay broken for good, so any failure
 rebuilds the client once and retries. Callers only ever see ``DiscoveryError`` with a
-one-line message. ``torch`` is imported lazily: importing this module must stay cheap.
+one-line message.
 """
 
 from __future__ import annotations
@@ -33,14 +36,11 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from torch.distributed import TCPStore
+from typing import Any, TypeVar
 
 __all__ = [
     "DiscoveryError",
+    "PlainStore",
     "StoreReader",
     "StoreRefused",
     "rendezvous_of_agent",
@@ -95,41 +95,16 @@ class StoreDiscovery:
         self.rebuilds = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._store: TCPStore | None = self._connect()
+        self._store: PlainStore | None = self._connect()
 
     # -- connection -------------------------------------------------------------
     def _where(self) -> str:
         return f"TCPStore {self.host}:{self.port}"
 
-    def _connect(self) -> TCPStore:
-        # A plain TCP connect first: torch retries a refused connection until its
-        # timeout (~1.5x timeout_sec) and logs C++ stack traces meanwhile; a store that
-        # is simply not there should fail fast and quietly.
-        try:
-            with socket.create_connection((self.host, self.port), timeout=self.timeout_sec):
-                pass
-        except OSError as exc:
-            raise DiscoveryError(
-                f"{self._where()} is not reachable: {_one_line(exc)}"
-            ) from None
-        try:
-            from torch.distributed import TCPStore  # lazy: ~5 s import
-        except Exception as exc:  # torch missing or broken
-            raise DiscoveryError(f"torch.distributed is unavailable: {_one_line(exc)}") from None
-        try:
-            return TCPStore(
-                self.host,
-                self.port,
-                is_master=False,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=self.timeout_sec),
-            )
-        except Exception as exc:
-            raise DiscoveryError(
-                f"{self._where()}: cannot connect: {_one_line(exc)}"
-            ) from None
+    def _connect(self) -> PlainStore:
+        return PlainStore(self.host, self.port, timeout_sec=self.timeout_sec)
 
-    def _call(self, what: str, op: Callable[[TCPStore], _T]) -> _T:
+    def _call(self, what: str, op: Callable[[PlainStore], _T]) -> _T:
         """Run ``op`` on the client; on failure rebuild the client once and retry."""
         with self._lock:
             if self._closed:
@@ -172,13 +147,7 @@ class StoreDiscovery:
         return value
 
     def _read(self, key: str) -> dict | None:
-        def op(store: TCPStore) -> bytes | None:
-            # check() never blocks; get() on a missing key would wait the full timeout.
-            if not store.check([key]):
-                return None
-            return store.get(key)
-
-        raw = self._call(f"read {key!r}", op)
+        raw = self._call(f"read {key!r}", lambda store: store.get(key))
         return None if raw is None else self._decode_dict(key, raw)
 
     def _elect(self, key: str, desired: str) -> bytes:
@@ -193,7 +162,7 @@ class StoreDiscovery:
         key = self._key(MASTER_KEY)
         value = _encode(info)
 
-        def op(store: TCPStore) -> bytes:
+        def op(store: PlainStore) -> bytes | None:
             # TCPStore's set is fire-and-forget: on a silently broken connection it
             # "succeeds". Reading back on the same connection (ordered after the set, so
             # it never blocks) makes a lost write an error, which triggers the rebuild.
@@ -251,10 +220,7 @@ class StoreDiscovery:
         """The per-job secret if one was agreed on (a client never creates one)."""
         key = self._key(SECRET_KEY)
 
-        def op(store: TCPStore) -> bytes | None:
-            return store.get(key) if store.check([key]) else None
-
-        raw = self._call(f"get {key!r}", op)
+        raw = self._call(f"get {key!r}", lambda store: store.get(key))
         if raw is None:
             return None
         value = self._decode(key, raw)
@@ -278,7 +244,9 @@ class StoreDiscovery:
         """Drop the client connection; later calls raise DiscoveryError."""
         with self._lock:
             self._closed = True
-            self._store = None  # TCPStore has no close(); dropping it closes the socket
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()
 
     def __enter__(self) -> StoreDiscovery:
         return self
@@ -290,12 +258,14 @@ class StoreDiscovery:
         return f"StoreDiscovery({self.host!r}, {self.port}, run_id={self.run_id!r})"
 
 
-# -- reading a store without torch ---------------------------------------------------------
+# -- a TCPStore client without torch ---------------------------------------------------------
 
 # torch/csrc/distributed/c10d/TCPStoreBackend.hpp (stable since torch 2.0): a query is
 # one QueryType byte, then arguments; strings and byte vectors are a uint64 length
-# (native byte order: little-endian everywhere torch runs) and the bytes.
-_VALIDATE, _GET, _CHECK = 0, 3, 5
+# (native byte order: little-endian everywhere torch runs) and the bytes. SET has no
+# reply; COMPARE_SET replies with the value that holds afterwards (``expected`` itself
+# when the key is absent and ``expected`` is not empty), as torch's own client sees it.
+_VALIDATE, _SET, _COMPARE_SET, _GET, _CHECK = 0, 1, 2, 3, 5
 _MAGIC = 0x3C85F7CE
 _READY = 0
 _MAX_VALUE = 1 << 20  # our values are a few hundred bytes
@@ -303,15 +273,23 @@ _KEY_PREFIX = "/"  # torch's TCPStore client puts this before every user key
 
 
 def _key(value: str) -> bytes:
-    data = (_KEY_PREFIX + value).encode()
+    return _bytes((_KEY_PREFIX + value).encode())
+
+
+def _bytes(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
-class StoreReader:
-    """A read-only TCPStore client in plain Python: ``check`` and ``get`` of our keys.
+def _data(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class PlainStore:
+    """A TCPStore client in plain Python: ``check``, ``get``, ``set``, ``compare_set``.
 
     ``DiscoveryError`` (one line) when the store is not there or answers nonsense;
-    ``ConnectionRefusedError`` inside it means nothing listens: the job's agents are gone.
+    ``StoreRefused`` when nothing listens: the job's agents are gone. Not thread-safe:
+    ``StoreDiscovery`` serialises its calls.
     """
 
     def __init__(self, host: str, port: int, timeout_sec: float = 2.0) -> None:
@@ -342,20 +320,34 @@ class StoreReader:
             raise DiscoveryError(f"TCPStore {self.host}:{self.port}: {_one_line(exc)}") from None
         return bytes(out)
 
-    def check(self, key: str) -> bool:
-        """Is ``key`` set? (never blocks, unlike ``get`` on a missing key)"""
-        self._send(struct.pack("<BQ", _CHECK, 1) + _key(key))
+    def check(self, keys: str | list[str]) -> bool:
+        """Are ``keys`` all set? (never blocks, unlike torch's ``get`` on a missing key)"""
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        self._send(struct.pack("<BQ", _CHECK, len(keys)) + b"".join(_key(k) for k in keys))
         return self._recv(1)[0] == _READY
+
+    def _value(self, what: str) -> bytes:
+        (size,) = struct.unpack("<Q", self._recv(8))
+        if size > _MAX_VALUE:
+            raise DiscoveryError(f"TCPStore {self.host}:{self.port}: value of {what!r} is too large ({size} bytes)")
+        return self._recv(size)
 
     def get(self, key: str) -> bytes | None:
         """The value of ``key``, or None when it is not set."""
         if not self.check(key):
             return None
         self._send(struct.pack("<B", _GET) + _key(key))
-        (size,) = struct.unpack("<Q", self._recv(8))
-        if size > _MAX_VALUE:
-            raise DiscoveryError(f"TCPStore {self.host}:{self.port}: value of {key!r} is too large ({size} bytes)")
-        return self._recv(size)
+        return self._value(key)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Set ``key`` (no reply comes: read it back to know it landed)."""
+        self._send(struct.pack("<B", _SET) + _key(key) + _bytes(_data(value)))
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (``""``: if it is absent);
+        the value that holds afterwards."""
+        self._send(struct.pack("<B", _COMPARE_SET) + _key(key) + _bytes(_data(expected)) + _bytes(_data(desired)))
+        return self._value(key)
 
     def get_json(self, key: str) -> Any:
         raw = self.get(key)
@@ -380,12 +372,14 @@ class StoreReader:
         except OSError:
             pass
 
-    def __enter__(self) -> StoreReader:
+    def __enter__(self) -> PlainStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+StoreReader = PlainStore  # what clients called it while it only read
 
 # -- the rendezvous endpoint as typed on the torchrun command line -------------------------
 

@@ -13,7 +13,6 @@ import logging
 import os
 import queue
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -27,7 +26,7 @@ from ..config import Identity, Settings
 from ..effects import PARENT, RunSqlTask, Send, StoreOp
 from ..interpreter import EffectInterpreter
 from ..placement import signing_key
-from ..progress import StallDetector, main_stack_signature, main_thread_importing, stuck_where
+from ..progress import StallDetector, main_stack_signature, stuck_where
 from . import connfile
 from .sql_tasks import SqlTaskRunner
 from .pidwatch import PidWatch
@@ -48,7 +47,6 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 _malloc_trim = _find_malloc_trim()
 
 REFUSALS_PER_SEC = 20  # unsigned refusals are cheap to trigger: never amplify a flood
-TORCH_GRACE_SEC = 3.0  # how long a rank's own script gets to import torch before the probe does
 MAX_BATCH = 256  # messages handled per socket per wake-up, so no peer can starve the timers
 # Bad messages are short-lived buffers allocated on libzmq's I/O thread and copied on ours;
 # glibc keeps what is freed in its arenas. The 1 MiB frame cap (wire rule 3) bounds what stays
@@ -222,26 +220,12 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         return key
 
     def _open_store(self):
-        self._await_torch()
         from .discovery import StoreDiscovery, rendezvous_of_agent
 
         if self.identity.rank == 0:
             self.rendezvous = rendezvous_of_agent()
         return StoreDiscovery(self.identity.master_addr, int(self.identity.master_port),
                               self.identity.run_id, timeout_sec=self.settings.discover_timeout_sec)
-
-    def _await_torch(self) -> None:
-        """Let the training script import torch first; import it ourselves only when it
-        did not within TORCH_GRACE_SEC and the main thread is not importing anything.
-        Only top-level ``import torch`` is safe here: it waits for another thread's
-        import in progress (see progress.loaded_torch_module)."""
-        deadline = time.monotonic() + TORCH_GRACE_SEC
-        while "torch" not in sys.modules:
-            if time.monotonic() >= deadline and not main_thread_importing():
-                break
-            if self._stop.wait(0.05):
-                raise RuntimeError("stopped")
-        import torch  # noqa: F401  (waits until torch/__init__ has finished)
 
     def _tags(self) -> dict:
         """This rank's tag columns (read from worker threads: plain attribute reads)."""
