@@ -357,6 +357,11 @@ class QueryFanOut:
         s.stage = "merge"
         if s.errors:
             return self._answer(s, {"error": s.errors[0]}, now)
+        if s.origin is not PARENT and s.failed and not s.answered:
+            # nothing to finish: say why every rank failed (often the SQL itself), not that no rank was asked
+            shown = "; ".join(f"rank {r}: {why}" for r, why in sorted(s.failed.items())[:3])
+            more = f" (and {len(s.failed) - 3} more)" if len(s.failed) > 3 else ""
+            return self._fail_client(s, now, "error", f"no rank answered: {shown}{more}")
         if s.origin is PARENT and len(s.parts) <= 1:  # a leaf: nothing to merge with
             names, buffers = s.parts[0] if s.parts else ([], [])
             return self._answer_parent(s, names, buffers, now=now)

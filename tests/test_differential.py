@@ -151,6 +151,12 @@ def test_table_missing_everywhere_targeted_is_an_error(cluster: Job) -> None:
         cluster.sim.query("SELECT * FROM nosuch")
 
 
+def test_a_query_every_rank_fails_says_why(uncataloged: Job) -> None:
+    # the root cannot check columns it has no catalog for: the ranks' own error reaches the user
+    with pytest.raises(SimQueryError, match=r'no rank answered: rank 0: .*"nosuchcol" not found.*\(and 3 more\)'):
+        uncataloged.sim.query("SELECT nosuchcol FROM t ORDER BY nosuchcol LIMIT 3")
+
+
 def test_per_rank_appends_tags_and_skips_ranks_without_the_table(cluster: Job) -> None:
     coverage, ours = cluster.sim.query("SELECT count(*) AS n FROM u", per_rank=True)
     assert coverage["plan"] == "per-rank"

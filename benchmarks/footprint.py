@@ -1,0 +1,88 @@
+"""What the probe costs a rank in memory and idle CPU, probe on vs. off, side by side in
+one run (issue: fast enough to beat ipyparallel, point 4).
+
+Two 2 x 2 plain jobs of the same idle worker run at once, one with PROBING=1, one without.
+Proportional set size (PSS: a shared library counts once per node, split over the
+processes that map it) per rank: after start-up with nobody connected, then after a
+client connected and ran queries of every mode over the built-in tables. Idle CPU: the
+ranks' CPU time over a quiet stretch, on minus off, in % of one core.
+
+    .venv/bin/python benchmarks/footprint.py [--idle 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import kernel_probe  # noqa: E402
+from kernel_probe.testing.harness import LocalJob  # noqa: E402
+
+WORKER = str(ROOT / "tests" / "workers" / "worker.py")
+QUERIES = {  # one of every plan mode, over tables every rank has
+    "partial-aggregate": "SELECT _node, count(*) AS n, max(depth) AS d FROM stacks GROUP BY _node",
+    "top-k": "SELECT _rank, ts, rss_bytes FROM memory ORDER BY rss_bytes DESC LIMIT 5",
+    "rank-local": "SELECT _rank, count(*) AS n FROM env GROUP BY _rank",
+    "ship-rows": "SELECT _rank, thread_name, function FROM stacks WHERE depth < 3",
+    "per-rank": "SELECT count(*) AS n FROM process",
+    "root-only": "SELECT rank, state FROM nodes",
+}
+
+
+def pss_mb(pids: dict[int, int]) -> list[float]:
+    return [psutil.Process(pid).memory_full_info().pss / 2**20 for pid in pids.values()]
+
+
+def cpu_sec(pids: dict[int, int]) -> float:
+    total = 0.0
+    for pid in pids.values():
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--idle", type=float, default=20.0, help="seconds of quiet for the idle CPU figure")
+    args = ap.parse_args()
+    runtime = tempfile.mkdtemp(prefix="kp-footprint-")
+    os.environ["PROBING_RUNTIME_DIR"] = runtime
+    base = {"PROBING_RUNTIME_DIR": runtime}
+    off = LocalJob([WORKER], nodes=2, ranks_per_node=2, mode="plain", env={**base, "PROBING": "0"})
+    on = LocalJob([WORKER], nodes=2, ranks_per_node=2, mode="plain", env={**base, "PROBING": "1"})
+    with off, on:
+        off_pids, on_pids = off.wait_ready(60), on.wait_ready(60)
+        time.sleep(5.0)  # start-up settles: heartbeats, first samples
+        before = statistics.median(pss_mb(on_pids)) - statistics.median(pss_mb(off_pids))
+        c_on, c_off, t0 = cpu_sec(on_pids), cpu_sec(off_pids), time.monotonic()
+        time.sleep(args.idle)
+        wall = time.monotonic() - t0
+        idle_cpu = ((cpu_sec(on_pids) - c_on) - (cpu_sec(off_pids) - c_off)) / wall / len(on_pids) * 100
+        with kernel_probe.connect(timeout=5) as client:
+            for mode, sql in QUERIES.items():
+                for _ in range(3):
+                    r = client.query(sql, per_rank=mode == "per-rank")
+                assert r.coverage["plan"] == mode, (mode, r.coverage["plan"])
+        time.sleep(2.0)
+        after_on, after_off = pss_mb(on_pids), pss_mb(off_pids)
+        after = statistics.median(after_on) - statistics.median(after_off)
+    print("footprint per rank, probe on vs. off (2 x 2 idle ranks, PSS in MB, median rank):")
+    print(f"  before any client:            +{before:.1f} MB")
+    print(f"  after queries of every mode:  +{after:.1f} MB (on {statistics.median(after_on):.1f}, "
+          f"off {statistics.median(after_off):.1f}; ranks on: {', '.join(f'{m:.1f}' for m in after_on)})")
+    print(f"  idle CPU added: {idle_cpu:.3f} % of a core per rank over {wall:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
