@@ -203,12 +203,24 @@ class RankCore:
         poll, not a TTL, also for a leaf whose broker died first ("best reason it has")."""
         if self.tier not in ("root", "broker") or self.registry.epoch == self._watched_epoch:
             return []
+        # only the members that changed since the last look (a wake-up never scans the job)
+        changes = self.registry.changes_since(self._watched_epoch)
         self._watched_epoch = self.registry.epoch
-        want = {m.rank: m.pid for m in self.registry.members()
-                if m.state != "dead" and m.host == self.identity.host and m.pid and m.rank != self.identity.rank}
-        effects: list[Effect] = [UnwatchPid(r) for r in self._watched if r not in want]
-        effects += [WatchPid(r, pid) for r, pid in want.items() if self._watched.get(r) != pid]
-        self._watched = want
+        if changes is None:
+            changed, removed = [m.rank for m in self.registry.members()], list(self._watched)
+        else:
+            changed, removed = changes
+        effects: list[Effect] = []
+        for r in set(changed) | set(removed):
+            m = self.registry.get(r)
+            pid = m.pid if m is not None and m.state != "dead" and m.host == self.identity.host and \
+                r != self.identity.rank else None
+            if pid and self._watched.get(r) != pid:
+                self._watched[r] = pid
+                effects.append(WatchPid(r, pid))
+            elif not pid and r in self._watched:
+                del self._watched[r]
+                effects.append(UnwatchPid(r))
         return effects
 
     def on_message(self, env: Envelope, sender: bytes | None, now: float) -> list[Effect]:

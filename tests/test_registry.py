@@ -624,6 +624,26 @@ def test_delta_basics():
         assert d["full"] is True and [u["rank"] for u in d["upserts"]] == [2]
 
 
+def test_changes_since_reads_only_what_changed():
+    src = Registry()
+    for r in range(8):
+        src.observe(rep(r), T0)
+    e = src.epoch
+    assert src.changes_since(e) == ([], [])
+    src.observe(rep(5, role="eval"), T0 + 1)
+    src.observe(rep(3, step=4), T0 + 1)  # telemetry: not a change
+    src.mark_dead(2, None, "exited", T0 + 1)
+    src.observe(rep(5, role="train"), T0 + 2)  # 5 again: listed once, newest first
+    assert src.changes_since(e) == ([5, 2], [])
+    for r in (0, 1, 3, 4, 5, 6, 7):
+        src.observe(rep(r, role="train" if r == 5 else ""), T0 + STALE)  # alive: heard again
+    src.tick(T0 + 1 + STALE)
+    assert src.changes_since(e) == ([5], [2])
+    assert sorted(src.changes_since(0)[0]) == [0, 1, 3, 4, 5, 6, 7]
+    for bad in (-1, src.epoch + 1, "3", None):
+        assert src.changes_since(bad) is None  # type: ignore[arg-type]
+
+
 def test_delta_full_when_tombstones_were_dropped():
     src = Registry(tombstones_kept=1)
     for r in range(3):

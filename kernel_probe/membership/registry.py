@@ -25,6 +25,7 @@ Rules of this file:
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Mapping
@@ -274,7 +275,9 @@ class Registry:
         self.epoch: int = 0
         self.version: int = 0
         self._members: dict[int, Member] = {}
-        self._changed_at: dict[int, int] = {}  # rank -> epoch of its last membership change
+        # rank -> epoch of its last membership change, in epoch order (a change re-inserts),
+        # so "what changed since e" reads from the end: O(changes), not O(members)
+        self._changed_at: dict[int, int] = {}
         self._tombstones: dict[int, int] = {}  # rank -> epoch of its removal, oldest first
         # per node, so a child is sent its own node's changes only (delta_since(e, node=g))
         self._by_node: dict[int, set[int]] = {}  # node -> ranks present
@@ -338,6 +341,7 @@ class Registry:
                 if m.via == new.rank and m.state != DEAD:
                     self._schedule(r, m.last_seen + self.stale_sec)
         if old is None or _membership(old) != _membership(new):
+            self._changed_at.pop(new.rank, None)
             self._changed_at[new.rank] = self._bump_epoch()
             self._tombstones.pop(new.rank, None)  # present again: the upsert says it all
         else:
@@ -588,6 +592,15 @@ class Registry:
 
     # -- deltas: membership pub/sub down the tree
 
+    def changes_since(self, epoch: int) -> tuple[list[int], list[int]] | None:
+        """(ranks changed, ranks removed) after ``epoch``, newest first, in time
+        proportional to the changes; None when ``epoch`` is too old to say exactly."""
+        if not (isinstance(epoch, int) and 0 <= epoch <= self.epoch and epoch >= self._floor):
+            return None
+        changed = list(itertools.takewhile(lambda r: self._changed_at[r] > epoch, reversed(self._changed_at)))
+        removed = list(itertools.takewhile(lambda r: self._tombstones[r] > epoch, reversed(self._tombstones)))
+        return changed, removed
+
     def delta_since(self, epoch: int, node: int | None = None) -> dict[str, Any]:
         """What a mirror at ``epoch`` needs to reach ``self.epoch``; with ``node``, of that
         node's members only (what a child on that node uses: the pushes of a round then
@@ -604,8 +617,8 @@ class Registry:
             and 0 < epoch <= self.epoch
             and epoch >= self._floor
         )
-        ranks = sorted(self._members if node is None else self._by_node.get(node, ()))
         if not exact:
+            ranks = sorted(self._members if node is None else self._by_node.get(node, ()))
             return {
                 "epoch": self.epoch,
                 "full": True,
@@ -613,13 +626,17 @@ class Registry:
                 "upserts": [self._members[r].to_dict() for r in ranks],
                 "removed": [],
             }
+        if node is None:  # the whole job (a client's view): read the changes, not every member
+            changed, removed = self.changes_since(epoch)  # type: ignore[misc]  (exact: not None)
+            return {"epoch": self.epoch, "full": False, "base": epoch,
+                    "upserts": [self._members[r].to_dict() for r in sorted(changed)], "removed": sorted(removed)}
+        ranks = sorted(self._by_node.get(node, ()))
         return {
             "epoch": self.epoch,
             "full": False,
             "base": epoch,
             "upserts": [self._members[r].to_dict() for r in ranks if self._changed_at.get(r, 0) > epoch],
-            "removed": sorted(r for r, e in self._tombstones.items()
-                              if e > epoch and (node is None or self._node_of.get(r) == node)),
+            "removed": sorted(r for r, e in self._tombstones.items() if e > epoch and self._node_of.get(r) == node),
         }
 
     def apply_delta(self, delta: Mapping[str, Any]) -> bool:
