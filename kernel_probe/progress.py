@@ -65,6 +65,8 @@ class StepClock:
         self._pre_wall: float | None = None
         self._handles: list = []
         self._grad_hooked: weakref.WeakSet = weakref.WeakSet()  # DDP modules whose gradients we time
+        self._watches: list[_GradWatch] = []
+        self._learning: list[_GradWatch] = []  # watches still hooked on every parameter
         self.rows = Ring(rows)
         self._append = self.rows.append
         self._reset_phases()
@@ -114,6 +116,8 @@ class StepClock:
         if saw_grads:
             self._wait_ms = (self._wait_ms or 0.0) + (now - last) * 1000.0
         self._bwd_start = None
+        if self._learning:  # once per DDP module: its first backward told us which gradients come last
+            self._finish_learning()
 
     def on_step(self, *_args, **_kwargs) -> None:
         """Global optimizer post hook."""
@@ -198,14 +202,41 @@ class StepClock:
         return forward
 
     def _hook_grads(self, module: Any) -> None:
-        """Once per DDP module: know when its last gradient is ready (compute done)."""
+        """Once per DDP module: know when its last gradient is ready (compute done).
+
+        A Python hook per parameter tensor costs the training thread ~2-3 us per tensor per
+        step, so all of them are hooked only for the module's first backward, which records
+        the order its gradients arrive in; then only the last ``KEEP_LAST`` stay. DDP itself
+        relies on that order repeating: it rebuilds its buckets once, from the first
+        backward's order, and launches the last bucket's all-reduce when those same
+        gradients are ready. A graph that may change between steps
+        (``find_unused_parameters=True`` without ``static_graph``) keeps every hook.
+        """
         try:
             self._grad_hooked.add(module)
-            for p in module.parameters():
-                if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
-                    self._handles.append(p.register_post_accumulate_grad_hook(self.on_grad_ready))
+            watch = _GradWatch(module, self)
+            if watch.handles:
+                self._watches.append(watch)
+                if watch.learning:
+                    self._learning.append(watch)
         except Exception:
             pass
+
+    def _finish_learning(self) -> None:
+        still = []
+        for watch in self._learning:
+            try:
+                if not watch.narrow():
+                    still.append(watch)
+            except Exception:
+                pass
+        self._learning = still
+
+    @property
+    def watched_gradients(self) -> int:
+        """How many parameter tensors carry our gradient hook right now (all of a DDP
+        module's until its first backward, then ``KEEP_LAST`` each)."""
+        return sum(len(w.handles) for w in self._watches)
 
     def _timed_backward(self, original: Callable) -> Callable:
         clock, compiling = self, _is_compiling()
@@ -233,11 +264,67 @@ class StepClock:
             except Exception:
                 pass
         self._handles.clear()
+        for watch in self._watches:
+            watch.remove()
+        self._watches, self._learning = [], []
         self._grad_hooked = weakref.WeakSet()
 
     def snapshot(self) -> list:
         """The recorded rows, oldest first (safe from any thread)."""
         return self.rows.snapshot()
+
+
+class _GradWatch:
+    """The gradient hooks on one DDP module's parameters; see ``StepClock._hook_grads``."""
+
+    KEEP_LAST = 2  # the last two to arrive: a margin if two finish in either order
+
+    def __init__(self, module: Any, clock: StepClock) -> None:
+        self.clock = clock
+        self.order: list[int] = []  # parameter positions, in the order their gradients arrived
+        self.learning = not (getattr(module, "find_unused_parameters", False)
+                             and not getattr(module, "static_graph", False))
+        params = [p for p in module.parameters()
+                  if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook")]
+        self.handles: dict[int, Any] = {}
+        for i, p in enumerate(params):
+            hook = functools.partial(self._arrived, i) if self.learning else clock.on_grad_ready
+            self.handles[i] = p.register_post_accumulate_grad_hook(hook)
+        # weak: the probe never keeps a user's model alive
+        self.params = [weakref.ref(p) for p in params] if self.learning else []
+
+    def _arrived(self, index: int, _param: Any) -> None:
+        self.clock._last_grad = self.clock._clock()
+        self.order.append(index)
+
+    def narrow(self) -> bool:
+        """After a backward: keep only the hooks of the gradients that arrived last.
+        False if this backward produced none of this module's gradients (ask again)."""
+        if not self.order:
+            return False
+        keep: list[int] = []
+        for i in reversed(self.order):
+            if i not in keep:
+                keep.append(i)
+                if len(keep) == self.KEEP_LAST:
+                    break
+        for i, handle in list(self.handles.items()):
+            handle.remove()
+        self.handles = {}
+        for i in keep:
+            param = self.params[i]()
+            if param is not None:
+                self.handles[i] = param.register_post_accumulate_grad_hook(self.clock.on_grad_ready)
+        self.params, self.order, self.learning = [], [], False
+        return True
+
+    def remove(self) -> None:
+        for handle in self.handles.values():
+            try:
+                handle.remove()
+            except Exception:
+                pass
+        self.handles, self.params = {}, []
 
 
 def _is_compiling() -> Callable[[], bool]:

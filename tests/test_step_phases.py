@@ -118,3 +118,46 @@ def test_real_hooks_time_ddp_compose_with_a_users_comm_hook_and_come_off(ddp_wor
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     assert len(clock.snapshot()) == before  # nothing of ours runs any more
+
+
+def test_after_the_first_backward_only_the_last_gradients_stay_hooked(ddp_world_of_one):
+    """The per-step cost does not grow with the model: every parameter is hooked for the first
+    backward only; then the two whose gradients arrived last (those DDP's last bucket waits
+    for) keep their hooks, and each later step's last gradient is still one of them."""
+    torch = ddp_world_of_one
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    layers = [torch.nn.Linear(16, 16) for _ in range(12)]
+    model = DDP(torch.nn.Sequential(*layers))
+    n_params = len(list(model.parameters()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16)
+    clock = StepClock()
+    assert clock.install_torch_hooks()
+    try:
+        arrivals = []  # our own witness: every gradient's arrival, in order
+        witness = [p.register_post_accumulate_grad_hook(lambda p: arrivals.append(p)) for p in model.parameters()]
+        model(x).sum()  # a forward hooks every parameter
+        assert clock.watched_gradients == n_params == 24
+        for step in range(4):
+            arrivals.clear()
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            assert clock.watched_gradients == 2
+            kept = [p for p in model.parameters()
+                    if any(h == clock.on_grad_ready for h in getattr(p, "_post_accumulate_grad_hooks", {}).values())]
+            assert len(kept) == 2 and any(arrivals[-1] is p for p in kept)
+            assert {id(p) for p in kept} == {id(layers[0].weight), id(layers[0].bias)}  # the first layer: last in backward
+        for h in witness:
+            h.remove()
+        for _step, _start, _dur, data, fwd, bwd, wait, opt_ms in clock.snapshot()[1:]:
+            assert all(v is not None and v >= 0 for v in (data, fwd, bwd, wait, opt_ms))
+
+        dynamic = DDP(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)), find_unused_parameters=True)
+        dynamic(x).sum().backward()  # a graph that may change: every hook stays
+        assert clock.watched_gradients == 2 + 4
+    finally:
+        clock.remove_hooks()
+    assert clock.watched_gradients == 0
+    assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
