@@ -66,20 +66,33 @@ def questions(client: Any, view: Any) -> list[tuple[str, Callable[[], Any], Call
         merged = pd.concat(parts).groupby(level=0).sum()
         return merged.assign(avg=merged["s"] / merged["n"])
 
+    def ours(sql: str) -> Callable[[], Any]:
+        def ask():
+            r = client.query(sql)
+            r.df  # the user gets a DataFrame, as from ipyparallel
+            return r
+        return ask
+
     return [
-        ("count of rows over all ranks",
-         lambda: client.query("SELECT count(*) AS n FROM big").df["n"][0],
+        ("count of rows over all ranks", ours("SELECT count(*) AS n FROM big"),
          lambda: sum(view.apply_sync(_count))),
-        ("grouped count and avg",
-         lambda: client.query("SELECT g, count(*) AS n, avg(x) AS a FROM big GROUP BY g ORDER BY g").df,
+        ("grouped count and avg", ours("SELECT g, count(*) AS n, avg(x) AS a FROM big GROUP BY g ORDER BY g"),
          theirs_grouped),
-        ("~1000 rows from every rank, concatenated",
-         lambda: client.query("SELECT id, g, x FROM big WHERE id % 10 = 0").df,
+        ("~1000 rows from every rank, concatenated", ours("SELECT id, g, x FROM big WHERE id % 10 = 0"),
          lambda: pd.concat(view.apply_sync(_rows))),
-        ("every rank's main-thread stack",
-         lambda: client.query("SELECT _rank, depth, function FROM stacks WHERE is_main").df,
+        ("every rank's main-thread stack", ours("SELECT _rank, depth, function FROM stacks WHERE is_main"),
          lambda: view.apply_sync(_main_stack)),
     ]
+
+
+def _where(profile: dict) -> str:
+    """One line of a median run's per-hop profile: where our time goes."""
+    scan = profile["scan"]
+    hops = profile["hops"]
+    merges = " + ".join(f"{m['ms']:.1f}" for m in profile["merges"]) or "-"
+    return (f"plan {profile['plan_ms']:.1f} · scans {scan['median_ms']:.1f}/{scan['slowest_ms']:.1f} (median/slowest) · "
+            f"merges {merges} · {len(hops)} hops, transfer max {max(h['transfer_ms'] for h in hops):.1f} · "
+            f"finish {profile['finish_ms']:.1f} · {profile['elapsed_ms']:.1f} at the root")
 
 
 def _p(values: list[float], q: float) -> float:
@@ -121,10 +134,10 @@ def run(n: int, reps: int) -> None:
             print(f"{n} ranks / engines, {ROWS} rows each, {reps} interleaved repetitions (ms):")
             print(f"  {'question':42s} {'ours p50':>9s} {'p90':>7s} {'ipp p50':>9s} {'p90':>7s} {'ours/ipp':>9s}")
             for title, ours, theirs in qs:
-                a, b = [], []
+                a, b, runs = [], [], []
                 for _ in range(reps):
                     t = time.perf_counter()
-                    ours()
+                    runs.append(ours())
                     a.append((time.perf_counter() - t) * 1000)
                     t = time.perf_counter()
                     theirs()
@@ -132,6 +145,8 @@ def run(n: int, reps: int) -> None:
                 ratio = statistics.median(a) / statistics.median(b)
                 print(f"  {title:42s} {statistics.median(a):9.1f} {_p(a, .9):7.1f} {statistics.median(b):9.1f} "
                       f"{_p(b, .9):7.1f} {ratio:9.2f}")
+                median_run = runs[sorted(range(reps), key=a.__getitem__)[reps // 2]]
+                print(f"      ours, median run: {_where(median_run.coverage['profile'])}")
 
             def timed(fn):
                 t0 = time.perf_counter()
