@@ -151,6 +151,14 @@ def test_table_missing_everywhere_targeted_is_an_error(cluster: Job) -> None:
         cluster.sim.query("SELECT * FROM nosuch")
 
 
+def test_asked_again_the_cached_plan_and_shapes_answer_alike(cluster: Job) -> None:
+    # the root caches plans and every rank its shape scans: the second answer must not drift
+    for gq in tricky_queries()[:40]:
+        if gq.label == "limit-no-order":
+            continue
+        assert cluster.check(gq) == cluster.check(gq)
+
+
 def test_a_query_every_rank_fails_says_why(uncataloged: Job) -> None:
     # the root cannot check columns it has no catalog for: the ranks' own error reaches the user
     with pytest.raises(SimQueryError, match=r'no rank answered: rank 0: .*"nosuchcol" not found.*\(and 3 more\)'):
