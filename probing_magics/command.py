@@ -60,6 +60,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _read_option(tokens: list[str], i: int, flags: Mapping[str, str] | set[str], valued: set[str],
+                 usage: str) -> tuple[str, str | bool, int]:
+    """The option at ``tokens[i]`` -> (name, its value or True for a flag, the index after it)."""
+    tok = tokens[i]
+    name, eq, value = tok.partition("=")
+    if name in flags and not eq:
+        return name, True, i + 1
+    if name not in valued:
+        raise UsageError(f"unknown option {tok!r}; {usage}")
+    if eq:
+        return name, value, i + 1
+    if i + 1 >= len(tokens):
+        raise UsageError(f"option {name} needs a value; {usage}")
+    return name, tokens[i + 1], i + 2
+
+
 def _take_options(tokens: list[str], usage: str) -> tuple[dict[str, str | bool], int]:
     """Leading options of ``tokens`` -> (options, index of the first token that is not one)."""
     opts: dict[str, str | bool] = {}
@@ -68,25 +84,10 @@ def _take_options(tokens: list[str], usage: str) -> tuple[dict[str, str | bool],
         tok = tokens[i]
         if tok == "--":  # explicit end of options
             return opts, i + 1
-        if not tok.startswith("-") or tok.startswith("--") and len(tok) > 2 and tok[2] == "-":
-            break
-        name, eq, value = tok.partition("=")
-        if name in _FLAGS and not eq:
-            opts[name] = True
-            i += 1
-            continue
-        if name in _VALUED:
-            if not eq:
-                if i + 1 >= len(tokens):
-                    raise UsageError(f"option {name} needs a value; {usage}")
-                value = tokens[i + 1]
-                i += 1
-            opts[name] = value
-            i += 1
-            continue
-        if re.match(r"-\d", tok):  # a negative number is SQL, not an option
-            break
-        raise UsageError(f"unknown option {tok!r}; {usage}")
+        if not tok.startswith("-") or tok.startswith("---") or re.match(r"-\d", tok):
+            break  # SQL: a word, a --- comment, a negative number
+        name, value, i = _read_option(tokens, i, _FLAGS, _VALUED, usage)
+        opts[name] = value
     return opts, i
 
 
@@ -180,20 +181,12 @@ def parse_options(line: str, valued: set[str], usage: str, max_positional: int =
     options: dict[str, str] = {}
     i = 0
     while i < len(tokens):
-        tok = tokens[i]
-        if tok.startswith("-"):
-            name, eq, value = tok.partition("=")
-            if name not in valued:
-                raise UsageError(f"unknown option {tok!r}; {usage}")
-            if not eq:
-                if i + 1 >= len(tokens):
-                    raise UsageError(f"option {name} needs a value; {usage}")
-                value = tokens[i + 1]
-                i += 1
-            options[name] = value
+        if tokens[i].startswith("-"):
+            name, value, i = _read_option(tokens, i, set(), valued, usage)
+            options[name] = str(value)
         else:
-            positional.append(tok)
-        i += 1
+            positional.append(tokens[i])
+            i += 1
     if len(positional) > max_positional:
         raise UsageError(f"unexpected {' '.join(positional[max_positional:])!r}; {usage}")
     return OptionsCommand(positional, options)
