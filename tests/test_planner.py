@@ -74,6 +74,13 @@ def test_per_rank_runs_the_statement_as_is() -> None:
     assert q.scans[0].sql == "SELECT * FROM nodes n" and q.scans[0].tables == ("nodes",)
 
 
+def test_per_rank_says_what_a_tag_means_there() -> None:
+    with pytest.raises(PlanError, match=r"--per-rank .* no _rank column: the tags .* are appended to each rank's result"):
+        plan("SELECT _rank, count(*) FROM t GROUP BY _rank", per_rank=True, catalog={"t": ["x"]})
+    assert plan("SELECT _rank FROM t", per_rank=True, catalog={"t": ["_rank"]}).mode == "per-rank"  # its own column
+    assert plan("SELECT _rank FROM t", per_rank=True).mode == "per-rank"  # unknown table: the rank will say
+
+
 def test_partial_aggregate_shape() -> None:
     p = plan("SELECT _node, count(*), sum(x), avg(y), min(s), var_pop(y) FROM t WHERE x > 3 GROUP BY _node "
              "HAVING count(*) > 1 ORDER BY 1 LIMIT 5", catalog=CAT)

@@ -8,11 +8,19 @@ from typing import Any, Sequence
 from ._sqlglot import exp
 from ._sqlglot import positional_column
 from .analysis import Query, _collect_refs, _Ref
-from .model import NODES, TAGS, Declined, Plan, Scan
+from .model import NODES, TAGS, Declined, Plan, PlanError, Scan
 from .partial import NoPushdown, PartialBuilder
 from .syntax import _col_parts, _has_agg, _ident, _is_volatile, _sql, _trailer_start
 
 def per_rank(q: Query) -> Plan:
+    tables = [q.catalog.get(r.name) for r in q.rank_refs]
+    if tables and all(cols is not None for cols in tables):  # every table known: say what a tag means here
+        for col in q.stmt.find_all(exp.Column):
+            tag = _col_parts(col)[-1].lower()
+            if tag in TAGS and not any(tag in (c.lower() for c in cols) for cols in tables):  # type: ignore[union-attr]
+                raise PlanError(f"--per-rank runs the statement on each rank's own tables, which have no {tag} "
+                                f"column: the tags ({', '.join(TAGS)}) are appended to each rank's result, "
+                                f"so leave {tag} out of the statement", code="refused")
     name = q.fresh("__per_rank")
     if any(r.node.args.get("db") is not None for r in q.refs):
         text = q.flat_text()
