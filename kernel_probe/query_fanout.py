@@ -311,6 +311,20 @@ class QueryFanOut:
             return self._answer(s, result, now)
         return []
 
+    def on_members_lost(self, ranks: set[int], now: float) -> list[Effect]:
+        """Members died or left: a query still waiting on one of them as a direct child
+        stops waiting (it is ``dead``; the ranks it answered for are unreachable), instead
+        of waiting out its deadline. A lost rank below a broker is that broker's to report."""
+        effects: list[Effect] = []
+        for s in list(self.queries.values()):
+            if s.stage != "gather":
+                continue
+            for hop in [h for h in s.waiting if h in ranks]:
+                for r in s.waiting.pop(hop):
+                    s.failed[r] = "dead" if r in ranks else f"unreachable: rank {hop} died while it held this answer"
+            effects += self._maybe_merge(s, now)
+        return effects
+
     def on_timer(self, now: float) -> list[Effect]:
         effects: list[Effect] = []
         for s in list(self.queries.values()):

@@ -108,6 +108,7 @@ class RankCore:
         self.placement: Placement | None = None  # set by start(); tests may call set_topology directly
         self._watched: dict[int, int] = {}  # rank -> pid under the pid watch
         self._watched_epoch = -1
+        self._losses_epoch = 0  # membership changes up to here were shown to queries in flight
 
     # --- inputs ---------------------------------------------------------------------
     def start(self, now: float, *, use_store: bool) -> list[Effect]:
@@ -195,8 +196,21 @@ class RankCore:
             effects += self._send_report(now)
         effects += self._maybe_push(now)
         effects += self._sync_watches()
+        effects += self._tell_queries_of_losses(now)
         effects += self.fanout.on_timer(now)
         return effects
+
+    def _tell_queries_of_losses(self, now: float) -> list[Effect]:
+        """Members that died or left since the last look: queries in flight stop waiting for them."""
+        epoch, self._losses_epoch = self._losses_epoch, self.registry.epoch
+        if epoch == self.registry.epoch or not self.fanout.queries or self.tier not in ("root", "broker"):
+            return []
+        changes = self.registry.changes_since(epoch)
+        if changes is None:
+            return []
+        changed, removed = changes
+        lost = set(removed) | {r for r in changed if (m := self.registry.get(r)) is not None and m.state == "dead"}
+        return self.fanout.on_members_lost(lost, now) if lost else []
 
     def _sync_watches(self) -> list[Effect]:
         """Watch the pid of every live member on this host: an exit is then known within a
