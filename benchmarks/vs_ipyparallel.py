@@ -154,9 +154,12 @@ def run(n: int, reps: int) -> None:
                 return (time.perf_counter() - t0) * 1000
 
             members = statistics.median(timed(client.nodes) for _ in range(reps))
+            raw = statistics.median(timed(client.nodes_raw) for _ in range(reps))
             status = statistics.median(timed(rc.queue_status) for _ in range(reps))
             print(f"  {'membership: nodes() vs queue_status()':42s} {members:9.1f} {'':7s} {status:9.1f} {'':7s} "
                   f"{members / status:9.2f}")
+            print(f"  {'  nodes_raw() (dicts, as queue_status)':42s} {raw:9.1f} {'':7s} {status:9.1f} {'':7s} "
+                  f"{raw / status:9.2f}")
             client.close()
         finally:
             cluster.stop_cluster_sync()
