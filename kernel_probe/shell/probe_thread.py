@@ -80,6 +80,56 @@ def bind_host(settings: Settings, identity: Identity) -> str:
     return "0.0.0.0"
 
 
+# The sockets and the sending of one rank, shared with ``testing.vhost`` (many virtual
+# ranks behind real sockets on one thread), so both carry out a Send the same way.
+def router_socket(ctx: zmq.Context, limits: wire.Limits) -> zmq.Socket:
+    """The ROUTER a rank binds: children and clients dial it."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)  # longer frames: the peer is cut off (see wire rule 3)
+    router.setsockopt(zmq.SNDHWM, 1000)
+    router.setsockopt(zmq.RCVHWM, 1000)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
+    return router
+
+
+def parent_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A DEALER dialing the parent at ``endpoint``."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a parent that is not there
+    sock.setsockopt(zmq.SNDHWM, 16)
+    sock.setsockopt(zmq.RCVHWM, 1000)
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_frame_bytes)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    sock.connect(endpoint)
+    return sock
+
+
+def send_effect(shell: EffectInterpreter, codec: wire.Codec, router: zmq.Socket,
+                parent: zmq.Socket | None, effect: Send) -> None:
+    """Carry out one Send: up the parent DEALER, or back through the ROUTER."""
+    try:
+        frames = codec.encode(effect.msg)
+    except ValueError as exc:
+        log.warning("probing: not sending %s: %s", effect.msg.type, exc)
+        return
+    if effect.to is PARENT:
+        try:
+            if parent is None:
+                raise zmq.Again()
+            parent.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            if effect.msg.type == "heartbeat":
+                shell.carry_out(shell.core.on_send_failed(shell.now()))
+        return
+    try:
+        router.send_multipart([effect.to, *frames], zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass  # the peer left or is flooded: replies are best effort, the peer retries
+
+
 class ProbeThread(threading.Thread, EffectInterpreter):
     def __init__(self, settings: Settings, identity: Identity, clock: Callable[[], float] = time.time) -> None:
         super().__init__(name="kernel-probe", daemon=True)
@@ -147,12 +197,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         s, ident = self.settings, self.identity
         self.ctx = zmq.Context()
         limits = wire.Limits()
-        router = self.router = self.ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)  # longer frames: the peer is cut off (see wire rule 3)
-        router.setsockopt(zmq.SNDHWM, 1000)
-        router.setsockopt(zmq.RCVHWM, 1000)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
+        router = self.router = router_socket(self.ctx, limits)
         host = bind_host(s, ident)
         if s.port:
             router.bind(f"tcp://{host}:{s.port}")
@@ -416,25 +461,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         return {"rejected": self.rejected(), "store": self.store_address()}
 
     def send(self, effect: Send) -> None:
-        try:
-            frames = self.codec.encode(effect.msg)
-        except ValueError as exc:
-            log.warning("probing: not sending %s: %s", effect.msg.type, exc)
-            return
-        if effect.to is PARENT:
-            sock = self._parent_sock
-            try:
-                if sock is None:
-                    raise zmq.Again()
-                sock.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                if effect.msg.type == "heartbeat":
-                    self.carry_out(self.core.on_send_failed(self.clock()))
-            return
-        try:
-            self.router.send_multipart([effect.to, *frames], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the peer left or is flooded: replies are best effort, the peer retries
+        send_effect(self, self.codec, self.router, self._parent_sock, effect)
 
     def _connect_parent(self, endpoint: str | None) -> None:
         if self._parent_sock is not None:
@@ -443,15 +470,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
             self._parent_sock = None
         if not endpoint:
             return
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a parent that is not there
-        sock.setsockopt(zmq.SNDHWM, 16)
-        sock.setsockopt(zmq.RCVHWM, 1000)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_frame_bytes)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        sock.connect(endpoint)
+        sock = parent_socket(self.ctx, endpoint)
         self.poller.register(sock, zmq.POLLIN)
         self._parent_sock = sock
 

@@ -1,0 +1,654 @@
+"""Many virtual ranks in one process, each behind its own real ZeroMQ sockets.
+
+A scale test that a laptop can run: 1024 ranks as 8 processes x 128 virtual ranks.
+Each virtual rank is a real ``RankCore`` with its own ROUTER (bound on 127.0.0.1), its
+own DEALER to its parent, its own ``wire.Codec`` and its own ``SqlTaskRunner`` over a
+small table ``t`` (id, g, x); they differ from real probes only in what they share:
+
+- ONE I/O thread per process: one ``zmq.Poller`` over every socket and one timer heap
+  over every core's ``next_deadline()``. Effects go through the same
+  ``EffectInterpreter`` (one per virtual rank) and the same socket and send code as
+  ``shell/probe_thread.py`` (``router_socket``, ``parent_socket``, ``send_effect``).
+- SQL tasks run on a small worker pool of the process, over one DuckDB engine of the
+  process (a DuckDB database per rank costs ~4 MB and 8 threads: 128 of them would be
+  the benchmark's whole footprint). Every rank still runs its own scans.
+- The pid of every virtual rank is its host process's, so the pid watches see a host
+  that dies: all of its ranks are reported ``exited``.
+- The tree is fixed (no store): rank 0 is the root, rank ``per_node * n`` is node n's
+  broker, the rest are leaves; rank r listens on ``base_port + r``.
+- No sampling of a main thread: virtual ranks make no steps and never stall.
+
+Launch one host per range of ranks (a range must hold whole nodes)::
+
+    python -m kernel_probe.testing.vhost --ranks 0-127 --world 1024 --per-node 8 \
+        --base-port 23000 --token secret [--run-id vhost] [--rows 300]
+
+It prints ``ready {json}`` once its sockets are bound and its cores placed, and the
+host of rank 0 writes the usual connection file (``PROBING_RUNTIME_DIR``) and prints
+``converged {json}`` when its root first sees every rank alive. ``VirtualJob`` starts
+and stops a set of such hosts (tests, benchmarks/scale_sockets.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import logging
+import os
+import queue
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import zmq
+
+from .. import wire
+from ..config import Identity, Settings, load_settings
+from ..effects import PARENT, RunSqlTask, Send, StoreOp
+from ..interpreter import EffectInterpreter
+from ..rank_core import RankCore
+from ..shell import connfile
+from ..shell.pidwatch import PidWatch
+from ..shell.probe_thread import parent_socket, router_socket, send_effect
+from ..shell.sql_tasks import SqlTaskRunner
+from ..summaries import parse_ranks
+from .sim import SimTables
+
+__all__ = ["VirtualHost", "VirtualJob", "rows_of", "table_of", "endpoint_of", "rank_task_ms"]
+
+log = logging.getLogger("kernel_probe.vhost")
+
+MAX_BATCH = 256  # messages per socket per wake-up, as in the probe thread
+REFUSALS_PER_SEC = 20
+GROUPS = 8  # distinct values of t.g
+
+
+# --- the job's shape and data (the benchmark and the tests compute answers from these) ---
+def rows_of(rank: int, rows: int) -> int:
+    """Rows of rank ``rank``'s table ``t`` (not all equal, so a lost rank shows in a count)."""
+    return rows + rank % 7
+
+
+def table_of(rank: int, rows: int):
+    """Rank ``rank``'s table ``t``: id 0..n-1, g = id % 8, x = rank + id / 1000."""
+    import pyarrow as pa
+
+    n = rows_of(rank, rows)
+    ids = pa.array(range(n), pa.int64())
+    return pa.table({"id": ids, "g": pa.array([i % GROUPS for i in range(n)], pa.int64()),
+                     "x": pa.array([rank + i / 1000.0 for i in range(n)], pa.float64())})
+
+
+def endpoint_of(rank: int, base_port: int) -> str:
+    return f"tcp://127.0.0.1:{base_port + rank}"
+
+
+def tier_of(rank: int, per_node: int) -> str:
+    if rank == 0:
+        return "root"
+    return "broker" if rank % per_node == 0 else "leaf"
+
+
+class _SharedEngineRunner(SqlTaskRunner):
+    """A rank's SQL runner over the process's one DuckDB engine."""
+
+    def __init__(self, engine: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._shared = engine
+
+    @property
+    def engine(self):
+        return self._shared
+
+
+class _HostPids:
+    """One ``PidWatch`` of the process, keyed by pid: many virtual ranks watch few pids
+    (every rank of a host has its host's pid), so a poll reads each pid once."""
+
+    def __init__(self) -> None:
+        self._watch = PidWatch()
+        self._keys: dict[int, set[tuple[int, object]]] = {}  # pid -> {(rank, key)}
+        self._pid_of: dict[tuple[int, object], int] = {}
+
+    def watch(self, rank: int, key: object, pid: int) -> None:
+        self.unwatch(rank, key)
+        if pid not in self._keys:
+            self._keys[pid] = set()
+            self._watch.watch(pid, pid)
+        self._keys[pid].add((rank, key))
+        self._pid_of[(rank, key)] = pid
+
+    def unwatch(self, rank: int, key: object) -> None:
+        pid = self._pid_of.pop((rank, key), None)
+        if pid is None:
+            return
+        keys = self._keys.get(pid)
+        if keys is not None:
+            keys.discard((rank, key))
+            if not keys:
+                del self._keys[pid]
+                self._watch.unwatch(pid)
+
+    def poll(self) -> list[tuple[int, object]]:
+        """(rank, key) of every watch whose process exited; each reported once."""
+        gone: list[tuple[int, object]] = []
+        for pid in self._watch.poll():
+            for rank_key in self._keys.pop(pid, ()):
+                self._pid_of.pop(rank_key, None)
+                gone.append(rank_key)
+        return gone
+
+
+class VirtualProbe(EffectInterpreter):
+    """One virtual rank: its core, codec, sockets and SQL runner; the host's thread runs it."""
+
+    def __init__(self, host: "VirtualHost", rank: int, identity: Identity, endpoint: str) -> None:
+        self.host, self.rank = host, rank
+        self.incarnation = f"v{rank}-{uuid.uuid4().hex[:12]}"
+        self.codec = wire.Codec(host.key, sender=f"rank{rank}", incarnation=self.incarnation, limits=host.limits)
+        self.router = router_socket(host.ctx, host.limits)
+        self.router.bind(endpoint)
+        self.parent_sock: zmq.Socket | None = None
+        self.core = RankCore(identity=identity, settings=host.settings, endpoint=endpoint, pid=os.getpid(),
+                             incarnation=self.incarnation, now=time.time())
+        self.core.info_extras = lambda: {"rejected": {k: n for k, n in self.codec.rejected.items() if n},
+                                         "store": ""}
+        tags = {"_rank": rank, "_node": identity.node, "_host": identity.host,
+                "_local_rank": identity.local_rank}
+        s = host.settings
+        self.sql = _SharedEngineRunner(host.engine, SimTables({"t": table_of(rank, host.rows)}),
+                                       lambda: {**tags, "_role": self.core.role}, row_cap=s.query_row_cap,
+                                       threads=s.query_threads, memory_limit=s.query_memory)
+        self.armed: float | None = None  # the deadline this rank has in the host's heap
+
+    # --- effects ----------------------------------------------------------------------
+    def now(self) -> float:
+        return time.time()
+
+    def halted(self) -> bool:
+        return self.host.stopping
+
+    def send(self, effect: Send) -> None:
+        send_effect(self, self.codec, self.router, self.parent_sock, effect)
+
+    def connect_parent(self, endpoint: str | None) -> None:
+        if self.parent_sock is not None:
+            self.host.forget_socket(self.parent_sock)
+            self.parent_sock.close(0)
+            self.parent_sock = None
+        if endpoint:
+            self.parent_sock = parent_socket(self.host.ctx, endpoint)
+            self.host.add_socket(self.parent_sock, self, "parent")
+
+    def watch_pid(self, key: object, pid: int) -> None:
+        self.host.pids.watch(self.rank, key, pid)
+
+    def unwatch_pid(self, key: object) -> None:
+        self.host.pids.unwatch(self.rank, key)
+
+    def note(self, text: str) -> None:
+        log.debug("rank %d: %s", self.rank, text)
+
+    def run_sql_task(self, task: RunSqlTask) -> None:
+        self.host.run_sql(self, task)
+
+    def run_store_op(self, op: StoreOp) -> object:
+        return {"error": "a virtual host has a fixed tree and no store"}
+
+    # --- inputs -----------------------------------------------------------------------
+    def drain_router(self, now: float) -> None:
+        for _ in range(MAX_BATCH):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue
+            rid, payload = frames[0], frames[1:]
+            try:
+                env = self.codec.decode(payload)
+            except wire.WireError as exc:
+                self.host.refuse(self.router, rid, exc.reason, now)
+                continue
+            self.carry_out(self.core.on_message(env, rid, now))
+
+    def drain_parent(self, now: float) -> None:
+        sock = self.parent_sock
+        for _ in range(MAX_BATCH):
+            if sock is None or sock is not self.parent_sock:
+                return  # a message re-parented us: the old socket is closed
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if wire.parse_refusal(frames):
+                continue
+            try:
+                env = self.codec.decode(frames)
+            except wire.WireError:
+                continue
+            self.carry_out(self.core.on_message(env, PARENT, now))
+
+
+class VirtualHost:
+    """The ranks ``ranks`` of a ``world``-rank job, run by one thread of this process."""
+
+    def __init__(self, ranks: list[int], world: int, per_node: int, base_port: int, *, key: bytes,
+                 run_id: str, settings: Settings | None = None, rows: int = 300, sql_workers: int = 2,
+                 host: str | None = None) -> None:
+        if world % per_node or any(not 0 <= r < world for r in ranks):
+            raise ValueError(f"ranks must lie in 0..{world - 1} and per_node must divide world={world}")
+        self.ranks, self.world, self.per_node, self.base_port = ranks, world, per_node, base_port
+        self.key, self.run_id, self.rows = key, run_id, rows
+        self.settings = settings or load_settings()
+        self.hostname = host or socket.gethostname()
+        self.limits = wire.Limits()
+        self.stopping = False
+        self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.MAX_SOCKETS, max(1024, 4 * len(ranks) + 64))
+        self.poller = zmq.Poller()
+        self._owner: dict[Any, tuple[VirtualProbe | None, str]] = {}
+        self.pids = _HostPids()
+        self._heap: list[tuple[float, int, int]] = []
+        self._seq = itertools.count()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # (probe, task_id, result) from SQL workers
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.add_socket(self._wake_r, None, "wake")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, sql_workers), thread_name_prefix="vhost-sql")
+        self._refusals: list[float] = []
+        self._engine = None
+        self._engine_lock = threading.Lock()
+        self.probes: dict[int, VirtualProbe] = {}
+        self.started: float | None = None
+        self.converged_at: float | None = None
+        self.connection_file: str | None = None
+
+    @property
+    def engine(self):
+        with self._engine_lock:  # SQL workers ask for it concurrently: make one
+            if self._engine is None:
+                from ..sql.engine import Engine
+
+                self._engine = Engine(threads=max(1, self.settings.query_threads), memory_limit="1GB")
+            return self._engine
+
+    # --- sockets and timers ------------------------------------------------------------
+    def add_socket(self, sock: Any, probe: VirtualProbe | None, kind: str) -> None:
+        self.poller.register(sock, zmq.POLLIN)
+        self._owner[sock] = (probe, kind)
+
+    def forget_socket(self, sock: Any) -> None:
+        self.poller.unregister(sock)
+        self._owner.pop(sock, None)
+
+    def _arm(self, probe: VirtualProbe) -> None:
+        deadline = probe.core.next_deadline()
+        if deadline != probe.armed:
+            probe.armed = deadline
+            if deadline is not None:
+                heapq.heappush(self._heap, (deadline, next(self._seq), probe.rank))
+
+    def refuse(self, router: zmq.Socket, rid: bytes, reason: str, now: float) -> None:
+        """Tell a peer with the wrong key why it gets no answer (rate-limited, as the probe does)."""
+        self._refusals = [t for t in self._refusals if now - t < 1.0]
+        if len(self._refusals) >= REFUSALS_PER_SEC or reason == "replay":
+            return
+        self._refusals.append(now)
+        try:
+            router.send_multipart([rid, *wire.refusal_frames(reason, self.run_id)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def run_sql(self, probe: VirtualProbe, task: RunSqlTask) -> None:
+        def work() -> None:
+            try:
+                result = probe.sql.run(task.kind, task.args)
+            except BaseException as exc:  # the core must hear back, whatever happened
+                result = {"error": {"code": "error", "message": f"{type(exc).__name__}: {exc}"}}
+            self._done.put((probe, task.task_id, result))
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass  # the pipe is full: the loop is awake anyway
+
+        self._pool.submit(work)
+
+    # --- life ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind every rank's ROUTER, then place every core (children may dial at once)."""
+        for r in self.ranks:
+            node, local = divmod(r, self.per_node)
+            ident = Identity(rank=r, world_size=self.world, local_rank=local, local_world_size=self.per_node,
+                             node=node, node_count=self.world // self.per_node, host=self.hostname,
+                             run_id=self.run_id)
+            probe = VirtualProbe(self, r, ident, endpoint_of(r, self.base_port))
+            self.add_socket(probe.router, probe, "router")
+            self.probes[r] = probe
+        now = self.started = time.time()
+        root = endpoint_of(0, self.base_port)
+        for r, probe in self.probes.items():
+            tier = tier_of(r, self.per_node)
+            parent = None if tier == "root" else root if tier == "broker" else \
+                endpoint_of(r - r % self.per_node, self.base_port)
+            probe.carry_out(probe.core.set_topology(tier, parent, None if tier == "root" else root, now))
+            self._arm(probe)
+        if 0 in self.probes:
+            self._write_connection_file()
+
+    def _write_connection_file(self) -> None:
+        probe = self.probes[0]
+        info = connfile.ConnectionInfo(
+            endpoint=probe.core.endpoint, run_id=self.run_id, world_size=self.world, pid=os.getpid(),
+            pid_create_time=psutil.Process().create_time(), host=self.hostname, incarnation=probe.incarnation,
+            key=self.key.hex(), started=time.time(), protocol=wire.PROTOCOL_VERSION)
+        self.connection_file = str(connfile.write(self.settings.runtime_dir, info))
+
+    def run(self, stop: threading.Event | None = None, on_converged: Any = None) -> None:
+        """The one I/O loop of every virtual rank here, until ``stop`` is set."""
+        stop = stop or threading.Event()
+        sample_every = self.settings.sample_interval_sec
+        next_sample = time.time() + sample_every
+        root = self.probes.get(0)
+        while not stop.is_set():
+            now = time.time()
+            while self._heap and self.probes[self._heap[0][2]].armed != self._heap[0][0]:
+                heapq.heappop(self._heap)  # superseded
+            due = min(self._heap[0][0] if self._heap else now + 1.0, next_sample)
+            events = self.poller.poll(max(1, int((due - now) * 1000) + 1))  # >= 1 ms: never spin
+            now = time.time()
+            touched: dict[int, VirtualProbe] = {}
+            for sock, _ in events:
+                probe, kind = self._owner.get(sock, (None, ""))
+                if kind == "wake":
+                    self._drain_done(now, touched)
+                elif kind == "router":
+                    probe.drain_router(now)
+                    touched[probe.rank] = probe
+                elif kind == "parent":
+                    probe.drain_parent(now)
+                    touched[probe.rank] = probe
+            if now >= next_sample:
+                next_sample = now + sample_every
+                for rank, key in self.pids.poll():
+                    probe = self.probes[rank]
+                    probe.carry_out(probe.core.on_process_exit(key, now))
+                    touched[rank] = probe
+            while self._heap and self._heap[0][0] <= now:
+                deadline, _, rank = heapq.heappop(self._heap)
+                probe = self.probes[rank]
+                if probe.armed == deadline:
+                    probe.armed = None
+                    touched[rank] = probe
+            for probe in touched.values():  # every wake-up ends with on_timer, as in the probe thread
+                probe.carry_out(probe.core.on_timer(now))
+                self._arm(probe)
+            if root is not None and self.converged_at is None and root.core.converged_at is not None:
+                self.converged_at = root.core.converged_at
+                if on_converged is not None:
+                    on_converged(self.converged_at)
+
+    def _drain_done(self, now: float, touched: dict[int, VirtualProbe]) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        while True:
+            try:
+                probe, task_id, result = self._done.get_nowait()
+            except queue.Empty:
+                return
+            probe.sql_task_done(task_id, result)
+            touched[probe.rank] = probe
+
+    def close(self) -> None:
+        """Say goodbye upwards, remove the connection file, close every socket."""
+        for probe in self.probes.values():
+            if probe.parent_sock is not None:
+                for effect in probe.core.goodbye():
+                    probe.send(effect)
+        self.stopping = True
+        time.sleep(0.05)  # let libzmq flush the goodbyes (linger is 0)
+        if self.connection_file:
+            connfile.remove(self.connection_file)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for probe in self.probes.values():
+            for sock in (probe.parent_sock, probe.router):
+                if sock is not None:
+                    sock.close(0)
+        self.ctx.term()
+
+
+def rank_task_ms(sql: str, rows: int = 300, n: int = 128) -> float:
+    """CPU floor of one virtual rank's share of ``sql``: its ``rank`` SQL task, timed in
+    this thread over ``n`` ranks' tables (ms per rank, after one warm-up pass)."""
+    from ..sql.engine import Engine
+    from ..sql.planner import plan as make_plan
+
+    engine = Engine(threads=1, memory_limit="1GB")
+    runners = [_SharedEngineRunner(engine, SimTables({"t": table_of(r, rows)}),
+                                   lambda r=r: {"_rank": r, "_node": r // 8, "_host": "h", "_local_rank": r % 8,
+                                                "_role": ""}, row_cap=10**6) for r in range(n)]
+    p = make_plan(sql, per_rank=False, catalog={"t": ["id", "g", "x"]})
+    args = {"plan": dict(p.to_dict(), explain=p.explain()), "params": None, "deadline": None}
+    for runner in runners:
+        runner.run("rank", args)
+    started = time.perf_counter()
+    for runner in runners:
+        runner.run("rank", args)
+    return (time.perf_counter() - started) * 1000.0 / n
+
+
+# --- a set of host processes (tests, benchmarks) ---------------------------------------------
+def free_port_window(n: int, start: int = 20000, stop: int = 32000) -> int:
+    """A base port with ``n`` consecutive free ports on 127.0.0.1 (below the ephemeral range)."""
+    import random
+
+    for _ in range(50):
+        base = random.randrange(start, stop - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no window of {n} free ports in {start}..{stop}")
+
+
+@dataclass
+class _Host:
+    proc: subprocess.Popen
+    ranks: str
+    lines: list
+    ready: dict | None = None
+
+
+class VirtualJob:
+    """``hosts`` processes of ``world // hosts`` virtual ranks each, started together.
+
+    ``start()`` launches them, ``wait_ready()`` waits for every ``ready`` line,
+    ``wait_converged()`` for the root's ``converged`` line; ``kill(i)`` SIGKILLs host i;
+    ``close()`` stops the rest (always call it)."""
+
+    def __init__(self, world: int, hosts: int, per_node: int = 8, *, token: str = "vhost-token",
+                 run_id: str | None = None, rows: int = 300, env: dict | None = None,
+                 base_port: int | None = None, sql_workers: int = 2) -> None:
+        per_host = world // hosts
+        if world % hosts or per_host % per_node:
+            raise ValueError("every host must hold whole nodes: world = hosts x k x per_node")
+        self.world, self.per_node, self.token, self.rows = world, per_node, token, rows
+        self.base_port = base_port if base_port is not None else free_port_window(world)
+        self.run_id = run_id or f"vhost-{self.base_port}"
+        self.env = {**os.environ, **(env or {})}
+        self.sql_workers = sql_workers
+        self.ranges = [(h * per_host, (h + 1) * per_host - 1) for h in range(hosts)]
+        self.hosts: list[_Host] = []
+        self.converged: dict | None = None
+        self._cv = threading.Condition()
+
+    @property
+    def key(self) -> bytes:
+        return wire.derive_key(self.token, self.run_id)
+
+    def start(self) -> "VirtualJob":
+        # the root's host last: the others' first reports find no root and retry, as in a real job
+        for lo, hi in list(reversed(self.ranges)):
+            argv = [sys.executable, "-m", "kernel_probe.testing.vhost", "--ranks", f"{lo}-{hi}",
+                    "--world", str(self.world), "--per-node", str(self.per_node), "--base-port",
+                    str(self.base_port), "--run-id", self.run_id, "--rows", str(self.rows),
+                    "--sql-workers", str(self.sql_workers)]
+            env = dict(self.env, PROBING_AUTH_TOKEN=self.token)
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            host = _Host(proc, f"{lo}-{hi}", [])
+            self.hosts.insert(0, host)
+            threading.Thread(target=self._read, args=(host,), daemon=True).start()
+        return self
+
+    def _read(self, host: _Host) -> None:
+        for line in host.proc.stdout:
+            with self._cv:
+                host.lines.append(line.rstrip("\n"))
+                word, _, rest = line.partition(" ")
+                if word in ("ready", "converged"):
+                    try:
+                        data = json.loads(rest)
+                    except ValueError:
+                        data = None
+                    if word == "ready":
+                        host.ready = data
+                    else:
+                        self.converged = data
+                self._cv.notify_all()
+
+    def _wait(self, pred: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not pred():
+                dead = [h for h in self.hosts if h.proc.poll() is not None and h.ready is None]
+                if dead:
+                    raise RuntimeError(f"host {dead[0].ranks} exited: " + " | ".join(dead[0].lines[-5:]))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out waiting for {what}")
+                self._cv.wait(min(left, 0.2))
+
+    def wait_ready(self, timeout: float = 60.0) -> "VirtualJob":
+        self._wait(lambda: all(h.ready is not None for h in self.hosts), timeout, "every host to be ready")
+        return self
+
+    def wait_converged(self, timeout: float = 60.0) -> dict:
+        self._wait(lambda: self.converged is not None, timeout, "the root to see every rank")
+        return self.converged  # type: ignore[return-value]
+
+    @property
+    def connection_file(self) -> str:
+        return self.hosts[0].ready["connection_file"]  # type: ignore[index]
+
+    @property
+    def last_start(self) -> float:
+        """When the last virtual probe was placed (epoch seconds)."""
+        return max(h.ready["started"] for h in self.hosts)  # type: ignore[index]
+
+    def pids(self) -> list[int]:
+        return [h.proc.pid for h in self.hosts]
+
+    def kill(self, i: int) -> None:
+        self.hosts[i].proc.kill()
+        self.hosts[i].proc.wait(10)
+
+    def close(self) -> None:
+        for h in self.hosts:
+            if h.proc.poll() is None:
+                h.proc.send_signal(signal.SIGTERM)
+        for h in self.hosts:
+            try:
+                h.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                h.proc.kill()
+                h.proc.wait(10)
+
+    def __enter__(self) -> "VirtualJob":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- the host process ----------------------------------------------------------------------------
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+        except (ValueError, OSError):
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kernel_probe.testing.vhost", description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", required=True, help="the ranks this process hosts, e.g. 0-127 (whole nodes)")
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--per-node", type=int, default=8)
+    ap.add_argument("--base-port", type=int, required=True, help="rank r listens on 127.0.0.1:base+r")
+    ap.add_argument("--token", default=None, help="the job's token (default: PROBING_AUTH_TOKEN)")
+    ap.add_argument("--run-id", default="vhost")
+    ap.add_argument("--rows", type=int, default=300, help="rows of t per rank (plus rank %% 7)")
+    ap.add_argument("--sql-workers", type=int, default=2)
+    args = ap.parse_args(argv)
+    settings = load_settings()
+    token = args.token or settings.auth_token
+    if not token:
+        print("error: pass --token or set PROBING_AUTH_TOKEN", file=sys.stderr)
+        return 2
+    try:
+        ranks = parse_ranks(args.ranks)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _raise_fd_limit()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        host = VirtualHost(ranks, args.world, args.per_node, args.base_port, key=wire.derive_key(token, args.run_id),
+                           run_id=args.run_id, settings=settings, rows=args.rows, sql_workers=args.sql_workers)
+        host.start()
+    except (zmq.ZMQError, ValueError, OSError) as exc:
+        print(f"error: {exc}", flush=True)
+        return 1
+
+    def converged(at: float) -> None:
+        print("converged " + json.dumps({"at": at, "world": args.world}), flush=True)
+
+    print("ready " + json.dumps({"ranks": args.ranks, "pid": os.getpid(), "started": host.started,
+                                 "connection_file": host.connection_file}), flush=True)
+    try:
+        host.run(stop, on_converged=converged)
+    finally:
+        host.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Virtual ranks behind real sockets (kernel_probe.testing.vhost): 2 host processes x 16
+virtual ranks (4 nodes of 8), each rank its own ROUTER/DEALER, codec and table.
+
+The scale benchmark (benchmarks/scale_sockets.py, 8 x 128) rests on this: the hosts
+converge, a count over every rank is exact, and a host that dies takes exactly its ranks
+with it (the pid watches see the host process exit)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import kernel_probe
+from kernel_probe.testing.vhost import VirtualJob, rows_of
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.cluster
+
+WORLD, HOSTS, ROWS = 32, 2, 50
+FAST = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
+        "PROBING_SAMPLE_INTERVAL_SEC": "0.25"}
+BASE_INTERVAL = 10.0  # the default PROBING_CLUSTER_REPORT_INTERVAL_SEC (FAST leaves it)
+
+
+@pytest.fixture
+def vjob(runtime_dir):
+    job = VirtualJob(WORLD, HOSTS, 8, rows=ROWS, env={"PROBING_RUNTIME_DIR": str(runtime_dir), **FAST})
+    try:
+        job.start().wait_ready(60)
+        yield job
+    finally:
+        job.close()
+
+
+def test_virtual_hosts_converge_answer_exactly_and_lose_a_dead_host(vjob):
+    converged = vjob.wait_converged(30)
+    assert converged["world"] == WORLD
+    assert converged["at"] - vjob.last_start <= BASE_INTERVAL
+
+    with kernel_probe.connect(vjob.connection_file, timeout=10) as c:
+        assert c.info_["world_size"] == WORLD
+        nodes = c.nodes()
+        assert sorted(nodes["rank"]) == list(range(WORLD))
+        assert set(nodes["state"]) == {"alive"}
+        # every virtual rank carries its host process's pid; the tiers are the fixed tree's
+        root_pid, other_pid = vjob.pids()
+        assert set(nodes[nodes["rank"] < 16]["pid"]) == {root_pid}
+        assert set(nodes[nodes["rank"] >= 16]["pid"]) == {other_pid}
+        tiers = dict(zip(nodes["rank"], nodes["tier"]))
+        assert tiers[0] == "root" and tiers[8] == tiers[16] == tiers[24] == "broker" and tiers[9] == "leaf"
+
+        r = c.query("SELECT count(*) AS n FROM t", timeout=30, strict=True)
+        assert int(r.df["n"][0]) == sum(rows_of(k, ROWS) for k in range(WORLD))
+        assert sorted(r.coverage["answered"]) == list(range(WORLD))
+        g = c.query("SELECT _node, count(*) AS n FROM t GROUP BY _node ORDER BY _node", timeout=30, strict=True)
+        assert list(g.df["n"]) == [sum(rows_of(k, ROWS) for k in range(8 * n, 8 * n + 8)) for n in range(4)]
+
+        vjob.kill(1)  # ranks 16-31: nodes 2 and 3, brokers included
+        killed = time.monotonic()
+
+        def host_gone() -> bool:
+            df = c.nodes()
+            state = dict(zip(df["rank"], df["state"]))
+            return all(state[k] == "dead" for k in range(16, 32)) and all(state[k] == "alive" for k in range(16))
+
+        wait_for(host_gone, 15, interval=0.2, what="ranks 16-31 dead, 0-15 alive")
+        assert time.monotonic() - killed < 3.0  # the pid watch, not the 4 s staleness
+        departed = c.departures()
+        assert set(departed["rank"]) == set(range(16, 32))
+        assert set(departed["why"]) == {"exited"}
+
+        r = c.query("SELECT count(*) AS n FROM t", timeout=30)
+        assert int(r.df["n"][0]) == sum(rows_of(k, ROWS) for k in range(16))
+        assert sorted(r.coverage["answered"]) == list(range(16))
