@@ -113,17 +113,21 @@ def main() -> int:
         print(f"connect {connect_ms:.0f} ms; first query {first_ms:.0f} ms ({first.footer()})", flush=True)
 
         runs: dict[str, list[tuple[float, object]]] = {COUNT: [], GROUPED: []}
+        cpu_per: dict[str, list[float]] = {COUNT: [], GROUPED: []}  # CPU ms of all hosts per query
         for i in range(args.repeat + 2):  # two warm-up rounds, not counted
             for sql in (COUNT, GROUPED):
+                cpu = cpu_seconds(pids)
                 t = time.perf_counter()
                 r = client.query(sql, timeout=120, strict=True)
                 ms = (time.perf_counter() - t) * 1000
+                cpu_ms = (cpu_seconds(pids) - cpu) * 1000
                 if sql == COUNT:
                     assert int(r.df["n"][0]) == expected
                 else:
                     assert len(r.df) == GROUPS and int(r.df["n"].sum()) == expected
                 if i >= 2:
                     runs[sql].append((ms, r))
+                    cpu_per[sql].append(cpu_ms)
         after = rss_mb(pids)
         client.close()
 
@@ -132,7 +136,8 @@ def main() -> int:
         ms = [m for m, _ in runs[sql]]
         p50 = pct(ms, 0.5)
         median_run = min(runs[sql], key=lambda mr: abs(mr[0] - p50))[1]
-        print(f"  {label:18s} p50 {p50:7.0f}  p99 {pct(ms, 0.99):7.0f}  ({median_run.footer()})")
+        print(f"  {label:18s} p50 {p50:7.0f}  p99 {pct(ms, 0.99):7.0f}  ({median_run.footer()}); "
+              f"hosts' CPU {statistics.median(cpu_per[sql]):.0f} ms per query (median)")
         print(f"      median run: {where(median_run.coverage['profile'])}")
     print(f"RSS per host process after the queries: {', '.join(f'{m:.0f}' for m in after)} MB "
           f"({world // args.hosts} ranks each)")
