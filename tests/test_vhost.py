@@ -74,3 +74,9 @@ def test_virtual_hosts_converge_answer_exactly_and_lose_a_dead_host(vjob):
         r = c.query("SELECT count(*) AS n FROM t", timeout=30)
         assert int(r.df["n"][0]) == sum(rows_of(k, ROWS) for k in range(16))
         assert sorted(r.coverage["answered"]) == list(range(16))
+
+    # by address and token, as from another machine (the client learns the run id from the refusal)
+    with kernel_probe.connect(f"tcp://127.0.0.1:{vjob.base_port}", token=vjob.token, timeout=10) as c:
+        assert c.run_id == vjob.run_id
+        r = c.query("SELECT count(*) AS n FROM t WHERE _rank < 8", timeout=30, strict=True)
+        assert int(r.df["n"][0]) == sum(rows_of(k, ROWS) for k in range(8))
