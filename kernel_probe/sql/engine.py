@@ -262,7 +262,8 @@ class _Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kernel-probe-sql-deadlines", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if self._due[0][1] == self._seq:  # the earliest now: the thread must wait less
+                self._cond.notify()
             return self._seq, watch
 
     def disarm(self, token: tuple[int, _Watch]) -> None:
