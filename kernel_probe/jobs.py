@@ -5,8 +5,11 @@ One ``JobRegistry`` per process (``kernel_probe.job_registry()``); the CLI, the
 notebook magics and the Jupyter server extension all ask it. Tokens of added jobs stay
 in this process's memory: never written, never returned by ``to_dict``.
 
-A job's ``id`` is stable while the job runs and safe in a URL: ``<run id>-<root pid>``
-for a job found here, ``addr-<digest>`` for one added by address.
+A job's ``id`` is safe in a URL and stays the same when the job is stopped and launched
+again with the same run id (``client.follow``: a relaunch is the same job): its name
+(``follow.job_name``: the run id without torchrun's ``/r<n>``) for a job found here,
+``addr-<digest>`` for one added by address. Two roots here with the same name: the
+running (else the newest) one has the name, the others the name and their pid.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .client import AsyncClient, Client, ConnectError, ProbeError, Target, resolve
+from .client.follow import job_name
 from .config import load_settings
 from .shell import connfile
 
@@ -59,14 +63,22 @@ class Job:
                 "started": self.started, "alive": self.alive, "added": self.added, "store": self.store}
 
 
-def _local_id(info: connfile.ConnectionInfo) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{info.run_id}-{info.pid}").strip("._")
+def _url_safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "job"
 
 
-def _local_job(info: connfile.ConnectionInfo) -> Job:
-    return Job(id=_local_id(info), source=LOCAL, target=str(info.path), run_id=info.run_id, endpoint=info.endpoint,
-               world_size=info.world_size, pid=info.pid, host=info.host, started=info.started,
-               alive=connfile.is_alive(info), store=info.store or None)
+def _local_jobs(infos: list[connfile.ConnectionInfo]) -> list[Job]:
+    """Jobs of the connection files ``infos`` (newest first), with their ids (module docstring)."""
+    alive = {id(info): connfile.is_alive(info) for info in infos}
+    taken: set[str] = set()
+    ids: dict[int, str] = {}
+    for info in sorted(infos, key=lambda i: not alive[id(i)]):  # stable: the running ones, newest first
+        name = _url_safe(job_name(info.run_id))
+        ids[id(info)] = name if name not in taken else _url_safe(f"{name}-{info.pid}")
+        taken.add(name)
+    return [Job(id=ids[id(info)], source=LOCAL, target=str(info.path), run_id=info.run_id, endpoint=info.endpoint,
+                world_size=info.world_size, pid=info.pid, host=info.host, started=info.started,
+                alive=alive[id(info)], store=info.store or None) for info in infos]
 
 
 class JobRegistry:
@@ -84,7 +96,7 @@ class JobRegistry:
 
     def jobs(self, include_ended: bool = False) -> list[Job]:
         """Jobs running here (newest first), then the added ones (newest first)."""
-        local = [_local_job(info) for info in connfile.list_files(self.runtime_dir)]
+        local = _local_jobs(connfile.list_files(self.runtime_dir))
         if not include_ended:
             local = [j for j in local if j.alive]
         with self._lock:

@@ -4,9 +4,14 @@ One background thread per view, with its own client, refreshes it every ``interv
 seconds; the cell that displayed it returns at once. The view is displayed from the
 cell's thread and only ever updated from its own thread (each refresh batched with
 ``hold_sync``), the pattern ipywidgets supports. The thread ends when the view is
-closed (``close()`` or the frontend closing its comm), when the job ends (the view then
-says so) or when the kernel exits. A saved or converted notebook shows the last table:
-the view's display carries it as ``text/html`` next to the widget.
+closed (``close()`` or the frontend closing its comm) or when the kernel exits.
+
+When the job ends the view says so ("job ended; waiting for a relaunch", the last table
+stays) and keeps a light watch (every ``RELAUNCH_WATCH_SEC`` at most): when the same job
+is launched again (same run id) its client follows it there (``kernel_probe.client.follow``)
+and the view shows the new launch, saying once that the job restarted. A saved or
+converted notebook shows the last table: the view's display carries it as ``text/html``
+next to the widget.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from kernel_probe.summaries import ranks_label, stall_suspects
 from .display import ERROR, MUTED, WARN
 
 THREAD_PREFIX = "probing-nodes-view"
+RELAUNCH_WATCH_SEC = 2.0  # between launches: how often an ended job is checked for a relaunch
+NOTICE_SEC = 60.0  # how long "job X restarted ..." stays in the summary
+ENDED = "job ended; waiting for a relaunch"
 STATE_COLOURS = {"alive": "var(--jp-success-color1, #2e7d32)", "stalled": WARN, "dead": ERROR}
 _counter = itertools.count(1)
 _live: "weakref.WeakSet[NodesView]" = weakref.WeakSet()
@@ -158,7 +166,10 @@ class NodesView(widgets.VBox):
         self.interval, self.timeout = interval, timeout
         self.run_id: str | None = None
         self.raw: dict | None = None  # the last membership shown
-        self.ended = False
+        self.ended = False  # the job ended and no relaunch was found yet
+        self.restarts = 0  # relaunches of the job this view followed
+        self.notice: str | None = None  # the last "job X restarted ..." line
+        self._notice_until = 0.0
         self.text = "connecting…"  # the last view as plain text
         self._stop = threading.Event()
         self._refreshed = threading.Event()
@@ -206,31 +217,45 @@ class NodesView(widgets.VBox):
                         client = kernel_probe.connect(self.target, token=self._token, timeout=timeout)
                         self.run_id = client.run_id
                     raw = client.nodes_raw(timeout)
+                    self._followed(client)
+                    self.ended = False
                     self.raw = raw
                     now = time.time()
-                    self.text = render_text(raw, self.run_id, now)
-                    self._show(render_summary(raw, self.run_id, now), render_table(raw, now))
+                    note = self.notice if self.notice and time.monotonic() < self._notice_until else ""
+                    self.text = render_text(raw, self.run_id, now, note)
+                    self._show(render_summary(raw, self.run_id, now, note), render_table(raw, now))
                 except kernel_probe.JobEndedError:
                     self._ended()
-                    return
                 except kernel_probe.ProbeError as exc:
                     if self._target_gone():
-                        self._ended()
-                        return
-                    if client is not None:
-                        client.close()
-                        client = None
-                    note = f"unreachable, retrying: {str(exc).splitlines()[0]}"
-                    self._show(render_summary(self.raw or {}, self.run_id, time.time(), note), self.table.value)
+                        self._ended()  # the client (if any) still follows a relaunch from its connection file
+                    else:
+                        # a job of this machine keeps its client: a root that is shutting down (no answer,
+                        # its file not removed yet) is told ended next time, and the client follows a relaunch
+                        if client is not None and client.connection is None:
+                            client.close()
+                            client = None
+                        note = f"unreachable, retrying: {str(exc).splitlines()[0]}"
+                        self._show(render_summary(self.raw or {}, self.run_id, time.time(), note), self.table.value)
                 except Exception as exc:  # a view never dies silently: say what went wrong, keep trying
                     self._show(render_summary(self.raw or {}, self.run_id, time.time(), f"error: {exc}"),
                                self.table.value)
                 self._refreshed.set()
-                self._stop.wait(self.interval)
+                self._stop.wait(max(self.interval, RELAUNCH_WATCH_SEC) if self.ended else self.interval)
         finally:
             self._refreshed.set()
             if client is not None:
                 client.close()
+
+    def _followed(self, client: kernel_probe.Client) -> None:
+        """Take the client's notices: it followed the job to a new launch."""
+        while (notice := client.take_notice()) is not None:
+            self.restarts, self.notice = client.restarts, notice
+            self._notice_until = time.monotonic() + NOTICE_SEC
+            self.run_id = client.run_id
+            path = client.connection.path if client.connection is not None else None
+            if path and self.target and not str(self.target).startswith(("tcp://", "store://")):
+                self.target = str(path)  # a reconnect goes to the new launch's file
 
     def _target_gone(self) -> bool:
         """A connection-file target whose file was removed: the job stopped cleanly."""
@@ -238,10 +263,12 @@ class NodesView(widgets.VBox):
         return bool(t) and not str(t).startswith(("tcp://", "store://")) and not os.path.exists(str(t))
 
     def _ended(self) -> None:
+        if self.ended:
+            return  # said once; the last table stays
         self.ended = True
         raw = self.raw or {}
-        self.text = render_text(raw, self.run_id, time.time(), "job ended")
-        self._show(render_summary(raw, self.run_id, time.time(), "job ended"), self.table.value)
+        self.text = render_text(raw, self.run_id, time.time(), ENDED)
+        self._show(render_summary(raw, self.run_id, time.time(), ENDED), self.table.value)
 
     def _show(self, summary: str, table: str) -> None:
         if self._stop.is_set() or self.comm is None:

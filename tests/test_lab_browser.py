@@ -3,7 +3,9 @@
 A real `jupyter lab` subprocess (the installed server extension and lab extension), a
 live local job (tiny DDP training, plain mode: one rank can be killed alone), and Debian
 Chromium driven by Playwright (nothing downloaded). Run twice: at the root and under a
-`base_url` prefix, as behind JupyterHub. Screenshots land in test-artifacts/lab-browser/.
+`base_url` prefix, as behind JupyterHub; the latter also stops the job and launches it
+again (issue 10): the panel says it ended, then shows the new launch and says once that
+it restarted. Screenshots land in test-artifacts/lab-browser/.
 """
 
 from __future__ import annotations
@@ -273,6 +275,35 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                 print(f"rank 3 shown dead {took:.2f} s after it was killed (poll interval {POLL_SEC} s)")
                 assert took < POLL_SEC + 4
                 _shot(page, "#probing-cluster", out, "panel-dead-rank.png")
+
+                if name == "base_url":  # issue 10: the job is stopped and launched again (same run id)
+                    jobs = json.loads(urllib.request.urlopen(f"{lab.url}probing/api/jobs?token={TOKEN}",
+                                                             timeout=10).read())["jobs"]
+                    (local_id,) = [j["id"] for j in jobs if j["source"] == "local"]
+                    page.select_option("#probing-cluster .pm-Cluster-jobSelect", local_id)
+                    page.wait_for_selector("#probing-cluster .pm-Cluster-body[data-status='ready'] "
+                                           ".pm-Cluster-rank[data-rank='0']")
+                    old_pids = set(job.pids().values())
+                    job.close()
+                    expect(page.locator("#probing-cluster .pm-Cluster-status.pm-status-job-ended")) \
+                        .to_contain_text("has ended: its root (pid", timeout=15_000)
+                    expect(page.locator("#probing-cluster .pm-Cluster-status")) \
+                        .to_contain_text("waiting for a relaunch")
+                    expect(page.locator("#probing-cluster .pm-Cluster-jobSelect")).to_have_value(local_id)
+                    _shot(page, "#probing-cluster", out, "panel-job-ended.png")
+                    job = LocalJob(worker, nodes=2, ranks_per_node=2, mode="plain", run_id=job.run_id,
+                                   env={**JOB_ENV, "PROBING_RUNTIME_DIR": str(runtime)},
+                                   workdir=tmp_path / "job-again").start()
+                    assert set(job.wait_ready(90).values()).isdisjoint(old_pids)
+                    page.wait_for_function("""() => [...document.querySelectorAll('#probing-cluster .pm-Cluster-rank')]
+                        .filter(r => ['alive', 'stalled'].includes(r.dataset.state)).length === 4""", timeout=60_000)
+                    expect(page.locator("#probing-cluster .pm-Cluster-jobSelect")).to_have_value(local_id)
+                    notice = page.locator("#probing-cluster .pm-Cluster-notice")
+                    expect(notice).to_have_count(1)
+                    expect(notice).to_contain_text(f"job {job.run_id} restarted: following its new launch")
+                    _shot(page, "#probing-cluster", out, "panel-restarted.png")
+                    page.click("#probing-cluster .pm-Cluster-notice button")
+                    expect(notice).to_have_count(0)
 
                 if name == "root":  # once: the server goes away, then comes back without our extension
                     lab.stop()

@@ -1,7 +1,7 @@
 """The live %cluster_nodes view, driven through a real IPython shell against a real job
 (issue 7, test 3): its rows change by themselves when a rank dies and when one hangs
-(the hung rank marked as the suspect); its thread ends on close(), when the same cell
-runs again, and when the job ends."""
+(the hung rank marked as the suspect); its thread ends on close() and when the same cell
+runs again, not when the job ends: it waits for a relaunch and follows it (issue 10)."""
 
 from __future__ import annotations
 
@@ -120,12 +120,34 @@ def test_running_the_cell_twice_leaks_no_thread(ip):
     ip.run_line_magic("load_ext", "probing_magics")
 
 
-def test_view_says_job_ended_and_stops(ip, job):
-    j = job[0]
+def test_view_waits_through_the_end_and_follows_a_relaunch(ip, job, tmp_path):
+    """Issue 10 part 2: the job is stopped and launched again (same command, same run id);
+    the view says it ended, keeps waiting (never stops, never hangs), then shows the new
+    launch by itself and says once that it restarted."""
+    j, runtime, hang_file = job
     view = show_nodes(ip, "--interval 0.3")
     wait_for(lambda: len(states(view)) >= 3, 10, what="rows")
+    old_pids = set(j.pids().values())
     j.close()
-    wait_for(lambda: not view.thread.is_alive(), 15, what="the view's thread to end with the job")
-    assert view.ended and "job ended" in view.summary.value
+    wait_for(lambda: view.ended and "job ended; waiting for a relaunch" in view.summary.value, 10,
+             what="the view saying the job ended")
     assert "data-rank='0'" in view.table.value  # the last table stays on screen
-    assert view_threads() == []
+    time.sleep(3)  # more than one relaunch watch: still there, still waiting
+    assert view.running and view.ended and view.restarts == 0 and view_threads() == [view.thread]
+
+    hang_file.unlink(missing_ok=True)
+    again = LocalJob(j.argv, nodes=2, ranks_per_node=2, mode="plain", run_id=j.run_id, env=j.extra_env,
+                     workdir=tmp_path).start()
+    try:
+        new_pids = again.wait_ready(60)
+        wait_for(lambda: states(view) == {0: "alive", 1: "alive", 2: "alive", 3: "alive"} and not view.ended, 30,
+                 what="the view on the new launch, 4 alive rows")
+        assert view.restarts == 1 and set(new_pids.values()).isdisjoint(old_pids)
+        assert f"job {j.run_id} restarted: following its new launch" in view.summary.value
+        assert view.summary.value.count("restarted") == 1 and "waiting for a relaunch" not in view.summary.value
+        assert f"root pid {new_pids[0]}" in view.text
+        view.close()
+        wait_for(lambda: not view.thread.is_alive(), 5, what="the view's thread to end after close()")
+        assert view_threads() == []
+    finally:
+        again.close()

@@ -17,6 +17,7 @@ job to its new launch by itself once there is one.
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -29,8 +30,10 @@ from .targets import Target, resolve
 PROBE_TIMEOUT_SEC = 0.5  # a TCP connect to a live root on a reachable host takes microseconds
 
 
-def _base(run_id: str | None) -> str:
-    return (run_id or "").rsplit("/r", 1)[0]  # in-place restarts (r0, r1, ...) are the same job
+def job_name(run_id: str | None) -> str:
+    """The job a run id belongs to, the same across its launches: torchrun's run ids are
+    ``<rdzv id>/r<restart>``, and a relaunch or an in-place restart only changes the suffix."""
+    return re.sub(r"/r\d+$", "", run_id or "")
 
 
 def root_gone(endpoint: str, connection: connfile.ConnectionInfo | None) -> str | None:
@@ -63,7 +66,7 @@ def find_relaunch(current: Target) -> Target | None:
                  else load_settings().runtime_dir)
     old_pid = current.connection.pid if current.connection is not None else None
     for info in connfile.list_files(Path(directory)):  # newest first
-        if _base(info.run_id) != _base(current.run_id) or info.pid == old_pid or not connfile.is_alive(info):
+        if job_name(info.run_id) != job_name(current.run_id) or info.pid == old_pid or not connfile.is_alive(info):
             continue
         if info.endpoint == current.endpoint and old_pid is None:
             continue  # the very root we talk to
@@ -76,8 +79,8 @@ def find_relaunch(current: Target) -> Target | None:
 def restart_notice(old: Target, new: Target, restarts: int) -> str:
     """What a front end says, once, when it followed a job to its new launch."""
     pid = f"root pid {new.connection.pid} " if new.connection is not None else ""
-    return (f"job {_base(new.run_id) or new.run_id} restarted: following its new launch "
+    return (f"job {job_name(new.run_id) or new.run_id} restarted: following its new launch "
             f"({pid}at {new.endpoint}; restart {restarts})")
 
 
-__all__ = ["root_gone", "find_relaunch", "restart_notice", "PROBE_TIMEOUT_SEC"]
+__all__ = ["root_gone", "find_relaunch", "restart_notice", "job_name", "PROBE_TIMEOUT_SEC"]

@@ -4,6 +4,10 @@
  *
  * Each tick: check the server extension's version (once, and again after the server
  * was gone), list the jobs, keep the chosen one (or the newest), fetch its nodes.
+ * A job that ended stays shown ("ended; waiting for a relaunch": the server keeps it
+ * listed, not alive, while the panel asks for it); launched again with the same run id
+ * it has the same id, so the panel shows the new launch and says once that it restarted
+ * (the server counts the relaunches it followed: `restarts`).
  * A tick that cannot reach the Jupyter server rejects, so the lumino `Poll` backs off
  * and only pings the version route until the server answers again. The poll stands by
  * while the panel is hidden or the browser tab is in the background.
@@ -18,7 +22,8 @@ export type Status =
   | 'no-extension' // the probing routes are missing or speak another API version
   | 'server-gone' // the Jupyter server does not answer
   | 'no-job' // nothing running on the server's machine, nothing added
-  | 'job-unreachable' // the chosen job did not answer, ended or refused us
+  | 'job-ended' // the shown job's root is gone; waiting for it to be launched again
+  | 'job-unreachable' // the chosen job did not answer or refused us
   | 'error'
   | 'ready';
 
@@ -79,6 +84,15 @@ export class ClusterModel {
   }
   get stackMessage(): string {
     return this._stackMessage;
+  }
+  /** "job X restarted: following its new launch …", shown once per relaunch until dismissed. */
+  get notice(): string {
+    return this._notice;
+  }
+
+  dismissNotice(): void {
+    this._notice = '';
+    this._changed.emit();
   }
 
   set intervalSeconds(seconds: number) {
@@ -179,7 +193,12 @@ export class ClusterModel {
         return;
       }
       this._jobs = jobs;
-      const job = jobs.find(j => j.id === this._chosen) ?? jobs[0] ?? null;
+      // an ended job stays shown (waiting for its relaunch) even when another job runs
+      const job =
+        jobs.find(j => j.id === this._chosen) ??
+        jobs.find(j => j.id === this._shown && j.alive === false) ??
+        jobs[0] ??
+        null;
       if (job === null) {
         this._forgetJob();
         this._set('no-job', 'No job found. Start one on the server’s machine with PROBING=1, or add one by address.');
@@ -194,11 +213,21 @@ export class ClusterModel {
         if (choice !== this._choice) {
           return;
         }
+        const seen = this._restartsSeen.get(job.id);
+        if (seen !== undefined && nodes.restarts > seen && nodes.restart_notice) {
+          this._notice = nodes.restart_notice; // said once: the count only grows
+        }
+        this._restartsSeen.set(job.id, nodes.restarts);
         this._nodes = nodes;
         this._updated = new Date();
         this._set('ready', '');
       } catch (error) {
         if (choice !== this._choice) {
+          return;
+        }
+        if (error instanceof ApiError && error.jobEnded) {
+          this._nodes = null;
+          this._set('job-ended', `${error.message}; waiting for a relaunch (same run id)`);
           return;
         }
         if (error instanceof ApiError && (error.jobUnreachable || error.code === 'unknown_job')) {
@@ -233,6 +262,7 @@ export class ClusterModel {
     this._selectedRank = null;
     this._stack = null;
     this._stackMessage = '';
+    this._notice = '';
   }
 
   private _set(status: Status, message: string): void {
@@ -256,6 +286,8 @@ export class ClusterModel {
   private _selectedRank: number | null = null;
   private _stack: IStackGroup | null = null;
   private _stackMessage = '';
+  private _notice = '';
+  private _restartsSeen = new Map<string, number>();
   private _visible = false;
   private _started = false;
 }

@@ -59,7 +59,8 @@ function median(values: number[]): number | null {
 function jobLabel(job: IJob): string {
   const size = job.world_size === null ? '' : ` · ${job.world_size} ranks`;
   const where = job.source === 'added' ? ` · ${job.target}` : job.host ? ` · ${job.host}` : '';
-  return `${job.run_id ?? job.id}${size}${where}`;
+  const ended = job.alive === false ? ' · ended' : '';
+  return `${job.run_id ?? job.id}${size}${where}${ended}`;
 }
 
 function JobChooser({ model }: { model: ClusterModel }): JSX.Element | null {
@@ -317,6 +318,14 @@ function ClusterBody({ model }: { model: ClusterModel }): JSX.Element {
       {serverOk && <JobChooser model={model} />}
       {model.status !== 'ready' && (
         <div className={`pm-Cluster-status pm-status-${model.status}`}>{model.message}</div>
+      )}
+      {serverOk && model.notice && (
+        <div className="pm-Cluster-notice">
+          <span>{model.notice}</span>{' '}
+          <button className="pm-Cluster-linkButton" onClick={() => model.dismissNotice()}>
+            dismiss
+          </button>
+        </div>
       )}
       {nodes && model.status === 'ready' && (
         <>

@@ -28,6 +28,7 @@ export interface IJob {
   pid: number | null;
   host: string | null;
   started: number | null;
+  /** false: the job ended; the server still waits for it to be launched again (same id). */
   alive: boolean | null;
   added: number | null;
 }
@@ -79,6 +80,9 @@ export interface INodes {
   suspects: ISuspect[];
   /** The server's clock when it answered (epoch seconds): ages are computed against it. */
   now: number;
+  /** Relaunches of this job (same run id) the server followed, and the last one's one-line notice. */
+  restarts: number;
+  restart_notice: string | null;
 }
 
 export interface IFrame {
@@ -124,6 +128,11 @@ export class ApiError extends Error {
   /** The probing routes are not there at all (extension not installed or not enabled). */
   get routeMissing(): boolean {
     return this.status === 404 && this.code === 'no_route';
+  }
+
+  /** The job's root is gone (it may be launched again under the same job id). */
+  get jobEnded(): boolean {
+    return this.code === 'job_ended';
   }
 
   /** The job did not answer, ended or refused us (502, 503, 504, or its credentials). */

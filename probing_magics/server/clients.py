@@ -7,27 +7,35 @@ calls that read connection files, check pids or handshake (``jobs()``, ``get()``
 is in flight its root's pid is watched, so a job that dies mid-request fails that
 request within a fraction of a second instead of at its deadline.
 
-A client is closed and dropped when its job ends, is removed or disappears from the
-registry, and on errors that mean its connection is bad (refused credentials, the
-job gone); a mere timeout keeps it (other requests may be in flight on it).
+A client is closed and dropped when its job is removed, and on errors that mean its
+connection is bad (refused credentials, an unreachable address); a mere timeout keeps it
+(other requests may be in flight on it). A job that ended keeps its client while someone
+still asks for it (``WAIT_FOR_RELAUNCH_SEC`` since the last request): it stays listed,
+not alive, its requests say it ended, and when the job is launched again with the same
+run id (same job id, ``kernel_probe.jobs``) the client follows it there by itself
+(``kernel_probe.client.follow``); the restart count and the client's one-line notice are
+kept for the routes to show (``restarts``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, TypeVar
 
 import psutil
 
 import kernel_probe
-from kernel_probe import AsyncClient, AuthError, ConnectError, Job, JobEndedError, JobRegistry
+from kernel_probe import AsyncClient, AuthError, ConnectError, Job, JobEndedError, JobRegistry, UnknownJob
 
 T = TypeVar("T")
 
 ROOT_WATCH_SEC = 0.25  # how often the root's pid is checked while a request waits
 SLACK_SEC = 2.0  # beyond a call's own deadline, before the server gives up on it regardless
+WAIT_FOR_RELAUNCH_SEC = 60.0  # an ended job nobody asked for this long is forgotten (its client closed)
 
 
 class TimedOut(ConnectError):
@@ -49,6 +57,9 @@ class ClusterClients:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="probing-server")
         self._clients: dict[str, AsyncClient] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
+        self._known: dict[str, Job] = {}  # each cached client's job as last seen running
+        self._asked: dict[str, float] = {}  # when each cached client's job was last asked for (monotonic)
+        self._restarts: dict[str, tuple[int, str]] = {}  # relaunches followed and the last notice, per job
 
     @property
     def registry(self) -> JobRegistry:
@@ -58,16 +69,31 @@ class ClusterClients:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kw))
 
     async def jobs(self) -> list[Job]:
-        """The jobs running here and those added; clients of jobs no longer listed are dropped."""
+        """The jobs running here and those added, then the ended ones still waited for (not
+        alive); clients of other jobs no longer listed are dropped."""
         jobs = await self._blocking(self.registry.jobs)
         listed = {j.id for j in jobs}
+        waiting = []
         for job_id in [i for i in self._clients if i not in listed]:
-            self.drop(job_id)
-        return jobs
+            if job_id in self._known and time.monotonic() - self._asked.get(job_id, 0.0) < WAIT_FOR_RELAUNCH_SEC:
+                waiting.append(dataclasses.replace(self._known[job_id], alive=False))
+            else:
+                self.drop(job_id)
+        return jobs + waiting
 
     async def job(self, job_id: str) -> Job:
-        """The job ``job_id`` (``kernel_probe.UnknownJob`` if there is none)."""
-        return await self._blocking(self.registry.get, job_id)
+        """The job ``job_id`` (``kernel_probe.UnknownJob`` if there is none, nor a client waiting
+        for its relaunch)."""
+        try:
+            return await self._blocking(self.registry.get, job_id)
+        except UnknownJob:
+            if job_id in self._clients and job_id in self._known:  # ended, its file removed
+                return dataclasses.replace(self._known[job_id], alive=False)
+            raise
+
+    def restarts(self, job_id: str) -> tuple[int, str | None]:
+        """How many relaunches of ``job_id`` the server followed, and the last one's notice."""
+        return self._restarts.get(job_id, (0, None))
 
     async def add(self, target: str, token: str | None, timeout: float) -> Job:
         """Add a job by address (handshake on the pool); its token stays in this process."""
@@ -102,13 +128,24 @@ class ClusterClients:
         Raises ``UnknownJob``, ``JobEndedError``, ``TimedOut``, ``ConnectError``, ``AuthError``,
         ``QueryFailed`` (all ``ProbeError``)."""
         job = await self.job(job_id)
+        self._asked[job.id] = time.monotonic()
+        if job.alive is not False:
+            self._known[job.id] = job
 
         async def run() -> T:
-            return await fn(await self._client(job, timeout))
+            client = await self._client(job, timeout)
+            result = await fn(client)
+            while (notice := client.take_notice()) is not None:  # it followed the job to a new launch
+                self._restarts[job.id] = (client.restarts, notice)
+            return result
 
         try:
             return await self._watched(job, run(), timeout * 2 + SLACK_SEC)  # a handshake, then the request
-        except (JobEndedError, AuthError):
+        except JobEndedError:
+            if job.id not in self._clients:  # nothing to follow a relaunch with
+                self._known.pop(job.id, None)
+            raise  # the client stays: it follows the job when it is launched again
+        except AuthError:
             self.drop(job.id)
             raise
         except ConnectError as exc:
@@ -150,6 +187,8 @@ class ClusterClients:
         """Close and forget the client of ``job_id`` (requests waiting on it fail)."""
         client = self._clients.pop(job_id, None)
         self._connecting.pop(job_id, None)
+        for state in (self._known, self._asked, self._restarts):
+            state.pop(job_id, None)
         if client is not None:
             client.close()
 

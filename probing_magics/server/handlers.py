@@ -203,10 +203,12 @@ class NodesHandler(ProbingHandler):
 
         raw, info = await self.clients.call(job_id, nodes, timeout)
         members = raw.get("members") or []
+        restarts, notice = self.clients.restarts(job_id)  # relaunches the server followed (same job id)
         self.reply(json_safe({
             "job_id": job_id, "run_id": info.get("run_id"), "world_size": info.get("world_size"), "info": info,
             "epoch": raw.get("epoch"), "members": members, "departures": raw.get("departures") or [],
             "suspects": [s.to_dict() for s in stall_suspects(members)], "now": time.time(),
+            "restarts": restarts, "restart_notice": notice,
         }))
 
 
