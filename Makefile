@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 .PHONY: install demo lab test test-fast bench clean chromium soak
 
 # the Cluster panel (labextension/) is built by the editable install: rebuild when its sources change
-$(STAMP): pyproject.toml constraints.txt labextension/package.json labextension/yarn.lock $(wildcard labextension/src/*)
+$(STAMP): pyproject.toml constraints.txt labextension/package.json labextension/yarn.lock $(wildcard labextension/src/* labextension/style/* labextension/schema/*)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
