@@ -204,8 +204,9 @@ class StepClock:
     def _hook_grads(self, module: Any) -> None:
         """Once per DDP module: know when its last gradient is ready (compute done).
 
-        A Python hook per parameter tensor costs the training thread ~2-3 us per tensor per
-        step, so all of them are hooked only for the module's first backward, which records
+        A Python hook per parameter tensor costs the training thread about 0.5 us per tensor
+        per step (benchmarks/recording.py), which would grow with the model; so all of them
+        are hooked only for the module's first backward, which records
         the order its gradients arrive in; then only the last ``KEEP_LAST`` stay. DDP itself
         relies on that order repeating: it rebuilds its buckets once, from the first
         backward's order, and launches the last bucket's all-reduce when those same
