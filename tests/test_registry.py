@@ -644,6 +644,24 @@ def test_changes_since_reads_only_what_changed():
         assert src.changes_since(bad) is None  # type: ignore[arg-type]
 
 
+def test_a_mirror_passes_on_a_member_that_changed_again():
+    # a mirror keeps its changes in epoch order too: a rank changed twice must not hide
+    # behind ranks changed in between (hypothesis found this one)
+    src, m1, m2 = Registry(), Registry(), Registry()
+    for r in range(3):
+        src.observe(rep(r), T0)
+    m1.apply_delta(src.delta_since(0))
+    m2.apply_delta(m1.delta_since(0))
+    src.observe(rep(0, role="trainer"), T0 + 1)
+    m1.apply_delta(src.delta_since(m1.epoch))
+    src.observe(rep(1, role="eval"), T0 + 1)
+    m1.apply_delta(src.delta_since(m1.epoch))
+    base = m2.epoch
+    assert sorted(m1.changes_since(base)[0]) == [0, 1]
+    m2.apply_delta(m1.delta_since(base))
+    assert [m.role for m in m2.members()] == ["trainer", "eval", ""]
+
+
 def test_delta_full_when_tombstones_were_dropped():
     src = Registry(tombstones_kept=1)
     for r in range(3):

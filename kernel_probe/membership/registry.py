@@ -691,6 +691,7 @@ class Registry:
                     changed = True
                 self._members[m.rank] = m
                 self._place(m.rank, m.node)
+                self._changed_at.pop(m.rank, None)  # re-inserted: the dict stays in epoch order
                 self._changed_at[m.rank] = epoch
                 self._tombstones.pop(m.rank, None)
             for r in removed:
