@@ -383,16 +383,6 @@ def loaded_torch_module(name: str):
     return sys.modules.get(name)
 
 
-def main_thread_importing() -> bool:
-    """Is the main thread inside the import machinery right now?"""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    while isinstance(frame, FrameType):
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
-            return True
-        frame = frame.f_back
-    return False
-
-
 def main_stack_signature() -> tuple:
     """Where the main thread is right now, as (file, function, line) per frame."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)

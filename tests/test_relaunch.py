@@ -161,14 +161,14 @@ def test_store_reader_speaks_torchs_tcpstore_protocol():
     from torch.distributed import TCPStore
 
     from kernel_probe.client.errors import ConnectError
-    from kernel_probe.shell.discovery import StoreReader, StoreRefused
+    from kernel_probe.shell.discovery import PlainStore, StoreRefused
 
     for libuv in (True, False):
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=libuv)
         store.set("probing/torchrun/job/r0/master", '{"endpoint": "tcp://127.0.0.1:1", "run_id": "job/r0"}')
         store.set("probing/torchrun/job/r0/secret", '"s3cret"')
         t0 = time.perf_counter()
-        with StoreReader("127.0.0.1", store.port) as reader:
+        with PlainStore("127.0.0.1", store.port) as reader:
             assert reader.read_master("job/r0") == {"endpoint": "tcp://127.0.0.1:1", "run_id": "job/r0"}
             assert reader.read_master("job/r1") is None and reader.read_secret("job/r0") == "s3cret"
         assert time.perf_counter() - t0 < 0.5
@@ -181,6 +181,6 @@ def test_store_reader_speaks_torchs_tcpstore_protocol():
         port = store.port
         del store
     with pytest.raises(StoreRefused):
-        StoreReader("127.0.0.1", port)
+        PlainStore("127.0.0.1", port)
     with pytest.raises(JobEndedError, match="store at 127.0.0.1:.* is gone"):
         kernel_probe.client.resolve(f"store://127.0.0.1:{port}/job")

@@ -93,7 +93,7 @@ def _from_store(target: str, token: str | None, timeout: float) -> tuple[str, st
     """Read the root's record from the store a user named: the rendezvous store at
     ``--rdzv-endpoint`` (run = ``--rdzv-id``) or the agent store at ``MASTER_PORT``.
     Plain-Python reads (no torch import): a few milliseconds."""
-    from ..shell.discovery import DiscoveryError, StoreReader, StoreRefused
+    from ..shell.discovery import DiscoveryError, PlainStore, StoreRefused
 
     host, port, run = parse_store(target)
     hostport = f"{host}:{port}"
@@ -106,7 +106,7 @@ def _from_store(target: str, token: str | None, timeout: float) -> tuple[str, st
                                "MASTER_PORT": str(port)}).rsplit("/r", 1)[0]
         bases, fixed = ([default] if run else [default, "none"]), None
     try:
-        reader = StoreReader(host, port, timeout_sec=min(timeout, 2.0))
+        reader = PlainStore(host, port, timeout_sec=min(timeout, 2.0))
     except DiscoveryError as exc:
         if isinstance(exc, StoreRefused):  # the agents hosting the store are gone: so is the job
             raise JobEndedError(f"the job's store at {hostport} is gone: the job ended (or is not started yet)") from None

@@ -41,7 +41,6 @@ from typing import Any, TypeVar
 __all__ = [
     "DiscoveryError",
     "PlainStore",
-    "StoreReader",
     "StoreRefused",
     "rendezvous_of_agent",
     "agent_arguments",
@@ -378,8 +377,6 @@ class PlainStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-StoreReader = PlainStore  # what clients called it while it only read
 
 # -- the rendezvous endpoint as typed on the torchrun command line -------------------------
 
