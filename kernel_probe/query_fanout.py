@@ -200,16 +200,19 @@ class QueryFanOut:
         return effects + self._maybe_merge(s, now)
 
     def _fan(self, s: HopQuery, targets: list[int], now: float) -> list[Effect]:
-        """Start our own scan if we are targeted; send the rest down, one message per child."""
+        """Send the query down, one message per child, then start our own scan if we are
+        targeted: the sends go first, so a scan starting on a worker thread never holds
+        up the subqueries (the I/O thread would wait for the GIL)."""
         effects: list[Effect] = []
+        own: list[Effect] = []
         child_deadline = s.gather_by - min(HOP_MARGIN_MAX, max(0.0, s.gather_by - now) * FINISH_SHARE)
         by_hop: dict[int, tuple[bytes, list[int]]] = {}
         for rank in targets:
             if rank == self.rank:
                 s.local = True
                 s.timing.task_started["rank"] = now
-                effects.append(self._task(s, "rank", {"plan": s.plan, "params": s.request.get("params"),
-                                                     "deadline": s.gather_by}))
+                own.append(self._task(s, "rank", {"plan": s.plan, "params": s.request.get("params"),
+                                                 "deadline": s.gather_by}))
                 continue
             hop = self.tree.hop_to(rank)
             if hop is None:
@@ -222,7 +225,7 @@ class QueryFanOut:
             body = {"qid": s.qid, "plan": s.plan, "deadline": child_deadline, "ranks": ranks,
                     "params": s.request.get("params")}
             effects.append(Send(rid, Message("subquery", body)))
-        return effects
+        return effects + own
 
     # --- warming up -------------------------------------------------------------------------
     def on_client_hello(self, now: float) -> list[Effect]:
