@@ -14,7 +14,8 @@ Rules of this file:
   floats within 1e-9 relative/absolute, NULLs equal.
 - Planning without a catalog is covered by a second job whose root lists none of the
   queried tables in its catalog; the merge SQL, which brokers run only on large inputs,
-  by a third job whose brokers reduce every input. Pushdown is checked too: generated aggregate / top-k / rank-local
+  and the rank SQL of plain group-bys, which ranks run with Arrow, by a third job whose
+  brokers reduce every input and whose ranks run every scan's SQL. Pushdown is checked too: generated aggregate / top-k / rank-local
   shapes must not be planned as ship-rows, and partial aggregates ship little.
 """
 
@@ -40,8 +41,9 @@ class Job:
     """A simulated job and its oracle."""
 
     def __init__(self, ranks: list[VRank], engine: Engine, root_catalog: bool = True,
-                 merge_above_rows: int | None = None) -> None:
-        self.sim = SimCluster(ranks, PER_NODE, root_catalog=root_catalog, merge_above_rows=merge_above_rows)
+                 merge_above_rows: int | None = None, arrow_scans: bool = True) -> None:
+        self.sim = SimCluster(ranks, PER_NODE, root_catalog=root_catalog, merge_above_rows=merge_above_rows,
+                              arrow_scans=arrow_scans)
         self.oracle = Oracle(ranks, engine, nodes=self.sim.nodes)
 
     def check(self, gq: GenQuery) -> str:
@@ -76,8 +78,8 @@ def cluster(engine: Engine) -> Job:
 
 @pytest.fixture(scope="module")
 def reducing(engine: Engine) -> Job:
-    """Brokers run the merge SQL on every input, however small."""
-    return Job(make_ranks(seed=7), engine, merge_above_rows=0)
+    """Brokers run the merge SQL on every input, however small; ranks run every scan's SQL."""
+    return Job(make_ranks(seed=7), engine, merge_above_rows=0, arrow_scans=False)
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +151,33 @@ def test_table_missing_everywhere_targeted_is_an_error(cluster: Job) -> None:
         cluster.sim.query("SELECT count(*) FROM u WHERE _rank = 3")  # rank 3 has no u
     with pytest.raises(SimQueryError, match="no rank has a table named nosuch"):
         cluster.sim.query("SELECT * FROM nosuch")
+
+
+PLAIN_GROUP_BYS = [  # rank partials computed with Arrow (Scan.arrow) where the columns are numeric
+    "SELECT count(*) AS n FROM t",
+    "SELECT count(x), sum(x), min(x), max(x), sum(y), min(y), max(y), sum(big), count(s) FROM t",
+    "SELECT g, count(*), sum(x), avg(y), min(big), max(big) FROM t GROUP BY g ORDER BY g",
+    "SELECT s, count(*), sum(y) FROM t GROUP BY s ORDER BY s NULLS FIRST",
+    "SELECT b, _node, count(x), max(y) FROM t GROUP BY b, _node ORDER BY 1, 2",
+    "SELECT _host, _role, sum(x) AS sx FROM t GROUP BY _host, _role ORDER BY 1, 2",
+    "SELECT min(s), max(ts), sum(x) FROM t",  # a string and a timestamp: the SQL runs instead
+    "SELECT count(*), sum(z), max(k) FROM u",  # a table some ranks lack
+    "SELECT g, count(*) AS n FROM t GROUP BY g HAVING count(*) > 10 ORDER BY g",
+    "SELECT sum(big) * 2 AS s2, sum(id) FROM t",
+    "SELECT g, sum(x) FROM t WHERE x IS NULL GROUP BY g ORDER BY g",  # WHERE: the SQL's job
+]
+
+
+def test_plain_group_bys_with_arrow_match_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
+    import kernel_probe.sql.execute as execute
+
+    used = []
+    real = execute.arrow_partials
+    monkeypatch.setattr(execute, "arrow_partials", lambda spec, table: used.append(spec) or real(spec, table))
+    for sql in PLAIN_GROUP_BYS:
+        assert cluster.check(GenQuery(sql)) == "partial-aggregate", sql
+        reducing.check(GenQuery(sql))  # its ranks run the SQL: the two paths agree through the oracle
+    assert len(used) >= 8 * 6, len(used)  # most of them went through Arrow on every rank
 
 
 def test_asked_again_the_cached_plan_and_shapes_answer_alike(cluster: Job) -> None:

@@ -84,6 +84,7 @@ class SqlTaskRunner:
 
     MAX_RUNNING = 8  # a stuck user table holds a worker; never let them pile up without bound
     merge_above_rows: int | None = MERGE_ABOVE_ROWS  # a broker reduces its partials only past this
+    arrow_scans = True  # plain group-by partials with Arrow (Scan.arrow), not a DuckDB pass
 
     def __init__(self, tables: Any, tags: Callable[[], dict], *,
                  row_cap: int, threads: int = 1, memory_limit: str = "256MB") -> None:
@@ -214,7 +215,7 @@ class SqlTaskRunner:
 
         scans = run_rank(self._plan_of(args), self.engine, _LocalTables(self.tables), self.tags(),
                          params=args.get("params"), deadline=args.get("deadline"), row_cap=self.row_cap,
-                         shapes=self._shapes)
+                         shapes=self._shapes, arrow=self.arrow_scans)
         return _encode(scans)
 
     def _merge(self, args: dict) -> dict:

@@ -308,12 +308,14 @@ def _capped(rel: Any, row_cap: int) -> pa.Table:
         seen += batch.num_rows
         if seen > row_cap:
             reader.close()
-            raise QueryError(
-                f"the result has more than {row_cap} rows (the row cap): filter, aggregate or add a LIMIT",
-                code="row_cap",
-            )
+            raise row_cap_exceeded(row_cap)
         batches.append(batch)
     return pa.Table.from_batches(batches, schema=reader.schema)
+
+
+def row_cap_exceeded(row_cap: int) -> QueryError:
+    return QueryError(f"the result has more than {row_cap} rows (the row cap): filter, aggregate or add a LIMIT",
+                      code="row_cap")
 
 
 def _verb(stmt: Any) -> str:

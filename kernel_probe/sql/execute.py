@@ -28,7 +28,9 @@ Rules of this file:
   a broker re-aggregates its partials only past ``MERGE_ABOVE_ROWS`` rows, the root only
   when the final SQL needs one row per group (variance), since the final re-aggregates
   any number of partial rows; a rank keeps the shape scan's answer, which depends only
-  on the SQL and the tables' schemas.
+  on the SQL and the tables' schemas; and a rank whose partials are a plain group-by of
+  numeric columns (``Scan.arrow``) computes them with Arrow, typed as DuckDB types them
+  (count BIGINT, an integer sum HUGEINT, narrowed like DuckDB's; a float sum DOUBLE).
 """
 
 from __future__ import annotations
@@ -186,10 +188,61 @@ class ShapeCache:
             self._answers[key] = table
 
 
+class _NotPlain(Exception):
+    """The Arrow path does not apply to these columns: run the scan's SQL."""
+
+
+def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
+    """A plain group-by scan (``Scan.arrow``) over one tagged table, with Arrow: the same
+    columns, types and rows as its SQL gives in DuckDB. ``_NotPlain`` (or KeyError for a
+    column it does not find by exact name) when only the SQL can say."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    work: dict[str, Any] = {}
+    aggs: list[tuple[str, str, str]] = []  # (alias, input column in `work`, func)
+    for i, (alias, func, col) in enumerate(spec["aggs"]):
+        if func == "count_all":
+            aggs.append((alias, "", func))
+            continue
+        arr = table.column(col)
+        if func != "count" and not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
+            raise _NotPlain(col)
+        if func == "sum":  # DuckDB: HUGEINT for integers (exact), DOUBLE for floats
+            arr = pc.cast(arr, pa.decimal128(38, 0) if pa.types.is_integer(arr.type) else pa.float64())
+        work[f"__in{i}"] = arr
+        aggs.append((alias, f"__in{i}", func))
+    keys = [(alias, f"__key{j}") for j, (alias, _) in enumerate(spec["keys"])]
+    for (_, name), (_, col) in zip(keys, spec["keys"]):
+        work[name] = table.column(col)
+    if not keys:
+        out = {}
+        for alias, src, func in aggs:
+            if func == "count_all":
+                value = pa.scalar(table.num_rows, pa.int64())
+            elif func == "count":
+                value = pc.count(work[src], mode="only_valid")
+            else:
+                value = getattr(pc, func)(work[src])
+            out[alias] = pa.array([value.as_py()], type=value.type)
+        return pa.table(out)
+    ops = [([], "count_all") if func == "count_all" else
+           (src, "count", pc.CountOptions(mode="only_valid")) if func == "count" else (src, func)
+           for _, src, func in aggs]
+    result = pa.table(work).group_by([name for _, name in keys], use_threads=False).aggregate(ops)
+    names = result.column_names
+    if len(set(names)) != len(names):
+        raise _NotPlain("clashing names")
+    cols = {alias: result.column(name) for alias, name in keys}
+    cols.update({alias: result.column("count_all" if func == "count_all" else f"{src}_{func}")
+                 for alias, src, func in aggs})
+    return pa.table(cols)
+
+
 def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
              tags: Mapping[str, object], *, params: Any = None, deadline: float | None = None,
              row_cap: int | None = None, notes: list[str] | None = None,
-             shapes: ShapeCache | None = None) -> dict[str, "pa.Table | None"]:
+             shapes: ShapeCache | None = None, arrow: bool = True) -> dict[str, "pa.Table | None"]:
     """Run this rank's side of every "ranks" scan over its local `tables`.
 
     A scan whose table this rank lacks (KeyError from `tables`) yields None, and a line
@@ -228,8 +281,19 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
             if key is not None and (known := shapes.get(key)) is not None:  # type: ignore[union-attr]
                 out[scan.name] = known
                 continue
-        result = engine.run(scan.sql, regs, params=_params_for(scan.sql, params), deadline=deadline,
-                            row_cap=row_cap)
+        result = None
+        if arrow and scan.arrow and not per_rank and key is None and len(regs) == 1:
+            try:
+                result = arrow_partials(scan.arrow, next(iter(regs.values())))
+            except (_NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
+                log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
+            if result is not None and row_cap is not None and result.num_rows > row_cap:
+                from .engine import row_cap_exceeded
+
+                raise row_cap_exceeded(row_cap)
+        if result is None:
+            result = engine.run(scan.sql, regs, params=_params_for(scan.sql, params), deadline=deadline,
+                                row_cap=row_cap)
         if key is not None:
             shapes.put(key, result)  # type: ignore[union-attr]
         if per_rank:

@@ -65,10 +65,11 @@ class SimCluster:
     """The ranks of ``gen.make_ranks`` as a simulated job (``nodes`` x ``per_node``, hosts
     ``h<node>``, their roles), converged and ready for queries. ``root_catalog=False``:
     the root plans without knowing any table's columns; ``merge_above_rows=0``: brokers
-    reduce every partial with the merge SQL (by default only large inputs are reduced)."""
+    reduce every partial with the merge SQL (by default only large inputs are reduced);
+    ``arrow_scans=False``: ranks run every scan's SQL (by default plain group-bys use Arrow)."""
 
     def __init__(self, ranks: list[VRank], per_node: int, *, root_catalog: bool = True,
-                 merge_above_rows: int | None = None) -> None:
+                 merge_above_rows: int | None = None, arrow_scans: bool = True) -> None:
         from ..shell.sql_tasks import nodes_arrow
         from .sim import Simulation, SimTables
 
@@ -79,9 +80,10 @@ class SimCluster:
                               tables=lambda rank: SimTables(by_rank[rank].tables, listed=root_catalog or rank != 0),
                               tags=lambda rank: by_rank[rank].tags)
         self.sim.start_all()
-        if merge_above_rows is not None:
-            for v in self.sim.ranks:
+        for v in self.sim.ranks:
+            if merge_above_rows is not None:
                 v.sql.merge_above_rows = merge_above_rows
+            v.sql.arrow_scans = arrow_scans
         for r in ranks:
             self.sim.set_role(r.rank, r.role)
         ok = self.sim.wait_for(lambda: self.sim.converged() and all(

@@ -31,7 +31,10 @@ class Scan:
     ``name`` and, when ``merge`` is set, may be reduced by it (partial -> partial) at a node
     broker: the final SQL re-aggregates any number of partial rows, so reducing only saves
     bytes. ``merge_at_root``: the final needs them reduced (one row per group; variance by
-    Chan's formula), so the root runs ``merge`` too.
+    Chan's formula), so the root runs ``merge`` too. ``arrow``: the same rank work as a
+    plain Arrow group-by, when that is all it is (``{"keys": [[alias, column]], "aggs":
+    [[alias, func, column | None]]}``, func one of count_all, count, sum, min, max); a rank
+    uses it for numeric columns and runs ``sql`` otherwise.
     """
 
     name: str
@@ -40,10 +43,11 @@ class Scan:
     merge: str | None = None
     tables: tuple[str, ...] = ()
     merge_at_root: bool = False
+    arrow: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "sql": self.sql, "where": self.where, "merge": self.merge,
-                "tables": list(self.tables), "merge_at_root": self.merge_at_root}
+                "tables": list(self.tables), "merge_at_root": self.merge_at_root, "arrow": self.arrow}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Scan":
@@ -54,7 +58,8 @@ class Scan:
         return cls(name=str(d["name"]), sql=str(d["sql"]), where=where,
                    merge=None if merge is None else str(merge),
                    tables=tuple(str(t) for t in d.get("tables", ())),
-                   merge_at_root=bool(d.get("merge_at_root", False)))
+                   merge_at_root=bool(d.get("merge_at_root", False)),
+                   arrow=d.get("arrow") if isinstance(d.get("arrow"), Mapping) else None)
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,8 @@ class Plan:
                 if s.merge:
                     where = "at the root, and at each node broker" if s.merge_at_root else "at node brokers"
                     lines.append(f"  merge SQL: {s.merge}   ({where} with many partial rows)")
+                if s.arrow:
+                    lines.append("  (a rank runs this as an Arrow group-by over numeric columns: no DuckDB pass)")
                 else:
                     lines.append("  merge: concatenation")
         lines.append(f"final SQL (at the root): {self.final}")

@@ -182,6 +182,30 @@ class PartialBuilder:
                 return exp.Sqrt(this=e) if root else e
         raise NoPushdown(f"{name} is not decomposable")
 
+    def arrow_spec(self, where: Any) -> dict | None:
+        """The rank side as a plain Arrow group-by, when that is all it is: plain columns as
+        keys, count(*) and count/sum/min/max of plain columns; no WHERE, FILTER or DISTINCT."""
+        if where is not None or self.distinct or self.var_groups:
+            return None
+        keys = []
+        for k, c in zip(self.keys, self.key_cols):
+            if not isinstance(k, exp.Column):
+                return None
+            keys.append([c, _col_parts(k)[-1]])
+        funcs = {exp.Sum: "sum", exp.Min: "min", exp.Max: "max", exp.Count: "count"}
+        aggs = []
+        for c, e, _kind in self.partials:
+            func = funcs.get(type(e))  # type: ignore[call-overload]
+            if func is None or e.args.get("expressions"):
+                return None
+            if func == "count" and isinstance(e.this, exp.Star):
+                aggs.append([c, "count_all", None])
+            elif isinstance(e.this, exp.Column):
+                aggs.append([c, func, _col_parts(e.this)[-1]])
+            else:
+                return None
+        return {"keys": keys, "aggs": aggs}
+
     def rewrite(self, e: Any, where: str, allow_aliases: bool) -> Any:
         leftovers: list[str] = []
 
@@ -295,7 +319,7 @@ class PartialBuilder:
         start, _ = _trailer_start(q.sql)
         shape_sql = q.flat_text(start) + "\nLIMIT 0"  # newline: the text may end in a -- comment
         scans = (Scan(name=scan, sql=_sql(rank), where="ranks", merge=merge, tables=(ref.name,),
-                      merge_at_root=bool(self.var_groups)),
+                      merge_at_root=bool(self.var_groups), arrow=self.arrow_spec(where)),
                  Scan(name=shape_name, sql=shape_sql, where="ranks", merge=None, tables=(ref.name,)))
         return Plan(mode="partial-aggregate", scans=scans, final=_sql(final),
                     prune=q.prune_for(q.pushable(ref)), order_matters=q.order_matters, shape=shape_name)
