@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     x, y = make_data(rank)
 
     step = 0
+    finished = False
     try:
         while args.forever or step < args.steps:
             hang = rank == args.hang_rank and step >= args.hang_after
@@ -152,10 +153,46 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(args.step_sleep)
             if _should_stop(distributed):
                 break
+        finished = True
     finally:
         if distributed and dist.is_initialized():
-            dist.destroy_process_group()
+            if finished:
+                _leave_together(rank, dist.get_world_size())
+            else:  # a peer failed mid-step: nobody to wait for
+                dist.destroy_process_group()
     return 0
+
+
+def _leave_together(rank: int, world: int, timeout: float = 5.0) -> None:
+    """Tear the process group down only once every rank is past its last collective, and
+    let rank 0, which hosts the store and is every rank's gloo peer, exit last: a peer
+    that left while another's gloo was still finishing the last all-reduce once aborted it
+    ("terminate called without an active exception")."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # no store to meet at: tear down as before
+        dist.destroy_process_group()
+        return
+
+    launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an in-place restart meets anew
+
+    def meet(key: str) -> None:
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout
+        while store.add(key, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    try:
+        meet(f"tiny_ddp/{launch}/past_last_collective")
+        dist.destroy_process_group()
+        store.add(f"tiny_ddp/{launch}/torn_down", 1)
+        if rank == 0:
+            deadline = time.monotonic() + timeout
+            while store.add(f"tiny_ddp/{launch}/torn_down", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.01)
+    except Exception:  # a peer already gone: nothing left to wait for
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _should_stop(distributed: bool) -> bool:
