@@ -9,6 +9,7 @@ reported once and the default is used.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import warnings
 from dataclasses import dataclass
@@ -194,6 +195,13 @@ def run_id_from(env: Mapping[str, str]) -> str:
     if not run:
         return "local"
     return f"{run}/r{env.get('TORCHELASTIC_RESTART_COUNT') or 0}"
+
+
+def split_run_id(run_id: str | None) -> tuple[str, str | None]:
+    """(the job, its restart count) of a run id ``<run>/r<restart>``, as ``run_id_from``
+    makes them; (the run id, None) for one without that suffix."""
+    m = re.fullmatch(r"(.*)/r(\d+)", run_id or "", flags=re.DOTALL)
+    return (m.group(1), m.group(2)) if m else (run_id or "", None)
 
 
 def load_identity(env: Mapping[str, str] | None = None, settings: Settings | None = None) -> Identity:

@@ -17,12 +17,11 @@ job to its new launch by itself once there is one.
 
 from __future__ import annotations
 
-import re
 import socket
 from pathlib import Path
 
 from .. import wire
-from ..config import load_settings
+from ..config import load_settings, split_run_id
 from ..shell import connfile
 from .errors import ProbeError
 from .targets import Target, resolve
@@ -33,7 +32,7 @@ PROBE_TIMEOUT_SEC = 0.5  # a TCP connect to a live root on a reachable host take
 def job_name(run_id: str | None) -> str:
     """The job a run id belongs to, the same across its launches: torchrun's run ids are
     ``<rdzv id>/r<restart>``, and a relaunch or an in-place restart only changes the suffix."""
-    return re.sub(r"/r\d+$", "", run_id or "")
+    return split_run_id(run_id)[0]
 
 
 def root_gone(endpoint: str, connection: connfile.ConnectionInfo | None) -> str | None:

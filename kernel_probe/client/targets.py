@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import wire
-from ..config import Settings, load_settings, run_id_from
+from ..config import Settings, load_settings, run_id_from, split_run_id
 from ..shell import connfile
 from .errors import AuthError, ConnectError, JobEndedError
 
@@ -97,13 +97,14 @@ def _from_store(target: str, token: str | None, timeout: float) -> tuple[str, st
 
     host, port, run = parse_store(target)
     hostport = f"{host}:{port}"
-    if run and "/r" in run:
-        bases, fixed = [run.rsplit("/r", 1)[0]], run
+    if run and split_run_id(run)[1] is not None:
+        bases, fixed = [split_run_id(run)[0]], run
     else:
         # the rendezvous id as typed ("none" when torchrun got no --rdzv-id), or, for the
         # agent store, the run id torchrun derives from MASTER_ADDR:MASTER_PORT
         default = run_id_from({"TORCHELASTIC_RUN_ID": run, "MASTER_ADDR": host,
-                               "MASTER_PORT": str(port)}).rsplit("/r", 1)[0]
+                               "MASTER_PORT": str(port)})
+        default = split_run_id(default)[0]
         bases, fixed = ([default] if run else [default, "none"]), None
     try:
         reader = PlainStore(host, port, timeout_sec=min(timeout, 2.0))

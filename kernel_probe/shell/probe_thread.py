@@ -22,7 +22,7 @@ import psutil
 import zmq
 
 from .. import wire
-from ..config import Identity, Settings
+from ..config import Identity, Settings, split_run_id
 from ..effects import PARENT, RunSqlTask, Send, StoreOp
 from ..interpreter import EffectInterpreter
 from ..placement import signing_key
@@ -301,7 +301,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
             host, port, rdzv_id = self.rendezvous
             return f"store://{host}:{port}/{rdzv_id}"
         hostport = f"{ident.master_addr}:{ident.master_port}"
-        base = ident.run_id.rsplit("/r", 1)[0]
+        base = split_run_id(ident.run_id)[0]
         return f"store://{hostport}" + ("" if base == hostport else f"/{base}")
 
     def _mirror_master(self, record: dict) -> None:
@@ -315,7 +315,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
             return
         from .discovery import StoreDiscovery
 
-        restart = ident.run_id.rsplit("/r", 1)[-1]
+        restart = split_run_id(ident.run_id)[1] or "0"
         try:
             with StoreDiscovery(host, port, f"{rdzv_id}/r{restart}", timeout_sec=self.settings.discover_timeout_sec) as d:
                 d.publish_master({**record, "run_id": ident.run_id})

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 from .. import wire
 from ..membership import ALIVE, STALLED
-from ..sql.execute import MERGE_ABOVE_ROWS, ShapeCache
+from ..sql.execute import MERGE_ABOVE_ROWS, BoundedCache, ShapeCache
 
 LIVE = (ALIVE, STALLED)  # ranks a query asks
 
@@ -98,7 +98,7 @@ class SqlTaskRunner:
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._shapes = ShapeCache()
-        self._plans: dict[tuple, tuple] = {}  # (sql, per_rank, catalog) -> (Plan, its dict)
+        self._plans = BoundedCache(PLAN_CACHE_SIZE)  # (sql, per_rank, catalog) -> (Plan, its dict)
 
     @property
     def engine(self):
@@ -176,15 +176,11 @@ class SqlTaskRunner:
             catalog.setdefault(row["table_name"], []).append(row["column_name"])
         # a dashboard asks the same question again and again: sqlglot plans it once
         key = (args["sql"], bool(args["per_rank"]), tuple((t, tuple(c)) for t, c in sorted(catalog.items())))
-        with self._lock:
-            known = self._plans.get(key)
+        known = self._plans.get(key)
         if known is None:
             p = make_plan(args["sql"], per_rank=args["per_rank"], catalog=catalog)
             known = (p, dict(p.to_dict(), explain=p.explain()))
-            with self._lock:
-                self._plans[key] = known
-                while len(self._plans) > PLAN_CACHE_SIZE:
-                    self._plans.pop(next(iter(self._plans)))
+            self._plans.put(key, known)
         p, plan = known
         if args["local"]:
             return {"plan": plan, "targets": [args["self_rank"]], "pruned": [], "unavailable": {}}

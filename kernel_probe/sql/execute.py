@@ -155,14 +155,36 @@ def _partial_scan(plan: "Plan", scan_name: str) -> bool:
     return plan.mode == "partial-aggregate" and scan_name != plan.shape
 
 
-class ShapeCache:
+class BoundedCache:
+    """At most ``size`` answers by key, the oldest dropped first; thread-safe (a rank runs
+    its SQL tasks on several worker threads). A None key is never stored."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._answers: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        if key is None:
+            return None
+        with self._lock:
+            return self._answers.get(key)
+
+    def put(self, key: Any, value: Any) -> None:
+        if key is None:
+            return
+        with self._lock:
+            if len(self._answers) >= self._size:
+                self._answers.pop(next(iter(self._answers)))  # the oldest goes
+            self._answers[key] = value
+
+
+class ShapeCache(BoundedCache):
     """Answers of shape scans (a statement with LIMIT 0) by SQL, input schemas and
     parameters: they bind the same whatever the rows, so a rank runs each once."""
 
     def __init__(self, size: int = SHAPE_CACHE_SIZE) -> None:
-        self._size = size
-        self._answers: dict[tuple, "pa.Table"] = {}
-        self._lock = threading.Lock()  # ranks run scans on several worker threads
+        super().__init__(size)
 
     @staticmethod
     def key(sql: str, regs: Mapping[str, "pa.Table"], params: Any) -> tuple | None:
@@ -172,20 +194,6 @@ class ShapeCache:
         except Exception:
             return None
         return (sql, tuple((n, t.schema) for n, t in sorted(regs.items())), bound)
-
-    def get(self, key: tuple | None) -> "pa.Table | None":
-        if key is None:
-            return None
-        with self._lock:
-            return self._answers.get(key)
-
-    def put(self, key: tuple | None, table: "pa.Table") -> None:
-        if key is None:
-            return
-        with self._lock:
-            if len(self._answers) >= self._size:
-                self._answers.pop(next(iter(self._answers)))  # the oldest goes
-            self._answers[key] = table
 
 
 class _NotPlain(Exception):
