@@ -150,7 +150,9 @@ class ClusterClients:
             raise
         except ConnectError as exc:
             classified = self._classified(exc)
-            if not isinstance(classified, TimedOut):
+            # a local job's client is kept through a relaunch gap (a root shutting down can be
+            # unreachable for a moment): it follows the new launch and counts the restart
+            if not isinstance(classified, TimedOut) and job.source != "local":
                 self.drop(job.id)
             raise classified from None
 
