@@ -13,6 +13,8 @@ import time
 import tracemalloc
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernel_probe.config import Settings, load_settings
 from kernel_probe.progress import StepClock
@@ -351,6 +353,73 @@ def test_importing_and_recording_loads_no_pyarrow_pandas_or_torch():
     env = {k: v for k, v in os.environ.items() if k != "PROBING"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_query_time_conversion_loads_no_pandas():
+    """pyarrow's pa.array imports pandas (~40 MB per rank): every built-in table, logged
+    metrics and a list-of-dicts user table convert without it."""
+    code = (
+        "import sys\n"
+        "import kernel_probe.tables as kt\n"
+        "from kernel_probe.config import load_settings\n"
+        "t = kt.LocalTables(load_settings())\n"
+        "t.log(step=1, loss=0.5, note='x', ok=True); t.log(step=2, loss=None, note=None, ok=False)\n"
+        "t.steps.on_step(); t.sample(0.0); t.table('x', [{'a': 1, 'b': 'y', 'c': 2.5}, {'a': None}])\n"
+        "rows = sum(t.arrow(name).num_rows for name in t.names())\n"
+        "assert rows > 0 and 'pyarrow' in sys.modules\n"
+        "assert 'pandas' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**64, 2**64), st.floats(allow_nan=True),
+                     st.text(max_size=5), st.integers(-2**53, 2**53).map(float))
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(_SCALARS, max_size=20), typ=st.sampled_from(["int64", "float64", "bool", "string"]))
+def test_arrays_built_from_buffers_equal_pyarrows_own(values, typ):
+    import pyarrow as pa
+
+    from kernel_probe.tables import convert
+
+    arrow_type = pa.bool_() if typ == "bool" else pa.type_for_alias(typ)
+    try:
+        want = pa.array(values, type=arrow_type)
+    except Exception as e:
+        with pytest.raises(type(e)):
+            convert.array(values, arrow_type)
+        return
+    got = convert.array(values, arrow_type)
+    got.validate(full=True)
+    assert got.type == want.type and _same(got.to_pylist(), want.to_pylist())
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.one_of(st.lists(_SCALARS, max_size=12), st.lists(st.one_of(st.none(), st.integers(-9, 9)),
+                                                                  max_size=12)))
+def test_inferred_columns_type_as_pyarrow_does(values):
+    import pyarrow as pa
+
+    from kernel_probe.tables import convert
+
+    try:
+        want = pa.array(values)
+    except Exception:
+        want = pa.array([None if v is None else str(v) for v in values], type=pa.string())
+    got = convert.infer_array(values)
+    got.validate(full=True)
+    assert got.type == want.type and _same(got.to_pylist(), want.to_pylist())
+
+
+def _same(a: list, b: list) -> bool:
+    """Equal lists, NaN equal to NaN (and never to None)."""
+    nan = [isinstance(v, float) and v != v for v in a]
+    return nan == [isinstance(v, float) and v != v for v in b] and [
+        v for v, n in zip(a, nan) if not n] == [v for v, n in zip(b, nan) if not n]
 
 
 def test_settings_for_tables():

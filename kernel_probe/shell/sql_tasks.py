@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 from .. import wire
 from ..membership import ALIVE, STALLED
 from ..sql.execute import MERGE_ABOVE_ROWS, BoundedCache, ShapeCache
+from ..tables.convert import array, scalar
 
 LIVE = (ALIVE, STALLED)  # ranks a query asks
 
@@ -244,11 +245,12 @@ def nodes_arrow(rows: list[dict]):
              "host": pa.string(), "endpoint": pa.string(), "role": pa.string(), "incarnation": pa.string(),
              "state": pa.string(), "tier": pa.string(), "reason": pa.string()}
     schema = pa.schema([(c, types.get(c, pa.int64())) for c in wire.MEMBER_COLUMNS])
-    table = pa.Table.from_pylist([{c: r.get(c) for c in wire.MEMBER_COLUMNS} for r in rows], schema=schema)
+    table = pa.Table.from_arrays([array([r.get(f.name) for r in rows], f.type) for f in schema], schema=schema)
     # users read times as timestamps, as in connect().nodes()
+    million = scalar(1e6, pa.float64())
     for col in ("last_seen", "since"):
         i = table.schema.get_field_index(col)
         seconds = table.column(col)
-        micros = pc.cast(pc.floor(pc.multiply(seconds, 1e6)), pa.int64())
+        micros = pc.cast(pc.floor(pc.multiply(seconds, million)), pa.int64())
         table = table.set_column(i, col, pc.cast(micros, pa.timestamp("us", tz="UTC")))
     return table

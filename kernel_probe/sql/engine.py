@@ -60,9 +60,11 @@ _SANDBOX: dict[str, object] = {
     # '' = no spill directory: an in-memory database past memory_limit errors instead of
     # writing ./.tmp (DuckDB does that even with external access off).
     "temp_directory": "",
+    # no pool of I/O threads (8 by default) in a training process that reads no files
+    "async_threads": 0,
 }
 # Options that may not exist in every DuckDB build; dropped (never the others) if unknown.
-_OPTIONAL = ("python_enable_replacements",)
+_OPTIONAL = ("python_enable_replacements", "async_threads")
 
 _ERROR_LABEL = re.compile(r"^[A-Za-z][A-Za-z _]*? Error: ")
 _LINE_RE = re.compile(r"^LINE (\d+): ?(.*)$")

@@ -40,6 +40,7 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from ..tables.convert import array, scalar
 from .planner import TAGS
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ def tagged(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
         value = tags.get(name)
         if value is not None and typ == pa.string():
             value = str(value)
-        col = pa.repeat(pa.scalar(value, type=typ), n) if n else pa.array([], type=typ)
+        col = pa.repeat(scalar(value, typ), n) if n else array([], typ)
         i = table.schema.get_field_index(name)
         if i >= 0:
             table = table.remove_column(i)
@@ -88,7 +89,7 @@ def _tags_table(tags_rows: Sequence[Mapping[str, object]]) -> "pa.Table":
         vals = [r.get(name) for r in tags_rows]
         if typ == pa.string():
             vals = [None if v is None else str(v) for v in vals]
-        cols[name] = pa.array(vals, type=typ)
+        cols[name] = array(vals, typ)
     return pa.table(cols)
 
 
@@ -227,24 +228,32 @@ def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
         out = {}
         for alias, src, func in aggs:
             if func == "count_all":
-                value = pa.scalar(table.num_rows, pa.int64())
+                value = scalar(table.num_rows, pa.int64())
             elif func == "count":
                 value = pc.count(work[src], mode="only_valid")
             else:
                 value = getattr(pc, func)(work[src])
-            out[alias] = pa.array([value.as_py()], type=value.type)
+            out[alias] = pa.repeat(value, 1)
         return pa.table(out)
-    ops = [([], "count_all") if func == "count_all" else
-           (src, "count", pc.CountOptions(mode="only_valid")) if func == "count" else (src, func)
-           for _, src, func in aggs]
-    result = pa.table(work).group_by([name for _, name in keys], use_threads=False).aggregate(ops)
-    names = result.column_names
-    if len(set(names)) != len(names):
-        raise _NotPlain("clashing names")
+    ops = [([] if func == "count_all" else [src], f"hash_{func}",
+            pc.CountOptions(mode="only_valid") if func == "count" else None, f"__out{i}")
+           for i, (_, src, func) in enumerate(aggs)]
+    result = _group_by(pa.table(work), ops, [name for _, name in keys])
     cols = {alias: result.column(name) for alias, name in keys}
-    cols.update({alias: result.column("count_all" if func == "count_all" else f"{src}_{func}")
-                 for alias, src, func in aggs})
+    cols.update({alias: result.column(f"__out{i}") for i, (alias, _, _) in enumerate(aggs)})
     return pa.table(cols)
+
+
+def _group_by(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table":
+    """``table.group_by(keys).aggregate(...)`` with the output names chosen here, through
+    Acero's own nodes: the public ``pyarrow.acero`` module imports pyarrow.dataset, which
+    maps parquet and S3 and imports pandas (tens of MB in every rank)."""
+    from pyarrow._acero import AggregateNodeOptions, Declaration, TableSourceNodeOptions
+
+    return Declaration.from_sequence([
+        Declaration("table_source", TableSourceNodeOptions(table)),
+        Declaration("aggregate", AggregateNodeOptions(ops, keys=keys)),
+    ]).to_table(use_threads=False)
 
 
 def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
