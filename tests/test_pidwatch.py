@@ -155,3 +155,17 @@ def test_poll_is_cheap():
     w.poll()
     # ~20 us per pid on Linux; generous bound for slow CI machines.
     assert time.perf_counter() - t0 < 0.002 * max(len(pids), 1) + 0.05
+
+
+def test_create_time_is_psutils_without_psutil(procs, monkeypatch: pytest.MonkeyPatch):
+    """The root's connection file records its start as psutil would (clients compare the two
+    with psutil), read from /proc so that a rank need not import psutil."""
+    child = procs()
+    for pid in (os.getpid(), child.pid):
+        assert pidwatch.create_time(pid) == pytest.approx(psutil.Process(pid).create_time(), abs=0.01)
+    monkeypatch.setattr(pidwatch, "_USE_PROC", False)
+    assert pidwatch.create_time(child.pid) == psutil.Process(child.pid).create_time()
+    code = ("import sys, kernel_probe.shell.probe_thread, kernel_probe.shell.connfile, kernel_probe.tables\n"
+            "print('psutil' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

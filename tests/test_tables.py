@@ -177,6 +177,25 @@ def test_memory_samples_on_its_period():
         assert r["device"] is None and r["allocated_bytes"] is None and r["reserved_bytes"] is None
 
 
+
+def test_memory_samples_agree_with_psutil():
+    import psutil
+
+    from kernel_probe.tables.recorders import MemorySampler
+
+    sampler = MemorySampler(rows=8, period_sec=0.0)
+    busy_until = time.process_time() + 0.3
+    while time.process_time() < busy_until:  # one core busy between the samples
+        pass
+    sampler.sample(1.0)
+    time.sleep(0.3)  # then idle
+    sampler.sample(2.0)
+    busy, idle = [row for row in sampler.rows.snapshot()]
+    rss = psutil.Process().memory_info().rss
+    assert abs(busy[1] - rss) < 0.1 * rss and abs(idle[1] - rss) < 0.1 * rss
+    assert busy[2] > 30.0 and idle[2] < 20.0, (busy[2], idle[2])
+
+
 # --- collectives -------------------------------------------------------------------------------------------
 
 

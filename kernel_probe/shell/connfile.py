@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 __all__ = [
     "ConnectionInfo",
     "filename",
@@ -202,6 +200,8 @@ def is_alive(info: ConnectionInfo) -> bool:
     """
     if info.host and info.host != socket.gethostname():
         return True
+    import psutil  # here, not at the top: a rank imports this module to write its file
+
     try:
         proc = psutil.Process(info.pid)
         with proc.oneshot():

@@ -16,16 +16,14 @@ from __future__ import annotations
 import os
 import sys
 
-import psutil
-
-__all__ = ["PidWatch"]
+__all__ = ["PidWatch", "create_time", "proc_stat"]
 
 # /proc/<pid>/stat exists on Linux (and WSL); some sandboxes hide /proc entirely.
 _USE_PROC = sys.platform.startswith("linux") and os.path.exists(f"/proc/{os.getpid()}/stat")
 
 
 
-def _proc_stat(pid: int) -> tuple[bytes, int] | None:
+def proc_stat(pid: int) -> tuple[bytes, int] | None:
     """(state, starttime ticks) from /proc, or None if the pid does not exist."""
     try:
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
@@ -45,13 +43,31 @@ def _proc_stat(pid: int) -> tuple[bytes, int] | None:
         return None
 
 
+def create_time(pid: int) -> float:
+    """When ``pid`` started, in epoch seconds, as psutil computes it (boot time plus the
+    start ticks), read from /proc on Linux so that a rank need not import psutil."""
+    st = proc_stat(pid) if _USE_PROC else None
+    if st is not None:
+        try:
+            with open("/proc/stat", "rb") as f:
+                boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+            return boot + st[1] / os.sysconf("SC_CLK_TCK")
+        except (OSError, StopIteration, ValueError, IndexError):
+            pass
+    import psutil
+
+    return psutil.Process(pid).create_time()
+
+
 def _identity(pid: int) -> int | float | None:
     """Start time of a live (non-zombie) ``pid``, or None if it is gone or a zombie."""
     if _USE_PROC:
-        st = _proc_stat(pid)
+        st = proc_stat(pid)
         if st is None or st[0] in (b"Z", b"X"):
             return None
         return st[1]
+    import psutil
+
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():

@@ -18,7 +18,6 @@ import time
 import uuid
 from typing import Any, Callable
 
-import psutil
 import zmq
 
 from .. import wire
@@ -29,7 +28,7 @@ from ..placement import signing_key
 from ..progress import StallDetector, main_stack_signature, stuck_where
 from . import connfile
 from .sql_tasks import SqlTaskRunner
-from .pidwatch import PidWatch
+from .pidwatch import PidWatch, create_time
 from ..rank_core import RankCore
 
 log = logging.getLogger("kernel_probe")
@@ -283,7 +282,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         try:
             info = connfile.ConnectionInfo(
                 endpoint=self.endpoint, run_id=ident.run_id, world_size=ident.world_size, pid=os.getpid(),
-                pid_create_time=psutil.Process().create_time(), host=socket.gethostname(), incarnation=self.incarnation,
+                pid_create_time=create_time(os.getpid()), host=socket.gethostname(), incarnation=self.incarnation,
                 key=self.key.hex(), started=self.clock(), protocol=wire.PROTOCOL_VERSION,
                 store=self.store_address(),
             )
