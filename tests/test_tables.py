@@ -318,6 +318,36 @@ def test_user_table_errors(tables):
         tables.table("weird", 42)
 
 
+def test_column_names_for_planning_are_the_catalogs_without_converting(tables, monkeypatch):
+    import pandas as pd
+    import pyarrow as pa
+
+    from kernel_probe.tables import convert
+
+    tables.log(step=1, loss=0.5, ts=3.0)
+    tables.log(lr=0.1, note="warm")
+    tables.log(step="x", odd=1)  # not a step: only in metrics
+    tables.table("rows", [{"k": 1, "v": "x"}, {"w": 2.5}])
+    tables.table("cols", {"a": [1, 2], "b": ["x", "y"]})
+    tables.table("arrow", pa.table({"z": [1]}))
+    tables.table("frame", pd.DataFrame({"f": [1, 2]}, index=pd.Index([5, 6], name="idx")))
+    tables.table("bad_rows", [{"a": 1}, 7])
+    tables.table("called", lambda: [{"c": 1}])
+    tables.table("broken", lambda: 1 / 0)
+    tables.arrow("called")  # a callable's columns are known once it was read
+    catalog: dict[str, list[str]] = {}
+    for r in tables.arrow("tables").to_pylist():
+        catalog.setdefault(r["table_name"], []).append(r["column_name"])
+    converted = []
+    real = convert.user_table
+    monkeypatch.setattr(convert, "user_table", lambda data: converted.append(data) or real(data))
+    assert tables.columns() == catalog
+    assert set(catalog) == set(tables.names()) - {"broken", "bad_rows"}
+    assert catalog["steps"][-1] == "loss" and catalog["frame"] == ["f", "idx"]
+    # converted: only the DataFrame (its index may become columns) and rows that fail anyway
+    assert [type(d).__name__ for d in converted] == ["list", "DataFrame"], converted
+
+
 def test_catalog_lists_every_table_and_column(torch, tables):
     tables.log(step=1, loss=0.5)
     tables.table("mine", [{"k": 1, "v": "x"}])

@@ -79,7 +79,7 @@ def _decode(parts: list[dict]) -> list[dict[str, Any]]:
 
 
 class SqlTaskRunner:
-    """Runs SQL tasks for one probe. ``tables`` has ``names()`` and ``arrow(name)``;
+    """Runs SQL tasks for one probe. ``tables`` has ``names()``, ``arrow(name)`` and ``columns()``;
     ``tags()`` gives this rank's tag values. ``run`` works in the caller's thread (the
     simulator), ``start`` on a worker thread (the probe)."""
 
@@ -173,8 +173,7 @@ class SqlTaskRunner:
         from ..sql.planner import plan as make_plan
 
         catalog = {name: [] for name in self.tables.names()}
-        for row in self.tables.arrow("tables").to_pylist():
-            catalog.setdefault(row["table_name"], []).append(row["column_name"])
+        catalog.update(self.tables.columns())
         # a dashboard asks the same question again and again: sqlglot plans it once
         key = (args["sql"], bool(args["per_rank"]), tuple((t, tuple(c)) for t, c in sorted(catalog.items())))
         known = self._plans.get(key)

@@ -177,6 +177,26 @@ class LocalTables:
             return self._seen_schemas[name]
         return self.arrow(name).schema
 
+    def columns(self) -> dict[str, list[str]]:
+        """Every table's column names, as the ``tables`` catalog lists them, converting
+        rows only where nothing else tells (a DataFrame): the root plans with this on
+        every query, and a big user table must not be converted for it each time."""
+        metric_rows = self._metrics.snapshot()
+        out: dict[str, list[str]] = {}
+        for name in self.names():
+            with self._lock:
+                data = self._user.get(name)
+                provided = name in self._providers
+            known = None if callable(data) or provided else convert.column_names(name, data, metric_rows)
+            if known is not None:
+                out[name] = known
+                continue
+            try:
+                out[name] = list(self.schema(name).names)
+            except Exception:  # a failing user table is left out of the catalog, not an error
+                continue
+        return out
+
     # --- built-ins -----------------------------------------------------------------------------
     def _arrow_stacks(self):
         return convert.rows_table("stacks", live.stack_rows())

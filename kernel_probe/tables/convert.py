@@ -173,8 +173,9 @@ def _step_key(value: Any) -> int | None:
     return None
 
 
-def steps_table(step_rows: list[tuple], metric_rows: list[tuple[float, dict]]):
-    """steps, plus every key logged together with ``step=``: its latest value for that step."""
+def _step_metrics(metric_rows: list[tuple[float, dict]]) -> tuple[dict[tuple[int, str], Any], dict[str, None]]:
+    """(latest value per (step, key), the keys in first-seen order) of the keys logged
+    together with ``step=``."""
     latest: dict[tuple[int, str], Any] = {}
     keys: dict[str, None] = {}
     for _ts, vals in metric_rows:
@@ -187,6 +188,12 @@ def steps_table(step_rows: list[tuple], metric_rows: list[tuple[float, dict]]):
             if k not in STEPS_OWN:
                 keys[k] = None
                 latest[(step, k)] = v
+    return latest, keys
+
+
+def steps_table(step_rows: list[tuple], metric_rows: list[tuple[float, dict]]):
+    """steps, plus every key logged together with ``step=``: its latest value for that step."""
+    latest, keys = _step_metrics(metric_rows)
     table = rows_table("steps", step_rows)
     for k in keys:
         table = table.append_column(k, infer_array([plain(latest.get((r[0], k))) for r in step_rows]))
@@ -215,6 +222,26 @@ def user_table(data: Any):
         return pa.table({str(k): (v if isinstance(v, (pa.Array, pa.ChunkedArray)) else infer_array([plain(x) for x in v]))
                          for k, v in data.items()})
     raise TypeError(f"expected a pandas DataFrame, a list of dicts or a pyarrow Table, got {type(data).__name__}")
+
+
+def column_names(name: str, data: Any, metric_rows: list[tuple[float, dict]]) -> list[str] | None:
+    """The columns :func:`rows_table`, :func:`steps_table`, :func:`metrics_table` or
+    :func:`user_table` would give, without converting any rows; None where only the
+    conversion can tell (a DataFrame's index, rows that are not dicts)."""
+    if name == "steps":
+        return [col for col, _ in SCHEMAS["steps"]] + list(_step_metrics(metric_rows)[1])
+    if name == "metrics":
+        return ["ts", *(k for k in _ordered_keys(vals for _, vals in metric_rows) if k != "ts")]
+    if name in SCHEMAS:
+        return [col for col, _ in SCHEMAS[name]]
+    pa = sys.modules.get("pyarrow")
+    if pa is not None and isinstance(data, (pa.Table, pa.RecordBatch)):
+        return list(data.schema.names)
+    if isinstance(data, dict):
+        return [str(k) for k in data]
+    if isinstance(data, (list, tuple)) and all(isinstance(row, dict) for row in data):
+        return _ordered_keys(data)
+    return None
 
 
 def is_table_data(data: Any) -> bool:

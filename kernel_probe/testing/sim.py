@@ -720,6 +720,9 @@ class SimTables:
                                                                 ("column_type", pa.string())]))
         return self._tables[name]
 
+    def columns(self) -> dict[str, list[str]]:
+        return {t: list(tab.column_names) for t, tab in self._tables.items()} if self.listed else {}
+
 
 def _sim_sql_runner(tables: Any, tags: Callable[[], dict], settings: Settings):
     from ..shell.sql_tasks import SqlTaskRunner
