@@ -62,6 +62,19 @@ def test_mode_chosen(sql: str, mode: str) -> None:
     assert mode in p.explain().splitlines()[0]
 
 
+def test_the_executor_types_the_planners_tags_in_order() -> None:
+    from kernel_probe.sql.execute import TAG_TYPES
+
+    assert tuple(TAG_TYPES) == TAGS
+
+
+def test_a_probe_loads_no_planner_until_asked() -> None:
+    code = ("import sys, kernel_probe.shell.probe_thread\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('kernel_probe.sql.', 'sqlglot'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "['kernel_probe.sql.execute']", out.stdout + out.stderr
+
+
 def test_per_rank_runs_the_statement_as_is() -> None:
     sql = "SELECT count(*) AS n FROM t WHERE x > $lo  -- mine"
     p = plan(sql, per_rank=True)

@@ -41,7 +41,6 @@ import threading
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..tables.convert import array, scalar
-from .planner import TAGS
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -56,7 +55,9 @@ log = logging.getLogger(__name__)
 MERGE_ABOVE_ROWS = 4096  # below this, concatenating partials is cheaper than reducing them
 SHAPE_CACHE_SIZE = 64
 
-# Arrow types of the tag columns, fixed so every rank's tables concatenate as they are.
+# Arrow types of the tag columns (planner.TAGS, in that order: a test checks), fixed so every
+# rank's tables concatenate as they are. Not imported from the planner: a probe loads this
+# module at start, and the planner only when it is first asked a query.
 TAG_TYPES = {"_rank": "int64", "_node": "int64", "_host": "string", "_local_rank": "int64",
              "_role": "string"}
 
@@ -67,8 +68,8 @@ def tagged(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
     import pyarrow as pa
 
     n = table.num_rows
-    for name in TAGS:
-        typ = pa.type_for_alias(TAG_TYPES[name])
+    for name, alias in TAG_TYPES.items():
+        typ = pa.type_for_alias(alias)
         value = tags.get(name)
         if value is not None and typ == pa.string():
             value = str(value)
@@ -84,8 +85,8 @@ def _tags_table(tags_rows: Sequence[Mapping[str, object]]) -> "pa.Table":
     import pyarrow as pa
 
     cols = {}
-    for name in TAGS:
-        typ = pa.type_for_alias(TAG_TYPES[name])
+    for name, alias in TAG_TYPES.items():
+        typ = pa.type_for_alias(alias)
         vals = [r.get(name) for r in tags_rows]
         if typ == pa.string():
             vals = [None if v is None else str(v) for v in vals]
