@@ -1,13 +1,16 @@
 """What the probe costs a rank in memory and idle CPU, probe on vs. off, side by side in
 one run (issue: fast enough to beat ipyparallel, point 4).
 
-Two 2 x 2 plain jobs of the same idle worker run at once, one with PROBING=1, one without.
+Two 2 x 2 jobs of the same program run at once, one with PROBING=1, one without: an idle
+Python worker that imports nothing (``--job idle``, the worst case: every module the probe
+loads is its own), or the demo's DDP training job (``--job ddp``: torch, gloo, a step every
+0.5 s; what a user runs).
 Proportional set size (PSS: a shared library counts once per node, split over the
 processes that map it) per rank: after start-up with nobody connected, then after a
 client connected and ran queries of every mode over the built-in tables. Idle CPU: the
 ranks' CPU time over a quiet stretch, on minus off, in % of one core.
 
-    .venv/bin/python benchmarks/footprint.py [--idle 20]
+    .venv/bin/python benchmarks/footprint.py [--job idle|ddp] [--idle 20]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import kernel_probe  # noqa: E402
 from kernel_probe.testing.harness import LocalJob  # noqa: E402
 
 WORKER = str(ROOT / "tests" / "workers" / "worker.py")
+JOBS = {"idle": [WORKER], "ddp": ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.5"]}
 QUERIES = {  # one of every plan mode, over tables every rank has
     "partial-aggregate": "SELECT _node, count(*) AS n, max(depth) AS d FROM stacks GROUP BY _node",
     "top-k": "SELECT _rank, ts, rss_bytes FROM memory ORDER BY rss_bytes DESC LIMIT 5",
@@ -54,14 +58,21 @@ def cpu_sec(pids: dict[int, int]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--idle", type=float, default=20.0, help="seconds of quiet for the idle CPU figure")
+    ap.add_argument("--job", choices=sorted(JOBS), default="idle", help="the program every rank runs")
     args = ap.parse_args()
+    argv = JOBS[args.job]
     runtime = tempfile.mkdtemp(prefix="kp-footprint-")
     os.environ["PROBING_RUNTIME_DIR"] = runtime
     base = {"PROBING_RUNTIME_DIR": runtime}
-    off = LocalJob([WORKER], nodes=2, ranks_per_node=2, mode="plain", env={**base, "PROBING": "0"})
-    on = LocalJob([WORKER], nodes=2, ranks_per_node=2, mode="plain", env={**base, "PROBING": "1"})
+    off = LocalJob(argv, nodes=2, ranks_per_node=2, mode="plain", env={**base, "PROBING": "0"})
+    on = LocalJob(argv, nodes=2, ranks_per_node=2, mode="plain", env={**base, "PROBING": "1"})
     with off, on:
         off_pids, on_pids = off.wait_ready(60), on.wait_ready(60)
+        if args.job == "ddp":  # torch's import and the DDP constructor take ~10 s per rank here
+            for job in (off, on):
+                deadline = time.monotonic() + 180
+                while not all("step 3 " in job.output(r) for r in range(4)) and time.monotonic() < deadline:
+                    time.sleep(0.5)
         time.sleep(5.0)  # start-up settles: heartbeats, first samples
         before = statistics.median(pss_mb(on_pids)) - statistics.median(pss_mb(off_pids))
         c_on, c_off, t0 = cpu_sec(on_pids), cpu_sec(off_pids), time.monotonic()
@@ -76,7 +87,7 @@ def main() -> int:
         time.sleep(2.0)
         after_on, after_off = pss_mb(on_pids), pss_mb(off_pids)
         after = statistics.median(after_on) - statistics.median(after_off)
-    print("footprint per rank, probe on vs. off (2 x 2 idle ranks, PSS in MB, median rank):")
+    print(f"footprint per rank, probe on vs. off (2 x 2 ranks of the {args.job} job, PSS in MB, median rank):")
     print(f"  before any client:            +{before:.1f} MB")
     print(f"  after queries of every mode:  +{after:.1f} MB (on {statistics.median(after_on):.1f}, "
           f"off {statistics.median(after_off):.1f}; ranks on: {', '.join(f'{m:.1f}' for m in after_on)})")

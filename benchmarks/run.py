@@ -5,6 +5,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-for script in ("recording.py", "job_overhead.py", "query.py", "first_query.py", "footprint.py", "membership.py", "scale_sockets.py", "vs_ipyparallel.py"):
-    print(f"== {script}", flush=True)
-    subprocess.run([sys.executable, str(HERE / script)], check=True)
+RUNS = ["recording.py", "job_overhead.py", "query.py", "first_query.py", "footprint.py", "footprint.py --job ddp",
+        "membership.py", "scale_sockets.py", "vs_ipyparallel.py"]
+for run in RUNS:
+    script, *args = run.split()
+    print(f"== {run}", flush=True)
+    subprocess.run([sys.executable, str(HERE / script), *args], check=True)
