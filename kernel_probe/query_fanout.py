@@ -219,10 +219,12 @@ class QueryFanOut:
                 s.failed[rank] = "unreachable"
                 continue
             by_hop.setdefault(hop[0], (hop[1], []))[1].append(rank)
+        # the explain text is for the client: the hops below never read it (half a count's plan)
+        down = {k: v for k, v in s.plan.items() if k != "explain"} if by_hop else s.plan
         for hop, (rid, ranks) in by_hop.items():
             s.waiting[hop] = ranks
             s.timing.sent[hop] = now
-            body = {"qid": s.qid, "plan": s.plan, "deadline": child_deadline, "ranks": ranks,
+            body = {"qid": s.qid, "plan": down, "deadline": child_deadline, "ranks": ranks,
                     "params": s.request.get("params")}
             effects.append(Send(rid, Message("subquery", body)))
         return effects + own

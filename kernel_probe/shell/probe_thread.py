@@ -106,6 +106,36 @@ def parent_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return sock
 
 
+# plain ints: pyzmq's flag enums cost an enum operation per frame
+_NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
+_RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
+    """``sock.send_multipart(frames, zmq.NOBLOCK)`` at a third of its cost (no per-frame checks:
+    the codec made every frame bytes). A multipart message is atomic: only the first frame
+    can raise (zmq.Again at the high-water mark, EHOSTUNREACH for an unknown ROUTER peer)."""
+    send, last = sock.send, len(frames) - 1
+    for i in range(last):
+        send(frames[i], _SNDMORE_NOBLOCK)
+    send(frames[last], _NOBLOCK)
+
+
+def recv_frames(sock: zmq.Socket) -> list[bytes] | None:
+    """One whole message from ``sock``, or None when none is waiting (asked of the socket,
+    not learnt from a raised zmq.Again at the end of every drain)."""
+    if not sock.getsockopt(_EVENTS) & _POLLIN:
+        return None
+    recv, more = sock.recv, sock.getsockopt
+    try:
+        frames = [recv(_NOBLOCK)]
+    except zmq.Again:
+        return None
+    while more(_RCVMORE):
+        frames.append(recv(_NOBLOCK))
+    return frames
+
+
 def send_effect(shell: EffectInterpreter, codec: wire.Codec, router: zmq.Socket,
                 parent: zmq.Socket | None, effect: Send) -> None:
     """Carry out one Send: up the parent DEALER, or back through the ROUTER."""
@@ -118,13 +148,13 @@ def send_effect(shell: EffectInterpreter, codec: wire.Codec, router: zmq.Socket,
         try:
             if parent is None:
                 raise zmq.Again()
-            parent.send_multipart(frames, zmq.NOBLOCK)
+            send_frames(parent, frames)
         except zmq.ZMQError:
             if effect.msg.type == "heartbeat":
                 shell.carry_out(shell.core.on_send_failed(shell.now()))
         return
     try:
-        router.send_multipart([effect.to, *frames], zmq.NOBLOCK)
+        send_frames(router, [effect.to, *frames])
     except zmq.ZMQError:
         pass  # the peer left or is flooded: replies are best effort, the peer retries
 
@@ -327,9 +357,8 @@ class ProbeThread(threading.Thread, EffectInterpreter):
     # --- inputs ------------------------------------------------------------------------------
     def _drain_router(self, now: float) -> None:
         for _ in range(MAX_BATCH):
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+            frames = recv_frames(self.router)
+            if frames is None:
                 return
             if len(frames) < 2:
                 self.dropped += 1
@@ -346,9 +375,8 @@ class ProbeThread(threading.Thread, EffectInterpreter):
 
     def _drain_parent(self, now: float) -> None:
         for _ in range(MAX_BATCH):
-            try:
-                frames = self._parent_sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            frames = recv_frames(self._parent_sock)
+            if frames is None:
                 return
             refusal = wire.parse_refusal(frames)
             if refusal:

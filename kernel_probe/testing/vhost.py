@@ -60,7 +60,7 @@ from ..interpreter import EffectInterpreter
 from ..rank_core import RankCore
 from ..shell import connfile
 from ..shell.pidwatch import PidWatch
-from ..shell.probe_thread import parent_socket, router_socket, send_effect
+from ..shell.probe_thread import parent_socket, recv_frames, router_socket, send_effect
 from ..shell.sql_tasks import SqlTaskRunner
 from ..summaries import parse_ranks
 from .sim import SimTables
@@ -88,6 +88,16 @@ def table_of(rank: int, rows: int):
     ids = pa.array(range(n), pa.int64())
     return pa.table({"id": ids, "g": pa.array([i % GROUPS for i in range(n)], pa.int64()),
                      "x": pa.array([rank + i / 1000.0 for i in range(n)], pa.float64())})
+
+
+def _name_os_thread(name: str) -> None:
+    """Name this thread for ps/top and /proc (the benchmark splits a host's CPU by thread)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME (Linux)
+    except (OSError, AttributeError):
+        pass
 
 
 def endpoint_of(rank: int, base_port: int) -> str:
@@ -209,9 +219,8 @@ class VirtualProbe(EffectInterpreter):
     # --- inputs -----------------------------------------------------------------------
     def drain_router(self, now: float) -> None:
         for _ in range(MAX_BATCH):
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            frames = recv_frames(self.router)
+            if frames is None:
                 return
             if len(frames) < 2:
                 continue
@@ -228,9 +237,8 @@ class VirtualProbe(EffectInterpreter):
         for _ in range(MAX_BATCH):
             if sock is None or sock is not self.parent_sock:
                 return  # a message re-parented us: the old socket is closed
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            frames = recv_frames(sock)
+            if frames is None:
                 return
             if wire.parse_refusal(frames):
                 continue
@@ -246,7 +254,7 @@ class VirtualHost:
 
     def __init__(self, ranks: list[int], world: int, per_node: int, base_port: int, *, key: bytes,
                  run_id: str, settings: Settings | None = None, rows: int = 300, sql_workers: int = 2,
-                 host: str | None = None) -> None:
+                 host: str | None = None, profile_dir: str | None = None) -> None:
         if world % per_node or any(not 0 <= r < world for r in ranks):
             raise ValueError(f"ranks must lie in 0..{world - 1} and per_node must divide world={world}")
         self.ranks, self.world, self.per_node, self.base_port = ranks, world, per_node, base_port
@@ -267,7 +275,8 @@ class VirtualHost:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.add_socket(self._wake_r, None, "wake")
-        self._pool = ThreadPoolExecutor(max_workers=max(1, sql_workers), thread_name_prefix="vhost-sql")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, sql_workers), thread_name_prefix="vhost-sql",
+                                        initializer=_name_os_thread, initargs=("vhost-sql",))
         self._refusals: list[float] = []
         self._engine = None
         self._engine_lock = threading.Lock()
@@ -275,6 +284,17 @@ class VirtualHost:
         self.started: float | None = None
         self.converged_at: float | None = None
         self.connection_file: str | None = None
+        # cProfile of the I/O thread and of each SQL worker, written at close (where a rank's CPU goes)
+        self.profile_dir = profile_dir
+        self._profiles: dict[str, Any] = {}
+
+    def _profiler(self, name: str):
+        import cProfile
+
+        prof = self._profiles.get(name)
+        if prof is None:
+            prof = self._profiles[name] = cProfile.Profile(time.thread_time)  # CPU, not waits for a core
+        return prof
 
     @property
     def engine(self):
@@ -314,10 +334,16 @@ class VirtualHost:
 
     def run_sql(self, probe: VirtualProbe, task: RunSqlTask) -> None:
         def work() -> None:
+            prof = None
+            if self.profile_dir:
+                prof = self._profiler(f"sql-{threading.current_thread().name}")
+                prof.enable()
             try:
                 result = probe.sql.run(task.kind, task.args)
             except BaseException as exc:  # the core must hear back, whatever happened
                 result = {"error": {"code": "error", "message": f"{type(exc).__name__}: {exc}"}}
+            if prof is not None:
+                prof.disable()
             self._done.put((probe, task.task_id, result))
             try:
                 os.write(self._wake_w, b"x")
@@ -359,6 +385,16 @@ class VirtualHost:
     def run(self, stop: threading.Event | None = None, on_converged: Any = None) -> None:
         """The one I/O loop of every virtual rank here, until ``stop`` is set."""
         stop = stop or threading.Event()
+        _name_os_thread("vhost-io")
+        if self.profile_dir:
+            self._profiler("io").enable()
+        try:
+            self._loop(stop, on_converged)
+        finally:
+            if self.profile_dir:
+                self._profiler("io").disable()
+
+    def _loop(self, stop: threading.Event, on_converged: Any) -> None:
         sample_every = self.settings.sample_interval_sec
         next_sample = time.time() + sample_every
         root = self.probes.get(0)
@@ -425,6 +461,10 @@ class VirtualHost:
         if self.connection_file:
             connfile.remove(self.connection_file)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.profile_dir:
+            tag = f"{self.ranks[0]}-{self.ranks[-1]}"
+            for name, prof in list(self._profiles.items()):
+                prof.dump_stats(os.path.join(self.profile_dir, f"vhost-{tag}-{name}.prof"))
         for probe in self.probes.values():
             for sock in (probe.parent_sock, probe.router):
                 if sock is not None:
@@ -492,7 +532,7 @@ class VirtualJob:
 
     def __init__(self, world: int, hosts: int, per_node: int = 8, *, token: str = "vhost-token",
                  run_id: str | None = None, rows: int = 300, env: dict | None = None,
-                 base_port: int | None = None, sql_workers: int = 2) -> None:
+                 base_port: int | None = None, sql_workers: int = 2, profile_dir: str | None = None) -> None:
         per_host = world // hosts
         if world % hosts or per_host % per_node:
             raise ValueError("every host must hold whole nodes: world = hosts x k x per_node")
@@ -501,6 +541,7 @@ class VirtualJob:
         self.run_id = run_id or f"vhost-{self.base_port}"
         self.env = {**os.environ, **(env or {})}
         self.sql_workers = sql_workers
+        self.profile_dir = profile_dir
         self.ranges = [(h * per_host, (h + 1) * per_host - 1) for h in range(hosts)]
         self.hosts: list[_Host] = []
         self.converged: dict | None = None
@@ -517,6 +558,8 @@ class VirtualJob:
                     "--world", str(self.world), "--per-node", str(self.per_node), "--base-port",
                     str(self.base_port), "--run-id", self.run_id, "--rows", str(self.rows),
                     "--sql-workers", str(self.sql_workers)]
+            if self.profile_dir:
+                argv += ["--profile", self.profile_dir]
             env = dict(self.env, PROBING_AUTH_TOKEN=self.token)
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             host = _Host(proc, f"{lo}-{hi}", [])
@@ -614,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-id", default="vhost")
     ap.add_argument("--rows", type=int, default=300, help="rows of t per rank (plus rank %% 7)")
     ap.add_argument("--sql-workers", type=int, default=2)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="write cProfile stats of the I/O thread and the SQL workers to DIR at exit")
     args = ap.parse_args(argv)
     settings = load_settings()
     token = args.token or settings.auth_token
@@ -632,7 +677,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         host = VirtualHost(ranks, args.world, args.per_node, args.base_port, key=wire.derive_key(token, args.run_id),
-                           run_id=args.run_id, settings=settings, rows=args.rows, sql_workers=args.sql_workers)
+                           run_id=args.run_id, settings=settings, rows=args.rows, sql_workers=args.sql_workers,
+                           profile_dir=args.profile)
         host.start()
     except (zmq.ZMQError, ValueError, OSError) as exc:
         print(f"error: {exc}", flush=True)
