@@ -164,7 +164,7 @@ PLAIN_GROUP_BYS = [  # rank partials computed with Arrow (Scan.arrow) where the 
     "SELECT count(*), sum(z), max(k) FROM u",  # a table some ranks lack
     "SELECT g, count(*) AS n FROM t GROUP BY g HAVING count(*) > 10 ORDER BY g",
     "SELECT sum(big) * 2 AS s2, sum(id) FROM t",
-    "SELECT g, sum(x) FROM t WHERE x IS NULL GROUP BY g ORDER BY g",  # WHERE: the SQL's job
+    "SELECT g, sum(x) FROM t WHERE x IS NULL GROUP BY g ORDER BY g",
 ]
 
 
@@ -178,6 +178,44 @@ def test_plain_group_bys_with_arrow_match_duckdb(cluster: Job, reducing: Job, mo
         assert cluster.check(GenQuery(sql)) == "partial-aggregate", sql
         reducing.check(GenQuery(sql))  # its ranks run the SQL: the two paths agree through the oracle
     assert len(used) >= 8 * 6, len(used)  # most of them went through Arrow on every rank
+
+
+FILTERED = [  # simple WHERE filters a rank applies with Arrow (planner.arrow), rows or partials
+    "SELECT id, s, y FROM t WHERE b",
+    "SELECT id, x FROM t WHERE NOT b AND x > 100",
+    "SELECT * FROM t WHERE s = 'beta' AND y <= 0",
+    "SELECT id, s FROM t WHERE s IN ('alpha', 'gamma') AND 0 < y",
+    "SELECT id FROM t WHERE x IN (1, 2, 3, -5) OR id < 0",  # OR: the SQL's job
+    "SELECT id, y FROM t WHERE y >= -2.5 AND y != 7.125 AND b IS NOT NULL",
+    "SELECT id FROM t WHERE x = 2.5 OR x = -3",  # OR again
+    "SELECT id, x FROM t WHERE x >= 10.5 AND x < 400",  # an int column against a decimal
+    "SELECT id, s FROM t WHERE s < 'delta' AND s IS NOT NULL",
+    "SELECT id FROM t WHERE s IS NULL AND (b = TRUE)",
+    "SELECT id, big FROM t WHERE big > 1000500000000",
+    "SELECT t.id, t.g FROM t AS t WHERE t.g = 3 AND _node = 1",
+    "SELECT id FROM t WHERE x = '5'",  # a string against a number: DuckDB casts, the SQL runs
+    "SELECT id, ts FROM t WHERE b",  # a timestamp column: the SQL runs
+    "SELECT k, w FROM u WHERE z > 0.5",  # a table some ranks lack
+    "SELECT id FROM t WHERE _rank IN (0, 1) AND b = FALSE",
+    "SELECT count(*) AS n, sum(y) FROM t WHERE b",
+    "SELECT s, count(*), max(x) FROM t WHERE y > 0 AND s IS NOT NULL GROUP BY s ORDER BY s",
+    "SELECT g, count(y) FROM t WHERE x IN (-1000, 0, 1000) GROUP BY g ORDER BY g",
+    "SELECT count(*) FROM t WHERE s = 'nosuchword'",
+    "SELECT _rank, count(*) FROM t WHERE b GROUP BY _rank ORDER BY _rank",
+]
+
+
+def test_simple_filters_with_arrow_match_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
+    import kernel_probe.sql.execute as execute
+
+    used = []
+    real = execute._arrow_filter
+    monkeypatch.setattr(execute, "_arrow_filter", lambda table, filters: (used.append(filters) if filters else None)
+                        or real(table, filters))
+    for sql in FILTERED:
+        cluster.check(GenQuery(sql))
+        reducing.check(GenQuery(sql))  # its ranks run the SQL: the two paths agree through the oracle
+    assert len(used) >= 12 * 6, len(used)  # most of them filtered with Arrow on every rank
 
 
 def test_asked_again_the_cached_plan_and_shapes_answer_alike(cluster: Job) -> None:

@@ -409,3 +409,27 @@ def test_every_duckdb_aggregate_is_known_as_one() -> None:
             if not syntax._is_agg(node):
                 unknown.append(f"{name}({args})")
     assert not unknown, unknown
+
+
+@pytest.mark.parametrize("where, filters", [
+    ("is_main", [["is_main", "true", None]]),
+    ("NOT (is_main) AND depth > 2", [["is_main", "false", None], ["depth", ">", 2]]),
+    ("3 <= depth AND depth <> -1", [["depth", ">=", 3], ["depth", "!=", -1]]),
+    ("s.function = 'f' AND line IS NULL AND file IS NOT NULL",
+     [["function", "==", "f"], ["line", "is_null", None], ["file", "not_null", None]]),
+    ("depth IN (1, 2) AND is_main = TRUE AND line < 2.5", [["depth", "in", [1, 2]], ["is_main", "==", True],
+                                                           ["line", "<", 2.5]]),
+    ("depth = 1 OR depth = 2", None),
+    ("depth + 1 > 2", None),
+    ("depth IN (1, 'a')", None),
+    ("depth IN (SELECT 1)", []),  # not pushed to the ranks at all: the root filters
+    ("lower(function) = 'f'", None),
+    ("depth = 99999999999999999999", None),
+    ("other.depth = 1", []),  # not this table's: the root says what is wrong
+])
+def test_simple_filters_become_an_arrow_spec(where: str, filters: list | None) -> None:
+    p = plan(f"SELECT thread_id, depth FROM stacks AS s WHERE {where}",
+             catalog={"stacks": ["thread_id", "thread_name", "is_main", "depth", "function", "file", "line"]})
+    assert p.mode == "ship-rows"
+    spec = p.scans[0].arrow
+    assert (spec and spec["filters"]) == filters if filters is not None else spec is None, spec

@@ -202,6 +202,70 @@ class _NotPlain(Exception):
     """The Arrow path does not apply to these columns: run the scan's SQL."""
 
 
+_COMPARE = {"==": "equal", "!=": "not_equal", "<": "less", "<=": "less_equal", ">": "greater",
+            ">=": "greater_equal"}
+# columns a scan's Arrow result may hold: DuckDB gives these back with the same Arrow type
+_SAME_IN_DUCKDB = frozenset({"int8", "int16", "int32", "int64", "float", "double", "bool", "string"})
+
+
+def _comparable(typ: "pa.DataType", values: Sequence[Any]) -> "pa.DataType":
+    """The Arrow type in which a column of `typ` compares with literal `values` as DuckDB
+    compares them, or _NotPlain (DuckDB would cast, e.g. a string to a number)."""
+    import pyarrow as pa
+
+    kinds = {type(v) for v in values}
+    if kinds == {bool}:
+        if pa.types.is_boolean(typ):
+            return typ
+    elif kinds == {str}:
+        if typ == pa.string():
+            return typ
+    elif kinds <= {int, float}:
+        if pa.types.is_signed_integer(typ):
+            return pa.int64() if kinds == {int} else pa.float64()
+        if pa.types.is_floating(typ):
+            return pa.float64()
+    raise _NotPlain(f"{typ} against {sorted(k.__name__ for k in kinds)}")
+
+
+def _arrow_filter(table: "pa.Table", filters: Sequence[Sequence[Any]]) -> "pa.Table":
+    """The rows of `table` where every filter (``planner.arrow``) is TRUE, as SQL's WHERE
+    keeps them (a NULL drops the row)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not filters:
+        return table
+    mask = None
+    for col, op, value in filters:
+        arr = table.column(col)
+        if op in ("is_null", "not_null"):
+            m = pc.is_null(arr) if op == "is_null" else pc.is_valid(arr)
+        elif op in ("true", "false"):
+            if not pa.types.is_boolean(arr.type):
+                raise _NotPlain(col)
+            m = arr if op == "true" else pc.invert(arr)
+        elif op == "in":
+            m = pc.is_in(arr, value_set=array(value, _comparable(arr.type, value)))
+        else:
+            m = getattr(pc, _COMPARE[op])(arr, scalar(value, _comparable(arr.type, [value])))
+        mask = m if mask is None else pc.and_kleene(mask, m)
+    return table.filter(mask, null_selection_behavior="drop")
+
+
+def arrow_rows(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
+    """A rows scan (``Scan.arrow``: columns, filters) over one tagged table, with Arrow:
+    the same columns, types and rows as its SQL in DuckDB. ``_NotPlain`` (or KeyError for
+    a column it does not find by exact name) when only the SQL can say."""
+    out = _arrow_filter(table, spec["filters"])
+    if spec.get("columns") is not None:
+        out = out.select(list(spec["columns"]))
+    for f in out.schema:
+        if str(f.type) not in _SAME_IN_DUCKDB:
+            raise _NotPlain(f"{f.name}: {f.type}")
+    return out
+
+
 def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
     """A plain group-by scan (``Scan.arrow``) over one tagged table, with Arrow: the same
     columns, types and rows as its SQL gives in DuckDB. ``_NotPlain`` (or KeyError for a
@@ -209,6 +273,7 @@ def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    table = _arrow_filter(table, spec.get("filters") or ())
     work: dict[str, Any] = {}
     aggs: list[tuple[str, str, str]] = []  # (alias, input column in `work`, func)
     for i, (alias, func, col) in enumerate(spec["aggs"]):
@@ -302,7 +367,8 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
         result = None
         if arrow and scan.arrow and not per_rank and key is None and len(regs) == 1:
             try:
-                result = arrow_partials(scan.arrow, next(iter(regs.values())))
+                run_arrow = arrow_partials if "aggs" in scan.arrow else arrow_rows
+                result = run_arrow(scan.arrow, next(iter(regs.values())))
             except (_NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
             if result is not None and row_cap is not None and result.num_rows > row_cap:

@@ -31,10 +31,12 @@ class Scan:
     ``name`` and, when ``merge`` is set, may be reduced by it (partial -> partial) at a node
     broker: the final SQL re-aggregates any number of partial rows, so reducing only saves
     bytes. ``merge_at_root``: the final needs them reduced (one row per group; variance by
-    Chan's formula), so the root runs ``merge`` too. ``arrow``: the same rank work as a
-    plain Arrow group-by, when that is all it is (``{"keys": [[alias, column]], "aggs":
-    [[alias, func, column | None]]}``, func one of count_all, count, sum, min, max); a rank
-    uses it for numeric columns and runs ``sql`` otherwise.
+    Chan's formula), so the root runs ``merge`` too. ``arrow``: the same rank work as
+    plain Arrow compute, when that is all it is (``planner.arrow``): a group-by
+    (``{"keys": [[alias, column]], "aggs": [[alias, func, column | None]], "filters": [...]}``,
+    func one of count_all, count, sum, min, max) or filtered rows (``{"columns": [...] |
+    None, "filters": [...]}``); a rank uses it where the column types fit and runs ``sql``
+    otherwise.
     """
 
     name: str
@@ -122,7 +124,7 @@ class Plan:
                     where = "at the root, and at each node broker" if s.merge_at_root else "at node brokers"
                     lines.append(f"  merge SQL: {s.merge}   ({where} with many partial rows)")
                 if s.arrow:
-                    lines.append("  (a rank runs this as an Arrow group-by over numeric columns: no DuckDB pass)")
+                    lines.append("  (a rank runs this with Arrow where the column types allow: no DuckDB pass)")
                 else:
                     lines.append("  merge: concatenation")
         lines.append(f"final SQL (at the root): {self.final}")

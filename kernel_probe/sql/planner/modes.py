@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from . import arrow
 from ._sqlglot import exp
 from ._sqlglot import positional_column
 from .analysis import Query, _collect_refs, _Ref
@@ -234,8 +235,10 @@ def ship_rows(q: Query, notes: Sequence[str] = ()) -> Plan:
         if len(q.rank_refs) == 1:
             pushed_one = pushed
         cols = q.projection(tname)
+        conditions = arrow.filters(pushed, mine[0].alias)
         scans.append(Scan(name=sname, sql=q.scan_select(mine[0], cols, pushed), where="ranks",
-                          merge=None, tables=(tname,)))
+                          merge=None, tables=(tname,),
+                          arrow=None if conditions is None else {"columns": cols or None, "filters": conditions}))
     final = q.repointed(lambda r: _ident(names[r.name]))
     extra = list(notes)
     if final is None:  # no text positions: regenerate (names of unaliased columns may differ)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import arrow
 from ._sqlglot import exp, sqlglot
 from .model import Plan, Scan
-from .syntax import _col_parts, _fname, _has_agg, _ident, _is_agg, _norm_key, _rewrite, _sql, _trailer_start
+from .syntax import _col_parts, _conjuncts, _fname, _has_agg, _ident, _is_agg, _norm_key, _rewrite, _sql, _trailer_start
 
 if TYPE_CHECKING:
     from .analysis import Query, _Ref
@@ -184,8 +185,12 @@ class PartialBuilder:
 
     def arrow_spec(self, where: Any) -> dict | None:
         """The rank side as a plain Arrow group-by, when that is all it is: plain columns as
-        keys, count(*) and count/sum/min/max of plain columns; no WHERE, FILTER or DISTINCT."""
-        if where is not None or self.distinct or self.var_groups:
+        keys, count(*) and count/sum/min/max of plain columns, a WHERE of simple filters
+        (``arrow.filters``); no FILTER or DISTINCT."""
+        if self.distinct or self.var_groups:
+            return None
+        conditions = arrow.filters(_conjuncts(where.this) if where is not None else [], self.alias)
+        if conditions is None:
             return None
         keys = []
         for k, c in zip(self.keys, self.key_cols):
@@ -204,7 +209,7 @@ class PartialBuilder:
                 aggs.append([c, func, _col_parts(e.this)[-1]])
             else:
                 return None
-        return {"keys": keys, "aggs": aggs}
+        return {"keys": keys, "aggs": aggs, "filters": conditions}
 
     def rewrite(self, e: Any, where: str, allow_aliases: bool) -> Any:
         leftovers: list[str] = []
