@@ -224,7 +224,10 @@ def test_prune_rank_in() -> None:
 def test_prune_tag_and_data() -> None:
     p = plan("SELECT x FROM t WHERE _node = 0 AND x > 3", catalog=CAT)
     assert p.prune == "SELECT _rank FROM _tags WHERE _node = 0"
-    assert ranks_scan(p, "t").sql == "SELECT x, _node FROM t WHERE _node = 0 AND x > 3"
+    # every conjunct filters at the ranks and only plain columns are selected: the ranks ship
+    # the answer's own columns, and the root runs no final pass over them
+    assert ranks_scan(p, "t").sql == "SELECT x FROM t WHERE _node = 0 AND x > 3" and p.final_union
+    assert "no SQL pass" in p.explain()
 
 
 def test_prune_requalifies_and_keeps_params() -> None:
@@ -433,3 +436,24 @@ def test_simple_filters_become_an_arrow_spec(where: str, filters: list | None) -
     assert p.mode == "ship-rows"
     spec = p.scans[0].arrow
     assert (spec and spec["filters"]) == filters if filters is not None else spec is None, spec
+
+
+@pytest.mark.parametrize("sql, union", [
+    ("SELECT x, _rank FROM t WHERE x > 1 AND _node = 0", True),
+    ("SELECT a.x FROM t AS a WHERE a.x > 1 OR a.x IS NULL", True),
+    ("SELECT x FROM t", True),
+    ("SELECT x FROM t ORDER BY x", False),
+    ("SELECT DISTINCT x FROM t", False),
+    ("SELECT x + 1 FROM t", False),
+    ("SELECT x AS y FROM t", False),
+    ("SELECT X FROM t", False),  # DuckDB names the column as written: the root's pass keeps that
+    ("SELECT x, x FROM t", False),
+    ("SELECT * FROM t", False),
+    ("SELECT x FROM t WHERE x > random()", False),  # a filter left for the root
+    ("SELECT x FROM t WHERE x IN (SELECT x FROM t)", False),
+    ("SELECT x FROM t, u", False),
+])
+def test_the_root_skips_its_pass_only_over_rows_shipped_as_answered(sql: str, union: bool) -> None:
+    p = plan(sql, catalog={"t": ["x", "y"], "u": ["z"]})
+    assert p.final_union is union and (p.mode == "ship-rows" or not union), p.explain()
+    assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).final_union is union

@@ -487,6 +487,13 @@ def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None
             what = f"a table named {names}" if len(scan.tables) <= 1 else f"all of the tables {names}"
             raise QueryError(f"no rank has {what}", code="error")
         regs[scan.name] = table
+    if plan.final_union:  # the final SQL would select the same rows and columns again
+        (result,) = regs.values()
+        if row_cap is not None and result.num_rows > row_cap:
+            from .engine import row_cap_exceeded
+
+            raise row_cap_exceeded(row_cap)
+        return result
     result = engine.run(plan.final, regs, params=_params_for(plan.final, params), deadline=deadline,
                         row_cap=row_cap)
     if plan.shape is not None:

@@ -71,7 +71,9 @@ class Plan:
     ``prune``: SQL over ``_tags`` (columns ``TAGS``, one row per live rank) returning the
     ``_rank`` values to target, or None for all ranks. ``shape``: the name of a scan whose
     (empty) result carries the answer's column names and types; the root renames and casts
-    the final result to it. ``notes``: why pushdown stopped where it did.
+    the final result to it. ``final_union``: the answer is the one "ranks" scan's rows as
+    they come (the final SQL would only select them again), so the root runs no pass.
+    ``notes``: why pushdown stopped where it did.
     """
 
     mode: str
@@ -81,11 +83,12 @@ class Plan:
     order_matters: bool = False
     shape: str | None = None
     notes: tuple[str, ...] = field(default=())
+    final_union: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "scans": [s.to_dict() for s in self.scans], "final": self.final,
                 "prune": self.prune, "order_matters": self.order_matters, "shape": self.shape,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "final_union": self.final_union}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
@@ -101,7 +104,8 @@ class Plan:
                    prune=None if prune is None else str(prune),
                    order_matters=bool(d.get("order_matters", False)),
                    shape=None if shape is None else str(shape),
-                   notes=tuple(str(n) for n in d.get("notes", ())))
+                   notes=tuple(str(n) for n in d.get("notes", ())),
+                   final_union=bool(d.get("final_union", False)))
 
     def explain(self) -> str:
         lines = [f"mode: {self.mode}"]
@@ -123,11 +127,15 @@ class Plan:
                 if s.merge:
                     where = "at the root, and at each node broker" if s.merge_at_root else "at node brokers"
                     lines.append(f"  merge SQL: {s.merge}   ({where} with many partial rows)")
-                if s.arrow:
-                    lines.append("  (a rank runs this with Arrow where the column types allow: no DuckDB pass)")
                 else:
                     lines.append("  merge: concatenation")
-        lines.append(f"final SQL (at the root): {self.final}")
+                if s.arrow:
+                    lines.append("  (a rank runs this with Arrow where the column types allow: no DuckDB pass)")
+        if self.final_union:
+            lines.append("final (at the root): the ranks' rows as they come, no SQL pass "
+                         f"(the same as {self.final})")
+        else:
+            lines.append(f"final SQL (at the root): {self.final}")
         if self.shape:
             lines.append(f"output names and types: those of scan {self.shape}")
         if self.order_matters:

@@ -11,7 +11,7 @@ from ._sqlglot import positional_column
 from .analysis import Query, _collect_refs, _Ref
 from .model import NODES, TAGS, Declined, Plan, PlanError, Scan
 from .partial import NoPushdown, PartialBuilder
-from .syntax import _col_parts, _has_agg, _ident, _is_volatile, _sql, _trailer_start
+from .syntax import _col_parts, _conjuncts, _has_agg, _ident, _is_volatile, _sql, _trailer_start
 
 def per_rank(q: Query) -> Plan:
     tables = [q.catalog.get(r.name) for r in q.rank_refs]
@@ -219,10 +219,38 @@ def top_k(q: Query) -> Plan | Declined:
     return Plan(mode="top-k", scans=(scan,), final=final, prune=q.prune_for(q.pushable(ref)),
                 order_matters=q.order_matters)
 
+def _selected_as_shipped(q: Query) -> list[str] | None:
+    """The select list's columns when the answer is exactly the rows a rank scan ships
+    with that projection: one table read directly, plain columns of it under their own
+    catalog names (no star, no expressions, no repeats), every WHERE conjunct pushed to
+    the ranks, and nothing after (GROUP BY, HAVING, DISTINCT, ORDER BY, LIMIT, OFFSET)."""
+    got = q.single()
+    if not isinstance(got, tuple) or _has_agg(got[0]):
+        return None
+    s, ref = got
+    if any(s.args.get(k) is not None for k in ("group", "having", "distinct", "order", "limit", "offset")):
+        return None
+    known = set(q.columns_of(ref.name) or ()) | set(TAGS)
+    names = []
+    for e in s.expressions:
+        if not isinstance(e, exp.Column) or isinstance(e.this, exp.Star):
+            return None
+        parts = _col_parts(e)
+        if len(parts) > 2 or (len(parts) == 2 and parts[0] != ref.alias) or e.name not in known:
+            return None
+        names.append(e.name)
+    where = s.args.get("where")
+    if len({n.lower() for n in names}) != len(names) or \
+            len(q.pushable(ref)) != len(_conjuncts(where.this) if where is not None else []):
+        return None
+    return names
+
+
 def ship_rows(q: Query, notes: Sequence[str] = ()) -> Plan:
     scans = []
     names: dict[str, str] = {}
     pushed_one: list[Any] = []
+    as_shipped = _selected_as_shipped(q)
     for tname in sorted({r.name for r in q.refs}):
         sname = q.fresh(f"__scan_{tname}")
         names[tname] = sname
@@ -234,7 +262,7 @@ def ship_rows(q: Query, notes: Sequence[str] = ()) -> Plan:
         pushed = q.pushable(mine[0]) if len(mine) == 1 else []
         if len(q.rank_refs) == 1:
             pushed_one = pushed
-        cols = q.projection(tname)
+        cols = as_shipped or q.projection(tname)
         conditions = arrow.filters(pushed, mine[0].alias)
         scans.append(Scan(name=sname, sql=q.scan_select(mine[0], cols, pushed), where="ranks",
                           merge=None, tables=(tname,),
@@ -253,7 +281,7 @@ def ship_rows(q: Query, notes: Sequence[str] = ()) -> Plan:
         extra.append("final SQL regenerated (table positions unknown)")
     return Plan(mode="ship-rows", scans=tuple(scans), final=final,
                 prune=q.prune_for(pushed_one) if pushed_one else None,
-                order_matters=q.order_matters, notes=tuple(extra))
+                order_matters=q.order_matters, notes=tuple(extra), final_union=as_shipped is not None)
 
 
 def _plain_limit(limit: Any) -> bool:
