@@ -218,6 +218,43 @@ def test_simple_filters_with_arrow_match_duckdb(cluster: Job, reducing: Job, mon
     assert len(used) >= 12 * 6, len(used)  # most of them filtered with Arrow on every rank
 
 
+ARROW_FINALS = [  # the root finishes these over the merged partials with Arrow (Plan.final_arrow)
+    "SELECT count(*) AS n FROM t",
+    "SELECT count(*), sum(x), min(s), max(b), avg(y), sum(big), avg(x) FROM t",
+    "SELECT g, count(*) AS n, avg(y) AS ay FROM t GROUP BY g ORDER BY g",
+    "SELECT s, b, count(x), sum(x) FROM t GROUP BY s, b ORDER BY s DESC NULLS FIRST, b NULLS LAST",
+    "SELECT b, max(s), min(ts) FROM t GROUP BY b ORDER BY 1 DESC",  # a timestamp: the SQL finishes
+    "SELECT g, sum(y) FROM t GROUP BY g ORDER BY g LIMIT 3",
+    "SELECT _node, _host, count(*) FROM t GROUP BY _node, _host ORDER BY _host, _node",
+    "SELECT count(*), sum(x) FROM t WHERE s = 'nosuchword'",  # no rows: one row, count 0
+    "SELECT g, count(*) FROM t WHERE s = 'nosuchword' GROUP BY g",  # no rows, no groups
+    "SELECT k, count(*), avg(z), max(w) FROM u GROUP BY k ORDER BY k",  # a table some ranks lack
+    "SELECT count(*) FROM t GROUP BY g",  # grouped by a key it does not show
+    "SELECT DISTINCT s FROM t ORDER BY s",
+    "SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY n, g",
+    # NaN is DuckDB's greatest double, and Arrow's min/max skip it: the SQL finishes
+    "SELECT g, max(CASE WHEN y > 50 THEN 'nan'::DOUBLE ELSE y END) AS m FROM t GROUP BY g ORDER BY g",
+]
+
+
+def test_finals_with_arrow_match_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
+    import kernel_probe.sql.execute as execute
+
+    finished = []
+    real = execute.arrow_final
+
+    def counted(spec, table):
+        result = real(spec, table)
+        finished.append(spec)
+        return result
+
+    monkeypatch.setattr(execute, "arrow_final", counted)
+    for sql in ARROW_FINALS:
+        assert cluster.check(GenQuery(sql)) == "partial-aggregate", sql
+        reducing.check(GenQuery(sql))
+    assert len(finished) >= 2 * (len(ARROW_FINALS) - 3), len(finished)  # all but the timestamp, NaN, ...
+
+
 def test_asked_again_the_cached_plan_and_shapes_answer_alike(cluster: Job) -> None:
     # the root caches plans and every rank its shape scans: the second answer must not drift
     for gq in tricky_queries()[:40]:

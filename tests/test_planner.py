@@ -457,3 +457,23 @@ def test_the_root_skips_its_pass_only_over_rows_shipped_as_answered(sql: str, un
     p = plan(sql, catalog={"t": ["x", "y"], "u": ["z"]})
     assert p.final_union is union and (p.mode == "ship-rows" or not union), p.explain()
     assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).final_union is union
+
+
+@pytest.mark.parametrize("sql, arrow", [
+    ("SELECT count(*) AS n FROM t", True),
+    ("SELECT x, count(*), sum(y), min(y), max(y), avg(y) FROM t GROUP BY x ORDER BY x DESC", True),
+    ("SELECT count(*) FROM t GROUP BY x", True),
+    ("SELECT x, count(*) AS n FROM t GROUP BY x ORDER BY n, x LIMIT 2", True),
+    ("SELECT x, count(*) AS n FROM t GROUP BY x ORDER BY n", False),  # ties between groups
+    ("SELECT x, count(*) FROM t GROUP BY x LIMIT 2", False),  # which groups: DuckDB's choice
+    ("SELECT x, count(*) FROM t GROUP BY x HAVING count(*) > 1", False),
+    ("SELECT x, count(*) + 1 FROM t GROUP BY x", False),
+    ("SELECT count(DISTINCT x) FROM t", False),
+    ("SELECT stddev(y) FROM t", False),
+    ("SELECT bool_and(x > 1) FROM t", False),
+    ("SELECT x, count(*) FROM t GROUP BY x ORDER BY x LIMIT 2 OFFSET 1", False),
+])
+def test_the_root_finishes_plain_aggregates_with_arrow(sql: str, arrow: bool) -> None:
+    p = plan(sql, catalog={"t": ["x", "y"]})
+    assert p.mode == "partial-aggregate" and (p.final_arrow is not None) is arrow, p.explain()
+    assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).final_arrow == p.final_arrow

@@ -310,6 +310,72 @@ def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
     return pa.table(cols)
 
 
+def arrow_final(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
+    """A partial-aggregate's final (``Plan.final_arrow``) over its merged partials, with
+    Arrow: the select list's values in order, as the final SQL gives them in DuckDB (the
+    shape then names and types them). ``_NotPlain`` where a type could differ."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    keys = list(spec["keys"])
+    work = {k: table.column(k) for k in keys}
+    ops: list[tuple] = []  # Acero aggregates: (inputs, function, options, output name)
+    for i, out in enumerate(spec["outputs"]):
+        kind = out[0]
+        if kind == "key":
+            continue
+        arr = table.column(out[1])
+        if kind == "count" and not pa.types.is_integer(arr.type):
+            raise _NotPlain(out[1])
+        if kind in ("sum", "avg"):  # DuckDB sums integers exactly (HUGEINT)
+            if pa.types.is_integer(arr.type):
+                arr = pc.cast(arr, pa.decimal128(38, 0))
+            elif not (pa.types.is_floating(arr.type) or pa.types.is_decimal(arr.type)):
+                raise _NotPlain(out[1])
+        if kind in ("min", "max"):
+            typ = arr.type
+            if pa.types.is_floating(typ) and pc.any(pc.is_nan(arr)).as_py():
+                raise _NotPlain(out[1])  # DuckDB's NaN is the greatest value; Arrow skips it
+            if not (pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_decimal(typ)
+                    or pa.types.is_boolean(typ) or typ == pa.string()):
+                raise _NotPlain(out[1])
+        work[f"__in{i}"] = arr
+        ops.append(([f"__in{i}"], "sum" if kind in ("count", "avg") else kind, None, f"__out{i}"))
+        if kind == "avg":
+            work[f"__n{i}"] = table.column(out[2])
+            ops.append(([f"__n{i}"], "sum", None, f"__cnt{i}"))
+    source = pa.table(work) if work else table.select([])
+    if keys:
+        grouped = _group_by(source, [(t, f"hash_{f}", o, n) for t, f, o, n in ops], keys)
+    else:  # one row, also over no rows at all
+        grouped = pa.table({n: pa.repeat(getattr(pc, f)(source.column(t[0])), 1) for t, f, _, n in ops}) \
+            if ops else pa.table({})
+    cols = []
+    for i, out in enumerate(spec["outputs"]):
+        kind = out[0]
+        if kind == "key":
+            cols.append(grouped.column(out[1]))
+        elif kind == "count":
+            cols.append(pc.fill_null(pc.cast(grouped.column(f"__out{i}"), pa.int64()), 0))
+        elif kind == "avg":
+            total = pc.cast(grouped.column(f"__out{i}"), pa.float64())
+            n = pc.cast(grouped.column(f"__cnt{i}"), pa.float64())
+            nothing = pc.fill_null(pc.equal(n, scalar(0.0, pa.float64())), True)
+            cols.append(pc.if_else(nothing, scalar(None, pa.float64()), pc.divide(total, n)))
+        else:
+            cols.append(grouped.column(f"__out{i}"))
+    result = pa.Table.from_arrays(cols, names=[f"c{i}" for i in range(len(cols))])
+    if spec["order"]:
+        if any(pa.types.is_floating(result.column(i).type) for i, _, _ in spec["order"]):
+            raise _NotPlain("a float sort key")  # where NaN goes against NULLs
+        order = [(f"c{i}", "descending" if desc else "ascending", "at_start" if first else "at_end")
+                 for i, desc, first in spec["order"]]
+        result = result.take(pc.sort_indices(result, sort_keys=order))
+    if spec.get("limit") is not None:
+        result = result.slice(0, spec["limit"])
+    return result
+
+
 def _group_by(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table":
     """``table.group_by(keys).aggregate(...)`` with the output names chosen here, through
     Acero's own nodes: the public ``pyarrow.acero`` module imports pyarrow.dataset, which
@@ -487,6 +553,18 @@ def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None
             what = f"a table named {names}" if len(scan.tables) <= 1 else f"all of the tables {names}"
             raise QueryError(f"no rank has {what}", code="error")
         regs[scan.name] = table
+    if plan.final_arrow is not None and plan.shape is not None:
+        (partials,) = [regs[s.name] for s in plan.scans if s.where == "ranks" and s.name != plan.shape]
+        try:
+            result = arrow_final(plan.final_arrow, partials)
+        except (_NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
+            log.debug("final: SQL instead of Arrow (%s)", exc)
+        else:
+            if row_cap is not None and result.num_rows > row_cap:
+                from .engine import row_cap_exceeded
+
+                raise row_cap_exceeded(row_cap)
+            return _conform(result, regs[plan.shape])
     if plan.final_union:  # the final SQL would select the same rows and columns again
         (result,) = regs.values()
         if row_cap is not None and result.num_rows > row_cap:

@@ -128,6 +128,8 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        if a != a or b != b:  # NaN is a value, equal to itself here
+            return a != a and b != b
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))

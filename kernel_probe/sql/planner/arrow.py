@@ -20,7 +20,7 @@ from typing import Any
 from ._sqlglot import exp
 from .syntax import _col_parts
 
-__all__ = ["filters"]
+__all__ = ["filters", "final_spec"]
 
 _OPS = {"EQ": "==", "NEQ": "!=", "LT": "<", "LTE": "<=", "GT": ">", "GTE": ">="}  # sqlglot class names
 _FLIP = {"==": "==", "!=": "!=", "<": ">", "<=": ">=", ">": "<", ">=": "<="}
@@ -88,6 +88,11 @@ def _column(node: Any, alias: str) -> str | None:
 _NO = object()
 
 
+def _zero(node: Any) -> bool:
+    v = _literal(node)
+    return type(v) is int and v == 0
+
+
 def _literal(node: Any) -> Any:
     """A number, string or boolean literal as a Python value, or _NO."""
     neg = False
@@ -108,3 +113,68 @@ def _literal(node: Any) -> Any:
     if isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
         return _NO
     return value
+
+
+def final_spec(items: list[Any], key_cols: list[str], *, having: Any, order: list[Any], limit: Any,
+               offset: Any) -> dict | None:
+    """The root's finish of a partial-aggregate over merged partials as Arrow compute, when
+    every select item is a group key or one of the finishers of count, sum, min, max and
+    avg (``PartialBuilder.finisher``), with no HAVING or OFFSET, a literal LIMIT, and an
+    ORDER BY of select items that orders every group (all keys in it). As data:
+    ``{"keys": [partial key columns], "outputs": [[kind, column, (count column)]],
+    "order": [[output index, descending, nulls first]], "limit": n | None}``."""
+    if having is not None or offset is not None:
+        return None
+    outputs = []
+    for item in items:
+        out = _finisher(item.this if isinstance(item, exp.Alias) else item, key_cols)
+        if out is None:
+            return None
+        outputs.append(out)
+    n = None
+    if limit is not None:
+        n = _literal(limit.expression)
+        if type(n) is not int or n < 0:
+            return None
+    names = {item.alias.lower(): i for i, item in enumerate(items) if isinstance(item, exp.Alias)}
+    sort = []
+    for ob in order:
+        t = ob.this
+        if isinstance(t, exp.Literal) and not t.is_string:
+            i = int(t.this) - 1
+            if not 0 <= i < len(outputs):
+                return None
+        elif isinstance(t, exp.Column) and not t.table and t.name.lower() in names:
+            i = names[t.name.lower()]  # a select alias
+        else:
+            got = _finisher(t, key_cols)
+            if got is None or got not in outputs:
+                return None
+            i = outputs.index(got)
+        sort.append([i, bool(ob.args.get("desc")), bool(ob.args.get("nulls_first"))])
+    if sort and not set(key_cols) <= {outputs[i][1] for i, _, _ in sort if outputs[i][0] == "key"}:
+        return None  # ties between groups would be ordered by chance
+    if not sort and n is not None and key_cols:
+        return None  # which groups a LIMIT keeps without ORDER BY is DuckDB's choice
+    return {"keys": list(key_cols), "outputs": outputs, "order": sort, "limit": n}
+
+
+def _finisher(e: Any, key_cols: list[str]) -> list[Any] | None:
+    """[kind, partial column(s)] for a key column or one finisher expression, or None."""
+    def col(node: Any) -> str | None:
+        return node.name if isinstance(node, exp.Column) and not isinstance(node.this, exp.Star) else None
+
+    if col(e) is not None:
+        return ["key", col(e)] if col(e) in key_cols else None
+    if isinstance(e, exp.Coalesce) and isinstance(e.this, exp.Cast) and isinstance(e.this.this, exp.Sum) \
+            and e.this.to.this == exp.DataType.Type.BIGINT and len(e.expressions) == 1 \
+            and _zero(e.expressions[0]) and col(e.this.this.this) is not None:
+        return ["count", col(e.this.this.this)]
+    for cls, kind in ((exp.Sum, "sum"), (exp.Min, "min"), (exp.Max, "max")):
+        if type(e) is cls and col(e.this) is not None and not e.args.get("expressions"):
+            return [kind, col(e.this)]
+    if isinstance(e, exp.Div) and isinstance(e.this, exp.Sum) and isinstance(e.expression, exp.Nullif) \
+            and isinstance(e.expression.this, exp.Sum) and _zero(e.expression.expression) \
+            and col(e.this.this) is not None and col(e.expression.this.this) is not None:
+        return ["avg", col(e.this.this), col(e.expression.this.this)]
+    return None

@@ -73,6 +73,8 @@ class Plan:
     (empty) result carries the answer's column names and types; the root renames and casts
     the final result to it. ``final_union``: the answer is the one "ranks" scan's rows as
     they come (the final SQL would only select them again), so the root runs no pass.
+    ``final_arrow``: the final as Arrow compute over the merged partials
+    (``planner.arrow.final_spec``), which the root uses where the types allow.
     ``notes``: why pushdown stopped where it did.
     """
 
@@ -84,11 +86,12 @@ class Plan:
     shape: str | None = None
     notes: tuple[str, ...] = field(default=())
     final_union: bool = False
+    final_arrow: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "scans": [s.to_dict() for s in self.scans], "final": self.final,
                 "prune": self.prune, "order_matters": self.order_matters, "shape": self.shape,
-                "notes": list(self.notes), "final_union": self.final_union}
+                "notes": list(self.notes), "final_union": self.final_union, "final_arrow": self.final_arrow}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
@@ -105,7 +108,8 @@ class Plan:
                    order_matters=bool(d.get("order_matters", False)),
                    shape=None if shape is None else str(shape),
                    notes=tuple(str(n) for n in d.get("notes", ())),
-                   final_union=bool(d.get("final_union", False)))
+                   final_union=bool(d.get("final_union", False)),
+                   final_arrow=d.get("final_arrow") if isinstance(d.get("final_arrow"), Mapping) else None)
 
     def explain(self) -> str:
         lines = [f"mode: {self.mode}"]
@@ -136,6 +140,8 @@ class Plan:
                          f"(the same as {self.final})")
         else:
             lines.append(f"final SQL (at the root): {self.final}")
+        if self.final_arrow:
+            lines.append("  (the root runs this with Arrow where the column types allow: no DuckDB pass)")
         if self.shape:
             lines.append(f"output names and types: those of scan {self.shape}")
         if self.order_matters:

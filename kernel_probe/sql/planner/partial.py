@@ -326,8 +326,12 @@ class PartialBuilder:
         scans = (Scan(name=scan, sql=_sql(rank), where="ranks", merge=merge, tables=(ref.name,),
                       merge_at_root=bool(self.var_groups), arrow=self.arrow_spec(where)),
                  Scan(name=shape_name, sql=shape_sql, where="ranks", merge=None, tables=(ref.name,)))
+        final_arrow = None if self.distinct or self.var_groups else arrow.final_spec(
+            items, self.key_cols, having=new_having, order=new_order, limit=s.args.get("limit"),
+            offset=s.args.get("offset"))
         return Plan(mode="partial-aggregate", scans=scans, final=_sql(final),
-                    prune=q.prune_for(q.pushable(ref)), order_matters=q.order_matters, shape=shape_name)
+                    prune=q.prune_for(q.pushable(ref)), order_matters=q.order_matters, shape=shape_name,
+                    final_arrow=final_arrow)
 
 
 def _filtered(agg: Any, cond: Any) -> Any:
