@@ -25,6 +25,9 @@ from .query_fanout import QueryFanOut
 from .wire import PROTOCOL_VERSION, Envelope, Message
 
 PUSH_DEBOUNCE_SEC = 0.02  # batch near-simultaneous joins into one push / one report
+# a root or broker refreshes its own row at most this often from its timer (a query wakes a broker
+# ~8 times within milliseconds); a change of role, step or stall state goes in at once (update_self)
+SELF_REFRESH_SEC = 0.25
 
 # Fields of a member record that describe the rank itself (a report's identity).
 REPORT_FIELDS = (
@@ -109,6 +112,7 @@ class RankCore:
         self._watched: dict[int, int] = {}  # rank -> pid under the pid watch
         self._watched_epoch = -1
         self._losses_epoch = 0  # membership changes up to here were shown to queries in flight
+        self._self_seen: float | None = None  # when on_timer last put our own report in the registry
 
     # --- inputs ---------------------------------------------------------------------
     def start(self, now: float, *, use_store: bool) -> list[Effect]:
@@ -183,7 +187,10 @@ class RankCore:
         if self.tier is None:
             return effects
         if self.tier in ("root", "broker"):
-            self.registry.observe(self.report(), now)
+            seen = self._self_seen
+            if seen is None or not 0 <= now - seen < SELF_REFRESH_SEC:
+                self._self_seen = now
+                self.registry.observe(self.report(), now)
             self.registry.tick(now)
         if self.tier == "root" and self.converged_at is None and self.registry.complete(self.identity.world_size):
             self.converged_at = now
