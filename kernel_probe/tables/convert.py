@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 from array import array as _typed
-from itertools import accumulate
+from itertools import accumulate, repeat
+from operator import is_not
 from typing import Any, Sequence
 
 # Column names and Arrow types of the built-in tables: an empty table keeps its schema.
@@ -33,6 +34,7 @@ SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
 # metrics keys that are not joined into `steps` (they would collide with its own columns)
 STEPS_OWN = frozenset({"ts", *(col for col, _ in SCHEMAS["steps"])})
 _BASIC = frozenset({int, float, str, bool, bytes, type(None)})
+_NONE = type(None)
 
 
 def _pa():
@@ -46,54 +48,57 @@ def schema(name: str):
     return pa.schema([pa.field(col, getattr(pa, "bool_" if typ == "bool" else typ)()) for col, typ in SCHEMAS[name]])
 
 
-def _bits(flags) -> bytes:
-    """An Arrow bitmap (bit i = flags[i], least significant first)."""
-    text = "".join("1" if f else "0" for f in flags)
-    return int(text[::-1] or "0", 2).to_bytes((len(text) + 7) // 8, "little")
+def _bitmap(flags: bytes):
+    """An Arrow bitmap from one 0/1 byte per value, packed by Arrow's own cast."""
+    import pyarrow.compute as pc
+
+    pa = _pa()
+    as_bytes = pa.Array.from_buffers(pa.uint8(), len(flags), [None, pa.py_buffer(flags)])
+    return pc.cast(as_bytes, pa.bool_()).buffers()[1]
 
 
-def _fits_int64(v: Any) -> bool:
-    return v.__class__ is int and -2**63 <= v < 2**63
-
-
-def _fits_float64(v: Any) -> bool:
-    # pyarrow refuses an int a double cannot hold exactly
-    return v.__class__ is float or (v.__class__ is int and -2**53 <= v <= 2**53)
-
-
-def array(values: Sequence[Any], type: Any):
-    """An Arrow array of ``type`` from Python values (None is NULL), equal to
-    ``pa.array(values, type=type)``, which it falls back to for other types or values."""
+def array(values: Sequence[Any], arrow_type: Any):
+    """An Arrow array of ``arrow_type`` from Python values (None is NULL), equal to
+    ``pa.array(values, type=arrow_type)``, which it falls back to for other types or values.
+    Per-value work stays in C (map, bytes, array, join) where it can."""
     pa = _pa()
     n = len(values)
-    nulls = sum(1 for v in values if v is None)
+    kinds = set(map(type, values))
+    plain = kinds - {_NONE}
+    if not plain and n:  # a column nothing was recorded in (e.g. step phases never measured)
+        return pa.nulls(n, arrow_type)
     try:
-        validity = pa.py_buffer(_bits(v is not None for v in values)) if nulls else None
-        if type == pa.string():
-            if not all(v is None or v.__class__ is str for v in values):
-                return pa.array(values, type=type)
-            data = [b"" if v is None else v.encode() for v in values]
-            if sum(map(len, data)) >= 2**31:
-                return pa.array(values, type=type)
-            offsets = _typed("i", accumulate(map(len, data), initial=0))
-            return pa.Array.from_buffers(type, n, [validity, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))],
+        valid = bytes(map(is_not, values, repeat(None))) if _NONE in kinds else b""
+        nulls = n - sum(valid) if valid else 0
+        validity = _bitmap(valid) if nulls else None
+        if arrow_type == pa.string() and plain <= {str}:
+            texts = [v if v is not None else "" for v in values] if nulls else values
+            joined = "".join(texts)
+            if joined.isascii():  # a character is a byte: offsets from the str lengths
+                data = joined.encode("ascii")
+                lengths: Any = map(len, texts)
+            else:
+                encoded = [t.encode() for t in texts]
+                data, lengths = b"".join(encoded), map(len, encoded)
+            if len(data) >= 2**31:
+                return pa.array(values, type=arrow_type)
+            offsets = _typed("i", accumulate(lengths, initial=0))
+            return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
                                          null_count=nulls)
-        if type == pa.bool_():
-            if not all(v is None or v.__class__ is bool for v in values):
-                return pa.array(values, type=type)
-            return pa.Array.from_buffers(type, n, [validity, pa.py_buffer(_bits(values))], null_count=nulls)
-        if type == pa.int64():
-            code, fits = "q", _fits_int64
-        elif type == pa.float64():
-            code, fits = "d", _fits_float64
+        if arrow_type == pa.bool_() and plain <= {bool}:
+            return pa.Array.from_buffers(arrow_type, n, [validity, _bitmap(bytes(map(bool, values)))],
+                                         null_count=nulls)
+        if arrow_type == pa.int64() and plain <= {int}:
+            code = "q"  # out of range: OverflowError, and pyarrow's own error below
+        elif arrow_type == pa.float64() and plain <= {float, int} and (
+                int not in plain or all(-2**53 <= v <= 2**53 for v in values if v.__class__ is int)):
+            code = "d"  # (pyarrow refuses an int a double cannot hold exactly)
         else:
-            return pa.array(values, type=type)
-        if not all(v is None or fits(v) for v in values):
-            return pa.array(values, type=type)
-        data = _typed(code, [0 if v is None else v for v in values])
-        return pa.Array.from_buffers(type, n, [validity, pa.py_buffer(data)], null_count=nulls)
+            return pa.array(values, type=arrow_type)
+        data = _typed(code, [0 if v is None else v for v in values] if nulls else values)
+        return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(data)], null_count=nulls)
     except (TypeError, ValueError, OverflowError, UnicodeError):
-        return pa.array(values, type=type)  # its own conversion, or its own error
+        return pa.array(values, type=arrow_type)  # its own conversion, or its own error
 
 
 def scalar(value: Any, type: Any):
