@@ -16,7 +16,8 @@ pytestmark = pytest.mark.cluster
 WORKER = str(Path(__file__).parent / "workers" / "worker.py")
 ENGINE_LIBS = ("duckdb", "libarrow")  # shared objects a loaded query engine maps
 EVERY_MODE = {
-    "partial-aggregate": "SELECT _node, count(*) AS n, max(depth) AS d FROM stacks GROUP BY _node",
+    "partial-aggregate": "SELECT _node, count(*) AS n, max(depth) AS d, avg(line) AS l FROM stacks "
+                         "WHERE depth >= 0 GROUP BY _node ORDER BY _node",
     "top-k": "SELECT _rank, ts, rss_bytes FROM memory ORDER BY rss_bytes DESC LIMIT 5",
     "rank-local": "SELECT _rank, count(*) AS n FROM env GROUP BY _rank",
     "ship-rows": "SELECT _rank, thread_name, function FROM stacks WHERE depth < 3",

@@ -356,11 +356,11 @@ def arrow_final(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
         if kind == "key":
             cols.append(grouped.column(out[1]))
         elif kind == "count":
-            cols.append(pc.fill_null(pc.cast(grouped.column(f"__out{i}"), pa.int64()), 0))
+            cols.append(pc.fill_null(pc.cast(grouped.column(f"__out{i}"), pa.int64()), scalar(0, pa.int64())))
         elif kind == "avg":
             total = pc.cast(grouped.column(f"__out{i}"), pa.float64())
             n = pc.cast(grouped.column(f"__cnt{i}"), pa.float64())
-            nothing = pc.fill_null(pc.equal(n, scalar(0.0, pa.float64())), True)
+            nothing = pc.fill_null(pc.equal(n, scalar(0.0, pa.float64())), scalar(True, pa.bool_()))
             cols.append(pc.if_else(nothing, scalar(None, pa.float64()), pc.divide(total, n)))
         else:
             cols.append(grouped.column(f"__out{i}"))
