@@ -241,14 +241,15 @@ def test_finals_with_arrow_match_duckdb(cluster: Job, reducing: Job, monkeypatch
     import kernel_probe.sql.execute as execute
 
     finished = []
-    real = execute.arrow_final
+    real = execute._final_with_arrow
 
-    def counted(spec, table):
-        result = real(spec, table)
-        finished.append(spec)
+    def counted(plan, regs):
+        result = real(plan, regs)
+        if result is not None:
+            finished.append(plan.final)
         return result
 
-    monkeypatch.setattr(execute, "arrow_final", counted)
+    monkeypatch.setattr(execute, "_final_with_arrow", counted)
     for sql in ARROW_FINALS:
         assert cluster.check(GenQuery(sql)) == "partial-aggregate", sql
         reducing.check(GenQuery(sql))

@@ -376,6 +376,31 @@ def arrow_final(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
     return result
 
 
+def _final_with_arrow(plan: "Plan", regs: Mapping[str, "pa.Table"]) -> "pa.Table | None":
+    """``arrow_final`` under the shape's names, or None (the final SQL runs) where it does
+    not apply or would not give exactly the shape's types."""
+    shape = regs[plan.shape]  # type: ignore[index]
+    (partials,) = [regs[s.name] for s in plan.scans if s.where == "ranks" and s.name != plan.shape]
+    try:
+        result = arrow_final(plan.final_arrow, partials)  # type: ignore[arg-type]
+    except (_NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
+        log.debug("final: SQL instead of Arrow (%s)", exc)
+        return None
+    result = _conform(result, shape)
+    if result.schema.types != shape.schema.types:
+        log.debug("final: SQL instead of Arrow (types %s, not %s)", result.schema.types, shape.schema.types)
+        return None
+    return result
+
+
+def _within_cap(result: "pa.Table", row_cap: int | None) -> "pa.Table":
+    if row_cap is not None and result.num_rows > row_cap:
+        from .engine import row_cap_exceeded
+
+        raise row_cap_exceeded(row_cap)
+    return result
+
+
 def _group_by(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table":
     """``table.group_by(keys).aggregate(...)`` with the output names chosen here, through
     Acero's own nodes: the public ``pyarrow.acero`` module imports pyarrow.dataset, which
@@ -437,10 +462,8 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
                 result = run_arrow(scan.arrow, next(iter(regs.values())))
             except (_NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
-            if result is not None and row_cap is not None and result.num_rows > row_cap:
-                from .engine import row_cap_exceeded
-
-                raise row_cap_exceeded(row_cap)
+            if result is not None:
+                _within_cap(result, row_cap)
         if result is None:
             result = engine.run(scan.sql, regs, params=_params_for(scan.sql, params), deadline=deadline,
                                 row_cap=row_cap)
@@ -554,24 +577,12 @@ def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None
             raise QueryError(f"no rank has {what}", code="error")
         regs[scan.name] = table
     if plan.final_arrow is not None and plan.shape is not None:
-        (partials,) = [regs[s.name] for s in plan.scans if s.where == "ranks" and s.name != plan.shape]
-        try:
-            result = arrow_final(plan.final_arrow, partials)
-        except (_NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
-            log.debug("final: SQL instead of Arrow (%s)", exc)
-        else:
-            if row_cap is not None and result.num_rows > row_cap:
-                from .engine import row_cap_exceeded
-
-                raise row_cap_exceeded(row_cap)
-            return _conform(result, regs[plan.shape])
+        result = _final_with_arrow(plan, regs)
+        if result is not None:
+            return _within_cap(result, row_cap)
     if plan.final_union:  # the final SQL would select the same rows and columns again
         (result,) = regs.values()
-        if row_cap is not None and result.num_rows > row_cap:
-            from .engine import row_cap_exceeded
-
-            raise row_cap_exceeded(row_cap)
-        return result
+        return _within_cap(result, row_cap)
     result = engine.run(plan.final, regs, params=_params_for(plan.final, params), deadline=deadline,
                         row_cap=row_cap)
     if plan.shape is not None:

@@ -101,9 +101,9 @@ def array(values: Sequence[Any], arrow_type: Any):
         return pa.array(values, type=arrow_type)  # its own conversion, or its own error
 
 
-def scalar(value: Any, type: Any):
-    """``pa.scalar(value, type)`` by way of :func:`array` (without pandas)."""
-    return array([value], type)[0]
+def scalar(value: Any, arrow_type: Any):
+    """``pa.scalar(value, arrow_type)`` by way of :func:`array` (without pandas)."""
+    return array([value], arrow_type)[0]
 
 
 def rows_table(name: str, rows: list[tuple]):
