@@ -9,7 +9,8 @@ each rank with its own table ``t`` (~300 rows: id, g, x). Default intervals. Mea
 2. RSS per host process, and the hosts' CPU over an idle window once converged.
 3. The first query after connect(), then p50/p99 of a count and a grouped aggregate
    over all ranks (interleaved repetitions), with the per-hop profile of the median run.
-4. The CPU floor: one rank's SQL task timed alone, times the ranks, over the cores.
+4. The CPU floor: one rank's SQL task timed alone, times the ranks, over the cores; and the
+   hosts' whole CPU per rank per query by thread (I/O thread, SQL workers, libzmq).
 
     .venv/bin/python benchmarks/scale_sockets.py [--world 1024] [--hosts 8] [--repeat 30]
 """
@@ -67,6 +68,25 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def thread_cpu(pids: list[int]) -> dict[str, float]:
+    """CPU seconds by thread name over the host processes (vhost names its threads vhost-io,
+    vhost-sql; libzmq's are ZMQbg/*): where a rank's share of a query goes."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            name = "libzmq" if name.startswith("ZMQbg") else name
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=1024)
@@ -114,6 +134,7 @@ def main() -> int:
 
         runs: dict[str, list[tuple[float, object]]] = {COUNT: [], GROUPED: []}
         cpu_per: dict[str, list[float]] = {COUNT: [], GROUPED: []}  # CPU ms of all hosts per query
+        threads0 = thread_cpu(pids)
         for i in range(args.repeat + 2):  # two warm-up rounds, not counted
             for sql in (COUNT, GROUPED):
                 cpu = cpu_seconds(pids)
@@ -128,6 +149,7 @@ def main() -> int:
                 if i >= 2:
                     runs[sql].append((ms, r))
                     cpu_per[sql].append(cpu_ms)
+        threads1 = thread_cpu(pids)
         after = rss_mb(pids)
         client.close()
 
@@ -139,6 +161,12 @@ def main() -> int:
         print(f"  {label:18s} p50 {p50:7.0f}  p99 {pct(ms, 0.99):7.0f}  ({median_run.footer()}); "
               f"hosts' CPU {statistics.median(cpu_per[sql]):.0f} ms per query (median)")
         print(f"      median run: {where(median_run.coverage['profile'])}")
+    queries = 2 * (args.repeat + 2)
+    split = {k: (v - threads0.get(k, 0.0)) * 1e6 / queries / world for k, v in threads1.items()}
+    print("hosts' CPU per rank per query (both kinds): " + ", ".join(
+        f"{k} {v:.0f} us" for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v >= 1) +
+        f"; total {sum(split.values()):.0f} us x {world} ranks / {os.cpu_count() or 1} cores = "
+        f"{sum(split.values()) * world / (os.cpu_count() or 1) / 1000:.0f} ms a query at best")
     print(f"RSS per host process after the queries: {', '.join(f'{m:.0f}' for m in after)} MB "
           f"({world // args.hosts} ranks each)")
     floor = {label: rank_task_ms(sql, rows=args.rows) for label, sql in (("count", COUNT), ("grouped", GROUPED))}
