@@ -1,10 +1,11 @@
-"""What of a rank's scan can run as plain Arrow compute instead of a DuckDB pass.
+"""What of a query can run as plain Arrow compute instead of a DuckDB pass.
 
-A DuckDB pass costs a rank ~1 ms whatever its input; filtering and projecting a small
-table with Arrow costs tens of microseconds. The planner marks a scan with an ``arrow``
-spec only where the Arrow result provably equals the scan's SQL; ranks check column
-types at run time and run the SQL whenever the spec does not fit
-(``execute.arrow_rows``, ``execute.arrow_partials``).
+A DuckDB pass costs ~1 ms whatever its input; filtering, projecting or grouping a small
+table with Arrow costs tens of microseconds. The planner marks a rank scan with an
+``arrow`` spec (``filters``), and a partial-aggregate's root finish with
+``Plan.final_arrow`` (``final_spec``), only where the Arrow result provably equals the
+SQL's; the executor checks column types at run time and runs the SQL whenever the spec
+does not fit (``execute.arrow_rows``, ``arrow_partials``, ``arrow_final``).
 
 Filters are WHERE conjuncts of these forms (a conjunct of any other form: no spec):
 ``col``, ``NOT col`` (a boolean column), ``col <op> literal`` or ``literal <op> col``
