@@ -168,15 +168,37 @@ PLAIN_GROUP_BYS = [  # rank partials computed with Arrow (Scan.arrow) where the 
 ]
 
 
-def test_plain_group_bys_with_arrow_match_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
+def _calls(monkeypatch, name: str, counted=lambda args, result: True) -> list:
+    """The calls of ``execute.<name>`` that `counted` (its arguments, and its result or
+    None when it raised) keeps, made while the test runs: which path answered."""
     import kernel_probe.sql.execute as execute
 
-    used = []
-    real = execute.arrow_partials
-    monkeypatch.setattr(execute, "arrow_partials", lambda spec, table: used.append(spec) or real(spec, table))
-    for sql in PLAIN_GROUP_BYS:
-        assert cluster.check(GenQuery(sql)) == "partial-aggregate", sql
+    seen: list = []
+    real = getattr(execute, name)
+
+    def wrapper(*args):
+        result = None
+        try:
+            result = real(*args)
+            return result
+        finally:
+            if counted(args, result):
+                seen.append(args)
+
+    monkeypatch.setattr(execute, name, wrapper)
+    return seen
+
+
+def _check_on_both(cluster: Job, reducing: Job, queries: list[str], mode: str | None = None) -> None:
+    for sql in queries:
+        got = cluster.check(GenQuery(sql))
+        assert mode is None or got == mode, sql
         reducing.check(GenQuery(sql))  # its ranks run the SQL: the two paths agree through the oracle
+
+
+def test_plain_group_bys_with_arrow_match_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
+    used = _calls(monkeypatch, "arrow_partials")
+    _check_on_both(cluster, reducing, PLAIN_GROUP_BYS, "partial-aggregate")
     assert len(used) >= 8 * 6, len(used)  # most of them went through Arrow on every rank
 
 
@@ -206,15 +228,8 @@ FILTERED = [  # simple WHERE filters a rank applies with Arrow (planner.arrow), 
 
 
 def test_simple_filters_with_arrow_match_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
-    import kernel_probe.sql.execute as execute
-
-    used = []
-    real = execute._arrow_filter
-    monkeypatch.setattr(execute, "_arrow_filter", lambda table, filters: (used.append(filters) if filters else None)
-                        or real(table, filters))
-    for sql in FILTERED:
-        cluster.check(GenQuery(sql))
-        reducing.check(GenQuery(sql))  # its ranks run the SQL: the two paths agree through the oracle
+    used = _calls(monkeypatch, "_arrow_filter", lambda args, result: bool(args[1]))  # (table, filters)
+    _check_on_both(cluster, reducing, FILTERED)
     assert len(used) >= 12 * 6, len(used)  # most of them filtered with Arrow on every rank
 
 
@@ -238,21 +253,8 @@ ARROW_FINALS = [  # the root finishes these over the merged partials with Arrow 
 
 
 def test_finals_with_arrow_match_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
-    import kernel_probe.sql.execute as execute
-
-    finished = []
-    real = execute._final_with_arrow
-
-    def counted(plan, regs):
-        result = real(plan, regs)
-        if result is not None:
-            finished.append(plan.final)
-        return result
-
-    monkeypatch.setattr(execute, "_final_with_arrow", counted)
-    for sql in ARROW_FINALS:
-        assert cluster.check(GenQuery(sql)) == "partial-aggregate", sql
-        reducing.check(GenQuery(sql))
+    finished = _calls(monkeypatch, "_final_with_arrow", lambda args, result: result is not None)
+    _check_on_both(cluster, reducing, ARROW_FINALS, "partial-aggregate")
     assert len(finished) >= 2 * (len(ARROW_FINALS) - 3), len(finished)  # all but the timestamp, NaN, ...
 
 

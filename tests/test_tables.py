@@ -387,6 +387,12 @@ def test_empty_tables_keep_their_schema():
 # --- import cost ---------------------------------------------------------------------------------------------------
 
 
+def _prints_ok_in_a_fresh_python(code: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
 def test_importing_and_recording_loads_no_pyarrow_pandas_or_torch():
     code = (
         "import sys\n"
@@ -399,9 +405,7 @@ def test_importing_and_recording_loads_no_pyarrow_pandas_or_torch():
         "assert not heavy, heavy\n"
         "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    _prints_ok_in_a_fresh_python(code)
 
 
 def test_query_time_conversion_loads_no_pandas():
@@ -419,9 +423,7 @@ def test_query_time_conversion_loads_no_pandas():
         "assert 'pandas' not in sys.modules\n"
         "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    _prints_ok_in_a_fresh_python(code)
 
 
 _SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**64, 2**64), st.floats(allow_nan=True),
