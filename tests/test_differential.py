@@ -258,6 +258,27 @@ def test_finals_with_arrow_match_duckdb(cluster: Job, reducing: Job, monkeypatch
     assert len(finished) >= 2 * (len(ARROW_FINALS) - 3), len(finished)  # all but the timestamp, NaN, ...
 
 
+SHADOWED = [  # a user table with its own columns named like tags: the tags win, on every path
+    "SELECT count(*) AS n, sum(v) FROM w",
+    "SELECT _node, count(*), max(v) FROM w GROUP BY _node ORDER BY _node",
+    "SELECT _rank, count(*) FROM w GROUP BY _rank ORDER BY _rank",
+    "SELECT v FROM w WHERE v > 3",
+    "SELECT * FROM w WHERE v > 3",
+    "SELECT v, _host FROM w WHERE _rank >= 2",
+]
+
+
+def test_user_columns_named_like_tags_give_way_to_the_tags(engine: Engine, monkeypatch) -> None:
+    ranks = make_ranks(seed=11)
+    for v in ranks:
+        n = 5 + v.rank
+        v.tables["w"] = pa.table({"_rank": ["mine"] * n, "_node": pa.array([99] * n, pa.int64()),
+                                  "v": pa.array(range(n), pa.int64())})
+    arrow_scans = _calls(monkeypatch, "arrow_partials")
+    _check_on_both(Job(ranks, engine), Job(ranks, engine, merge_above_rows=0, arrow_scans=False), SHADOWED)
+    assert arrow_scans  # the Arrow path really ran on some of them
+
+
 def test_asked_again_the_cached_plan_and_shapes_answer_alike(cluster: Job) -> None:
     # the root caches plans and every rank its shape scans: the second answer must not drift
     for gq in tricky_queries()[:40]:

@@ -413,6 +413,19 @@ def _group_by(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table":
     ]).to_table(use_threads=False)
 
 
+def _arrow_reads_tags(spec: Mapping[str, Any]) -> bool:
+    """Whether an Arrow scan (``Scan.arrow``) reads a tag column: else it runs on the table as
+    found (a user column named like a tag is never read then)."""
+    cols = {f[0] for f in spec.get("filters") or ()}
+    if "aggs" in spec:
+        cols |= {c for _, c in spec["keys"]} | {c for _, _, c in spec["aggs"] if c}
+    elif spec.get("columns") is None:
+        return True  # every column, the tags included
+    else:
+        cols |= set(spec["columns"])
+    return not cols.isdisjoint(TAG_TYPES)
+
+
 def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
              tags: Mapping[str, object], *, params: Any = None, deadline: float | None = None,
              row_cap: int | None = None, notes: list[str] | None = None,
@@ -423,7 +436,20 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
     saying so goes to `notes` (when given) and the debug log."""
     out: dict[str, pa.Table | None] = {}
     per_rank = plan.mode == "per-rank"
-    cache: dict[str, pa.Table | None] = {}
+    cache: dict[str, pa.Table | None] = {}  # as found: untagged
+    tagged_cache: dict[str, pa.Table] = {}
+
+    def with_tags(regs: dict[str, "pa.Table"], shape: bool) -> dict[str, "pa.Table"]:
+        # tags are appended only for what may read them (a third of a small count's scan)
+        if per_rank:
+            return regs
+        if shape:  # empty slices: not for the cache
+            return {n: tagged(t, tags) for n, t in regs.items()}
+        for n in regs:
+            if n not in tagged_cache:
+                tagged_cache[n] = tagged(regs[n], tags)
+        return {n: tagged_cache[n] for n in regs}
+
     for scan in plan.scans:
         if scan.where != "ranks":
             continue
@@ -432,11 +458,9 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
         for name in scan.tables:
             if name not in cache:
                 try:
-                    local = _lookup(tables, name)
+                    cache[name] = _lookup(tables, name)
                 except KeyError:
                     cache[name] = None
-                else:
-                    cache[name] = local if per_rank else tagged(local, tags)
             if cache[name] is None:
                 missing = name
                 break
@@ -451,7 +475,9 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
         key = None
         if scan.name == plan.shape:  # names and types only: binding does not depend on the rows
             regs = {n: t.slice(0, 0) for n, t in regs.items()}
-            key = shapes.key(scan.sql, regs, params) if shapes is not None else None
+            # keyed by the untagged schemas (the tags' names and types are fixed; per-rank mode
+            # apart: its tables are not tagged at all)
+            key = shapes.key(scan.sql, regs, (per_rank, params)) if shapes is not None else None
             if key is not None and (known := shapes.get(key)) is not None:  # type: ignore[union-attr]
                 out[scan.name] = known
                 continue
@@ -459,13 +485,16 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
         if arrow and scan.arrow and not per_rank and key is None and len(regs) == 1:
             try:
                 run_arrow = arrow_partials if "aggs" in scan.arrow else arrow_rows
-                result = run_arrow(scan.arrow, next(iter(regs.values())))
+                only = next(iter(regs))
+                table = regs[only] if not _arrow_reads_tags(scan.arrow) else with_tags(regs, False)[only]
+                result = run_arrow(scan.arrow, table)
             except (_NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
             if result is not None:
                 _within_cap(result, row_cap)
         if result is None:
-            result = engine.run(scan.sql, regs, params=_params_for(scan.sql, params), deadline=deadline,
+            result = engine.run(scan.sql, with_tags(regs, scan.name == plan.shape),
+                                params=_params_for(scan.sql, params), deadline=deadline,
                                 row_cap=row_cap)
         if key is not None:
             shapes.put(key, result)  # type: ignore[union-attr]
