@@ -109,12 +109,14 @@ def table(name: str, data: Any) -> None:
     local_tables().table(name, data)
 
 
-def connect(target: str | os.PathLike | None = None, token: str | None = None, timeout: float = 5.0) -> "Client":
+def connect(target: str | os.PathLike | None = None, token: str | None = None, timeout: float = 5.0,
+            warm: bool = True) -> "Client":
     """A client of a running job: ``tcp://host:port``, a connection file, ``store://host:port[/run_id]``,
-    or None for the newest job on this machine."""
+    or None for the newest job on this machine. ``warm``: return once every rank can answer a
+    query at once (up to 3 s on a job never queried; ``False`` for membership only)."""
     from .client import connect as _connect
 
-    return _connect(target, token=token, timeout=timeout)
+    return _connect(target, token=token, timeout=timeout, warm=warm)
 
 
 async def connect_async(target: str | os.PathLike | None = None, token: str | None = None,

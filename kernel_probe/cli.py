@@ -115,7 +115,7 @@ def _ms(value: float | None) -> str:
 def cmd_nodes(args: argparse.Namespace) -> int:
     import kernel_probe
 
-    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         if args.watch is None:
             print(format_nodes(client.nodes_raw(_connect_timeout(args)), client.info_, departures=args.departures))
             return 0
@@ -149,7 +149,7 @@ def _watch_nodes(client, args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     import kernel_probe
 
-    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         for k, v in client.info_.items():
             print(f"{k}: {v}")
         if client.store and not client.info_.get("store"):  # a root that does not say it itself
@@ -178,7 +178,7 @@ def _query_timeout(args: argparse.Namespace) -> float:
 def cmd_query(args: argparse.Namespace) -> int:
     import kernel_probe
 
-    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         result = client.query(args.sql, timeout=_query_timeout(args), strict=args.strict, per_rank=args.per_rank,
                               ranks=parse_ranks(args.ranks), local=args.local, explain=args.explain)
     if args.explain:
@@ -205,7 +205,7 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     import kernel_probe
     from .summaries import format_stacks, group_stacks, stacks_sql
 
-    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args)) as client:
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         result = client.query(stacks_sql(args.all_threads), timeout=_query_timeout(args))
     print(format_stacks(group_stacks(result.table.to_pylist())))
     print(result.footer())

@@ -154,9 +154,9 @@ class JobRegistry:
             job = self.get(job_id)
         return resolve(job.target, job._token)
 
-    def connect(self, job_id: str | None = None, timeout: float = 5.0) -> Client:
-        """A new blocking client of the job, checked with a handshake."""
-        return Client.open(self.target(job_id), timeout)
+    def connect(self, job_id: str | None = None, timeout: float = 5.0, warm: bool = True) -> Client:
+        """A new blocking client of the job, checked with a handshake (and warm, as ``connect()``)."""
+        return Client.open(self.target(job_id), timeout, warm=warm)
 
     async def connect_async(self, job_id: str | None = None, timeout: float = 5.0) -> AsyncClient:
         """A new asyncio client of the job, checked with a handshake."""

@@ -214,7 +214,7 @@ class NodesView(widgets.VBox):
             while not self._stop.is_set():
                 try:
                     if client is None:
-                        client = kernel_probe.connect(self.target, token=self._token, timeout=timeout)
+                        client = kernel_probe.connect(self.target, token=self._token, timeout=timeout, warm=False)
                         self.run_id = client.run_id
                     raw = client.nodes_raw(timeout)
                     self._followed(client)

@@ -1,5 +1,6 @@
 """The first query (issue 9, point 3): a job nobody connects to never loads a query
-engine; a client's handshake warms every rank, so its first query meets loaded engines."""
+engine; a client's handshake warms every rank, and ``connect()`` returns once they are
+warm (a stuck rank is not waited for), so its first query meets loaded engines."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_connect_warms_every_rank_and_nothing_before(launch, runtime_dir):
     wait_for(lambda: list(runtime_dir.glob("*.json")), 30, what="the connection file")
     time.sleep(2.0)  # heartbeats, pushes, the catalog sampled: everything but a client
     assert all(loaded(pid) == set() for pid in pids.values()), {r: loaded(p) for r, p in pids.items()}
-    with kernel_probe.connect(timeout=5) as client:
+    with kernel_probe.connect(timeout=5, warm=False) as client:  # the handshake alone warms, in the background
         wait_for(lambda: all(loaded(pid) == set(ENGINE_LIBS) for pid in pids.values()), 30,
                  what="every rank to load its query engine after the handshake")
         r = client.query("SELECT _rank, count(*) AS frames FROM stacks WHERE is_main GROUP BY _rank ORDER BY _rank")
@@ -49,3 +50,21 @@ def test_connect_warms_every_rank_and_nothing_before(launch, runtime_dir):
             assert r.coverage["plan"] == mode and not r.coverage["partial"] and len(r.df), (mode, r.footer())
     with_pandas = [rank for rank, pid in pids.items() if "/pandas/" in Path(f"/proc/{pid}/maps").read_text()]
     assert with_pandas == [], f"ranks {with_pandas} loaded pandas"
+
+
+def test_connect_returns_once_the_ranks_are_warm_but_not_waiting_for_a_stuck_one(launch, runtime_dir):
+    job = launch([WORKER], nodes=2, ranks_per_node=2, mode="plain")
+    pids = job.wait_ready(60)
+    wait_for(lambda: list(runtime_dir.glob("*.json")), 30, what="the connection file")
+    time.sleep(1.0)
+    job.freeze(3)  # a leaf that holds its sockets but answers nothing
+    try:
+        started = time.monotonic()
+        with kernel_probe.connect(timeout=5) as client:
+            waited = time.monotonic() - started
+            # no waiting here: connect() already saw ranks 0-2 load their engines
+            assert {r: loaded(pids[r]) for r in (0, 1, 2)} == {r: set(ENGINE_LIBS) for r in (0, 1, 2)}
+            assert waited < kernel_probe.client.results.WARM_WAIT_MAX + 2.0, waited  # not the query timeout
+            assert len(client.nodes()) == 4  # and the client is usable
+    finally:
+        job.thaw(3)

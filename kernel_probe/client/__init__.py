@@ -24,7 +24,10 @@ __all__ = [
 ]
 
 
-def connect(target: str | os.PathLike | None = None, token: str | None = None, timeout: float = 5.0) -> Client:
+def connect(target: str | os.PathLike | None = None, token: str | None = None, timeout: float = 5.0,
+            warm: bool = True) -> Client:
     """A client of the job at ``target`` (``tcp://host:port``, a connection file,
-    ``store://host:port[/run_id]``, or None for the newest job here), checked with a handshake."""
-    return Client.open(resolve(target, token), timeout)
+    ``store://host:port[/run_id]``, or None for the newest job here), checked with a handshake.
+    ``warm``: return once the ranks' query engines are loaded (at most ``WARM_WAIT_MAX``
+    seconds on a cold job, a few ms on a warm one), so the first query is fast."""
+    return Client.open(resolve(target, token), timeout, warm=warm)

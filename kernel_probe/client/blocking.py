@@ -15,6 +15,7 @@ new launch is found (``follow.find_relaunch``) the client switches to it, and
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
@@ -25,13 +26,15 @@ from .. import wire
 from ..shell import connfile
 from . import results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
-from .errors import AuthError, JobEndedError, QueryFailed, Refused
+from .errors import AuthError, JobEndedError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
 from .requests import Answered, Failed, Progress
 from .targets import Target
 
 if TYPE_CHECKING:
     import pandas as pd
+
+log = logging.getLogger(__name__)
 
 _SLICE_SEC = 0.05  # how long the reading thread holds the socket before letting a sender in
 
@@ -66,11 +69,14 @@ class Client(ClientState):
                    connection=target.connection, spec=target.spec, store=target.store)
 
     @classmethod
-    def open(cls, target: Target, timeout: float = 5.0) -> "Client":
-        """A client of ``target``, checked with a handshake (closed again if that fails)."""
+    def open(cls, target: Target, timeout: float = 5.0, warm: bool = False) -> "Client":
+        """A client of ``target``, checked with a handshake (closed again if that fails);
+        ``warm``: then wait (``warm()``) until the ranks can answer a query at once."""
         client = cls.from_target(target)
         try:
             client.handshake(timeout)
+            if warm:
+                client.warm(min(timeout, results.WARM_WAIT_MAX))
         except BaseException:
             client.close()
             raise
@@ -261,6 +267,17 @@ class Client(ClientState):
         except ValueError as exc:  # params that JSON cannot carry
             raise QueryFailed(f"cannot send the query: {exc}", code="bad_params") from None
         return results.query_result(env, strict=strict, explain=explain)
+
+    def warm(self, timeout: float = results.WARM_WAIT_MAX) -> int:
+        """Wait until every rank has its query engine loaded (the handshake set them loading),
+        so the next query does not pay for it: a small query every rank runs in SQL. Best
+        effort: a rank that does not answer in ``timeout`` seconds is not waited for. Returns
+        how many ranks answered."""
+        try:
+            return len(self.query(results.WARM_SQL, timeout=timeout).coverage.get("answered") or ())
+        except ProbeError as exc:
+            log.debug("warming the job: %s", exc)
+            return 0
 
     def nodes_raw(self, timeout: float = 5.0) -> dict:
         """The ``nodes`` answer as sent: ``members``, ``departures`` (lists of dicts), ``epoch``."""

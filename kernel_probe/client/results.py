@@ -39,6 +39,12 @@ def departures_frame(departures: list[dict]) -> "pd.DataFrame":
     return df
 
 
+# Grouped by _rank, so every rank runs it whole in DuckDB: what a first query needs is then
+# loaded everywhere (DuckDB, pyarrow, the root's planner, the client's Arrow reader).
+WARM_SQL = "SELECT _rank, count(*) AS tables FROM tables GROUP BY _rank"
+WARM_WAIT_MAX = 3.0  # seconds connect() waits for a cold job at most; a stuck rank is not waited for
+
+
 def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | None,
                params: Mapping[str, Any] | None, local: bool, explain: bool) -> wire.QueryBody:
     return {"sql": sql, "timeout": float(timeout), "per_rank": per_rank, "local": local, "explain": explain,
