@@ -157,10 +157,15 @@ class SqlTaskRunner:
 
     # --- kinds ----------------------------------------------------------------------------
     def _warm(self, args: dict) -> dict:
-        """Load what a query needs before one comes: DuckDB and its connection, the
-        catalog's Arrow conversion (pyarrow, and pandas when installed: pyarrow imports it
-        on its first array), and at the root the planner (sqlglot builds its dialect
-        tables on first use)."""
+        """Load what a query needs before one comes: DuckDB and its connection, pyarrow with
+        its compute functions (filters, casts: ~30-80 ms on first use) and Acero (group-bys),
+        the executor, and at the root the planner (sqlglot builds its dialect tables on
+        first use)."""
+        import pyarrow._acero  # noqa: F401
+        import pyarrow.compute  # noqa: F401
+
+        from ..sql import execute  # noqa: F401
+
         self.engine.run("SELECT count(*) FROM tables", {"tables": self.tables.arrow("tables")})
         if args.get("planner"):
             from ..sql.planner import plan as make_plan
