@@ -233,6 +233,26 @@ def test_simple_filters_with_arrow_match_duckdb(cluster: Job, reducing: Job, mon
     assert len(used) >= 12 * 6, len(used)  # most of them filtered with Arrow on every rank
 
 
+DIVISIBLE = [  # "every k-th row": whether k divides a column is the same under any modulo
+    "SELECT id, x FROM t WHERE x % 7 = 0",
+    "SELECT id FROM t WHERE 0 = x % -3 AND b",
+    "SELECT id, x FROM t WHERE (x % 4) <> 0 AND x < 0",
+    "SELECT count(*), sum(x) FROM t WHERE x % 1 = 0",
+    "SELECT id FROM t WHERE x % -1 != 0",
+    "SELECT g, count(*) FROM t WHERE id % 10 = 0 GROUP BY g ORDER BY g",
+    "SELECT id FROM t WHERE x % 10000000000 = 0",  # k does not fit x's int32: the SQL runs
+    "SELECT id FROM t WHERE y % 2 = 0",  # a float: the SQL runs
+    "SELECT id FROM t WHERE x % 5 = 1",  # a remainder other than 0 depends on the modulo: SQL
+]
+
+
+def test_divisibility_filters_with_arrow_match_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
+    used = _calls(monkeypatch, "_arrow_filter",
+                  lambda args, result: result is not None and any("divisible" in f[1] for f in args[1]))
+    _check_on_both(cluster, reducing, DIVISIBLE)
+    assert len(used) >= 6 * 6, len(used)  # the first six, on every rank
+
+
 ARROW_FINALS = [  # the root finishes these over the merged partials with Arrow (Plan.final_arrow)
     "SELECT count(*) AS n FROM t",
     "SELECT count(*), sum(x), min(s), max(b), avg(y), sum(big), avg(x) FROM t",

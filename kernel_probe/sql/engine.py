@@ -25,14 +25,20 @@ Rules of this file:
   ``line L, column C`` when DuckDB reports a position.
 - Thread-safe: worker threads may call :meth:`Engine.run` concurrently (cursors of one
   connection run in parallel; creating/closing them is guarded by a lock).
+- Every open connection is closed at exit (``atexit``), while the interpreter is whole: a
+  DuckDB connection destroyed during interpreter finalization can abort the process
+  (duckdb/duckdb#13904: its destructor releases and retakes the GIL), and a training
+  process must not exit with SIGABRT because it was once queried.
 """
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import re
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:  # for annotations only: never imported at runtime here
@@ -92,6 +98,18 @@ class QueryError(Exception):
         return f"{type(self).__name__}({self.message!r}, code={self.code!r}, line={self.line!r}, col={self.col!r})"
 
 
+_OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # engines with a connection, closed at exit
+
+
+@atexit.register
+def _close_all() -> None:
+    for engine in list(_OPEN):
+        try:
+            engine.close()
+        except Exception:  # exiting anyway: nothing to report to
+            pass
+
+
 class Engine:
     """A sandboxed DuckDB for one probe; see the module docstring for the rules."""
 
@@ -135,6 +153,7 @@ class Engine:
                 raise QueryError("the query engine is closed", code="error")
             if self._con is None:
                 self._con = self._connect()
+                _OPEN.add(self)
             return self._con.cursor()
 
     def _close_cursor(self, cur: duckdb.DuckDBPyConnection) -> None:

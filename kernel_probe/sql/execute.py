@@ -247,6 +247,15 @@ def _arrow_filter(table: "pa.Table", filters: Sequence[Sequence[Any]]) -> "pa.Ta
             m = arr if op == "true" else pc.invert(arr)
         elif op == "in":
             m = pc.is_in(arr, value_set=array(value, _comparable(arr.type, value)))
+        elif op in ("divisible", "not_divisible"):
+            if not pa.types.is_integer(arr.type):
+                raise _NotPlain(col)  # DuckDB's modulo of a float or decimal: the SQL's job
+            if abs(value) == 1:  # every value; and INT64_MIN // -1 would overflow
+                m = pc.is_valid(arr) if op == "divisible" else pc.and_kleene(pc.is_valid(arr), scalar(False, pa.bool_()))
+            else:
+                k = scalar(value, arr.type)  # ArrowInvalid (a ValueError) when k does not fit: SQL
+                m = pc.equal(pc.multiply(pc.divide(arr, k), k), arr)
+                m = m if op == "divisible" else pc.invert(m)
         else:
             m = getattr(pc, _COMPARE[op])(arr, scalar(value, _comparable(arr.type, [value])))
         mask = m if mask is None else pc.and_kleene(mask, m)

@@ -10,8 +10,10 @@ does not fit (``execute.arrow_rows``, ``arrow_partials``, ``arrow_final``).
 Filters are WHERE conjuncts of these forms (a conjunct of any other form: no spec):
 ``col``, ``NOT col`` (a boolean column), ``col <op> literal`` or ``literal <op> col``
 (op one of = <> != < <= > >=; literal a number, string or TRUE/FALSE), ``col IS [NOT]
-NULL``, ``col IN (literal, ...)`` (no NULL in the list). As data: ``[column, op, value]``
-with op one of ``== != < <= > >= is_null not_null true false in``.
+NULL``, ``col IN (literal, ...)`` (no NULL in the list), ``col % k = 0`` and ``col % k <> 0``
+(k a nonzero integer: whether k divides col is the same under DuckDB's truncating modulo
+as under any other, so "every tenth row" needs no pass). As data: ``[column, op, value]``
+with op one of ``== != < <= > >= is_null not_null true false in divisible not_divisible``.
 """
 
 from __future__ import annotations
@@ -68,12 +70,26 @@ def _one(c: Any, alias: str) -> list[Any] | None:
     if op is None:
         return None
     left, right = c.this, c.expression
+    if op in ("==", "!=") and (divides := _divides(left, right, alias) or _divides(right, left, alias)):
+        return [divides[0], "divisible" if op == "==" else "not_divisible", divides[1]]
     col, value = _column(left, alias), _literal(right)
     if col is None:
         col, value, op = _column(right, alias), _literal(left), _FLIP[op]
     if col is None or value is _NO:
         return None
     return [col, op, value]
+
+
+def _divides(mod: Any, zero: Any, alias: str) -> tuple[str, int] | None:
+    """(column, k) for ``column % k`` compared with 0, k a nonzero integer literal."""
+    while isinstance(mod, exp.Paren):
+        mod = mod.this
+    if not isinstance(mod, exp.Mod) or _literal(zero) != 0 or isinstance(_literal(zero), (bool, float)):
+        return None
+    col, k = _column(mod.this, alias), _literal(mod.expression)
+    if col is None or type(k) is not int or k == 0:
+        return None
+    return col, k
 
 
 def _column(node: Any, alias: str) -> str | None:
