@@ -16,6 +16,10 @@ Rules of this file:
 - A client's handshake warms the tree: every rank loads its query engine (DuckDB,
   pyarrow; the root sqlglot too) on a worker before the first query needs it, so the
   first answer comes fast, and a job nobody connects to never pays that memory.
+- A broker whose gathered partials are small (no scan past ``merge_above_rows`` rows, at
+  most ``RELAY_MAX_PARTS`` parts) relays them up as they came, its own among them, instead
+  of merging them on a worker: the parent's merge concatenates them all the same, and the
+  broker spends no worker hand-off nor Arrow decode/encode on the critical path.
 - Every answer says where its time went (``coverage["profile"]``): planning, each rank's
   scan, each merge, the finish, and per hop the round trip less the child's own time (the
   transfer). Each hop reports its part up with its subresult; the root sums it up.
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .effects import PARENT, Effect, RunSqlTask, Send
+from .sql.execute import MERGE_ABOVE_ROWS
 from .wire import Envelope, Message
 
 FINISH_SHARE = 0.1  # part of the remaining time the root keeps for merging and finishing
@@ -34,6 +39,7 @@ HOP_MARGIN_MAX = 0.5  # seconds each hop keeps for itself at most
 PROGRESS_AFTER = 1.0  # a query slower than this tells its client how far it got
 PROGRESS_EVERY = 0.5
 WARM_EVERY = 60.0  # seconds: the root warms the tree again at most this often (new ranks, relaunches)
+RELAY_MAX_PARTS = 4  # a broker relays at most this many parts: at scale (8 ranks a node) it merges
 MAX_PROFILE_ROWS = 64  # merges and hops a profile lists at most (a 1024-rank job has 128 brokers)
 
 
@@ -75,7 +81,7 @@ class HopQuery:
     pruned: list[int] = field(default_factory=list)
     waiting: dict[int, list[int]] = field(default_factory=dict)  # hop rank -> ranks it answers for
     local: bool = False  # our own scan is running
-    parts: list[tuple[list[str], list[bytes]]] = field(default_factory=list)
+    parts: list[tuple[list[str], list[bytes], list[int] | None]] = field(default_factory=list)  # rows: None unknown
     answered: set[int] = field(default_factory=set)
     failed: dict[int, str] = field(default_factory=dict)
     errors: list[dict] = field(default_factory=list)  # fatal errors (row cap) seen anywhere
@@ -133,6 +139,8 @@ class HopTiming:
 
 
 class QueryFanOut:
+    merge_above_rows: int | None = MERGE_ABOVE_ROWS  # as the broker's merge task: past it, reduce (None: never)
+
     def __init__(self, tree: Tree) -> None:
         self.tree = tree
         self.queries: dict[str, HopQuery] = {}
@@ -280,7 +288,7 @@ class QueryFanOut:
         buffers = list(env.msg.buffers)
         s.bytes_in += sum(len(b) for b in buffers) + int(body.get("bytes_below") or 0)
         if body["status"] == "ok" and len(names) == len(buffers):
-            s.parts.append((names, buffers))
+            s.parts += _split(names, buffers, body.get("rows"), body.get("parts"))
         for r in ranks:
             if r not in s.answered and r not in s.failed:
                 s.failed[r] = "no answer"
@@ -304,7 +312,7 @@ class QueryFanOut:
                     s.errors.append(err)
             else:
                 s.answered.add(self.rank)
-                s.parts.append((result["scans"], result["buffers"]))
+                s.parts.append((result["scans"], result["buffers"], _rows(result.get("rows"), result["scans"])))
                 s.timing.scans[self.rank] = _ms(result, now, s.timing.task_started.get("rank"))
             return self._maybe_merge(s, now)
         if kind == "merge" and "error" not in result:
@@ -382,15 +390,33 @@ class QueryFanOut:
             more = f" (and {len(s.failed) - 3} more)" if len(s.failed) > 3 else ""
             return self._fail_client(s, now, "error", f"no rank answered: {shown}{more}")
         if s.origin is PARENT and len(s.parts) <= 1:  # a leaf: nothing to merge with
-            names, buffers = s.parts[0] if s.parts else ([], [])
-            return self._answer_parent(s, names, buffers, now=now)
-        parts = [{"scans": names, "buffers": bufs} for names, bufs in s.parts]
+            names, buffers, rows = s.parts[0] if s.parts else ([], [], [])
+            return self._answer_parent(s, names, buffers, rows=rows, now=now)
+        if s.origin is PARENT and self._relays(s):
+            return self._answer_parent(s, [n for p in s.parts for n in p[0]], [b for p in s.parts for b in p[1]],
+                                       rows=[r for p in s.parts for r in p[2] or ()],
+                                       sizes=[len(p[0]) for p in s.parts], now=now)
+        parts = [{"scans": names, "buffers": bufs} for names, bufs, _ in s.parts]
         common = {"plan": s.plan, "parts": parts, "deadline": s.deadline, "params": s.request.get("params")}
         s.timing.task_started["merge" if s.origin is PARENT else "finish"] = now
         if s.origin is PARENT:
             return [self._task(s, "merge", common)]
         # the root's registry, for a plan that reads `nodes` (the worker must not touch ours)
         return [self._task(s, "finish", dict(common, nodes=self.tree.member_rows()))]
+
+    def _relays(self, s: HopQuery) -> bool:
+        """Whether this broker's merge would only concatenate (no scan's partials past the
+        reduce threshold, every part's row counts known) and the parts are few."""
+        if len(s.parts) > RELAY_MAX_PARTS or any(rows is None for _, _, rows in s.parts):
+            return False
+        if self.merge_above_rows is None:
+            return True
+        reduced = {sc.get("name") for sc in (s.plan or {}).get("scans", ()) if sc.get("merge")}
+        total: dict[str, int] = {}
+        for names, _, rows in s.parts:
+            for n, k in zip(names, rows or ()):
+                total[n] = total.get(n, 0) + k
+        return all(k <= self.merge_above_rows for n, k in total.items() if n in reduced)
 
     def _answer(self, s: HopQuery, result: dict, now: float) -> list[Effect]:
         s.stage = "done"
@@ -403,7 +429,8 @@ class QueryFanOut:
                     s.failed[r] = result["error"].get("message", "merge failed")
                 s.answered.clear()
                 return self._answer_parent(s, [], [], now=now)
-            return self._answer_parent(s, result["scans"], result["buffers"], now=now)
+            return self._answer_parent(s, result["scans"], result["buffers"],
+                                       rows=_rows(result.get("rows"), result["scans"]), now=now)
         if "error" in result:
             return self._fail_client(s, now, **result["error"])
         coverage = self.coverage(s, now)
@@ -422,12 +449,16 @@ class QueryFanOut:
         }
 
     def _answer_parent(self, s: HopQuery, names: list[str], buffers: list[bytes], error: dict | None = None,
-                       *, now: float) -> list[Effect]:
+                       *, now: float, rows: list[int] | None = None, sizes: list[int] | None = None) -> list[Effect]:
         self.queries.pop(s.qid, None)
         s.stage = "done"
         body = {"qid": s.qid, "status": "ok" if names or not error else "error", "answered": sorted(s.answered),
                 "failed": {str(r): v for r, v in s.failed.items()}, "scans": names, "bytes_below": s.bytes_in,
                 "profile": s.timing.to_body((now - s.started) * 1000.0)}
+        if rows is not None and len(rows) == len(names):
+            body["rows"] = rows
+        if sizes is not None:
+            body["parts"] = sizes
         if error:
             body["error"] = error
             body["status"] = "error"
@@ -448,3 +479,24 @@ def _ms(result: dict, now: float, started: float | None) -> float:
     if isinstance(own, (int, float)) and not isinstance(own, bool):
         return round(float(own), 3)
     return round((now - started) * 1000.0, 3) if started is not None else 0.0
+
+
+def _rows(rows: Any, names: list) -> list[int] | None:
+    """Row counts aligned with `names`, or None (unknown: the broker merges rather than relays)."""
+    if isinstance(rows, list) and len(rows) == len(names) and all(type(k) is int and k >= 0 for k in rows):
+        return rows
+    return None
+
+
+def _split(names: list[str], buffers: list[bytes], rows: Any, sizes: Any) -> list[tuple[list[str], list[bytes], list[int] | None]]:
+    """A subresult's parts: one (a merged or a leaf's answer) or, relayed by a broker, as many
+    as ``sizes`` says. Sizes that do not add up are the sender's bug: its answer is one part
+    (a merge keeps the last buffer of a repeated scan name: never more rows than were sent)."""
+    rows = _rows(rows, names)
+    if not (isinstance(sizes, list) and all(type(k) is int and k > 0 for k in sizes) and sum(sizes) == len(names)):
+        return [(names, buffers, rows)]
+    out, at = [], 0
+    for k in sizes:
+        out.append((names[at:at + k], buffers[at:at + k], None if rows is None else rows[at:at + k]))
+        at += k
+    return out

@@ -192,6 +192,8 @@ class SubresultBody(_SubresultFields, total=False):  # child -> parent
     bytes_below: int
     error: dict
     profile: dict  # where this hop's time went (query_fanout.HopTiming)
+    rows: list  # rows of each scan's buffer (a broker relays small partials instead of merging them)
+    parts: list  # how many scans each relayed part holds, in order (absent: one part)
 
 
 class ErrorBody(TypedDict):

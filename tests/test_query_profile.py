@@ -31,3 +31,98 @@ def test_a_malformed_child_profile_costs_only_its_details() -> None:
     assert len(t.hops) == 8  # every answer counts its hop, whatever its profile
     summary = t.summary(10.0, 100)
     assert summary["scan"] == {"ranks": 1, "median_ms": 1.5, "slowest_ms": 1.5, "slowest_rank": 3}
+
+
+# --- a broker relays small partials instead of merging them (issue 9, point 1) ---------------
+
+from kernel_probe.effects import PARENT, RunSqlTask, Send  # noqa: E402
+from kernel_probe.query_fanout import QueryFanOut  # noqa: E402
+from kernel_probe.wire import Envelope, Header, Message  # noqa: E402
+
+PLAN = {"mode": "partial-aggregate", "final": "SELECT sum(n) AS n FROM s0",
+        "scans": [{"name": "s0", "sql": "SELECT count(*) AS n FROM t", "where": "ranks",
+                   "merge": "SELECT sum(n) AS n FROM s0", "tables": ["t"]}]}
+
+
+class _Broker:  # rank 2, the broker of its node, with rank 3 below it
+    rank, incarnation, tier = 2, "i2", "broker"
+
+    def hop_to(self, rank: int):
+        return (rank, b"r%d" % rank) if rank == 3 else None
+
+    def child_rank(self, rid: bytes):
+        return 3 if rid == b"r3" else None
+
+    def member_rows(self) -> list[dict]:
+        return []
+
+    def child_ids(self) -> list[bytes]:
+        return [b"r3"]
+
+
+def _env(kind: str, body: dict, buffers: tuple = ()) -> Envelope:
+    return Envelope(Header(kind, "x", "i", 1, 0.0, "m1", None), Message(kind, body, buffers))
+
+
+def _broker_answer(child_body: dict, own_rows: list[int], above: int | None = 4096) -> list:
+    fan = QueryFanOut(_Broker())
+    fan.merge_above_rows = above
+    effects = fan.on_subquery(_env("subquery", {"qid": "q1", "plan": PLAN, "deadline": 10.0, "ranks": [2, 3]}), 0.0)
+    (own,) = [e for e in effects if isinstance(e, RunSqlTask)]
+    assert own.kind == "rank"
+    assert fan.on_sql_task_done(own.task_id, {"scans": ["s0"], "buffers": [b"own"], "rows": own_rows}, 0.001) == []
+    body = {"qid": "q1", "status": "ok", "answered": [3], "failed": {}, "scans": ["s0"], **child_body}
+    return fan.on_subresult(b"r3", _env("subresult", body, (b"child",)), 0.002)
+
+
+def test_a_broker_relays_small_partials_without_a_merge_task() -> None:
+    (send,) = _broker_answer({"rows": [1]}, [1])
+    assert isinstance(send, Send) and send.to is PARENT and send.msg.type == "subresult"
+    body = send.msg.body
+    assert body["scans"] == ["s0", "s0"] and body["parts"] == [1, 1] and body["rows"] == [1, 1]
+    assert sorted(send.msg.buffers) == [b"child", b"own"]
+    assert body["answered"] == [2, 3] and body["failed"] == {}
+    assert body["bytes_below"] == len(b"child") and body["profile"]["merges"] == []
+
+
+def test_a_broker_merges_past_the_threshold_or_when_rows_are_unknown() -> None:
+    for child, own, above in (({"rows": [4000]}, [97], 4096),  # 4097 rows: reduce them
+                              ({}, [1], 4096),  # a child that does not say its rows
+                              ({"rows": [1]}, [1], 0)):  # brokers told to reduce everything
+        (task,) = _broker_answer(child, own, above)
+        assert isinstance(task, RunSqlTask) and task.kind == "merge" and len(task.args["parts"]) == 2
+
+
+def test_the_parent_takes_a_relayed_answer_as_its_parts() -> None:
+    (send,) = _broker_answer({"rows": [1]}, [1])
+
+    class Root(_Broker):
+        rank, tier = 0, "root"
+
+        def hop_to(self, rank: int):
+            return (2, b"r2") if rank in (2, 3) else None
+
+        def child_rank(self, rid: bytes):
+            return 2 if rid == b"r2" else None
+
+    fan = QueryFanOut(Root())
+    effects = fan.on_client_query(b"client", _env("query", {"sql": "SELECT count(*) FROM t"}), 0.0)
+    (plan,) = effects
+    (down,) = fan.on_sql_task_done(plan.task_id, {"plan": PLAN, "targets": [2, 3]}, 0.001)
+    relayed = dict(send.msg.body, qid=down.msg.body["qid"])
+    (finish,) = fan.on_subresult(b"r2", _env("subresult", relayed, send.msg.buffers), 0.003)
+    assert finish.kind == "finish"
+    assert sorted(b for p in finish.args["parts"] for b in p["buffers"]) == [b"child", b"own"]
+    assert all(p["scans"] == ["s0"] for p in finish.args["parts"]) and len(finish.args["parts"]) == 2
+
+
+def test_a_relaying_simulated_job_answers_and_profiles_exactly() -> None:
+    sim = SimCluster(make_ranks(seed=7), 2)  # 3 nodes x 2, default threshold: brokers relay
+    coverage, table = sim.query("SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g")
+    reducing = SimCluster(make_ranks(seed=7), 2, merge_above_rows=0)
+    coverage0, table0 = reducing.query("SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g")
+    assert table.equals(table0) and coverage["answered"] == coverage0["answered"] == list(range(6))
+    p = coverage["profile"]
+    assert p["merges"] == [] and p["scan"]["ranks"] == 6
+    assert sorted(h["child"] for h in p["hops"]) == [1, 2, 3, 4, 5]
+    assert coverage["bytes_shipped"] > coverage0["bytes_shipped"] > 0  # relayed buffers travel twice
