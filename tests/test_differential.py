@@ -299,6 +299,25 @@ def test_user_columns_named_like_tags_give_way_to_the_tags(engine: Engine, monke
     assert arrow_scans  # the Arrow path really ran on some of them
 
 
+MIXED = [  # one table, another type on other ranks: the answer's types are the union's
+    "SELECT count(*) AS n, sum(v), max(v) FROM mixed",
+    "SELECT _node, avg(v) AS a, min(v) FROM mixed GROUP BY _node ORDER BY _node",
+    "SELECT v > 2 AS big, count(*) FROM mixed GROUP BY v > 2 ORDER BY 1",
+]
+
+
+def test_a_table_whose_types_differ_by_rank_answers_as_the_union(engine: Engine) -> None:
+    ranks = make_ranks(seed=13)
+    for v in ranks:
+        n = 3 + v.rank
+        if v.rank % 2:
+            v.tables["mixed"] = pa.table({"v": pa.array([i + 0.5 for i in range(n)], pa.float64()),
+                                          "e": pa.array(range(n), pa.int32())})
+        else:
+            v.tables["mixed"] = pa.table({"v": pa.array(range(n), pa.int64())})
+    _check_on_both(Job(ranks, engine), Job(ranks, engine, merge_above_rows=0, arrow_scans=False), MIXED)
+
+
 def test_asked_again_the_cached_plan_and_shapes_answer_alike(cluster: Job) -> None:
     # the root caches plans and every rank its shape scans: the second answer must not drift
     for gq in tricky_queries()[:40]:

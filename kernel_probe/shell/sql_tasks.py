@@ -217,7 +217,7 @@ class SqlTaskRunner:
 
         scans = run_rank(self._plan_of(args), self.engine, _LocalTables(self.tables), self.tags(),
                          params=args.get("params"), deadline=args.get("deadline"), row_cap=self.row_cap,
-                         shapes=self._shapes, arrow=self.arrow_scans)
+                         arrow=self.arrow_scans)
         return _encode(scans)
 
     def _merge(self, args: dict) -> dict:
@@ -235,7 +235,7 @@ class SqlTaskRunner:
                        at_root=True)
         root_tables = _Lazy({"nodes": lambda: nodes_arrow(args.get("nodes") or [])})
         table = finish(plan, self.engine, merged, root_tables, params=args.get("params"),
-                       deadline=args.get("deadline"), row_cap=self.row_cap)
+                       deadline=args.get("deadline"), row_cap=self.row_cap, shapes=self._shapes)
         data = wire.table_to_ipc(table)
         return {"buffers": [data], "columns": table.column_names}
 

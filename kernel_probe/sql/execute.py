@@ -18,7 +18,9 @@ Rules of this file:
   anyway (its SQL carries the same tag conditions, so it sends no rows), and the root
   answers as DuckDB does over nothing (count 0, sum NULL, no rows).
 - A partial-aggregate answer takes its column names and types from the plan's ``shape``
-  scan (the statement itself with LIMIT 0), so it reads exactly like DuckDB's.
+  scan (the statement itself with LIMIT 0), so it reads exactly like DuckDB's. Ranks send
+  only their tagged input's names and types (no rows, no DuckDB pass); the root binds the
+  statement over the union of those, once per statement and input schema.
 - Partial results travel as plain Arrow types: DuckDB returns integer sums as HUGEINT
   (Arrow decimal128 with scale 0); each hop narrows those to int64 whenever the values
   fit (otherwise they stay decimal and concatenation promotes the rest).
@@ -27,7 +29,7 @@ Rules of this file:
 - A DuckDB pass costs milliseconds whatever the data, so a hop saves the ones it can:
   a broker re-aggregates its partials only past ``MERGE_ABOVE_ROWS`` rows, the root only
   when the final SQL needs one row per group (variance), since the final re-aggregates
-  any number of partial rows; a rank keeps the shape scan's answer, which depends only
+  any number of partial rows; the root keeps the shape scan's answer, which depends only
   on the SQL and the tables' schemas; and a rank whose partials are a plain group-by of
   numeric columns (``Scan.arrow``) computes them with Arrow, typed as DuckDB types them
   (count BIGINT, an integer sum HUGEINT, narrowed like DuckDB's; a float sum DOUBLE).
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from .engine import Engine
-    from .planner import Plan
+    from .planner import Plan, Scan
 
 __all__ = ["TAG_TYPES", "tagged", "select_ranks", "run_rank", "merge", "finish"]
 
@@ -183,7 +185,7 @@ class BoundedCache:
 
 class ShapeCache(BoundedCache):
     """Answers of shape scans (a statement with LIMIT 0) by SQL, input schemas and
-    parameters: they bind the same whatever the rows, so a rank runs each once."""
+    parameters: they bind the same whatever the rows, so the root runs each once."""
 
     def __init__(self, size: int = SHAPE_CACHE_SIZE) -> None:
         super().__init__(size)
@@ -438,7 +440,7 @@ def _arrow_reads_tags(spec: Mapping[str, Any]) -> bool:
 def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
              tags: Mapping[str, object], *, params: Any = None, deadline: float | None = None,
              row_cap: int | None = None, notes: list[str] | None = None,
-             shapes: ShapeCache | None = None, arrow: bool = True) -> dict[str, "pa.Table | None"]:
+             arrow: bool = True) -> dict[str, "pa.Table | None"]:
     """Run this rank's side of every "ranks" scan over its local `tables`.
 
     A scan whose table this rank lacks (KeyError from `tables`) yields None, and a line
@@ -448,12 +450,10 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
     cache: dict[str, pa.Table | None] = {}  # as found: untagged
     tagged_cache: dict[str, pa.Table] = {}
 
-    def with_tags(regs: dict[str, "pa.Table"], shape: bool) -> dict[str, "pa.Table"]:
+    def with_tags(regs: dict[str, "pa.Table"]) -> dict[str, "pa.Table"]:
         # tags are appended only for what may read them (a third of a small count's scan)
         if per_rank:
             return regs
-        if shape:  # empty slices: not for the cache
-            return {n: tagged(t, tags) for n, t in regs.items()}
         for n in regs:
             if n not in tagged_cache:
                 tagged_cache[n] = tagged(regs[n], tags)
@@ -481,32 +481,26 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
                 notes.append(msg)
             out[scan.name] = None
             continue
-        key = None
-        if scan.name == plan.shape:  # names and types only: binding does not depend on the rows
-            regs = {n: t.slice(0, 0) for n, t in regs.items()}
-            # keyed by the untagged schemas (the tags' names and types are fixed; per-rank mode
-            # apart: its tables are not tagged at all)
-            key = shapes.key(scan.sql, regs, (per_rank, params)) if shapes is not None else None
-            if key is not None and (known := shapes.get(key)) is not None:  # type: ignore[union-attr]
-                out[scan.name] = known
-                continue
+        if scan.name == plan.shape:
+            # the input's names and types only (tagged, no rows): the root binds the statement
+            # once over the union of every rank's (shape_at_root)
+            (only,) = regs.values()
+            out[scan.name] = tagged(only.slice(0, 0), tags)
+            continue
         result = None
-        if arrow and scan.arrow and not per_rank and key is None and len(regs) == 1:
+        if arrow and scan.arrow and not per_rank and len(regs) == 1:
             try:
                 run_arrow = arrow_partials if "aggs" in scan.arrow else arrow_rows
                 only = next(iter(regs))
-                table = regs[only] if not _arrow_reads_tags(scan.arrow) else with_tags(regs, False)[only]
+                table = regs[only] if not _arrow_reads_tags(scan.arrow) else with_tags(regs)[only]
                 result = run_arrow(scan.arrow, table)
             except (_NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
             if result is not None:
                 _within_cap(result, row_cap)
         if result is None:
-            result = engine.run(scan.sql, with_tags(regs, scan.name == plan.shape),
-                                params=_params_for(scan.sql, params), deadline=deadline,
-                                row_cap=row_cap)
-        if key is not None:
-            shapes.put(key, result)  # type: ignore[union-attr]
+            result = engine.run(scan.sql, with_tags(regs), params=_params_for(scan.sql, params),
+                                deadline=deadline, row_cap=row_cap)
         if per_rank:
             result = tagged(result, tags)
         elif _partial_scan(plan, scan.name):
@@ -586,9 +580,24 @@ def _conform(result: "pa.Table", shape: "pa.Table") -> "pa.Table":
     return result
 
 
+def _shape(scan: "Scan", engine: "Engine", inputs: "pa.Table", params: Any,
+           shapes: ShapeCache | None) -> "pa.Table":
+    """The answer's names and types: the statement with LIMIT 0 over the union of the ranks'
+    (tagged, empty) inputs, bound once per statement and input schema."""
+    regs = {scan.tables[0]: inputs.slice(0, 0)}
+    key = shapes.key(scan.sql, regs, params) if shapes is not None else None
+    if key is not None and (known := shapes.get(key)) is not None:  # type: ignore[union-attr]
+        return known
+    result = engine.run(scan.sql, regs, params=_params_for(scan.sql, params))
+    if key is not None:
+        shapes.put(key, result)  # type: ignore[union-attr]
+    return result
+
+
 def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None"],
            root_tables: Mapping[str, "pa.Table"], *, params: Any = None,
-           deadline: float | None = None, row_cap: int | None = None) -> "pa.Table":
+           deadline: float | None = None, row_cap: int | None = None,
+           shapes: ShapeCache | None = None) -> "pa.Table":
     """Run the root-only scans over `root_tables`, register every scan result by name and
     run the final SQL. A "ranks" scan with no schema from any rank is an error."""
     from .engine import QueryError
@@ -613,7 +622,7 @@ def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None
         if table is None:
             what = f"a table named {names}" if len(scan.tables) <= 1 else f"all of the tables {names}"
             raise QueryError(f"no rank has {what}", code="error")
-        regs[scan.name] = table
+        regs[scan.name] = table if scan.name != plan.shape else _shape(scan, engine, table, params, shapes)
     if plan.final_arrow is not None and plan.shape is not None:
         result = _final_with_arrow(plan, regs)
         if result is not None:
