@@ -483,7 +483,7 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
             continue
         if scan.name == plan.shape:
             # the input's names and types only (tagged, no rows): the root binds the statement
-            # once over the union of every rank's (shape_at_root)
+            # once over the union of every rank's (``_shape``)
             (only,) = regs.values()
             out[scan.name] = tagged(only.slice(0, 0), tags)
             continue
@@ -580,7 +580,7 @@ def _conform(result: "pa.Table", shape: "pa.Table") -> "pa.Table":
     return result
 
 
-def _shape(scan: "Scan", engine: "Engine", inputs: "pa.Table", params: Any,
+def _shape(scan: "Scan", engine: "Engine", inputs: "pa.Table", params: Any, deadline: float | None,
            shapes: ShapeCache | None) -> "pa.Table":
     """The answer's names and types: the statement with LIMIT 0 over the union of the ranks'
     (tagged, empty) inputs, bound once per statement and input schema."""
@@ -588,7 +588,7 @@ def _shape(scan: "Scan", engine: "Engine", inputs: "pa.Table", params: Any,
     key = shapes.key(scan.sql, regs, params) if shapes is not None else None
     if key is not None and (known := shapes.get(key)) is not None:  # type: ignore[union-attr]
         return known
-    result = engine.run(scan.sql, regs, params=_params_for(scan.sql, params))
+    result = engine.run(scan.sql, regs, params=_params_for(scan.sql, params), deadline=deadline)
     if key is not None:
         shapes.put(key, result)  # type: ignore[union-attr]
     return result
@@ -622,7 +622,7 @@ def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None
         if table is None:
             what = f"a table named {names}" if len(scan.tables) <= 1 else f"all of the tables {names}"
             raise QueryError(f"no rank has {what}", code="error")
-        regs[scan.name] = table if scan.name != plan.shape else _shape(scan, engine, table, params, shapes)
+        regs[scan.name] = table if scan.name != plan.shape else _shape(scan, engine, table, params, deadline, shapes)
     if plan.final_arrow is not None and plan.shape is not None:
         result = _final_with_arrow(plan, regs)
         if result is not None:

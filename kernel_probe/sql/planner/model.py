@@ -125,6 +125,10 @@ class Plan:
             if s.where == "root":
                 lines.append(f"scan {s.name} (at the root over {', '.join(s.tables) or 'no tables'}):")
                 lines.append(f"  root SQL:  {s.sql}")
+            elif s.name == self.shape:
+                lines.append(f"scan {s.name} (each targeted rank sends the names and types of "
+                             f"{', '.join(s.tables)}, no rows):")
+                lines.append(f"  root SQL over their union, once per input schema:  {s.sql}")
             else:
                 lines.append(f"scan {s.name} (on each targeted rank over {', '.join(s.tables) or 'no tables'}):")
                 lines.append(f"  rank SQL:  {s.sql}")
