@@ -139,7 +139,7 @@ class HopTiming:
 
 
 class QueryFanOut:
-    merge_above_rows: int | None = MERGE_ABOVE_ROWS  # as the broker's merge task: past it, reduce (None: never)
+    merge_above_rows: int | None = MERGE_ABOVE_ROWS  # a broker reduces partials past it (None: never), else relays or concatenates
 
     def __init__(self, tree: Tree) -> None:
         self.tree = tree
@@ -400,7 +400,7 @@ class QueryFanOut:
         common = {"plan": s.plan, "parts": parts, "deadline": s.deadline, "params": s.request.get("params")}
         s.timing.task_started["merge" if s.origin is PARENT else "finish"] = now
         if s.origin is PARENT:
-            return [self._task(s, "merge", common)]
+            return [self._task(s, "merge", dict(common, reduce_above=self.merge_above_rows))]
         # the root's registry, for a plan that reads `nodes` (the worker must not touch ours)
         return [self._task(s, "finish", dict(common, nodes=self.tree.member_rows()))]
 

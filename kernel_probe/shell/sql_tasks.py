@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 from .. import wire
 from ..membership import ALIVE, STALLED
-from ..sql.execute import MERGE_ABOVE_ROWS, BoundedCache, ShapeCache
+from ..sql.execute import BoundedCache, ShapeCache
 from ..tables.convert import array, scalar
 
 LIVE = (ALIVE, STALLED)  # ranks a query asks
@@ -85,7 +85,6 @@ class SqlTaskRunner:
     simulator), ``start`` on a worker thread (the probe)."""
 
     MAX_RUNNING = 8  # a stuck user table holds a worker; never let them pile up without bound
-    merge_above_rows: int | None = MERGE_ABOVE_ROWS  # a broker reduces its partials only past this
     arrow_scans = True  # plain group-by partials with Arrow (Scan.arrow), not a DuckDB pass
 
     def __init__(self, tables: Any, tags: Callable[[], dict], *,
@@ -160,12 +159,9 @@ class SqlTaskRunner:
     def _warm(self, args: dict) -> dict:
         """Load what a query needs before one comes: DuckDB and its connection, pyarrow with
         its compute functions (filters, casts: ~30-80 ms on first use) and Acero (group-bys),
-        the executor, and at the root the planner (sqlglot builds its dialect tables on
-        first use)."""
+        and at the root the planner (sqlglot builds its dialect tables on first use)."""
         import pyarrow._acero  # noqa: F401
         import pyarrow.compute  # noqa: F401
-
-        from ..sql import execute  # noqa: F401
 
         self.engine.run("SELECT count(*) FROM tables", {"tables": self.tables.arrow("tables")})
         if args.get("planner"):
@@ -224,7 +220,7 @@ class SqlTaskRunner:
         from ..sql.execute import merge
 
         merged = merge(self._plan_of(args), self.engine, _decode(args["parts"]), deadline=args.get("deadline"),
-                       row_cap=self.row_cap, reduce_above=self.merge_above_rows)
+                       row_cap=self.row_cap, reduce_above=args["reduce_above"])  # the fan-out's threshold
         return _encode(merged)
 
     def _finish(self, args: dict) -> dict:

@@ -82,8 +82,7 @@ class SimCluster:
         self.sim.start_all()
         for v in self.sim.ranks:
             if merge_above_rows is not None:
-                v.sql.merge_above_rows = merge_above_rows
-                v.core.fanout.merge_above_rows = merge_above_rows  # the broker's relay decision agrees
+                v.core.fanout.merge_above_rows = merge_above_rows
             v.sql.arrow_scans = arrow_scans
         for r in ranks:
             self.sim.set_role(r.rank, r.role)

@@ -84,7 +84,8 @@ def _divides(mod: Any, zero: Any, alias: str) -> tuple[str, int] | None:
     """(column, k) for ``column % k`` compared with 0, k a nonzero integer literal."""
     while isinstance(mod, exp.Paren):
         mod = mod.this
-    if not isinstance(mod, exp.Mod) or _literal(zero) != 0 or isinstance(_literal(zero), (bool, float)):
+    z = _literal(zero)
+    if not isinstance(mod, exp.Mod) or type(z) is not int or z != 0:
         return None
     col, k = _column(mod.this, alias), _literal(mod.expression)
     if col is None or type(k) is not int or k == 0:
