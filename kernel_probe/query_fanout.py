@@ -229,7 +229,8 @@ class QueryFanOut:
             by_hop.setdefault(hop[0], (hop[1], []))[1].append(rank)
         # the explain text is for the client: the hops below never read it (half a count's plan)
         down = {k: v for k, v in s.plan.items() if k != "explain"} if by_hop else s.plan
-        for hop, (rid, ranks) in by_hop.items():
+        # the widest subtree first: a broker's answer is the last to come back
+        for hop, (rid, ranks) in sorted(by_hop.items(), key=lambda kv: -len(kv[1][1])):
             s.waiting[hop] = ranks
             s.timing.sent[hop] = now
             body = {"qid": s.qid, "plan": down, "deadline": child_deadline, "ranks": ranks,

@@ -37,6 +37,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -64,6 +65,19 @@ TAG_TYPES = {"_rank": "int64", "_node": "int64", "_host": "string", "_local_rank
              "_role": "string"}
 
 
+@functools.lru_cache(maxsize=4096)
+def _const(value: Any, typ: "pa.DataType") -> Any:
+    """``scalar(value, typ)``, made once: tags and the finals' literals recur with every query."""
+    return scalar(value, typ)
+
+
+@functools.lru_cache(maxsize=None)
+def _empty(alias: str) -> Any:
+    import pyarrow as pa
+
+    return array([], pa.type_for_alias(alias))
+
+
 def tagged(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
     """`table` with the five tag columns appended as constants (a column of the same name
     is replaced: the tag is what the cluster query means by it)."""
@@ -71,15 +85,14 @@ def tagged(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
 
     n = table.num_rows
     for name, alias in TAG_TYPES.items():
-        typ = pa.type_for_alias(alias)
         value = tags.get(name)
-        if value is not None and typ == pa.string():
+        if value is not None and alias == "string":
             value = str(value)
-        col = pa.repeat(scalar(value, typ), n) if n else array([], typ)
+        col = pa.repeat(_const(value, _empty(alias).type), n) if n else _empty(alias)
         i = table.schema.get_field_index(name)
         if i >= 0:
             table = table.remove_column(i)
-        table = table.append_column(pa.field(name, typ), col)
+        table = table.append_column(pa.field(name, col.type), col)
     return table
 
 
@@ -253,7 +266,7 @@ def _arrow_filter(table: "pa.Table", filters: Sequence[Sequence[Any]]) -> "pa.Ta
             if not pa.types.is_integer(arr.type):
                 raise _NotPlain(col)  # DuckDB's modulo of a float or decimal: the SQL's job
             if abs(value) == 1:  # every value; and INT64_MIN // -1 would overflow
-                m = pc.is_valid(arr) if op == "divisible" else pc.and_kleene(pc.is_valid(arr), scalar(False, pa.bool_()))
+                m = pc.is_valid(arr) if op == "divisible" else pc.and_kleene(pc.is_valid(arr), _const(False, pa.bool_()))
             else:
                 k = scalar(value, arr.type)  # ArrowInvalid (a ValueError) when k does not fit: SQL
                 m = pc.equal(pc.multiply(pc.divide(arr, k), k), arr)
@@ -305,7 +318,7 @@ def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
         out = {}
         for alias, src, func in aggs:
             if func == "count_all":
-                value = scalar(table.num_rows, pa.int64())
+                value = _const(table.num_rows, pa.int64())
             elif func == "count":
                 value = pc.count(work[src], mode="only_valid")
             else:
@@ -367,12 +380,12 @@ def arrow_final(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
         if kind == "key":
             cols.append(grouped.column(out[1]))
         elif kind == "count":
-            cols.append(pc.fill_null(pc.cast(grouped.column(f"__out{i}"), pa.int64()), scalar(0, pa.int64())))
+            cols.append(pc.fill_null(pc.cast(grouped.column(f"__out{i}"), pa.int64()), _const(0, pa.int64())))
         elif kind == "avg":
             total = pc.cast(grouped.column(f"__out{i}"), pa.float64())
             n = pc.cast(grouped.column(f"__cnt{i}"), pa.float64())
-            nothing = pc.fill_null(pc.equal(n, scalar(0.0, pa.float64())), scalar(True, pa.bool_()))
-            cols.append(pc.if_else(nothing, scalar(None, pa.float64()), pc.divide(total, n)))
+            nothing = pc.fill_null(pc.equal(n, _const(0.0, pa.float64())), _const(True, pa.bool_()))
+            cols.append(pc.if_else(nothing, _const(None, pa.float64()), pc.divide(total, n)))
         else:
             cols.append(grouped.column(f"__out{i}"))
     result = pa.Table.from_arrays(cols, names=[f"c{i}" for i in range(len(cols))])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -163,6 +164,19 @@ class LocalTables:
             raise
         except Exception as exc:
             raise TableError(name, _one_line(name, exc)) from exc
+
+    def at_once(self, name: str, max_rows: int):
+        """The table now if serving it runs no user code and converts no recorded rows: a
+        user table given as Arrow (of at most ``max_rows`` rows) or the live stacks; else
+        None. The probe's I/O thread may serve these itself (``SqlTaskRunner.quick``)."""
+        if name == "stacks":
+            return self.arrow(name)
+        with self._lock:
+            data = None if name in self._providers else self._user.get(name)
+        pa = sys.modules.get("pyarrow")
+        if pa is not None and isinstance(data, pa.Table) and data.num_rows <= max_rows:
+            return data
+        return None
 
     def schema(self, name: str):
         """The table's Arrow schema (built-ins without converting any rows). A user callable

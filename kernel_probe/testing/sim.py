@@ -446,7 +446,7 @@ class Simulation:
                 self.last_finish_nodes = args.get("nodes")  # what the root's `nodes` was, for oracles
             if args.get("deadline") is not None:  # DuckDB really runs: give it the time left, on its clock
                 args = dict(args, deadline=time.time() + max(0.0, args["deadline"] - self.now))
-            result = v.sql.run(task.kind, args)
+            result = v.sql.quick(task.kind, args) or v.sql.run(task.kind, args)  # as a probe does
         self._at(self.now + self.sql_latency,
                  lambda: self._input(v, lambda core: core.on_sql_task_done(task.task_id, result, self.now)))
 
@@ -722,6 +722,10 @@ class SimTables:
 
     def columns(self) -> dict[str, list[str]]:
         return {t: list(tab.column_names) for t, tab in self._tables.items()} if self.listed else {}
+
+    def at_once(self, name: str, max_rows: int):
+        table = self._tables.get(name)
+        return table if table is not None and table.num_rows <= max_rows else None
 
 
 def _sim_sql_runner(tables: Any, tags: Callable[[], dict], settings: Settings):

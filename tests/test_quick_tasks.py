@@ -1,0 +1,107 @@
+"""Quick SQL tasks (issue 9, point 1): a rank's Arrow-only scans of tables served at once, and
+a merge or finish without a DuckDB pass, run on the probe's I/O thread instead of a worker
+(two thread hand-offs fewer per hop). They must give exactly what the worker gives, and refuse
+(None: a worker runs it) whatever needs DuckDB, runs user code or is large."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pyarrow as pa
+import pytest
+
+from kernel_probe import wire
+from kernel_probe.config import Settings
+from kernel_probe.shell.sql_tasks import QUICK_MAX_ROWS, SqlTaskRunner
+from kernel_probe.tables.catalog import LocalTables
+
+TAGS = {"_rank": 3, "_node": 1, "_host": "h1", "_local_rank": 1, "_role": "trainer"}
+
+
+def _runner() -> SqlTaskRunner:
+    tables = LocalTables(dataclasses.replace(Settings()))
+    tables.table("t", pa.table({"id": list(range(1000)), "g": [i % 7 for i in range(1000)],
+                                "x": [i * 0.5 for i in range(1000)], "s": [f"s{i % 3}" for i in range(1000)]}))
+    tables.table("big", pa.table({"id": list(range(QUICK_MAX_ROWS + 1))}))
+    tables.table("called", lambda: pa.table({"id": [1, 2, 3]}))
+    return SqlTaskRunner(tables, lambda: TAGS, row_cap=100_000)
+
+
+def _plan(runner: SqlTaskRunner, sql: str) -> dict:
+    members = [{"rank": 3, "node": 1, "host": "h1", "local_rank": 1, "role": "trainer", "state": "alive"}]
+    out = runner.run("plan", {"sql": sql, "per_rank": False, "ranks": None, "members": members, "local": False,
+                              "self_rank": 3, "params": None})
+    assert "error" not in out, out
+    return {k: v for k, v in out["plan"].items() if k != "explain"}
+
+
+def _tables(result: dict) -> dict:
+    return {n: (None if b == b"" else wire.ipc_to_table(b)) for n, b in zip(result["scans"], result["buffers"])}
+
+
+def _finish_args(plan: dict, rank_results: list[dict]) -> dict:
+    parts = [{"scans": r["scans"], "buffers": r["buffers"]} for r in rank_results]
+    return {"plan": plan, "parts": parts, "deadline": None, "params": None, "nodes": []}
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT count(*) AS n FROM t",
+    "SELECT g, count(*) AS n, avg(x) AS a FROM t GROUP BY g ORDER BY g",
+    "SELECT id, g FROM t WHERE id % 10 = 0",
+    "SELECT _rank, depth, function FROM stacks WHERE is_main",
+])
+def test_a_quick_task_gives_what_the_worker_gives_without_duckdb(sql: str) -> None:
+    quick_runner, worker_runner = _runner(), _runner()
+    plan = _plan(worker_runner, sql)
+    args = {"plan": plan, "params": None, "deadline": None}
+    quick = quick_runner.quick("rank", args)
+    assert quick is not None, "an Arrow-only scan of an Arrow table is quick"
+    worker = worker_runner.run("rank", args)
+    assert quick["scans"] == worker["scans"]
+    if "stacks" not in sql:  # the stacks are read at two moments: their rows may differ
+        assert quick["rows"] == worker["rows"] and _tables(quick) == _tables(worker)
+    assert quick_runner._engine is None, "a quick task never opens DuckDB"
+    finish = _finish_args(plan, [quick, quick])
+    if plan.get("shape"):  # the answer's types are bound once per statement, in DuckDB: a worker
+        assert quick_runner.quick("finish", finish) is None
+    expected = quick_runner.run("finish", finish)
+    done = quick_runner.quick("finish", finish)  # then the root finishes it at once
+    if plan.get("final_union") or plan.get("final_arrow") is not None:
+        assert done is not None and "error" not in done, done
+        assert wire.ipc_to_table(done["buffers"][0]) == wire.ipc_to_table(expected["buffers"][0])
+    else:  # the final SQL
+        assert done is None
+
+
+@pytest.mark.parametrize("sql, why", [
+    ("SELECT g, count(*) AS n FROM t WHERE s LIKE 's1%' GROUP BY g", "a filter only DuckDB evaluates"),
+    ("SELECT count(*) AS n FROM called", "a callable runs user code"),
+    ("SELECT count(*) AS n FROM big", "more rows than a quick task may read"),
+    ("SELECT count(*) AS n FROM memory", "recorded rows are converted"),
+])
+def test_what_is_not_quick_goes_to_a_worker(sql: str, why: str) -> None:
+    runner = _runner()
+    plan = _plan(runner, sql)
+    assert runner.quick("rank", {"plan": plan, "params": None, "deadline": None}) is None, why
+    assert "error" not in runner.run("rank", {"plan": plan, "params": None, "deadline": None})
+
+
+def test_a_finish_that_needs_duckdb_or_much_data_is_not_quick() -> None:
+    runner = _runner()
+    plan = _plan(runner, "SELECT g, count(*) AS n FROM t GROUP BY g HAVING count(*) > 100 ORDER BY n DESC")
+    part = runner.run("rank", {"plan": plan, "params": None, "deadline": None})
+    if plan.get("final_arrow") is None and not plan.get("final_union"):
+        assert runner.quick("finish", _finish_args(plan, [part])) is None
+    count = _plan(runner, "SELECT count(*) AS n FROM t")
+    part = runner.run("rank", {"plan": count, "params": None, "deadline": None})
+    huge = dict(part, buffers=[b + bytes(5 << 20) if b else b for b in part["buffers"]])
+    assert runner.quick("finish", _finish_args(count, [huge])) is None  # too many bytes: not even decoded
+    assert runner.quick("plan", {"sql": "SELECT 1"}) is None  # sqlglot is never run on the I/O thread
+
+
+def test_an_error_in_a_quick_task_is_the_task_s_error() -> None:
+    runner = _runner()
+    plan = _plan(runner, "SELECT count(*) AS n FROM t")
+    parts = _finish_args(plan, [{"scans": ["nope"], "buffers": [b""]}])
+    out = runner.quick("finish", parts)
+    assert out is not None and out["error"]["message"] == runner.run("finish", parts)["error"]["message"]
