@@ -96,7 +96,35 @@ def test_a_finish_that_needs_duckdb_or_much_data_is_not_quick() -> None:
     part = runner.run("rank", {"plan": count, "params": None, "deadline": None})
     huge = dict(part, buffers=[b + bytes(5 << 20) if b else b for b in part["buffers"]])
     assert runner.quick("finish", _finish_args(count, [huge])) is None  # too many bytes: not even decoded
-    assert runner.quick("plan", {"sql": "SELECT 1"}) is None  # sqlglot is never run on the I/O thread
+
+
+def _plan_args(sql: str) -> dict:
+    members = [{"rank": r, "node": r // 2, "host": f"h{r // 2}", "local_rank": r % 2, "role": "", "state": "alive"}
+               for r in range(4)]
+    return {"sql": sql, "per_rank": False, "ranks": None, "members": members, "local": False, "self_rank": 0,
+            "params": None}
+
+
+def test_a_plan_is_quick_once_made_for_the_same_columns_unless_it_prunes_in_duckdb() -> None:
+    runner = _runner()
+    count = _plan_args("SELECT count(*) AS n FROM t")
+    assert runner.quick("plan", count) is None  # sqlglot never runs on the I/O thread
+    made = runner.run("plan", count)
+    again = runner.quick("plan", count)
+    assert again is not None and {k: v for k, v in again.items() if k != "ms"} == \
+        {k: v for k, v in made.items() if k != "ms"}
+    runner.tables.table("t", pa.table({"id": [1], "other": [2]}))  # new columns: plan again
+    assert runner.quick("plan", count) is None
+    pruned = _plan_args("SELECT count(*) AS n FROM t WHERE _rank = 1")
+    runner.run("plan", pruned)
+    assert runner.quick("plan", pruned) is None  # the tag filter runs in DuckDB
+    runner.tables.table("frame", [{"a": 1}, {"a": 2}])
+    runner.run("plan", count)
+    assert runner.quick("plan", count) is not None  # rows of dicts tell their columns unconverted
+    import pandas as pd
+    runner.tables.table("frame", pd.DataFrame({"a": [1, 2]}))
+    runner.run("plan", count)
+    assert runner.quick("plan", count) is None  # a DataFrame is converted to tell its columns
 
 
 def test_an_error_in_a_quick_task_is_the_task_s_error() -> None:

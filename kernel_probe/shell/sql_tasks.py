@@ -6,9 +6,10 @@ partials), ``finish`` (root: merge, then the final SQL). Results go back to the 
 thread as plain dicts of Arrow IPC bytes. DuckDB, pyarrow and sqlglot are imported
 here, lazily: a probe that is never queried never loads them.
 
-The one exception to "off the I/O thread" is ``quick``: a task bounded by construction (Arrow
-work on at most ``QUICK_MAX_ROWS`` rows or ``QUICK_MAX_BYTES`` of partials, no DuckDB, no
-user code) runs where it was asked, sparing a small query two thread hand-offs per hop.
+The one exception to "off the I/O thread" is ``quick``: a task bounded by construction (a
+cached plan; Arrow work on at most ``QUICK_MAX_ROWS`` rows or ``QUICK_MAX_BYTES`` of partials;
+no DuckDB, no sqlglot, no user code) runs where it was asked, sparing a small query two
+thread hand-offs per hop.
 """
 
 from __future__ import annotations
@@ -184,11 +185,14 @@ class SqlTaskRunner:
         return result
 
     def quick(self, kind: str, args: dict) -> dict | None:
-        """The task's result, computed here and now, if it is small Arrow work: a rank's
-        scans of tables served at once without a DuckDB pass, or a merge/finish of at most
-        QUICK_MAX_BYTES of partials without one. None: ``start`` it on a worker instead.
+        """The task's result, computed here and now, if it is small work: a plan found in the
+        plan cache (no tag pruning in DuckDB), a rank's scans of tables served at once without a
+        DuckDB pass, or a merge/finish of at most QUICK_MAX_BYTES of partials without one.
+        None: ``start`` it on a worker instead.
         The same code as ``run`` computes the answer; only the engine and the tables differ."""
-        if kind == "rank":
+        if kind == "plan":  # a plan already made, for the same tables' columns
+            work = lambda: self._plan(args, engine=_NoEngine(), cached_only=True)  # noqa: E731
+        elif kind == "rank":
             if not self.arrow_scans:
                 return None
             work = lambda: self._rank(args, engine=_NoEngine(), tables=_QuickTables(self.tables))  # noqa: E731
@@ -223,15 +227,20 @@ class SqlTaskRunner:
             make_plan("SELECT count(*) AS n FROM t WHERE _rank >= 0 GROUP BY _node", catalog={"t": ["x"]})
         return {}
 
-    def _plan(self, args: dict) -> dict:
+    def _plan(self, args: dict, engine: Any = None, cached_only: bool = False) -> dict:
         from ..sql.execute import select_ranks
         from ..sql.planner import plan as make_plan
 
+        columns = self.tables.columns(at_once=cached_only)
+        if columns is None:
+            raise NotQuick("a table converted for its columns")
         catalog = {name: [] for name in self.tables.names()}
-        catalog.update(self.tables.columns())
+        catalog.update(columns)
         # a dashboard asks the same question again and again: sqlglot plans it once
         key = (args["sql"], bool(args["per_rank"]), tuple((t, tuple(c)) for t, c in sorted(catalog.items())))
         known = self._plans.get(key)
+        if known is None and cached_only:
+            raise NotQuick("sqlglot")
         if known is None:
             p = make_plan(args["sql"], per_rank=args["per_rank"], catalog=catalog)
             known = (p, dict(p.to_dict(), explain=p.explain()))
@@ -245,7 +254,7 @@ class SqlTaskRunner:
             members = [m for m in members if m["rank"] in set(wanted)]
         tags = [{"_rank": m["rank"], "_node": m["node"], "_host": m["host"], "_local_rank": m["local_rank"],
                  "_role": m["role"]} for m in members]
-        chosen, pruned = select_ranks(p, self.engine, tags, params=args.get("params"))
+        chosen, pruned = select_ranks(p, engine or self.engine, tags, params=args.get("params"))
         state = {m["rank"]: m["state"] for m in members}
         live = [r for r in chosen if state[r] in LIVE]
         unavailable = {r: state[r] for r in chosen if state[r] not in LIVE}

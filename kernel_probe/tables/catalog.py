@@ -191,10 +191,11 @@ class LocalTables:
             return self._seen_schemas[name]
         return self.arrow(name).schema
 
-    def columns(self) -> dict[str, list[str]]:
+    def columns(self, at_once: bool = False) -> dict[str, list[str]] | None:
         """Every table's column names, as the ``tables`` catalog lists them, converting
         rows only where nothing else tells (a DataFrame): the root plans with this on
-        every query, and a big user table must not be converted for it each time."""
+        every query, and a big user table must not be converted for it each time.
+        ``at_once``: None rather than convert anything or ask a provider."""
         metric_rows = self._metrics.snapshot()
         out: dict[str, list[str]] = {}
         for name in self.names():
@@ -205,6 +206,8 @@ class LocalTables:
             if known is not None:
                 out[name] = known
                 continue
+            if at_once and not callable(data):  # a callable's schema is as of its last call: no call
+                return None
             try:
                 out[name] = list(self.schema(name).names)
             except Exception:  # a failing user table is left out of the catalog, not an error

@@ -720,7 +720,7 @@ class SimTables:
                                                                 ("column_type", pa.string())]))
         return self._tables[name]
 
-    def columns(self) -> dict[str, list[str]]:
+    def columns(self, at_once: bool = False) -> dict[str, list[str]]:
         return {t: list(tab.column_names) for t, tab in self._tables.items()} if self.listed else {}
 
     def at_once(self, name: str, max_rows: int):
