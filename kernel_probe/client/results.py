@@ -110,7 +110,8 @@ class QueryResult:
     @property
     def df(self) -> "pd.DataFrame":
         if self._df is None and self.table is not None:
-            self._df = self.table.to_pandas()
+            # a block per column: no consolidation copy (two thirds of a small answer's conversion)
+            self._df = self.table.to_pandas(split_blocks=True)
             self._df.attrs["coverage"] = self.coverage
         return self._df
 
