@@ -402,8 +402,10 @@ class QueryFanOut:
         s.timing.task_started["merge" if s.origin is PARENT else "finish"] = now
         if s.origin is PARENT:
             return [self._task(s, "merge", dict(common, reduce_above=self.merge_above_rows))]
-        # the root's registry, for a plan that reads `nodes` (the worker must not touch ours)
-        return [self._task(s, "finish", dict(common, nodes=self.tree.member_rows()))]
+        # the root's registry, for a plan that reads `nodes` (the worker must not touch ours);
+        # only then: over 1024 ranks it is a few ms of every query
+        reads_nodes = any(sc.get("where") == "root" for sc in (s.plan or {}).get("scans", ()))
+        return [self._task(s, "finish", dict(common, nodes=self.tree.member_rows() if reads_nodes else []))]
 
     def _relays(self, s: HopQuery) -> bool:
         """Whether this broker's merge would only concatenate (no scan's partials past the

@@ -339,7 +339,7 @@ class RankCore:
         return list(self.children)
 
     def member_rows(self) -> list[dict]:
-        return [m.to_dict() for m in self.view().members()]
+        return self.view().rows()
 
     # --- what this rank says about itself --------------------------------------------
     def report(self) -> dict:
@@ -373,7 +373,7 @@ class RankCore:
     def nodes_body(self) -> dict:
         view = self.view()
         return {
-            "members": [m.to_dict() for m in view.members()],
+            "members": view.rows(),
             "departures": [d.to_dict() for d in self.registry.departures()],
             "epoch": view.epoch,
         }

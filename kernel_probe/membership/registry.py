@@ -566,6 +566,11 @@ class Registry:
         """Copies, sorted by rank."""
         return [replace(self._members[r]) for r in sorted(self._members)]
 
+    def rows(self) -> list[dict[str, Any]]:
+        """``[m.to_dict() for m in members()]`` without copying each member first (the root
+        gives every query its whole membership)."""
+        return [self._members[r].to_dict() for r in sorted(self._members)]
+
     def departures(self) -> list[Departure]:
         """Oldest first; at most ``departures_kept``."""
         return list(self._departures)
