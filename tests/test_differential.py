@@ -318,6 +318,54 @@ def test_a_table_whose_types_differ_by_rank_answers_as_the_union(engine: Engine)
     _check_on_both(Job(ranks, engine), Job(ranks, engine, merge_above_rows=0, arrow_scans=False), MIXED)
 
 
+SPARSE = [  # a column only some ranks' table has: NULL on the others, as in the union
+    "SELECT count(*) AS n, count(e) AS ne, sum(e), max(e) FROM sparse",
+    "SELECT _node, count(e), avg(e) FROM sparse GROUP BY _node ORDER BY _node",
+    "SELECT e, count(*) FROM sparse GROUP BY e ORDER BY e NULLS FIRST",
+    "SELECT v, e FROM sparse WHERE e > 1 ORDER BY v, e",
+    "SELECT v, e FROM sparse ORDER BY v, e NULLS FIRST",
+    "SELECT * FROM sparse WHERE v < 3",
+    "SELECT _rank, count(e), max(f) FROM sparse GROUP BY _rank ORDER BY _rank",
+    "SELECT v, f FROM sparse WHERE f IS NOT NULL ORDER BY v",
+    "SELECT count(*) FROM sparse WHERE e IS NULL AND f IS NULL",
+]
+
+
+@pytest.fixture(scope="module")
+def sparse_ranks() -> list[VRank]:
+    ranks = make_ranks(seed=17)
+    for v in ranks:  # rank 0, the root, lacks e: its catalog cannot tell the planner of it
+        n = 4 + v.rank
+        cols = {"v": pa.array(range(n), pa.int64())}
+        if v.rank % 2:
+            cols["e"] = pa.array([i * 0.5 for i in range(n)], pa.float64())
+        if v.rank == 5:
+            cols["f"] = pa.array([f"f{i}" for i in range(n)], pa.string())
+        v.tables["sparse"] = pa.table(cols)
+    return ranks
+
+
+def test_a_column_only_some_ranks_have_is_null_on_the_others(engine: Engine, sparse_ranks: list[VRank]) -> None:
+    _check_on_both(Job(sparse_ranks, engine), Job(sparse_ranks, engine, merge_above_rows=0, arrow_scans=False),
+                   SPARSE)
+
+
+def test_a_column_no_rank_has_is_an_error_and_per_rank_pads_the_others(engine: Engine,
+                                                                       sparse_ranks: list[VRank]) -> None:
+    job = Job(sparse_ranks, engine)
+    for sql in ("SELECT sum(nosuch) FROM sparse", "SELECT v FROM sparse WHERE nosuch > 1",
+                "SELECT nosuch, count(*) FROM sparse GROUP BY nosuch"):
+        for per_rank in (False, True):
+            with pytest.raises(SimQueryError, match='"nosuch" not found in sparse on any rank'):
+                job.sim.query(sql, per_rank=per_rank)
+    coverage, table = job.sim.query("SELECT v, e FROM sparse", per_rank=True)
+    assert not coverage["partial"] and table.num_rows == sum(4 + v.rank for v in sparse_ranks)
+    by_rank = collections.defaultdict(set)
+    for row in table.to_pylist():
+        by_rank[row["_rank"]].add(row["e"] is None)
+    assert by_rank == {r: {r % 2 == 0} for r in range(len(sparse_ranks))}
+
+
 def test_asked_again_the_cached_plan_and_shapes_answer_alike(cluster: Job) -> None:
     # the root caches plans and every rank its shape scans: the second answer must not drift
     for gq in tricky_queries()[:40]:
@@ -327,8 +375,11 @@ def test_asked_again_the_cached_plan_and_shapes_answer_alike(cluster: Job) -> No
 
 
 def test_a_query_every_rank_fails_says_why(uncataloged: Job) -> None:
-    # the root cannot check columns it has no catalog for: the ranks' own error reaches the user
-    with pytest.raises(SimQueryError, match=r'no rank answered: rank 0: .*"nosuchcol" not found.*\(and 3 more\)'):
+    # what every rank runs whole fails on every rank: the ranks' own error reaches the user
+    with pytest.raises(SimQueryError, match=r"no rank answered: rank 0: .*'x' to INT32.*\(and 2 more\)"):
+        uncataloged.sim.query("SELECT _rank, count(*) + CAST('x' AS INTEGER) FROM t WHERE _rank <> 2 GROUP BY _rank")
+    # the root cannot check columns it has no catalog for: no rank having it says so
+    with pytest.raises(SimQueryError, match='"nosuchcol" not found in t on any rank'):
         uncataloged.sim.query("SELECT nosuchcol FROM t ORDER BY nosuchcol LIMIT 3")
 
 

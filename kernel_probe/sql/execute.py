@@ -56,6 +56,10 @@ __all__ = ["TAG_TYPES", "tagged", "select_ranks", "run_rank", "merge", "finish"]
 log = logging.getLogger(__name__)
 
 MERGE_ABOVE_ROWS = 4096  # below this, concatenating partials is cheaper than reducing them
+# A column some ranks' table lacks is NULL there, as in the union (DuckDB's own words for it):
+_MISSING_COLUMN = re.compile(r'Referenced column "([^"]+)" not found|does not have a column named "([^"]+)"')
+MAX_PADDED = 16  # columns one scan may add as NULLs before its error stands
+PADDED_KEY = b"probing.padded"  # a scan result's schema metadata: the columns its ranks lacked
 SHAPE_CACHE_SIZE = 64
 
 # Arrow types of the tag columns (planner.TAGS, in that order: a test checks), fixed so every
@@ -511,15 +515,56 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
             if result is not None:
                 _within_cap(result, row_cap)
+        padded: list[str] = []
         if result is None:
-            result = engine.run(scan.sql, with_tags(regs), params=_params_for(scan.sql, params),
-                                deadline=deadline, row_cap=row_cap)
+            result, padded = _run_padded(engine, scan.sql, with_tags(regs), params=_params_for(scan.sql, params),
+                                         deadline=deadline, row_cap=row_cap)
         if per_rank:
             result = tagged(result, tags)
         elif _partial_scan(plan, scan.name):
             result = _narrow(result)
-        out[scan.name] = result
+        out[scan.name] = _with_padded(result, padded)
     return out
+
+
+def _run_padded(engine: "Engine", sql: str, regs: dict[str, "pa.Table"], **kw: Any) -> tuple["pa.Table", list[str]]:
+    """``engine.run``, where a column this rank's (one) table lacks is added as NULLs, as the
+    union of every rank's table has it: (result, the columns added). Only what DuckDB could
+    not bind is added, so a name that means something else (a select alias) keeps its meaning."""
+    import pyarrow as pa
+
+    from .engine import QueryError
+
+    padded: list[str] = []
+    while True:
+        try:
+            return engine.run(sql, regs, **kw), padded
+        except QueryError as exc:
+            found = _MISSING_COLUMN.search(str(exc))
+            if found is None or len(regs) != 1 or len(padded) >= MAX_PADDED:
+                raise
+            column = found.group(1) or found.group(2)
+            ((name, table),) = regs.items()
+            if column.lower() in (c.lower() for c in table.column_names):
+                raise
+            regs = {name: table.append_column(pa.field(column, pa.null()), pa.nulls(table.num_rows))}
+            padded.append(column)
+
+
+def _padded(table: "pa.Table") -> list[str]:
+    meta = table.schema.metadata or {}
+    return [c for c in meta.get(PADDED_KEY, b"").decode().split("\n") if c]
+
+
+def _with_padded(table: "pa.Table", padded: Sequence[str]) -> "pa.Table":
+    """``table`` saying which columns its ranks lacked (schema metadata travels in Arrow IPC
+    and through relays); nothing said when none was lacking."""
+    meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != PADDED_KEY}
+    if padded:
+        meta[PADDED_KEY] = "\n".join(padded).encode()
+    if meta == (table.schema.metadata or {}):
+        return table
+    return table.replace_schema_metadata(meta or None)
 
 
 def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table | None"]], *,
@@ -552,7 +597,9 @@ def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table
             table = engine.run(scan.merge, {scan.name: table}, deadline=deadline, row_cap=row_cap)
             if _partial_scan(plan, scan.name):
                 table = _narrow(table)
-        out[scan.name] = table
+        # a column is lacking below only where every part lacked it
+        lacking = set(_padded(got[0])).intersection(*(_padded(t) for t in got[1:]))
+        out[scan.name] = _with_padded(table, [c for c in _padded(got[0]) if c in lacking])
     return out
 
 
@@ -635,6 +682,9 @@ def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None
         if table is None:
             what = f"a table named {names}" if len(scan.tables) <= 1 else f"all of the tables {names}"
             raise QueryError(f"no rank has {what}", code="error")
+        lacking = _padded(table)
+        if lacking:  # every rank that answered lacked it: a misspelt name, not a sparse column
+            raise QueryError(f'Referenced column "{lacking[0]}" not found in {names} on any rank', code="error")
         regs[scan.name] = table if scan.name != plan.shape else _shape(scan, engine, table, params, deadline, shapes)
     if plan.final_arrow is not None and plan.shape is not None:
         result = _final_with_arrow(plan, regs)
