@@ -266,6 +266,8 @@ class VirtualHost:
         self.limits = wire.Limits()
         self.stopping = False
         self.ctx = zmq.Context()
+        # two sockets a rank: past 511 ranks a process outgrows libzmq's default of 1023 sockets
+        self.ctx.set(zmq.MAX_SOCKETS, max(1024, 2 * len(ranks) + 64))
         self.ctx.setsockopt(zmq.MAX_SOCKETS, max(1024, 4 * len(ranks) + 64))
         # epoll over each socket's ZMQ_FD: zmq_poll walks every socket on every call (~260 here,
         # 0.1-0.4 ms a wake-up, several wake-ups per query); epoll costs what is ready
