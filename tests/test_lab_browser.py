@@ -4,8 +4,8 @@ A real `jupyter lab` subprocess (the installed server extension and lab extensio
 live local job (tiny DDP training, plain mode: one rank can be killed alone), and Debian
 Chromium driven by Playwright (nothing downloaded). Run twice: at the root and under a
 `base_url` prefix, as behind JupyterHub; the latter also stops the job and launches it
-again (issue 10): the panel says it ended, then shows the new launch and says once that
-it restarted. Screenshots land in test-artifacts/lab-browser/.
+again (issue 10): the panel says it ended, is reloaded in the gap, then shows the new
+launch and says once that it restarted. Screenshots land in test-artifacts/lab-browser/.
 """
 
 from __future__ import annotations
@@ -295,6 +295,12 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                         .to_contain_text("waiting for a relaunch")
                     expect(page.locator("#probing-cluster .pm-Cluster-jobSelect")).to_have_value(local_id)
                     _shot(page, "#probing-cluster", out, "panel-job-ended.png")
+                    # reloaded while nothing runs, the panel first meets the job ended: it still must say
+                    # that it restarted when it comes back (the server's count, from the listing)
+                    page.reload()
+                    expect(page.locator("#probing-cluster .pm-Cluster-jobSelect")).to_have_value(local_id)
+                    expect(page.locator("#probing-cluster .pm-Cluster-status.pm-status-job-ended")) \
+                        .to_contain_text("waiting for a relaunch", timeout=15_000)
                     job = LocalJob(worker, nodes=2, ranks_per_node=2, mode="plain", run_id=job.run_id,
                                    env={**JOB_ENV, "PROBING_RUNTIME_DIR": str(runtime)},
                                    workdir=tmp_path / "job-again").start()

@@ -341,56 +341,118 @@ async def test_stalled_ranks_name_the_suspect(api, stalled_job):
         0: "in wait_in_all_reduce", 1: "in wait_in_all_reduce", 2: "in wait_in_all_reduce", 3: "in fetch_next_batch"}
 
 
+RELAUNCHED = "relaunched"  # the run id of every launch of the relaunch tests' job
+
+
+def _launcher(runtime: Path, tmp_path: Path):
+    """start(workdir) -> a new launch (2 nodes x 1 rank, plain) of the same job, run id RELAUNCHED."""
+
+    def start(workdir: str) -> LocalJob:
+        return LocalJob([TABLES, "--rows", "10"], nodes=2, ranks_per_node=1, mode="plain", run_id=RELAUNCHED,
+                        env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), **FAST},
+                        workdir=tmp_path / workdir).start()
+
+    return start
+
+
+async def _until(what: str, fn, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while (value := await fn()) is None:
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.3)
+    return value
+
+
+def _all_alive(api, job_id: str):
+    async def nodes() -> dict | None:
+        status, body = await api("GET", "jobs", job_id, "nodes", params={"timeout": "2"})
+        return body if status == 200 and [m["state"] for m in body["members"]] == ["alive"] * 2 else None
+
+    return nodes
+
+
+async def _listed(api) -> list[tuple]:
+    status, body = await api("GET", "jobs")
+    assert status == 200, body
+    return [(j["id"], j["alive"], j["pid"], j["restarts"]) for j in body["jobs"]]
+
+
+async def _ended_quickly(api, job_id: str) -> None:
+    t0 = time.monotonic()
+    status, body = await api("GET", "jobs", job_id, "nodes")
+    assert status == 502 and body["code"] == "job_ended" and time.monotonic() - t0 < 2, body
+
+
 async def test_panel_follows_a_relaunch(api, tmp_path, monkeypatch, jp_web_app):
     """Issue 10 part 2: the job is stopped and launched again (same command, same run id).
     Its id stays the same; between launches its nodes say it ended (502 job_ended, quickly)
     and it stays listed as not alive; then the same id answers from the new launch, with
-    ``restarts`` 1 and the one-line notice."""
+    ``restarts`` 1 and the one-line notice (also in the listing's ``restarts``)."""
     runtime = tmp_path / "runtime"
     monkeypatch.setenv("PROBING_RUNTIME_DIR", str(runtime))
-
-    def start(workdir: str) -> LocalJob:
-        return LocalJob([TABLES, "--rows", "10"], nodes=2, ranks_per_node=1, mode="plain", run_id="relaunched",
-                        env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), **FAST},
-                        workdir=tmp_path / workdir).start()
-
-    async def nodes_of(job_id: str) -> dict | None:
-        status, body = await api("GET", "jobs", job_id, "nodes", params={"timeout": "2"})
-        return body if status == 200 and [m["state"] for m in body["members"]] == ["alive"] * 2 else None
-
-    async def until(what: str, fn, timeout: float = 60):
-        deadline = time.monotonic() + timeout
-        while (value := await fn()) is None:
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.3)
-        return value
-
+    start = _launcher(runtime, tmp_path)
     first = start("first")
     second = None
     try:
-        first.wait_ready(60)
-        job_id = await until("the job listed", _job_ids_of(api))
-        assert job_id == "relaunched"  # the run id without its launch suffix: the same for every launch
-        body = await until("2 alive ranks", lambda: nodes_of(job_id))
+        root_pid = first.wait_ready(60)[0]
+        job_id = await _until("the job listed", _job_ids_of(api))
+        assert job_id == RELAUNCHED  # the run id without its launch suffix: the same for every launch
+        body = await _until("2 alive ranks", _all_alive(api, job_id))
         assert body["restarts"] == 0 and body["restart_notice"] is None
         first.close()
         for _ in range(3):  # between launches: ended, said quickly every time
-            t0 = time.monotonic()
-            status, body = await api("GET", "jobs", job_id, "nodes")
-            assert status == 502 and body["code"] == "job_ended" and time.monotonic() - t0 < 2, body
+            await _ended_quickly(api, job_id)
             await asyncio.sleep(0.5)
-        status, body = await api("GET", "jobs")
-        assert [(j["id"], j["alive"]) for j in body["jobs"]] == [(job_id, False)], body
+        assert await _listed(api) == [(job_id, False, root_pid, 0)]
 
         second = start("second")
         pids = second.wait_ready(60)
-        body = await until("the same job id on the new launch", lambda: nodes_of(job_id))
+        body = await _until("the same job id on the new launch", _all_alive(api, job_id))
         assert {m["rank"]: m["pid"] for m in body["members"]} == pids
         assert body["restarts"] == 1 and body["info"]["pid"] == pids[0]
         assert body["restart_notice"].startswith("job relaunched restarted: following its new launch"), body
-        status, body = await api("GET", "jobs")
-        assert [(j["id"], j["alive"], j["pid"]) for j in body["jobs"]] == [(job_id, True, pids[0])], body
+        assert await _listed(api) == [(job_id, True, pids[0], 1)]
         assert jp_web_app.settings[STATE_KEY].cached() == [job_id]  # the same client followed it
+    finally:
+        if second is not None:
+            second.close()
+        first.close()
+
+
+async def test_a_relaunch_counts_when_the_client_is_replaced_in_the_gap(api, tmp_path, monkeypatch, jp_web_app):
+    """The relaunch count is the server's, not one client's: the job's client is dropped while
+    nothing runs (as the server does when a connection turns bad), so a new client meets the new
+    launch; the job stays listed as ended meanwhile, and the nodes and the listing still say it
+    restarted, once."""
+    runtime = tmp_path / "runtime"
+    monkeypatch.setenv("PROBING_RUNTIME_DIR", str(runtime))
+    clients = jp_web_app.settings[STATE_KEY]
+    start = _launcher(runtime, tmp_path)
+    first = start("first")
+    second = None
+    try:
+        root_pid = first.wait_ready(60)[0]
+        job_id = await _until("the job listed", _job_ids_of(api))
+        await _until("2 alive ranks", _all_alive(api, job_id))
+        old_client = clients._clients[job_id]
+        first.close()
+        await _ended_quickly(api, job_id)
+        clients.drop(job_id)
+        assert clients.cached() == []
+        await _ended_quickly(api, job_id)  # still the ended job, waiting for a relaunch (not unknown)
+        assert await _listed(api) == [(job_id, False, root_pid, 0)]
+
+        second = start("second")
+        pids = second.wait_ready(60)
+        body = await _until("the job on its new launch", _all_alive(api, job_id))
+        assert clients.cached() == [job_id] and clients._clients[job_id] is not old_client
+        assert body["restarts"] == 1, body
+        notice = body["restart_notice"]
+        assert notice.startswith(f"job {RELAUNCHED} restarted: following its new launch (root pid {pids[0]} at tcp://")
+        assert notice.endswith("; restart 1)"), notice
+        assert await _listed(api) == [(job_id, True, pids[0], 1)]
+        body = await _until("another answer", _all_alive(api, job_id))
+        assert (body["restarts"], body["restart_notice"]) == (1, notice)  # counted once
     finally:
         if second is not None:
             second.close()

@@ -7,7 +7,9 @@
  * A job that ended stays shown ("ended; waiting for a relaunch": the server keeps it
  * listed, not alive, while the panel asks for it); launched again with the same run id
  * it has the same id, so the panel shows the new launch and says once that it restarted
- * (the server counts the relaunches it followed: `restarts`).
+ * (the server counts the relaunches it saw: `restarts`; the panel counts from the first
+ * time it meets the job, in the listing, so a panel opened or reloaded while the job is
+ * ended still says so when it comes back).
  * A tick that cannot reach the Jupyter server rejects, so the lumino `Poll` backs off
  * and only pings the version route until the server answers again. The poll stands by
  * while the panel is hidden or the browser tab is in the background.
@@ -125,6 +127,7 @@ export class ClusterModel {
     this._choice++;
     this._chosenChanged.emit(jobId);
     this._forgetJob();
+    this._changed.emit(); // the previous job's ranks must not stay shown under the new choice
     void this.refresh();
   }
 
@@ -193,6 +196,13 @@ export class ClusterModel {
         return;
       }
       this._jobs = jobs;
+      for (const j of jobs) {
+        const seen = this._restartsSeen.get(j.id);
+        if (seen === undefined || (j.restarts ?? 0) < seen) {
+          // met for the first time (or forgotten by the server meanwhile): a relaunch from now on is news
+          this._restartsSeen.set(j.id, j.restarts ?? 0);
+        }
+      }
       // an ended job stays shown (waiting for its relaunch) even when another job runs
       const job =
         jobs.find(j => j.id === this._chosen) ??
@@ -213,8 +223,8 @@ export class ClusterModel {
         if (choice !== this._choice) {
           return;
         }
-        const seen = this._restartsSeen.get(job.id);
-        if (seen !== undefined && nodes.restarts > seen && nodes.restart_notice) {
+        const seen = this._restartsSeen.get(job.id) ?? nodes.restarts;
+        if (nodes.restarts > seen && nodes.restart_notice) {
           this._notice = nodes.restart_notice; // said once: the count only grows
         }
         this._restartsSeen.set(job.id, nodes.restarts);

@@ -31,6 +31,8 @@ export interface IJob {
   /** false: the job ended; the server still waits for it to be launched again (same id). */
   alive: boolean | null;
   added: number | null;
+  /** Relaunches of this job the server saw so far (a panel counts from here when it first meets the job). */
+  restarts: number;
 }
 
 export interface IMember {
@@ -80,7 +82,7 @@ export interface INodes {
   suspects: ISuspect[];
   /** The server's clock when it answered (epoch seconds): ages are computed against it. */
   now: number;
-  /** Relaunches of this job (same run id) the server followed, and the last one's one-line notice. */
+  /** Relaunches of this job (same run id) the server saw, and the last one's one-line notice. */
   restarts: number;
   restart_notice: string | null;
 }

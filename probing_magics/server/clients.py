@@ -9,12 +9,16 @@ request within a fraction of a second instead of at its deadline.
 
 A client is closed and dropped when its job is removed, and on errors that mean its
 connection is bad (refused credentials, an unreachable address); a mere timeout keeps it
-(other requests may be in flight on it). A job that ended keeps its client while someone
+(other requests may be in flight on it). A job that ended stays known while someone
 still asks for it (``WAIT_FOR_RELAUNCH_SEC`` since the last request): it stays listed,
 not alive, its requests say it ended, and when the job is launched again with the same
-run id (same job id, ``kernel_probe.jobs``) the client follows it there by itself
-(``kernel_probe.client.follow``); the restart count and the client's one-line notice are
-kept for the routes to show (``restarts``).
+run id (same job id, ``kernel_probe.jobs``) its client follows it there by itself
+(``kernel_probe.client.follow``), or a new client connects to the new launch.
+
+Relaunches are counted here, not by a client: the server remembers which launch of each
+job it last talked to (run id, root endpoint and pid) and counts one whenever a call
+answers from another launch, so the count and its one-line notice (``restarts``) survive
+the client being replaced in between.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, TypeVar
@@ -42,6 +47,38 @@ class TimedOut(ConnectError):
     """The job did not answer within the deadline (it may be frozen or far away)."""
 
 
+Launch = tuple[Any, ...]  # what tells one launch of a job from the next: run id, root endpoint, root pid
+
+
+def _launch_of(client: AsyncClient) -> Launch:
+    """The launch ``client`` talks to now (it changes only when the client follows a relaunch)."""
+    pid = client.connection.pid if client.connection is not None else client.info_.get("pid")
+    return (client.run_id, client.endpoint, pid)
+
+
+@dataclasses.dataclass
+class Launches:
+    """A job's launch the server last talked to, and the relaunches it saw since it first met the job."""
+
+    current: Launch
+    restarts: int = 0
+    notice: str | None = None  # the last relaunch's one-line notice
+
+    def saw(self, launch: Launch, client: AsyncClient, notices: list[str]) -> None:
+        """``client`` answered from ``launch``; ``notices`` are those it had not handed out yet."""
+        if launch == self.current:
+            return
+        self.current = launch
+        self.restarts += max(1, len(notices))
+        if notices and client.restarts == self.restarts:  # the client saw every relaunch: its words
+            self.notice = notices[-1]
+        else:  # a new client met the new launch (the old one was dropped in between)
+            name = re.sub(r"/r\d+$", "", client.run_id or "")  # torchrun's run ids: <rdzv id>/r<restart>
+            pid = f"root pid {launch[2]} " if launch[2] is not None else ""
+            self.notice = (f"job {name} restarted: following its new launch ({pid}at {client.endpoint}; "
+                           f"restart {self.restarts})")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -57,9 +94,9 @@ class ClusterClients:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="probing-server")
         self._clients: dict[str, AsyncClient] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
-        self._known: dict[str, Job] = {}  # each cached client's job as last seen running
-        self._asked: dict[str, float] = {}  # when each cached client's job was last asked for (monotonic)
-        self._restarts: dict[str, tuple[int, str]] = {}  # relaunches followed and the last notice, per job
+        self._known: dict[str, Job] = {}  # each job asked for, as last seen running
+        self._asked: dict[str, float] = {}  # when each known job was last asked for (monotonic)
+        self._launches: dict[str, Launches] = {}  # per job: the launch last talked to, relaunches seen
 
     @property
     def registry(self) -> JobRegistry:
@@ -70,30 +107,34 @@ class ClusterClients:
 
     async def jobs(self) -> list[Job]:
         """The jobs running here and those added, then the ended ones still waited for (not
-        alive); clients of other jobs no longer listed are dropped."""
+        alive); other jobs no longer listed are forgotten (their clients closed)."""
         jobs = await self._blocking(self.registry.jobs)
         listed = {j.id for j in jobs}
         waiting = []
-        for job_id in [i for i in self._clients if i not in listed]:
-            if job_id in self._known and time.monotonic() - self._asked.get(job_id, 0.0) < WAIT_FOR_RELAUNCH_SEC:
+        for job_id in [i for i in {**self._known, **self._clients} if i not in listed]:
+            if job_id in self._known and self._waited_for(job_id):
                 waiting.append(dataclasses.replace(self._known[job_id], alive=False))
             else:
-                self.drop(job_id)
+                self.forget(job_id)
         return jobs + waiting
 
+    def _waited_for(self, job_id: str) -> bool:
+        return time.monotonic() - self._asked.get(job_id, 0.0) < WAIT_FOR_RELAUNCH_SEC
+
     async def job(self, job_id: str) -> Job:
-        """The job ``job_id`` (``kernel_probe.UnknownJob`` if there is none, nor a client waiting
-        for its relaunch)."""
+        """The job ``job_id`` (``kernel_probe.UnknownJob`` if there is none, nor one that ended
+        and is still waited for)."""
         try:
             return await self._blocking(self.registry.get, job_id)
         except UnknownJob:
-            if job_id in self._clients and job_id in self._known:  # ended, its file removed
+            if job_id in self._known and self._waited_for(job_id):  # ended, its file removed
                 return dataclasses.replace(self._known[job_id], alive=False)
             raise
 
     def restarts(self, job_id: str) -> tuple[int, str | None]:
-        """How many relaunches of ``job_id`` the server followed, and the last one's notice."""
-        return self._restarts.get(job_id, (0, None))
+        """How many relaunches of ``job_id`` the server saw, and the last one's notice."""
+        seen = self._launches.get(job_id)
+        return (seen.restarts, seen.notice) if seen is not None else (0, None)
 
     async def add(self, target: str, token: str | None, timeout: float) -> Job:
         """Add a job by address (handshake on the pool); its token stays in this process."""
@@ -109,7 +150,7 @@ class ClusterClients:
 
     async def remove(self, job_id: str) -> None:
         await self._blocking(self.registry.remove, job_id)
-        self.drop(job_id)
+        self.forget(job_id)
 
     async def _client(self, job: Job, timeout: float) -> AsyncClient:
         client = self._clients.get(job.id)
@@ -133,17 +174,16 @@ class ClusterClients:
             self._known[job.id] = job
 
         async def run() -> T:
+            if job.alive is False and job.id not in self._clients:  # no root to connect to until a relaunch
+                raise self._ended(job)
             client = await self._client(job, timeout)
             result = await fn(client)
-            while (notice := client.take_notice()) is not None:  # it followed the job to a new launch
-                self._restarts[job.id] = (client.restarts, notice)
+            self._saw(job.id, client)
             return result
 
         try:
             return await self._watched(job, run(), timeout * 2 + SLACK_SEC)  # a handshake, then the request
         except JobEndedError:
-            if job.id not in self._clients:  # nothing to follow a relaunch with
-                self._known.pop(job.id, None)
             raise  # the client stays: it follows the job when it is launched again
         except AuthError:
             self.drop(job.id)
@@ -155,6 +195,22 @@ class ClusterClients:
             if not isinstance(classified, TimedOut) and job.source != "local":
                 self.drop(job.id)
             raise classified from None
+
+    def _saw(self, job_id: str, client: AsyncClient) -> None:
+        """``client`` answered: note its launch, counting a relaunch when it is another one."""
+        notices = []
+        while (notice := client.take_notice()) is not None:  # it followed the job to a new launch
+            notices.append(notice)
+        launch = _launch_of(client)
+        seen = self._launches.get(job_id)
+        if seen is None:
+            self._launches[job_id] = Launches(launch)
+        else:
+            seen.saw(launch, client, notices)
+
+    @staticmethod
+    def _ended(job: Job) -> JobEndedError:
+        return JobEndedError(f"job {job.run_id} has ended: its root (pid {job.pid}) exited")
 
     @staticmethod
     def _classified(exc: ConnectError) -> ConnectError:
@@ -173,7 +229,7 @@ class ClusterClients:
             if task in done:
                 return task.result()
             if watch is not None and watch in done:
-                raise JobEndedError(f"job {job.run_id} has ended: its root (pid {job.pid}) exited")
+                raise self._ended(job)
             raise TimedOut(f"job {job.run_id or job.id} did not answer within {deadline:g} s")
         finally:
             for t in (task, watch):
@@ -186,13 +242,18 @@ class ClusterClients:
             await asyncio.sleep(ROOT_WATCH_SEC)
 
     def drop(self, job_id: str) -> None:
-        """Close and forget the client of ``job_id`` (requests waiting on it fail)."""
+        """Close and forget the client of ``job_id`` (requests waiting on it fail); what the
+        server knows of the job (its launches, whether it is waited for) stays."""
         client = self._clients.pop(job_id, None)
         self._connecting.pop(job_id, None)
-        for state in (self._known, self._asked, self._restarts):
-            state.pop(job_id, None)
         if client is not None:
             client.close()
+
+    def forget(self, job_id: str) -> None:
+        """Drop the client of ``job_id`` and everything the server knew of the job."""
+        self.drop(job_id)
+        for state in (self._known, self._asked, self._launches):
+            state.pop(job_id, None)
 
     def cached(self) -> list[str]:
         """Ids of the jobs that have an open client (for tests and diagnostics)."""
@@ -200,5 +261,5 @@ class ClusterClients:
 
     def close(self) -> None:
         for job_id in list(self._clients):
-            self.drop(job_id)
+            self.forget(job_id)
         self._pool.shutdown(wait=False, cancel_futures=True)

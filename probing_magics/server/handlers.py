@@ -103,6 +103,11 @@ class ProbingHandler(APIHandler):
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(body, allow_nan=False))
 
+    def job_dict(self, job: kernel_probe.Job) -> dict:
+        """A job as the routes show it: with the relaunches the server saw (a panel that first
+        meets the job while it is ended counts from there, so it can say it restarted)."""
+        return {**json_safe(job.to_dict()), "restarts": self.clients.restarts(job.id)[0]}
+
     def body(self) -> dict:
         try:
             data = json.loads(self.request.body or b"{}")
@@ -155,7 +160,7 @@ class JobsHandler(ProbingHandler):
     @json_errors
     async def get(self) -> None:
         jobs = await self.clients.jobs()
-        self.reply({"jobs": [json_safe(j.to_dict()) for j in jobs], "now": time.time()})
+        self.reply({"jobs": [self.job_dict(j) for j in jobs], "now": time.time()})
 
     @tornado.web.authenticated
     @authorized
@@ -169,7 +174,7 @@ class JobsHandler(ProbingHandler):
             raise ApiError(400, "bad_request", "token must be a string")
         job = await self.clients.add(target.strip(), token or None, _timeout(body.get("timeout"), 5.0))
         self.set_status(201)
-        self.reply(json_safe(job.to_dict()))
+        self.reply(self.job_dict(job))
 
 
 class JobHandler(ProbingHandler):
@@ -177,7 +182,7 @@ class JobHandler(ProbingHandler):
     @authorized
     @json_errors
     async def get(self, job_id: str) -> None:
-        self.reply(json_safe((await self.clients.job(job_id)).to_dict()))
+        self.reply(self.job_dict(await self.clients.job(job_id)))
 
     @tornado.web.authenticated
     @authorized
@@ -203,7 +208,7 @@ class NodesHandler(ProbingHandler):
 
         raw, info = await self.clients.call(job_id, nodes, timeout)
         members = raw.get("members") or []
-        restarts, notice = self.clients.restarts(job_id)  # relaunches the server followed (same job id)
+        restarts, notice = self.clients.restarts(job_id)  # relaunches the server saw (same job id)
         self.reply(json_safe({
             "job_id": job_id, "run_id": info.get("run_id"), "world_size": info.get("world_size"), "info": info,
             "epoch": raw.get("epoch"), "members": members, "departures": raw.get("departures") or [],
