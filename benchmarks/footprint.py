@@ -7,8 +7,10 @@ loads is its own), or the demo's DDP training job (``--job ddp``: torch, gloo, a
 0.5 s; what a user runs).
 Proportional set size (PSS: a shared library counts once per node, split over the
 processes that map it) per rank: after start-up with nobody connected, then after a
-client connected and ran queries of every mode over the built-in tables. Idle CPU: the
-ranks' CPU time over a quiet stretch, on minus off, in % of one core.
+client connected and ran queries of every mode over the built-in tables: right after
+them, and once the ranks were quiet for a few seconds (a rank's query engine gives
+DuckDB's cached memory back after a quiet spell). Idle CPU: the ranks' CPU time over a
+quiet stretch, on minus off, in % of one core.
 
     .venv/bin/python benchmarks/footprint.py [--job idle|ddp] [--idle 20]
 """
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kernel_probe  # noqa: E402
+from kernel_probe.sql.engine import _TIDY_AFTER_S  # noqa: E402
 from kernel_probe.testing.harness import LocalJob  # noqa: E402
 
 WORKER = str(ROOT / "tests" / "workers" / "worker.py")
@@ -84,12 +87,14 @@ def main() -> int:
                 for _ in range(3):
                     r = client.query(sql, per_rank=mode == "per-rank")
                 assert r.coverage["plan"] == mode, (mode, r.coverage["plan"])
-        time.sleep(2.0)
+        right_after = statistics.median(pss_mb(on_pids)) - statistics.median(pss_mb(off_pids))
+        time.sleep(_TIDY_AFTER_S + 2.0)
         after_on, after_off = pss_mb(on_pids), pss_mb(off_pids)
         after = statistics.median(after_on) - statistics.median(after_off)
     print(f"footprint per rank, probe on vs. off (2 x 2 ranks of the {args.job} job, PSS in MB, median rank):")
-    print(f"  before any client:            +{before:.1f} MB")
-    print(f"  after queries of every mode:  +{after:.1f} MB (on {statistics.median(after_on):.1f}, "
+    print(f"  before any client:                 +{before:.1f} MB")
+    print(f"  right after queries of every mode: +{right_after:.1f} MB")
+    print(f"  after queries, ranks quiet {_TIDY_AFTER_S + 2.0:.0f} s: +{after:.1f} MB (on {statistics.median(after_on):.1f}, "
           f"off {statistics.median(after_off):.1f}; ranks on: {', '.join(f'{m:.1f}' for m in after_on)})")
     print(f"  idle CPU added: {idle_cpu:.3f} % of a core per rank over {wall:.0f} s")
     return 0

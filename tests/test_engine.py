@@ -354,3 +354,64 @@ def test_bad_table_value(engine):
     with pytest.raises(QueryError) as ei:
         engine.run("SELECT 1", {"t": object()})
     assert "'t'" in str(ei.value)
+
+
+# --- giving memory back after queries (issue 9, point 4) ---------------------------------------------------------
+
+def _dirty_pages() -> int:
+    """Dirty pages DuckDB's jemalloc keeps over all its arenas (refreshed statistics)."""
+    import ctypes
+
+    from kernel_probe.sql import engine as m
+
+    ctl = m.jemalloc_ctl()
+    assert ctl is not None, "this DuckDB build exports no duckdb_je_mallctl: the tidy cannot purge"
+    epoch, n = ctypes.c_uint64(1), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+    assert ctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch)) == 0
+    pages = ctypes.c_size_t()
+    assert ctl(b"stats.arenas.4096.pdirty", ctypes.byref(pages), ctypes.byref(n), None, 0) == 0
+    return pages.value
+
+
+BIG_GROUP_BY = "SELECT range::VARCHAR AS s, count(*) AS n FROM range(200000) GROUP BY s"
+
+
+def test_allocator_gives_memory_back_once_queries_stop(engine, monkeypatch):
+    from kernel_probe.sql import engine as m
+
+    monkeypatch.setattr(m, "_TIDY_AFTER_S", 0.3)
+    tidies = m._WATCHDOG.tidies
+    for _ in range(3):
+        assert engine.run(BIG_GROUP_BY, {}).num_rows == 200000
+    assert _dirty_pages() > 0  # what the query freed stays cached: jemalloc has no background thread here
+    assert m._WATCHDOG.tidies == tidies
+    deadline = time.monotonic() + 5
+    while _dirty_pages() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _dirty_pages() == 0 and m._WATCHDOG.tidies == tidies + 1
+
+
+def test_no_tidy_within_a_burst_nor_while_a_query_runs(engine, monkeypatch):
+    from kernel_probe.sql import engine as m
+
+    monkeypatch.setattr(m, "_TIDY_AFTER_S", 0.3)
+    tidies = m._WATCHDOG.tidies
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:  # queries closer together than the quiet time: never a purge between them
+        engine.run("SELECT count(*) AS n FROM range(1000)", {})
+        time.sleep(0.05)
+    assert m._WATCHDOG.tidies == tidies
+    # a query still running when the quiet time after another one is up: no purge under it
+    slow = threading.Thread(target=lambda: pytest.raises(QueryError, engine.run, SLOW, {}, deadline=time.time() + 1.2))
+    slow.start()
+    try:
+        time.sleep(0.1)
+        engine.run("SELECT 1", {})
+        time.sleep(0.6)
+        assert slow.is_alive() and m._WATCHDOG.tidies == tidies
+    finally:
+        slow.join()
+    deadline = time.monotonic() + 5
+    while m._WATCHDOG.tidies == tidies and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert m._WATCHDOG.tidies == tidies + 1

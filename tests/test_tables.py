@@ -263,6 +263,11 @@ def test_process_row(torch, tables):
     assert row["torch"] == torch.__version__ and row["host"]
     assert 0 < row["start_time"] <= time.time() and row["threads"] >= 1
     assert isinstance(row["argv"], str)
+    import psutil  # the same facts as psutil's, read from /proc
+
+    me = psutil.Process()
+    assert abs(row["start_time"] - me.create_time()) < 0.02
+    assert abs(row["threads"] - me.num_threads()) <= 1  # OS threads, native ones too (one may come or go)
 
 
 def test_env_redacts_secret_looking_names(tables, monkeypatch):
@@ -410,7 +415,8 @@ def test_importing_and_recording_loads_no_pyarrow_pandas_or_torch():
 
 def test_query_time_conversion_loads_no_pandas():
     """pyarrow's pa.array imports pandas (~40 MB per rank): every built-in table, logged
-    metrics and a list-of-dicts user table convert without it."""
+    metrics and a list-of-dicts user table convert without it; and without psutil, which
+    would stay loaded in every queried rank for the process table (~1.3 MB)."""
     code = (
         "import sys\n"
         "import kernel_probe.tables as kt\n"
@@ -420,7 +426,7 @@ def test_query_time_conversion_loads_no_pandas():
         "t.steps.on_step(); t.sample(0.0); t.table('x', [{'a': 1, 'b': 'y', 'c': 2.5}, {'a': None}])\n"
         "rows = sum(t.arrow(name).num_rows for name in t.names())\n"
         "assert rows > 0 and 'pyarrow' in sys.modules\n"
-        "assert 'pandas' not in sys.modules\n"
+        "assert 'pandas' not in sys.modules and 'psutil' not in sys.modules, sorted(sys.modules)\n"
         "print('ok')\n"
     )
     _prints_ok_in_a_fresh_python(code)

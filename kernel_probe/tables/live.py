@@ -41,19 +41,30 @@ def stack_rows() -> list[tuple]:
 def process_row(host: str | None = None) -> tuple:
     """(pid, host, python, torch, argv, start_time, threads); torch is NULL until the
     application loaded it; threads counts OS threads (native ones included)."""
-    import psutil
-
-    proc = psutil.Process()
     torch_version = getattr(sys.modules.get("torch"), "__version__", None) if torch_initialized() else None
     argv = getattr(sys, "argv", None) or []
     try:
         argv_text = shlex.join(str(a) for a in argv)
     except Exception:
         argv_text = " ".join(map(str, argv))
-    with proc.oneshot():
-        start, threads = float(proc.create_time()), int(proc.num_threads())
+    start, threads = _start_and_threads()
     return (os.getpid(), host or socket.gethostname(), platform.python_version(),
             None if torch_version is None else str(torch_version), argv_text, start, threads)
+
+
+def _start_and_threads() -> tuple[float, int]:
+    """This process's start time (epoch seconds) and OS thread count: from /proc on Linux,
+    since psutil would stay loaded in every rank once queried (~1.3 MB), else psutil."""
+    from ..shell.pidwatch import create_time
+
+    try:
+        return float(create_time(os.getpid())), len(os.listdir("/proc/self/task"))
+    except OSError:
+        import psutil
+
+        proc = psutil.Process()
+        with proc.oneshot():
+            return float(proc.create_time()), int(proc.num_threads())
 
 
 def is_secret(name: str) -> bool:
