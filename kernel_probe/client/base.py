@@ -68,6 +68,12 @@ class ClientState:
         self.run_id = self.info_.get("run_id", self.run_id)
         return self.info_
 
+    def relaunch_notice(self, restarts: int) -> str:
+        """The notice ``take_notice`` gives when following a relaunch, for the launch this
+        client talks to now, as the ``restarts``-th: for whoever counts a job's launches across
+        clients (a server that replaced its client while the job was down)."""
+        return restart_notice(self._target, self._target, restarts)
+
     def take_notice(self) -> str | None:
         """A one-line notice (e.g. "job X restarted: following its new launch ...") not shown
         yet, or None. Each notice is returned once."""

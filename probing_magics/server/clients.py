@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, TypeVar
@@ -73,10 +72,7 @@ class Launches:
         if notices and client.restarts == self.restarts:  # the client saw every relaunch: its words
             self.notice = notices[-1]
         else:  # a new client met the new launch (the old one was dropped in between)
-            name = re.sub(r"/r\d+$", "", client.run_id or "")  # torchrun's run ids: <rdzv id>/r<restart>
-            pid = f"root pid {launch[2]} " if launch[2] is not None else ""
-            self.notice = (f"job {name} restarted: following its new launch ({pid}at {client.endpoint}; "
-                           f"restart {self.restarts})")
+            self.notice = client.relaunch_notice(self.restarts)
 
 
 def _pid_alive(pid: int) -> bool:
