@@ -376,11 +376,22 @@ def _dirty_pages() -> int:
 BIG_GROUP_BY = "SELECT range::VARCHAR AS s, count(*) AS n FROM range(200000) GROUP BY s"
 
 
+def _tidies_settled() -> int:
+    """The tidy count once no tidy is pending from earlier tests' queries."""
+    from kernel_probe.sql import engine as m
+
+    deadline = time.monotonic() + 10
+    while m._WATCHDOG._tidy_at is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.05)  # one that just came due has finished
+    return m._WATCHDOG.tidies
+
+
 def test_allocator_gives_memory_back_once_queries_stop(engine, monkeypatch):
     from kernel_probe.sql import engine as m
 
     monkeypatch.setattr(m, "_TIDY_AFTER_S", 0.3)
-    tidies = m._WATCHDOG.tidies
+    tidies = _tidies_settled()
     for _ in range(3):
         assert engine.run(BIG_GROUP_BY, {}).num_rows == 200000
     assert _dirty_pages() > 0  # what the query freed stays cached: jemalloc has no background thread here
@@ -394,20 +405,20 @@ def test_allocator_gives_memory_back_once_queries_stop(engine, monkeypatch):
 def test_no_tidy_within_a_burst_nor_while_a_query_runs(engine, monkeypatch):
     from kernel_probe.sql import engine as m
 
-    monkeypatch.setattr(m, "_TIDY_AFTER_S", 0.3)
-    tidies = m._WATCHDOG.tidies
+    monkeypatch.setattr(m, "_TIDY_AFTER_S", 0.5)
+    tidies = _tidies_settled()
     end = time.monotonic() + 1.0
     while time.monotonic() < end:  # queries closer together than the quiet time: never a purge between them
         engine.run("SELECT count(*) AS n FROM range(1000)", {})
         time.sleep(0.05)
     assert m._WATCHDOG.tidies == tidies
     # a query still running when the quiet time after another one is up: no purge under it
-    slow = threading.Thread(target=lambda: pytest.raises(QueryError, engine.run, SLOW, {}, deadline=time.time() + 1.2))
+    slow = threading.Thread(target=lambda: pytest.raises(QueryError, engine.run, SLOW, {}, deadline=time.time() + 2.0))
     slow.start()
     try:
         time.sleep(0.1)
         engine.run("SELECT 1", {})
-        time.sleep(0.6)
+        time.sleep(1.0)  # twice the quiet time after that one, the slow one still running
         assert slow.is_alive() and m._WATCHDOG.tidies == tidies
     finally:
         slow.join()
