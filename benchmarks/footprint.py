@@ -32,18 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 import kernel_probe  # noqa: E402
 from kernel_probe.sql.engine import _TIDY_AFTER_S  # noqa: E402
+from kernel_probe.testing.gen import ask_every_mode  # noqa: E402
 from kernel_probe.testing.harness import LocalJob  # noqa: E402
 
 WORKER = str(ROOT / "tests" / "workers" / "worker.py")
 JOBS = {"idle": [WORKER], "ddp": ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.5"]}
-QUERIES = {  # one of every plan mode, over tables every rank has
-    "partial-aggregate": "SELECT _node, count(*) AS n, max(depth) AS d FROM stacks GROUP BY _node",
-    "top-k": "SELECT _rank, ts, rss_bytes FROM memory ORDER BY rss_bytes DESC LIMIT 5",
-    "rank-local": "SELECT _rank, count(*) AS n FROM env GROUP BY _rank",
-    "ship-rows": "SELECT _rank, thread_name, function FROM stacks WHERE depth < 3",
-    "per-rank": "SELECT count(*) AS n FROM process",
-    "root-only": "SELECT rank, state FROM nodes",
-}
 
 
 def pss_mb(pids: dict[int, int]) -> list[float]:
@@ -83,10 +76,7 @@ def main() -> int:
         wall = time.monotonic() - t0
         idle_cpu = ((cpu_sec(on_pids) - c_on) - (cpu_sec(off_pids) - c_off)) / wall / len(on_pids) * 100
         with kernel_probe.connect(timeout=5) as client:
-            for mode, sql in QUERIES.items():
-                for _ in range(3):
-                    r = client.query(sql, per_rank=mode == "per-rank")
-                assert r.coverage["plan"] == mode, (mode, r.coverage["plan"])
+            ask_every_mode(client, repeat=3)
         right_after = statistics.median(pss_mb(on_pids)) - statistics.median(pss_mb(off_pids))
         time.sleep(_TIDY_AFTER_S + 2.0)
         after_on, after_off = pss_mb(on_pids), pss_mb(off_pids)

@@ -10,21 +10,13 @@ from pathlib import Path
 import pytest
 
 import kernel_probe
+from kernel_probe.testing.gen import ask_every_mode
 
 from .conftest import wait_for
 
 pytestmark = pytest.mark.cluster
 WORKER = str(Path(__file__).parent / "workers" / "worker.py")
 ENGINE_LIBS = ("duckdb", "libarrow")  # shared objects a loaded query engine maps
-EVERY_MODE = {
-    "partial-aggregate": "SELECT _node, count(*) AS n, max(depth) AS d, avg(line) AS l FROM stacks "
-                         "WHERE depth >= 0 GROUP BY _node ORDER BY _node",
-    "top-k": "SELECT _rank, ts, rss_bytes FROM memory ORDER BY rss_bytes DESC LIMIT 5",
-    "rank-local": "SELECT _rank, count(*) AS n FROM env GROUP BY _rank",
-    "ship-rows": "SELECT _rank, thread_name, function FROM stacks WHERE depth < 3",
-    "per-rank": "SELECT count(*) AS n FROM process",
-    "root-only": "SELECT rank, state, last_seen FROM nodes",
-}
 
 
 def loaded(pid: int) -> set[str]:
@@ -45,9 +37,7 @@ def test_connect_warms_every_rank_and_nothing_before(launch, runtime_dir):
         assert list(r.df["_rank"]) == [0, 1, 2, 3] and not r.coverage["partial"]
         # pyarrow's pa.array() would import pandas into every rank (~40 MB): queries of
         # every mode build their Arrow without it
-        for mode, sql in EVERY_MODE.items():
-            r = client.query(sql, per_rank=mode == "per-rank")
-            assert r.coverage["plan"] == mode and not r.coverage["partial"] and len(r.df), (mode, r.footer())
+        ask_every_mode(client)
     with_pandas = [rank for rank, pid in pids.items() if "/pandas/" in Path(f"/proc/{pid}/maps").read_text()]
     assert with_pandas == [], f"ranks {with_pandas} loaded pandas"
 

@@ -12,19 +12,12 @@ import pytest
 
 import kernel_probe
 from kernel_probe.sql import engine
+from kernel_probe.testing.gen import ask_every_mode
 
 from .conftest import wait_for
 
 pytestmark = pytest.mark.cluster
 WORKER = str(Path(__file__).parent / "workers" / "worker.py")
-EVERY_MODE = {
-    "partial-aggregate": "SELECT _node, count(*) AS n, max(depth) AS d FROM stacks GROUP BY _node",
-    "top-k": "SELECT _rank, ts, rss_bytes FROM memory ORDER BY rss_bytes DESC LIMIT 5",
-    "rank-local": "SELECT _rank, count(*) AS n FROM env GROUP BY _rank",
-    "ship-rows": "SELECT _rank, thread_name, function FROM stacks WHERE depth < 3",
-    "per-rank": "SELECT count(*) AS n FROM process",
-    "root-only": "SELECT rank, state FROM nodes",
-}
 
 
 def anonymous_mb(pid: int) -> float:
@@ -45,10 +38,7 @@ def test_a_queried_rank_gives_memory_back_once_queries_stop(launch, runtime_dir)
     wait_for(lambda: list(runtime_dir.glob("*.json")), 30, what="the connection file")
     before = {rank: mapped(pid) for rank, pid in pids.items()}
     with kernel_probe.connect(timeout=5) as client:
-        for mode, sql in EVERY_MODE.items():
-            for _ in range(3):
-                r = client.query(sql, per_rank=mode == "per-rank")
-            assert r.coverage["plan"] == mode and not r.coverage["partial"], (mode, r.footer())
+        ask_every_mode(client, repeat=3)
         right_after = {rank: anonymous_mb(pid) for rank, pid in pids.items()}
         time.sleep(engine._TIDY_AFTER_S + 1.5)
         quiet = {rank: anonymous_mb(pid) for rank, pid in pids.items()}

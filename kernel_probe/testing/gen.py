@@ -31,6 +31,28 @@ __all__ = ["VRank", "GenQuery", "make_ranks", "nodes_table", "make_t", "make_u",
 
 T_COLUMNS = ("id", "g", "x", "y", "s", "b", "ts", "big")
 U_COLUMNS = ("id", "k", "z", "w")
+# One cluster query of every plan mode, over built-in tables every rank has: what a rank
+# loads and keeps once it answered all of them (first-query and footprint tests, benchmarks).
+EVERY_MODE = {
+    "partial-aggregate": "SELECT _node, count(*) AS n, max(depth) AS d, avg(line) AS l FROM stacks "
+                         "WHERE depth >= 0 GROUP BY _node ORDER BY _node",
+    "top-k": "SELECT _rank, ts, rss_bytes FROM memory ORDER BY rss_bytes DESC LIMIT 5",
+    "rank-local": "SELECT _rank, count(*) AS n FROM env GROUP BY _rank",
+    "ship-rows": "SELECT _rank, thread_name, function FROM stacks WHERE depth < 3",
+    "per-rank": "SELECT count(*) AS n FROM process",
+    "root-only": "SELECT rank, state, last_seen FROM nodes",
+}
+
+
+def ask_every_mode(client: Any, repeat: int = 1) -> None:
+    """Ask ``client`` (a ``kernel_probe`` Client) each of EVERY_MODE ``repeat`` times;
+    AssertionError when one is planned in another mode, is partial or has no rows."""
+    for mode, sql in EVERY_MODE.items():
+        for _ in range(repeat):
+            r = client.query(sql, per_rank=mode == "per-rank")
+            assert r.coverage["plan"] == mode and not r.coverage["partial"] and len(r.df), (mode, r.footer())
+
+
 _WORDS = ("alpha", "beta", "gamma", "delta", "eps", "Zeta", "")
 _EPOCH = _dt.datetime(2024, 1, 1)
 
