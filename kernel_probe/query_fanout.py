@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .effects import PARENT, Effect, RunSqlTask, Send
-from .sql.execute import MERGE_ABOVE_ROWS
 from .wire import Envelope, Message
 
+MERGE_ABOVE_ROWS = 4096  # below this, concatenating partials is cheaper than reducing them
 FINISH_SHARE = 0.1  # part of the remaining time the root keeps for merging and finishing
 HOP_MARGIN_MAX = 0.5  # seconds each hop keeps for itself at most
 PROGRESS_AFTER = 1.0  # a query slower than this tells its client how far it got

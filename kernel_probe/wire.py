@@ -41,7 +41,6 @@ import secrets
 import time
 import types
 import typing
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypedDict
 
@@ -276,7 +275,7 @@ class Message:
     body: dict
     buffers: tuple[bytes, ...] = ()  # binary payloads (Arrow IPC); never pickle
     corr_id: str | None = None  # msg_id of the request this answers
-    msg_id: str | None = None  # set by a caller that must match the answer; else a fresh uuid
+    msg_id: str | None = None  # set by a caller that must match the answer; else a fresh id
 
     def __post_init__(self) -> None:
         # Accept a list for convenience; keep the frozen value a tuple.
@@ -448,7 +447,7 @@ class Codec:
         self.limits = limits
         self.rejected: collections.Counter[str] = collections.Counter()
         self._seq = itertools.count(1)
-        self._id_prefix = uuid.uuid4().hex[:16]  # default msg_id: 32 hex digits, this and the seq (no urandom per message)
+        self._id_prefix = secrets.token_hex(8)  # default msg_id: 32 hex digits, this and the seq (no urandom per message)
         # (sender, incarnation) -> last accepted seq, least recently used first.
         # Bounded so a peer inventing incarnations cannot grow our memory.
         self._last_seq: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()

@@ -158,3 +158,17 @@ def _loaded_after(code: str) -> set[str]:
 def test_entry_points_import_only_what_they_need(code: str, allowed: tuple[str, ...]) -> None:
     heavy = {m for m in HEAVY if m not in allowed} & _loaded_after(code)
     assert not heavy, f"{code!r} imported {sorted(heavy)}"
+
+
+def test_a_started_probe_loads_no_query_code_until_asked(tmp_path) -> None:
+    # memory before any client (issue 9, point 4): the executor, its caches and what only a
+    # query or a memory trim needs come later
+    code = "import kernel_probe, time; kernel_probe.start(); time.sleep(0.5)\nimport sys\nprint(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "PROBING_RUNTIME_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    loaded = set(out.stdout.split())
+    assert "kernel_probe.shell.probe_thread" in loaded  # the probe did start
+    early = {m for m in loaded if m.startswith("kernel_probe.sql")} | (loaded & {
+        "ctypes", "uuid", "shlex", "pyarrow", "duckdb", "sqlglot", "numpy", "pandas", "psutil"})
+    assert not early, f"a probe nobody asked loaded {sorted(early)}"

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
-import uuid
 from typing import Any, Callable
 
 import zmq
@@ -34,16 +34,20 @@ from ..rank_core import RankCore
 log = logging.getLogger("kernel_probe")
 
 
-def _find_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
+_NOT_LOOKED_UP: Any = object()
+_malloc_trim: Any = _NOT_LOOKED_UP  # glibc's, found on first use (ctypes is not loaded before)
 
 
-_malloc_trim = _find_malloc_trim()
+def malloc_trim() -> Callable[[int], int] | None:
+    global _malloc_trim
+    if _malloc_trim is _NOT_LOOKED_UP:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = None
+    return _malloc_trim
 
 REFUSALS_PER_SEC = 20  # unsigned refusals are cheap to trigger: never amplify a flood
 MAX_BATCH = 256  # messages handled per socket per wake-up, so no peer can starve the timers
@@ -165,7 +169,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self.settings = settings
         self.identity = identity
         self.clock = clock
-        self.incarnation = uuid.uuid4().hex[:16]
+        self.incarnation = secrets.token_hex(8)
         from ..tables import local_tables
 
         self.tables = local_tables()
@@ -425,8 +429,9 @@ class ProbeThread(threading.Thread, EffectInterpreter):
     def _release_memory(self, now: float) -> None:
         self._rejected_bytes = 0
         self._next_trim = now + TRIM_EVERY_SEC
-        if _malloc_trim is not None:  # glibc only; elsewhere the memory is merely kept
-            _malloc_trim(0)  # a ctypes.CDLL call: the GIL is released meanwhile
+        trim = malloc_trim()
+        if trim is not None:  # glibc only; elsewhere the memory is merely kept
+            trim(0)  # a ctypes.CDLL call: the GIL is released meanwhile
             self.trims += 1
 
     def _refuse(self, rid: bytes, reason: str, now: float) -> None:

@@ -14,6 +14,7 @@ thread hand-offs per hop.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -22,7 +23,6 @@ from typing import Any, Callable, Iterator
 
 from .. import wire
 from ..membership import ALIVE, STALLED
-from ..sql.execute import BoundedCache, ShapeCache
 from ..tables.convert import array, scalar
 
 LIVE = (ALIVE, STALLED)  # ranks a query asks
@@ -127,8 +127,19 @@ class SqlTaskRunner:
         self._idle = 0  # workers waiting for a task, not yet spoken for
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._shapes = ShapeCache()
-        self._plans = BoundedCache(PLAN_CACHE_SIZE)  # (sql, per_rank, catalog) -> (Plan, its dict)
+
+    # made on the first query: a probe never queried does not load the executor
+    @functools.cached_property
+    def _shapes(self):
+        from ..sql.execute import ShapeCache
+
+        return ShapeCache()
+
+    @functools.cached_property
+    def _plans(self):  # (sql, per_rank, catalog) -> (Plan, its dict)
+        from ..sql.execute import BoundedCache
+
+        return BoundedCache(PLAN_CACHE_SIZE)
 
     @property
     def engine(self):
@@ -216,10 +227,12 @@ class SqlTaskRunner:
     def _warm(self, args: dict) -> dict:
         """Load what a query needs before one comes: DuckDB and its connection, pyarrow with
         its compute functions (filters, casts: ~30-80 ms on first use) and Acero (group-bys),
-        and at the root the planner (sqlglot builds its dialect tables on first use)."""
+        the executor and its caches, and at the root the planner (sqlglot builds its dialect
+        tables on first use)."""
         import pyarrow._acero  # noqa: F401
         import pyarrow.compute  # noqa: F401
 
+        self._shapes, self._plans  # noqa: B018 (made now, with the executor)
         self.engine.run("SELECT count(*) FROM tables", {"tables": self.tables.arrow("tables")})
         if args.get("planner"):
             from ..sql.planner import plan as make_plan

@@ -27,7 +27,7 @@ Rules of this file:
 - Parameters (``$name``) are handed to every SQL that mentions them, and only those
   (DuckDB rejects parameters a statement does not use).
 - A DuckDB pass costs milliseconds whatever the data, so a hop saves the ones it can:
-  a broker re-aggregates its partials only past ``MERGE_ABOVE_ROWS`` rows, the root only
+  a broker re-aggregates its partials only past the fan-out's ``MERGE_ABOVE_ROWS`` rows, the root only
   when the final SQL needs one row per group (variance), since the final re-aggregates
   any number of partial rows; the root keeps the shape scan's answer, which depends only
   on the SQL and the tables' schemas; and a rank whose partials are a plain group-by of
@@ -55,7 +55,6 @@ __all__ = ["TAG_TYPES", "tagged", "select_ranks", "run_rank", "merge", "finish"]
 
 log = logging.getLogger(__name__)
 
-MERGE_ABOVE_ROWS = 4096  # below this, concatenating partials is cheaper than reducing them
 # A column some ranks' table lacks is NULL there, as in the union (DuckDB's own words for it):
 _MISSING_COLUMN = re.compile(r'Referenced column "([^"]+)" not found|does not have a column named "([^"]+)"')
 MAX_PADDED = 16  # columns one scan may add as NULLs before its error stands
@@ -569,7 +568,7 @@ def _with_padded(table: "pa.Table", padded: Sequence[str]) -> "pa.Table":
 
 def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table | None"]], *,
           deadline: float | None = None, row_cap: int | None = None,
-          reduce_above: int | None = MERGE_ABOVE_ROWS, at_root: bool = False) -> dict[str, "pa.Table | None"]:
+          reduce_above: int | None = None, at_root: bool = False) -> dict[str, "pa.Table | None"]:
     """Concatenate each "ranks" scan's partials from `parts` (ranks or brokers below) and
     reduce them with the scan's merge SQL: at a broker past `reduce_above` rows (None:
     never), at the root (`at_root`) when the final needs it (``Scan.merge_at_root``).

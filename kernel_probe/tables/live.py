@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import platform
 import re
-import shlex
 import socket
 import sys
 from types import FrameType
@@ -41,6 +39,9 @@ def stack_rows() -> list[tuple]:
 def process_row(host: str | None = None) -> tuple:
     """(pid, host, python, torch, argv, start_time, threads); torch is NULL until the
     application loaded it; threads counts OS threads (native ones included)."""
+    import platform  # here: a probe that is never queried does not load them
+    import shlex
+
     torch_version = getattr(sys.modules.get("torch"), "__version__", None) if torch_initialized() else None
     argv = getattr(sys, "argv", None) or []
     try:
