@@ -442,8 +442,8 @@ class Simulation:
             result = {"error": {"code": "error", "message": "this simulation holds no tables"}}
         else:
             args = task.args
-            if task.kind == "finish":
-                self.last_finish_nodes = args.get("nodes")  # what the root's `nodes` was, for oracles
+            if task.kind == "finish" and args.get("nodes"):  # given only to a plan that reads it
+                self.last_finish_nodes = args["nodes"]  # what the root's `nodes` was, for oracles
             if args.get("deadline") is not None:  # DuckDB really runs: give it the time left, on its clock
                 args = dict(args, deadline=time.time() + max(0.0, args["deadline"] - self.now))
             result = v.sql.quick(task.kind, args) or v.sql.run(task.kind, args)  # as a probe does
