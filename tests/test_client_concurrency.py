@@ -93,6 +93,9 @@ def test_many_threads_on_one_client_lose_nothing(job):
 
 def test_interrupting_a_wait_leaves_the_client_usable(job):
     _, root, _ = job
+    # Ctrl-C as in a notebook or a terminal: a run started in the background (`make test &`, CI)
+    # inherits SIGINT ignored, and Python then never turns it into KeyboardInterrupt
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     t = time.monotonic()
@@ -103,6 +106,9 @@ def test_interrupting_a_wait_leaves_the_client_usable(job):
     else:
         pytest.fail(f"answered after {time.monotonic() - t:.2f} s, before the interrupt: {early.footer()} "
                     f"{early.coverage.get('failed')}")
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - t < 1.5
     r = root.query("SELECT _rank, v FROM fast ORDER BY _rank")  # the late answer must not be taken for this one
     assert r.df.to_dict("list") == {"_rank": [0, 1], "v": [2, 2]}
