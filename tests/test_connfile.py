@@ -153,6 +153,22 @@ def test_is_alive_wrong_create_time():
     assert connfile.is_alive(make_info(create_time=me + 0.5))  # within 1 s slack
 
 
+def test_is_alive_by_start_ticks_whatever_the_wall_clock_did():
+    # a VM paused or forked, or NTP stepping the clock, moves boot time and with it every
+    # create time computed from it: the start ticks since boot do not move
+    from kernel_probe.shell.pidwatch import proc_stat
+
+    ticks = proc_stat(os.getpid())[1]
+    me = psutil.Process().create_time()
+    assert connfile.is_alive(make_info(create_time=me - 30, pid_start_ticks=ticks))
+    assert not connfile.is_alive(make_info(create_time=me, pid_start_ticks=ticks + 1))  # another process's
+    pid, ct = dead_pid()
+    assert not connfile.is_alive(make_info(pid=pid, create_time=ct, pid_start_ticks=ticks))
+    info = make_info(pid_start_ticks=ticks)
+    assert ConnectionInfo.from_dict(info.to_dict()).pid_start_ticks == ticks  # written and read back
+    assert ConnectionInfo.from_dict(dict(info.to_dict(), pid_start_ticks="x")).pid_start_ticks is None
+
+
 def test_is_alive_zombie():
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

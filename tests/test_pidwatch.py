@@ -130,7 +130,7 @@ def test_pid_reuse_counts_as_exited(procs):
 
 
 def test_psutil_fallback(procs, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(pidwatch, "_USE_PROC", False)
+    monkeypatch.setattr(pidwatch, "USE_PROC", False)
     w = PidWatch()
     a, b, c = procs(), procs(), procs()
     for k, p in (("a", a), ("b", b), ("c", c)):
@@ -163,7 +163,7 @@ def test_create_time_is_psutils_without_psutil(procs, monkeypatch: pytest.Monkey
     child = procs()
     for pid in (os.getpid(), child.pid):
         assert pidwatch.create_time(pid) == pytest.approx(psutil.Process(pid).create_time(), abs=0.01)
-    monkeypatch.setattr(pidwatch, "_USE_PROC", False)
+    monkeypatch.setattr(pidwatch, "USE_PROC", False)
     assert pidwatch.create_time(child.pid) == psutil.Process(child.pid).create_time()
     code = ("import sys, kernel_probe.shell.probe_thread, kernel_probe.shell.connfile, kernel_probe.tables\n"
             "print('psutil' in sys.modules)")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import pidwatch
+
 __all__ = [
     "ConnectionInfo",
     "filename",
@@ -68,6 +70,9 @@ class ConnectionInfo:
     started: float
     protocol: int
     store: str = ""  # the store:// address a user elsewhere can copy (empty: none known)
+    # the root's start in clock ticks since boot (Linux): exact, and no wall-clock step (NTP, a
+    # paused or forked VM) moves it, where pid_create_time, boot time plus ticks, can move
+    pid_start_ticks: int | None = None
     path: Path | None = None  # where it was read from / written to; not serialised
 
     def to_dict(self) -> dict:
@@ -101,7 +106,9 @@ class ConnectionInfo:
         except ValueError:
             raise ValueError("field 'key' is not hex") from None
         store = d.get("store", "")  # optional: files of older writers lack it
-        return cls(**values, store=store if isinstance(store, str) else "", path=path)
+        ticks = d.get("pid_start_ticks")
+        ticks = ticks if isinstance(ticks, int) and not isinstance(ticks, bool) and ticks >= 0 else None
+        return cls(**values, store=store if isinstance(store, str) else "", pid_start_ticks=ticks, path=path)
 
 
 def _safe(run_id: str) -> str:
@@ -200,6 +207,9 @@ def is_alive(info: ConnectionInfo) -> bool:
     """
     if info.host and info.host != socket.gethostname():
         return True
+    if info.pid_start_ticks is not None and pidwatch.USE_PROC:
+        st = pidwatch.proc_stat(info.pid)
+        return st is not None and st[0] not in (b"Z", b"X") and st[1] == info.pid_start_ticks
     import psutil  # here, not at the top: a rank imports this module to write its file
 
     try:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["PidWatch", "create_time", "proc_stat"]
+__all__ = ["PidWatch", "create_time", "proc_stat", "USE_PROC"]
 
 # /proc/<pid>/stat exists on Linux (and WSL); some sandboxes hide /proc entirely.
-_USE_PROC = sys.platform.startswith("linux") and os.path.exists(f"/proc/{os.getpid()}/stat")
+USE_PROC = sys.platform.startswith("linux") and os.path.exists(f"/proc/{os.getpid()}/stat")
 
 
 
@@ -46,7 +46,7 @@ def proc_stat(pid: int) -> tuple[bytes, int] | None:
 def create_time(pid: int) -> float:
     """When ``pid`` started, in epoch seconds, as psutil computes it (boot time plus the
     start ticks), read from /proc on Linux so that a rank need not import psutil."""
-    st = proc_stat(pid) if _USE_PROC else None
+    st = proc_stat(pid) if USE_PROC else None
     if st is not None:
         try:
             with open("/proc/stat", "rb") as f:
@@ -61,7 +61,7 @@ def create_time(pid: int) -> float:
 
 def _identity(pid: int) -> int | float | None:
     """Start time of a live (non-zombie) ``pid``, or None if it is gone or a zombie."""
-    if _USE_PROC:
+    if USE_PROC:
         st = proc_stat(pid)
         if st is None or st[0] in (b"Z", b"X"):
             return None

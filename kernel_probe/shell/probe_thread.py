@@ -28,7 +28,7 @@ from ..placement import signing_key
 from ..progress import StallDetector, main_stack_signature, stuck_where
 from . import connfile
 from .sql_tasks import SqlTaskRunner
-from .pidwatch import PidWatch, create_time
+from .pidwatch import PidWatch, create_time, proc_stat
 from ..rank_core import RankCore
 
 log = logging.getLogger("kernel_probe")
@@ -318,7 +318,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
                 endpoint=self.endpoint, run_id=ident.run_id, world_size=ident.world_size, pid=os.getpid(),
                 pid_create_time=create_time(os.getpid()), host=socket.gethostname(), incarnation=self.incarnation,
                 key=self.key.hex(), started=self.clock(), protocol=wire.PROTOCOL_VERSION,
-                store=self.store_address(),
+                store=self.store_address(), pid_start_ticks=(proc_stat(os.getpid()) or (None, None))[1],
             )
             self.connection_file = str(connfile.write(self.settings.runtime_dir, info))
         except Exception as exc:
