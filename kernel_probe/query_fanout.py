@@ -417,7 +417,7 @@ class QueryFanOut:
         reduced = {sc.get("name") for sc in (s.plan or {}).get("scans", ()) if sc.get("merge")}
         total: dict[str, int] = {}
         for names, _, rows in s.parts:
-            for n, k in zip(names, rows or ()):
+            for n, k in zip(names, rows):
                 total[n] = total.get(n, 0) + k
         return all(k <= self.merge_above_rows for n, k in total.items() if n in reduced)
 

@@ -81,11 +81,19 @@ class _QuickTables(_LocalTables):
     """Only the tables served at once (``LocalTables.at_once``); any other read is not quick."""
 
     def __getitem__(self, name: str):
-        at_once = getattr(self._tables, "at_once", None)
-        table = at_once(name, QUICK_MAX_ROWS) if at_once is not None else None
+        table = self._tables.at_once(name, QUICK_MAX_ROWS)
         if table is None:
             raise NotQuick(f"table {name}")
         return table
+
+
+def _finishes_in_arrow(plan: Mapping[str, Any]) -> bool:
+    """Whether the root may finish ``plan`` (a plan dict) without DuckDB: the ranks ship the
+    answer or Arrow finishes their partials, with no root-only scan and no re-aggregation at
+    the root (a shape not yet bound still needs DuckDB: then the quick task gives way)."""
+    scans = plan.get("scans") or ()
+    return (bool(plan.get("final_union")) or plan.get("final_arrow") is not None) and not any(
+        sc.get("where") == "root" or sc.get("merge_at_root") for sc in scans)
 
 
 def _error(exc: BaseException) -> dict:
@@ -208,6 +216,8 @@ class SqlTaskRunner:
                 return None
             work = lambda: self._rank(args, engine=_NoEngine(), tables=_QuickTables(self.tables))  # noqa: E731
         elif kind in ("merge", "finish"):
+            if kind == "finish" and not _finishes_in_arrow(args["plan"]):
+                return None  # its final SQL runs in DuckDB: merging here first would be done twice
             if sum(len(b) for p in args["parts"] for b in p["buffers"]) > QUICK_MAX_BYTES:
                 return None
             work = lambda: getattr(self, f"_{kind}")(args, engine=_NoEngine())  # noqa: E731

@@ -597,8 +597,9 @@ def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table
             if _partial_scan(plan, scan.name):
                 table = _narrow(table)
         # a column is lacking below only where every part lacked it
-        lacking = set(_padded(got[0])).intersection(*(_padded(t) for t in got[1:]))
-        out[scan.name] = _with_padded(table, [c for c in _padded(got[0]) if c in lacking])
+        first = _padded(got[0])
+        lacking = set(first).intersection(*map(_padded, got[1:]))
+        out[scan.name] = _with_padded(table, [c for c in first if c in lacking])
     return out
 
 

@@ -63,16 +63,14 @@ class Launches:
     restarts: int = 0
     notice: str | None = None  # the last relaunch's one-line notice
 
-    def saw(self, launch: Launch, client: AsyncClient, notices: list[str]) -> None:
-        """``client`` answered from ``launch``; ``notices`` are those it had not handed out yet."""
+    def saw(self, launch: Launch, client: AsyncClient, followed: int) -> None:
+        """``client`` answered from ``launch``, having followed ``followed`` relaunches since it
+        last said so (none when a new client met the new launch: the old one was dropped)."""
         if launch == self.current:
             return
         self.current = launch
-        self.restarts += max(1, len(notices))
-        if notices and client.restarts == self.restarts:  # the client saw every relaunch: its words
-            self.notice = notices[-1]
-        else:  # a new client met the new launch (the old one was dropped in between)
-            self.notice = client.relaunch_notice(self.restarts)
+        self.restarts += max(1, followed)
+        self.notice = client.relaunch_notice(self.restarts)  # the client's own words, the server's count
 
 
 def _pid_alive(pid: int) -> bool:
@@ -194,15 +192,15 @@ class ClusterClients:
 
     def _saw(self, job_id: str, client: AsyncClient) -> None:
         """``client`` answered: note its launch, counting a relaunch when it is another one."""
-        notices = []
-        while (notice := client.take_notice()) is not None:  # it followed the job to a new launch
-            notices.append(notice)
+        followed = 0
+        while client.take_notice() is not None:  # it followed the job to a new launch
+            followed += 1
         launch = _launch_of(client)
         seen = self._launches.get(job_id)
         if seen is None:
             self._launches[job_id] = Launches(launch)
         else:
-            seen.saw(launch, client, notices)
+            seen.saw(launch, client, followed)
 
     @staticmethod
     def _ended(job: Job) -> JobEndedError:
