@@ -9,6 +9,7 @@ through a pipe. Nothing a peer sends can raise out of this loop.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -180,6 +181,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self.error: str | None = None
         self.core: RankCore | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._quick_done: collections.deque = collections.deque()  # (task_id, result) of tasks run here
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -269,10 +271,12 @@ class ProbeThread(threading.Thread, EffectInterpreter):
                     self._drain_parent(now)
                 if self._wake_r in events:
                     self._drain_commands(now)
+                self._settle()
                 if now >= next_sample:
                     self._sample(now)
                     next_sample = now + s.sample_interval_sec
                 self.carry_out(self.core.on_timer(now))
+                self._settle()
                 if self._rejected_bytes and now >= self._next_trim and (
                         self._rejected_bytes >= TRIM_AFTER_BYTES or now - self._last_reject >= TRIM_EVERY_SEC):
                     self._release_memory(now)
@@ -415,6 +419,12 @@ class ProbeThread(threading.Thread, EffectInterpreter):
                     box.append(exc)
                 cmd[3].set()
 
+    def _settle(self) -> None:
+        """Tell the core how the SQL tasks run on this thread went, once the effects that
+        started them are carried out (and without another trip through the poller)."""
+        while self._quick_done:
+            self.sql_task_done(*self._quick_done.popleft())
+
     def _sample(self, now: float) -> None:
         self.tables.sample(now)
         stack = main_stack_signature()
@@ -463,7 +473,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
     def run_sql_task(self, task: RunSqlTask) -> None:
         result = self.sql.quick(task.kind, task.args)  # small Arrow work: no hand-off either way
         if result is not None:
-            self.submit(("sql_done", task.task_id, result))  # after the effects being carried out
+            self._quick_done.append((task.task_id, result))  # see _settle
             return
         self.sql.start(task.kind, task.args, lambda result, t=task.task_id: self.submit(("sql_done", t, result)))
 

@@ -32,6 +32,7 @@ and stops a set of such hosts (tests, benchmarks/scale_sockets.py).
 from __future__ import annotations
 
 import argparse
+import collections
 import heapq
 import itertools
 import json
@@ -277,6 +278,7 @@ class VirtualHost:
         self._heap: list[tuple[float, int, int]] = []
         self._seq = itertools.count()
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (probe, task_id, result) from SQL workers
+        self._quick_done: collections.deque = collections.deque()  # the same, of tasks run on the loop
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -343,7 +345,7 @@ class VirtualHost:
     def run_sql(self, probe: VirtualProbe, task: RunSqlTask) -> None:
         result = probe.sql.quick(task.kind, task.args)  # small Arrow work here, as a probe does
         if result is not None:
-            self._post(probe, task.task_id, result)
+            self._quick_done.append((probe, task.task_id, result))  # settled in this wake-up, as a probe does
             return
 
         def work() -> None:
@@ -433,6 +435,7 @@ class VirtualHost:
                 elif kind == "parent":
                     probe.drain_parent(now)
                     touched[probe.rank] = probe
+            self._settle(touched)
             if now >= next_sample:
                 next_sample = now + sample_every
                 for rank, key in self.pids.poll():
@@ -445,8 +448,9 @@ class VirtualHost:
                 if probe.armed == deadline:
                     probe.armed = None
                     touched[rank] = probe
-            for probe in touched.values():  # every wake-up ends with on_timer, as in the probe thread
+            for probe in list(touched.values()):  # every wake-up ends with on_timer, as in the probe thread
                 probe.carry_out(probe.core.on_timer(now))
+                self._settle(touched)
                 self._arm(probe)
             # A socket's FD signals only new activity, and a send on a socket can take in what
             # arrived meanwhile without a signal: ask every socket used in this wake-up (a send
@@ -458,6 +462,12 @@ class VirtualHost:
                 self.converged_at = root.core.converged_at
                 if on_converged is not None:
                     on_converged(self.converged_at)
+
+    def _settle(self, touched: dict[int, VirtualProbe]) -> None:
+        while self._quick_done:
+            probe, task_id, result = self._quick_done.popleft()
+            probe.sql_task_done(task_id, result)
+            touched[probe.rank] = probe
 
     def _drain_done(self, now: float, touched: dict[int, VirtualProbe]) -> None:
         try:
