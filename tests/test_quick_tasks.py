@@ -133,3 +133,15 @@ def test_an_error_in_a_quick_task_is_the_task_s_error() -> None:
     parts = _finish_args(plan, [{"scans": ["nope"], "buffers": [b""]}])
     out = runner.quick("finish", parts)
     assert out is not None and out["error"]["message"] == runner.run("finish", parts)["error"]["message"]
+
+
+def test_a_plan_that_comes_again_is_read_once_and_a_changed_one_anew() -> None:
+    runner = _runner()
+    plan = _plan(runner, "SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g")
+    first = runner._plan_of({"plan": plan})
+    assert runner._plan_of({"plan": dict(plan)}) is first  # equal, as it arrives again from the wire
+    limited = dict(plan, final=plan["final"] + " LIMIT 2")
+    assert runner._plan_of({"plan": limited}).final.endswith("LIMIT 2")
+    moved = dict(plan, mode="ship-rows")  # the same final SQL, another plan: never the one read before
+    assert runner._plan_of({"plan": moved}).mode == "ship-rows"
+    assert runner._plan_of({"plan": plan}).mode == "partial-aggregate"
