@@ -318,6 +318,74 @@ def test_a_table_whose_types_differ_by_rank_answers_as_the_union(engine: Engine)
     _check_on_both(Job(ranks, engine), Job(ranks, engine, merge_above_rows=0, arrow_scans=False), MIXED)
 
 
+DENSE = [  # a table without NULLs: counts and sums by one key with numpy's bincount (_counted_by_key)
+    "SELECT k, count(*) AS n, count(f), sum(f), avg(f) FROM dense GROUP BY k ORDER BY k",
+    "SELECT i % 7 AS m, count(*), avg(f) FROM dense GROUP BY 1 ORDER BY 1",
+    "SELECT k, sum(i), avg(i), count(i) FROM dense GROUP BY k ORDER BY k",
+    "SELECT k, sum(f) FROM dense WHERE f > 0 GROUP BY k ORDER BY k",
+    "SELECT k, count(*) FROM dense WHERE f > 1e9 GROUP BY k",  # no rows at all
+    "SELECT count(*), sum(f), avg(i) FROM dense",
+]
+
+
+def test_dense_group_bys_by_bincount_match_duckdb(engine: Engine, monkeypatch) -> None:
+    ranks = make_ranks(seed=17)
+    for v in ranks:
+        n = 0 if v.rank == 2 else 50 + 20 * v.rank
+        v.tables["dense"] = pa.table({"k": [("ab", "cd", "ef")[(i * (v.rank + 1)) % 3] for i in range(n)],
+                                      "i": pa.array([(i * 37 + v.rank) % 101 - 50 for i in range(n)], pa.int64()),
+                                      "f": pa.array([((i * 13) % 29) / 7 - 2 for i in range(n)], pa.float64())})
+    counted = _calls(monkeypatch, "_counted_by_key", lambda args, result: result is not None)
+    _check_on_both(Job(ranks, engine), Job(ranks, engine, merge_above_rows=0, arrow_scans=False), DENSE)
+    assert len(counted) >= 3 * 5, len(counted)  # rank partials and root finals alike
+
+
+def test_bincount_group_by_gives_what_acero_gives_bit_for_bit() -> None:
+    import random
+
+    import pyarrow.compute as pc
+
+    from kernel_probe.sql import execute
+
+    rng = random.Random(5)
+    ops = [([], "hash_count_all", None, "n"), (["v"], "hash_count", pc.CountOptions(mode="only_valid"), "c"),
+           (["v"], "hash_sum", None, "s")]
+    taken = 0
+    for trial in range(120):
+        n = rng.choice([0, 1, 7, 300, 2000])
+        kind = rng.choice(["int", "float", "huge", "nulls"])
+        if kind == "float":
+            v = pa.array([rng.uniform(-1, 1) * 10 ** rng.randint(-9, 12) for _ in range(n)], pa.float64())
+        elif kind == "huge":  # sums a double cannot hold exactly: Acero adds them
+            v = pa.array([rng.choice([2 ** 62, -(2 ** 63), 5]) for _ in range(n)], pa.int64())
+        else:
+            v = pa.array([None if kind == "nulls" and rng.random() < 0.2 else rng.randint(-10 ** 6, 10 ** 6)
+                          for _ in range(n)], pa.int64())
+        key = pa.array([rng.choice(["a", "b", "c", "d"]) if trial % 2 else rng.randint(-3, 40) for _ in range(n)],
+                       pa.string() if trial % 2 else pa.int32())
+        half = n // 2  # two chunks, as a concatenation of parts gives
+        table = pa.Table.from_batches([pa.record_batch({"k": key.slice(0, half), "v": v.slice(0, half)}),
+                                       pa.record_batch({"k": key.slice(half), "v": v.slice(half)})])
+        fast = execute._counted_by_key(table, ops, ["k"])
+        if v.null_count or (kind == "huge" and any(abs(x) > 5 for x in v.to_pylist())):
+            assert fast is None, kind
+            continue
+        assert fast is not None, (kind, n)
+        taken += 1
+        monkey = execute._counted_by_key
+        try:
+            execute._counted_by_key = lambda *a: None
+            slow = execute._group_by(table, ops, ["k"])
+        finally:
+            execute._counted_by_key = monkey
+        assert fast.schema.field("k").type == slow.schema.field("k").type
+        for name in ("n", "c", "s"):
+            assert fast.schema.field(name).type == slow.schema.field(name).type, name
+        by_key = lambda t: {r["k"]: (r["n"], r["c"], r["s"]) for r in t.to_pylist()}  # noqa: E731
+        assert by_key(fast) == by_key(slow)  # doubles added in the same order: equal bits
+    assert taken > 40
+
+
 SPARSE = [  # a column only some ranks' table has: NULL on the others, as in the union
     "SELECT count(*) AS n, count(e) AS ne, sum(e), max(e) FROM sparse",
     "SELECT _node, count(e), avg(e) FROM sparse GROUP BY _node ORDER BY _node",
