@@ -426,3 +426,53 @@ def test_no_tidy_within_a_burst_nor_while_a_query_runs(engine, monkeypatch):
     while m._WATCHDOG.tidies == tidies and time.monotonic() < deadline:
         time.sleep(0.05)
     assert m._WATCHDOG.tidies == tidies + 1
+
+
+_EXIT_WHILE_QUERYING = """
+import sys, threading, time
+import pyarrow as pa
+from kernel_probe.sql.engine import Engine, QueryError
+engine, table = Engine(), pa.table({"x": list(range(1000))})
+def ask():
+    while True:
+        try:
+            engine.run("SELECT count(*) FROM t, t AS u WHERE t.x < u.x", {"t": table})
+        except QueryError:
+            pass
+for _ in range(2):
+    threading.Thread(target=ask, daemon=True).start()
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_a_process_exiting_while_queries_run_exits_cleanly(tmp_path):
+    """Exit while worker threads are inside DuckDB (binding a table calls back into Python):
+    closing at exit interrupts them and waits, or the interpreter aborts as it finalizes
+    (SIGABRT, "FATAL: exception not rethrown": two runs in three before the wait)."""
+    script = tmp_path / "exit_while_querying.py"
+    script.write_text(_EXIT_WHILE_QUERYING)
+    for delay in ("0.1", "0.25", "0.4", "0.15", "0.3"):
+        done = subprocess.run([sys.executable, str(script), delay], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, (delay, done.returncode, done.stderr[-2000:])
+
+
+def test_closing_interrupts_a_running_query_and_later_queries_are_refused():
+    engine = Engine()
+    box: list = []
+    slow = threading.Thread(target=lambda: box.append(_outcome(engine)))
+    slow.start()
+    time.sleep(0.3)  # inside DuckDB by now
+    started = time.monotonic()
+    engine.close(wait=2.0)
+    assert time.monotonic() - started < 1.0
+    slow.join(5)
+    assert box and isinstance(box[0], QueryError)
+    with pytest.raises(QueryError, match="closed"):
+        engine.run("SELECT 1", {})
+
+
+def _outcome(engine: Engine):
+    try:
+        return engine.run("SELECT count(*) FROM range(100000000) a, range(1000) b WHERE a.range < b.range", {})
+    except QueryError as exc:
+        return exc

@@ -30,7 +30,10 @@ Rules of this file:
 - Every open connection is closed at exit (``atexit``), while the interpreter is whole: a
   DuckDB connection destroyed during interpreter finalization can abort the process
   (duckdb/duckdb#13904: its destructor releases and retakes the GIL), and a training
-  process must not exit with SIGABRT because it was once queried.
+  process must not exit with SIGABRT because it was once queried. For the same reason no
+  query may still be inside DuckDB then (a worker thread binding a table calls back into
+  Python, and PyGILState_Release aborts a finalizing interpreter): closing refuses new
+  queries, interrupts the running ones and waits for them (``_EXIT_WAIT_S`` at most).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ _REFUSED_TAIL = "queries are read-only SELECTs"
 # on the query's path (DuckDB's allocator_bulk_deallocation_flush_threshold=0) kept ~8 MB
 # less per rank but cost a small group-by ~0.6 ms: the next query faulted the pages back in.
 _TIDY_AFTER_S = 2.0
+# How long exit waits for the queries in DuckDB to stop once interrupted (they take ~5 ms).
+_EXIT_WAIT_S = 2.0
 # jemalloc's MALLCTL_ARENAS_ALL (4096) in an arena command: every arena
 _JE_PURGE_ALL = b"arena.4096.purge"
 
@@ -106,14 +111,14 @@ class QueryError(Exception):
         return f"{type(self).__name__}({self.message!r}, code={self.code!r}, line={self.line!r}, col={self.col!r})"
 
 
-_OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # engines with a connection, closed at exit
+_OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # every engine, closed at exit
 
 
 @atexit.register
 def _close_all() -> None:
     for engine in list(_OPEN):
         try:
-            engine.close()
+            engine.close(wait=_EXIT_WAIT_S)
         except Exception:  # exiting anyway: nothing to report to
             pass
 
@@ -129,8 +134,11 @@ class Engine:
         self._threads = threads
         self._memory_limit = memory_limit
         self._lock = threading.Lock()
+        self._left = threading.Condition(self._lock)  # notified as each query's cursor closes
         self._con: duckdb.DuckDBPyConnection | None = None
+        self._active: set = set()  # cursors of the queries running now
         self._closed = False
+        _OPEN.add(self)  # now, not at connect: exit must also wait for one connecting
 
     # -- connection ---------------------------------------------------------------
 
@@ -161,20 +169,35 @@ class Engine:
                 raise QueryError("the query engine is closed", code="error")
             if self._con is None:
                 self._con = self._connect()
-                _OPEN.add(self)
-            return self._con.cursor()
+            cur = self._con.cursor()
+            self._active.add(cur)
+            return cur
 
     def _close_cursor(self, cur: duckdb.DuckDBPyConnection) -> None:
         with self._lock:
+            self._active.discard(cur)
             try:
                 cur.close()
             except Exception:  # already closed with its parent: nothing left to free
                 pass
+            self._left.notify_all()
 
-    def close(self) -> None:
-        """Close the connection; later :meth:`run` calls fail with QueryError."""
+    def close(self, wait: float = 0.0) -> None:
+        """Close the connection; later :meth:`run` calls fail with QueryError. ``wait``: how
+        long to interrupt the queries still running and wait for them to leave DuckDB first;
+        if some never do, the connection stays open (closing it under them is no safer)."""
+        until = time.monotonic() + wait
         with self._lock:
             self._closed = True
+            while self._active and time.monotonic() < until:
+                for cur in self._active:  # again each round: one may not have begun its query yet
+                    try:
+                        cur.interrupt()
+                    except Exception:
+                        pass
+                self._left.wait(_INTERRUPT_REPEAT_S)
+            if self._active:
+                return
             con, self._con = self._con, None
         if con is not None:
             con.close()
@@ -232,6 +255,8 @@ class Engine:
                     cur.register(name, table)  # on this cursor only: gone when it closes
                 except duckdb.Error as e:
                     raise QueryError(f"cannot register table {name!r}: {_translate(e, '', '')}") from None
+            if self._closed:  # the process is exiting (close() waits for this query)
+                raise QueryError("the query engine is closed", code="error")
             if deadline is not None:
                 watch = _WATCHDOG.arm(cur, deadline)
             try:
