@@ -41,7 +41,7 @@ import functools
 import logging
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 from ..tables.convert import array, scalar
 
@@ -68,6 +68,13 @@ TAG_TYPES = {"_rank": "int64", "_node": "int64", "_host": "string", "_local_rank
              "_role": "string"}
 
 
+@functools.lru_cache(maxsize=64)
+def _tagged_empty(schema: "pa.Schema", tags: tuple) -> "pa.Table":
+    """A shape scan's answer (no rows: the table's names and types, tagged), made once per
+    table schema and tag values: it is the same for every query of a dashboard."""
+    return tagged(schema.empty_table(), dict(tags))
+
+
 @functools.lru_cache(maxsize=4096)
 def _const(value: Any, typ: "pa.DataType") -> Any:
     """``scalar(value, typ)``, made once: tags and the finals' literals recur with every query."""
@@ -81,13 +88,15 @@ def _empty(alias: str) -> Any:
     return array([], pa.type_for_alias(alias))
 
 
-def tagged(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
-    """`table` with the five tag columns appended as constants (a column of the same name
-    is replaced: the tag is what the cluster query means by it)."""
+def tagged(table: "pa.Table", tags: Mapping[str, object], names: Collection[str] | None = None) -> "pa.Table":
+    """`table` with the five tag columns (or those of them in `names`) appended as constants
+    (a column of the same name is replaced: the tag is what the cluster query means by it)."""
     import pyarrow as pa
 
     n = table.num_rows
     for name, alias in TAG_TYPES.items():
+        if names is not None and name not in names:
+            continue
         value = tags.get(name)
         if value is not None and alias == "string":
             value = str(value)
@@ -284,9 +293,12 @@ def arrow_rows(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
     """A rows scan (``Scan.arrow``: columns, filters) over one tagged table, with Arrow:
     the same columns, types and rows as its SQL in DuckDB. ``_NotPlain`` (or KeyError for
     a column it does not find by exact name) when only the SQL can say."""
+    columns = spec.get("columns")
+    if columns is not None:  # filter only what is read: a wide table's other columns never move
+        table = table.select(list(dict.fromkeys([*columns, *(f[0] for f in spec["filters"])])))
     out = _arrow_filter(table, spec["filters"])
-    if spec.get("columns") is not None:
-        out = out.select(list(spec["columns"]))
+    if columns is not None:
+        out = out.select(list(columns))
     for f in out.schema:
         if str(f.type) not in _SAME_IN_DUCKDB:
             raise _NotPlain(f"{f.name}: {f.type}")
@@ -488,17 +500,17 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table 
     return pa.table(out)
 
 
-def _arrow_reads_tags(spec: Mapping[str, Any]) -> bool:
-    """Whether an Arrow scan (``Scan.arrow``) reads a tag column: else it runs on the table as
-    found (a user column named like a tag is never read then)."""
+def _tags_read(spec: Mapping[str, Any]) -> Collection[str]:
+    """The tag columns an Arrow scan (``Scan.arrow``) reads: only those are appended (a user
+    column named like a tag that it does not read is never read then either)."""
     cols = {f[0] for f in spec.get("filters") or ()}
     if "aggs" in spec:
         cols |= {c for _, c in spec["keys"]} | {c for _, _, c in spec["aggs"] if c}
     elif spec.get("columns") is None:
-        return True  # every column, the tags included
+        return TAG_TYPES.keys()  # every column, the tags included
     else:
         cols |= set(spec["columns"])
-    return not cols.isdisjoint(TAG_TYPES)
+    return cols & TAG_TYPES.keys()
 
 
 def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
@@ -549,15 +561,15 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
             # the input's names and types only (tagged, no rows): the root binds the statement
             # once over the union of every rank's (``_shape``)
             (only,) = regs.values()
-            out[scan.name] = tagged(only.slice(0, 0), tags)
+            out[scan.name] = _tagged_empty(only.schema, tuple(tags.items()))
             continue
         result = None
         if arrow and scan.arrow and not per_rank and len(regs) == 1:
             try:
                 run_arrow = arrow_partials if "aggs" in scan.arrow else arrow_rows
-                only = next(iter(regs))
-                table = regs[only] if not _arrow_reads_tags(scan.arrow) else with_tags(regs)[only]
-                result = run_arrow(scan.arrow, table)
+                (table,) = regs.values()
+                read = _tags_read(scan.arrow)
+                result = run_arrow(scan.arrow, tagged(table, tags, read) if read else table)
             except (_NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
             if result is not None:

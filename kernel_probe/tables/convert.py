@@ -8,6 +8,7 @@ anything else falls back to ``pa.array``."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from array import array as _typed
 from itertools import accumulate, repeat
@@ -43,18 +44,20 @@ def _pa():
     return pyarrow
 
 
+@functools.lru_cache(maxsize=None)
 def schema(name: str):
     pa = _pa()
     return pa.schema([pa.field(col, getattr(pa, "bool_" if typ == "bool" else typ)()) for col, typ in SCHEMAS[name]])
 
 
-def _bitmap(flags: bytes):
-    """An Arrow bitmap from one 0/1 byte per value, packed by Arrow's own cast."""
-    import pyarrow.compute as pc
+_DIGITS = bytes.maketrans(b"\x00\x01", b"01")
 
-    pa = _pa()
-    as_bytes = pa.Array.from_buffers(pa.uint8(), len(flags), [None, pa.py_buffer(flags)])
-    return pc.cast(as_bytes, pa.bool_()).buffers()[1]
+
+def _bitmap(flags: bytes):
+    """An Arrow bitmap (first value in the lowest bit) from one 0/1 byte per value, packed
+    as a base-2 number: linear C work, with none of a compute call's fixed cost."""
+    bits = int(flags[::-1].translate(_DIGITS), 2) if flags else 0
+    return _pa().py_buffer(bits.to_bytes((len(flags) + 7) // 8, "little"))
 
 
 def array(values: Sequence[Any], arrow_type: Any):

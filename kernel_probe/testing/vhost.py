@@ -62,7 +62,7 @@ from ..interpreter import EffectInterpreter
 from ..rank_core import RankCore
 from ..shell import connfile
 from ..shell.pidwatch import PidWatch
-from ..shell.probe_thread import parent_socket, recv_frames, router_socket, send_effect
+from ..shell.probe_thread import parent_socket, probe_context, recv_frames, router_socket, send_effect
 from ..shell.sql_tasks import SqlTaskRunner
 from ..summaries import parse_ranks
 from .sim import SimTables
@@ -266,7 +266,7 @@ class VirtualHost:
         self.hostname = host or socket.gethostname()
         self.limits = wire.Limits()
         self.stopping = False
-        self.ctx = zmq.Context()
+        self.ctx = probe_context()
         # two sockets a rank: past 511 ranks a process outgrows libzmq's default of 1023 sockets
         self.ctx.set(zmq.MAX_SOCKETS, max(1024, 2 * len(ranks) + 64))
         self.ctx.setsockopt(zmq.MAX_SOCKETS, max(1024, 4 * len(ranks) + 64))
