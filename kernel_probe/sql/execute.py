@@ -68,7 +68,7 @@ TAG_TYPES = {"_rank": "int64", "_node": "int64", "_host": "string", "_local_rank
              "_role": "string"}
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)  # one entry per table in a rank; a virtual host holds many ranks
 def _tagged_empty(schema: "pa.Schema", tags: tuple) -> "pa.Table":
     """A shape scan's answer (no rows: the table's names and types, tagged), made once per
     table schema and tag values: it is the same for every query of a dashboard."""
@@ -323,7 +323,8 @@ def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
         if func != "count" and not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
             raise _NotPlain(col)
         if func == "sum":  # DuckDB: HUGEINT for integers (exact), DOUBLE for floats
-            arr = pc.cast(arr, pa.decimal128(38, 0) if pa.types.is_integer(arr.type) else pa.float64())
+            to = pa.decimal128(38, 0) if pa.types.is_integer(arr.type) else pa.float64()
+            arr = arr if arr.type == to else pc.cast(arr, to)
         work[f"__in{i}"] = arr
         aggs.append((alias, f"__in{i}", func))
     keys = [(alias, f"__key{j}") for j, (alias, _) in enumerate(spec["keys"])]
