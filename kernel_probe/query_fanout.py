@@ -52,8 +52,9 @@ class Tree(Protocol):
     incarnation: str
     tier: str | None
 
-    def hop_to(self, rank: int) -> tuple[int, bytes] | None:
-        """The direct child (its rank, its routing id) through which ``rank`` is reached."""
+    def hops(self, ranks: list[int]) -> dict[int, tuple[int, bytes]]:
+        """For each of ``ranks`` reachable from here, the direct child (its rank, its routing
+        id) through which it is reached."""
 
     def child_rank(self, rid: bytes) -> int | None:
         """The rank of the direct child connected as ``rid``."""
@@ -215,6 +216,7 @@ class QueryFanOut:
         own: list[Effect] = []
         child_deadline = s.gather_by - min(HOP_MARGIN_MAX, max(0.0, s.gather_by - now) * FINISH_SHARE)
         by_hop: dict[int, tuple[bytes, list[int]]] = {}
+        hops = self.tree.hops(targets)
         for rank in targets:
             if rank == self.rank:
                 s.local = True
@@ -222,7 +224,7 @@ class QueryFanOut:
                 own.append(self._task(s, "rank", {"plan": s.plan, "params": s.request.get("params"),
                                                  "deadline": s.gather_by}))
                 continue
-            hop = self.tree.hop_to(rank)
+            hop = hops.get(rank)
             if hop is None:
                 s.failed[rank] = "unreachable"
                 continue

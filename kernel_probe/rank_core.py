@@ -323,13 +323,17 @@ class RankCore:
     def rank(self) -> int:
         return self.identity.rank
 
-    def hop_to(self, rank: int) -> tuple[int, bytes] | None:
-        member = self.registry.get(rank)
-        hop = member.via if member is not None and member.via is not None else rank
-        for rid, child in self.children.items():
-            if child.rank == hop:
-                return hop, rid
-        return None
+    def hops(self, ranks: list[int]) -> dict[int, tuple[int, bytes]]:
+        # one pass over the children per query, not one per target (the root has 128 of each)
+        rid_of = {child.rank: rid for rid, child in self.children.items()}
+        out: dict[int, tuple[int, bytes]] = {}
+        for rank in ranks:
+            via = self.registry.via_of(rank)
+            hop = rank if via is None else via
+            rid = rid_of.get(hop)
+            if rid is not None:
+                out[rank] = (hop, rid)
+        return out
 
     def child_rank(self, rid: bytes) -> int | None:
         child = self.children.get(rid)

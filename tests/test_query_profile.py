@@ -47,8 +47,8 @@ PLAN = {"mode": "partial-aggregate", "final": "SELECT sum(n) AS n FROM s0",
 class _Broker:  # rank 2, the broker of its node, with rank 3 below it
     rank, incarnation, tier = 2, "i2", "broker"
 
-    def hop_to(self, rank: int):
-        return (rank, b"r%d" % rank) if rank == 3 else None
+    def hops(self, ranks: list[int]):
+        return {3: (3, b"r3")} if 3 in ranks else {}
 
     def child_rank(self, rid: bytes):
         return 3 if rid == b"r3" else None
@@ -99,8 +99,8 @@ def test_the_parent_takes_a_relayed_answer_as_its_parts() -> None:
     class Root(_Broker):
         rank, tier = 0, "root"
 
-        def hop_to(self, rank: int):
-            return (2, b"r2") if rank in (2, 3) else None
+        def hops(self, ranks: list[int]):
+            return {r: (2, b"r2") for r in ranks if r in (2, 3)}
 
         def child_rank(self, rid: bytes):
             return 2 if rid == b"r2" else None

@@ -562,6 +562,12 @@ class Registry:
         m = self._members.get(rank)
         return None if m is None else replace(m)
 
+    def via_of(self, rank: int) -> int | None:
+        """The broker that vouched for ``rank`` (None: heard directly, or unknown), read
+        without copying the member as ``get`` does."""
+        m = self._members.get(rank)
+        return None if m is None else m.via
+
     def members(self) -> list[Member]:
         """Copies, sorted by rank."""
         return [replace(self._members[r]) for r in sorted(self._members)]
