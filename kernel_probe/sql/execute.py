@@ -72,7 +72,9 @@ TAG_TYPES = {"_rank": "int64", "_node": "int64", "_host": "string", "_local_rank
 def _tagged_empty(schema: "pa.Schema", tags: tuple) -> "pa.Table":
     """A shape scan's answer (no rows: the table's names and types, tagged), made once per
     table schema and tag values: it is the same for every query of a dashboard."""
-    return tagged(schema.empty_table(), dict(tags))
+    import pyarrow as pa
+
+    return tagged(pa.Table.from_batches([], schema=schema), dict(tags))  # (schema.empty_table() imports pandas)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -460,14 +462,13 @@ _BINCOUNT_EXACT = 2 ** 53  # integer sums below this are exact in the doubles nu
 
 
 def _counted_by_key(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table | None":
-    """``_group_by`` for the common small case, with numpy's bincount (a fifth of Acero's
+    """``_group_by`` for the common small case, with numpy's bincount (a fraction of Acero's
     fixed cost on a few hundred rows): one key without NULLs; counts, and sums of doubles
     (added in row order, as Acero does: the same bits) or of int64 that stay exact. None
-    for anything else, which Acero does."""
+    for anything else, which Acero does. Groups may come in another order than Acero's."""
     if len(keys) != 1 or not all(o[1] in ("hash_count_all", "hash_count", "hash_sum") for o in ops):
         return None
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     key = table.column(keys[0])
     if key.null_count or not (pa.types.is_integer(key.type) or pa.types.is_string(key.type)):
@@ -481,24 +482,57 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table 
             inputs[name] = col
     import numpy as np
 
-    encoded = pc.dictionary_encode(key.combine_chunks())
-    index = encoded.indices.to_numpy()
-    groups = len(encoded.dictionary)
-    counts = np.bincount(index, minlength=groups)
-    out = {keys[0]: encoded.dictionary}
+    slot, slots, present, groups = _key_slots(key.combine_chunks())
+    counts = np.bincount(slot, minlength=slots)
+    out = {keys[0]: groups}
     for names, func, _, name in ops:
-        if func != "hash_sum":
-            out[name] = pa.array(counts, pa.int64())  # no NULLs: count(x) counts every row
+        if func != "hash_sum":  # no NULLs: count(x) counts every row
+            out[name] = _from_numpy(counts if present is None else counts[present], pa.int64())
             continue
         col = inputs[names[0]]
-        values = col.combine_chunks().to_numpy()
-        if col.type == pa.int64():
-            if len(values) and max(-int(values.min()), int(values.max())) * len(values) >= _BINCOUNT_EXACT:
-                return None  # a sum that doubles may round: Acero adds int64
-            out[name] = pa.array(np.bincount(index, weights=values, minlength=groups).astype(np.int64))
-        else:
-            out[name] = pa.array(np.bincount(index, weights=values, minlength=groups), pa.float64())
+        values = _to_numpy(col.combine_chunks())
+        if col.type == pa.int64() and len(values) and \
+                max(-int(values.min()), int(values.max())) * len(values) >= _BINCOUNT_EXACT:
+            return None  # a sum that doubles may round: Acero adds int64
+        sums = np.bincount(slot, weights=values, minlength=slots)
+        sums = sums if present is None else sums[present]
+        out[name] = _from_numpy(sums.astype(np.int64) if col.type == pa.int64() else sums, col.type)
     return pa.table(out)
+
+
+def _key_slots(key: "pa.Array") -> tuple:
+    """(each row's slot, how many slots, the slots holding a group or None for all, the
+    groups' keys as Arrow). Integers in a narrow range are their own slot (no hashing);
+    other keys get one through a dictionary."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_integer(key.type) and key.type != pa.uint64():
+        k = _to_numpy(key)
+        lo, hi = (int(k.min()), int(k.max())) if len(k) else (0, -1)
+        if hi - lo <= 4 * len(k) + 64:
+            present = np.flatnonzero(np.bincount(k.astype(np.int64) - lo, minlength=hi - lo + 1))
+            return k.astype(np.int64) - lo, hi - lo + 1, present, _from_numpy((present + lo).astype(k.dtype), key.type)
+    encoded = pc.dictionary_encode(key)
+    return _to_numpy(encoded.indices), len(encoded.dictionary), None, encoded.dictionary
+
+
+def _to_numpy(arr: "pa.Array") -> Any:
+    """A NULL-free integer or double Arrow array's values as numpy, over its buffer: pyarrow's
+    ``to_numpy`` imports pandas (tens of MB in every rank)."""
+    import numpy as np
+
+    dtype = np.dtype({"double": "float64", "float": "float32"}.get(str(arr.type), str(arr.type)))
+    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+
+
+def _from_numpy(values: Any, typ: "pa.DataType") -> "pa.Array":
+    """A flat numpy array as Arrow, over its buffer: ``pa.array(ndarray)`` imports pandas."""
+    import numpy as np
+    import pyarrow as pa
+
+    return pa.Array.from_buffers(typ, len(values), [None, pa.py_buffer(np.ascontiguousarray(values))])
 
 
 def _tags_read(spec: Mapping[str, Any]) -> Collection[str]:
