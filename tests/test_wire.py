@@ -729,6 +729,26 @@ def test_arrow_ipc_round_trip_and_garbage():
         assert err.value.reason == "malformed"
 
 
+def test_tables_without_rows_are_encoded_and_read_once_each_metadata_included():
+    import pyarrow as pa
+
+    from kernel_probe.wire import _EMPTY_CACHE_SIZE, _EMPTY_IPC, _EMPTY_TABLES, ipc_to_table, table_to_ipc
+
+    empty = pa.table({"a": [1], "b": ["x"]}).slice(0, 0)
+    padded = empty.replace_schema_metadata({b"probing.padded": b'["b"]'})
+    data, data_padded = table_to_ipc(empty), table_to_ipc(padded)
+    assert data != data_padded  # equal schemas to Arrow, not to a reader of the metadata
+    assert table_to_ipc(empty) is data and table_to_ipc(padded) is data_padded
+    assert ipc_to_table(data) is ipc_to_table(bytes(data))  # the same stream from another peer
+    assert ipc_to_table(data_padded).schema.metadata == {b"probing.padded": b'["b"]'}
+    assert ipc_to_table(data).schema.metadata is None
+    one = pa.table({"a": [1]})
+    assert ipc_to_table(table_to_ipc(one)) is not ipc_to_table(table_to_ipc(one))  # rows: never kept
+    for i in range(2 * _EMPTY_CACHE_SIZE):  # many schemas: the caches stay bounded
+        ipc_to_table(table_to_ipc(pa.table({f"c{i}": pa.array([], pa.int64())})))
+    assert len(_EMPTY_IPC) <= _EMPTY_CACHE_SIZE and len(_EMPTY_TABLES) <= _EMPTY_CACHE_SIZE
+
+
 def test_member_columns_are_the_registry_records_less_the_routing_field():
     from kernel_probe.membership.registry import MEMBER_FIELDS
 
