@@ -37,7 +37,7 @@ class Settings:
     advertise_addr: str | None = None
     node_host: str | None = None
     auth_token: str | None = None
-    runtime_dir: Path = Path("/tmp")
+    runtime_dir_given: Path | None = None  # PROBING_RUNTIME_DIR (see runtime_dir)
     port: int = 0  # PROBING_PORT: 0 picks a free port
     bind_addr: str | None = None  # PROBING_BIND_ADDR: overrides the loopback/all-interfaces choice
     parent_endpoint: str | None = None  # PROBING_PARENT_ENDPOINT: explicit parent, no store
@@ -54,6 +54,13 @@ class Settings:
     query_row_cap: int = 1_000_000  # PROBING_QUERY_ROW_CAP: rows one query may ship or return (error past it)
     query_threads: int = 1  # PROBING_QUERY_THREADS: DuckDB threads per rank (the training job owns the cores)
     query_memory: str = "256MB"  # PROBING_QUERY_MEMORY: DuckDB memory limit per rank (no spilling)
+
+    @property
+    def runtime_dir(self) -> Path:
+        """Where connection files live: PROBING_RUNTIME_DIR, else under the user's data dir,
+        found only when asked (a rank that writes no connection file never loads platformdirs,
+        nor the tempfile, shutil, bz2 and lzma it imports: 0.8 MB)."""
+        return self.runtime_dir_given or default_runtime_dir({})
 
     def __repr__(self) -> str:  # the token must never reach a log line
         shown = {k: v for k, v in self.__dict__.items() if k != "auth_token"}
@@ -166,7 +173,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         advertise_addr=_text(env, "PROBING_ADVERTISE_ADDR"),
         node_host=_text(env, "PROBING_NODE_HOST"),
         auth_token=_text(env, "PROBING_AUTH_TOKEN"),
-        runtime_dir=default_runtime_dir(env),
+        runtime_dir_given=Path(env["PROBING_RUNTIME_DIR"]) if env.get("PROBING_RUNTIME_DIR") else None,
         port=_int(env, "PROBING_PORT", 0),
         bind_addr=_text(env, "PROBING_BIND_ADDR"),
         parent_endpoint=_text(env, "PROBING_PARENT_ENDPOINT"),
