@@ -162,6 +162,20 @@ def test_stacks_from_another_thread_show_the_main_thread():
     assert any(r["thread_name"] == "asker" and not r["is_main"] for r in rows)
 
 
+def test_stacks_unchanged_since_the_last_query_are_served_again_and_changed_ones_anew():
+    t = make_tables()
+    asked = [t.arrow("stacks") for _ in range(2)]  # from the same line: the same stacks
+    assert asked[0] is asked[1]
+
+    def elsewhere():
+        return t.arrow("stacks")
+
+    moved = elsewhere()
+    assert moved is not asked[1]
+    assert any(r["function"] == "elsewhere" for r in moved.to_pylist())
+    assert not any(r["function"] == "elsewhere" for r in asked[1].to_pylist())
+
+
 # --- memory -----------------------------------------------------------------------------------------------
 
 

@@ -68,6 +68,7 @@ class LocalTables:
         self._collectives = Collectives(settings.collectives_rows, enabled=settings.collectives)
         self._user: dict[str, Any] = {}
         self._providers: dict[str, Callable[[], Any]] = {}
+        self._last_stacks: tuple[list, Any] | None = None  # (rows, their table)
         # schemas of user callables as of their last call: the catalog never calls one (a slow
         # callable would hold every query, even those that never read it)
         self._seen_schemas: dict[str, Any] = {}
@@ -216,7 +217,13 @@ class LocalTables:
 
     # --- built-ins -----------------------------------------------------------------------------
     def _arrow_stacks(self):
-        return convert.rows_table("stacks", live.stack_rows())
+        # a rank between steps, or stuck, is where it was at the last query: its table again
+        rows, last = live.stack_rows(), self._last_stacks
+        if last is not None and last[0] == rows:
+            return last[1]
+        table = convert.rows_table("stacks", rows)
+        self._last_stacks = (rows, table)
+        return table
 
     def _arrow_steps(self):
         return convert.steps_table(self.steps.snapshot(), self._metrics.snapshot())
