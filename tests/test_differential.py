@@ -385,6 +385,9 @@ def test_bincount_group_by_gives_what_acero_gives_bit_for_bit() -> None:
         by_key = lambda t: {r["k"]: (r["n"], r["c"], r["s"]) for r in t.to_pylist()}  # noqa: E731
         assert by_key(fast) == by_key(slow)  # doubles added in the same order: equal bits
     assert taken > 40
+    nothing = pa.Table.from_batches([], schema=pa.schema([("k", pa.int64()), ("v", pa.int64())]))  # no chunks
+    empty = execute._counted_by_key(nothing, ops, ["k"])
+    assert empty is not None and empty.num_rows == 0 and empty.schema.field("s").type == pa.int64()
 
 
 SPARSE = [  # a column only some ranks' table has: NULL on the others, as in the union

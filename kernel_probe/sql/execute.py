@@ -524,6 +524,8 @@ def _to_numpy(arr: "pa.Array") -> Any:
     import numpy as np
 
     dtype = np.dtype({"double": "float64", "float": "float32"}.get(str(arr.type), str(arr.type)))
+    if not len(arr):
+        return np.empty(0, dtype)  # an empty array may have no data buffer at all
     return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
 
 
