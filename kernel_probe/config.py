@@ -60,7 +60,7 @@ class Settings:
         """Where connection files live: PROBING_RUNTIME_DIR, else under the user's data dir,
         found only when asked (a rank that writes no connection file never loads platformdirs,
         nor the tempfile, shutil, bz2 and lzma it imports: 0.8 MB)."""
-        return self.runtime_dir_given or default_runtime_dir({})
+        return self.runtime_dir_given or default_runtime_dir()
 
     def __repr__(self) -> str:  # the token must never reach a log line
         shown = {k: v for k, v in self.__dict__.items() if k != "auth_token"}
@@ -146,11 +146,8 @@ def _text(env: Mapping[str, str], name: str) -> str | None:
     return raw if raw else None
 
 
-def default_runtime_dir(env: Mapping[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    explicit = env.get("PROBING_RUNTIME_DIR")
-    if explicit:
-        return Path(explicit)
+def default_runtime_dir() -> Path:
+    """Where connection files live without PROBING_RUNTIME_DIR: under the user's data dir."""
     import platformdirs
 
     return Path(platformdirs.user_data_dir("probing-magics")) / "runtime"

@@ -512,8 +512,9 @@ def _key_slots(key: "pa.Array") -> tuple:
         k = _to_numpy(key)
         lo, hi = (int(k.min()), int(k.max())) if len(k) else (0, -1)
         if hi - lo <= 4 * len(k) + 64:
-            present = np.flatnonzero(np.bincount(k.astype(np.int64) - lo, minlength=hi - lo + 1))
-            return k.astype(np.int64) - lo, hi - lo + 1, present, _from_numpy((present + lo).astype(k.dtype), key.type)
+            slot = k.astype(np.int64) - lo
+            present = np.flatnonzero(np.bincount(slot, minlength=hi - lo + 1))
+            return slot, hi - lo + 1, present, _from_numpy((present + lo).astype(k.dtype), key.type)
     encoded = pc.dictionary_encode(key)
     return _to_numpy(encoded.indices), len(encoded.dictionary), None, encoded.dictionary
 
