@@ -9,7 +9,8 @@ Proportional set size (PSS: a shared library counts once per node, split over th
 processes that map it) per rank: after start-up with nobody connected, then after a
 client connected and ran queries of every mode over the built-in tables: right after
 them, and once the ranks were quiet for a few seconds (a rank's query engine gives
-DuckDB's cached memory back after a quiet spell). Idle CPU: the ranks' CPU time over a
+DuckDB's cached memory back after a quiet spell); then each rank's figure with its tier (a
+leaf loads no DuckDB: its broker scans the tables it ships), and their mean. Idle CPU: the ranks' CPU time over a
 quiet stretch, on minus off, in % of one core.
 
     .venv/bin/python benchmarks/footprint.py [--job idle|ddp] [--idle 20]
@@ -77,6 +78,8 @@ def main() -> int:
         idle_cpu = ((cpu_sec(on_pids) - c_on) - (cpu_sec(off_pids) - c_off)) / wall / len(on_pids) * 100
         with kernel_probe.connect(timeout=5) as client:
             ask_every_mode(client, repeat=3)
+            nodes = client.nodes()
+            tiers = dict(zip(nodes["rank"], nodes["tier"]))
         right_after = statistics.median(pss_mb(on_pids)) - statistics.median(pss_mb(off_pids))
         time.sleep(_TIDY_AFTER_S + 2.0)
         after_on, after_off = pss_mb(on_pids), pss_mb(off_pids)
@@ -86,6 +89,10 @@ def main() -> int:
     print(f"  right after queries of every mode: +{right_after:.1f} MB")
     print(f"  after queries, ranks quiet {_TIDY_AFTER_S + 2.0:.0f} s: +{after:.1f} MB (on {statistics.median(after_on):.1f}, "
           f"off {statistics.median(after_off):.1f}; ranks on: {', '.join(f'{m:.1f}' for m in after_on)})")
+    base = statistics.median(after_off)
+    print("  after queries, each rank against the median rank off: " + ", ".join(
+        f"{rank} {tiers.get(rank, '?')} +{mb - base:.1f}" for rank, mb in zip(on_pids, after_on))
+        + f"; mean +{statistics.mean(after_on) - base:.1f} MB")
     print(f"  idle CPU added: {idle_cpu:.3f} % of a core per rank over {wall:.0f} s")
     return 0
 

@@ -20,6 +20,10 @@ Rules of this file:
   most ``RELAY_MAX_PARTS`` parts) relays them up as they came, its own among them, instead
   of merging them on a worker: the parent's merge concatenates them all the same, and the
   broker spends no worker hand-off nor Arrow decode/encode on the critical path.
+- A leaf whose parent shares its machine loads no SQL engine: when its scans need more than
+  Arrow, it ships the tables they read up (a subresult with ``ship``: its tags) and its parent
+  scans them for it on a worker, the same work over the same tables; the leaf is answered
+  once that scan is done.
 - Every answer says where its time went (``coverage["profile"]``): planning, each rank's
   scan, each merge, the finish, and per hop the round trip less the child's own time (the
   transfer). Each hop reports its part up with its subresult; the root sums it up.
@@ -56,6 +60,11 @@ class Tree(Protocol):
         """For each of ``ranks`` reachable from here, the direct child (its rank, its routing
         id) through which it is reached."""
 
+    @property
+    def ships_to_parent(self) -> bool:
+        """Whether this rank is a leaf that hands its parent (on its machine) the tables a
+        SQL pass would read, instead of loading a SQL engine of its own."""
+
     def child_rank(self, rid: bytes) -> int | None:
         """The rank of the direct child connected as ``rid``."""
 
@@ -82,6 +91,7 @@ class HopQuery:
     pruned: list[int] = field(default_factory=list)
     waiting: dict[int, list[int]] = field(default_factory=dict)  # hop rank -> ranks it answers for
     local: bool = False  # our own scan is running
+    shipped: dict[str, int] = field(default_factory=dict)  # scans of a leaf's shipped tables running: task id -> rank
     parts: list[tuple[list[str], list[bytes], list[int] | None]] = field(default_factory=list)  # rows: None unknown
     answered: set[int] = field(default_factory=set)
     failed: dict[int, str] = field(default_factory=dict)
@@ -98,6 +108,7 @@ class HopTiming:
 
     plan_ms: float | None = None
     scans: dict[int, float] = field(default_factory=dict)  # rank -> its scan's own time
+    scanned_by: dict[int, int] = field(default_factory=dict)  # a leaf that shipped its tables -> who scanned them
     merges: list[dict] = field(default_factory=list)  # {rank, ms, parts}: brokers' and the root's merges
     hops: list[dict] = field(default_factory=list)  # {parent, child, rtt_ms, transfer_ms}
     finish_ms: float | None = None
@@ -106,7 +117,8 @@ class HopTiming:
 
     def to_body(self, elapsed_ms: float) -> dict:
         return {"elapsed_ms": round(elapsed_ms, 3), "scans": {str(r): ms for r, ms in self.scans.items()},
-                "merges": self.merges[-MAX_PROFILE_ROWS:], "hops": self.hops[-MAX_PROFILE_ROWS:]}
+                "merges": self.merges[-MAX_PROFILE_ROWS:], "hops": self.hops[-MAX_PROFILE_ROWS:],
+                "scanned_by": {str(r): b for r, b in self.scanned_by.items()}}
 
     def absorb(self, parent: int, child: int, body: Any, rtt_ms: float) -> None:
         """Take a child's profile in; a malformed one costs its details, never the answer."""
@@ -115,6 +127,8 @@ class HopTiming:
                 raise TypeError("no profile")
             for r, ms in (body.get("scans") or {}).items():
                 self.scans[int(r)] = float(ms)
+            for r, b in (body.get("scanned_by") or {}).items():
+                self.scanned_by[int(r)] = int(b)
             self.merges += [{"rank": int(m["rank"]), "ms": float(m["ms"]), "parts": int(m["parts"])}
                             for m in (body.get("merges") or [])[:MAX_PROFILE_ROWS]]
             self.hops += [{"parent": int(h["parent"]), "child": int(h["child"]), "rtt_ms": float(h["rtt_ms"]),
@@ -132,7 +146,8 @@ class HopTiming:
         return {
             "elapsed_ms": round(elapsed_ms, 3), "plan_ms": self.plan_ms,
             "scan": {"ranks": len(scans), "median_ms": scans[len(scans) // 2][1] if scans else None,
-                     "slowest_ms": slowest[1], "slowest_rank": slowest[0]},
+                     "slowest_ms": slowest[1], "slowest_rank": slowest[0],
+                     "scanned_by": {str(r): b for r, b in sorted(self.scanned_by.items())[:MAX_PROFILE_ROWS]}},
             "merges": self.merges[-MAX_PROFILE_ROWS:], "finish_ms": self.finish_ms,
             "hops": self.hops[-MAX_PROFILE_ROWS:], "transfer_ms_max": max(transfers, default=None),
             "bytes_shipped": bytes_shipped,
@@ -150,10 +165,10 @@ class QueryFanOut:
         self._warmed_at: float | None = None
 
     # --- helpers ------------------------------------------------------------------------
-    def _task(self, s: HopQuery, kind: str, args: dict) -> RunSqlTask:
+    def _task(self, s: HopQuery, kind: str, args: dict, label: str | None = None) -> RunSqlTask:
         self._seq += 1
         task_id = f"{s.qid}/{kind}/{self._seq}"
-        self._tasks[task_id] = (s.qid, kind)
+        self._tasks[task_id] = (s.qid, label or kind)
         return RunSqlTask(task_id, kind, args)
 
     @property
@@ -222,7 +237,8 @@ class QueryFanOut:
                 s.local = True
                 s.timing.task_started["rank"] = now
                 own.append(self._task(s, "rank", {"plan": s.plan, "params": s.request.get("params"),
-                                                 "deadline": s.gather_by}))
+                                                 "deadline": s.gather_by,
+                                                 "ship": s.origin is PARENT and self.tree.ships_to_parent}))
                 continue
             hop = hops.get(rank)
             if hop is None:
@@ -251,7 +267,8 @@ class QueryFanOut:
         """Load the query engine here (a no-op once loaded) and pass the word on down."""
         self._warmed_at = now
         self._seq += 1
-        return [RunSqlTask(f"warm/{self._seq}", "warm", {"planner": planner})] + \
+        args = {"planner": planner, "engine": not self.tree.ships_to_parent}  # a shipping leaf needs no DuckDB
+        return [RunSqlTask(f"warm/{self._seq}", "warm", args)] + \
             [Send(rid, Message("warm", {})) for rid in self.tree.child_ids()]
 
     # --- a parent asks -------------------------------------------------------------------------
@@ -290,7 +307,17 @@ class QueryFanOut:
         names = [n for n in body["scans"] if isinstance(n, str)]
         buffers = list(env.msg.buffers)
         s.bytes_in += sum(len(b) for b in buffers) + int(body.get("bytes_below") or 0)
-        if body["status"] == "ok" and len(names) == len(buffers):
+        ship = body.get("ship")
+        if body["status"] == "ok" and len(names) == len(buffers) and isinstance(ship, dict):
+            tags = ship.get("tags")
+            if ranks == [child] and isinstance(tags, dict) and tags.get("_rank") == child:  # a leaf's tables: we scan
+                s.timing.task_started[f"shipped/{child}"] = now
+                task = self._task(s, "rank", {"plan": s.plan, "params": s.request.get("params"),
+                                              "deadline": s.gather_by, "tables": names, "buffers": buffers,
+                                              "tags": tags}, "shipped")
+                s.shipped[task.task_id] = child
+                return [task]
+        elif body["status"] == "ok" and len(names) == len(buffers):
             s.parts += _split(names, buffers, body.get("rows"), body.get("parts"))
         for r in ranks:
             if r not in s.answered and r not in s.failed:
@@ -308,15 +335,15 @@ class QueryFanOut:
             if s.stage != "gather" or not s.local:
                 return []
             s.local = False
-            if "error" in result:
-                err = result["error"]
-                s.failed[self.rank] = err.get("message", "error")
-                if err.get("code") == "row_cap":
-                    s.errors.append(err)
-            else:
-                s.answered.add(self.rank)
-                s.parts.append((result["scans"], result["buffers"], _rows(result.get("rows"), result["scans"])))
-                s.timing.scans[self.rank] = _ms(result, now, s.timing.task_started.get("rank"))
+            if "ship" in result and s.origin is PARENT and not s.waiting:  # a leaf: our parent scans these
+                return self._answer_parent(s, result["scans"], result["buffers"], ship=result["ship"], now=now)
+            self._scanned(s, self.rank, result, now, s.timing.task_started.get("rank"))
+            return self._maybe_merge(s, now)
+        if kind == "shipped":
+            rank = s.shipped.pop(task_id, None)
+            if s.stage != "gather" or rank is None:
+                return []
+            self._scanned(s, rank, result, now, s.timing.task_started.pop(f"shipped/{rank}", None))
             return self._maybe_merge(s, now)
         if kind == "merge" and "error" not in result:
             s.timing.merges.append({"rank": self.rank, "ms": _ms(result, now, s.timing.task_started.get(kind)),
@@ -326,6 +353,22 @@ class QueryFanOut:
         if kind in ("merge", "finish"):
             return self._answer(s, result, now)
         return []
+
+    def _scanned(self, s: HopQuery, rank: int, result: dict, now: float, started: float | None) -> None:
+        """A rank's scans are done (ours, or a leaf's over the tables it shipped)."""
+        if rank != self.rank:
+            s.timing.scanned_by[rank] = self.rank
+        if "error" in result:
+            err = result["error"]
+            s.failed[rank] = err.get("message", "error")
+            if err.get("code") == "row_cap":
+                s.errors.append(err)
+        elif "ship" in result:  # only a leaf ships, and only to its parent
+            s.failed[rank] = "error: its tables came back to be shipped again"
+        else:
+            s.answered.add(rank)
+            s.parts.append((result["scans"], result["buffers"], _rows(result.get("rows"), result["scans"])))
+            s.timing.scans[rank] = _ms(result, now, started)
 
     def on_members_lost(self, ranks: set[int], now: float) -> list[Effect]:
         """Members died or left: a query still waiting on one of them as a direct child
@@ -351,6 +394,8 @@ class QueryFanOut:
                 if s.local:
                     s.local = False
                     s.failed[self.rank] = "timeout"
+                s.failed.update({r: "timeout" for r in s.shipped.values()})
+                s.shipped.clear()
                 effects += self._maybe_merge(s, now)
             elif s.stage in ("plan", "merge") and now >= s.deadline + 1.0:
                 # the worker never came back (a stuck user table): answer anyway
@@ -379,7 +424,7 @@ class QueryFanOut:
 
     # --- merge and answer ------------------------------------------------------------------------
     def _maybe_merge(self, s: HopQuery, now: float) -> list[Effect]:
-        if s.stage != "gather" or s.waiting or s.local:
+        if s.stage != "gather" or s.waiting or s.local or s.shipped:
             return []
         return self._merge(s, now)
 
@@ -454,7 +499,8 @@ class QueryFanOut:
         }
 
     def _answer_parent(self, s: HopQuery, names: list[str], buffers: list[bytes], error: dict | None = None,
-                       *, now: float, rows: list[int] | None = None, sizes: list[int] | None = None) -> list[Effect]:
+                       *, now: float, rows: list[int] | None = None, sizes: list[int] | None = None,
+                       ship: dict | None = None) -> list[Effect]:
         self.queries.pop(s.qid, None)
         s.stage = "done"
         body = {"qid": s.qid, "status": "ok" if names or not error else "error", "answered": sorted(s.answered),
@@ -464,6 +510,8 @@ class QueryFanOut:
             body["rows"] = rows
         if sizes is not None:
             body["parts"] = sizes
+        if ship is not None:  # the buffers are our tables, not scans: the parent scans them for us
+            body["ship"] = ship
         if error:
             body["error"] = error
             body["status"] = "error"

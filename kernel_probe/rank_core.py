@@ -335,6 +335,11 @@ class RankCore:
                 out[rank] = (hop, rid)
         return out
 
+    @property
+    def ships_to_parent(self) -> bool:
+        # a leaf whose parent shares its machine: the tables it ships stay on the host
+        return self.tier == "leaf" and self.parent is not None and self.parent.host == self.identity.host
+
     def child_rank(self, rid: bytes) -> int | None:
         child = self.children.get(rid)
         return None if child is None else child.rank

@@ -193,6 +193,7 @@ class SubresultBody(_SubresultFields, total=False):  # child -> parent
     profile: dict  # where this hop's time went (query_fanout.HopTiming)
     rows: list  # rows of each scan's buffer (a broker relays small partials instead of merging them)
     parts: list  # how many scans each relayed part holds, in order (absent: one part)
+    ship: dict  # a leaf's tags: ``scans`` names the tables its scans read, for the parent to scan
 
 
 class ErrorBody(TypedDict):

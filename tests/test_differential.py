@@ -15,7 +15,9 @@ Rules of this file:
 - Planning without a catalog is covered by a second job whose root lists none of the
   queried tables in its catalog; the merge SQL, which brokers run only on large inputs,
   and the rank SQL of plain group-bys, which ranks run with Arrow, by a third job whose
-  brokers reduce every input and whose ranks run every scan's SQL. Pushdown is checked too: generated aggregate / top-k / rank-local
+  brokers reduce every input and whose ranks run every scan's SQL (there every leaf ships
+  the tables its scans read, and its broker scans them). Pushdown is checked too:
+  generated aggregate / top-k / rank-local
   shapes must not be planned as ship-rows, and partial aggregates ship little.
 """
 
@@ -462,6 +464,16 @@ def test_per_rank_appends_tags_and_skips_ranks_without_the_table(cluster: Job) -
     assert sorted(ours.column("_rank").to_pylist()) == [0, 1, 2, 4, 5]
 
 
+def test_leaves_open_no_duckdb_their_brokers_scan_the_tables_they_ship(reducing: Job) -> None:
+    # ranks that run every scan's SQL: every leaf ships every scan's tables to its broker
+    for gq in tricky_queries()[:60]:
+        reducing.check(gq)
+    ranks = reducing.sim.sim.ranks
+    assert [v.rank for v in ranks if v.core.tier == "leaf"] == [1, 3, 5]
+    assert all((v.sql._engine is None) == (v.core.tier == "leaf") for v in ranks), \
+        {v.rank: (v.core.tier, v.sql._engine is not None) for v in ranks}
+
+
 def test_partial_aggregate_ships_one_row_per_group_per_rank(engine: Engine) -> None:
     import random
 
@@ -481,6 +493,7 @@ def test_partial_aggregate_ships_one_row_per_group_per_rank(engine: Engine) -> N
     coverage, ours = job.sim.query(sql)
     assert coverage["plan"] == "partial-aggregate"
     # 600k rows (~12 MB as Arrow) live on the ranks; what travels is one row per group per rank
+    # (a leaf's 2 MB are more than it ships to its broker: it runs its own DuckDB)
     assert coverage["bytes_shipped"] < 60_000, coverage["bytes_shipped"]
     assert_same(ours, job.oracle.run(sql), ordered=True, what=sql)
     # The variance merge is the numerically careful one (Chan's parallel formula): with a

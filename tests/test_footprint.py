@@ -1,7 +1,8 @@
 """A rank's memory after queries (issue 9, point 4): what the probe keeps once a client
 ran queries of every mode. The figures themselves are ``benchmarks/footprint.py``'s; here,
 what must hold on any machine: a queried rank gives DuckDB's cached memory back once
-queries stop, and loads neither psutil nor pandas for them (whatever start-up loaded)."""
+queries stop, and loads neither psutil nor pandas for them (whatever start-up loaded); a leaf
+never loads DuckDB at all (its broker, on the same machine, scans what the leaf ships)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,17 @@ def test_a_queried_rank_gives_memory_back_once_queries_stop(launch, runtime_dir)
     before = {rank: mapped(pid) for rank, pid in pids.items()}
     with kernel_probe.connect(timeout=5) as client:
         ask_every_mode(client, repeat=3)
+        tiers = dict(zip(client.nodes()["rank"], client.nodes()["tier"]))
         right_after = {rank: anonymous_mb(pid) for rank, pid in pids.items()}
         time.sleep(engine._TIDY_AFTER_S + 1.5)
         quiet = {rank: anonymous_mb(pid) for rank, pid in pids.items()}
+    # every mode needs DuckDB somewhere: the root and the broker have it; leaves ship instead
+    duckdb = {rank: bool(mapped(pid, ("/_duckdb.",))) for rank, pid in pids.items()}
+    leaves = sorted(r for r, t in tiers.items() if t == "leaf")
+    assert len(leaves) == 2 and leaves == [r for r in sorted(duckdb) if not duckdb[r]], (tiers, duckdb)
     # DuckDB's jemalloc purges its dirty pages only when used again: 1.8-6 MB per rank here
     # (2x2 job, these queries), kept for good before the engine tidied after a quiet spell
-    given_back = {rank: round(right_after[rank] - quiet[rank], 1) for rank in pids}
+    given_back = {rank: round(right_after[rank] - quiet[rank], 1) for rank in pids if duckdb[rank]}
     assert all(mb >= 1.0 for mb in given_back.values()), given_back  # without the tidy: 0.0 on every rank
     by_queries = {rank: sorted(mapped(pid) - before[rank]) for rank, pid in pids.items()}
     assert not any(by_queries.values()), f"loaded by queries: {by_queries}"

@@ -30,7 +30,7 @@ def test_a_malformed_child_profile_costs_only_its_details() -> None:
     assert t.hops[-1] == {"parent": 0, "child": 3, "rtt_ms": 4.0, "transfer_ms": 2.0}
     assert len(t.hops) == 8  # every answer counts its hop, whatever its profile
     summary = t.summary(10.0, 100)
-    assert summary["scan"] == {"ranks": 1, "median_ms": 1.5, "slowest_ms": 1.5, "slowest_rank": 3}
+    assert summary["scan"] == {"ranks": 1, "median_ms": 1.5, "slowest_ms": 1.5, "slowest_rank": 3, "scanned_by": {}}
 
 
 # --- a broker relays small partials instead of merging them (issue 9, point 1) ---------------
@@ -46,6 +46,7 @@ PLAN = {"mode": "partial-aggregate", "final": "SELECT sum(n) AS n FROM s0",
 
 class _Broker:  # rank 2, the broker of its node, with rank 3 below it
     rank, incarnation, tier = 2, "i2", "broker"
+    ships_to_parent = False
 
     def hops(self, ranks: list[int]):
         return {3: (3, b"r3")} if 3 in ranks else {}

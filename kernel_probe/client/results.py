@@ -153,6 +153,10 @@ def format_profile(coverage: dict) -> str:
     if scan.get("ranks"):
         lines.append(f"  rank scans   {scan['ranks']} ranks: median {ms(scan.get('median_ms'))}, "
                      f"slowest {ms(scan.get('slowest_ms'))} (rank {scan.get('slowest_rank')})")
+        by = scan.get("scanned_by") or {}
+        if by:  # leaves that shipped the tables a DuckDB pass reads (they load no DuckDB)
+            lines.append("               scanned by their broker: " + ", ".join(
+                f"rank {r} at {b}" for r, b in sorted(by.items(), key=lambda kv: int(kv[0]))))
     for m in p.get("merges") or []:
         lines.append(f"  merge        at rank {m['rank']}: {ms(m['ms'])} over {m['parts']} parts")
     for h in p.get("hops") or []:

@@ -6,6 +6,12 @@ partials), ``finish`` (root: merge, then the final SQL). Results go back to the 
 thread as plain dicts of Arrow IPC bytes. DuckDB, pyarrow and sqlglot are imported
 here, lazily: a probe that is never queried never loads them.
 
+A leaf does not open DuckDB (its memory is the largest cost of being queried that a rank
+keeps): when its scans need a SQL pass, not just Arrow, it answers with the tables they read
+(``ship``; at most ``SHIP_MAX_BYTES`` of them, else it runs the pass itself), and its parent on
+the same machine scans them for it, over the same tables and with the leaf's tags: the same
+answer (``_rank`` with ``buffers``).
+
 The one exception to "off the I/O thread" is ``quick``: a task bounded by construction (a
 cached plan; Arrow work on at most ``QUICK_MAX_ROWS`` rows or ``QUICK_MAX_BYTES`` of partials;
 no DuckDB, no sqlglot, no user code) runs where it was asked, sparing a small query two
@@ -32,6 +38,7 @@ WORKER_IDLE_SEC = 60.0  # a worker thread with nothing to do for this long ends
 NONE = b""  # a scan this rank could not run (it lacks the table): no rows and no schema
 QUICK_MAX_ROWS = 50_000  # a table a quick rank task may read (Arrow filters/partials: ~1 ms)
 QUICK_MAX_BYTES = 4 << 20  # partials a quick merge/finish may take (decoding IPC copies nothing)
+SHIP_MAX_BYTES = 1 << 20  # tables a leaf hands its parent (a full `steps` ring: ~0.6 MB); past it, its own DuckDB
 
 
 class _LocalTables(Mapping):
@@ -66,6 +73,25 @@ class _Lazy(Mapping):
         return len(self._makers)
 
 
+class _Once(Mapping):
+    """A mapping of tables that reads each one once, however often it is asked."""
+
+    def __init__(self, tables: Mapping) -> None:
+        self._tables = tables
+        self._read: dict[str, Any] = {}
+
+    def __getitem__(self, name: str):
+        if name not in self._read:
+            self._read[name] = self._tables[name]
+        return self._read[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tables)
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+
 class NotQuick(Exception):
     """The task needs DuckDB or a table that runs user code: a worker thread runs it."""
 
@@ -94,6 +120,16 @@ def _finishes_in_arrow(plan: Mapping[str, Any]) -> bool:
     scans = plan.get("scans") or ()
     return (bool(plan.get("final_union")) or plan.get("final_arrow") is not None) and not any(
         sc.get("where") == "root" or sc.get("merge_at_root") for sc in scans)
+
+
+def _leaf_tags(given: dict) -> dict:
+    """A shipping leaf's tags, as its own scan would have them: the five, plainly typed."""
+    from ..sql.planner.model import TAGS
+
+    tags = {k: given.get(k) for k in TAGS}
+    if not all(type(tags[k]) is (str if k in ("_host", "_role") else int) for k in TAGS):
+        raise ValueError(f"a leaf shipped tables with malformed tags: {given!r:.200}")
+    return tags
 
 
 def _error(exc: BaseException) -> dict:
@@ -218,7 +254,7 @@ class SqlTaskRunner:
         if kind == "plan":  # a plan already made, for the same tables' columns
             work = lambda: self._plan(args, engine=_NoEngine(), cached_only=True)  # noqa: E731
         elif kind == "rank":
-            if not self.arrow_scans:
+            if not self.arrow_scans or "buffers" in args:  # a leaf's tables: shipped because they need DuckDB
                 return None
             work = lambda: self._rank(args, engine=_NoEngine(), tables=_QuickTables(self.tables))  # noqa: E731
         elif kind in ("merge", "finish"):
@@ -249,7 +285,10 @@ class SqlTaskRunner:
         import pyarrow.compute  # noqa: F401
 
         self._shapes, self._plans  # noqa: B018 (made now, with the executor)
-        self.engine.run("SELECT count(*) FROM tables", {"tables": self.tables.arrow("tables")})
+        if args.get("engine", True):  # a leaf ships what needs DuckDB: it never loads it
+            self.engine.run("SELECT count(*) FROM tables", {"tables": self.tables.arrow("tables")})
+        else:
+            self.tables.arrow("tables")  # the conversions' first use
         if args.get("planner"):
             from ..sql.planner import plan as make_plan
 
@@ -308,12 +347,41 @@ class SqlTaskRunner:
         return plan
 
     def _rank(self, args: dict, engine: Any = None, tables: Mapping | None = None) -> dict:
+        """This rank's scans; with ``ship`` (a leaf), its tables instead when they need DuckDB;
+        with ``tables``/``buffers``/``tags``, a leaf's scans over the tables it shipped."""
         from ..sql.execute import run_rank
 
-        scans = run_rank(self._plan_of(args), engine or self.engine, tables or _LocalTables(self.tables),
-                         self.tags(), params=args.get("params"), deadline=args.get("deadline"),
-                         row_cap=self.row_cap, arrow=self.arrow_scans)
-        return _encode(scans)
+        plan, tags = self._plan_of(args), self.tags()
+        if "buffers" in args:
+            tables = {n: wire.ipc_to_table(b) for n, b in zip(args["tables"], args["buffers"]) if b != NONE}
+            tags = _leaf_tags(args["tags"])
+        elif tables is None:
+            tables = _Once(_LocalTables(self.tables))  # a stack or a user's callable is read once
+        run = functools.partial(run_rank, plan, tables=tables, tags=tags, params=args.get("params"),
+                                deadline=args.get("deadline"), row_cap=self.row_cap, arrow=self.arrow_scans)
+        if args.get("ship") and engine is None:
+            try:
+                return _encode(run(engine=_NoEngine()))
+            except NotQuick:
+                shipped = self._shipped(plan, tables)
+                if shipped is not None:
+                    return shipped
+        return _encode(run(engine=engine or self.engine))
+
+    def _shipped(self, plan: Any, tables: Mapping) -> dict | None:
+        """The tables this rank's scans read, for its parent to scan (None: past SHIP_MAX_BYTES)."""
+        from ..sql.execute import lookup
+
+        names = list(dict.fromkeys(t for sc in plan.scans if sc.where == "ranks" for t in sc.tables))
+        found = {}
+        for name in names:
+            try:
+                found[name] = lookup(tables, name)
+            except KeyError:
+                found[name] = None  # the parent's scan says this rank has no such table
+        if sum(t.nbytes for t in found.values() if t is not None) > SHIP_MAX_BYTES:
+            return None
+        return dict(_encode(found), ship={"tags": self.tags()})
 
     def _merge(self, args: dict, engine: Any = None) -> dict:
         from ..sql.execute import merge

@@ -156,7 +156,7 @@ def select_ranks(plan: "Plan", engine: "Engine", tags_rows: Sequence[Mapping[str
     return targeted, [r for r in ranks if r not in targeted]
 
 
-def _lookup(tables: Mapping[str, "pa.Table"], name: str) -> "pa.Table":
+def lookup(tables: Mapping[str, "pa.Table"], name: str) -> "pa.Table":
     """tables[name], matching case-insensitively as DuckDB does; KeyError if absent."""
     try:
         return tables[name]
@@ -581,7 +581,7 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
         for name in scan.tables:
             if name not in cache:
                 try:
-                    cache[name] = _lookup(tables, name)
+                    cache[name] = lookup(tables, name)
                 except KeyError:
                     cache[name] = None
             if cache[name] is None:
@@ -766,7 +766,7 @@ def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None
             local = {}
             for name in scan.tables:
                 try:
-                    local[name] = _lookup(root_tables, name)
+                    local[name] = lookup(root_tables, name)
                 except KeyError:
                     raise QueryError(f"the root has no table named {name}", code="error") from None
             regs[scan.name] = engine.run(scan.sql, local, params=_params_for(scan.sql, params),
