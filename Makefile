@@ -10,6 +10,8 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml constraints.txt labextension/package.json labextension/yarn.lock $(wildcard labextension/src/* labextension/style/* labextension/schema/*)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	# bytecode, as a wheel install leaves it (ranks then skip compiling, even with PYTHONDONTWRITEBYTECODE)
+	$(PY) -m compileall -q kernel_probe probing_magics
 	touch $(STAMP)
 
 install: $(STAMP)

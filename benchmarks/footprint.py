@@ -1,7 +1,7 @@
 """What the probe costs a rank in memory and idle CPU, probe on vs. off, side by side in
 one run (issue: fast enough to beat ipyparallel, point 4).
 
-Two 2 x 2 jobs of the same program run at once, one with PROBING=1, one without: an idle
+Two jobs of the same program (2 x 2 ranks unless told) run at once, one with PROBING=1, one without: an idle
 Python worker that imports nothing (``--job idle``, the worst case: every module the probe
 loads is its own), or the demo's DDP training job (``--job ddp``: torch, gloo, a step every
 0.5 s; what a user runs).
@@ -11,14 +11,17 @@ client connected and ran queries of every mode over the built-in tables: right a
 them, and once the ranks were quiet for a few seconds (a rank's query engine gives
 DuckDB's cached memory back after a quiet spell); then each rank's figure with its tier (a
 leaf loads no DuckDB: its broker scans the tables it ships), and their mean. Idle CPU: the ranks' CPU time over a
-quiet stretch, on minus off, in % of one core.
+quiet stretch, on minus off, in % of one core. The package's bytecode is compiled first, as
+installing the wheel leaves it: a rank that compiles our modules itself (PYTHONDONTWRITEBYTECODE
+with a source checkout) keeps ~1-2 MB more of the compiler's memory.
 
-    .venv/bin/python benchmarks/footprint.py [--job idle|ddp] [--idle 20]
+    .venv/bin/python benchmarks/footprint.py [--job idle|ddp] [--idle 20] [--nodes 2 --ranks-per-node 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import statistics
 import sys
@@ -56,19 +59,24 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--idle", type=float, default=20.0, help="seconds of quiet for the idle CPU figure")
     ap.add_argument("--job", choices=sorted(JOBS), default="idle", help="the program every rank runs")
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--ranks-per-node", type=int, default=2, help="8: a GPU node's shape (one broker, 7 leaves)")
     args = ap.parse_args()
     argv = JOBS[args.job]
+    for package in ("kernel_probe", "tests/workers"):
+        compileall.compile_dir(str(ROOT / package), quiet=1)
     runtime = tempfile.mkdtemp(prefix="kp-footprint-")
     os.environ["PROBING_RUNTIME_DIR"] = runtime
     base = {"PROBING_RUNTIME_DIR": runtime}
-    off = LocalJob(argv, nodes=2, ranks_per_node=2, mode="plain", env={**base, "PROBING": "0"})
-    on = LocalJob(argv, nodes=2, ranks_per_node=2, mode="plain", env={**base, "PROBING": "1"})
+    shape = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node}
+    off = LocalJob(argv, mode="plain", env={**base, "PROBING": "0"}, **shape)
+    on = LocalJob(argv, mode="plain", env={**base, "PROBING": "1"}, **shape)
     with off, on:
         off_pids, on_pids = off.wait_ready(60), on.wait_ready(60)
         if args.job == "ddp":  # torch's import and the DDP constructor take ~10 s per rank here
             for job in (off, on):
                 deadline = time.monotonic() + 180
-                while not all("step 3 " in job.output(r) for r in range(4)) and time.monotonic() < deadline:
+                while not all("step 3 " in job.output(r) for r in on_pids) and time.monotonic() < deadline:
                     time.sleep(0.5)
         time.sleep(5.0)  # start-up settles: heartbeats, first samples
         before = statistics.median(pss_mb(on_pids)) - statistics.median(pss_mb(off_pids))
@@ -84,7 +92,8 @@ def main() -> int:
         time.sleep(_TIDY_AFTER_S + 2.0)
         after_on, after_off = pss_mb(on_pids), pss_mb(off_pids)
         after = statistics.median(after_on) - statistics.median(after_off)
-    print(f"footprint per rank, probe on vs. off (2 x 2 ranks of the {args.job} job, PSS in MB, median rank):")
+    print(f"footprint per rank, probe on vs. off ({args.nodes} x {args.ranks_per_node} ranks of the {args.job} job, "
+          "PSS in MB, median rank):")
     print(f"  before any client:                 +{before:.1f} MB")
     print(f"  right after queries of every mode: +{right_after:.1f} MB")
     print(f"  after queries, ranks quiet {_TIDY_AFTER_S + 2.0:.0f} s: +{after:.1f} MB (on {statistics.median(after_on):.1f}, "

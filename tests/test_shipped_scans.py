@@ -242,3 +242,30 @@ def test_the_profile_says_which_ranks_were_scanned_by_their_broker() -> None:
     assert "scanned by their broker: rank 1 at 0, rank 3 at 2, rank 5 at 4" in format_profile(coverage)
     coverage, _ = sim.query("SELECT g, count(*) AS n FROM t GROUP BY g")  # Arrow: every rank scans itself
     assert coverage["profile"]["scan"]["scanned_by"] == {}
+
+
+def test_a_broker_queues_its_leaves_shipped_scans_on_a_few_threads_and_refuses_none() -> None:
+    import threading
+    import time
+
+    leaf, broker = _runner(LEAF_TAGS), _runner(BROKER_TAGS)
+    plan = _plan(_runner(BROKER_TAGS), NEEDS_DUCKDB[1][0])
+    shipped = leaf.run("rank", {"plan": plan, "params": None, "deadline": None, "ship": True})
+    args = {"plan": plan, "params": None, "deadline": None, "tables": shipped["scans"], "buffers": shipped["buffers"],
+            "tags": LEAF_TAGS}
+    expected = _tables(broker.run("rank", args))
+    results: list[dict] = []
+    most = 0
+    n = broker.MAX_RUNNING * 3  # as many as the general pool would refuse twice over
+    for _ in range(n):
+        broker.start("rank", args, results.append)
+    while len(results) < n:
+        most = max(most, sum(t.name == "kernel-probe-sql-shipped" for t in threading.enumerate()))
+        time.sleep(0.001)
+    assert all("error" not in r for r in results), [r["error"] for r in results if "error" in r][:1]
+    assert all(_tables(r) == expected for r in results)
+    assert 1 <= most <= sql_tasks.SHIPPED_THREADS
+    deadline = time.monotonic() + 5
+    while broker._shipped_threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert broker._shipped_threads == 0, "the threads end once the queue is empty"

@@ -20,6 +20,7 @@ thread hand-offs per hop.
 
 from __future__ import annotations
 
+import collections
 import functools
 import queue
 import threading
@@ -39,6 +40,8 @@ NONE = b""  # a scan this rank could not run (it lacks the table): no rows and n
 QUICK_MAX_ROWS = 50_000  # a table a quick rank task may read (Arrow filters/partials: ~1 ms)
 QUICK_MAX_BYTES = 4 << 20  # partials a quick merge/finish may take (decoding IPC copies nothing)
 SHIP_MAX_BYTES = 1 << 20  # tables a leaf hands its parent (a full `steps` ring: ~0.6 MB); past it, its own DuckDB
+SHIPPED_THREADS = 2  # threads scanning leaves' shipped tables (DuckDB releases the GIL: a few keep cores busy)
+SHIPPED_MAX_QUEUED = 256  # such scans waiting at a broker (8 leaves x 32 queries at once); past it, "busy"
 
 
 class _LocalTables(Mapping):
@@ -170,6 +173,8 @@ class SqlTaskRunner:
         self._running = 0
         self._idle = 0  # workers waiting for a task, not yet spoken for
         self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._shipped_work: collections.deque = collections.deque()  # leaves' shipped tables to scan: (args, done)
+        self._shipped_threads = 0
         self._lock = threading.Lock()
 
     # made on the first query: a probe never queried does not load the executor
@@ -204,7 +209,13 @@ class SqlTaskRunner:
 
         Workers are daemon threads kept for a while after their task (starting a thread
         per task cost more than a small scan); a new one starts only when none is idle,
-        so a task stuck in a user's table never holds up the next."""
+        so a task stuck in a user's table never holds up the next.
+
+        Scans of the tables leaves shipped run user code no more (they are Arrow already) and
+        end by their deadline: they wait in their own queue for at most ``SHIPPED_THREADS``
+        threads instead, so that a broker of 7 leaves is not "busy" for two queries at once."""
+        if kind == "rank" and "buffers" in args:
+            return self._start_shipped(args, done)
         with self._lock:
             if self._running >= self.MAX_RUNNING:
                 done({"error": {"code": "busy", "message": "this probe is busy with earlier queries"}})
@@ -234,6 +245,30 @@ class SqlTaskRunner:
             with self._lock:
                 self._running -= 1
                 self._idle += 1
+            done(result)
+
+    def _start_shipped(self, args: dict, done: Callable[[dict], None]) -> None:
+        with self._lock:
+            if len(self._shipped_work) >= SHIPPED_MAX_QUEUED:
+                done({"error": {"code": "busy", "message": "this probe's broker is busy with earlier queries"}})
+                return
+            self._shipped_work.append((args, done))
+            spawn = self._shipped_threads < SHIPPED_THREADS
+            self._shipped_threads += spawn
+        if spawn:
+            threading.Thread(target=self._shipped_worker, name="kernel-probe-sql-shipped", daemon=True).start()
+
+    def _shipped_worker(self) -> None:
+        while True:
+            with self._lock:
+                if not self._shipped_work:  # a thread per burst: starting one costs less than a scan
+                    self._shipped_threads -= 1
+                    return
+                args, done = self._shipped_work.popleft()
+            try:
+                result = self.run("rank", args)
+            except BaseException as exc:
+                result = _error(exc)
             done(result)
 
     def run(self, kind: str, args: dict) -> dict:
