@@ -363,8 +363,8 @@ class QueryFanOut:
             s.failed[rank] = err.get("message", "error")
             if err.get("code") == "row_cap":
                 s.errors.append(err)
-        elif "ship" in result:  # only a leaf ships, and only to its parent
-            s.failed[rank] = "error: its tables came back to be shipped again"
+        elif "ship" in result:  # only a leaf ships, and only to its parent: never here
+            s.failed[rank] = "error: tables to ship came back where its scans were due"
         else:
             s.answered.add(rank)
             s.parts.append((result["scans"], result["buffers"], _rows(result.get("rows"), result["scans"])))

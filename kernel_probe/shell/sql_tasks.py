@@ -127,10 +127,10 @@ def _finishes_in_arrow(plan: Mapping[str, Any]) -> bool:
 
 def _leaf_tags(given: dict) -> dict:
     """A shipping leaf's tags, as its own scan would have them: the five, plainly typed."""
-    from ..sql.planner.model import TAGS
+    from ..sql.execute import TAG_TYPES
 
-    tags = {k: given.get(k) for k in TAGS}
-    if not all(type(tags[k]) is (str if k in ("_host", "_role") else int) for k in TAGS):
+    tags = {k: given.get(k) for k in TAG_TYPES}
+    if not all(type(tags[k]) is (str if t == "string" else int) for k, t in TAG_TYPES.items()):
         raise ValueError(f"a leaf shipped tables with malformed tags: {given!r:.200}")
     return tags
 

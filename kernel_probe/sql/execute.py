@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .planner import Plan, Scan
 
-__all__ = ["TAG_TYPES", "tagged", "select_ranks", "run_rank", "merge", "finish"]
+__all__ = ["TAG_TYPES", "tagged", "lookup", "select_ranks", "run_rank", "merge", "finish"]
 
 log = logging.getLogger(__name__)
 
