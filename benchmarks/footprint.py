@@ -1,16 +1,17 @@
 """What the probe costs a rank in memory and idle CPU, probe on vs. off, side by side in
 one run (issue: fast enough to beat ipyparallel, point 4).
 
-Two jobs of the same program (2 x 2 ranks unless told) run at once, one with PROBING=1, one without: an idle
-Python worker that imports nothing (``--job idle``, the worst case: every module the probe
-loads is its own), or the demo's DDP training job (``--job ddp``: torch, gloo, a step every
-0.5 s; what a user runs).
+Two jobs of the same program (2 x 2 ranks unless told) run at once, one with PROBING=1, one
+without: an idle Python worker that imports nothing (``--job idle``, the worst case: every
+module the probe loads is its own), or the demo's DDP training job (``--job ddp``: torch,
+gloo, a step every 0.5 s; what a user runs).
 Proportional set size (PSS: a shared library counts once per node, split over the
-processes that map it) per rank: after start-up with nobody connected, then after a
-client connected and ran queries of every mode over the built-in tables: right after
-them, and once the ranks were quiet for a few seconds (a rank's query engine gives
-DuckDB's cached memory back after a quiet spell); then each rank's figure with its tier (a
-leaf loads no DuckDB: its broker scans the tables it ships), and their mean. Idle CPU: the ranks' CPU time over a
+processes that map it) per rank: after start-up with nobody connected; after a
+membership-only client (a live node view) polled; after a client ran queries of every mode
+over the built-in tables, right after them and once the ranks were quiet for a few seconds
+(a rank's query engine gives DuckDB's cached memory back after a quiet spell); then each
+rank's figure with its tier (a leaf loads no DuckDB: its broker scans the tables it ships),
+and their mean. Idle CPU: the ranks' CPU time over a
 quiet stretch, on minus off, in % of one core. The package's bytecode is compiled first, as
 installing the wheel leaves it: a rank that compiles our modules itself (PYTHONDONTWRITEBYTECODE
 with a source checkout) keeps ~1-2 MB more of the compiler's memory.
@@ -84,6 +85,11 @@ def main() -> int:
         time.sleep(args.idle)
         wall = time.monotonic() - t0
         idle_cpu = ((cpu_sec(on_pids) - c_on) - (cpu_sec(off_pids) - c_off)) / wall / len(on_pids) * 100
+        with kernel_probe.connect(timeout=5, warm=False) as watcher:  # a live node view: membership only
+            for _ in range(6):
+                watcher.nodes()
+                time.sleep(0.5)
+        watched = statistics.median(pss_mb(on_pids)) - statistics.median(pss_mb(off_pids))
         with kernel_probe.connect(timeout=5) as client:
             ask_every_mode(client, repeat=3)
             nodes = client.nodes()
@@ -95,6 +101,7 @@ def main() -> int:
     print(f"footprint per rank, probe on vs. off ({args.nodes} x {args.ranks_per_node} ranks of the {args.job} job, "
           "PSS in MB, median rank):")
     print(f"  before any client:                 +{before:.1f} MB")
+    print(f"  with a membership-only client:     +{watched:.1f} MB (connect(warm=False), nodes() 6 times)")
     print(f"  right after queries of every mode: +{right_after:.1f} MB")
     print(f"  after queries, ranks quiet {_TIDY_AFTER_S + 2.0:.0f} s: +{after:.1f} MB (on {statistics.median(after_on):.1f}, "
           f"off {statistics.median(after_off):.1f}; ranks on: {', '.join(f'{m:.1f}' for m in after_on)})")

@@ -13,9 +13,10 @@ Rules of this file:
   so it can still merge and answer before its own deadline — with what it has.
 - Coverage is exact: every targeted rank ends up answered or failed with a reason
   (dead, unreachable, timeout, or the error text).
-- A client's handshake warms the tree: every rank loads its query engine (DuckDB,
-  pyarrow; the root sqlglot too) on a worker before the first query needs it, so the
-  first answer comes fast, and a job nobody connects to never pays that memory.
+- A client that will query says so in its handshake, which warms the tree: every rank
+  loads its query engine (pyarrow; DuckDB but at a shipping leaf; the root sqlglot too) on
+  a worker before the first query needs it, so the first answer comes fast. A job nobody
+  queries, or whose clients only watch membership, never pays that memory.
 - A broker whose gathered partials are small (no scan past ``merge_above_rows`` rows, at
   most ``RELAY_MAX_PARTS`` parts) relays them up as they came, its own among them, instead
   of merging them on a worker: the parent's merge concatenates them all the same, and the

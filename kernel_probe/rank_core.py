@@ -268,8 +268,9 @@ class RankCore:
             return self.fanout.on_client_query(sender, env, now)
         if kind == "subresult":
             return self.fanout.on_subresult(sender, env, now)
-        if kind == "info_request":  # every client's handshake: its first query comes next
-            return [Send(sender, Message("info", self.info(), corr_id=env.header.msg_id))] + self.fanout.on_client_hello(now)
+        if kind == "info_request":  # a client's handshake; one that will query asks for warm engines
+            warm = self.fanout.on_client_hello(now) if body.get("warm") is True else []
+            return [Send(sender, Message("info", self.info(), corr_id=env.header.msg_id))] + warm
         if kind == "nodes_request":
             return [Send(sender, Message("nodes", self.nodes_body(), corr_id=env.header.msg_id))]
         return [Send(sender, Message("error", {"code": "unsupported", "message": f"this probe does not serve {kind!r}"},

@@ -122,6 +122,10 @@ class _InfoFields(TypedDict):
     incarnation: str
 
 
+class InfoRequestBody(TypedDict, total=False):  # client -> probe: the handshake, or asking again
+    warm: bool  # the client will query: load the query engine on every rank now (connect(warm=True))
+
+
 class InfoBody(_InfoFields, total=False):
     counts: dict
     epoch: int
@@ -208,7 +212,7 @@ BODIES: dict[str, type] = {
     "membership": MembershipBody,
     "bye": ByeBody,
     # client plane
-    "info_request": EmptyBody,
+    "info_request": InfoRequestBody,
     "info": InfoBody,
     "nodes_request": EmptyBody,
     "nodes": NodesBody,

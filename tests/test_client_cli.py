@@ -42,7 +42,7 @@ def single(runtime_dir):
 
 def test_single_process_job_connect_nodes_and_lazy_imports(single):
     # a probe nobody connected to imports neither torch nor pandas in the rank
-    # (a client's handshake warms the query engine: pyarrow brings pandas when installed)
+    # (a client that will query warms the query engine: pyarrow brings pandas when installed)
     assert single.stdout.readline().split() == ["False", "False"]
     client = wait_for(lambda: kernel_probe.connect(timeout=2), 20, what="the probe")
     df = client.nodes()

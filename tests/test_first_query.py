@@ -1,6 +1,8 @@
 """The first query (issue 9, point 3): a job nobody connects to never loads a query
-engine; a client's handshake warms every rank, and ``connect()`` returns once they are
-warm (a stuck rank is not waited for), so its first query meets loaded engines."""
+engine, nor one whose clients only watch membership (``connect(warm=False)``: the CLI, the
+live node view, the server extension); ``connect()``'s handshake warms every rank, and it
+returns once they are warm (a stuck rank is not waited for), so its first query meets
+loaded engines."""
 
 from __future__ import annotations
 
@@ -35,9 +37,13 @@ def test_connect_warms_every_rank_and_nothing_before(launch, runtime_dir):
     wait_for(lambda: list(runtime_dir.glob("*.json")), 30, what="the connection file")
     time.sleep(2.0)  # heartbeats, pushes, the catalog sampled: everything but a client
     assert all(loaded(pid) == set() for pid in pids.values()), {r: loaded(p) for r, p in pids.items()}
-    with kernel_probe.connect(timeout=5, warm=False) as client:  # the handshake alone warms, in the background
-        tiers = dict(zip(client.nodes()["rank"], client.nodes()["tier"]))
-        assert sorted(tiers.values()) == ["broker", "leaf", "leaf", "root"]
+    with kernel_probe.connect(timeout=5, warm=False) as watcher:  # membership only: nothing to load
+        tiers = dict(zip(watcher.nodes()["rank"], watcher.nodes()["tier"]))
+        watcher.info()
+        time.sleep(2.0)
+        assert all(loaded(pid) == set() for pid in pids.values()), {r: loaded(p) for r, p in pids.items()}
+    assert sorted(tiers.values()) == ["broker", "leaf", "leaf", "root"]
+    with kernel_probe.connect(timeout=5) as client:  # its handshake warms every rank
         wait_for(lambda: all(loaded(pid) == warm_libs(tiers[r]) for r, pid in pids.items()), 30,
                  what="every rank to load its query engine after the handshake")
         r = client.query("SELECT _rank, count(*) AS frames FROM stacks WHERE is_main GROUP BY _rank ORDER BY _rank")

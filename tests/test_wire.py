@@ -80,7 +80,7 @@ SAMPLES: dict[str, tuple[dict, tuple[bytes, ...]]] = {
     "heartbeat_ack": ({"epoch": 8, "complete": True, "delta": None}, ()),
     "membership": ({"epoch": 9, "complete": False, "delta": {"3": {"state": "dead"}}}, ()),
     "bye": ({"rank": 3, "incarnation": "abc", "reason": "exit"}, ()),
-    "info_request": ({}, ()),
+    "info_request": ({"warm": True}, ()),
     "info": (
         {
             "protocol": 1,

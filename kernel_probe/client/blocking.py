@@ -74,7 +74,7 @@ class Client(ClientState):
         ``warm``: then wait (``warm()``) until the ranks can answer a query at once."""
         client = cls.from_target(target)
         try:
-            client.handshake(timeout)
+            client.handshake(timeout, warm=warm)
             if warm:
                 client.warm(min(timeout, results.WARM_WAIT_MAX))
         except BaseException:
@@ -226,15 +226,17 @@ class Client(ClientState):
 
     # ------------------------------------------------------------------ API
 
-    def handshake(self, timeout: float = 5.0) -> dict:
-        """Check that a probe answers and accepts our key; learn the run id on the way."""
+    def handshake(self, timeout: float = 5.0, warm: bool = False) -> dict:
+        """Check that a probe answers and accepts our key; learn the run id on the way.
+        ``warm``: ask every rank to load its query engine now, in the background (a client that
+        will query; one that only watches membership leaves the ranks without it)."""
         try:
-            env = self.request("info_request", {}, timeout)
+            env = self.request("info_request", {"warm": True} if warm else {}, timeout)
         except Refused as refused:
             with self._state:
                 learnt = self._learn_from(refused)
             if learnt:
-                return self.handshake(timeout)
+                return self.handshake(timeout, warm)
             raise results.refused_error(refused, self.endpoint) from None
         return self._shook_hands(env)
 
