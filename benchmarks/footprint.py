@@ -105,10 +105,10 @@ def main() -> int:
     print(f"  right after queries of every mode: +{right_after:.1f} MB")
     print(f"  after queries, ranks quiet {_TIDY_AFTER_S + 2.0:.0f} s: +{after:.1f} MB (on {statistics.median(after_on):.1f}, "
           f"off {statistics.median(after_off):.1f}; ranks on: {', '.join(f'{m:.1f}' for m in after_on)})")
-    base = statistics.median(after_off)
+    off_median = statistics.median(after_off)
     print("  after queries, each rank against the median rank off: " + ", ".join(
-        f"{rank} {tiers.get(rank, '?')} +{mb - base:.1f}" for rank, mb in zip(on_pids, after_on))
-        + f"; mean +{statistics.mean(after_on) - base:.1f} MB")
+        f"{rank} {tiers.get(rank, '?')} +{mb - off_median:.1f}" for rank, mb in zip(on_pids, after_on))
+        + f"; mean +{statistics.mean(after_on) - off_median:.1f} MB")
     print(f"  idle CPU added: {idle_cpu:.3f} % of a core per rank over {wall:.0f} s")
     return 0
 

@@ -336,7 +336,7 @@ class QueryFanOut:
             if s.stage != "gather" or not s.local:
                 return []
             s.local = False
-            if "ship" in result and s.origin is PARENT and not s.waiting:  # a leaf: our parent scans these
+            if "ship" in result:  # a leaf (only a subquery's scan may ship): our parent scans these
                 return self._answer_parent(s, result["scans"], result["buffers"], ship=result["ship"], now=now)
             self._scanned(s, self.rank, result, now, s.timing.task_started.get("rank"))
             return self._maybe_merge(s, now)
@@ -364,8 +364,6 @@ class QueryFanOut:
             s.failed[rank] = err.get("message", "error")
             if err.get("code") == "row_cap":
                 s.errors.append(err)
-        elif "ship" in result:  # only a leaf ships, and only to its parent: never here
-            s.failed[rank] = "error: tables to ship came back where its scans were due"
         else:
             s.answered.add(rank)
             s.parts.append((result["scans"], result["buffers"], _rows(result.get("rows"), result["scans"])))

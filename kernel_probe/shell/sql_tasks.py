@@ -398,12 +398,12 @@ class SqlTaskRunner:
             try:
                 return _encode(run(engine=_NoEngine()))
             except NotQuick:
-                shipped = self._shipped(plan, tables)
+                shipped = self._shipped(plan, tables, tags)
                 if shipped is not None:
                     return shipped
         return _encode(run(engine=engine or self.engine))
 
-    def _shipped(self, plan: Any, tables: Mapping) -> dict | None:
+    def _shipped(self, plan: Any, tables: Mapping, tags: dict) -> dict | None:
         """The tables this rank's scans read, for its parent to scan (None: past SHIP_MAX_BYTES)."""
         from ..sql.execute import lookup
 
@@ -416,7 +416,7 @@ class SqlTaskRunner:
                 found[name] = None  # the parent's scan says this rank has no such table
         if sum(t.nbytes for t in found.values() if t is not None) > SHIP_MAX_BYTES:
             return None
-        return dict(_encode(found), ship={"tags": self.tags()})
+        return dict(_encode(found), ship={"tags": tags})
 
     def _merge(self, args: dict, engine: Any = None) -> dict:
         from ..sql.execute import merge
