@@ -711,7 +711,14 @@ def _remember(cache: dict, key: Any, value: Any) -> None:
 
 
 def table_to_ipc(table: Any) -> bytes:
-    """An Arrow table as one IPC stream (the only binary payload format; never pickle)."""
+    """An Arrow table as one IPC stream (the only binary payload format; never pickle); a
+    ``PlainTable`` (a leaf's, made without pyarrow) written without pyarrow too."""
+    from .tables.convert import PlainTable
+
+    if type(table) is PlainTable:
+        from .tables.arrow_stream import write_stream
+
+        return write_stream(table)
     import pyarrow as pa
 
     key = None

@@ -43,9 +43,10 @@ class Job:
     """A simulated job and its oracle."""
 
     def __init__(self, ranks: list[VRank], engine: Engine, root_catalog: bool = True,
-                 merge_above_rows: int | None = None, arrow_scans: bool = True) -> None:
+                 merge_above_rows: int | None = None, arrow_scans: bool = True,
+                 ship_plain: bool | None = None) -> None:
         self.sim = SimCluster(ranks, PER_NODE, root_catalog=root_catalog, merge_above_rows=merge_above_rows,
-                              arrow_scans=arrow_scans)
+                              arrow_scans=arrow_scans, ship_plain=ship_plain)
         self.oracle = Oracle(ranks, engine, nodes=self.sim.nodes)
 
     def check(self, gq: GenQuery) -> str:
@@ -472,6 +473,35 @@ def test_leaves_open_no_duckdb_their_brokers_scan_the_tables_they_ship(reducing:
     assert [v.rank for v in ranks if v.core.tier == "leaf"] == [1, 3, 5]
     assert all((v.sql._engine is None) == (v.core.tier == "leaf") for v in ranks), \
         {v.rank: (v.core.tier, v.sql._engine is not None) for v in ranks}
+
+
+def _plain_typed(ranks: list[VRank]) -> list[VRank]:
+    """The ranks' tables in the types a rank records (int64, double, bool, string): what a leaf
+    without pyarrow ships as it is (int32 columns widened, the timestamp column left out)."""
+    for v in ranks:
+        for name, t in v.tables.items():
+            t = t.drop_columns([c for c in t.column_names if c == "ts"])
+            v.tables[name] = t.cast(pa.schema([(f.name, pa.int64() if f.type == pa.int32() else f.type)
+                                               for f in t.schema]))
+    return ranks
+
+
+def test_leaves_without_pyarrow_ship_plain_tables_their_brokers_scan_alike(engine: Engine) -> None:
+    import re
+
+    job = Job(_plain_typed(make_ranks(seed=7)), engine, ship_plain=True)
+    uses_ts = re.compile(r"\bts\b")
+    queries = [gq for gq in tricky_queries() + generate_queries(seed=99, n=150) if not uses_ts.search(gq.sql)]
+    modes = collections.Counter(job.check(gq) for gq in queries)
+    assert len(queries) > 150 and len(modes) >= 5, modes
+    ranks = job.sim.sim.ranks
+    leaves = [v for v in ranks if v.core.tier == "leaf"]
+    # every leaf answered through its broker, from tables written without pyarrow, with no engine
+    assert all(v.sql.tables.plain_served > len(queries) // 2 and v.sql._engine is None for v in leaves), \
+        {v.rank: (v.sql.tables.plain_served, v.sql._engine) for v in leaves}
+    assert all(v.sql.tables.plain_served == 0 for v in ranks if v.core.tier != "leaf")
+    coverage, _ = job.sim.query("SELECT count(*) AS n FROM t")
+    assert coverage["profile"]["scan"]["scanned_by"] == {"1": 0, "3": 2, "5": 4}, coverage["profile"]
 
 
 def test_partial_aggregate_ships_one_row_per_group_per_rank(engine: Engine) -> None:

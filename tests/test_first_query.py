@@ -27,8 +27,8 @@ def loaded(pid: int) -> set[str]:
 
 
 def warm_libs(tier: str) -> set[str]:
-    """What a warm rank has loaded: a leaf, which ships what needs DuckDB to its broker, only Arrow."""
-    return {"libarrow"} if tier == "leaf" else set(ENGINE_LIBS)
+    """What a warm rank has loaded: a leaf, which ships its tables to its broker, nothing."""
+    return set() if tier == "leaf" else set(ENGINE_LIBS)
 
 
 def test_connect_warms_every_rank_and_nothing_before(launch, runtime_dir):
@@ -51,6 +51,7 @@ def test_connect_warms_every_rank_and_nothing_before(launch, runtime_dir):
         # pyarrow's pa.array() would import pandas into every rank (~40 MB): queries of
         # every mode build their Arrow without it
         ask_every_mode(client)
+        assert {r: loaded(pid) for r, pid in pids.items()} == {r: warm_libs(tiers[r]) for r in pids}
     with_pandas = [rank for rank, pid in pids.items() if "/pandas/" in Path(f"/proc/{pid}/maps").read_text()]
     assert with_pandas == [], f"ranks {with_pandas} loaded pandas"
 

@@ -10,7 +10,10 @@ A leaf does not open DuckDB (its memory is the largest cost of being queried tha
 keeps): when its scans need a SQL pass, not just Arrow, it answers with the tables they read
 (``ship``; at most ``SHIP_MAX_BYTES`` of them, else it runs the pass itself), and its parent on
 the same machine scans them for it, over the same tables and with the leaf's tags: the same
-answer (``_rank`` with ``buffers``).
+answer (``_rank`` with ``buffers``). A leaf that has not loaded pyarrow ships its tables for
+every scan, written without pyarrow (``LocalTables.plain``), and so never loads pyarrow either,
+unless a table only pyarrow can convert (a DataFrame, a callable, other kinds of values) or
+one past SHIP_MAX_BYTES makes it do the scan itself.
 
 The one exception to "off the I/O thread" is ``quick``: a task bounded by construction (a
 cached plan; Arrow work on at most ``QUICK_MAX_ROWS`` rows or ``QUICK_MAX_BYTES`` of partials;
@@ -23,6 +26,7 @@ from __future__ import annotations
 import collections
 import functools
 import queue
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -58,6 +62,13 @@ class _LocalTables(Mapping):
 
     def __len__(self) -> int:
         return len(self._tables.names())
+
+
+class _PlainTables(_LocalTables):
+    """This rank's tables as plain buffers (None: only pyarrow can make that one)."""
+
+    def __getitem__(self, name: str):
+        return self._tables.plain(name)
 
 
 class _Lazy(Mapping):
@@ -125,6 +136,12 @@ def _finishes_in_arrow(plan: Mapping[str, Any]) -> bool:
         sc.get("where") == "root" or sc.get("merge_at_root") for sc in scans)
 
 
+def _scanned_tables(plan: Mapping[str, Any]) -> list[str]:
+    """The tables a rank's scans read in ``plan`` (a plan dict)."""
+    return list(dict.fromkeys(t for sc in plan.get("scans") or () if sc.get("where") == "ranks"
+                              for t in sc.get("tables") or ()))
+
+
 def _leaf_tags(given: dict) -> dict:
     """A shipping leaf's tags, as its own scan would have them: the five, plainly typed."""
     from ..sql.execute import TAG_TYPES
@@ -162,6 +179,7 @@ class SqlTaskRunner:
 
     MAX_RUNNING = 8  # a stuck user table holds a worker; never let them pile up without bound
     arrow_scans = True  # plain group-by partials with Arrow (Scan.arrow), not a DuckDB pass
+    ship_plain: bool | None = None  # a shipping leaf's tables without pyarrow; None: while it is not loaded
 
     def __init__(self, tables: Any, tags: Callable[[], dict], *,
                  row_cap: int, threads: int = 1, memory_limit: str = "256MB") -> None:
@@ -280,6 +298,13 @@ class SqlTaskRunner:
         result["ms"] = round((time.perf_counter() - started) * 1000.0, 3)  # the fan-out's profile
         return result
 
+    @staticmethod
+    def _not_quick() -> dict:
+        raise NotQuick("pyarrow")
+
+    def _ships_plain(self) -> bool:
+        return "pyarrow" not in sys.modules if self.ship_plain is None else self.ship_plain
+
     def quick(self, kind: str, args: dict) -> dict | None:
         """The task's result, computed here and now, if it is small work: a plan found in the
         plan cache (no tag pruning in DuckDB), a rank's scans of tables served at once without a
@@ -288,10 +313,14 @@ class SqlTaskRunner:
         The same code as ``run`` computes the answer; only the engine and the tables differ."""
         if kind == "plan":  # a plan already made, for the same tables' columns
             work = lambda: self._plan(args, engine=_NoEngine(), cached_only=True)  # noqa: E731
+        elif kind == "rank" and args.get("ship") and self._ships_plain():
+            work = lambda: self._ship_plain(args["plan"], at_once=True) or self._not_quick()  # noqa: E731
         elif kind == "rank":
-            if not self.arrow_scans or "buffers" in args:  # a leaf's tables: shipped because they need DuckDB
+            if not self.arrow_scans:
                 return None
-            work = lambda: self._rank(args, engine=_NoEngine(), tables=_QuickTables(self.tables))  # noqa: E731
+            # a leaf's shipped tables (at most SHIP_MAX_BYTES) are as quick to scan as our own
+            tables = None if "buffers" in args else _QuickTables(self.tables)
+            work = lambda: self._rank(args, engine=_NoEngine(), tables=tables)  # noqa: E731
         elif kind in ("merge", "finish"):
             if kind == "finish" and not _finishes_in_arrow(args["plan"]):
                 return None  # its final SQL runs in DuckDB: merging here first would be done twice
@@ -316,6 +345,9 @@ class SqlTaskRunner:
         its compute functions (filters, casts: ~30-80 ms on first use) and Acero (group-bys),
         the executor and its caches, and at the root the planner (sqlglot builds its dialect
         tables on first use)."""
+        if not args.get("engine", True) and self._ships_plain():  # a leaf: its broker does the rest
+            self.tables.plain("tables")  # the conversions' first use
+            return {}
         import pyarrow._acero  # noqa: F401
         import pyarrow.compute  # noqa: F401
 
@@ -382,10 +414,15 @@ class SqlTaskRunner:
         return plan
 
     def _rank(self, args: dict, engine: Any = None, tables: Mapping | None = None) -> dict:
-        """This rank's scans; with ``ship`` (a leaf), its tables instead when they need DuckDB;
-        with ``tables``/``buffers``/``tags``, a leaf's scans over the tables it shipped."""
+        """This rank's scans; with ``ship`` (a leaf), its tables instead: plain ones while it has
+        not loaded pyarrow, else Arrow ones when its scans need DuckDB; with ``buffers``/``tags``,
+        a leaf's scans over the tables it shipped."""
         from ..sql.execute import run_rank
 
+        if args.get("ship") and engine is None and self._ships_plain():
+            shipped = self._ship_plain(args["plan"])
+            if shipped is not None:
+                return shipped
         plan, tags = self._plan_of(args), self.tags()
         if "buffers" in args:
             tables = {n: wire.ipc_to_table(b) for n, b in zip(args["tables"], args["buffers"]) if b != NONE}
@@ -398,25 +435,37 @@ class SqlTaskRunner:
             try:
                 return _encode(run(engine=_NoEngine()))
             except NotQuick:
-                shipped = self._shipped(plan, tables, tags)
+                shipped = self._shipped(_scanned_tables(args["plan"]), tables, tags)
                 if shipped is not None:
                     return shipped
         return _encode(run(engine=engine or self.engine))
 
-    def _shipped(self, plan: Any, tables: Mapping, tags: dict) -> dict | None:
-        """The tables this rank's scans read, for its parent to scan (None: past SHIP_MAX_BYTES)."""
+    def _shipped(self, names: list[str], tables: Mapping, tags: dict) -> dict | None:
+        """The tables ``names`` (Arrow, or plain where ``tables`` gives them so), for this leaf's
+        parent to scan; None when one can only be made by pyarrow (None in ``tables``) or they
+        are past SHIP_MAX_BYTES."""
         from ..sql.execute import lookup
 
-        names = list(dict.fromkeys(t for sc in plan.scans if sc.where == "ranks" for t in sc.tables))
         found = {}
         for name in names:
             try:
                 found[name] = lookup(tables, name)
             except KeyError:
                 found[name] = None  # the parent's scan says this rank has no such table
+                continue
+            if found[name] is None:
+                return None
         if sum(t.nbytes for t in found.values() if t is not None) > SHIP_MAX_BYTES:
             return None
         return dict(_encode(found), ship={"tags": tags})
+
+    def _ship_plain(self, plan: dict, at_once: bool = False) -> dict | None:
+        """The tables this leaf's scans read, written without pyarrow (see ``_shipped``).
+        ``at_once``: NotQuick for any table but the live stacks (a quick task converts no ring)."""
+        names = _scanned_tables(plan)
+        if at_once and any(name.lower() != "stacks" for name in names):
+            raise NotQuick("a recorded table")
+        return self._shipped(names, _PlainTables(self.tables), self.tags())
 
     def _merge(self, args: dict, engine: Any = None) -> dict:
         from ..sql.execute import merge

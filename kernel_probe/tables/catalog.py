@@ -58,6 +58,10 @@ def _one_line(table: str, exc: BaseException) -> str:
     return f"table {table!r}: {detail}"
 
 
+class _NeedsArrow(Exception):
+    """A plain table cannot be made without pyarrow."""
+
+
 class LocalTables:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -143,8 +147,10 @@ class LocalTables:
     def arrow(self, name: str):
         """The table now, as a ``pyarrow.Table``. KeyError for an unknown name; TableError
         (one line) when it cannot be produced."""
-        builtin = getattr(self, f"_arrow_{name}", None) if name in BUILTIN_TABLES else None
-        if builtin is not None:
+        builtin = None
+        if name in BUILTIN_TABLES:  # its own _arrow_ method, else the Arrow of its spec
+            spec_of = getattr(self, f"_spec_{name}")
+            builtin = getattr(self, f"_arrow_{name}", lambda: convert.arrow_table(spec_of()))
             source: Any = builtin
             make = builtin
         else:
@@ -165,6 +171,27 @@ class LocalTables:
             raise
         except Exception as exc:
             raise TableError(name, _one_line(name, exc)) from exc
+
+    def plain(self, name: str) -> convert.PlainTable | None:
+        """The table now as plain column buffers, made without pyarrow (``convert.PlainTable``);
+        None where only pyarrow can make it (a DataFrame or Arrow, a user callable, a provided
+        table, values of other kinds, or a table that cannot be made: ``arrow`` says why).
+        KeyError for an unknown name."""
+        if name in BUILTIN_TABLES:
+            spec_of: Callable[[], Any] = getattr(self, f"_spec_{name}")
+        else:
+            with self._lock:
+                if name not in self._user and name not in self._providers:
+                    raise KeyError(f"no table named {name!r}")
+                data = self._user.get(name)
+            if data is None or callable(data):
+                return None
+            spec_of = lambda: convert.user_spec(data)  # noqa: E731
+        try:
+            spec = spec_of()
+            return None if spec is None else convert.plain_table(spec)
+        except Exception:  # _NeedsArrow, or bad data: the Arrow path says what is wrong (TableError)
+            return None
 
     def at_once(self, name: str, max_rows: int):
         """The table now if serving it runs no user code and converts no recorded rows: a
@@ -215,7 +242,8 @@ class LocalTables:
                 continue
         return out
 
-    # --- built-ins -----------------------------------------------------------------------------
+    # --- built-ins: each a spec (convert.Spec) made into Arrow or plain buffers; stacks and
+    # the catalog have their own Arrow (a cached table; Arrow's own type names) ------------------
     def _arrow_stacks(self):
         # a rank between steps, or stuck, is where it was at the last query: its table again
         rows, last = live.stack_rows(), self._last_stacks
@@ -224,24 +252,6 @@ class LocalTables:
         table = convert.rows_table("stacks", rows)
         self._last_stacks = (rows, table)
         return table
-
-    def _arrow_steps(self):
-        return convert.steps_table(self.steps.snapshot(), self._metrics.snapshot())
-
-    def _arrow_memory(self):
-        return convert.rows_table("memory", self._memory.rows.snapshot())
-
-    def _arrow_metrics(self):
-        return convert.metrics_table(self._metrics.snapshot())
-
-    def _arrow_collectives(self):
-        return convert.rows_table("collectives", self._collectives.rows.snapshot())
-
-    def _arrow_process(self):
-        return convert.rows_table("process", [live.process_row(self.settings.node_host)])
-
-    def _arrow_env(self):
-        return convert.rows_table("env", live.env_rows())
 
     def _arrow_tables(self):
         rows = []
@@ -252,3 +262,39 @@ class LocalTables:
                 continue
             rows.extend((name, field.name, str(field.type)) for field in sch)
         return convert.rows_table("tables", rows)
+
+    def _spec_stacks(self) -> convert.Spec:
+        return convert.rows_spec("stacks", live.stack_rows())
+
+    def _spec_steps(self) -> convert.Spec:
+        return convert.steps_spec(self.steps.snapshot(), self._metrics.snapshot())
+
+    def _spec_memory(self) -> convert.Spec:
+        return convert.rows_spec("memory", self._memory.rows.snapshot())
+
+    def _spec_metrics(self) -> convert.Spec:
+        return convert.metrics_spec(self._metrics.snapshot())
+
+    def _spec_collectives(self) -> convert.Spec:
+        return convert.rows_spec("collectives", self._collectives.rows.snapshot())
+
+    def _spec_process(self) -> convert.Spec:
+        return convert.rows_spec("process", [live.process_row(self.settings.node_host)])
+
+    def _spec_env(self) -> convert.Spec:
+        return convert.rows_spec("env", live.env_rows())
+
+    def _spec_tables(self) -> convert.Spec:
+        """The catalog as ``_arrow_tables`` makes it, from plain tables: _NeedsArrow where a
+        table's types take pyarrow to tell (the catalog would differ if it were left out)."""
+        rows = []
+        for name in self.names():
+            if name in convert.SCHEMAS and name not in ("steps", "metrics"):
+                types = [(col, convert.ARROW_TYPE_NAMES[typ]) for col, typ in convert.SCHEMAS[name]]
+            else:
+                table = self.plain(name)
+                if table is None:
+                    raise _NeedsArrow(name)
+                types = table.types()
+            rows.extend((name, col, typ) for col, typ in types)
+        return convert.rows_spec("tables", rows)

@@ -4,7 +4,11 @@ pandas never (a DataFrame can only arrive from an application that already loade
 pyarrow's own ``pa.array``/``pa.scalar`` import pandas when it is installed (to check
 whether the input is a Series), which costs a rank ~40 MB and ~0.2 s of CPU: the columns
 of our tables (int64, float64, bool, string) are built here from buffers instead, and
-anything else falls back to ``pa.array``."""
+anything else falls back to ``pa.array``.
+
+The same buffers also make a ``PlainTable`` without pyarrow at all: a leaf ships its tables
+to its broker that way (``tables.arrow_stream`` writes them as an IPC stream), so that a
+rank that only answers queries never loads pyarrow (~17 MB of its memory)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import sys
 from array import array as _typed
 from itertools import accumulate, repeat
 from operator import is_not
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 # Column names and Arrow types of the built-in tables: an empty table keeps its schema.
 SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -50,31 +54,55 @@ def schema(name: str):
     return pa.schema([pa.field(col, getattr(pa, "bool_" if typ == "bool" else typ)()) for col, typ in SCHEMAS[name]])
 
 
+class Column(NamedTuple):
+    """One column as Arrow lays it out, built without pyarrow: ``type`` one of ARROW_TYPE_NAMES;
+    ``buffers`` the validity bitmap (None: no NULLs), then the offsets and the data (string),
+    or the data (others); a ``null`` column has none."""
+
+    type: str
+    length: int
+    null_count: int
+    buffers: tuple
+
+
+# our type names -> Arrow's (``str(pa type)``), as the ``tables`` catalog lists them
+ARROW_TYPE_NAMES = {"int64": "int64", "float64": "double", "bool": "bool", "string": "string", "null": "null"}
+_OUR_TYPE_NAMES = {arrow: ours for ours, arrow in ARROW_TYPE_NAMES.items()}
 _DIGITS = bytes.maketrans(b"\x00\x01", b"01")
+_WIDTH = {"int64": 8, "float64": 8}
 
 
-def _bitmap(flags: bytes):
+def _bits(flags: bytes) -> bytes:
     """An Arrow bitmap (first value in the lowest bit) from one 0/1 byte per value, packed
     as a base-2 number: linear C work, with none of a compute call's fixed cost."""
     bits = int(flags[::-1].translate(_DIGITS), 2) if flags else 0
-    return _pa().py_buffer(bits.to_bytes((len(flags) + 7) // 8, "little"))
+    return bits.to_bytes((len(flags) + 7) // 8, "little")
 
 
-def array(values: Sequence[Any], arrow_type: Any):
-    """An Arrow array of ``arrow_type`` from Python values (None is NULL), equal to
-    ``pa.array(values, type=arrow_type)``, which it falls back to for other types or values.
+def _all_null(n: int, type_name: str) -> Column:
+    if type_name == "null":
+        return Column("null", n, n, ())
+    validity = bytes((n + 7) // 8)
+    if type_name == "string":
+        return Column(type_name, n, n, (validity, bytes(4 * (n + 1)), b""))
+    return Column(type_name, n, n, (validity, bytes(_WIDTH.get(type_name, 0) * n or (n + 7) // 8)))
+
+
+def column(values: Sequence[Any], type_name: str) -> Column | None:
+    """``values`` (None is NULL) as a column of ``type_name`` (a key of ARROW_TYPE_NAMES);
+    None where only pyarrow's ``pa.array`` can tell (other kinds of values, ints out of range,
+    text past 2 GiB), which then converts them or says what is wrong.
     Per-value work stays in C (map, bytes, array, join) where it can."""
-    pa = _pa()
     n = len(values)
     kinds = set(map(type, values))
     plain = kinds - {_NONE}
-    if not plain and n:  # a column nothing was recorded in (e.g. step phases never measured)
-        return pa.nulls(n, arrow_type)
+    if not plain:  # a column nothing was recorded in (e.g. step phases never measured)
+        return _all_null(n, type_name)
     try:
         valid = bytes(map(is_not, values, repeat(None))) if _NONE in kinds else b""
         nulls = n - sum(valid) if valid else 0
-        validity = _bitmap(valid) if nulls else None
-        if arrow_type == pa.string() and plain <= {str}:
+        validity = _bits(valid) if nulls else None
+        if type_name == "string" and plain <= {str}:
             texts = [v if v is not None else "" for v in values] if nulls else values
             joined = "".join(texts)
             if joined.isascii():  # a character is a byte: offsets from the str lengths
@@ -84,51 +112,61 @@ def array(values: Sequence[Any], arrow_type: Any):
                 encoded = [t.encode() for t in texts]
                 data, lengths = b"".join(encoded), map(len, encoded)
             if len(data) >= 2**31:
-                return pa.array(values, type=arrow_type)
-            offsets = _typed("i", accumulate(lengths, initial=0))
-            return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
-                                         null_count=nulls)
-        if arrow_type == pa.bool_() and plain <= {bool}:
-            return pa.Array.from_buffers(arrow_type, n, [validity, _bitmap(bytes(map(bool, values)))],
-                                         null_count=nulls)
-        if arrow_type == pa.int64() and plain <= {int}:
-            code = "q"  # out of range: OverflowError, and pyarrow's own error below
-        elif arrow_type == pa.float64() and plain <= {float, int} and (
+                return None
+            return Column(type_name, n, nulls, (validity, _typed("i", accumulate(lengths, initial=0)).tobytes(), data))
+        if type_name == "bool" and plain <= {bool}:
+            return Column(type_name, n, nulls, (validity, _bits(bytes(map(bool, values)))))
+        if type_name == "int64" and plain <= {int}:
+            code = "q"  # out of range: OverflowError, and pyarrow's own error
+        elif type_name == "float64" and plain <= {float, int} and (
                 int not in plain or all(-2**53 <= v <= 2**53 for v in values if v.__class__ is int)):
             code = "d"  # (pyarrow refuses an int a double cannot hold exactly)
         else:
-            return pa.array(values, type=arrow_type)
+            return None
         data = _typed(code, [0 if v is None else v for v in values] if nulls else values)
-        return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(data)], null_count=nulls)
+        return Column(type_name, n, nulls, (validity, data.tobytes()))
     except (TypeError, ValueError, OverflowError, UnicodeError):
-        return pa.array(values, type=arrow_type)  # its own conversion, or its own error
+        return None
+
+
+def infer_column(values: Sequence[Any]) -> Column | None:
+    """Arrow's own inference for columns of one plain kind, as pyarrow types them; None for
+    anything else (mixed kinds, other types: only pyarrow can tell)."""
+    kinds = {v.__class__ for v in values if v is not None}
+    if not kinds:
+        return _all_null(len(values), "null")
+    if kinds == {bool}:
+        return column(values, "bool")
+    if kinds == {str}:
+        return column(values, "string")
+    if kinds == {int}:
+        return column(values, "int64")
+    if kinds <= {int, float}:
+        return column(values, "float64")
+    return None
+
+
+def _arrow(col: Column, arrow_type: Any):
+    pa = _pa()
+    if col.null_count == col.length and col.length:
+        return pa.nulls(col.length, arrow_type)
+    return pa.Array.from_buffers(arrow_type, col.length, [None if b is None else pa.py_buffer(b) for b in col.buffers],
+                                 null_count=col.null_count)
+
+
+def array(values: Sequence[Any], arrow_type: Any):
+    """An Arrow array of ``arrow_type`` from Python values (None is NULL), equal to
+    ``pa.array(values, type=arrow_type)``, which it falls back to for other types or values."""
+    type_name = _OUR_TYPE_NAMES.get(str(arrow_type))
+    col = None if type_name is None or type_name == "null" else column(values, type_name)
+    if col is None:
+        return _pa().array(values, type=arrow_type)  # its own conversion, or its own error
+    return _arrow(col, arrow_type)
 
 
 def scalar(value: Any, arrow_type: Any):
     """``pa.scalar(value, arrow_type)`` by way of :func:`array` (without pandas)."""
     return array([value], arrow_type)[0]
-
-
-def rows_table(name: str, rows: list[tuple]):
-    """A built-in table from its row tuples (in SCHEMAS order)."""
-    pa = _pa()
-    sch = schema(name)
-    columns = list(zip(*rows)) if rows else [()] * len(sch)
-    return pa.Table.from_arrays([array(col, f.type) for col, f in zip(columns, sch)], schema=sch)
-
-
-def plain(value: Any) -> Any:
-    """A logged value as a Python scalar: numpy scalars and one-element tensors via
-    ``.item()`` (on a CUDA tensor that waits for the device, on this thread)."""
-    if type(value) in _BASIC:
-        return value
-    item = getattr(value, "item", None)
-    if item is not None and callable(item):
-        try:
-            return item()
-        except Exception:
-            return value
-    return value
 
 
 def infer_array(values: list):
@@ -152,6 +190,75 @@ def infer_array(values: list):
         return array([None if v is None else str(v) for v in values], pa.string())
 
 
+# A table to build: (column name, values, our type name or None to infer it), one per column.
+Spec = list[tuple[str, Sequence[Any], "str | None"]]
+
+
+class PlainTable(NamedTuple):
+    """A table as Arrow column buffers, made without pyarrow (``tables.arrow_stream`` writes it
+    as an IPC stream a pyarrow reader takes)."""
+
+    names: list[str]
+    columns: list[Column]
+
+    @property
+    def num_rows(self) -> int:
+        return self.columns[0].length if self.columns else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for col in self.columns for b in col.buffers if b is not None)
+
+    def types(self) -> list[tuple[str, str]]:
+        """(column, Arrow type name) as the ``tables`` catalog lists them."""
+        return [(name, ARROW_TYPE_NAMES[col.type]) for name, col in zip(self.names, self.columns)]
+
+
+def arrow_table(spec: Spec):
+    """The table of ``spec`` as a ``pyarrow.Table``."""
+    pa = _pa()
+    arrays = [infer_array(values) if typ is None else array(values, getattr(pa, "bool_" if typ == "bool" else typ)())
+              for _, values, typ in spec]
+    return pa.Table.from_arrays(arrays, names=[col for col, _, _ in spec])
+
+
+def plain_table(spec: Spec) -> PlainTable | None:
+    """The same table as plain buffers; None where a column needs pyarrow (to convert it, or
+    to say what is wrong with it)."""
+    columns = []
+    for _, values, typ in spec:
+        col = infer_column(values) if typ is None else column(values, typ)
+        if col is None or columns and col.length != columns[0].length:
+            return None
+        columns.append(col)
+    return PlainTable([col for col, _, _ in spec], columns)
+
+
+def rows_spec(name: str, rows: list[tuple]) -> Spec:
+    """A built-in table from its row tuples (in SCHEMAS order)."""
+    columns = list(zip(*rows)) if rows else [()] * len(SCHEMAS[name])
+    return [(col, values, typ) for (col, typ), values in zip(SCHEMAS[name], columns)]
+
+
+def rows_table(name: str, rows: list[tuple]):
+    """A built-in table from its row tuples (in SCHEMAS order), as Arrow."""
+    return arrow_table(rows_spec(name, rows))
+
+
+def plain(value: Any) -> Any:
+    """A logged value as a Python scalar: numpy scalars and one-element tensors via
+    ``.item()`` (on a CUDA tensor that waits for the device, on this thread)."""
+    if type(value) in _BASIC:
+        return value
+    item = getattr(value, "item", None)
+    if item is not None and callable(item):
+        try:
+            return item()
+        except Exception:
+            return value
+    return value
+
+
 def _ordered_keys(dicts) -> list[str]:
     keys: dict[str, None] = {}
     for d in dicts:
@@ -160,14 +267,12 @@ def _ordered_keys(dicts) -> list[str]:
     return list(keys)
 
 
-def metrics_table(rows: list[tuple[float, dict]]):
+def metrics_spec(rows: list[tuple[float, dict]]) -> Spec:
     """ts, then one column per key ever logged (first-seen order; missing -> NULL).
     A logged key named ``ts`` is ignored (the column is the log time)."""
-    pa = _pa()
     keys = [k for k in _ordered_keys(vals for _, vals in rows) if k != "ts"]
-    arrays = [array([r[0] for r in rows], pa.float64())]
-    arrays += [infer_array([plain(vals.get(k)) for _, vals in rows]) for k in keys]
-    return pa.Table.from_arrays(arrays, names=["ts", *keys])
+    return [("ts", [r[0] for r in rows], "float64"),
+            *((k, [plain(vals.get(k)) for _, vals in rows], None) for k in keys)]
 
 
 def _step_key(value: Any) -> int | None:
@@ -199,13 +304,25 @@ def _step_metrics(metric_rows: list[tuple[float, dict]]) -> tuple[dict[tuple[int
     return latest, keys
 
 
-def steps_table(step_rows: list[tuple], metric_rows: list[tuple[float, dict]]):
+def steps_spec(step_rows: list[tuple], metric_rows: list[tuple[float, dict]]) -> Spec:
     """steps, plus every key logged together with ``step=``: its latest value for that step."""
     latest, keys = _step_metrics(metric_rows)
-    table = rows_table("steps", step_rows)
-    for k in keys:
-        table = table.append_column(k, infer_array([plain(latest.get((r[0], k))) for r in step_rows]))
-    return table
+    return rows_spec("steps", step_rows) + [(k, [plain(latest.get((r[0], k))) for r in step_rows], None) for k in keys]
+
+
+def user_spec(data: Any) -> Spec | None:
+    """A user table given as a list of dicts or a dict of columns; None for any other kind
+    (a DataFrame, Arrow: pyarrow converts those)."""
+    if isinstance(data, (list, tuple)):
+        rows = list(data)
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise TypeError(f"row {i} is a {type(row).__name__}, not a dict")
+        return [(k, [plain(r.get(k)) for r in rows], None) for k in _ordered_keys(rows)]
+    pa = sys.modules.get("pyarrow")
+    if isinstance(data, dict) and not (pa and any(isinstance(v, (pa.Array, pa.ChunkedArray)) for v in data.values())):
+        return [(str(k), [plain(x) for x in v], None) for k, v in data.items()]
+    return None
 
 
 def user_table(data: Any):
@@ -219,21 +336,17 @@ def user_table(data: Any):
     if pd is not None and isinstance(data, pd.DataFrame):
         # a RangeIndex is dropped, any other index becomes columns
         return pa.Table.from_pandas(data, preserve_index=None).replace_schema_metadata(None)
-    if isinstance(data, (list, tuple)):
-        rows = list(data)
-        for i, row in enumerate(rows):
-            if not isinstance(row, dict):
-                raise TypeError(f"row {i} is a {type(row).__name__}, not a dict")
-        keys = _ordered_keys(rows)
-        return pa.Table.from_arrays([infer_array([plain(r.get(k)) for r in rows]) for k in keys], names=keys)
-    if isinstance(data, dict):
+    spec = user_spec(data)
+    if spec is not None:
+        return arrow_table(spec)
+    if isinstance(data, dict):  # with Arrow columns
         return pa.table({str(k): (v if isinstance(v, (pa.Array, pa.ChunkedArray)) else infer_array([plain(x) for x in v]))
                          for k, v in data.items()})
     raise TypeError(f"expected a pandas DataFrame, a list of dicts or a pyarrow Table, got {type(data).__name__}")
 
 
 def column_names(name: str, data: Any, metric_rows: list[tuple[float, dict]]) -> list[str] | None:
-    """The columns :func:`rows_table`, :func:`steps_table`, :func:`metrics_table` or
+    """The columns :func:`rows_spec`, :func:`steps_spec`, :func:`metrics_spec` or
     :func:`user_table` would give, without converting any rows; None where only the
     conversion can tell (a DataFrame's index, rows that are not dicts)."""
     if name == "steps":

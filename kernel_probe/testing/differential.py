@@ -66,10 +66,13 @@ class SimCluster:
     ``h<node>``, their roles), converged and ready for queries. ``root_catalog=False``:
     the root plans without knowing any table's columns; ``merge_above_rows=0``: brokers
     reduce every partial with the merge SQL (by default only large inputs are reduced);
-    ``arrow_scans=False``: ranks run every scan's SQL (by default plain group-bys use Arrow)."""
+    ``arrow_scans=False``: ranks run every scan's SQL (by default plain group-bys use Arrow);
+    ``ship_plain=True``: leaves ship their tables as a rank without pyarrow does, for every scan
+    (``SqlTaskRunner.ship_plain``)."""
 
     def __init__(self, ranks: list[VRank], per_node: int, *, root_catalog: bool = True,
-                 merge_above_rows: int | None = None, arrow_scans: bool = True) -> None:
+                 merge_above_rows: int | None = None, arrow_scans: bool = True,
+                 ship_plain: bool | None = None) -> None:
         from ..shell.sql_tasks import nodes_arrow
         from .sim import Simulation, SimTables
 
@@ -84,6 +87,7 @@ class SimCluster:
             if merge_above_rows is not None:
                 v.core.fanout.merge_above_rows = merge_above_rows
             v.sql.arrow_scans = arrow_scans
+            v.sql.ship_plain = ship_plain
         for r in ranks:
             self.sim.set_role(r.rank, r.role)
         ok = self.sim.wait_for(lambda: self.sim.converged() and all(

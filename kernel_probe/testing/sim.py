@@ -700,6 +700,7 @@ class SimTables:
     def __init__(self, tables: dict, listed: bool = True) -> None:
         self._tables = dict(tables)
         self.listed = listed
+        self.plain_served = 0  # tables served by ``plain``
 
     def names(self) -> list[str]:
         return sorted(set(self._tables if self.listed else ()) | {"tables"})
@@ -726,6 +727,19 @@ class SimTables:
     def at_once(self, name: str, max_rows: int):
         table = self._tables.get(name)
         return table if table is not None and table.num_rows <= max_rows else None
+
+    def plain(self, name: str):
+        """The table as a leaf ships it without pyarrow (``LocalTables.plain``): None when a column
+        is of a type plain tables do not hold (int32, timestamps, ...)."""
+        from ..tables import convert
+
+        table = self.arrow(name)
+        ours = {arrow: typ for typ, arrow in convert.ARROW_TYPE_NAMES.items()}
+        if not all(str(f.type) in ours for f in table.schema):
+            return None
+        self.plain_served += 1
+        return convert.plain_table([(f.name, table.column(i).to_pylist(), ours[str(f.type)])
+                                    for i, f in enumerate(table.schema)])
 
 
 def _sim_sql_runner(tables: Any, tags: Callable[[], dict], settings: Settings):
