@@ -54,6 +54,9 @@ class Settings:
     query_row_cap: int = 1_000_000  # PROBING_QUERY_ROW_CAP: rows one query may ship or return (error past it)
     query_threads: int = 1  # PROBING_QUERY_THREADS: DuckDB threads per rank (the training job owns the cores)
     query_memory: str = "256MB"  # PROBING_QUERY_MEMORY: DuckDB memory limit per rank (no spilling)
+    # PROBING_ENGINE_IDLE_SEC: a rank's DuckDB runs in a child process that ends after this long
+    # without a SQL pass (DuckDB's memory cannot be given back otherwise); 0: in the rank itself
+    engine_idle_sec: float = 30.0
 
     @property
     def runtime_dir(self) -> Path:
@@ -186,6 +189,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         query_row_cap=int(_number(env, "PROBING_QUERY_ROW_CAP", 1_000_000, 1)),
         query_threads=int(_number(env, "PROBING_QUERY_THREADS", 1, 1)),
         query_memory=_text(env, "PROBING_QUERY_MEMORY") or "256MB",
+        engine_idle_sec=_number(env, "PROBING_ENGINE_IDLE_SEC", 30.0, 0.0),
     )
 
 

@@ -38,6 +38,7 @@ import json
 import math
 import re
 import secrets
+import struct
 import time
 import types
 import typing
@@ -753,3 +754,48 @@ def ipc_to_table(data: bytes) -> Any:
     if small and table.num_rows == 0:
         _remember(_EMPTY_TABLES, data, table)
     return table
+
+
+# --- the pipe between a rank and its engine process --------------------------------------------
+# A rank's own child (sql/engine_process.py), over an inherited socket pair: never a peer, so
+# nothing is signed. A message: the part count (u32), each part's length (u64), then a JSON
+# header and the Arrow IPC buffers.
+
+ENGINE_COUNT = struct.Struct("<I")
+ENGINE_MAX_PARTS = 1 + 1024  # a header and the tables of one SQL pass
+ENGINE_MAX_PART_BYTES = 1 << 32
+
+
+def engine_frames(header: dict, buffers: list[bytes]) -> list[bytes]:
+    """One message to or from the engine process, as the byte strings to write in order."""
+    head = _ENCODER.encode(header).encode()
+    parts = [head, *buffers]
+    if len(parts) > ENGINE_MAX_PARTS:
+        raise ValueError(f"{len(buffers)} tables in one SQL pass")
+    return [ENGINE_COUNT.pack(len(parts)), struct.pack(f"<{len(parts)}Q", *map(len, parts)), *parts]
+
+
+def engine_lengths_size(count: bytes) -> int:
+    """How many bytes of part lengths follow ``count`` (the message's first bytes)."""
+    (n,) = ENGINE_COUNT.unpack(count)
+    if not 1 <= n <= ENGINE_MAX_PARTS:
+        raise WireError("malformed", f"an engine message of {n} parts")
+    return 8 * n
+
+
+def engine_lengths(count: bytes, lengths: bytes) -> list[int]:
+    sizes = list(struct.unpack(f"<{ENGINE_COUNT.unpack(count)[0]}Q", lengths))
+    if any(size > ENGINE_MAX_PART_BYTES for size in sizes):
+        raise WireError("oversized", "an engine message part over 4 GiB")
+    return sizes
+
+
+def engine_message(parts: list[bytes]) -> tuple[dict, list[bytes]]:
+    """(header, buffers) of one message's parts."""
+    try:
+        header = _loads(parts[0])
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise WireError("malformed", f"an engine message header: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireError("malformed", "an engine message header is not an object")
+    return header, parts[1:]

@@ -68,3 +68,20 @@ def worker_argv(*extra: str) -> list[str]:
 
 
 PY = sys.executable
+
+
+def engine_processes(pid: int) -> list[int]:
+    """The children of process ``pid`` that run its DuckDB (``kernel_probe.sql.engine_process``)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                if b"kernel_probe.sql.engine_process" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.append(int(child))
+            except OSError:
+                continue
+    return sorted(set(found))

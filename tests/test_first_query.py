@@ -2,7 +2,8 @@
 engine, nor one whose clients only watch membership (``connect(warm=False)``: the CLI, the
 live node view, the server extension); ``connect()``'s handshake warms every rank, and it
 returns once they are warm (a stuck rank is not waited for), so its first query meets
-loaded engines."""
+loaded engines: pyarrow in the root and the broker, DuckDB in their engine processes; a
+leaf loads nothing (it ships its tables to its broker)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import kernel_probe
 from kernel_probe.testing.gen import ask_every_mode
 
-from .conftest import wait_for
+from .conftest import engine_processes, wait_for
 
 pytestmark = pytest.mark.cluster
 WORKER = str(Path(__file__).parent / "workers" / "worker.py")
@@ -22,13 +23,15 @@ ENGINE_LIBS = ("duckdb", "libarrow")  # shared objects a loaded query engine map
 
 
 def loaded(pid: int) -> set[str]:
+    """The engine libraries a rank maps, and "engine" if DuckDB runs in a child of it."""
     maps = Path(f"/proc/{pid}/maps").read_text()
-    return {lib for lib in ENGINE_LIBS if lib in maps}
+    return {lib for lib in ENGINE_LIBS if lib in maps} | ({"engine"} if engine_processes(pid) else set())
 
 
 def warm_libs(tier: str) -> set[str]:
-    """What a warm rank has loaded: a leaf, which ships its tables to its broker, nothing."""
-    return set() if tier == "leaf" else set(ENGINE_LIBS)
+    """What a warm rank has loaded: a leaf, which ships its tables to its broker, nothing; the
+    root and a broker pyarrow, with DuckDB in their engine process."""
+    return set() if tier == "leaf" else {"libarrow", "engine"}
 
 
 def test_connect_warms_every_rank_and_nothing_before(launch, runtime_dir):

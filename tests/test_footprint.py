@@ -1,9 +1,15 @@
 """A rank's memory after queries (issue 9, point 4): what the probe keeps once a client
 ran queries of every mode. The figures themselves are ``benchmarks/footprint.py``'s; here,
-what must hold on any machine: a queried rank gives DuckDB's cached memory back once
-queries stop, and loads neither psutil nor pandas for them (whatever start-up loaded); a leaf
-loads neither DuckDB nor pyarrow at all (its broker, on the same machine, scans the tables the
-leaf ships, written without pyarrow)."""
+what must hold on any machine:
+
+- no rank loads DuckDB: the root and the broker run their SQL passes in an engine process
+  of their own, which ends once queries stop (``PROBING_ENGINE_IDLE_SEC``), and a later
+  query starts it again;
+- a leaf loads neither DuckDB nor pyarrow (its broker, on the same machine, scans the
+  tables the leaf ships, written without pyarrow);
+- queries load neither psutil nor pandas into a rank (whatever start-up loaded);
+- with DuckDB kept in the rank (``PROBING_ENGINE_IDLE_SEC=0``), a queried rank gives
+  DuckDB's cached memory back once queries stop."""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import kernel_probe
 from kernel_probe.sql import engine
 from kernel_probe.testing.gen import ask_every_mode
 
-from .conftest import wait_for
+from .conftest import engine_processes, wait_for
 
 pytestmark = pytest.mark.cluster
 WORKER = str(Path(__file__).parent / "workers" / "worker.py")
@@ -34,30 +40,56 @@ def mapped(pid: int, libs: tuple[str, ...] = ("_psutil_linux", "/pandas/")) -> s
     return {lib for lib in libs if lib in maps}
 
 
-def test_a_queried_rank_gives_memory_back_once_queries_stop(launch, runtime_dir):
-    job = launch([WORKER], nodes=2, ranks_per_node=2, mode="plain")
+IDLE_SEC = 3.0
+
+
+def test_engine_processes_end_once_queries_stop_and_leaves_load_no_engine(launch, runtime_dir):
+    job = launch([WORKER], nodes=2, ranks_per_node=2, mode="plain", env={"PROBING_ENGINE_IDLE_SEC": str(IDLE_SEC)})
     pids = job.wait_ready(60)
     wait_for(lambda: list(runtime_dir.glob("*.json")), 30, what="the connection file")
     before = {rank: mapped(pid) for rank, pid in pids.items()}
     with kernel_probe.connect(timeout=5) as client:
         ask_every_mode(client, repeat=3)
         tiers = dict(zip(client.nodes()["rank"], client.nodes()["tier"]))
+        engines = {rank: engine_processes(pid) for rank, pid in pids.items()}
+        libs = {rank: mapped(pid, ("/_duckdb.", "/libarrow.")) for rank, pid in pids.items()}
+        leaves = sorted(r for r, t in tiers.items() if t == "leaf")
+        assert len(leaves) == 2, tiers
+        # every mode needs DuckDB somewhere: the root's and the broker's engine processes
+        assert {r: len(e) for r, e in engines.items()} == {r: 0 if r in leaves else 1 for r in pids}, (tiers, engines)
+        assert all("/_duckdb." in Path(f"/proc/{e[0]}/maps").read_text() for e in engines.values() if e)
+        assert libs == {r: set() if r in leaves else {"/libarrow."} for r in pids}, (tiers, libs)
+        children = [e[0] for e in engines.values() if e]
+        wait_for(lambda: not any(engine_processes(pid) for pid in pids.values()), IDLE_SEC + 10,
+                 what="the engine processes to end once queries stopped")
+        assert not any(Path(f"/proc/{child}").exists() for child in children)  # reaped, not left as zombies
+        # the next query that needs DuckDB starts them again
+        r = client.query("SELECT count(DISTINCT r) AS n FROM range(3000) t(r)", per_rank=True)
+        assert list(r.df["n"]) == [3000] * 4 and not r.coverage["partial"]
+        assert sum(len(engine_processes(pid)) for pid in pids.values()) == 2
+    by_queries = {rank: sorted(mapped(pid) - before[rank]) for rank, pid in pids.items()}
+    assert not any(by_queries.values()), f"loaded by queries: {by_queries}"
+    job.close()
+    wait_for(lambda: not any(Path(f"/proc/{child}").exists() for child in children), 10,
+             what="no engine process to outlive its job")
+
+
+def test_a_rank_with_duckdb_in_it_gives_memory_back_once_queries_stop(launch, runtime_dir):
+    job = launch([WORKER], nodes=2, ranks_per_node=2, mode="plain", env={"PROBING_ENGINE_IDLE_SEC": "0"})
+    pids = job.wait_ready(60)
+    wait_for(lambda: list(runtime_dir.glob("*.json")), 30, what="the connection file")
+    with kernel_probe.connect(timeout=5) as client:
+        ask_every_mode(client, repeat=3)
         # DuckDB's work last, on every rank that has it (a leaf ships it to its broker): a hash
         # table of 300k keys, whose pages the quiet spell that starts now must give back
         client.query("SELECT count(DISTINCT r) AS n FROM range(300000) t(r)", per_rank=True)
         right_after = {rank: anonymous_mb(pid) for rank, pid in pids.items()}
         time.sleep(engine._TIDY_AFTER_S + 1.5)
         quiet = {rank: anonymous_mb(pid) for rank, pid in pids.items()}
-    # every mode needs DuckDB somewhere: the root and the broker have it and pyarrow; leaves
-    # ship their tables instead, and load neither
-    engines = {rank: mapped(pid, ("/_duckdb.", "/libarrow.")) for rank, pid in pids.items()}
-    duckdb = {rank: "/_duckdb." in libs for rank, libs in engines.items()}
-    leaves = sorted(r for r, t in tiers.items() if t == "leaf")
-    assert len(leaves) == 2, tiers
-    assert {r: len(engines[r]) for r in pids} == {r: 0 if r in leaves else 2 for r in pids}, (tiers, engines)
+    duckdb = {rank: bool(mapped(pid, ("/_duckdb.",))) for rank, pid in pids.items()}
+    assert sorted(duckdb.values()) == [False, False, True, True], duckdb  # the leaves ship instead
+    assert not any(engine_processes(pid) for pid in pids.values())
     # DuckDB's jemalloc purges its dirty pages only when used again: 5-15 MB per DuckDB rank
     # here after that query, kept for good before the engine tidied after a quiet spell
     given_back = {rank: round(right_after[rank] - quiet[rank], 1) for rank in pids if duckdb[rank]}
     assert all(mb >= 1.0 for mb in given_back.values()), given_back  # without the tidy: 0.0 on every rank
-    by_queries = {rank: sorted(mapped(pid) - before[rank]) for rank, pid in pids.items()}
-    assert not any(by_queries.values()), f"loaded by queries: {by_queries}"

@@ -263,7 +263,8 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self.core = RankCore(identity=ident, settings=s, endpoint=self.endpoint, pid=os.getpid(),
                              incarnation=self.incarnation, now=now)
         self.sql = SqlTaskRunner(self.tables, self._tags, row_cap=s.query_row_cap,
-                                 threads=s.query_threads, memory_limit=s.query_memory)
+                                 threads=s.query_threads, memory_limit=s.query_memory,
+                                 engine_idle_sec=s.engine_idle_sec)
         self.poller = zmq.Poller()
         self.poller.register(router, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
@@ -555,5 +556,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
                 self._discovery.close()
             except Exception:
                 pass
+        if getattr(self, "sql", None) is not None:
+            self.sql.close()  # ends its engine process, if it has one
         # The wake pipe stays open: another thread may still submit(), and a closed fd
         # number could be reused by the process for something we must not write to.

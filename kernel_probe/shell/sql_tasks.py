@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import queue
 import sys
 import threading
@@ -37,6 +38,7 @@ from ..membership import ALIVE, STALLED
 from ..tables.convert import array, scalar
 
 LIVE = (ALIVE, STALLED)  # ranks a query asks
+log = logging.getLogger("kernel_probe")
 
 PLAN_CACHE_SIZE = 128
 WORKER_IDLE_SEC = 60.0  # a worker thread with nothing to do for this long ends
@@ -181,13 +183,14 @@ class SqlTaskRunner:
     arrow_scans = True  # plain group-by partials with Arrow (Scan.arrow), not a DuckDB pass
     ship_plain: bool | None = None  # a shipping leaf's tables without pyarrow; None: while it is not loaded
 
-    def __init__(self, tables: Any, tags: Callable[[], dict], *,
-                 row_cap: int, threads: int = 1, memory_limit: str = "256MB") -> None:
+    def __init__(self, tables: Any, tags: Callable[[], dict], *, row_cap: int, threads: int = 1,
+                 memory_limit: str = "256MB", engine_idle_sec: float = 0.0) -> None:
         self.tables = tables
         self.tags = tags
         self.row_cap = row_cap
         self._engine = None
         self._engine_args = {"threads": threads, "memory_limit": memory_limit}
+        self._engine_idle_sec = engine_idle_sec  # > 0: DuckDB in a child process (sql/engine_process.py)
         self._running = 0
         self._idle = 0  # workers waiting for a task, not yet spoken for
         self._work: queue.SimpleQueue = queue.SimpleQueue()
@@ -216,11 +219,27 @@ class SqlTaskRunner:
 
     @property
     def engine(self):
-        if self._engine is None:
+        """DuckDB: in an engine process (``engine_idle_sec`` > 0), else, or if that process cannot
+        start, in this one."""
+        engine = self._engine
+        if engine is None and self._engine_idle_sec > 0 and sys.executable:
+            from ..sql.engine_process import RemoteEngine
+
+            engine = self._engine = RemoteEngine(idle_sec=self._engine_idle_sec, **self._engine_args)
+        if engine is None or getattr(engine, "unavailable", None):
             from ..sql.engine import Engine
 
-            self._engine = Engine(**self._engine_args)
-        return self._engine
+            if engine is not None:
+                log.warning("probing: DuckDB runs in this process from now on: %s", engine.unavailable)
+            engine = self._engine = Engine(**self._engine_args)
+            self._engine_idle_sec = 0.0
+        return engine
+
+    def close(self) -> None:
+        """End the engine process, if DuckDB runs in one (an engine in this process is closed
+        at exit, once its queries have left it)."""
+        if self._engine is not None and self._engine_idle_sec > 0:
+            self._engine.close()
 
     def start(self, kind: str, args: dict, done: Callable[[dict], None]) -> None:
         """Run a task on a worker thread; ``done(result)`` is called from that thread.
