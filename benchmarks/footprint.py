@@ -53,12 +53,12 @@ def pss_mb(pids: dict[int, int]) -> list[float]:
 
 
 def engines(pids: dict[int, int]) -> list[psutil.Process]:
-    """The engine processes of the ranks (children running kernel_probe.sql.engine_process)."""
+    """The engine processes of the ranks (children running kernel_probe.shell.engine_main)."""
     out = []
     for pid in pids.values():
         for child in psutil.Process(pid).children():
             try:
-                if "kernel_probe.sql.engine_process" in " ".join(child.cmdline()):
+                if "kernel_probe.shell.engine_main" in " ".join(child.cmdline()):
                     out.append(child)
             except psutil.Error:
                 continue

@@ -71,7 +71,7 @@ PY = sys.executable
 
 
 def engine_processes(pid: int) -> list[int]:
-    """The children of process ``pid`` that run its DuckDB (``kernel_probe.sql.engine_process``)."""
+    """The children of process ``pid`` that run their query work (``kernel_probe.shell.engine_main``)."""
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
@@ -80,7 +80,7 @@ def engine_processes(pid: int) -> list[int]:
             continue
         for child in children:
             try:
-                if b"kernel_probe.sql.engine_process" in Path(f"/proc/{child}/cmdline").read_bytes():
+                if b"kernel_probe.shell.engine_main" in Path(f"/proc/{child}/cmdline").read_bytes():
                     found.append(int(child))
             except OSError:
                 continue

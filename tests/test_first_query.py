@@ -2,8 +2,8 @@
 engine, nor one whose clients only watch membership (``connect(warm=False)``: the CLI, the
 live node view, the server extension); ``connect()``'s handshake warms every rank, and it
 returns once they are warm (a stuck rank is not waited for), so its first query meets
-loaded engines: pyarrow in the root and the broker, DuckDB in their engine processes; a
-leaf loads nothing (it ships its tables to its broker)."""
+loaded engines: the root's and the broker's engine processes (which hold pyarrow, DuckDB
+and the planner); no rank loads any of them (a leaf ships its tables to its broker)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ def loaded(pid: int) -> set[str]:
 
 
 def warm_libs(tier: str) -> set[str]:
-    """What a warm rank has loaded: a leaf, which ships its tables to its broker, nothing; the
-    root and a broker pyarrow, with DuckDB in their engine process."""
-    return set() if tier == "leaf" else {"libarrow", "engine"}
+    """What a warm rank has: a leaf, which ships its tables to its broker, nothing; the root and
+    a broker an engine process."""
+    return set() if tier == "leaf" else {"engine"}
 
 
 def test_connect_warms_every_rank_and_nothing_before(launch, runtime_dir):

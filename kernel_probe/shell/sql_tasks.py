@@ -190,7 +190,8 @@ class SqlTaskRunner:
         self.row_cap = row_cap
         self._engine = None
         self._engine_args = {"threads": threads, "memory_limit": memory_limit}
-        self._engine_idle_sec = engine_idle_sec  # > 0: DuckDB in a child process (sql/engine_process.py)
+        self._engine_idle_sec = engine_idle_sec  # > 0: tasks in an engine process (shell/engine_process.py)
+        self._tasks = None  # that process's RemoteTasks, made by the first task
         self._running = 0
         self._idle = 0  # workers waiting for a task, not yet spoken for
         self._work: queue.SimpleQueue = queue.SimpleQueue()
@@ -219,27 +220,67 @@ class SqlTaskRunner:
 
     @property
     def engine(self):
-        """DuckDB: in an engine process (``engine_idle_sec`` > 0), else, or if that process cannot
-        start, in this one."""
-        engine = self._engine
-        if engine is None and self._engine_idle_sec > 0 and sys.executable:
-            from ..sql.engine_process import RemoteEngine
-
-            engine = self._engine = RemoteEngine(idle_sec=self._engine_idle_sec, **self._engine_args)
-        if engine is None or getattr(engine, "unavailable", None):
+        if self._engine is None:
             from ..sql.engine import Engine
 
-            if engine is not None:
-                log.warning("probing: DuckDB runs in this process from now on: %s", engine.unavailable)
-            engine = self._engine = Engine(**self._engine_args)
+            self._engine = Engine(**self._engine_args)
+        return self._engine
+
+    def _remote(self, kind: str, args: dict):
+        """The engine process to run this task in (``engine_idle_sec`` > 0), or None: here. A
+        leaf's scans and warm-up stay here (it ships its tables to its broker); so does every
+        task once the engine process could not start."""
+        if self._engine_idle_sec <= 0 or kind == "rank" and args.get("ship") or \
+                kind == "warm" and not args.get("engine", True):
+            return None
+        tasks = self._tasks
+        if tasks is None and sys.executable:
+            from .engine_process import RemoteTasks
+
+            with self._lock:
+                if self._tasks is None:
+                    self._tasks = RemoteTasks(self._for_engine_process, _error, idle_sec=self._engine_idle_sec,
+                                              row_cap=self.row_cap, **self._engine_args)
+                tasks = self._tasks
+        if tasks is None or tasks.unavailable:
+            log.warning("probing: this rank runs its queries itself from now on: %s",
+                        tasks.unavailable if tasks else "no Python executable to start an engine process")
             self._engine_idle_sec = 0.0
-        return engine
+            return None
+        return tasks
+
+    def _for_engine_process(self, kind: str, args: dict) -> dict:
+        """``args`` with what the engine process cannot see: the catalog a plan is made against
+        (this rank's tables come with its scans: ``_own_tables``)."""
+        if kind == "plan":
+            catalog = {name: [] for name in self.tables.names()}
+            catalog.update(self.tables.columns())
+            return dict(args, catalog=catalog)
+        return args
+
+    def _own_tables(self, args: dict) -> dict:
+        """A rank task's args for the engine process: with the tables this rank's scans read
+        (plain where they can be, else converted by pyarrow here) and its tags, as a leaf ships
+        them."""
+        from ..sql.execute import lookup
+
+        found = {}
+        for name in _scanned_tables(args["plan"]):
+            try:
+                found[name] = lookup(_PlainTables(self.tables), name)
+            except KeyError:
+                found[name] = None  # the scan says this rank has no such table
+                continue
+            if found[name] is None:
+                found[name] = lookup(_LocalTables(self.tables), name)  # only pyarrow can make it
+        shipped = _encode(found)
+        return {"args": dict(args, tables=shipped["scans"], buffers=shipped["buffers"], tags=self.tags())}
 
     def close(self) -> None:
-        """End the engine process, if DuckDB runs in one (an engine in this process is closed
-        at exit, once its queries have left it)."""
-        if self._engine is not None and self._engine_idle_sec > 0:
-            self._engine.close()
+        """End the engine process, if this rank has one (an engine in this process is closed at
+        exit, once its queries have left it)."""
+        if self._tasks is not None:
+            self._tasks.close()
 
     def start(self, kind: str, args: dict, done: Callable[[dict], None]) -> None:
         """Run a task on a worker thread; ``done(result)`` is called from that thread.
@@ -251,6 +292,15 @@ class SqlTaskRunner:
         Scans of the tables leaves shipped run user code no more (they are Arrow already) and
         end by their deadline: they wait in their own queue for at most ``SHIPPED_THREADS``
         threads instead, so that a broker of 7 leaves is not "busy" for two queries at once."""
+        remote = self._remote(kind, args)
+        if remote is not None and kind == "rank" and "buffers" not in args:
+            # this rank's tables are read on a worker first (a user's table may take its time)
+            def then(result: dict, done: Callable[[dict], None] = done) -> None:
+                remote.start("rank", result["args"], done) if "args" in result else done(result)
+
+            kind, done = "own_tables", then
+        elif remote is not None:
+            return remote.start(kind, args, done)
         if kind == "rank" and "buffers" in args:
             return self._start_shipped(args, done)
         with self._lock:
@@ -330,6 +380,8 @@ class SqlTaskRunner:
         DuckDB pass, or a merge/finish of at most QUICK_MAX_BYTES of partials without one.
         None: ``start`` it on a worker instead.
         The same code as ``run`` computes the answer; only the engine and the tables differ."""
+        if self._engine_idle_sec > 0 and self._remote(kind, args) is not None:
+            return None  # the engine process runs it (quick there, if it can)
         if kind == "plan":  # a plan already made, for the same tables' columns
             work = lambda: self._plan(args, engine=_NoEngine(), cached_only=True)  # noqa: E731
         elif kind == "rank" and args.get("ship") and self._ships_plain():
@@ -385,11 +437,13 @@ class SqlTaskRunner:
         from ..sql.execute import select_ranks
         from ..sql.planner import plan as make_plan
 
-        columns = self.tables.columns(at_once=cached_only)
-        if columns is None:
-            raise NotQuick("a table converted for its columns")
-        catalog = {name: [] for name in self.tables.names()}
-        catalog.update(columns)
+        catalog = args.get("catalog")  # in an engine process: the rank's
+        if catalog is None:
+            columns = self.tables.columns(at_once=cached_only)
+            if columns is None:
+                raise NotQuick("a table converted for its columns")
+            catalog = {name: [] for name in self.tables.names()}
+            catalog.update(columns)
         # a dashboard asks the same question again and again: sqlglot plans it once
         key = (args["sql"], bool(args["per_rank"]), tuple((t, tuple(c)) for t, c in sorted(catalog.items())))
         known = self._plans.get(key)

@@ -1,0 +1,76 @@
+"""The engine process of a rank (``engine_process.py``): ``python -m kernel_probe.shell.engine_main FD
+THREADS MEMORY ROW_CAP``. It reads tasks from the socket FD its rank gave it and runs them with
+the rank's own ``SqlTaskRunner`` code, over the tables and catalog each task brings: a task it
+can do at once (``SqlTaskRunner.quick``) on this main thread, the others on its workers. It
+ends when the socket closes (its rank exited or went idle), whatever task still runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+from .. import wire
+from .engine_process import failed, recv, send
+from .sql_tasks import SqlTaskRunner
+
+
+class _NoTables:
+    """The child has no tables of its own: scans come with theirs, plans with the catalog."""
+
+    def names(self) -> list[str]:
+        return []
+
+    def columns(self, at_once: bool = False) -> dict[str, list[str]]:
+        return {}
+
+    def arrow(self, name: str):
+        from ..tables import convert
+
+        if name != "tables":
+            raise KeyError(name)
+        return convert.rows_table("tables", [])
+
+
+def _reply(sock: socket.socket, write: threading.Lock, call_id: Any, result: dict) -> None:
+    try:
+        frames = wire.engine_frames({"id": call_id, "result": result})
+    except ValueError as exc:
+        frames = wire.engine_frames({"id": call_id, "result": failed(f"an answer the pipe cannot carry: {exc}")})
+    with write:
+        try:
+            send(sock, frames)
+        except OSError:
+            pass  # the rank is gone: the main thread sees EOF
+
+
+def main(argv: list[str]) -> None:
+    sock = socket.socket(fileno=int(argv[0]))
+    runner = SqlTaskRunner(_NoTables(), dict, row_cap=int(argv[3]), threads=int(argv[1]), memory_limit=argv[2])
+    write = threading.Lock()
+    while True:
+        try:
+            message = recv(sock)
+        except (OSError, ValueError, wire.WireError):
+            message = None
+        if message is None:
+            break
+        kind, args, reply = message.get("kind"), message.get("args"), functools.partial(_reply, sock, write,
+                                                                                        message.get("id"))
+        if not isinstance(kind, str) or not isinstance(args, dict):
+            reply(failed("a malformed task"))
+            continue
+        result = runner.quick(kind, args)  # small work at once, as the rank's I/O thread would
+        if result is not None:
+            reply(result)
+        else:
+            runner.start(kind, args, reply)
+    os._exit(0)  # the rank is gone or idle: no waiting for a task that runs on
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

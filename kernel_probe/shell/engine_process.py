@@ -1,0 +1,208 @@
+"""A rank's query work in a helper process that exits when queries stop.
+
+pyarrow and DuckDB cannot be unloaded from a process: once a rank has planned, merged or run
+one SQL pass, their libraries and allocator caches (~35-60 MB) stay for good. So the root and
+the node brokers hand their SQL tasks (``SqlTaskRunner``'s plan, rank, merge and finish) to a
+child of the rank (``python -m kernel_probe.shell.engine_main``), which runs them with the very
+same ``SqlTaskRunner`` code: started by the first task, ended once ``idle_sec`` pass without
+one. What the child cannot see travels with the task: the tables the rank's own scans read
+(written without pyarrow where they can be, ``LocalTables.plain``) and its catalog for planning.
+A leaf's tasks stay in the leaf (it ships its tables to its broker).
+
+The child talks to nobody else: one socket pair, inherited; it ends when that closes (its rank
+exited, or went idle). Messages are ``wire.engine_frames``: JSON, with Arrow IPC buffers after
+it. This module is the rank's side and the pipe; ``engine_main.py`` the child's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from .. import wire
+
+START_TIMEOUT_S = 30.0  # a child's exit is waited for this long before it is killed
+
+
+def send(sock: socket.socket, frames: list[bytes]) -> None:
+    if sum(map(len, frames)) < 1 << 16:
+        sock.sendall(b"".join(frames))
+    else:  # no copy of the tables
+        for frame in frames:
+            sock.sendall(frame)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def recv(sock: socket.socket) -> dict | None:
+    """One message, or None at EOF."""
+    count = _recv_exactly(sock, wire.ENGINE_COUNT.size)
+    if count is None:
+        return None
+    lengths = _recv_exactly(sock, wire.engine_lengths_size(count))
+    if lengths is None:
+        return None
+    parts = []
+    for n in wire.engine_lengths(count, lengths):
+        part = _recv_exactly(sock, n) if n else b""
+        if part is None:
+            return None
+        parts.append(part)
+    return wire.engine_message(parts)
+
+
+def failed(message: str) -> dict:
+    return {"error": {"code": "error", "message": message, "line": None, "col": None}}
+
+
+class _Link:
+    """One child process and its socket."""
+
+    def __init__(self, args: list[str]) -> None:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PROBING="0")  # the child is no rank: no probe at its start
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kernel_probe.shell.engine_main", str(theirs.fileno()),
+                                          *args], pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, close_fds=True)
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.waiting: dict[int, Callable[[dict], None]] = {}
+        self.answered = 0
+
+
+class RemoteTasks:
+    """``SqlTaskRunner.start`` in a child process (see the module docstring). ``prepare(kind,
+    args)`` adds what the child cannot see; it runs on this object's sender thread, never on
+    the caller's (the probe's I/O thread); ``error(exc)`` is the result of a task it failed.
+    ``done(result)`` is called from the reader thread."""
+
+    def __init__(self, prepare: Callable[[str, dict], dict], error: Callable[[BaseException], dict], *,
+                 idle_sec: float, row_cap: int, threads: int = 1, memory_limit: str = "256MB") -> None:
+        self.idle_sec = idle_sec
+        self._prepare = prepare
+        self._error = error
+        self._args = [str(threads), memory_limit, str(row_cap)]
+        self._lock = threading.Lock()
+        self._link: _Link | None = None
+        self._ids = itertools.count()
+        self._last_used = time.monotonic()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+        self._closed = False
+        self.started = 0  # children started so far
+        self.unavailable: str | None = None  # why a child could not start (then the rank runs its tasks)
+
+    @property
+    def pid(self) -> int | None:
+        link = self._link
+        return None if link is None else link.proc.pid
+
+    def start(self, kind: str, args: dict, done: Callable[[dict], None]) -> None:
+        with self._lock:
+            if self._closed:
+                done(failed("the probe is closing"))
+                return
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_tasks, name="kernel-probe-engine-send", daemon=True)
+                self._sender.start()
+        self._queue.put((kind, args, done))
+
+    def _send_tasks(self) -> None:
+        while True:
+            kind, args, done = self._queue.get()
+            if kind is None:
+                return
+            call_id = next(self._ids)
+            try:
+                frames = wire.engine_frames({"id": call_id, "kind": kind, "args": self._prepare(kind, args)})
+            except Exception as exc:  # a catalog that failed, or a task the pipe cannot carry
+                done(self._error(exc))
+                continue
+            with self._lock:
+                link = self._link
+                if link is None:
+                    try:
+                        link = self._link = _Link(self._args)
+                    except OSError as exc:
+                        self.unavailable = f"the query engine process could not start: {exc}"
+                        done(failed(self.unavailable))
+                        continue
+                    self.started += 1
+                    threading.Thread(target=self._read, args=(link,), name="kernel-probe-engine", daemon=True).start()
+                link.waiting[call_id] = done
+                self._last_used = time.monotonic()
+            try:
+                send(link.sock, frames)
+            except OSError:
+                with self._lock:
+                    lost = link.waiting.pop(call_id, None)
+                if lost is not None:
+                    lost(failed("the query engine process exited"))
+
+    def _read(self, link: _Link) -> None:
+        while True:
+            # a message is read whole once it begins: only the wait for one may time out
+            if not select.select([link.sock], [], [], max(0.05, self.idle_sec / 4))[0]:
+                with self._lock:
+                    if link.waiting or time.monotonic() - self._last_used < self.idle_sec:
+                        continue
+                    self._link = None  # idle: the next task starts a new child
+                break
+            try:
+                message = recv(link.sock)
+            except (OSError, ValueError, wire.WireError):
+                message = None
+            if message is None:
+                break
+            with self._lock:
+                done = link.waiting.pop(message.get("id"), None)
+            link.answered += 1
+            if done is not None:
+                result = message.get("result")
+                done(result if isinstance(result, dict) else failed("the query engine process answered nothing"))
+        with self._lock:
+            if self._link is link:
+                self._link = None
+            waiting, link.waiting = link.waiting, {}
+        link.sock.close()  # the child sees EOF and exits
+        try:
+            code = link.proc.wait(START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+            link.proc.kill()
+            link.proc.wait()
+        if not link.answered and code:
+            self.unavailable = f"the query engine process exited with code {code} before its first answer"
+        for done in waiting.values():
+            done(failed(self.unavailable or "the query engine process exited"))
+
+    def close(self) -> None:
+        """End the child now; later tasks fail."""
+        with self._lock:
+            self._closed = True
+            link, self._link = self._link, None
+        self._queue.put((None, None, None))
+        if link is not None:
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)  # the reader thread sees EOF and reaps the child
+            except OSError:
+                pass
