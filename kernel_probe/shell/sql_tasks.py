@@ -138,6 +138,10 @@ def _finishes_in_arrow(plan: Mapping[str, Any]) -> bool:
         sc.get("where") == "root" or sc.get("merge_at_root") for sc in scans)
 
 
+def _plan_key(args: Mapping[str, Any], catalog: Mapping[str, list[str]]) -> tuple:
+    return args["sql"], bool(args["per_rank"]), tuple((t, tuple(c)) for t, c in sorted(catalog.items()))
+
+
 def _scanned_tables(plan: Mapping[str, Any]) -> list[str]:
     """The tables a rank's scans read in ``plan`` (a plan dict)."""
     return list(dict.fromkeys(t for sc in plan.get("scans") or () if sc.get("where") == "ranks"
@@ -253,9 +257,7 @@ class SqlTaskRunner:
         """``args`` with what the engine process cannot see: the catalog a plan is made against
         (this rank's tables come with its scans: ``_own_tables``)."""
         if kind == "plan":
-            catalog = {name: [] for name in self.tables.names()}
-            catalog.update(self.tables.columns())
-            return dict(args, catalog=catalog)
+            return dict(args, catalog=self._catalog())
         return args
 
     def _own_tables(self, args: dict) -> dict:
@@ -299,6 +301,12 @@ class SqlTaskRunner:
                 remote.start("rank", result["args"], done) if "args" in result else done(result)
 
             kind, done = "own_tables", then
+        elif remote is not None and kind == "plan":
+            def planned(result: dict, done: Callable[[dict], None] = done) -> None:
+                self._planned(args, result)
+                done(result)
+
+            return remote.start(kind, args, planned)
         elif remote is not None:
             return remote.start(kind, args, done)
         if kind == "rank" and "buffers" in args:
@@ -380,8 +388,11 @@ class SqlTaskRunner:
         DuckDB pass, or a merge/finish of at most QUICK_MAX_BYTES of partials without one.
         None: ``start`` it on a worker instead.
         The same code as ``run`` computes the answer; only the engine and the tables differ."""
-        if self._engine_idle_sec > 0 and self._remote(kind, args) is not None:
-            return None  # the engine process runs it (quick there, if it can)
+        if kind != "plan" and self._engine_idle_sec > 0 and "pyarrow" not in sys.modules and \
+                self._remote(kind, args) is not None:
+            return None  # the engine process runs it (quick there, if it can); with pyarrow loaded here
+            # anyway (by the application, or a table only it converts), Arrow work is done here; a
+            # plan made before (by the engine process: _planned) is quick here
         if kind == "plan":  # a plan already made, for the same tables' columns
             work = lambda: self._plan(args, engine=_NoEngine(), cached_only=True)  # noqa: E731
         elif kind == "rank" and args.get("ship") and self._ships_plain():
@@ -437,15 +448,11 @@ class SqlTaskRunner:
         from ..sql.execute import select_ranks
         from ..sql.planner import plan as make_plan
 
-        catalog = args.get("catalog")  # in an engine process: the rank's
+        catalog = args.get("catalog") or self._catalog(at_once=cached_only)  # in an engine process: the rank's
         if catalog is None:
-            columns = self.tables.columns(at_once=cached_only)
-            if columns is None:
-                raise NotQuick("a table converted for its columns")
-            catalog = {name: [] for name in self.tables.names()}
-            catalog.update(columns)
+            raise NotQuick("a table converted for its columns")
         # a dashboard asks the same question again and again: sqlglot plans it once
-        key = (args["sql"], bool(args["per_rank"]), tuple((t, tuple(c)) for t, c in sorted(catalog.items())))
+        key = _plan_key(args, catalog)
         known = self._plans.get(key)
         if known is None and cached_only:
             raise NotQuick("sqlglot")
@@ -472,6 +479,25 @@ class SqlTaskRunner:
             live = sorted(r for r, st in state.items() if st in LIVE)[:1]
             pruned = [r for r in pruned if r not in live]
         return {"plan": plan, "targets": live, "pruned": pruned, "unavailable": unavailable}
+
+    def _catalog(self, at_once: bool = False) -> dict[str, list[str]] | None:
+        """Every table of this rank and its columns (None: ``at_once`` and one must be converted)."""
+        columns = self.tables.columns(at_once=at_once)
+        if columns is None:
+            return None
+        catalog = {name: [] for name in self.tables.names()}
+        catalog.update(columns)
+        return catalog
+
+    def _planned(self, args: dict, result: dict) -> None:
+        """A plan the engine process made, kept here too: asked again, the plan is quick here."""
+        from ..sql.planner import Plan
+
+        catalog = self._catalog(at_once=True)
+        plan = result.get("plan")
+        if catalog is not None and isinstance(plan, dict) and not args.get("catalog"):
+            self._plans.put(_plan_key(args, catalog),
+                            (Plan.from_dict({k: v for k, v in plan.items() if k != "explain"}), plan))
 
     def _plan_of(self, args: dict):
         """The task's plan as a ``Plan``: the one made before when the same plan comes again
