@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from .. import wire
 
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 30.0  # a child's exit is waited for this long before it is killed
 
 
@@ -78,6 +79,8 @@ class _Link:
     def __init__(self, args: list[str]) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PROBING="0")  # the child is no rank: no probe at its start
+        # this very kernel_probe, however the rank found it (an installed one, a checkout on its path)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (_PACKAGE_ROOT, env.get("PYTHONPATH"))))
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "kernel_probe.shell.engine_main", str(theirs.fileno()),
                                           *args], pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
@@ -137,19 +140,32 @@ class RemoteTasks:
             except Exception as exc:  # a catalog that failed, or a task the pipe cannot carry
                 done(self._error(exc))
                 continue
-            with self._lock:
-                link = self._link
-                if link is None:
-                    try:
-                        link = self._link = _Link(self._args)
-                    except OSError as exc:
-                        self.unavailable = f"the query engine process could not start: {exc}"
-                        done(failed(self.unavailable))
-                        continue
-                    self.started += 1
-                    threading.Thread(target=self._read, args=(link,), name="kernel-probe-engine", daemon=True).start()
-                link.waiting[call_id] = done
-                self._last_used = time.monotonic()
+            with self._lock:  # a link is alive while it is self._link: register on it there and then
+                link = None if self._closed else self._link
+                if link is not None:
+                    link.waiting[call_id] = done
+                    self._last_used = time.monotonic()
+            if link is None:
+                if self._closed:
+                    done(failed("the probe is closing"))
+                    continue
+                try:  # only this thread starts children: outside the lock
+                    new = _Link(self._args)
+                except OSError as exc:
+                    self.unavailable = f"the query engine process could not start: {exc}"
+                    done(failed(self.unavailable))
+                    continue
+                self.started += 1
+                threading.Thread(target=self._read, args=(new,), name="kernel-probe-engine", daemon=True).start()
+                with self._lock:
+                    if not self._closed:
+                        link = self._link = new
+                        link.waiting[call_id] = done
+                        self._last_used = time.monotonic()
+                if link is None:  # closed while it started: its reader ends it
+                    new.sock.shutdown(socket.SHUT_RDWR)
+                    done(failed("the probe is closing"))
+                    continue
             try:
                 send(link.sock, frames)
             except OSError:

@@ -261,15 +261,23 @@ class SqlTaskRunner:
         return args
 
     def _own_tables(self, args: dict) -> dict:
-        """A rank task's args for the engine process: with the tables this rank's scans read
-        (plain where they can be, else converted by pyarrow here) and its tags, as a leaf ships
-        them."""
+        """A rank task for the engine process: ``{"args": ...}``, its args with the tables this
+        rank's scans read (plain where they can be, else converted by pyarrow here) and its tags,
+        as a leaf ships them. A rank that has pyarrow loaded anyway does the scans itself where
+        Arrow suffices, as before (its answer instead: no table to copy for the child)."""
         from ..sql.execute import lookup
 
+        arrow_here = "pyarrow" in sys.modules
+        tables: Mapping = _Once(_LocalTables(self.tables)) if arrow_here else _PlainTables(self.tables)
+        if arrow_here and self.arrow_scans:
+            try:
+                return self._rank(args, engine=_NoEngine(), tables=tables)
+            except NotQuick:
+                pass
         found = {}
         for name in _scanned_tables(args["plan"]):
             try:
-                found[name] = lookup(_PlainTables(self.tables), name)
+                found[name] = lookup(tables, name)
             except KeyError:
                 found[name] = None  # the scan says this rank has no such table
                 continue
