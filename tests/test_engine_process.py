@@ -204,3 +204,25 @@ def test_a_slow_table_of_the_rank_holds_up_no_other_task(tables):
     finally:
         r.close()
         tables.drop("slow")
+
+
+def test_a_rank_with_pyarrow_learns_plans_and_shapes_then_finishes_at_once(tables):
+    # pyarrow is loaded in this process, as in a rank whose application uses it: once the engine
+    # process planned a question and bound its answer's shape, the rank plans and finishes it alone
+    r = runner(tables, 30.0)
+    try:
+        sql = "SELECT count(*) AS n, max(k) AS m FROM rows"
+        plan_args = {"sql": sql, "per_rank": False, "local": True, "self_rank": 0, "members": []}
+        assert r.quick("plan", plan_args) is None  # never planned: the engine process plans it
+        planned = run(r, "plan", plan_args)
+        assert r.quick("plan", plan_args)["plan"] == planned["plan"]
+        scanned = run(r, "rank", {"plan": planned["plan"], "deadline": time.time() + 5})
+        finish_args = {"plan": planned["plan"], "parts": [scanned], "deadline": time.time() + 5}
+        assert r.quick("finish", finish_args) is None  # its shape is not known here yet
+        remote = run(r, "finish", finish_args)
+        here = r.quick("finish", finish_args)
+        assert here is not None and wire.ipc_to_table(here["buffers"][0]).equals(
+            wire.ipc_to_table(remote["buffers"][0])) and "shape" not in here
+        assert wire.ipc_to_table(remote["buffers"][0]).to_pylist() == [{"n": 20, "m": 2}]
+    finally:
+        r.close()

@@ -309,12 +309,13 @@ class SqlTaskRunner:
                 remote.start("rank", result["args"], done) if "args" in result else done(result)
 
             kind, done = "own_tables", then
-        elif remote is not None and kind == "plan":
-            def planned(result: dict, done: Callable[[dict], None] = done) -> None:
-                self._planned(args, result)
+        elif remote is not None and kind in ("plan", "finish"):
+            def learn(result: dict, done: Callable[[dict], None] = done) -> None:
+                (self._planned if kind == "plan" else self._shaped)(args, result)
                 done(result)
 
-            return remote.start(kind, args, planned)
+            arrow_finish = kind == "finish" and "pyarrow" in sys.modules and args["plan"].get("final_arrow")
+            return remote.start(kind, dict(args, shape=True) if arrow_finish else args, learn)
         elif remote is not None:
             return remote.start(kind, args, done)
         if kind == "rank" and "buffers" in args:
@@ -507,6 +508,31 @@ class SqlTaskRunner:
             self._plans.put(_plan_key(args, catalog),
                             (Plan.from_dict({k: v for k, v in plan.items() if k != "explain"}), plan))
 
+    def _shape_key(self, plan: Any, merged: Mapping[str, Any], params: Any) -> tuple | None:
+        """The shape cache's key for ``plan``'s shape scan over ``merged`` (None: no shape)."""
+        inputs = merged.get(plan.shape) if plan.shape is not None else None
+        if inputs is None:
+            return None
+        scan = next(sc for sc in plan.scans if sc.name == plan.shape)
+        return self._shapes.key(scan.sql, {scan.tables[0]: inputs.slice(0, 0)}, params)
+
+    def _shaped(self, args: dict, result: dict) -> None:
+        """The shape the engine process bound for a plan Arrow finishes, kept here too: the same
+        question then finishes here at once (only a rank with pyarrow loaded anyway finishes
+        here). Anything amiss: the engine process finishes it again."""
+        if "shape" not in result:
+            return
+        from ..sql.execute import merge
+
+        try:
+            plan = self._plan_of(args)
+            merged = merge(plan, _NoEngine(), _decode(args["parts"]), row_cap=self.row_cap, at_root=True)
+            key = self._shape_key(plan, merged, args.get("params"))
+            if key is not None and self._shapes.get(key) is None:
+                self._shapes.put(key, wire.ipc_to_table(result["shape"]))
+        except Exception:
+            return
+
     def _plan_of(self, args: dict):
         """The task's plan as a ``Plan``: the one made before when the same plan comes again
         (equal as a whole, as a dict: a dashboard's question arrives once a second)."""
@@ -593,7 +619,12 @@ class SqlTaskRunner:
         table = finish(plan, engine, merged, root_tables, params=args.get("params"),
                        deadline=args.get("deadline"), row_cap=self.row_cap, shapes=self._shapes)
         data = wire.table_to_ipc(table)
-        return {"buffers": [data], "columns": table.column_names}
+        out = {"buffers": [data], "columns": table.column_names}
+        if args.get("shape"):  # for a rank whose engine process this is (_shaped)
+            shape = self._shapes.get(self._shape_key(plan, merged, args.get("params")))
+            if shape is not None:
+                out["shape"] = wire.table_to_ipc(shape)
+        return out
 
 
 def nodes_arrow(rows: list[dict]):
