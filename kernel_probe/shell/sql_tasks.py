@@ -255,9 +255,13 @@ class SqlTaskRunner:
 
     def _for_engine_process(self, kind: str, args: dict) -> dict:
         """``args`` with what the engine process cannot see: the catalog a plan is made against
-        (this rank's tables come with its scans: ``_own_tables``)."""
+        (this rank's tables come with its scans: ``_own_tables``). A warm-up also warms the Arrow
+        work this rank does itself when it has pyarrow loaded anyway (its compute functions)."""
         if kind == "plan":
             return dict(args, catalog=self._catalog())
+        if kind == "warm" and "pyarrow" in sys.modules:
+            import pyarrow._acero  # noqa: F401
+            import pyarrow.compute  # noqa: F401
         return args
 
     def _own_tables(self, args: dict) -> dict:
