@@ -54,8 +54,9 @@ class Settings:
     query_row_cap: int = 1_000_000  # PROBING_QUERY_ROW_CAP: rows one query may ship or return (error past it)
     query_threads: int = 1  # PROBING_QUERY_THREADS: DuckDB threads per rank (the training job owns the cores)
     query_memory: str = "256MB"  # PROBING_QUERY_MEMORY: DuckDB memory limit per rank (no spilling)
-    # PROBING_ENGINE_IDLE_SEC: a rank's DuckDB runs in a child process that ends after this long
-    # without a SQL pass (DuckDB's memory cannot be given back otherwise); 0: in the rank itself
+    # PROBING_ENGINE_IDLE_SEC: the root's and the brokers' query work (pyarrow, DuckDB, the planner)
+    # runs in a child process that ends after this long without a task (their memory cannot be
+    # given back otherwise); 0: in the rank itself
     engine_idle_sec: float = 30.0
 
     @property

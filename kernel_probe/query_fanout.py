@@ -13,18 +13,19 @@ Rules of this file:
   so it can still merge and answer before its own deadline — with what it has.
 - Coverage is exact: every targeted rank ends up answered or failed with a reason
   (dead, unreachable, timeout, or the error text).
-- A client that will query says so in its handshake, which warms the tree: every rank
-  loads its query engine (pyarrow; DuckDB but at a shipping leaf; the root sqlglot too) on
-  a worker before the first query needs it, so the first answer comes fast. A job nobody
-  queries, or whose clients only watch membership, never pays that memory.
+- A client that will query says so in its handshake, which warms the tree: the root and
+  every broker start their engine process (pyarrow, DuckDB, the root's sqlglot; see
+  ``shell/engine_process.py``) before the first query needs it, so the first answer comes
+  fast; a shipping leaf loads nothing. A job nobody queries, or whose clients only watch
+  membership, never pays that memory.
 - A broker whose gathered partials are small (no scan past ``merge_above_rows`` rows, at
   most ``RELAY_MAX_PARTS`` parts) relays them up as they came, its own among them, instead
   of merging them on a worker: the parent's merge concatenates them all the same, and the
   broker spends no worker hand-off nor Arrow decode/encode on the critical path.
-- A leaf whose parent shares its machine loads no SQL engine: when its scans need more than
-  Arrow, it ships the tables they read up (a subresult with ``ship``: its tags) and its parent
-  scans them for it on a worker, the same work over the same tables; the leaf is answered
-  once that scan is done.
+- A leaf whose parent shares its machine loads no SQL engine: it ships the tables its scans
+  read up (a subresult with ``ship``: its tags; without pyarrow loaded, for every scan, else
+  when they need more than Arrow) and its parent scans them for it, the same work over the
+  same tables; the leaf is answered once that scan is done.
 - Every answer says where its time went (``coverage["profile"]``): planning, each rank's
   scan, each merge, the finish, and per hop the round trip less the child's own time (the
   transfer). Each hop reports its part up with its subresult; the root sums it up.

@@ -15,6 +15,13 @@ every scan, written without pyarrow (``LocalTables.plain``), and so never loads 
 unless a table only pyarrow can convert (a DataFrame, a callable, other kinds of values) or
 one past SHIP_MAX_BYTES makes it do the scan itself.
 
+The root and the brokers hand their tasks to an engine process (``engine_idle_sec`` > 0,
+``shell/engine_process.py``) that runs them with this same code and ends when queries stop,
+so that no rank keeps pyarrow's and DuckDB's memory: a rank's own tables go with its scans
+(``_own_tables``), its catalog with its plans. A rank that has pyarrow loaded anyway (its
+application's) still does its Arrow work itself, and keeps the plans and answer shapes its
+engine process made so that a question asked again is quick here (``_planned``, ``_shaped``).
+
 The one exception to "off the I/O thread" is ``quick``: a task bounded by construction (a
 cached plan; Arrow work on at most ``QUICK_MAX_ROWS`` rows or ``QUICK_MAX_BYTES`` of partials;
 no DuckDB, no sqlglot, no user code) runs where it was asked, sparing a small query two
