@@ -17,8 +17,8 @@ import pytest
 
 from kernel_probe import wire
 from kernel_probe.config import load_settings
-from kernel_probe.shell.sql_tasks import SqlTaskRunner
 from kernel_probe.shell import engine_process
+from kernel_probe.shell.sql_tasks import SqlTaskRunner
 from kernel_probe.tables import LocalTables
 
 from .conftest import engine_processes, wait_for

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from .. import wire
 
