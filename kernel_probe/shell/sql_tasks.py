@@ -155,6 +155,26 @@ def _scanned_tables(plan: Mapping[str, Any]) -> list[str]:
                               for t in sc.get("tables") or ()))
 
 
+def _read(names: list[str], tables: Mapping, fallback: Mapping | None = None) -> dict[str, Any] | None:
+    """``names`` read from ``tables`` (None for one this rank lacks: the scan says so). Where
+    ``tables`` gives None (a plain table only pyarrow can make), ``fallback`` gives it; without
+    one, None."""
+    from ..sql.execute import lookup
+
+    found: dict[str, Any] = {}
+    for name in names:
+        try:
+            found[name] = lookup(tables, name)
+        except KeyError:
+            found[name] = None
+            continue
+        if found[name] is None:
+            if fallback is None:
+                return None
+            found[name] = lookup(fallback, name)
+    return found
+
+
 def _leaf_tags(given: dict) -> dict:
     """A shipping leaf's tags, as its own scan would have them: the five, plainly typed."""
     from ..sql.execute import TAG_TYPES
@@ -276,8 +296,6 @@ class SqlTaskRunner:
         rank's scans read (plain where they can be, else converted by pyarrow here) and its tags,
         as a leaf ships them. A rank that has pyarrow loaded anyway does the scans itself where
         Arrow suffices, as before (its answer instead: no table to copy for the child)."""
-        from ..sql.execute import lookup
-
         arrow_here = "pyarrow" in sys.modules
         tables: Mapping = _Once(_LocalTables(self.tables)) if arrow_here else _PlainTables(self.tables)
         if arrow_here and self.arrow_scans:
@@ -285,16 +303,8 @@ class SqlTaskRunner:
                 return self._rank(args, engine=_NoEngine(), tables=tables)
             except NotQuick:
                 pass
-        found = {}
-        for name in _scanned_tables(args["plan"]):
-            try:
-                found[name] = lookup(tables, name)
-            except KeyError:
-                found[name] = None  # the scan says this rank has no such table
-                continue
-            if found[name] is None:
-                found[name] = lookup(_LocalTables(self.tables), name)  # only pyarrow can make it
-        shipped = _encode(found)
+        # a table only pyarrow can make is made by it
+        shipped = _encode(_read(_scanned_tables(args["plan"]), tables, _LocalTables(self.tables)))
         return {"args": dict(args, tables=shipped["scans"], buffers=shipped["buffers"], tags=self.tags())}
 
     def close(self) -> None:
@@ -408,8 +418,7 @@ class SqlTaskRunner:
         DuckDB pass, or a merge/finish of at most QUICK_MAX_BYTES of partials without one.
         None: ``start`` it on a worker instead.
         The same code as ``run`` computes the answer; only the engine and the tables differ."""
-        if kind != "plan" and self._engine_idle_sec > 0 and "pyarrow" not in sys.modules and \
-                self._remote(kind, args) is not None:
+        if kind != "plan" and "pyarrow" not in sys.modules and self._remote(kind, args) is not None:
             return None  # the engine process runs it (quick there, if it can); with pyarrow loaded here
             # anyway (by the application, or a table only it converts), Arrow work is done here; a
             # plan made before (by the engine process: _planned) is quick here
@@ -519,28 +528,22 @@ class SqlTaskRunner:
             self._plans.put(_plan_key(args, catalog),
                             (Plan.from_dict({k: v for k, v in plan.items() if k != "explain"}), plan))
 
-    def _shape_key(self, plan: Any, merged: Mapping[str, Any], params: Any) -> tuple | None:
-        """The shape cache's key for ``plan``'s shape scan over ``merged`` (None: no shape)."""
-        inputs = merged.get(plan.shape) if plan.shape is not None else None
-        if inputs is None:
-            return None
+    def _shape_key(self, plan: Any, inputs: Any, params: Any) -> tuple:
+        """The shape cache's key for ``plan``'s shape scan over ``inputs`` (its merged partials)."""
         scan = next(sc for sc in plan.scans if sc.name == plan.shape)
         return self._shapes.key(scan.sql, {scan.tables[0]: inputs.slice(0, 0)}, params)
 
     def _shaped(self, args: dict, result: dict) -> None:
-        """The shape the engine process bound for a plan Arrow finishes, kept here too: the same
-        question then finishes here at once (only a rank with pyarrow loaded anyway finishes
-        here). Anything amiss: the engine process finishes it again."""
+        """The shape the engine process bound for a plan Arrow finishes (with its inputs' schema),
+        kept here too: the same question then finishes here at once (only a rank with pyarrow
+        loaded anyway finishes here). Anything amiss: the engine process finishes it again."""
         if "shape" not in result:
             return
-        from ..sql.execute import merge
-
         try:
-            plan = self._plan_of(args)
-            merged = merge(plan, _NoEngine(), _decode(args["parts"]), row_cap=self.row_cap, at_root=True)
-            key = self._shape_key(plan, merged, args.get("params"))
-            if key is not None and self._shapes.get(key) is None:
-                self._shapes.put(key, wire.ipc_to_table(result["shape"]))
+            inputs, shape = (wire.ipc_to_table(b) for b in result["shape"])
+            key = self._shape_key(self._plan_of(args), inputs, args.get("params"))
+            if self._shapes.get(key) is None:
+                self._shapes.put(key, shape)
         except Exception:
             return
 
@@ -588,18 +591,8 @@ class SqlTaskRunner:
         """The tables ``names`` (Arrow, or plain where ``tables`` gives them so), for this leaf's
         parent to scan; None when one can only be made by pyarrow (None in ``tables``) or they
         are past SHIP_MAX_BYTES."""
-        from ..sql.execute import lookup
-
-        found = {}
-        for name in names:
-            try:
-                found[name] = lookup(tables, name)
-            except KeyError:
-                found[name] = None  # the parent's scan says this rank has no such table
-                continue
-            if found[name] is None:
-                return None
-        if sum(t.nbytes for t in found.values() if t is not None) > SHIP_MAX_BYTES:
+        found = _read(names, tables)
+        if found is None or sum(t.nbytes for t in found.values() if t is not None) > SHIP_MAX_BYTES:
             return None
         return dict(_encode(found), ship={"tags": tags})
 
@@ -631,10 +624,11 @@ class SqlTaskRunner:
                        deadline=args.get("deadline"), row_cap=self.row_cap, shapes=self._shapes)
         data = wire.table_to_ipc(table)
         out = {"buffers": [data], "columns": table.column_names}
-        if args.get("shape"):  # for a rank whose engine process this is (_shaped)
-            shape = self._shapes.get(self._shape_key(plan, merged, args.get("params")))
+        inputs = merged.get(plan.shape) if args.get("shape") and plan.shape is not None else None
+        if inputs is not None:  # for a rank whose engine process this is (_shaped)
+            shape = self._shapes.get(self._shape_key(plan, inputs, args.get("params")))
             if shape is not None:
-                out["shape"] = wire.table_to_ipc(shape)
+                out["shape"] = [wire.table_to_ipc(inputs.slice(0, 0)), wire.table_to_ipc(shape)]
         return out
 
 

@@ -48,10 +48,16 @@ def _pa():
     return pyarrow
 
 
+def _arrow_type(type_name: str):
+    """The pyarrow type of one of our type names (SCHEMAS, ARROW_TYPE_NAMES)."""
+    pa = _pa()
+    return getattr(pa, "bool_" if type_name == "bool" else type_name)()
+
+
 @functools.lru_cache(maxsize=None)
 def schema(name: str):
     pa = _pa()
-    return pa.schema([pa.field(col, getattr(pa, "bool_" if typ == "bool" else typ)()) for col, typ in SCHEMAS[name]])
+    return pa.schema([pa.field(col, _arrow_type(typ)) for col, typ in SCHEMAS[name]])
 
 
 class Column(NamedTuple):
@@ -129,21 +135,28 @@ def column(values: Sequence[Any], type_name: str) -> Column | None:
         return None
 
 
-def infer_column(values: Sequence[Any]) -> Column | None:
-    """Arrow's own inference for columns of one plain kind, as pyarrow types them; None for
-    anything else (mixed kinds, other types: only pyarrow can tell)."""
+def _inferred(values: Sequence[Any]) -> str | None:
+    """The type pyarrow infers for a column of one plain kind (``null`` when all are None);
+    None for anything else (mixed kinds, other types: only pyarrow can tell)."""
     kinds = {v.__class__ for v in values if v is not None}
     if not kinds:
-        return _all_null(len(values), "null")
+        return "null"
     if kinds == {bool}:
-        return column(values, "bool")
+        return "bool"
     if kinds == {str}:
-        return column(values, "string")
+        return "string"
     if kinds == {int}:
-        return column(values, "int64")
+        return "int64"
     if kinds <= {int, float}:
-        return column(values, "float64")
+        return "float64"
     return None
+
+
+def infer_column(values: Sequence[Any]) -> Column | None:
+    """Arrow's own inference for columns of one plain kind, as pyarrow types them; None for
+    anything else."""
+    type_name = _inferred(values)
+    return None if type_name is None else column(values, type_name)
 
 
 def _arrow(col: Column, arrow_type: Any):
@@ -173,19 +186,11 @@ def infer_array(values: list):
     """Arrow's own inference (ours for columns of one plain kind, as pyarrow types them);
     a column it cannot type (mixed kinds, huge ints) becomes text."""
     pa = _pa()
-    kinds = {v.__class__ for v in values if v is not None}
+    type_name = _inferred(values)
     try:
-        if not kinds:
+        if type_name == "null":
             return pa.nulls(len(values))
-        if kinds == {bool}:
-            return array(values, pa.bool_())
-        if kinds == {str}:
-            return array(values, pa.string())
-        if kinds == {int}:
-            return array(values, pa.int64())
-        if kinds <= {int, float}:
-            return array(values, pa.float64())
-        return pa.array(values)
+        return pa.array(values) if type_name is None else array(values, _arrow_type(type_name))
     except Exception:
         return array([None if v is None else str(v) for v in values], pa.string())
 
@@ -217,8 +222,7 @@ class PlainTable(NamedTuple):
 def arrow_table(spec: Spec):
     """The table of ``spec`` as a ``pyarrow.Table``."""
     pa = _pa()
-    arrays = [infer_array(values) if typ is None else array(values, getattr(pa, "bool_" if typ == "bool" else typ)())
-              for _, values, typ in spec]
+    arrays = [infer_array(values) if typ is None else array(values, _arrow_type(typ)) for _, values, typ in spec]
     return pa.Table.from_arrays(arrays, names=[col for col, _, _ in spec])
 
 
