@@ -456,6 +456,58 @@ def test_a_process_exiting_while_queries_run_exits_cleanly(tmp_path):
         assert done.returncode == 0, (delay, done.returncode, done.stderr[-2000:])
 
 
+class _NotedCursor:
+    """A DuckDB cursor that notes while something still holds it."""
+
+    def __init__(self, cur, live: set) -> None:
+        self._cur, self._live = cur, live
+        live.add(id(self))
+
+    def __getattr__(self, name: str):
+        return getattr(self._cur, name)
+
+    def __del__(self) -> None:
+        self._live.discard(id(self))
+
+
+class _NotingConnection:
+    def __init__(self, con, live: set) -> None:
+        self._con, self._live = con, live
+
+    def cursor(self) -> _NotedCursor:
+        return _NotedCursor(self._con.cursor(), self._live)
+
+    def close(self) -> None:
+        self._con.close()
+
+
+def test_once_closed_nothing_holds_a_cursor(monkeypatch):
+    """What closing at exit waits for is the last reference to each query's cursor: freeing
+    one releases and retakes the GIL, which aborts a finalizing interpreter ("FATAL:
+    exception not rethrown", once in CI). Neither the errors callers keep, nor the deadline
+    timer, nor a query thread that is still busy after its query left may hold one."""
+    from kernel_probe.sql import engine as m
+
+    live: set = set()
+    connect = Engine._connect
+    monkeypatch.setattr(Engine, "_connect", lambda self: _NotingConnection(connect(self), live))
+    end = m._WATCHDOG.end
+    monkeypatch.setattr(m._WATCHDOG, "end", lambda: (time.sleep(0.3), end()))  # busy after the query left
+    engine = Engine()
+    far = time.time() + 60
+    assert engine.run("SELECT 1 AS x", {}, deadline=far).column("x").to_pylist() == [1]
+    kept = [pytest.raises(QueryError, engine.run, "SELEC 1", {}, deadline=far).value,
+            pytest.raises(QueryError, engine.run, "SELECT 1", {}, row_cap=0).value]
+    slow = threading.Thread(target=lambda: kept.append(_outcome(engine)))
+    slow.start()
+    time.sleep(0.3)  # inside DuckDB by now
+    assert live
+    engine.close(wait=2.0)
+    assert not live
+    slow.join(5)
+    assert [e.code for e in kept] == ["syntax", "row_cap", "timeout"]  # closing interrupts it
+
+
 def test_closing_interrupts_a_running_query_and_later_queries_are_refused():
     engine = Engine()
     box: list = []

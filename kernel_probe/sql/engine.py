@@ -33,7 +33,8 @@ Rules of this file:
   process must not exit with SIGABRT because it was once queried. For the same reason no
   query may still be inside DuckDB then (a worker thread binding a table calls back into
   Python, and PyGILState_Release aborts a finalizing interpreter): closing refuses new
-  queries, interrupts the running ones and waits for them (``_EXIT_WAIT_S`` at most).
+  queries, interrupts the running ones and waits for them (``_EXIT_WAIT_S`` at most) to
+  have let go of every DuckDB object, since freeing a cursor retakes the GIL too.
 """
 
 from __future__ import annotations
@@ -43,14 +44,17 @@ import heapq
 import re
 import threading
 import time
+import traceback
 import weakref
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 if TYPE_CHECKING:  # for annotations only: never imported at runtime here
     import duckdb
     import pyarrow as pa
 
 __all__ = ["QueryError", "Engine", "check_select"]
+
+_T = TypeVar("_T")
 
 # How many rows one streamed batch holds when a row cap is in force.
 _BATCH_ROWS = 8192
@@ -173,14 +177,27 @@ class Engine:
             self._active.add(cur)
             return cur
 
-    def _close_cursor(self, cur: duckdb.DuckDBPyConnection) -> None:
-        with self._lock:
-            self._active.discard(cur)
-            try:
-                cur.close()
-            except Exception:  # already closed with its parent: nothing left to free
-                pass
-            self._left.notify_all()
+    def _on_cursor(self, work: Callable[[duckdb.DuckDBPyConnection], _T]) -> _T:
+        """Run `work` on a new cursor, then close it. The query counts as left (what
+        :meth:`close` waits for) only once nothing here holds a DuckDB object of it any
+        more: freeing one releases and retakes the GIL (duckdb#13904), which aborts the
+        process if the interpreter began to finalize meanwhile."""
+        held = [self._cursor()]  # the only reference outside `work`'s frames
+        try:
+            return work(held[0])
+        except BaseException as e:
+            _forget_frames(e)  # the frames it keeps hold the cursor, the statement, the relation
+            raise
+        finally:
+            with self._lock:
+                cur = held.pop()
+                self._active.discard(cur)
+                try:
+                    cur.close()
+                except Exception:  # already closed with its parent: nothing left to free
+                    pass
+                del cur  # freed now, before close() may go on
+                self._left.notify_all()
 
     def close(self, wait: float = 0.0) -> None:
         """Close the connection; later :meth:`run` calls fail with QueryError. ``wait``: how
@@ -235,16 +252,29 @@ class Engine:
         row_cap: int | None = None,
     ) -> pa.Table:
         """Run one read-only SELECT over `tables` (registered under their names)."""
+        if row_cap is not None and (isinstance(row_cap, bool) or not isinstance(row_cap, int) or row_cap < 0):
+            raise ValueError(f"row_cap must be a non-negative int or None, got {row_cap!r}")
+        _WATCHDOG.begin()
+        try:
+            return self._on_cursor(lambda cur: self._query(cur, sql, tables, params, deadline, row_cap))
+        finally:
+            _WATCHDOG.end()
+
+    def _query(
+        self,
+        cur: duckdb.DuckDBPyConnection,
+        sql: str,
+        tables: Mapping[str, pa.Table],
+        params: Mapping[str, object] | None,
+        deadline: float | None,
+        row_cap: int | None,
+    ) -> pa.Table:
         import duckdb
         import pyarrow as pa
 
-        if row_cap is not None and (isinstance(row_cap, bool) or not isinstance(row_cap, int) or row_cap < 0):
-            raise ValueError(f"row_cap must be a non-negative int or None, got {row_cap!r}")
-        cur = self._cursor()
         watch: tuple[int, _Watch] | None = None
-        _WATCHDOG.begin()
+        stmt = self._check(cur, sql)
         try:
-            stmt = self._check(cur, sql)
             if deadline is not None and deadline <= time.time():
                 raise QueryError("query interrupted at its deadline (it had passed before the query ran)",
                                  code="timeout")
@@ -278,8 +308,6 @@ class Engine:
         finally:
             if watch is not None:
                 _WATCHDOG.disarm(watch)  # before the close: no interrupt() reaches a closed cursor
-            self._close_cursor(cur)
-            _WATCHDOG.end()
 
 
 class _Watch:
@@ -333,7 +361,8 @@ class _Watchdog:
 
     def disarm(self, token: tuple[int, _Watch]) -> None:
         with self._cond:
-            self._armed.discard(token[0])  # its heap entry is dropped when it comes up
+            self._armed.discard(token[0])  # its heap entry is dropped when it comes up,
+            token[1].cur = None  # but the cursor goes now (see Engine._on_cursor)
 
     def begin(self) -> None:
         with self._cond:
@@ -423,6 +452,19 @@ def _tidy() -> None:
 
 
 _WATCHDOG = _Watchdog()
+
+
+def _forget_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames that `error`, and the errors it chains, keep
+    alive in their tracebacks."""
+    chain, seen = [error], set()
+    while chain:
+        e = chain.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # a frame still running is left as it is
+        chain += [e.__cause__, e.__context__]
 
 
 def _capped(rel: Any, row_cap: int) -> pa.Table:
@@ -520,8 +562,4 @@ def check_select(sql: str) -> None:
             # Its own small sandboxed engine: parsing needs a connection, never any data.
             _checker = Engine(threads=1, memory_limit="16MB")
         checker = _checker
-    cur = checker._cursor()
-    try:
-        checker._check(cur, sql)
-    finally:
-        checker._close_cursor(cur)
+    checker._on_cursor(lambda cur: checker._check(cur, sql))
