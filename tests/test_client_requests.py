@@ -117,3 +117,36 @@ def test_the_odd_stalled_rank_out_is_the_suspect() -> None:
     assert s.text == "suspect: rank 3, in fetch_next_batch (train.py:42); 3 others wait in backward (graph.py:825)"
     assert suspect_ranks(members) == {3}
     assert stall_suspects([m for m in members if m["rank"] != 3]) == []  # all in one place: nobody stands out
+
+
+def test_the_membership_frame_is_typed_whatever_the_members_hold() -> None:
+    import math
+
+    import pandas as pd
+
+    from kernel_probe.client.results import NODE_COLUMNS, members_frame
+
+    def member(rank: int, **fields) -> dict:
+        m = {name: f"{name}{rank}" for name in NODE_COLUMNS}
+        return {**m, "rank": rank, "pid": 100 + rank, "last_seen": 1.7e9 + rank, "since": 1.7e9, "step": rank,
+                "step_time_ms": 1.5, "compute_ms": 1, "comm_wait_ms": None, **fields}
+
+    members = [member(0), member(1, step=None, since=None, compute_ms="x"), member(2, step=4.0, step_time_ms=True),
+               member(3, step=2.5, comm_wait_ms=float("inf"), last_seen=None), member(4, step=float("nan"), since="y")]
+    members[4].pop("tier")  # a member from an older root lacks a column
+    df = members_frame(members)
+    assert list(df.columns) == NODE_COLUMNS and len(df) == 5
+    for name in ("last_seen", "since"):
+        assert isinstance(df[name].dtype, pd.DatetimeTZDtype) and str(df[name].dt.tz) == "UTC"
+    assert df.loc[0, "last_seen"] == pd.Timestamp(1.7e9, unit="s", tz="UTC")
+    assert df["since"].isna().tolist() == [False, True, False, False, True] and pd.isna(df.loc[3, "last_seen"])
+    assert str(df["step"].dtype) == "Int64" and df["step"].tolist()[:3] == [0, pd.NA, 4]
+    assert df["step"].isna().tolist() == [False, True, False, True, True]
+    for name in ("step_time_ms", "compute_ms", "comm_wait_ms"):
+        assert df[name].dtype == "float64"
+    assert df["step_time_ms"].tolist()[0] == 1.5 and math.isnan(df.loc[2, "step_time_ms"])
+    assert df["compute_ms"].tolist()[0] == 1.0 and math.isnan(df.loc[1, "compute_ms"])
+    assert df.loc[3, "comm_wait_ms"] == math.inf
+    assert df["rank"].tolist() == [0, 1, 2, 3, 4] and df["pid"].dtype == "int64"
+    assert df["tier"].tolist()[:4] == ["tier0", "tier1", "tier2", "tier3"] and pd.isna(df.loc[4, "tier"])
+    assert members_frame([]).columns.tolist() == NODE_COLUMNS

@@ -10,6 +10,7 @@ from .. import wire
 from .errors import AuthError, ProbeError, QueryFailed, Refused
 
 if TYPE_CHECKING:  # pandas is imported only when a DataFrame is asked for
+    import numpy as np
     import pandas as pd
 
 NODE_COLUMNS = list(wire.MEMBER_COLUMNS)
@@ -19,16 +20,30 @@ ANSWER_GRACE = 3.0  # the root answers by the deadline; allow for transfer and a
 
 
 def members_frame(members: list[dict]) -> "pd.DataFrame":
-    """One row per rank, typed: timestamps as UTC datetimes, step as a nullable integer."""
+    """One row per rank, typed: timestamps as UTC datetimes, step as a nullable integer,
+    timings as floats (NaN where missing or not a number)."""
     import pandas as pd
 
-    df = pd.DataFrame(members, columns=NODE_COLUMNS)
-    for col in ("last_seen", "since"):
-        df[col] = pd.to_datetime(df[col], unit="s", utc=True)
-    df["step"] = df["step"].astype("Int64")
-    for col in ("step_time_ms", "compute_ms", "comm_wait_ms"):
-        df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
-    return df
+    # Typed column by column, then one frame: converting the columns of a frame made from
+    # the dicts cost ~3 ms more, on every nodes() call.
+    columns: dict[str, Any] = {name: [m.get(name) for m in members] for name in NODE_COLUMNS}
+    for name in ("last_seen", "since"):
+        columns[name] = pd.to_datetime(_floats(columns[name]), unit="s", utc=True)
+    columns["step"] = pd.array([v if _is_number(v) and float(v).is_integer() and abs(v) < 2**63 else None
+                                for v in columns["step"]], dtype="Int64")
+    for name in ("step_time_ms", "compute_ms", "comm_wait_ms"):
+        columns[name] = _floats(columns[name])
+    return pd.DataFrame(columns, columns=NODE_COLUMNS)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _floats(values: list) -> "np.ndarray":
+    import numpy as np
+
+    return np.array([v if _is_number(v) else np.nan for v in values], dtype="float64")
 
 
 def departures_frame(departures: list[dict]) -> "pd.DataFrame":
