@@ -29,7 +29,6 @@ __all__ = ["start", "stop", "set_role", "log", "table", "connect", "connect_asyn
            "Client", "AsyncClient", "Job", "JobRegistry", "UnknownJob", "PROTOCOL_VERSION"]
 __version__ = "0.1.0"
 
-_OWNER_VAR = "_PROBING_OWNER_PID"  # children inherit it: a subprocess never starts a second probe
 _lock = threading.RLock()  # guards _probe
 _probe: "ProbeThread | None" = None
 _role: str | None = None
@@ -40,12 +39,12 @@ def start(wait: float = 0.0) -> "ProbeThread":
     global _probe
     with _lock:
         if _probe is None or not _probe.is_alive():
-            from .config import load_identity, load_settings
+            from .config import claim_probe, load_identity, load_settings
             from .shell.probe_thread import ProbeThread
 
             settings = load_settings()
             _probe = ProbeThread(settings, load_identity(settings=settings))
-            os.environ[_OWNER_VAR] = str(os.getpid())
+            claim_probe()  # children inherit it: a subprocess never starts a second probe
             _probe.start()
             if _role is not None:
                 _probe.submit(("role", _role))

@@ -1,9 +1,12 @@
 """The one place that reads configuration.
 
-Everything the probe and its clients take from the environment is read here, once,
-into frozen dataclasses; no other module touches ``os.environ`` for a ``PROBING_*``
-or torchrun variable. A malformed value never stops the training process: it is
-reported once and the default is used.
+Everything the probe and its clients take from the environment is read here into frozen
+dataclasses; no other module touches ``os.environ`` for a ``PROBING_*`` or torchrun
+variable. (The ``.pth`` line that starts a probe tests ``PROBING`` itself, because it runs
+in every interpreter of the environment and importing this module costs ~40 ms.)
+``load_settings()`` parses the environment once per process and again only when a
+``PROBING_*`` variable changed (tests do that); a malformed value never stops the
+training process: it is reported once and the default is used.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from pathlib import Path
 from typing import Mapping
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})
+OWNER_VAR = "_PROBING_OWNER_PID"  # the pid that owns this environment's probe; children inherit it
 
 
 @dataclass(frozen=True)
 class Settings:
-    """``PROBING_*`` variables (names and defaults from DESIGN.md section 3)."""
+    """``PROBING_*`` variables; the README's configuration table lists them."""
 
     enabled: bool = False  # PROBING=1: start a probe at interpreter start
     torchrun_cluster: bool = True
@@ -157,8 +161,36 @@ def default_runtime_dir() -> Path:
     return Path(platformdirs.user_data_dir("probing-magics")) / "runtime"
 
 
+_parsed: tuple[tuple, Settings] | None = None  # this process's settings and the variables they came from
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """The settings of ``env`` (this process's environment when None: parsed once, and again
+    only when a ``PROBING_*`` variable changed)."""
+    global _parsed
+    if env is not None:
+        return _parse_settings(env)
+    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("PROBING")))
+    parsed = _parsed
+    if parsed is None or parsed[0] != key:
+        parsed = _parsed = (key, _parse_settings(os.environ))
+    return parsed[1]
+
+
+def probe_wanted(env: Mapping[str, str] | None = None, pid: int | None = None) -> bool:
+    """``PROBING=1`` and no other process of this environment owns a probe (a subprocess of a
+    rank inherits its environment, and must not start a second probe)."""
     env = os.environ if env is None else env
+    owner = env.get(OWNER_VAR)
+    return env.get("PROBING") == "1" and (not owner or owner == str(os.getpid() if pid is None else pid))
+
+
+def claim_probe() -> None:
+    """Mark this process as the owner of this environment's probe (see ``probe_wanted``)."""
+    os.environ[OWNER_VAR] = str(os.getpid())
+
+
+def _parse_settings(env: Mapping[str, str]) -> Settings:
     return Settings(
         enabled=env.get("PROBING", "") == "1",
         torchrun_cluster=_flag(env, "PROBING_TORCHRUN_CLUSTER", True),

@@ -59,3 +59,26 @@ def test_bad_values_warn_and_fall_back(name, value):
 def test_token_never_in_repr():
     s = load_settings({"PROBING_AUTH_TOKEN": "hunter2"})
     assert s.auth_token == "hunter2" and "hunter2" not in repr(s) and "hunter2" not in str(s)
+
+
+def test_settings_are_parsed_once_per_configuration(monkeypatch):
+    import kernel_probe.config as config
+
+    monkeypatch.setenv("PROBING_CLUSTER_STALE_SEC", "30")
+    first = load_settings()
+    assert first.stale_sec == 30.0
+    assert load_settings() is first  # not parsed again
+    monkeypatch.setenv("PROBING_CLUSTER_STALE_SEC", "40")
+    assert load_settings().stale_sec == 40.0  # a changed variable is seen
+    assert load_settings({"PROBING_CLUSTER_STALE_SEC": "50"}).stale_sec == 50.0  # an explicit mapping: as given
+    assert config.load_settings().stale_sec == 40.0
+
+
+def test_a_probe_is_wanted_once_per_environment():
+    from kernel_probe.config import OWNER_VAR, probe_wanted
+
+    assert not probe_wanted({})
+    assert not probe_wanted({"PROBING": "0"})
+    assert probe_wanted({"PROBING": "1"}, pid=10)
+    assert probe_wanted({"PROBING": "1", OWNER_VAR: "10"}, pid=10)  # its own
+    assert not probe_wanted({"PROBING": "1", OWNER_VAR: "10"}, pid=11)  # a rank's subprocess

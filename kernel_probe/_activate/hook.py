@@ -21,15 +21,14 @@ def _skip() -> bool:
         return True
     if "multiprocessing" in joined or "--multiprocessing-fork" in joined:
         return True
-    owner = os.environ.get("_PROBING_OWNER_PID")
-    if owner and owner != str(os.getpid()):
-        return True
     return exe in ("pip", "pip3")
 
 
 def maybe_start() -> None:
     try:
-        if os.environ.get("PROBING") != "1" or _skip():
+        from kernel_probe.config import probe_wanted
+
+        if not probe_wanted() or _skip():
             return
         import kernel_probe
 
