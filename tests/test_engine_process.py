@@ -172,22 +172,6 @@ def test_a_child_that_cannot_start_fails_one_task_then_the_rank_runs_them(tables
     assert ask(r, "SELECT count(*) AS n FROM rows") == ({"n": 20},) and r._engine is not None
 
 
-def test_the_pipe_carries_buffers_anywhere_and_refuses_malformed_messages():
-    message = {"id": 1, "args": {"parts": [{"buffers": [b"abc", b""]}], "x": "é"}}
-    count, lengths, *parts = wire.engine_frames(message)
-    assert wire.engine_lengths(count, lengths) == [len(parts[0]), 3, 0]
-    assert wire.engine_message(parts) == message
-    with pytest.raises(wire.WireError):
-        wire.engine_lengths_size(wire.ENGINE_COUNT.pack(0))
-    with pytest.raises(wire.WireError):
-        wire.engine_lengths_size(wire.ENGINE_COUNT.pack(wire.ENGINE_MAX_PARTS + 1))
-    for bad in (b"\xff not json", b"[1, 2]", b'{"a": {"\\u0000buffer": 5}}', b'{"a": {"\\u0000buffer": "0"}}'):
-        with pytest.raises(wire.WireError):
-            wire.engine_message([bad, b"x"])
-    with pytest.raises(ValueError):
-        wire.engine_frames({"nan": float("nan")})
-
-
 def test_a_slow_table_of_the_rank_holds_up_no_other_task(tables):
     tables.table("slow", lambda: time.sleep(2.0) or [{"v": 1}])
     r = runner(tables, 30.0)

@@ -14,8 +14,8 @@ import sys
 import threading
 from typing import Any
 
-from .. import wire
-from .engine_process import failed, recv, send
+from . import engine_pipe
+from .engine_process import failed
 from .sql_tasks import SqlTaskRunner
 
 
@@ -38,12 +38,12 @@ class _NoTables:
 
 def _reply(sock: socket.socket, write: threading.Lock, call_id: Any, result: dict) -> None:
     try:
-        frames = wire.engine_frames({"id": call_id, "result": result})
+        frames = engine_pipe.frames({"id": call_id, "result": result})
     except ValueError as exc:
-        frames = wire.engine_frames({"id": call_id, "result": failed(f"an answer the pipe cannot carry: {exc}")})
+        frames = engine_pipe.frames({"id": call_id, "result": failed(f"an answer the pipe cannot carry: {exc}")})
     with write:
         try:
-            send(sock, frames)
+            engine_pipe.send(sock, frames)
         except OSError:
             pass  # the rank is gone: the main thread sees EOF
 
@@ -54,8 +54,8 @@ def main(argv: list[str]) -> None:
     write = threading.Lock()
     while True:
         try:
-            message = recv(sock)
-        except (OSError, ValueError, wire.WireError):
+            message = engine_pipe.recv(sock)
+        except (OSError, ValueError):  # PipeError is a ValueError
             message = None
         if message is None:
             break

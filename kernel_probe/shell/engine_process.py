@@ -10,8 +10,8 @@ one. What the child cannot see travels with the task: the tables the rank's own 
 A leaf's tasks stay in the leaf (it ships its tables to its broker).
 
 The child talks to nobody else: one socket pair, inherited; it ends when that closes (its rank
-exited, or went idle). Messages are ``wire.engine_frames``: JSON, with Arrow IPC buffers after
-it. This module is the rank's side and the pipe; ``engine_main.py`` the child's.
+exited, or went idle). Messages are ``engine_pipe.frames``: JSON, with Arrow IPC buffers after
+it. This module is the rank's side; ``engine_main.py`` the child's.
 """
 
 from __future__ import annotations
@@ -27,46 +27,10 @@ import threading
 import time
 from typing import Callable
 
-from .. import wire
+from . import engine_pipe
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 30.0  # a child's exit is waited for this long before it is killed
-
-
-def send(sock: socket.socket, frames: list[bytes]) -> None:
-    if sum(map(len, frames)) < 1 << 16:
-        sock.sendall(b"".join(frames))
-    else:  # no copy of the tables
-        for frame in frames:
-            sock.sendall(frame)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        got += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def recv(sock: socket.socket) -> dict | None:
-    """One message, or None at EOF."""
-    count = _recv_exactly(sock, wire.ENGINE_COUNT.size)
-    if count is None:
-        return None
-    lengths = _recv_exactly(sock, wire.engine_lengths_size(count))
-    if lengths is None:
-        return None
-    parts = []
-    for n in wire.engine_lengths(count, lengths):
-        part = _recv_exactly(sock, n) if n else b""
-        if part is None:
-            return None
-        parts.append(part)
-    return wire.engine_message(parts)
 
 
 def failed(message: str) -> dict:
@@ -136,7 +100,7 @@ class RemoteTasks:
                 return
             call_id = next(self._ids)
             try:
-                frames = wire.engine_frames({"id": call_id, "kind": kind, "args": self._prepare(kind, args)})
+                frames = engine_pipe.frames({"id": call_id, "kind": kind, "args": self._prepare(kind, args)})
             except Exception as exc:  # a catalog that failed, or a task the pipe cannot carry
                 done(self._error(exc))
                 continue
@@ -167,7 +131,7 @@ class RemoteTasks:
                     done(failed("the probe is closing"))
                     continue
             try:
-                send(link.sock, frames)
+                engine_pipe.send(link.sock, frames)
             except OSError:
                 with self._lock:
                     lost = link.waiting.pop(call_id, None)
@@ -184,8 +148,8 @@ class RemoteTasks:
                     self._link = None  # idle: the next task starts a new child
                 break
             try:
-                message = recv(link.sock)
-            except (OSError, ValueError, wire.WireError):
+                message = engine_pipe.recv(link.sock)
+            except (OSError, ValueError):  # PipeError is a ValueError
                 message = None
             if message is None:
                 break
