@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import Any
 
+from ..query_tasks import task_from_dict
 from . import engine_pipe
 from .engine_process import failed
 from .sql_tasks import SqlTaskRunner
@@ -59,16 +60,17 @@ def main(argv: list[str]) -> None:
             message = None
         if message is None:
             break
-        kind, args, reply = message.get("kind"), message.get("args"), functools.partial(_reply, sock, write,
-                                                                                        message.get("id"))
-        if not isinstance(kind, str) or not isinstance(args, dict):
-            reply(failed("a malformed task"))
+        reply = functools.partial(_reply, sock, write, message.get("id"))
+        try:
+            task = task_from_dict(message.get("task"))
+        except ValueError as exc:
+            reply(failed(f"a malformed task: {exc}"))
             continue
-        result = runner.quick(kind, args)  # small work at once, as the rank's I/O thread would
+        result = runner.quick(task)  # small work at once, as the rank's I/O thread would
         if result is not None:
             reply(result)
         else:
-            runner.start(kind, args, reply)
+            runner.start(task, reply)
     os._exit(0)  # the rank is gone or idle: no waiting for a task that runs on
 
 

@@ -2,11 +2,12 @@
 
 pyarrow and DuckDB cannot be unloaded from a process: once a rank has planned, merged or run
 one SQL pass, their libraries and allocator caches (~35-60 MB) stay for good. So the root and
-the node brokers hand their SQL tasks (``SqlTaskRunner``'s plan, rank, merge and finish) to a
+the node brokers hand their SQL tasks (``query_tasks``: plans, scans, merges, finishes) to a
 child of the rank (``python -m kernel_probe.shell.engine_main``), which runs them with the very
 same ``SqlTaskRunner`` code: started by the first task, ended once ``idle_sec`` pass without
 one. What the child cannot see travels with the task: the tables the rank's own scans read
-(written without pyarrow where they can be, ``LocalTables.plain``) and its catalog for planning.
+(a ``ShippedScan``, written without pyarrow where they can be, ``LocalTables.plain``) and its
+catalog for planning. A task crosses the pipe as its ``to_dict()``.
 A leaf's tasks stay in the leaf (it ships its tables to its broker).
 
 The child talks to nobody else: one socket pair, inherited; it ends when that closes (its rank
@@ -27,6 +28,7 @@ import threading
 import time
 from typing import Callable
 
+from ..query_tasks import SqlTask
 from . import engine_pipe
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,15 +59,12 @@ class _Link:
 
 
 class RemoteTasks:
-    """``SqlTaskRunner.start`` in a child process (see the module docstring). ``prepare(kind,
-    args)`` adds what the child cannot see; it runs on this object's sender thread, never on
-    the caller's (the probe's I/O thread); ``error(exc)`` is the result of a task it failed.
-    ``done(result)`` is called from the reader thread."""
+    """SQL tasks run in a child process (see the module docstring). ``error(exc)`` is the
+    result of a task it failed to send. ``done(result)`` is called from the reader thread."""
 
-    def __init__(self, prepare: Callable[[str, dict], dict], error: Callable[[BaseException], dict], *,
-                 idle_sec: float, row_cap: int, threads: int = 1, memory_limit: str = "256MB") -> None:
+    def __init__(self, error: Callable[[BaseException], dict], *, idle_sec: float, row_cap: int, threads: int = 1,
+                 memory_limit: str = "256MB") -> None:
         self.idle_sec = idle_sec
-        self._prepare = prepare
         self._error = error
         self._args = [str(threads), memory_limit, str(row_cap)]
         self._lock = threading.Lock()
@@ -83,7 +82,11 @@ class RemoteTasks:
         link = self._link
         return None if link is None else link.proc.pid
 
-    def start(self, kind: str, args: dict, done: Callable[[dict], None]) -> None:
+    def submit(self, task: SqlTask, done: Callable[[dict], None],
+               prepare: Callable[[SqlTask], SqlTask] | None = None) -> None:
+        """Send ``task`` to the child (starting one if none runs). ``prepare(task)`` adds what
+        the child cannot see; it runs on this object's sender thread, never on the caller's
+        (the probe's I/O thread)."""
         with self._lock:
             if self._closed:
                 done(failed("the probe is closing"))
@@ -91,16 +94,18 @@ class RemoteTasks:
             if self._sender is None:
                 self._sender = threading.Thread(target=self._send_tasks, name="kernel-probe-engine-send", daemon=True)
                 self._sender.start()
-        self._queue.put((kind, args, done))
+        self._queue.put((task, done, prepare))
 
     def _send_tasks(self) -> None:
         while True:
-            kind, args, done = self._queue.get()
-            if kind is None:
+            task, done, prepare = self._queue.get()
+            if task is None:
                 return
             call_id = next(self._ids)
             try:
-                frames = engine_pipe.frames({"id": call_id, "kind": kind, "args": self._prepare(kind, args)})
+                if prepare is not None:
+                    task = prepare(task)
+                frames = engine_pipe.frames({"id": call_id, "task": task.to_dict()})
             except Exception as exc:  # a catalog that failed, or a task the pipe cannot carry
                 done(self._error(exc))
                 continue
