@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from .query_tasks import SqlTask
 from .wire import Message
 
 PARENT = None  # the ``to`` of a Send that goes up the parent connection
@@ -53,12 +54,12 @@ class Note:
 
 @dataclass(frozen=True)
 class RunSqlTask:
-    """Run SQL work off the I/O thread; ``kind`` is plan | rank | merge | finish. Its
-    outcome comes back through ``RankCore.on_sql_task_done(task_id, result, now)``."""
+    """Run SQL work (``query_tasks``: plan, a rank's scans, a shipped scan, merge, finish,
+    warm-up) off the I/O thread, unless it is quick. Its outcome comes back through
+    ``RankCore.on_sql_task_done(task_id, result, now)``."""
 
     task_id: str
-    kind: str
-    args: dict
+    task: SqlTask
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .effects import PARENT, Effect, RunSqlTask, Send
+from .query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlTask, Warm
 from .wire import Envelope, Message
 
 MERGE_ABOVE_ROWS = 4096  # below this, concatenating partials is cheaper than reducing them
@@ -167,11 +168,11 @@ class QueryFanOut:
         self._warmed_at: float | None = None
 
     # --- helpers ------------------------------------------------------------------------
-    def _task(self, s: HopQuery, kind: str, args: dict, label: str | None = None) -> RunSqlTask:
+    def _task(self, s: HopQuery, task: SqlTask) -> RunSqlTask:
         self._seq += 1
-        task_id = f"{s.qid}/{kind}/{self._seq}"
-        self._tasks[task_id] = (s.qid, label or kind)
-        return RunSqlTask(task_id, kind, args)
+        task_id = f"{s.qid}/{task.kind}/{self._seq}"
+        self._tasks[task_id] = (s.qid, task.kind)
+        return RunSqlTask(task_id, task)
 
     @property
     def rank(self) -> int:
@@ -194,11 +195,9 @@ class QueryFanOut:
                                                     "or ask this rank alone with --local")
         s.stage = "plan"
         members = [] if local else self.tree.member_rows()
-        args = {
-            "sql": body["sql"], "per_rank": bool(body.get("per_rank")) or local, "ranks": body.get("ranks"),
-            "members": members, "local": local, "self_rank": self.rank, "params": body.get("params"),
-        }
-        return [self._task(s, "plan", args)]
+        task = PlanQuery(sql=body["sql"], per_rank=bool(body.get("per_rank")) or local, ranks=body.get("ranks"),
+                         members=members, local=local, self_rank=self.rank, params=body.get("params"))
+        return [self._task(s, task)]
 
     def _after_plan(self, s: HopQuery, result: dict, now: float) -> list[Effect]:
         s.timing.plan_ms = round((now - s.started) * 1000.0, 3)
@@ -238,9 +237,8 @@ class QueryFanOut:
             if rank == self.rank:
                 s.local = True
                 s.timing.task_started["rank"] = now
-                own.append(self._task(s, "rank", {"plan": s.plan, "params": s.request.get("params"),
-                                                 "deadline": s.gather_by,
-                                                 "ship": s.origin is PARENT and self.tree.ships_to_parent}))
+                own.append(self._task(s, RankScan(s.plan, params=s.request.get("params"), deadline=s.gather_by,
+                                                  ships_to_parent=s.origin is PARENT and self.tree.ships_to_parent)))
                 continue
             hop = hops.get(rank)
             if hop is None:
@@ -269,8 +267,8 @@ class QueryFanOut:
         """Load the query engine here (a no-op once loaded) and pass the word on down."""
         self._warmed_at = now
         self._seq += 1
-        args = {"planner": planner, "engine": not self.tree.ships_to_parent}  # a shipping leaf needs no DuckDB
-        return [RunSqlTask(f"warm/{self._seq}", "warm", args)] + \
+        task = Warm(planner=planner, ships_to_parent=self.tree.ships_to_parent)  # a shipping leaf needs no DuckDB
+        return [RunSqlTask(f"warm/{self._seq}", task)] + \
             [Send(rid, Message("warm", {})) for rid in self.tree.child_ids()]
 
     # --- a parent asks -------------------------------------------------------------------------
@@ -314,9 +312,8 @@ class QueryFanOut:
             tags = ship.get("tags")
             if ranks == [child] and isinstance(tags, dict) and tags.get("_rank") == child:  # a leaf's tables: we scan
                 s.timing.task_started[f"shipped/{child}"] = now
-                task = self._task(s, "rank", {"plan": s.plan, "params": s.request.get("params"),
-                                              "deadline": s.gather_by, "tables": names, "buffers": buffers,
-                                              "tags": tags}, "shipped")
+                task = self._task(s, ShippedScan(s.plan, names, buffers, tags, params=s.request.get("params"),
+                                                 deadline=s.gather_by))
                 s.shipped[task.task_id] = child
                 return [task]
         elif body["status"] == "ok" and len(names) == len(buffers):
@@ -445,14 +442,16 @@ class QueryFanOut:
                                        rows=[r for p in s.parts for r in p[2] or ()],
                                        sizes=[len(p[0]) for p in s.parts], now=now)
         parts = [{"scans": names, "buffers": bufs} for names, bufs, _ in s.parts]
-        common = {"plan": s.plan, "parts": parts, "deadline": s.deadline, "params": s.request.get("params")}
+        params = s.request.get("params")
         s.timing.task_started["merge" if s.origin is PARENT else "finish"] = now
         if s.origin is PARENT:
-            return [self._task(s, "merge", dict(common, reduce_above=self.merge_above_rows))]
+            return [self._task(s, Merge(s.plan, parts, reduce_above=self.merge_above_rows, params=params,
+                                        deadline=s.deadline))]
         # the root's registry, for a plan that reads `nodes` (the worker must not touch ours);
         # only then: over 1024 ranks it is a few ms of every query
         reads_nodes = any(sc.get("where") == "root" for sc in (s.plan or {}).get("scans", ()))
-        return [self._task(s, "finish", dict(common, nodes=self.tree.member_rows() if reads_nodes else []))]
+        return [self._task(s, Finish(s.plan, parts, params=params, deadline=s.deadline,
+                                     nodes=self.tree.member_rows() if reads_nodes else []))]
 
     def _relays(self, s: HopQuery) -> bool:
         """Whether this broker's merge would only concatenate (no scan's partials past the

@@ -38,7 +38,6 @@ import json
 import math
 import re
 import secrets
-import struct
 import time
 import types
 import typing
@@ -754,76 +753,3 @@ def ipc_to_table(data: bytes) -> Any:
     if small and table.num_rows == 0:
         _remember(_EMPTY_TABLES, data, table)
     return table
-
-
-# --- the pipe between a rank and its engine process --------------------------------------------
-# A rank's own child (shell/engine_process.py), over an inherited socket pair: never a peer, so
-# nothing is signed. A message is a JSON object whose byte strings (Arrow IPC) travel after it:
-# the part count (u32), each part's length (u64), the JSON, then the byte strings in order, each
-# one's place in the JSON marked by {ENGINE_BUFFER: index}.
-
-ENGINE_COUNT = struct.Struct("<I")
-ENGINE_BUFFER = "\x00buffer"
-ENGINE_MAX_PARTS = 1 + 65536  # the JSON and the tables of a task (a root's merge of many nodes' partials)
-ENGINE_MAX_PART_BYTES = 1 << 34
-
-
-def engine_frames(message: dict) -> list[bytes]:
-    """``message`` as the byte strings to write, in order, to the engine pipe."""
-    buffers: list[bytes] = []
-
-    def out(value: Any) -> Any:
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            buffers.append(bytes(value) if type(value) is not bytes else value)
-            return {ENGINE_BUFFER: len(buffers) - 1}
-        if isinstance(value, dict):
-            return {k: out(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [out(v) for v in value]
-        return value
-
-    head = _ENCODER.encode(out(message)).encode()
-    if len(buffers) + 1 > ENGINE_MAX_PARTS:
-        raise ValueError(f"{len(buffers)} buffers in one engine message")
-    parts = [head, *buffers]
-    return [ENGINE_COUNT.pack(len(parts)), struct.pack(f"<{len(parts)}Q", *map(len, parts)), *parts]
-
-
-def engine_lengths_size(count: bytes) -> int:
-    """How many bytes of part lengths follow ``count`` (the message's first bytes)."""
-    (n,) = ENGINE_COUNT.unpack(count)
-    if not 1 <= n <= ENGINE_MAX_PARTS:
-        raise WireError("malformed", f"an engine message of {n} parts")
-    return 8 * n
-
-
-def engine_lengths(count: bytes, lengths: bytes) -> list[int]:
-    sizes = list(struct.unpack(f"<{ENGINE_COUNT.unpack(count)[0]}Q", lengths))
-    if any(size > ENGINE_MAX_PART_BYTES for size in sizes):
-        raise WireError("oversized", "an engine message part over 16 GiB")
-    return sizes
-
-
-def engine_message(parts: list[bytes]) -> dict:
-    """The message of one message's parts, its byte strings back in place."""
-    buffers = parts[1:]
-
-    def back(value: Any) -> Any:
-        if isinstance(value, dict):
-            if ENGINE_BUFFER in value:
-                index = value[ENGINE_BUFFER]
-                if len(value) != 1 or type(index) is not int or not 0 <= index < len(buffers):
-                    raise WireError("malformed", f"an engine message buffer reference {value!r:.80}")
-                return buffers[index]
-            return {k: back(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [back(v) for v in value]
-        return value
-
-    try:
-        message = _loads(parts[0])
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise WireError("malformed", f"an engine message: {exc}") from None
-    if not isinstance(message, dict):
-        raise WireError("malformed", "an engine message is not an object")
-    return back(message)

@@ -121,26 +121,25 @@ def test_tables_only_pyarrow_can_make_are_not_plain(recorded):
 
 
 def test_a_leaf_ships_plain_tables_its_broker_scans_alike(recorded):
-    from kernel_probe.shell.sql_tasks import SqlTaskRunner
+    from kernel_probe.query_tasks import RankScan, ShippedScan
+    from kernel_probe.shell.sql_tasks import SqlTaskRunner, TaskOptions
     from kernel_probe.sql.planner import plan
 
     tags = {"_rank": 3, "_node": 1, "_host": "h", "_local_rank": 1, "_role": "trainer"}
-    leaf = SqlTaskRunner(recorded, lambda: tags, row_cap=100_000)
-    leaf.ship_plain = True
+    leaf = SqlTaskRunner(recorded, lambda: tags, row_cap=100_000, options=TaskOptions(ship_plain=True))
     broker = SqlTaskRunner(recorded, lambda: dict(tags, _rank=2, _local_rank=0), row_cap=100_000)
     for sql in ("SELECT count(*) AS n, avg(loss) AS l FROM steps", "SELECT stddev(a) AS s FROM rows",
                 "SELECT v, count(*) AS n FROM cols GROUP BY v", "SELECT name FROM env WHERE name LIKE 'P%'",
                 "SELECT count(*) AS n FROM stacks WHERE is_main"):
         p = plan(sql, catalog=recorded.columns()).to_dict()
-        shipped = leaf.run("rank", {"plan": p, "ship": True})
-        assert shipped["ship"] == {"tags": tags} and leaf._engine is None, sql
-        by_broker = broker.run("rank", {"plan": p, "tables": shipped["scans"], "buffers": shipped["buffers"],
-                                        "tags": shipped["ship"]["tags"]})
-        own = SqlTaskRunner(recorded, lambda: tags, row_cap=100_000).run("rank", {"plan": p})
+        shipped = leaf.run(RankScan(p, ships_to_parent=True))
+        assert shipped["ship"] == {"tags": tags} and not leaf.work.duckdb_opened, sql
+        by_broker = broker.run(ShippedScan(p, shipped["scans"], shipped["buffers"], shipped["ship"]["tags"]))
+        own = SqlTaskRunner(recorded, lambda: tags, row_cap=100_000).run(RankScan(p))
         for got, want in zip(wire.ipc_to_table(by_broker["buffers"][0]), wire.ipc_to_table(own["buffers"][0])):
             assert _same(got.to_pylist(), want.to_pylist()), sql
     # the stacks are shipped at once, by the I/O thread; a recorded ring is left to a worker
     stacks = plan("SELECT count(*) AS n FROM stacks", catalog=recorded.columns()).to_dict()
-    assert "ship" in leaf.quick("rank", {"plan": stacks, "ship": True})
+    assert "ship" in leaf.quick(RankScan(stacks, ships_to_parent=True))
     steps = plan("SELECT count(*) AS n FROM steps", catalog=recorded.columns()).to_dict()
-    assert leaf.quick("rank", {"plan": steps, "ship": True}) is None
+    assert leaf.quick(RankScan(steps, ships_to_parent=True)) is None

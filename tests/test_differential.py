@@ -471,8 +471,8 @@ def test_leaves_open_no_duckdb_their_brokers_scan_the_tables_they_ship(reducing:
         reducing.check(gq)
     ranks = reducing.sim.sim.ranks
     assert [v.rank for v in ranks if v.core.tier == "leaf"] == [1, 3, 5]
-    assert all((v.sql._engine is None) == (v.core.tier == "leaf") for v in ranks), \
-        {v.rank: (v.core.tier, v.sql._engine is not None) for v in ranks}
+    assert all((not v.sql.work.duckdb_opened) == (v.core.tier == "leaf") for v in ranks), \
+        {v.rank: (v.core.tier, v.sql.work.duckdb_opened) for v in ranks}
 
 
 def _plain_typed(ranks: list[VRank]) -> list[VRank]:
@@ -497,8 +497,8 @@ def test_leaves_without_pyarrow_ship_plain_tables_their_brokers_scan_alike(engin
     ranks = job.sim.sim.ranks
     leaves = [v for v in ranks if v.core.tier == "leaf"]
     # every leaf answered through its broker, from tables written without pyarrow, with no engine
-    assert all(v.sql.tables.plain_served > len(queries) // 2 and v.sql._engine is None for v in leaves), \
-        {v.rank: (v.sql.tables.plain_served, v.sql._engine) for v in leaves}
+    assert all(v.sql.tables.plain_served > len(queries) // 2 and not v.sql.work.duckdb_opened for v in leaves), \
+        {v.rank: (v.sql.tables.plain_served, v.sql.work.duckdb_opened) for v in leaves}
     assert all(v.sql.tables.plain_served == 0 for v in ranks if v.core.tier != "leaf")
     coverage, _ = job.sim.query("SELECT count(*) AS n FROM t")
     assert coverage["profile"]["scan"]["scanned_by"] == {"1": 0, "3": 2, "5": 4}, coverage["profile"]

@@ -17,6 +17,7 @@ import pytest
 
 from kernel_probe import wire
 from kernel_probe.config import load_settings
+from kernel_probe.query_tasks import Finish, PlanQuery, RankScan, SqlTask
 from kernel_probe.shell import engine_process
 from kernel_probe.shell.sql_tasks import SqlTaskRunner
 from kernel_probe.tables import LocalTables
@@ -52,24 +53,24 @@ def runner(tables, idle_sec: float) -> SqlTaskRunner:
     return SqlTaskRunner(tables, lambda: dict(TAGS), row_cap=100_000, engine_idle_sec=idle_sec)
 
 
-def run(r: SqlTaskRunner, kind: str, args: dict) -> dict:
+def run(r: SqlTaskRunner, task: SqlTask) -> dict:
     got: list[dict] = []
     done = threading.Event()
-    r.start(kind, args, lambda result: (got.append(result), done.set()))
-    assert done.wait(60), (kind, args)
+    r.start(task, lambda result: (got.append(result), done.set()))
+    assert done.wait(60), task
     result = dict(got[0])
     result.pop("ms", None)
     return result
 
 
 def ask(r: SqlTaskRunner, sql: str, deadline: float = 5.0) -> tuple:
-    planned = run(r, "plan", {"sql": sql, "per_rank": False, "local": True, "self_rank": 0, "members": []})
+    planned = run(r, PlanQuery(sql, local=True))
     if "error" in planned:
         return ("plan", planned["error"]["code"], planned["error"]["line"], planned["error"]["col"])
-    scanned = run(r, "rank", {"plan": planned["plan"], "deadline": time.time() + deadline})
+    scanned = run(r, RankScan(planned["plan"], deadline=time.time() + deadline))
     if "error" in scanned:
         return ("rank", scanned["error"]["code"])
-    finished = run(r, "finish", {"plan": planned["plan"], "parts": [scanned], "deadline": time.time() + deadline})
+    finished = run(r, Finish(planned["plan"], [scanned], deadline=time.time() + deadline))
     if "error" in finished:
         return ("finish", finished["error"]["code"])
     return tuple(wire.ipc_to_table(finished["buffers"][0]).to_pylist())
@@ -81,8 +82,9 @@ def test_answers_and_errors_equal_the_tasks_run_in_the_rank(tables):
         for sql in SQL + ["SELECT sum(v) AS s FROM frame"]:
             assert ask(remote, sql, deadline=1.0) == ask(here, sql, deadline=1.0), sql
         assert ask(remote, SQL[-1], deadline=1.0)[1] == "timeout"  # interrupted at its deadline, in the child
-        assert remote._tasks.started == 1 and here._tasks is None and remote._engine is None
-        assert engine_processes(os.getpid()) == [remote._tasks.pid]
+        assert remote.engine_process.remote.started == 1 and here.engine_process.remote is None
+        assert not remote.work.duckdb_opened
+        assert engine_processes(os.getpid()) == [remote.engine_process.remote.pid]
     finally:
         remote.close()
 
@@ -103,18 +105,18 @@ def test_concurrent_tasks_each_get_their_own_answer(tables):
     for t in threads:
         t.join()
     r.close()
-    assert wrong == [] and r._tasks.started == 1
+    assert wrong == [] and r.engine_process.remote.started == 1
 
 
 def test_the_child_ends_after_idle_sec_and_the_next_task_starts_another(tables):
     r = runner(tables, 0.5)
     try:
         assert ask(r, "SELECT count(*) AS n FROM rows") == ({"n": 20},)
-        pid = r._tasks.pid
+        pid = r.engine_process.remote.pid
         assert pid in engine_processes(os.getpid())
-        wait_for(lambda: r._tasks.pid is None and not Path(f"/proc/{pid}").exists(), 10,
+        wait_for(lambda: r.engine_process.remote.pid is None and not Path(f"/proc/{pid}").exists(), 10,
                  what="the idle child to end and be reaped")
-        assert ask(r, "SELECT count(*) AS n FROM rows") == ({"n": 20},) and r._tasks.started == 2
+        assert ask(r, "SELECT count(*) AS n FROM rows") == ({"n": 20},) and r.engine_process.remote.started == 2
     finally:
         r.close()
 
@@ -124,7 +126,7 @@ def test_a_long_task_keeps_its_child_past_idle_sec(tables):
     try:
         assert ask(r, "SELECT count(*) AS n FROM range(40000000) a WHERE a.range % 7 = 0", deadline=60) == \
             ({"n": 5714286},)
-        assert r._tasks.started == 1
+        assert r.engine_process.remote.started == 1
     finally:
         r.close()
 
@@ -132,10 +134,10 @@ def test_a_long_task_keeps_its_child_past_idle_sec(tables):
 def test_closing_ends_the_child_and_fails_later_tasks(tables):
     r = runner(tables, 30.0)
     ask(r, "SELECT 1 AS one")
-    pid = r._tasks.pid
+    pid = r.engine_process.remote.pid
     r.close()
     wait_for(lambda: not Path(f"/proc/{pid}").exists(), 10, what="the closed runner's child to end")
-    assert run(r, "plan", {"sql": "SELECT 1", "per_rank": False, "local": True, "self_rank": 0, "members": []}) == \
+    assert run(r, PlanQuery("SELECT 1", local=True)) == \
         {"error": {"code": "error", "message": "the probe is closing", "line": None, "col": None}}
 
 
@@ -143,12 +145,13 @@ def test_the_child_ends_with_its_rank_even_killed(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent("""
         import threading, time
+        from kernel_probe.query_tasks import Warm
         from kernel_probe.shell.sql_tasks import SqlTaskRunner
         r = SqlTaskRunner(None, dict, row_cap=10, engine_idle_sec=60.0)
         done = threading.Event()
-        r.start("warm", {"engine": True}, lambda result: done.set())
+        r.start(Warm(), lambda result: done.set())
         done.wait(60)
-        print(r._tasks.pid, flush=True)
+        print(r.engine_process.remote.pid, flush=True)
         time.sleep(60)
     """))
     rank = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
@@ -167,25 +170,9 @@ def test_a_child_that_cannot_start_fails_one_task_then_the_rank_runs_them(tables
     start = engine_process._Link.__init__
     monkeypatch.setattr(engine_process._Link, "__init__", lambda self, args: start(self, ["not-a-number", "1MB", "1"]))
     r = runner(tables, 30.0)
-    failed = run(r, "plan", {"sql": "SELECT 1 AS x", "per_rank": False, "local": True, "self_rank": 0, "members": []})
+    failed = run(r, PlanQuery("SELECT 1 AS x", local=True))
     assert "exited with code 1 before its first answer" in failed["error"]["message"]
-    assert ask(r, "SELECT count(*) AS n FROM rows") == ({"n": 20},) and r._engine is not None
-
-
-def test_the_pipe_carries_buffers_anywhere_and_refuses_malformed_messages():
-    message = {"id": 1, "args": {"parts": [{"buffers": [b"abc", b""]}], "x": "é"}}
-    count, lengths, *parts = wire.engine_frames(message)
-    assert wire.engine_lengths(count, lengths) == [len(parts[0]), 3, 0]
-    assert wire.engine_message(parts) == message
-    with pytest.raises(wire.WireError):
-        wire.engine_lengths_size(wire.ENGINE_COUNT.pack(0))
-    with pytest.raises(wire.WireError):
-        wire.engine_lengths_size(wire.ENGINE_COUNT.pack(wire.ENGINE_MAX_PARTS + 1))
-    for bad in (b"\xff not json", b"[1, 2]", b'{"a": {"\\u0000buffer": 5}}', b'{"a": {"\\u0000buffer": "0"}}'):
-        with pytest.raises(wire.WireError):
-            wire.engine_message([bad, b"x"])
-    with pytest.raises(ValueError):
-        wire.engine_frames({"nan": float("nan")})
+    assert ask(r, "SELECT count(*) AS n FROM rows") == ({"n": 20},) and r.work.duckdb_opened
 
 
 def test_a_slow_table_of_the_rank_holds_up_no_other_task(tables):
@@ -193,10 +180,9 @@ def test_a_slow_table_of_the_rank_holds_up_no_other_task(tables):
     r = runner(tables, 30.0)
     try:
         ask(r, "SELECT 1 AS warm")
-        planned = run(r, "plan", {"sql": "SELECT sum(v) AS s FROM slow", "per_rank": False, "local": True,
-                                  "self_rank": 0, "members": []})
+        planned = run(r, PlanQuery("SELECT sum(v) AS s FROM slow", local=True))
         slow_done = threading.Event()
-        r.start("rank", {"plan": planned["plan"], "deadline": time.time() + 10}, lambda result: slow_done.set())
+        r.start(RankScan(planned["plan"], deadline=time.time() + 10), lambda result: slow_done.set())
         started = time.monotonic()
         assert ask(r, "SELECT count(*) AS n FROM rows") == ({"n": 20},)
         assert time.monotonic() - started < 1.5 and not slow_done.is_set()
@@ -212,15 +198,15 @@ def test_a_rank_with_pyarrow_learns_plans_and_shapes_then_finishes_at_once(table
     r = runner(tables, 30.0)
     try:
         sql = "SELECT count(*) AS n, max(k) AS m FROM rows"
-        plan_args = {"sql": sql, "per_rank": False, "local": True, "self_rank": 0, "members": []}
-        assert r.quick("plan", plan_args) is None  # never planned: the engine process plans it
-        planned = run(r, "plan", plan_args)
-        assert r.quick("plan", plan_args)["plan"] == planned["plan"]
-        scanned = run(r, "rank", {"plan": planned["plan"], "deadline": time.time() + 5})
-        finish_args = {"plan": planned["plan"], "parts": [scanned], "deadline": time.time() + 5}
-        assert r.quick("finish", finish_args) is None  # its shape is not known here yet
-        remote = run(r, "finish", finish_args)
-        here = r.quick("finish", finish_args)
+        plan_args = PlanQuery(sql, local=True)
+        assert r.quick(plan_args) is None  # never planned: the engine process plans it
+        planned = run(r, plan_args)
+        assert r.quick(plan_args)["plan"] == planned["plan"]
+        scanned = run(r, RankScan(planned["plan"], deadline=time.time() + 5))
+        finish_args = Finish(planned["plan"], [scanned], deadline=time.time() + 5)
+        assert r.quick(finish_args) is None  # its shape is not known here yet
+        remote = run(r, finish_args)
+        here = r.quick(finish_args)
         assert here is not None and wire.ipc_to_table(here["buffers"][0]).equals(
             wire.ipc_to_table(remote["buffers"][0])) and "shape" not in here
         assert wire.ipc_to_table(remote["buffers"][0]).to_pylist() == [{"n": 20, "m": 2}]

@@ -36,6 +36,7 @@ def test_a_malformed_child_profile_costs_only_its_details() -> None:
 # --- a broker relays small partials instead of merging them (issue 9, point 1) ---------------
 
 from kernel_probe.effects import PARENT, RunSqlTask, Send  # noqa: E402
+from kernel_probe.query_tasks import Finish, Merge, RankScan  # noqa: E402
 from kernel_probe.query_fanout import QueryFanOut  # noqa: E402
 from kernel_probe.wire import Envelope, Header, Message  # noqa: E402
 
@@ -70,7 +71,7 @@ def _broker_answer(child_body: dict, own_rows: list[int], above: int | None = 40
     fan.merge_above_rows = above
     effects = fan.on_subquery(_env("subquery", {"qid": "q1", "plan": PLAN, "deadline": 10.0, "ranks": [2, 3]}), 0.0)
     (own,) = [e for e in effects if isinstance(e, RunSqlTask)]
-    assert own.kind == "rank"
+    assert isinstance(own.task, RankScan)
     assert fan.on_sql_task_done(own.task_id, {"scans": ["s0"], "buffers": [b"own"], "rows": own_rows}, 0.001) == []
     body = {"qid": "q1", "status": "ok", "answered": [3], "failed": {}, "scans": ["s0"], **child_body}
     return fan.on_subresult(b"r3", _env("subresult", body, (b"child",)), 0.002)
@@ -91,7 +92,7 @@ def test_a_broker_merges_past_the_threshold_or_when_rows_are_unknown() -> None:
                               ({}, [1], 4096),  # a child that does not say its rows
                               ({"rows": [1]}, [1], 0)):  # brokers told to reduce everything
         (task,) = _broker_answer(child, own, above)
-        assert isinstance(task, RunSqlTask) and task.kind == "merge" and len(task.args["parts"]) == 2
+        assert isinstance(task, RunSqlTask) and isinstance(task.task, Merge) and len(task.task.parts) == 2
 
 
 def test_the_parent_takes_a_relayed_answer_as_its_parts() -> None:
@@ -112,9 +113,9 @@ def test_the_parent_takes_a_relayed_answer_as_its_parts() -> None:
     (down,) = fan.on_sql_task_done(plan.task_id, {"plan": PLAN, "targets": [2, 3]}, 0.001)
     relayed = dict(send.msg.body, qid=down.msg.body["qid"])
     (finish,) = fan.on_subresult(b"r2", _env("subresult", relayed, send.msg.buffers), 0.003)
-    assert finish.kind == "finish"
-    assert sorted(b for p in finish.args["parts"] for b in p["buffers"]) == [b"child", b"own"]
-    assert all(p["scans"] == ["s0"] for p in finish.args["parts"]) and len(finish.args["parts"]) == 2
+    assert isinstance(finish.task, Finish)
+    assert sorted(b for p in finish.task.parts for b in p["buffers"]) == [b"child", b"own"]
+    assert all(p["scans"] == ["s0"] for p in finish.task.parts) and len(finish.task.parts) == 2
 
 
 def test_a_relaying_simulated_job_answers_and_profiles_exactly() -> None:

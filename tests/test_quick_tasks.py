@@ -12,7 +12,9 @@ import pytest
 
 from kernel_probe import wire
 from kernel_probe.config import Settings
-from kernel_probe.shell.sql_tasks import QUICK_MAX_ROWS, SqlTaskRunner
+from kernel_probe.query_tasks import Finish, PlanQuery, RankScan
+from kernel_probe.shell.sql_tasks import SqlTaskRunner
+from kernel_probe.shell.sql_tasks.routing import QUICK_MAX_ROWS
 from kernel_probe.tables.catalog import LocalTables
 
 TAGS = {"_rank": 3, "_node": 1, "_host": "h1", "_local_rank": 1, "_role": "trainer"}
@@ -29,8 +31,7 @@ def _runner() -> SqlTaskRunner:
 
 def _plan(runner: SqlTaskRunner, sql: str) -> dict:
     members = [{"rank": 3, "node": 1, "host": "h1", "local_rank": 1, "role": "trainer", "state": "alive"}]
-    out = runner.run("plan", {"sql": sql, "per_rank": False, "ranks": None, "members": members, "local": False,
-                              "self_rank": 3, "params": None})
+    out = runner.run(PlanQuery(sql, members=members, self_rank=3))
     assert "error" not in out, out
     return {k: v for k, v in out["plan"].items() if k != "explain"}
 
@@ -39,9 +40,9 @@ def _tables(result: dict) -> dict:
     return {n: (None if b == b"" else wire.ipc_to_table(b)) for n, b in zip(result["scans"], result["buffers"])}
 
 
-def _finish_args(plan: dict, rank_results: list[dict]) -> dict:
+def _finish_args(plan: dict, rank_results: list[dict]) -> Finish:
     parts = [{"scans": r["scans"], "buffers": r["buffers"]} for r in rank_results]
-    return {"plan": plan, "parts": parts, "deadline": None, "params": None, "nodes": []}
+    return Finish(plan, parts)
 
 
 @pytest.mark.parametrize("sql", [
@@ -53,19 +54,19 @@ def _finish_args(plan: dict, rank_results: list[dict]) -> dict:
 def test_a_quick_task_gives_what_the_worker_gives_without_duckdb(sql: str) -> None:
     quick_runner, worker_runner = _runner(), _runner()
     plan = _plan(worker_runner, sql)
-    args = {"plan": plan, "params": None, "deadline": None}
-    quick = quick_runner.quick("rank", args)
+    args = RankScan(plan)
+    quick = quick_runner.quick(args)
     assert quick is not None, "an Arrow-only scan of an Arrow table is quick"
-    worker = worker_runner.run("rank", args)
+    worker = worker_runner.run(args)
     assert quick["scans"] == worker["scans"]
     if "stacks" not in sql:  # the stacks are read at two moments: their rows may differ
         assert quick["rows"] == worker["rows"] and _tables(quick) == _tables(worker)
-    assert quick_runner._engine is None, "a quick task never opens DuckDB"
+    assert not quick_runner.work.duckdb_opened, "a quick task never opens DuckDB"
     finish = _finish_args(plan, [quick, quick])
     if plan.get("shape"):  # the answer's types are bound once per statement, in DuckDB: a worker
-        assert quick_runner.quick("finish", finish) is None
-    expected = quick_runner.run("finish", finish)
-    done = quick_runner.quick("finish", finish)  # then the root finishes it at once
+        assert quick_runner.quick(finish) is None
+    expected = quick_runner.run(finish)
+    done = quick_runner.quick(finish)  # then the root finishes it at once
     if plan.get("final_union") or plan.get("final_arrow") is not None:
         assert done is not None and "error" not in done, done
         assert wire.ipc_to_table(done["buffers"][0]) == wire.ipc_to_table(expected["buffers"][0])
@@ -82,66 +83,65 @@ def test_a_quick_task_gives_what_the_worker_gives_without_duckdb(sql: str) -> No
 def test_what_is_not_quick_goes_to_a_worker(sql: str, why: str) -> None:
     runner = _runner()
     plan = _plan(runner, sql)
-    assert runner.quick("rank", {"plan": plan, "params": None, "deadline": None}) is None, why
-    assert "error" not in runner.run("rank", {"plan": plan, "params": None, "deadline": None})
+    assert runner.quick(RankScan(plan)) is None, why
+    assert "error" not in runner.run(RankScan(plan))
 
 
 def test_a_finish_that_needs_duckdb_or_much_data_is_not_quick() -> None:
     runner = _runner()
     plan = _plan(runner, "SELECT g, count(*) AS n FROM t GROUP BY g HAVING count(*) > 100 ORDER BY n DESC")
-    part = runner.run("rank", {"plan": plan, "params": None, "deadline": None})
+    part = runner.run(RankScan(plan))
     if plan.get("final_arrow") is None and not plan.get("final_union"):
-        assert runner.quick("finish", _finish_args(plan, [part])) is None
+        assert runner.quick(_finish_args(plan, [part])) is None
     count = _plan(runner, "SELECT count(*) AS n FROM t")
-    part = runner.run("rank", {"plan": count, "params": None, "deadline": None})
+    part = runner.run(RankScan(count))
     huge = dict(part, buffers=[b + bytes(5 << 20) if b else b for b in part["buffers"]])
-    assert runner.quick("finish", _finish_args(count, [huge])) is None  # too many bytes: not even decoded
+    assert runner.quick(_finish_args(count, [huge])) is None  # too many bytes: not even decoded
 
 
-def _plan_args(sql: str) -> dict:
+def _plan_args(sql: str) -> PlanQuery:
     members = [{"rank": r, "node": r // 2, "host": f"h{r // 2}", "local_rank": r % 2, "role": "", "state": "alive"}
                for r in range(4)]
-    return {"sql": sql, "per_rank": False, "ranks": None, "members": members, "local": False, "self_rank": 0,
-            "params": None}
+    return PlanQuery(sql, members=members)
 
 
 def test_a_plan_is_quick_once_made_for_the_same_columns_unless_it_prunes_in_duckdb() -> None:
     runner = _runner()
     count = _plan_args("SELECT count(*) AS n FROM t")
-    assert runner.quick("plan", count) is None  # sqlglot never runs on the I/O thread
-    made = runner.run("plan", count)
-    again = runner.quick("plan", count)
+    assert runner.quick(count) is None  # sqlglot never runs on the I/O thread
+    made = runner.run(count)
+    again = runner.quick(count)
     assert again is not None and {k: v for k, v in again.items() if k != "ms"} == \
         {k: v for k, v in made.items() if k != "ms"}
     runner.tables.table("t", pa.table({"id": [1], "other": [2]}))  # new columns: plan again
-    assert runner.quick("plan", count) is None
+    assert runner.quick(count) is None
     pruned = _plan_args("SELECT count(*) AS n FROM t WHERE _rank = 1")
-    runner.run("plan", pruned)
-    assert runner.quick("plan", pruned) is None  # the tag filter runs in DuckDB
+    runner.run(pruned)
+    assert runner.quick(pruned) is None  # the tag filter runs in DuckDB
     runner.tables.table("frame", [{"a": 1}, {"a": 2}])
-    runner.run("plan", count)
-    assert runner.quick("plan", count) is not None  # rows of dicts tell their columns unconverted
+    runner.run(count)
+    assert runner.quick(count) is not None  # rows of dicts tell their columns unconverted
     import pandas as pd
     runner.tables.table("frame", pd.DataFrame({"a": [1, 2]}))
-    runner.run("plan", count)
-    assert runner.quick("plan", count) is None  # a DataFrame is converted to tell its columns
+    runner.run(count)
+    assert runner.quick(count) is None  # a DataFrame is converted to tell its columns
 
 
 def test_an_error_in_a_quick_task_is_the_task_s_error() -> None:
     runner = _runner()
     plan = _plan(runner, "SELECT count(*) AS n FROM t")
     parts = _finish_args(plan, [{"scans": ["nope"], "buffers": [b""]}])
-    out = runner.quick("finish", parts)
-    assert out is not None and out["error"]["message"] == runner.run("finish", parts)["error"]["message"]
+    out = runner.quick(parts)
+    assert out is not None and out["error"]["message"] == runner.run(parts)["error"]["message"]
 
 
 def test_a_plan_that_comes_again_is_read_once_and_a_changed_one_anew() -> None:
     runner = _runner()
     plan = _plan(runner, "SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g")
-    first = runner._plan_of({"plan": plan})
-    assert runner._plan_of({"plan": dict(plan)}) is first  # equal, as it arrives again from the wire
+    first = runner.work.plan_of(plan)
+    assert runner.work.plan_of(dict(plan)) is first  # equal, as it arrives again from the wire
     limited = dict(plan, final=plan["final"] + " LIMIT 2")
-    assert runner._plan_of({"plan": limited}).final.endswith("LIMIT 2")
+    assert runner.work.plan_of(limited).final.endswith("LIMIT 2")
     moved = dict(plan, mode="ship-rows")  # the same final SQL, another plan: never the one read before
-    assert runner._plan_of({"plan": moved}).mode == "ship-rows"
-    assert runner._plan_of({"plan": plan}).mode == "partial-aggregate"
+    assert runner.work.plan_of(moved).mode == "ship-rows"
+    assert runner.work.plan_of(plan).mode == "partial-aggregate"

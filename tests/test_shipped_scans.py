@@ -14,8 +14,8 @@ from kernel_probe import wire
 from kernel_probe.config import Settings
 from kernel_probe.effects import PARENT, RunSqlTask, Send
 from kernel_probe.query_fanout import QueryFanOut
-from kernel_probe.shell import sql_tasks
-from kernel_probe.shell.sql_tasks import NONE, SqlTaskRunner
+from kernel_probe.query_tasks import PlanQuery, RankScan, ShippedScan, Warm
+from kernel_probe.shell.sql_tasks import NONE, SqlTaskRunner, TaskOptions, executors
 from kernel_probe.tables.catalog import LocalTables
 from kernel_probe.wire import Envelope, Header, Message
 
@@ -23,7 +23,8 @@ LEAF_TAGS = {"_rank": 3, "_node": 1, "_host": "h1", "_local_rank": 1, "_role": "
 BROKER_TAGS = {"_rank": 2, "_node": 1, "_host": "h1", "_local_rank": 0, "_role": "trainer"}
 
 
-def _runner(tags: dict, calls: list | None = None, with_u: bool = True) -> SqlTaskRunner:
+def _runner(tags: dict, calls: list | None = None, with_u: bool = True,
+            options: TaskOptions = TaskOptions()) -> SqlTaskRunner:
     tables = LocalTables(dataclasses.replace(Settings()))
     tables.table("t", pa.table({"id": list(range(1000)), "g": [i % 7 for i in range(1000)],
                                 "x": [i * 0.5 for i in range(1000)], "s": [f"s{i % 3}" for i in range(1000)]}))
@@ -31,14 +32,13 @@ def _runner(tags: dict, calls: list | None = None, with_u: bool = True) -> SqlTa
         tables.table("u", pa.table({"id": [1, 5, 9], "w": ["a", "b", "c"]}))
     if calls is not None:
         tables.table("called", lambda: calls.append(1) or pa.table({"id": [1, 2, 3]}))
-    return SqlTaskRunner(tables, lambda: tags, row_cap=100_000)
+    return SqlTaskRunner(tables, lambda: tags, row_cap=100_000, options=options)
 
 
 def _plan(runner: SqlTaskRunner, sql: str, per_rank: bool = False) -> dict:
     members = [{"rank": r, "node": 1, "host": "h1", "local_rank": r - 2, "role": "trainer", "state": "alive"}
                for r in (2, 3)]
-    out = runner.run("plan", {"sql": sql, "per_rank": per_rank, "ranks": None, "members": members, "local": False,
-                              "self_rank": 2, "params": None})
+    out = runner.run(PlanQuery(sql, per_rank=per_rank, members=members, self_rank=2))
     assert "error" not in out, out
     return {k: v for k, v in out["plan"].items() if k != "explain"}
 
@@ -59,40 +59,38 @@ NEEDS_DUCKDB = [
 def test_a_leaf_ships_what_needs_duckdb_and_its_parent_s_scan_is_the_leaf_s_own(sql: str, per_rank: bool) -> None:
     leaf, broker, alone = _runner(LEAF_TAGS), _runner(BROKER_TAGS, with_u=False), _runner(LEAF_TAGS)
     plan = _plan(alone, sql, per_rank)
-    args = {"plan": plan, "params": None, "deadline": None}
-    shipped = leaf.run("rank", dict(args, ship=True))
+    shipped = leaf.run(RankScan(plan, ships_to_parent=True))
     assert "error" not in shipped, shipped
     assert shipped["ship"] == {"tags": LEAF_TAGS}
-    assert leaf._engine is None, "a leaf that ships never opens DuckDB"
+    assert not leaf.work.duckdb_opened, "a leaf that ships never opens DuckDB"
     read = {t for sc in plan["scans"] if sc["where"] == "ranks" for t in sc["tables"]}
     assert set(shipped["scans"]) == read
     assert all(t is not None and "_rank" not in t.column_names for t in _tables(shipped).values())  # untagged
     # the broker has no `u` of its own: it scans the leaf's, under the leaf's tags
-    scanned = broker.run("rank", dict(args, tables=shipped["scans"], buffers=shipped["buffers"], tags=LEAF_TAGS))
-    own = alone.run("rank", args)
+    scan = ShippedScan(plan, shipped["scans"], shipped["buffers"], LEAF_TAGS)
+    scanned = broker.run(scan)
+    own = alone.run(RankScan(plan))
     assert "error" not in scanned and "ship" not in scanned
     assert scanned["scans"] == own["scans"] and scanned["rows"] == own["rows"]
     assert _tables(scanned) == _tables(own)
-    assert broker.quick("rank", dict(args, tables=shipped["scans"], buffers=shipped["buffers"], tags=LEAF_TAGS)) is None
+    assert broker.quick(scan) is None
 
 
 def test_what_arrow_answers_a_leaf_answers_itself() -> None:
     leaf = _runner(LEAF_TAGS)
     plan = _plan(_runner(BROKER_TAGS), "SELECT g, count(*) AS n, sum(x) AS sx FROM t GROUP BY g ORDER BY g")
-    out = leaf.run("rank", {"plan": plan, "params": None, "deadline": None, "ship": True})
-    assert "ship" not in out and "error" not in out and leaf._engine is None
-    assert _tables(out) == _tables(_runner(LEAF_TAGS).run("rank", {"plan": plan, "params": None, "deadline": None}))
+    out = leaf.run(RankScan(plan, ships_to_parent=True))
+    assert "ship" not in out and "error" not in out and not leaf.work.duckdb_opened
+    assert _tables(out) == _tables(_runner(LEAF_TAGS).run(RankScan(plan)))
 
 
-def test_past_ship_max_bytes_a_leaf_runs_its_sql_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_past_ship_max_bytes_a_leaf_runs_its_sql_itself() -> None:
     sql = NEEDS_DUCKDB[0][0]
-    leaf = _runner(LEAF_TAGS)
+    leaf = _runner(LEAF_TAGS, options=TaskOptions(ship_max_bytes=1000))  # `t` is ~30 KB as Arrow
     plan = _plan(leaf, sql)
-    args = {"plan": plan, "params": None, "deadline": None}
-    monkeypatch.setattr(sql_tasks, "SHIP_MAX_BYTES", 1000)  # `t` is ~30 KB as Arrow
-    out = leaf.run("rank", dict(args, ship=True))
-    assert "ship" not in out and "error" not in out and leaf._engine is not None
-    assert _tables(out) == _tables(_runner(LEAF_TAGS).run("rank", args))
+    out = leaf.run(RankScan(plan, ships_to_parent=True))
+    assert "ship" not in out and "error" not in out and leaf.work.duckdb_opened
+    assert _tables(out) == _tables(_runner(LEAF_TAGS).run(RankScan(plan)))
 
 
 def test_a_table_the_leaf_lacks_travels_as_none_and_a_user_table_is_read_once() -> None:
@@ -100,11 +98,10 @@ def test_a_table_the_leaf_lacks_travels_as_none_and_a_user_table_is_read_once() 
     leaf = _runner(LEAF_TAGS, calls, with_u=False)
     planner = _runner(LEAF_TAGS, [])
     plan = _plan(planner, "SELECT c.id, u.w FROM called c JOIN u ON c.id = u.id WHERE CAST(c.id AS VARCHAR) LIKE '1%'")
-    out = leaf.run("rank", {"plan": plan, "params": None, "deadline": None, "ship": True})
+    out = leaf.run(RankScan(plan, ships_to_parent=True))
     assert calls == [1], "the user's callable ran once, though the leaf looked at it twice"
     assert _tables(out) == {"called": pa.table({"id": [1, 2, 3]}), "u": None}
-    scanned = _runner(BROKER_TAGS).run("rank", {"plan": plan, "params": None, "deadline": None, "tables": out["scans"],
-                                                 "buffers": out["buffers"], "tags": LEAF_TAGS})
+    scanned = _runner(BROKER_TAGS).run(ShippedScan(plan, out["scans"], out["buffers"], LEAF_TAGS))
     found = _tables(scanned)
     assert [k for k, v in found.items() if v is None] == ["__scan_u"], "no `u` on the leaf: no rows, no schema"
     assert found["__scan_called"].column("id").to_pylist() == [1]
@@ -112,9 +109,9 @@ def test_a_table_the_leaf_lacks_travels_as_none_and_a_user_table_is_read_once() 
 
 def test_a_leaf_warms_up_without_duckdb() -> None:
     leaf, broker = _runner(LEAF_TAGS), _runner(BROKER_TAGS)
-    assert leaf.run("warm", {"planner": False, "engine": False}) is not None and leaf._engine is None
-    broker.run("warm", {"planner": False})
-    assert broker._engine is not None
+    assert leaf.run(Warm(ships_to_parent=True)) is not None and not leaf.work.duckdb_opened
+    broker.run(Warm())
+    assert broker.work.duckdb_opened
 
 
 # --- the fan-out: who ships, who scans, what each answers ------------------------------------
@@ -158,9 +155,9 @@ def _subquery(ranks: list[int]) -> Envelope:
 def test_a_leaf_asks_its_scan_to_ship_only_when_its_parent_shares_its_machine(ships: bool) -> None:
     fan = QueryFanOut(_Tree(3, "leaf", ships, {}))
     (task,) = fan.on_subquery(_subquery([3]), 0.0)
-    assert task.kind == "rank" and task.args["ship"] is ships
+    assert isinstance(task.task, RankScan) and task.task.ships_to_parent is ships
     (warm,) = fan.on_warm(0.0)
-    assert warm.args["engine"] is not ships
+    assert isinstance(warm.task, Warm) and warm.task.ships_to_parent is ships
 
 
 def test_a_leaf_answers_with_its_tables_and_leaves_the_answering_to_its_parent() -> None:
@@ -181,9 +178,9 @@ def _broker_with_shipped_leaf() -> tuple[QueryFanOut, RunSqlTask]:
     assert fan.on_sql_task_done(own.task_id, {"scans": ["s0"], "buffers": [b"own"], "rows": [1]}, 0.001) == []
     body = {"qid": "q1", "status": "ok", "answered": [], "failed": {}, "scans": ["t"], "ship": {"tags": LEAF_TAGS}}
     (scan,) = fan.on_subresult(b"r3", _env("subresult", body, (b"table",)), 0.002)
-    assert isinstance(scan, RunSqlTask) and scan.kind == "rank"
-    assert scan.args["tables"] == ["t"] and scan.args["buffers"] == [b"table"] and scan.args["tags"] == LEAF_TAGS
-    assert scan.args["plan"] == PLAN and "ship" not in scan.args
+    assert isinstance(scan, RunSqlTask) and isinstance(scan.task, ShippedScan)
+    assert scan.task.tables == ["t"] and scan.task.buffers == [b"table"] and scan.task.tags == LEAF_TAGS
+    assert scan.task.plan == PLAN
     return fan, scan
 
 
@@ -220,14 +217,12 @@ def test_tables_shipped_by_a_hop_that_answers_for_others_are_not_scanned() -> No
 def test_tables_shipped_with_malformed_tags_fail_that_rank_with_a_clear_error() -> None:
     broker, alone = _runner(BROKER_TAGS), _runner(LEAF_TAGS)
     plan = _plan(alone, NEEDS_DUCKDB[0][0])
-    shipped = _runner(LEAF_TAGS).run("rank", {"plan": plan, "params": None, "deadline": None, "ship": True})
+    shipped = _runner(LEAF_TAGS).run(RankScan(plan, ships_to_parent=True))
     for tags in ({**LEAF_TAGS, "_node": "1"}, {k: v for k, v in LEAF_TAGS.items() if k != "_role"}):
-        out = broker.run("rank", {"plan": plan, "params": None, "deadline": None, "tables": shipped["scans"],
-                                  "buffers": shipped["buffers"], "tags": tags})
+        out = broker.run(ShippedScan(plan, shipped["scans"], shipped["buffers"], tags))
         assert "malformed tags" in out["error"]["message"]
-    extra = broker.run("rank", {"plan": plan, "params": None, "deadline": None, "tables": shipped["scans"],
-                                "buffers": shipped["buffers"], "tags": {**LEAF_TAGS, "_evil": 1}})
-    assert _tables(extra) == _tables(alone.run("rank", {"plan": plan, "params": None, "deadline": None}))
+    extra = broker.run(ShippedScan(plan, shipped["scans"], shipped["buffers"], {**LEAF_TAGS, "_evil": 1}))
+    assert _tables(extra) == _tables(alone.run(RankScan(plan)))
 
 
 def test_the_profile_says_which_ranks_were_scanned_by_their_broker() -> None:
@@ -250,22 +245,21 @@ def test_a_broker_queues_its_leaves_shipped_scans_on_a_few_threads_and_refuses_n
 
     leaf, broker = _runner(LEAF_TAGS), _runner(BROKER_TAGS)
     plan = _plan(_runner(BROKER_TAGS), NEEDS_DUCKDB[1][0])
-    shipped = leaf.run("rank", {"plan": plan, "params": None, "deadline": None, "ship": True})
-    args = {"plan": plan, "params": None, "deadline": None, "tables": shipped["scans"], "buffers": shipped["buffers"],
-            "tags": LEAF_TAGS}
-    expected = _tables(broker.run("rank", args))
+    shipped = leaf.run(RankScan(plan, ships_to_parent=True))
+    scan = ShippedScan(plan, shipped["scans"], shipped["buffers"], LEAF_TAGS)
+    expected = _tables(broker.run(scan))
     results: list[dict] = []
     most = 0
-    n = broker.MAX_RUNNING * 3  # as many as the general pool would refuse twice over
+    n = executors.MAX_RUNNING * 3  # as many as the general pool would refuse twice over
     for _ in range(n):
-        broker.start("rank", args, results.append)
+        broker.start(scan, results.append)
     while len(results) < n:
         most = max(most, sum(t.name == "kernel-probe-sql-shipped" for t in threading.enumerate()))
         time.sleep(0.001)
     assert all("error" not in r for r in results), [r["error"] for r in results if "error" in r][:1]
     assert all(_tables(r) == expected for r in results)
-    assert 1 <= most <= sql_tasks.SHIPPED_THREADS
+    assert 1 <= most <= executors.SHIPPED_THREADS
     deadline = time.monotonic() + 5
-    while broker._shipped_threads and time.monotonic() < deadline:
+    while broker.shipped_queue.threads and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert broker._shipped_threads == 0, "the threads end once the queue is empty"
+    assert broker.shipped_queue.threads == 0, "the threads end once the queue is empty"

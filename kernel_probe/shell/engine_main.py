@@ -14,8 +14,9 @@ import sys
 import threading
 from typing import Any
 
-from .. import wire
-from .engine_process import failed, recv, send
+from ..query_tasks import task_from_dict
+from . import engine_pipe
+from .engine_process import failed
 from .sql_tasks import SqlTaskRunner
 
 
@@ -38,12 +39,12 @@ class _NoTables:
 
 def _reply(sock: socket.socket, write: threading.Lock, call_id: Any, result: dict) -> None:
     try:
-        frames = wire.engine_frames({"id": call_id, "result": result})
+        frames = engine_pipe.frames({"id": call_id, "result": result})
     except ValueError as exc:
-        frames = wire.engine_frames({"id": call_id, "result": failed(f"an answer the pipe cannot carry: {exc}")})
+        frames = engine_pipe.frames({"id": call_id, "result": failed(f"an answer the pipe cannot carry: {exc}")})
     with write:
         try:
-            send(sock, frames)
+            engine_pipe.send(sock, frames)
         except OSError:
             pass  # the rank is gone: the main thread sees EOF
 
@@ -54,21 +55,22 @@ def main(argv: list[str]) -> None:
     write = threading.Lock()
     while True:
         try:
-            message = recv(sock)
-        except (OSError, ValueError, wire.WireError):
+            message = engine_pipe.recv(sock)
+        except (OSError, ValueError):  # PipeError is a ValueError
             message = None
         if message is None:
             break
-        kind, args, reply = message.get("kind"), message.get("args"), functools.partial(_reply, sock, write,
-                                                                                        message.get("id"))
-        if not isinstance(kind, str) or not isinstance(args, dict):
-            reply(failed("a malformed task"))
+        reply = functools.partial(_reply, sock, write, message.get("id"))
+        try:
+            task = task_from_dict(message.get("task"))
+        except ValueError as exc:
+            reply(failed(f"a malformed task: {exc}"))
             continue
-        result = runner.quick(kind, args)  # small work at once, as the rank's I/O thread would
+        result = runner.quick(task)  # small work at once, as the rank's I/O thread would
         if result is not None:
             reply(result)
         else:
-            runner.start(kind, args, reply)
+            runner.start(task, reply)
     os._exit(0)  # the rank is gone or idle: no waiting for a task that runs on
 
 

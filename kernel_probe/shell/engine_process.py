@@ -2,16 +2,17 @@
 
 pyarrow and DuckDB cannot be unloaded from a process: once a rank has planned, merged or run
 one SQL pass, their libraries and allocator caches (~35-60 MB) stay for good. So the root and
-the node brokers hand their SQL tasks (``SqlTaskRunner``'s plan, rank, merge and finish) to a
+the node brokers hand their SQL tasks (``query_tasks``: plans, scans, merges, finishes) to a
 child of the rank (``python -m kernel_probe.shell.engine_main``), which runs them with the very
 same ``SqlTaskRunner`` code: started by the first task, ended once ``idle_sec`` pass without
 one. What the child cannot see travels with the task: the tables the rank's own scans read
-(written without pyarrow where they can be, ``LocalTables.plain``) and its catalog for planning.
+(a ``ShippedScan``, written without pyarrow where they can be, ``LocalTables.plain``) and its
+catalog for planning. A task crosses the pipe as its ``to_dict()``.
 A leaf's tasks stay in the leaf (it ships its tables to its broker).
 
 The child talks to nobody else: one socket pair, inherited; it ends when that closes (its rank
-exited, or went idle). Messages are ``wire.engine_frames``: JSON, with Arrow IPC buffers after
-it. This module is the rank's side and the pipe; ``engine_main.py`` the child's.
+exited, or went idle). Messages are ``engine_pipe.frames``: JSON, with Arrow IPC buffers after
+it. This module is the rank's side; ``engine_main.py`` the child's.
 """
 
 from __future__ import annotations
@@ -27,46 +28,11 @@ import threading
 import time
 from typing import Callable
 
-from .. import wire
+from ..query_tasks import SqlTask
+from . import engine_pipe
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 30.0  # a child's exit is waited for this long before it is killed
-
-
-def send(sock: socket.socket, frames: list[bytes]) -> None:
-    if sum(map(len, frames)) < 1 << 16:
-        sock.sendall(b"".join(frames))
-    else:  # no copy of the tables
-        for frame in frames:
-            sock.sendall(frame)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        got += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def recv(sock: socket.socket) -> dict | None:
-    """One message, or None at EOF."""
-    count = _recv_exactly(sock, wire.ENGINE_COUNT.size)
-    if count is None:
-        return None
-    lengths = _recv_exactly(sock, wire.engine_lengths_size(count))
-    if lengths is None:
-        return None
-    parts = []
-    for n in wire.engine_lengths(count, lengths):
-        part = _recv_exactly(sock, n) if n else b""
-        if part is None:
-            return None
-        parts.append(part)
-    return wire.engine_message(parts)
 
 
 def failed(message: str) -> dict:
@@ -93,15 +59,12 @@ class _Link:
 
 
 class RemoteTasks:
-    """``SqlTaskRunner.start`` in a child process (see the module docstring). ``prepare(kind,
-    args)`` adds what the child cannot see; it runs on this object's sender thread, never on
-    the caller's (the probe's I/O thread); ``error(exc)`` is the result of a task it failed.
-    ``done(result)`` is called from the reader thread."""
+    """SQL tasks run in a child process (see the module docstring). ``error(exc)`` is the
+    result of a task it failed to send. ``done(result)`` is called from the reader thread."""
 
-    def __init__(self, prepare: Callable[[str, dict], dict], error: Callable[[BaseException], dict], *,
-                 idle_sec: float, row_cap: int, threads: int = 1, memory_limit: str = "256MB") -> None:
+    def __init__(self, error: Callable[[BaseException], dict], *, idle_sec: float, row_cap: int, threads: int = 1,
+                 memory_limit: str = "256MB") -> None:
         self.idle_sec = idle_sec
-        self._prepare = prepare
         self._error = error
         self._args = [str(threads), memory_limit, str(row_cap)]
         self._lock = threading.Lock()
@@ -119,7 +82,11 @@ class RemoteTasks:
         link = self._link
         return None if link is None else link.proc.pid
 
-    def start(self, kind: str, args: dict, done: Callable[[dict], None]) -> None:
+    def submit(self, task: SqlTask, done: Callable[[dict], None],
+               prepare: Callable[[SqlTask], SqlTask] | None = None) -> None:
+        """Send ``task`` to the child (starting one if none runs). ``prepare(task)`` adds what
+        the child cannot see; it runs on this object's sender thread, never on the caller's
+        (the probe's I/O thread)."""
         with self._lock:
             if self._closed:
                 done(failed("the probe is closing"))
@@ -127,16 +94,18 @@ class RemoteTasks:
             if self._sender is None:
                 self._sender = threading.Thread(target=self._send_tasks, name="kernel-probe-engine-send", daemon=True)
                 self._sender.start()
-        self._queue.put((kind, args, done))
+        self._queue.put((task, done, prepare))
 
     def _send_tasks(self) -> None:
         while True:
-            kind, args, done = self._queue.get()
-            if kind is None:
+            task, done, prepare = self._queue.get()
+            if task is None:
                 return
             call_id = next(self._ids)
             try:
-                frames = wire.engine_frames({"id": call_id, "kind": kind, "args": self._prepare(kind, args)})
+                if prepare is not None:
+                    task = prepare(task)
+                frames = engine_pipe.frames({"id": call_id, "task": task.to_dict()})
             except Exception as exc:  # a catalog that failed, or a task the pipe cannot carry
                 done(self._error(exc))
                 continue
@@ -167,7 +136,7 @@ class RemoteTasks:
                     done(failed("the probe is closing"))
                     continue
             try:
-                send(link.sock, frames)
+                engine_pipe.send(link.sock, frames)
             except OSError:
                 with self._lock:
                     lost = link.waiting.pop(call_id, None)
@@ -184,8 +153,8 @@ class RemoteTasks:
                     self._link = None  # idle: the next task starts a new child
                 break
             try:
-                message = recv(link.sock)
-            except (OSError, ValueError, wire.WireError):
+                message = engine_pipe.recv(link.sock)
+            except (OSError, ValueError):  # PipeError is a ValueError
                 message = None
             if message is None:
                 break

@@ -487,11 +487,11 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self._connect_parent(endpoint)
 
     def run_sql_task(self, task: RunSqlTask) -> None:
-        result = self.sql.quick(task.kind, task.args)  # small Arrow work: no hand-off either way
+        result = self.sql.quick(task.task)  # small Arrow work: no hand-off either way
         if result is not None:
             self._quick_done.append((task.task_id, result))  # see _settle
             return
-        self.sql.start(task.kind, task.args, lambda result, t=task.task_id: self.submit(("sql_done", t, result)))
+        self.sql.start(task.task, lambda result, t=task.task_id: self.submit(("sql_done", t, result)))
 
     def run_store_op(self, op: StoreOp) -> object:
         # on this thread, like every store call: each is bounded by the discovery timeout

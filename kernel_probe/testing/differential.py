@@ -68,12 +68,12 @@ class SimCluster:
     reduce every partial with the merge SQL (by default only large inputs are reduced);
     ``arrow_scans=False``: ranks run every scan's SQL (by default plain group-bys use Arrow);
     ``ship_plain=True``: leaves ship their tables as a rank without pyarrow does, for every scan
-    (``SqlTaskRunner.ship_plain``)."""
+    (``TaskOptions.ship_plain``)."""
 
     def __init__(self, ranks: list[VRank], per_node: int, *, root_catalog: bool = True,
                  merge_above_rows: int | None = None, arrow_scans: bool = True,
                  ship_plain: bool | None = None) -> None:
-        from ..shell.sql_tasks import nodes_arrow
+        from ..shell.sql_tasks import TaskOptions, nodes_arrow
         from .sim import Simulation, SimTables
 
         nodes = len(ranks) // per_node
@@ -81,13 +81,12 @@ class SimCluster:
         self.ranks = ranks
         self.sim = Simulation(nodes, per_node, host_of=lambda node: f"h{node}",
                               tables=lambda rank: SimTables(by_rank[rank].tables, listed=root_catalog or rank != 0),
-                              tags=lambda rank: by_rank[rank].tags)
+                              tags=lambda rank: by_rank[rank].tags,
+                              sql_options=TaskOptions(arrow_scans=arrow_scans, ship_plain=ship_plain))
         self.sim.start_all()
         for v in self.sim.ranks:
             if merge_above_rows is not None:
                 v.core.fanout.merge_above_rows = merge_above_rows
-            v.sql.arrow_scans = arrow_scans
-            v.sql.ship_plain = ship_plain
         for r in ranks:
             self.sim.set_role(r.rank, r.role)
         ok = self.sim.wait_for(lambda: self.sim.converged() and all(

@@ -62,6 +62,7 @@ What is modelled, and how:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import random
@@ -75,6 +76,7 @@ from ..config import Identity, Settings
 from ..effects import PARENT, RunSqlTask, Send, StoreOp
 from ..interpreter import EffectInterpreter
 from ..membership import Member
+from ..query_tasks import Finish
 from ..rank_core import RankCore
 
 __all__ = ["T0", "Simulation", "Sent", "VirtualRank"]
@@ -143,7 +145,8 @@ class Simulation:
                  pid_poll_sec: float = 0.5, sample_sec: float = 1.0, token: str = "sim-token",
                  hosts: int | None = None, record: bool = True, discovery: str = "store",
                  tables: Callable[[int], dict] | None = None, tags: Callable[[int], dict] | None = None,
-                 sql_latency: float = 0.002, host_of: Callable[[int], str] | None = None) -> None:
+                 sql_latency: float = 0.002, host_of: Callable[[int], str] | None = None,
+                 sql_options: Any = None) -> None:
         if discovery not in ("store", "fixed"):
             raise ValueError("discovery is 'store' or 'fixed'")
         if nodes < 1 or ranks_per_node < 1:
@@ -181,6 +184,7 @@ class Simulation:
         self.store: dict[str, dict] = {}  # the job's store, as placement sees it
         self.store_ops: Counter[str] = Counter()
         self._tables, self._tags, self.sql_latency = tables, tags, float(sql_latency)
+        self._sql_options = sql_options  # its SqlTaskRunners' TaskOptions (None: a probe's)
         self._clients = itertools.count(1)
         self.last_finish_nodes: list[dict] | None = None
         self._answers: dict[bytes, list[wire.Envelope]] = {}  # client routing id -> what arrived
@@ -273,7 +277,7 @@ class Simulation:
         v.shell = _SimShell(self, v)
         if self._tables is not None and v.sql is None:
             tag_of = self._tags or self.tags_of
-            v.sql = _sim_sql_runner(self._tables(rank), lambda r=rank: tag_of(r), self.settings)
+            v.sql = _sim_sql_runner(self._tables(rank), lambda r=rank: tag_of(r), self.settings, self._sql_options)
         v.parent, v.conn, v.watches, v.pending, v.timer_at = None, 0, {}, deque(), None
         if self.discovery == "store":
             effects = v.core.start(self.now, use_store=True)
@@ -441,12 +445,12 @@ class Simulation:
         if v.sql is None:
             result = {"error": {"code": "error", "message": "this simulation holds no tables"}}
         else:
-            args = task.args
-            if task.kind == "finish" and args.get("nodes"):  # given only to a plan that reads it
-                self.last_finish_nodes = args["nodes"]  # what the root's `nodes` was, for oracles
-            if args.get("deadline") is not None:  # DuckDB really runs: give it the time left, on its clock
-                args = dict(args, deadline=time.time() + max(0.0, args["deadline"] - self.now))
-            result = v.sql.quick(task.kind, args) or v.sql.run(task.kind, args)  # as a probe does
+            work = task.task
+            if isinstance(work, Finish) and work.nodes:  # given only to a plan that reads it
+                self.last_finish_nodes = work.nodes  # what the root's `nodes` was, for oracles
+            if getattr(work, "deadline", None) is not None:  # DuckDB really runs: give it the time left, on its clock
+                work = dataclasses.replace(work, deadline=time.time() + max(0.0, work.deadline - self.now))
+            result = v.sql.quick(work) or v.sql.run(work)  # as a probe does
         self._at(self.now + self.sql_latency,
                  lambda: self._input(v, lambda core: core.on_sql_task_done(task.task_id, result, self.now)))
 
@@ -742,8 +746,9 @@ class SimTables:
                                     for i, f in enumerate(table.schema)])
 
 
-def _sim_sql_runner(tables: Any, tags: Callable[[], dict], settings: Settings):
-    from ..shell.sql_tasks import SqlTaskRunner
+def _sim_sql_runner(tables: Any, tags: Callable[[], dict], settings: Settings, options: Any = None):
+    from ..shell.sql_tasks import SqlTaskRunner, TaskOptions
 
     return SqlTaskRunner(tables if isinstance(tables, SimTables) else SimTables(tables), tags, row_cap=settings.query_row_cap,
-                         threads=settings.query_threads, memory_limit=settings.query_memory)
+                         threads=settings.query_threads, memory_limit=settings.query_memory,
+                         options=options or TaskOptions())

@@ -58,6 +58,7 @@ import zmq
 from .. import wire
 from ..config import Identity, Settings, load_settings
 from ..effects import PARENT, RunSqlTask, Send, StoreOp
+from ..query_tasks import RankScan
 from ..interpreter import EffectInterpreter
 from ..rank_core import RankCore
 from ..shell import connfile
@@ -111,18 +112,6 @@ def tier_of(rank: int, per_node: int) -> str:
     if rank == 0:
         return "root"
     return "broker" if rank % per_node == 0 else "leaf"
-
-
-class _SharedEngineRunner(SqlTaskRunner):
-    """A rank's SQL runner over the process's one DuckDB engine."""
-
-    def __init__(self, engine: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._shared = engine
-
-    @property
-    def engine(self):
-        return self._shared
 
 
 class _HostPids:
@@ -180,9 +169,9 @@ class VirtualProbe(EffectInterpreter):
         tags = {"_rank": rank, "_node": identity.node, "_host": identity.host,
                 "_local_rank": identity.local_rank}
         s = host.settings
-        self.sql = _SharedEngineRunner(host.engine, SimTables({"t": table_of(rank, host.rows)}),
-                                       lambda: {**tags, "_role": self.core.role}, row_cap=s.query_row_cap,
-                                       threads=s.query_threads, memory_limit=s.query_memory)
+        self.sql = SqlTaskRunner(SimTables({"t": table_of(rank, host.rows)}), lambda: {**tags, "_role": self.core.role},
+                                 row_cap=s.query_row_cap, threads=s.query_threads, memory_limit=s.query_memory,
+                                 engine=host.engine)  # the process's one DuckDB engine
         self.armed: float | None = None  # the deadline this rank has in the host's heap
 
     # --- effects ----------------------------------------------------------------------
@@ -343,7 +332,7 @@ class VirtualHost:
             pass
 
     def run_sql(self, probe: VirtualProbe, task: RunSqlTask) -> None:
-        result = probe.sql.quick(task.kind, task.args)  # small Arrow work here, as a probe does
+        result = probe.sql.quick(task.task)  # small Arrow work here, as a probe does
         if result is not None:
             self._quick_done.append((probe, task.task_id, result))  # settled in this wake-up, as a probe does
             return
@@ -354,7 +343,7 @@ class VirtualHost:
                 prof = self._profiler(f"sql-{threading.current_thread().name}")
                 prof.enable()
             try:
-                result = probe.sql.run(task.kind, task.args)
+                result = probe.sql.run(task.task)
             except BaseException as exc:  # the core must hear back, whatever happened
                 result = {"error": {"code": "error", "message": f"{type(exc).__name__}: {exc}"}}
             if prof is not None:
@@ -512,16 +501,16 @@ def rank_task_ms(sql: str, rows: int = 300, n: int = 128) -> float:
     from ..sql.planner import plan as make_plan
 
     engine = Engine(threads=1, memory_limit="1GB")
-    runners = [_SharedEngineRunner(engine, SimTables({"t": table_of(r, rows)}),
-                                   lambda r=r: {"_rank": r, "_node": r // 8, "_host": "h", "_local_rank": r % 8,
-                                                "_role": ""}, row_cap=10**6) for r in range(n)]
+    runners = [SqlTaskRunner(SimTables({"t": table_of(r, rows)}),
+                             lambda r=r: {"_rank": r, "_node": r // 8, "_host": "h", "_local_rank": r % 8, "_role": ""},
+                             row_cap=10**6, engine=engine) for r in range(n)]
     p = make_plan(sql, per_rank=False, catalog={"t": ["id", "g", "x"]})
-    args = {"plan": dict(p.to_dict(), explain=p.explain()), "params": None, "deadline": None}
+    task = RankScan(dict(p.to_dict(), explain=p.explain()))
     for runner in runners:
-        runner.run("rank", args)
+        runner.run(task)
     started = time.perf_counter()
     for runner in runners:
-        runner.run("rank", args)
+        runner.run(task)
     return (time.perf_counter() - started) * 1000.0 / n
 
 
