@@ -10,9 +10,9 @@ import dataclasses
 import pyarrow as pa
 import pytest
 
-from kernel_probe import wire
 from kernel_probe.config import Settings
 from kernel_probe.shell.sql_tasks import QUICK_MAX_ROWS, SqlTaskRunner
+from kernel_probe.tables import arrow_ipc
 from kernel_probe.tables.catalog import LocalTables
 
 TAGS = {"_rank": 3, "_node": 1, "_host": "h1", "_local_rank": 1, "_role": "trainer"}
@@ -36,7 +36,7 @@ def _plan(runner: SqlTaskRunner, sql: str) -> dict:
 
 
 def _tables(result: dict) -> dict:
-    return {n: (None if b == b"" else wire.ipc_to_table(b)) for n, b in zip(result["scans"], result["buffers"])}
+    return {n: (None if b == b"" else arrow_ipc.ipc_to_table(b)) for n, b in zip(result["scans"], result["buffers"])}
 
 
 def _finish_args(plan: dict, rank_results: list[dict]) -> dict:
@@ -68,7 +68,7 @@ def test_a_quick_task_gives_what_the_worker_gives_without_duckdb(sql: str) -> No
     done = quick_runner.quick("finish", finish)  # then the root finishes it at once
     if plan.get("final_union") or plan.get("final_arrow") is not None:
         assert done is not None and "error" not in done, done
-        assert wire.ipc_to_table(done["buffers"][0]) == wire.ipc_to_table(expected["buffers"][0])
+        assert arrow_ipc.ipc_to_table(done["buffers"][0]) == arrow_ipc.ipc_to_table(expected["buffers"][0])
     else:  # the final SQL
         assert done is None
 
