@@ -427,13 +427,6 @@ class ProbeThread(threading.Thread, EffectInterpreter):
                 self.carry_out(self.core.update_self(now, role=cmd[1]))
             elif cmd[0] == "sql_done":
                 self.sql_task_done(cmd[1], cmd[2])
-            elif cmd[0] == "call":  # run a function on this thread (tests, clients in-process)
-                fn, box = cmd[1], cmd[2]
-                try:
-                    box.append(fn(self))
-                except Exception as exc:
-                    box.append(exc)
-                cmd[3].set()
 
     def _settle(self) -> None:
         """Tell the core how the SQL tasks run on this thread went, once the effects that
