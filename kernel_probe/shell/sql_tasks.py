@@ -41,8 +41,8 @@ from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 from .. import wire
-from ..tables import arrow_ipc
 from ..membership import ALIVE, STALLED
+from ..tables.arrow_ipc import ipc_to_table, table_to_ipc
 from ..tables.convert import array, scalar
 
 LIVE = (ALIVE, STALLED)  # ranks a query asks
@@ -197,12 +197,12 @@ def _error(exc: BaseException) -> dict:
 
 def _encode(scans: Mapping[str, Any]) -> dict:
     names = list(scans)
-    return {"scans": names, "buffers": [NONE if scans[n] is None else arrow_ipc.table_to_ipc(scans[n]) for n in names],
+    return {"scans": names, "buffers": [NONE if scans[n] is None else table_to_ipc(scans[n]) for n in names],
             "rows": [0 if scans[n] is None else scans[n].num_rows for n in names]}  # a broker's relay decision
 
 
 def _decode(parts: list[dict]) -> list[dict[str, Any]]:
-    return [{n: (None if b == NONE else arrow_ipc.ipc_to_table(b)) for n, b in zip(p["scans"], p["buffers"])}
+    return [{n: (None if b == NONE else ipc_to_table(b)) for n, b in zip(p["scans"], p["buffers"])}
             for p in parts]
 
 
@@ -541,7 +541,7 @@ class SqlTaskRunner:
         if "shape" not in result:
             return
         try:
-            inputs, shape = (arrow_ipc.ipc_to_table(b) for b in result["shape"])
+            inputs, shape = (ipc_to_table(b) for b in result["shape"])
             key = self._shape_key(self._plan_of(args), inputs, args.get("params"))
             if self._shapes.get(key) is None:
                 self._shapes.put(key, shape)
@@ -573,7 +573,7 @@ class SqlTaskRunner:
                 return shipped
         plan, tags = self._plan_of(args), self.tags()
         if "buffers" in args:
-            tables = {n: arrow_ipc.ipc_to_table(b) for n, b in zip(args["tables"], args["buffers"]) if b != NONE}
+            tables = {n: ipc_to_table(b) for n, b in zip(args["tables"], args["buffers"]) if b != NONE}
             tags = _leaf_tags(args["tags"])
         elif tables is None:
             tables = _Once(_LocalTables(self.tables))  # a stack or a user's callable is read once
@@ -623,13 +623,13 @@ class SqlTaskRunner:
         root_tables = _Lazy({"nodes": lambda: nodes_arrow(args.get("nodes") or [])})
         table = finish(plan, engine, merged, root_tables, params=args.get("params"),
                        deadline=args.get("deadline"), row_cap=self.row_cap, shapes=self._shapes)
-        data = arrow_ipc.table_to_ipc(table)
+        data = table_to_ipc(table)
         out = {"buffers": [data], "columns": table.column_names}
         inputs = merged.get(plan.shape) if args.get("shape") and plan.shape is not None else None
         if inputs is not None:  # for a rank whose engine process this is (_shaped)
             shape = self._shapes.get(self._shape_key(plan, inputs, args.get("params")))
             if shape is not None:
-                out["shape"] = [arrow_ipc.table_to_ipc(inputs.slice(0, 0)), arrow_ipc.table_to_ipc(shape)]
+                out["shape"] = [table_to_ipc(inputs.slice(0, 0)), table_to_ipc(shape)]
         return out
 
 
