@@ -74,4 +74,3 @@ class StoreOp:
 
 
 Effect = Union[Send, ConnectParent, WatchPid, UnwatchPid, Note, RunSqlTask, StoreOp]
-EFFECT_TYPES: tuple[type, ...] = (Send, ConnectParent, WatchPid, UnwatchPid, Note, RunSqlTask, StoreOp)

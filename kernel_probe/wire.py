@@ -57,9 +57,8 @@ __all__ = [
     "Codec",
     "derive_key",
     "new_secret",
-    "reply",
     "refusal_frames",
-    "refusal_reason",
+    "parse_refusal",
 ]
 
 PROTOCOL_VERSION = 1  # the application protocol (info handshake, connection files)
@@ -216,7 +215,7 @@ BODIES: dict[str, type] = {
     "info": InfoBody,
     "nodes_request": EmptyBody,
     "nodes": NodesBody,
-    # query plane; Arrow IPC streams travel in buffers (see table_to_ipc)
+    # query plane; Arrow IPC streams travel in buffers (see tables.arrow_ipc)
     "query": QueryBody,
     "query_progress": QueryProgressBody,
     "query_result": QueryResultBody,
@@ -332,11 +331,6 @@ def derive_key(token: str | None, run_id: str) -> bytes:
 def new_secret() -> str:
     """A per-job random secret, used in place of a token when none was given."""
     return secrets.token_hex(32)
-
-
-def reply(to: Envelope, type: str, body: dict, buffers: Iterable[bytes] = ()) -> Message:
-    """A message answering ``to`` (its corr_id is the request's msg_id)."""
-    return Message(type, body, tuple(buffers), corr_id=to.header.msg_id)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -456,11 +450,6 @@ class Codec:
         # (sender, incarnation) -> last accepted seq, least recently used first.
         # Bounded so a peer inventing incarnations cannot grow our memory.
         self._last_seq: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
-
-    @property
-    def tracked_peers(self) -> int:
-        """How many (sender, incarnation) pairs the replay check remembers."""
-        return len(self._last_seq)
 
     # ----------------------------------------------------------------- encode
 
@@ -658,12 +647,6 @@ def refusal_frames(reason: str, run_id: str = "") -> list[bytes]:
     return [REFUSED, data, run]
 
 
-def refusal_reason(frames: list[Any]) -> str | None:
-    """The reason if ``frames`` is a refusal, else None. Never raises."""
-    refusal = parse_refusal(frames)
-    return refusal[0] if refusal else None
-
-
 def parse_refusal(frames: list[Any]) -> tuple[str, str] | None:
     """(reason, run_id) if ``frames`` is a refusal, else None. Never raises."""
     try:
@@ -676,80 +659,3 @@ def parse_refusal(frames: list[Any]) -> tuple[str, str] | None:
         return data.decode("ascii"), run.decode("ascii")
     except Exception:
         return None
-
-
-# --------------------------------------------------------------------------- Arrow payloads
-
-
-_IPC_OPTIONS: list = []  # [write options, read options], made once: pyarrow's defaults read os.environ per call
-
-
-def _ipc_options() -> list:
-    if not _IPC_OPTIONS:
-        import pyarrow as pa
-
-        # the current format whatever ARROW_PRE_* says: both ends of the wire are ours
-        _IPC_OPTIONS[:] = [pa.ipc.IpcWriteOptions(), pa.ipc.IpcReadOptions()]
-    return _IPC_OPTIONS
-
-
-# Tables without rows (a shape scan's answer: every rank sends one with every query, and
-# the root reads them all) by schema and metadata, and by their IPC bytes: made once each.
-_EMPTY_CACHE_SIZE = 256
-_EMPTY_IPC: dict[tuple, bytes] = {}
-_EMPTY_TABLES: dict[bytes, Any] = {}
-_EMPTY_MAX_BYTES = 4096  # longer streams are never looked up (hashing them costs)
-
-
-def _remember(cache: dict, key: Any, value: Any) -> None:
-    try:  # from several threads at once: at worst an entry more or less
-        while len(cache) >= _EMPTY_CACHE_SIZE:
-            cache.pop(next(iter(cache)), None)  # the oldest goes
-    except (RuntimeError, StopIteration):
-        return
-    cache[key] = value
-
-
-def table_to_ipc(table: Any) -> bytes:
-    """An Arrow table as one IPC stream (the only binary payload format; never pickle); a
-    ``PlainTable`` (a leaf's, made without pyarrow) written without pyarrow too."""
-    from .tables.convert import PlainTable
-
-    if type(table) is PlainTable:
-        from .tables.arrow_stream import write_stream
-
-        return write_stream(table)
-    import pyarrow as pa
-
-    key = None
-    if table.num_rows == 0:  # Schema equality ignores metadata, which a scan's answer carries
-        meta = table.schema.metadata
-        key = (table.schema, tuple(sorted(meta.items())) if meta else ())
-        known = _EMPTY_IPC.get(key)
-        if known is not None:
-            return known
-    sink = pa.BufferOutputStream()
-    with pa.ipc.RecordBatchStreamWriter(sink, table.schema, options=_ipc_options()[0]) as writer:
-        writer.write_table(table)
-    data = sink.getvalue().to_pybytes()
-    if key is not None:
-        _remember(_EMPTY_IPC, key, data)
-    return data
-
-
-def ipc_to_table(data: bytes) -> Any:
-    """The table in an IPC stream from a peer; ``WireError("malformed")`` for anything else."""
-    import pyarrow as pa
-
-    small = type(data) is bytes and len(data) <= _EMPTY_MAX_BYTES
-    if small:
-        known = _EMPTY_TABLES.get(data)
-        if known is not None:
-            return known  # Arrow tables are immutable: one can serve every caller
-    try:
-        table = pa.ipc.RecordBatchStreamReader(pa.py_buffer(data), options=_ipc_options()[1]).read_all()
-    except Exception as exc:  # pyarrow raises several types for bad input
-        raise WireError("malformed", f"not an Arrow IPC stream: {exc}") from None
-    if small and table.num_rows == 0:
-        _remember(_EMPTY_TABLES, data, table)
-    return table

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kernel_probe import wire
 from kernel_probe.config import load_settings
-from kernel_probe.tables import LocalTables, convert, live
+from kernel_probe.tables import LocalTables, arrow_ipc, convert, live
 from kernel_probe.tables.arrow_stream import write_stream
 
 from .test_tables import _SCALARS, _same
@@ -76,8 +76,8 @@ def test_names_and_empty_tables():
 
 def test_wire_writes_a_plain_table_without_pyarrow_and_reads_it_back():
     rows = [(1.0, "all_reduce", 4096, 0.25, False), (2.0, None, None, None, True)]
-    data = wire.table_to_ipc(convert.plain_table(convert.rows_spec("collectives", rows)))
-    same_tables(wire.ipc_to_table(data), convert.rows_table("collectives", rows))
+    data = arrow_ipc.table_to_ipc(convert.plain_table(convert.rows_spec("collectives", rows)))
+    same_tables(arrow_ipc.ipc_to_table(data), convert.rows_table("collectives", rows))
 
 
 @pytest.fixture
@@ -136,10 +136,40 @@ def test_a_leaf_ships_plain_tables_its_broker_scans_alike(recorded):
         assert shipped["ship"] == {"tags": tags} and not leaf.work.duckdb_opened, sql
         by_broker = broker.run(ShippedScan(p, shipped["scans"], shipped["buffers"], shipped["ship"]["tags"]))
         own = SqlTaskRunner(recorded, lambda: tags, row_cap=100_000).run(RankScan(p))
-        for got, want in zip(wire.ipc_to_table(by_broker["buffers"][0]), wire.ipc_to_table(own["buffers"][0])):
+        for got, want in zip(arrow_ipc.ipc_to_table(by_broker["buffers"][0]), arrow_ipc.ipc_to_table(own["buffers"][0])):
             assert _same(got.to_pylist(), want.to_pylist()), sql
     # the stacks are shipped at once, by the I/O thread; a recorded ring is left to a worker
     stacks = plan("SELECT count(*) AS n FROM stacks", catalog=recorded.columns()).to_dict()
     assert "ship" in leaf.quick(RankScan(stacks, ships_to_parent=True))
     steps = plan("SELECT count(*) AS n FROM steps", catalog=recorded.columns()).to_dict()
     assert leaf.quick(RankScan(steps, ships_to_parent=True)) is None
+
+
+def test_arrow_ipc_round_trip_and_garbage():
+    ipc_to_table, table_to_ipc = arrow_ipc.ipc_to_table, arrow_ipc.table_to_ipc
+    t = pa.table({"a": [1, None, 3], "b": ["x", "y", None]})
+    assert ipc_to_table(table_to_ipc(t)).equals(t)
+    empty = t.slice(0, 0)
+    assert ipc_to_table(table_to_ipc(empty)).schema == t.schema
+    for junk in (b"", b"garbage", table_to_ipc(t)[:-7]):
+        with pytest.raises(wire.WireError) as err:
+            ipc_to_table(junk)
+        assert err.value.reason == "malformed"
+
+
+def test_tables_without_rows_are_encoded_and_read_once_each_metadata_included():
+    from kernel_probe.tables.arrow_ipc import _EMPTY_CACHE_SIZE, _EMPTY_IPC, _EMPTY_TABLES, ipc_to_table, table_to_ipc
+
+    empty = pa.table({"a": [1], "b": ["x"]}).slice(0, 0)
+    padded = empty.replace_schema_metadata({b"probing.padded": b'["b"]'})
+    data, data_padded = table_to_ipc(empty), table_to_ipc(padded)
+    assert data != data_padded  # equal schemas to Arrow, not to a reader of the metadata
+    assert table_to_ipc(empty) is data and table_to_ipc(padded) is data_padded
+    assert ipc_to_table(data) is ipc_to_table(bytes(data))  # the same stream from another peer
+    assert ipc_to_table(data_padded).schema.metadata == {b"probing.padded": b'["b"]'}
+    assert ipc_to_table(data).schema.metadata is None
+    one = pa.table({"a": [1]})
+    assert ipc_to_table(table_to_ipc(one)) is not ipc_to_table(table_to_ipc(one))  # rows: never kept
+    for i in range(2 * _EMPTY_CACHE_SIZE):  # many schemas: the caches stay bounded
+        ipc_to_table(table_to_ipc(pa.table({f"c{i}": pa.array([], pa.int64())})))
+    assert len(_EMPTY_IPC) <= _EMPTY_CACHE_SIZE and len(_EMPTY_TABLES) <= _EMPTY_CACHE_SIZE

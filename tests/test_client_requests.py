@@ -11,6 +11,8 @@ from kernel_probe.client.requests import Answered, Failed, Progress, Requests
 from kernel_probe.summaries import (group_stacks, parse_ranks, rank_span, ranks_label, stall_suspects,
                                     suspect_ranks)
 
+from .wire_support import reply
+
 KEY = wire.derive_key("t", "run")
 
 
@@ -19,7 +21,7 @@ def _probe() -> wire.Codec:
 
 
 def _answer(probe: wire.Codec, frames: list[bytes], type_: str, body: dict) -> list[bytes]:
-    return probe.encode(wire.reply(probe.decode(frames), type_, body))
+    return probe.encode(reply(probe.decode(frames), type_, body))
 
 
 def test_answers_reach_their_own_request_in_any_order() -> None:
@@ -29,8 +31,8 @@ def test_answers_reach_their_own_request_in_any_order() -> None:
     assert client.pending == {a, b}
     ra, rb = probe.decode(fa), probe.decode(fb)  # the probe reads them in order, answers in any
     info = {"protocol": 1, "run_id": "run", "world_size": 1, "rank": 0, "tier": "root", "pid": 1, "incarnation": "p1"}
-    second = client.receive(probe.encode(wire.reply(rb, "info", info)))
-    first = client.receive(probe.encode(wire.reply(ra, "nodes", {"members": [], "departures": [], "epoch": 3})))
+    second = client.receive(probe.encode(reply(rb, "info", info)))
+    first = client.receive(probe.encode(reply(ra, "nodes", {"members": [], "departures": [], "epoch": 3})))
     assert [type(e) for e in second] == [Answered] and second[0].msg_id == b
     assert second[0].envelope.msg.body["run_id"] == "run"
     assert [type(e) for e in first] == [Answered] and first[0].msg_id == a
@@ -41,12 +43,12 @@ def test_progress_stays_pending_and_late_answers_are_dropped() -> None:
     client, probe = Requests(KEY), _probe()
     q, fq = client.send("query", {"sql": "SELECT 1", "timeout": 5.0})
     req = probe.decode(fq)
-    progress = client.receive(probe.encode(wire.reply(req, "query_progress", {"qid": "x", "answered": 1,
+    progress = client.receive(probe.encode(reply(req, "query_progress", {"qid": "x", "answered": 1,
                                                                               "targeted": 4})))
     assert progress == [Progress(q, {"qid": "x", "answered": 1, "targeted": 4})]
     assert q in client.pending
     client.forget(q)  # the caller gave up (timeout, KeyboardInterrupt)
-    assert client.receive(probe.encode(wire.reply(req, "query_result", {"status": "ok"}))) == []
+    assert client.receive(probe.encode(reply(req, "query_result", {"status": "ok"}))) == []
 
 
 def test_refusal_fails_every_request_and_errors_fail_one() -> None:

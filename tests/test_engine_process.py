@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kernel_probe import wire
 from kernel_probe.config import load_settings
 from kernel_probe.query_tasks import Finish, PlanQuery, RankScan, SqlTask
 from kernel_probe.shell import engine_process
 from kernel_probe.shell.sql_tasks import SqlTaskRunner
-from kernel_probe.tables import LocalTables
+from kernel_probe.tables import LocalTables, arrow_ipc
 
 from .conftest import engine_processes, wait_for
 
@@ -73,7 +72,7 @@ def ask(r: SqlTaskRunner, sql: str, deadline: float = 5.0) -> tuple:
     finished = run(r, Finish(planned["plan"], [scanned], deadline=time.time() + deadline))
     if "error" in finished:
         return ("finish", finished["error"]["code"])
-    return tuple(wire.ipc_to_table(finished["buffers"][0]).to_pylist())
+    return tuple(arrow_ipc.ipc_to_table(finished["buffers"][0]).to_pylist())
 
 
 def test_answers_and_errors_equal_the_tasks_run_in_the_rank(tables):
@@ -207,8 +206,8 @@ def test_a_rank_with_pyarrow_learns_plans_and_shapes_then_finishes_at_once(table
         assert r.quick(finish_args) is None  # its shape is not known here yet
         remote = run(r, finish_args)
         here = r.quick(finish_args)
-        assert here is not None and wire.ipc_to_table(here["buffers"][0]).equals(
-            wire.ipc_to_table(remote["buffers"][0])) and "shape" not in here
-        assert wire.ipc_to_table(remote["buffers"][0]).to_pylist() == [{"n": 20, "m": 2}]
+        assert here is not None and arrow_ipc.ipc_to_table(here["buffers"][0]).equals(
+            arrow_ipc.ipc_to_table(remote["buffers"][0])) and "shape" not in here
+        assert arrow_ipc.ipc_to_table(remote["buffers"][0]).to_pylist() == [{"n": 20, "m": 2}]
     finally:
         r.close()

@@ -18,9 +18,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+import zmq
 
 import kernel_probe
 from kernel_probe import wire
+from kernel_probe.effects import PARENT, Send
+from kernel_probe.interpreter import EffectInterpreter
+from kernel_probe.shell import endpoint
+from kernel_probe.shell.endpoint import MAX_BATCH, REFUSALS_PER_SEC, MemoryTrim, RankEndpoint, RefusalLimit
 from kernel_probe.testing.hostile import HostilePeer
 
 from .conftest import wait_for
@@ -62,6 +67,115 @@ def test_damaged_chunked_messages_are_rejected():
         with pytest.raises(wire.WireError) as err:
             b.decode(bad)
         assert err.value.reason == reason
+
+
+# --- one rank's endpoint against bad peers (real sockets, a stand-in core) ---------------------
+
+class _Core:
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, object]] = []
+        self.send_failed = 0
+
+    def on_message(self, env: wire.Envelope, rid: object, now: float) -> list:
+        self.heard.append((env.msg.type, rid))
+        return []
+
+    def on_send_failed(self, now: float) -> list:
+        self.send_failed += 1
+        return []
+
+
+class _Shell(EffectInterpreter):
+    def __init__(self) -> None:
+        self.core = _Core()
+
+    def now(self) -> float:
+        return time.time()
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(0)
+
+
+def _endpoint(ctx, **shared) -> tuple[RankEndpoint, str]:
+    """An endpoint bound in-process: a message sent is waiting when send returns."""
+    net = RankEndpoint(_Shell(), ctx, wire.Codec(KEY, "rank0", "i0"), "run", **shared)
+    address = f"inproc://rank-{id(net)}"
+    net.router.bind(address)
+    return net, address
+
+
+def _dealer(ctx, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def test_an_endpoint_drains_a_batch_per_wake_up_and_counts_and_refuses_bad_messages(ctx):
+    net, address = _endpoint(ctx)
+    peer = _dealer(ctx, address)
+    sender = wire.Codec(KEY, "client", "ic")
+    for _ in range(MAX_BATCH + 5):
+        peer.send_multipart(sender.encode(wire.Message("info_request", {})))
+    net.drain_router(time.time())
+    assert len(net.shell.core.heard) == MAX_BATCH  # the timers get their turn
+    net.drain_router(time.time())
+    assert len(net.shell.core.heard) == MAX_BATCH + 5 and net.rejected() == {}
+
+    wrong = wire.Codec(wire.derive_key("wrong", "run"), "mallory", "im")
+    bad = [wrong.encode(wire.Message("info_request", {})) for _ in range(REFUSALS_PER_SEC + 10)]
+    for frames in bad:
+        peer.send_multipart(frames)
+    now = time.time()
+    net.drain_router(now)
+    assert net.rejected() == {"bad_signature": len(bad)} and len(net.shell.core.heard) == MAX_BATCH + 5
+    assert net.trim.rejected_bytes == sum(len(f) for frames in bad for f in frames)
+    refusals = []
+    while peer.poll(100):
+        refusals.append(peer.recv_multipart())
+    assert refusals == [[wire.REFUSED, b"bad_signature", b"run"]] * REFUSALS_PER_SEC  # the rest: not amplified
+    peer.close(0)
+    net.close()
+
+
+def test_the_ranks_of_a_process_share_one_refusal_budget(ctx):
+    shared = RefusalLimit()
+    nets = [_endpoint(ctx, refusals=shared) for _ in range(2)]
+    now = time.time()
+    for i in range(REFUSALS_PER_SEC):
+        nets[i % 2][0].refuse(b"nobody", "bad_signature", now)  # unroutable: nothing sent, the budget spent
+    assert not shared.allow(now) and not shared.allow(now + 0.99) and shared.allow(now + 1.0)
+    for net, _ in nets:
+        net.close()
+
+
+def test_sending_up_without_a_parent_tells_the_core_a_heartbeat_failed(ctx):
+    net, _ = _endpoint(ctx)
+    net.send(Send(PARENT, wire.Message("bye", {"rank": 0, "incarnation": "i0", "reason": "x"})))
+    assert net.shell.core.send_failed == 0
+    net.send(Send(PARENT, wire.Message("heartbeat", {"reports": [], "known_epoch": 0})))
+    assert net.shell.core.send_failed == 1
+    net.close()
+
+
+def test_rejected_bytes_are_trimmed_after_a_burst_or_at_once_past_the_threshold(monkeypatch):
+    trims = []
+    monkeypatch.setattr(endpoint, "_malloc_trim", lambda pad: trims.append(pad) or 1)
+    trim = MemoryTrim()
+    assert not trim.due(100.0)
+    trim.rejected(1000, 100.0)
+    assert not trim.due(100.5) and trim.due(100.0 + endpoint.TRIM_EVERY_SEC)  # once the burst is over
+    trim.release(101.0)
+    assert trims == [0] and trim.rejected_bytes == 0 and not trim.due(101.0)
+    trim.rejected(endpoint.TRIM_AFTER_BYTES, 101.2)
+    assert not trim.due(101.5)  # at most once a second
+    assert trim.due(102.0)  # a big burst: at once, without waiting for it to end
+    trim.release(102.0)
+    assert trims == [0, 0] and trim.trims == 2
 
 
 # --- a minute against a live job --------------------------------------------------------------

@@ -10,11 +10,11 @@ import dataclasses
 import pyarrow as pa
 import pytest
 
-from kernel_probe import wire
 from kernel_probe.config import Settings
 from kernel_probe.query_tasks import Finish, PlanQuery, RankScan
 from kernel_probe.shell.sql_tasks import SqlTaskRunner
 from kernel_probe.shell.sql_tasks.routing import QUICK_MAX_ROWS
+from kernel_probe.tables import arrow_ipc
 from kernel_probe.tables.catalog import LocalTables
 
 TAGS = {"_rank": 3, "_node": 1, "_host": "h1", "_local_rank": 1, "_role": "trainer"}
@@ -37,7 +37,7 @@ def _plan(runner: SqlTaskRunner, sql: str) -> dict:
 
 
 def _tables(result: dict) -> dict:
-    return {n: (None if b == b"" else wire.ipc_to_table(b)) for n, b in zip(result["scans"], result["buffers"])}
+    return {n: (None if b == b"" else arrow_ipc.ipc_to_table(b)) for n, b in zip(result["scans"], result["buffers"])}
 
 
 def _finish_args(plan: dict, rank_results: list[dict]) -> Finish:
@@ -69,7 +69,7 @@ def test_a_quick_task_gives_what_the_worker_gives_without_duckdb(sql: str) -> No
     done = quick_runner.quick(finish)  # then the root finishes it at once
     if plan.get("final_union") or plan.get("final_arrow") is not None:
         assert done is not None and "error" not in done, done
-        assert wire.ipc_to_table(done["buffers"][0]) == wire.ipc_to_table(expected["buffers"][0])
+        assert arrow_ipc.ipc_to_table(done["buffers"][0]) == arrow_ipc.ipc_to_table(expected["buffers"][0])
     else:  # the final SQL
         assert done is None
 

@@ -10,12 +10,12 @@ import dataclasses
 import pyarrow as pa
 import pytest
 
-from kernel_probe import wire
 from kernel_probe.config import Settings
 from kernel_probe.effects import PARENT, RunSqlTask, Send
 from kernel_probe.query_fanout import QueryFanOut
 from kernel_probe.query_tasks import PlanQuery, RankScan, ShippedScan, Warm
 from kernel_probe.shell.sql_tasks import NONE, SqlTaskRunner, TaskOptions, executors
+from kernel_probe.tables import arrow_ipc
 from kernel_probe.tables.catalog import LocalTables
 from kernel_probe.wire import Envelope, Header, Message
 
@@ -44,7 +44,7 @@ def _plan(runner: SqlTaskRunner, sql: str, per_rank: bool = False) -> dict:
 
 
 def _tables(result: dict) -> dict:
-    return {n: (None if b == NONE else wire.ipc_to_table(b)) for n, b in zip(result["scans"], result["buffers"])}
+    return {n: (None if b == NONE else arrow_ipc.ipc_to_table(b)) for n, b in zip(result["scans"], result["buffers"])}
 
 
 NEEDS_DUCKDB = [

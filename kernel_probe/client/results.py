@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .. import wire
+from ..tables import arrow_ipc
 from .errors import AuthError, ProbeError, QueryFailed, Refused
 
 if TYPE_CHECKING:  # pandas is imported only when a DataFrame is asked for
@@ -79,7 +80,7 @@ def query_result(env: wire.Envelope, *, strict: bool, explain: bool) -> "QueryRe
         return QueryResult(None, coverage, explain=reply.get("explain", ""))
     if not env.msg.buffers:
         raise QueryFailed("the probe answered without a result", coverage=coverage)
-    table = wire.ipc_to_table(env.msg.buffers[0])
+    table = arrow_ipc.ipc_to_table(env.msg.buffers[0])
     if strict and coverage.get("partial"):
         raise QueryFailed(f"partial answer refused (strict): {describe_failures(coverage)}", code="partial",
                           coverage=coverage)

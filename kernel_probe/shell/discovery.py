@@ -34,7 +34,6 @@ import json
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -226,18 +225,6 @@ class StoreDiscovery:
         if not isinstance(value, str) or not value:
             raise DiscoveryError(f"{self._where()}: key {key!r} does not hold a secret string")
         return value
-
-    def wait_master(self, timeout: float, poll: float = 0.05) -> dict | None:
-        """Poll ``read_master`` until the root has published or ``timeout`` passes."""
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            info = self.read_master()
-            if info is not None:
-                return info
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            time.sleep(min(max(poll, 0.001), remaining))
 
     def close(self) -> None:
         """Drop the client connection; later calls raise DiscoveryError."""

@@ -105,14 +105,14 @@ class SimCluster:
     def query(self, sql: str, *, per_rank: bool = False, params: dict | None = None,
               timeout: float = 30.0) -> tuple[dict, Any]:
         """(coverage, Arrow table); ``SimQueryError`` when the root refuses or fails."""
-        from .. import wire
+        from ..tables import arrow_ipc
 
         env = self.sim.query(sql, timeout=timeout, per_rank=per_rank, params=params)
         body = env.msg.body
         if body.get("status") != "ok":
             err = body.get("error") or {}
             raise SimQueryError(err.get("code", "error"), err.get("message", ""))
-        return body["coverage"], wire.ipc_to_table(env.msg.buffers[0])
+        return body["coverage"], arrow_ipc.ipc_to_table(env.msg.buffers[0])
 
 
 def _norm(v: Any) -> Any:

@@ -5,10 +5,11 @@ Each virtual rank is a real ``RankCore`` with its own ROUTER (bound on 127.0.0.1
 own DEALER to its parent, its own ``wire.Codec`` and its own ``SqlTaskRunner`` over a
 small table ``t`` (id, g, x); they differ from real probes only in what they share:
 
-- ONE I/O thread per process: one ``zmq.Poller`` over every socket and one timer heap
+- ONE I/O thread per process: one epoll selector over every socket and one timer heap
   over every core's ``next_deadline()``. Effects go through the same
-  ``EffectInterpreter`` (one per virtual rank) and the same socket and send code as
-  ``shell/probe_thread.py`` (``router_socket``, ``parent_socket``, ``send_effect``).
+  ``EffectInterpreter`` (one per virtual rank), and each rank's sockets, codec and limits
+  are the probe thread's ``shell.endpoint.RankEndpoint``; the ranks of a process share
+  one refusal rate limit and one memory trim, as the ranks of a real process would.
 - SQL tasks run on a small worker pool of the process, over one DuckDB engine of the
   process (a DuckDB database per rank costs ~4 MB and 8 threads: 128 of them would be
   the benchmark's whole footprint). Every rank still runs its own scans.
@@ -52,18 +53,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import zmq
 
 from .. import wire
 from ..config import Identity, Settings, load_settings
-from ..effects import PARENT, RunSqlTask, Send, StoreOp
-from ..query_tasks import RankScan
+from ..effects import RunSqlTask, Send, StoreOp
 from ..interpreter import EffectInterpreter
+from ..query_tasks import RankScan
 from ..rank_core import RankCore
 from ..shell import connfile
+from ..shell.endpoint import MemoryTrim, RankEndpoint, RefusalLimit, WakePipe, has_message, probe_context
 from ..shell.pidwatch import PidWatch
-from ..shell.probe_thread import parent_socket, probe_context, recv_frames, router_socket, send_effect
 from ..shell.sql_tasks import SqlTaskRunner
 from ..summaries import parse_ranks
 from .sim import SimTables
@@ -72,9 +72,6 @@ __all__ = ["VirtualHost", "VirtualJob", "rows_of", "table_of", "endpoint_of", "r
 
 log = logging.getLogger("kernel_probe.vhost")
 
-MAX_BATCH = 256  # messages per socket per wake-up, as in the probe thread
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-REFUSALS_PER_SEC = 20
 GROUPS = 8  # distinct values of t.g
 
 
@@ -153,19 +150,17 @@ class _HostPids:
 
 
 class VirtualProbe(EffectInterpreter):
-    """One virtual rank: its core, codec, sockets and SQL runner; the host's thread runs it."""
+    """One virtual rank: its core, endpoint and SQL runner; the host's thread runs it."""
 
     def __init__(self, host: "VirtualHost", rank: int, identity: Identity, endpoint: str) -> None:
         self.host, self.rank = host, rank
         self.incarnation = f"v{rank}-{uuid.uuid4().hex[:12]}"
-        self.codec = wire.Codec(host.key, sender=f"rank{rank}", incarnation=self.incarnation, limits=host.limits)
-        self.router = router_socket(host.ctx, host.limits)
-        self.router.bind(endpoint)
-        self.parent_sock: zmq.Socket | None = None
+        codec = wire.Codec(host.key, sender=f"rank{rank}", incarnation=self.incarnation)
+        self.net = RankEndpoint(self, host.ctx, codec, host.run_id, refusals=host.refusals, trim=host.trim)
+        self.net.router.bind(endpoint)
         self.core = RankCore(identity=identity, settings=host.settings, endpoint=endpoint, pid=os.getpid(),
                              incarnation=self.incarnation, now=time.time())
-        self.core.info_extras = lambda: {"rejected": {k: n for k, n in self.codec.rejected.items() if n},
-                                         "store": ""}
+        self.core.info_extras = lambda: {"rejected": self.net.rejected(), "store": ""}
         tags = {"_rank": rank, "_node": identity.node, "_host": identity.host,
                 "_local_rank": identity.local_rank}
         s = host.settings
@@ -182,16 +177,15 @@ class VirtualProbe(EffectInterpreter):
         return self.host.stopping
 
     def send(self, effect: Send) -> None:
-        send_effect(self, self.codec, self.router, self.parent_sock, effect)
+        self.net.send(effect)
 
     def connect_parent(self, endpoint: str | None) -> None:
-        if self.parent_sock is not None:
-            self.host.forget_socket(self.parent_sock)
-            self.parent_sock.close(0)
-            self.parent_sock = None
-        if endpoint:
-            self.parent_sock = parent_socket(self.host.ctx, endpoint)
-            self.host.add_socket(self.parent_sock, self, "parent")
+        net = self.net
+        if net.parent is not None:
+            self.host.forget_socket(net.parent)
+        net.connect_parent(endpoint)
+        if net.parent is not None:
+            self.host.add_socket(net.parent, self, "parent")
 
     def watch_pid(self, key: object, pid: int) -> None:
         self.host.pids.watch(self.rank, key, pid)
@@ -208,38 +202,6 @@ class VirtualProbe(EffectInterpreter):
     def run_store_op(self, op: StoreOp) -> object:
         return {"error": "a virtual host has a fixed tree and no store"}
 
-    # --- inputs -----------------------------------------------------------------------
-    def drain_router(self, now: float) -> None:
-        for _ in range(MAX_BATCH):
-            frames = recv_frames(self.router)
-            if frames is None:
-                return
-            if len(frames) < 2:
-                continue
-            rid, payload = frames[0], frames[1:]
-            try:
-                env = self.codec.decode(payload)
-            except wire.WireError as exc:
-                self.host.refuse(self.router, rid, exc.reason, now)
-                continue
-            self.carry_out(self.core.on_message(env, rid, now))
-
-    def drain_parent(self, now: float) -> None:
-        sock = self.parent_sock
-        for _ in range(MAX_BATCH):
-            if sock is None or sock is not self.parent_sock:
-                return  # a message re-parented us: the old socket is closed
-            frames = recv_frames(sock)
-            if frames is None:
-                return
-            if wire.parse_refusal(frames):
-                continue
-            try:
-                env = self.codec.decode(frames)
-            except wire.WireError:
-                continue
-            self.carry_out(self.core.on_message(env, PARENT, now))
-
 
 class VirtualHost:
     """The ranks ``ranks`` of a ``world``-rank job, run by one thread of this process."""
@@ -253,12 +215,13 @@ class VirtualHost:
         self.key, self.run_id, self.rows = key, run_id, rows
         self.settings = settings or load_settings()
         self.hostname = host or socket.gethostname()
-        self.limits = wire.Limits()
         self.stopping = False
         self.ctx = probe_context()
-        # two sockets a rank: past 511 ranks a process outgrows libzmq's default of 1023 sockets
-        self.ctx.set(zmq.MAX_SOCKETS, max(1024, 2 * len(ranks) + 64))
-        self.ctx.setsockopt(zmq.MAX_SOCKETS, max(1024, 4 * len(ranks) + 64))
+        # two sockets a rank, twice over for parent sockets replaced when a rank re-parents:
+        # a few hundred ranks outgrow libzmq's default of 1023 sockets
+        self.ctx.set(zmq.MAX_SOCKETS, max(1024, 4 * len(ranks) + 64))
+        self.refusals = RefusalLimit()  # the ranks of a process share its budgets
+        self.trim = MemoryTrim()
         # epoll over each socket's ZMQ_FD: zmq_poll walks every socket on every call (~260 here,
         # 0.1-0.4 ms a wake-up, several wake-ups per query); epoll costs what is ready
         self.selector = selectors.DefaultSelector()
@@ -268,13 +231,10 @@ class VirtualHost:
         self._seq = itertools.count()
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (probe, task_id, result) from SQL workers
         self._quick_done: collections.deque = collections.deque()  # the same, of tasks run on the loop
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self.add_socket(self._wake_r, None, "wake")
+        self._wake = WakePipe()
+        self.add_socket(self._wake.fd, None, "wake")
         self._pool = ThreadPoolExecutor(max_workers=max(1, sql_workers), thread_name_prefix="vhost-sql",
                                         initializer=_name_os_thread, initargs=("vhost-sql",))
-        self._refusals: list[float] = []
         self._engine = None
         self._engine_lock = threading.Lock()
         self.probes: dict[int, VirtualProbe] = {}
@@ -320,17 +280,6 @@ class VirtualHost:
             if deadline is not None:
                 heapq.heappush(self._heap, (deadline, next(self._seq), probe.rank))
 
-    def refuse(self, router: zmq.Socket, rid: bytes, reason: str, now: float) -> None:
-        """Tell a peer with the wrong key why it gets no answer (rate-limited, as the probe does)."""
-        self._refusals = [t for t in self._refusals if now - t < 1.0]
-        if len(self._refusals) >= REFUSALS_PER_SEC or reason == "replay":
-            return
-        self._refusals.append(now)
-        try:
-            router.send_multipart([rid, *wire.refusal_frames(reason, self.run_id)], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-
     def run_sql(self, probe: VirtualProbe, task: RunSqlTask) -> None:
         result = probe.sql.quick(task.task)  # small Arrow work here, as a probe does
         if result is not None:
@@ -354,10 +303,7 @@ class VirtualHost:
 
     def _post(self, probe: VirtualProbe, task_id: str, result: dict) -> None:
         self._done.put((probe, task_id, result))
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full: the loop is awake anyway
+        self._wake.wake()
 
     # --- life ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -368,7 +314,7 @@ class VirtualHost:
                              node=node, node_count=self.world // self.per_node, host=self.hostname,
                              run_id=self.run_id)
             probe = VirtualProbe(self, r, ident, endpoint_of(r, self.base_port))
-            self.add_socket(probe.router, probe, "router")
+            self.add_socket(probe.net.router, probe, "router")
             self.probes[r] = probe
         now = self.started = time.time()
         root = endpoint_of(0, self.base_port)
@@ -383,11 +329,9 @@ class VirtualHost:
 
     def _write_connection_file(self) -> None:
         probe = self.probes[0]
-        info = connfile.ConnectionInfo(
-            endpoint=probe.core.endpoint, run_id=self.run_id, world_size=self.world, pid=os.getpid(),
-            pid_create_time=psutil.Process().create_time(), host=self.hostname, incarnation=probe.incarnation,
-            key=self.key.hex(), started=time.time(), protocol=wire.PROTOCOL_VERSION)
-        self.connection_file = str(connfile.write(self.settings.runtime_dir, info))
+        self.connection_file = probe.net.write_connection_file(
+            self.settings.runtime_dir, address=probe.core.endpoint, key=self.key, world_size=self.world,
+            started=time.time(), host=self.hostname)
 
     def run(self, stop: threading.Event | None = None, on_converged: Any = None) -> None:
         """The one I/O loop of every virtual rank here, until ``stop`` is set."""
@@ -419,10 +363,10 @@ class VirtualHost:
                 if kind == "wake":
                     self._drain_done(now, touched)
                 elif kind == "router":
-                    probe.drain_router(now)
+                    probe.net.drain_router(now)
                     touched[probe.rank] = probe
                 elif kind == "parent":
-                    probe.drain_parent(now)
+                    probe.net.drain_parent(now)
                     touched[probe.rank] = probe
             self._settle(touched)
             if now >= next_sample:
@@ -445,8 +389,10 @@ class VirtualHost:
             # arrived meanwhile without a signal: ask every socket used in this wake-up (a send
             # happens only on the sockets of a touched rank) whether a message is waiting.
             pending = [(sock, probe, kind) for probe in touched.values()
-                       for sock, kind in ((probe.router, "router"), (probe.parent_sock, "parent"))
-                       if sock is not None and sock.getsockopt(_EVENTS) & _POLLIN]
+                       for sock, kind in ((probe.net.router, "router"), (probe.net.parent, "parent"))
+                       if sock is not None and has_message(sock)]
+            if self.trim.due(now):
+                self.trim.release(now)
             if root is not None and self.converged_at is None and root.core.converged_at is not None:
                 self.converged_at = root.core.converged_at
                 if on_converged is not None:
@@ -459,11 +405,7 @@ class VirtualHost:
             touched[probe.rank] = probe
 
     def _drain_done(self, now: float, touched: dict[int, VirtualProbe]) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
+        self._wake.clear()
         while True:
             try:
                 probe, task_id, result = self._done.get_nowait()
@@ -475,7 +417,7 @@ class VirtualHost:
     def close(self) -> None:
         """Say goodbye upwards, remove the connection file, close every socket."""
         for probe in self.probes.values():
-            if probe.parent_sock is not None:
+            if probe.net.parent is not None:
                 for effect in probe.core.goodbye():
                     probe.send(effect)
         self.stopping = True
@@ -488,9 +430,7 @@ class VirtualHost:
             for name, prof in list(self._profiles.items()):
                 prof.dump_stats(os.path.join(self.profile_dir, f"vhost-{tag}-{name}.prof"))
         for probe in self.probes.values():
-            for sock in (probe.parent_sock, probe.router):
-                if sock is not None:
-                    sock.close(0)
+            probe.net.close()
         self.ctx.term()
 
 

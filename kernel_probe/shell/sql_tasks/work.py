@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 from ... import wire
 from ...membership import ALIVE, STALLED
 from ...query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlTask, Warm
+from ...tables.arrow_ipc import ipc_to_table, table_to_ipc
 from ...tables.convert import array, scalar
 from .routing import QUICK_MAX_ROWS, Facts
 
@@ -183,12 +184,12 @@ def busy(message: str) -> dict:
 
 def _encode(scans: Mapping[str, Any]) -> dict:
     names = list(scans)
-    return {"scans": names, "buffers": [NONE if scans[n] is None else wire.table_to_ipc(scans[n]) for n in names],
+    return {"scans": names, "buffers": [NONE if scans[n] is None else table_to_ipc(scans[n]) for n in names],
             "rows": [0 if scans[n] is None else scans[n].num_rows for n in names]}  # a broker's relay decision
 
 
 def _decode(parts: list[dict]) -> list[dict[str, Any]]:
-    return [{n: (None if b == NONE else wire.ipc_to_table(b)) for n, b in zip(p["scans"], p["buffers"])}
+    return [{n: (None if b == NONE else ipc_to_table(b)) for n, b in zip(p["scans"], p["buffers"])}
             for p in parts]
 
 
@@ -391,7 +392,7 @@ class SqlWork:
 
     def _shipped_scan(self, task: ShippedScan, facts: Facts, engine: Any = None) -> dict:
         """A rank's scans over the tables it shipped, under its tags."""
-        tables = {n: wire.ipc_to_table(b) for n, b in zip(task.tables, task.buffers) if b != NONE}
+        tables = {n: ipc_to_table(b) for n, b in zip(task.tables, task.buffers) if b != NONE}
         run = self._scans(task.plan, tables, _leaf_tags(task.tags), task.params, task.deadline)
         return _encode(run(engine=engine or self.engine))
 
@@ -451,12 +452,12 @@ class SqlWork:
         root_tables = _Lazy({"nodes": lambda: nodes_arrow(nodes or [])})
         table = finish(plan, engine, merged, root_tables, params=task.params, deadline=task.deadline,
                        row_cap=self.row_cap, shapes=self.shapes)
-        out = {"buffers": [wire.table_to_ipc(table)], "columns": table.column_names}
+        out = {"buffers": [table_to_ipc(table)], "columns": table.column_names}
         inputs = merged.get(plan.shape) if task.shape and plan.shape is not None else None
         if inputs is not None:  # for the rank whose engine process this is (learn_shape)
             shape = self.shapes.get(self._shape_key(plan, inputs, task.params))
             if shape is not None:
-                out["shape"] = [wire.table_to_ipc(inputs.slice(0, 0)), wire.table_to_ipc(shape)]
+                out["shape"] = [table_to_ipc(inputs.slice(0, 0)), table_to_ipc(shape)]
         return out
 
     def _shape_key(self, plan: Any, inputs: Any, params: Any) -> tuple:
@@ -491,7 +492,7 @@ class SqlWork:
         if "shape" not in result:
             return
         try:
-            inputs, shape = (wire.ipc_to_table(b) for b in result["shape"])
+            inputs, shape = (ipc_to_table(b) for b in result["shape"])
             key = self._shape_key(self.plan_of(task.plan), inputs, task.params)
             if self.shapes.get(key) is None:
                 self.shapes.put(key, shape)

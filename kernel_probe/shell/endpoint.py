@@ -1,0 +1,319 @@
+"""The sockets of one rank and everything that crosses them.
+
+A ``RankEndpoint`` is the ROUTER a rank binds (children and clients dial it) and the
+DEALER it dials its parent with, the ``wire.Codec`` that signs and checks what crosses
+them, and the rules of a hostile network: at most ``MAX_BATCH`` messages per socket per
+wake-up, every bad message counted (and its bytes, for ``MemoryTrim``), unsigned refusals
+rate-limited. Its shell (an ``EffectInterpreter`` driving a ``RankCore``) polls the
+sockets and calls ``drain_router``/``drain_parent``; the endpoint feeds each good message
+to the core and carries out what the core answers. The probe thread has one endpoint;
+a virtual host (``testing.vhost``) has one per virtual rank, sharing one ``RefusalLimit``
+and one ``MemoryTrim`` per process. ``WakePipe`` is how other threads wake either loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any, Callable
+
+import zmq
+
+from .. import wire
+from ..effects import PARENT, Send
+from ..interpreter import EffectInterpreter
+from . import connfile
+from .pidwatch import create_time, proc_stat
+
+log = logging.getLogger("kernel_probe")
+
+MAX_BATCH = 256  # messages handled per socket per wake-up, so no peer can starve the timers
+REFUSALS_PER_SEC = 20  # unsigned refusals are cheap to trigger: never amplify a flood
+# Bad messages are short-lived buffers allocated on libzmq's I/O thread and copied on ours;
+# glibc keeps what is freed in its arenas. The 1 MiB frame cap (wire rule 3) bounds what stays
+# at an arena's top; what sits in its free lists goes back to the OS: after this many rejected
+# bytes, or once a burst of them is over, at most once a second.
+TRIM_AFTER_BYTES = 4 * 2**20
+TRIM_EVERY_SEC = 1.0
+
+# plain ints: pyzmq's flag enums cost an enum operation per frame
+_NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
+_RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def probe_context() -> zmq.Context:
+    """A ZeroMQ context whose I/O thread runs as SCHED_BATCH (Linux): woken by each message we
+    send, it would otherwise preempt the thread that sent it (the kernel favours a waking
+    thread), and on a busy machine that costs each message's last frame ~30-150 us; nor does it
+    preempt the training threads then. Elsewhere, the default policy."""
+    ctx = zmq.Context()
+    batch = getattr(os, "SCHED_BATCH", None)
+    if batch is not None and hasattr(zmq, "THREAD_SCHED_POLICY"):
+        try:
+            ctx.set(zmq.THREAD_SCHED_POLICY, batch)  # before the first socket starts the thread
+        except zmq.ZMQError:
+            pass
+    return ctx
+
+
+def router_socket(ctx: zmq.Context, limits: wire.Limits) -> zmq.Socket:
+    """The ROUTER a rank binds: children and clients dial it."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)  # longer frames: the peer is cut off (see wire rule 3)
+    router.setsockopt(zmq.SNDHWM, 1000)
+    router.setsockopt(zmq.RCVHWM, 1000)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
+    return router
+
+
+def parent_socket(ctx: zmq.Context, endpoint: str, limits: wire.Limits) -> zmq.Socket:
+    """A DEALER dialing the parent at ``endpoint``."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a parent that is not there
+    sock.setsockopt(zmq.SNDHWM, 16)
+    sock.setsockopt(zmq.RCVHWM, 1000)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    sock.connect(endpoint)
+    return sock
+
+
+def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
+    """``sock.send_multipart(frames, zmq.NOBLOCK)`` at a third of its cost (no per-frame checks:
+    the codec made every frame bytes). A multipart message is atomic: only the first frame
+    can raise (zmq.Again at the high-water mark, EHOSTUNREACH for an unknown ROUTER peer)."""
+    send, last = sock.send, len(frames) - 1
+    for i in range(last):
+        send(frames[i], _SNDMORE_NOBLOCK)
+    send(frames[last], _NOBLOCK)
+
+
+def has_message(sock: zmq.Socket) -> bool:
+    """Whether a message waits on ``sock`` (its FD signals only new activity: a send can take
+    in what arrived meanwhile without a signal)."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+
+
+def recv_frames(sock: zmq.Socket) -> list[bytes] | None:
+    """One whole message from ``sock``, or None when none is waiting (asked of the socket,
+    not learnt from a raised zmq.Again at the end of every drain)."""
+    if not sock.getsockopt(_EVENTS) & _POLLIN:
+        return None
+    recv, more = sock.recv, sock.getsockopt
+    try:
+        frames = [recv(_NOBLOCK)]
+    except zmq.Again:
+        return None
+    while more(_RCVMORE):
+        frames.append(recv(_NOBLOCK))
+    return frames
+
+
+class RefusalLimit:
+    """At most ``per_sec`` unsigned refusals in any second, for every endpoint sharing it."""
+
+    def __init__(self, per_sec: int = REFUSALS_PER_SEC) -> None:
+        self.per_sec = per_sec
+        self._sent: list[float] = []
+
+    def allow(self, now: float) -> bool:
+        self._sent = [t for t in self._sent if now - t < 1.0]
+        if len(self._sent) >= self.per_sec:
+            return False
+        self._sent.append(now)
+        return True
+
+
+_NOT_LOOKED_UP: Any = object()
+_malloc_trim: Any = _NOT_LOOKED_UP  # glibc's, found on first use (ctypes is not loaded before)
+
+
+def malloc_trim() -> Callable[[int], int] | None:
+    global _malloc_trim
+    if _malloc_trim is _NOT_LOOKED_UP:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = None
+    return _malloc_trim
+
+
+class MemoryTrim:
+    """Rejected bytes since the last trim, and giving their memory back (one per process:
+    glibc's arenas are the process's)."""
+
+    def __init__(self) -> None:
+        self.rejected_bytes = 0  # since the last trim
+        self.trims = 0
+        self._last_reject = 0.0
+        self._next_trim = 0.0
+
+    def rejected(self, nbytes: int, now: float) -> None:
+        self.rejected_bytes += nbytes
+        self._last_reject = now
+
+    def due(self, now: float) -> bool:
+        return bool(self.rejected_bytes) and now >= self._next_trim and (
+            self.rejected_bytes >= TRIM_AFTER_BYTES or now - self._last_reject >= TRIM_EVERY_SEC)
+
+    def release(self, now: float) -> None:
+        self.rejected_bytes = 0
+        self._next_trim = now + TRIM_EVERY_SEC
+        trim = malloc_trim()
+        if trim is not None:  # glibc only; elsewhere the memory is merely kept
+            trim(0)  # a ctypes.CDLL call: the GIL is released meanwhile
+            self.trims += 1
+
+
+class RankEndpoint:
+    """One rank's ROUTER (bound by the caller), its parent DEALER and its codec."""
+
+    def __init__(self, shell: EffectInterpreter, ctx: zmq.Context, codec: wire.Codec, run_id: str, *,
+                 refusals: RefusalLimit | None = None, trim: MemoryTrim | None = None) -> None:
+        self.shell = shell
+        self.ctx = ctx
+        self.codec = codec
+        self.run_id = run_id
+        self.refusals = refusals or RefusalLimit()
+        self.trim = trim or MemoryTrim()
+        self.router = router_socket(ctx, codec.limits)
+        self.parent: zmq.Socket | None = None
+        self.dropped = 0  # messages that never reached the codec (no routing id and payload)
+
+    # --- inputs ---------------------------------------------------------------------------
+    def drain_router(self, now: float) -> None:
+        """Feed the core what children and clients sent; refuse what does not authenticate."""
+        core, carry_out, router = self.shell.core, self.shell.carry_out, self.router
+        for _ in range(MAX_BATCH):
+            frames = recv_frames(router)
+            if frames is None:
+                return
+            if len(frames) < 2:
+                self.dropped += 1
+                continue
+            rid, payload = frames[0], frames[1:]
+            try:
+                env = self.codec.decode(payload)
+            except wire.WireError as exc:
+                self.trim.rejected(sum(map(len, payload)), now)
+                self.refuse(rid, exc.reason, now)
+                continue
+            carry_out(core.on_message(env, rid, now))
+
+    def drain_parent(self, now: float) -> None:
+        """Feed the core what the parent sent."""
+        sock = self.parent
+        for _ in range(MAX_BATCH):
+            if sock is None or sock is not self.parent:
+                return  # a message re-parented us: the old socket is closed
+            frames = recv_frames(sock)
+            if frames is None:
+                return
+            refusal = wire.parse_refusal(frames)
+            if refusal:
+                log.warning("probing: parent refused our report (%s): peers disagree on the key", refusal[0])
+                continue
+            try:
+                env = self.codec.decode(frames)
+            except wire.WireError:
+                continue
+            self.shell.carry_out(self.shell.core.on_message(env, PARENT, now))
+
+    def refuse(self, rid: bytes, reason: str, now: float) -> None:
+        """Tell a peer with the wrong key why it gets no answer (never a replay: that peer has the key)."""
+        if reason == "replay" or not self.refusals.allow(now):
+            return
+        try:
+            self.router.send_multipart([rid, *wire.refusal_frames(reason, self.run_id)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def rejected(self) -> dict:
+        """Bad messages dropped so far, by reason: the codec's counts plus those dropped before it."""
+        counts = {reason: n for reason, n in self.codec.rejected.items() if n}
+        if self.dropped:
+            counts["dropped"] = self.dropped
+        return counts
+
+    # --- outputs --------------------------------------------------------------------------
+    def send(self, effect: Send) -> None:
+        """Carry out one Send: up the parent DEALER, or back through the ROUTER."""
+        try:
+            frames = self.codec.encode(effect.msg)
+        except ValueError as exc:
+            log.warning("probing: not sending %s: %s", effect.msg.type, exc)
+            return
+        if effect.to is PARENT:
+            try:
+                if self.parent is None:
+                    raise zmq.Again()
+                send_frames(self.parent, frames)
+            except zmq.ZMQError:
+                if effect.msg.type == "heartbeat":
+                    shell = self.shell
+                    shell.carry_out(shell.core.on_send_failed(shell.now()))
+            return
+        try:
+            send_frames(self.router, [effect.to, *frames])
+        except zmq.ZMQError:
+            pass  # the peer left or is flooded: replies are best effort, the peer retries
+
+    def connect_parent(self, endpoint: str | None) -> None:
+        """Close the parent DEALER (its shell stopped polling it) and dial ``endpoint``, if any."""
+        if self.parent is not None:
+            self.parent.close(0)
+            self.parent = None
+        if endpoint:
+            self.parent = parent_socket(self.ctx, endpoint, self.codec.limits)
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.router] if self.parent is None else [self.router, self.parent]
+
+    def close(self) -> None:
+        for sock in self.sockets():
+            sock.close(0)
+        self.parent = None
+
+    # --- the root's connection file ---------------------------------------------------------
+    def write_connection_file(self, runtime_dir: str, *, address: str, key: bytes, world_size: int,
+                              started: float, store: str = "", host: str | None = None) -> str:
+        """Write the file a client on this machine finds the job by; its path."""
+        pid = os.getpid()
+        info = connfile.ConnectionInfo(
+            endpoint=address, run_id=self.run_id, world_size=world_size, pid=pid, pid_create_time=create_time(pid),
+            host=host or socket.gethostname(), incarnation=self.codec.incarnation,
+            key=key.hex(), started=started, protocol=wire.PROTOCOL_VERSION, store=store,
+            pid_start_ticks=(proc_stat(pid) or (None, None))[1],
+        )
+        return str(connfile.write(runtime_dir, info))
+
+
+class WakePipe:
+    """How other threads wake an I/O loop out of its poll: a byte in a pipe whose read end
+    the loop polls. Never closed: another thread may still write, and a closed fd number
+    could be reused by the process for something we must not write to."""
+
+    def __init__(self) -> None:
+        self.fd, self._write_fd = os.pipe()  # the loop polls ``fd``
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._write_fd, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full: the loop is awake anyway
+
+    def clear(self) -> None:
+        """Empty the pipe (the loop, before it takes what it was woken for)."""
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
