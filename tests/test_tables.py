@@ -241,10 +241,17 @@ def test_collectives_are_timed_without_changing_behaviour(torch, tmp_path):
             assert type(wrapped_exc.value) is type(original_exc.value)
             assert str(wrapped_exc.value) == str(original_exc.value)
 
-        rows = t.arrow("collectives").to_pylist()
+        every = t.arrow("collectives").to_pylist()
+        rows = [r for r in every if r["source"] == "python"]
         assert [(r["op"], r["bytes"], r["async_op"]) for r in rows] == [
             ("all_reduce", 16, False), ("all_reduce", 16, True), ("broadcast", 48, False), ("barrier", 0, False)]
         assert all(r["duration_ms"] >= 0 and abs(r["ts"] - time.time()) < 60 for r in rows)
+        assert all(r["group_id"] is None and r["collective_seq_id"] is None for r in rows)
+        # torch's flight recorder saw the same calls on this group (and keeps other tests' groups)
+        group = [r for r in every if r["source"] == "flight_recorder" and r["ts"] >= rows[0]["ts"] - 1]
+        assert [(r["op"], r["bytes"], r["input_dtypes"]) for r in group][:3] == [
+            ("all_reduce", 16, '["Float"]'), ("all_reduce", 16, '["Float"]'), ("broadcast", 48, '["Double"]')]
+        assert [r["collective_seq_id"] for r in group] == list(range(1, len(group) + 1))
     finally:
         t.close()
         dist.destroy_process_group()
@@ -380,7 +387,8 @@ def test_catalog_lists_every_table_and_column(torch, tables):
     for name, columns in listed.items():
         schema = tables.arrow(name).schema
         assert columns == [(f.name, str(f.type)) for f in schema], name
-    assert listed["tables"] == [("table_name", "string"), ("column_name", "string"), ("column_type", "string")]
+    assert listed["tables"] == [("table_name", "string"), ("column_name", "string"), ("column_type", "string"),
+                                ("note", "string")]
     assert listed["mine"] == [("k", "int64"), ("v", "string")]
     assert listed["metrics"] == [("ts", "double"), ("step", "int64"), ("loss", "double")]
 
@@ -391,7 +399,9 @@ def test_empty_tables_keep_their_schema():
     assert steps.num_rows == 0
     assert [(f.name, str(f.type)) for f in steps.schema] == [("step", "int64"), ("start", "double"), ("duration_ms", "double")] + [
         (phase, "double") for phase in ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms")]
-    assert [str(f.type) for f in t.arrow("collectives").schema] == ["double", "string", "int64", "double", "bool"]
+    assert [str(f.type) for f in t.arrow("collectives").schema][:6] == ["double", "string", "int64", "double", "bool",
+                                                                       "string"]
+    assert t.arrow("collectives").column_names[5] == "source" and t.arrow("process_groups").num_columns == 8
     assert t.arrow("memory").num_columns == 6 and t.arrow("metrics").column_names == ["ts"]
 
     duckdb = pytest.importorskip("duckdb")
