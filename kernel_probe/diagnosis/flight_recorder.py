@@ -18,6 +18,7 @@ read (torch not loaded, no recorder in this build, the recorder off).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
@@ -76,8 +77,6 @@ def _text(value: Any) -> str | None:
 
 def _json_text(value: Any) -> str | None:
     """Sizes and dtypes as JSON text (one text column compares across ranks in SQL)."""
-    import json
-
     if not isinstance(value, list):
         return None
     try:
@@ -153,8 +152,6 @@ def _entry_row(entry: Mapping) -> dict[str, Any]:
 
 def _ranks_text(ranks: Any) -> str | None:
     """pg_config's "[0, 1]" or a list of ints as JSON text; None when no rank is known."""
-    import json
-
     if isinstance(ranks, str):
         try:
             ranks = json.loads(ranks)
@@ -199,6 +196,8 @@ def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], per_grou
             backend, _op = _backend_and_op(entry.get("profiling_name"))
             identity = (row["group_id"], row["group_name"], _text(entry.get("profiling_name")), row["collective_seq_id"],
                         row["p2p_seq_id"], row["op_id"], _int(entry.get("time_created_ns")))
+            if row["group_id"] is not None:
+                ids_seen.add(row["group_id"])
             if identity in seen:
                 continue
             seen.add(identity)
@@ -211,8 +210,6 @@ def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], per_grou
                     "backend": key[2] or _text(world.get("backend")),
                     **_status(status.get(str(row["group_id"]))),
                 }
-            if row["group_id"] is not None:
-                ids_seen.add(row["group_id"])
             kept.setdefault(key, []).append(((_int(entry.get("record_id")) or 0, row["ts"] or 0.0), row))
         for pg_id, st in status.items():  # groups whose entries the ring no longer holds
             gid = _int(pg_id)
@@ -306,8 +303,6 @@ def world_groups() -> list[dict[str, Any]]:
 
 def dumps() -> tuple[dict[str, Any], list[str]]:
     """The parsed dumps of this process's recorders, and a line per dump that failed."""
-    import json
-
     c10d = loaded_torch_module("torch._C._distributed_c10d")
     found: dict[str, Any] = {}
     failed: list[str] = []
