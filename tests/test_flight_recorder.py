@@ -240,3 +240,18 @@ def test_this_process_recorder_is_read_only_when_torch_is_loaded():
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "no flight recorder: torch is not loaded in this process False"
+
+
+def test_torchs_ranks_go_to_the_live_group_of_a_reused_name():
+    """A process group made again (destroyed, then initialised anew) reuses its name under a new
+    id: torch.distributed's ranks describe the newest one only."""
+    dump = copy.deepcopy(captured("train", 0)["dump"])
+    again = copy.deepcopy([e for e in dump["entries"] if e["pg_id"] == 0])
+    for e in again:
+        e["pg_id"], e["time_created_ns"] = 2, e["time_created_ns"] + 10**9
+    dump["entries"] += again
+    dump["pg_status"]["2"] = dict(dump["pg_status"]["0"])
+    _coll, groups = fr.rows({"fr": dump}, [{"name": "0", "desc": "default_pg", "ranks": [0, 1], "backend": "gloo"}], 10)
+    by_id = {g[0]: dict(zip(GROUP_COLUMNS, g)) for g in groups}
+    assert (by_id[2]["ranks"], by_id[0]["ranks"], by_id[1]["ranks"]) == ("[0, 1]", None, None)
+    assert by_id[0]["backend"] == by_id[2]["backend"] == "gloo"  # from its entries

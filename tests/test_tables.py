@@ -506,7 +506,8 @@ def _same(a: list, b: list) -> bool:
 def test_settings_for_tables():
     s = load_settings({})
     assert (s.steps_rows, s.metrics_rows, s.memory_rows, s.collectives_rows) == (10000, 10000, 3600, 10000)
-    assert s.memory_sample_sec == 5.0 and s.collectives is True
+    assert s.memory_sample_sec == 5.0 and s.collectives is True and s.flight_recorder_rows == 2000
+    assert load_settings({"PROBING_FLIGHT_RECORDER_ROWS": "5"}).flight_recorder_rows == 5
     s = load_settings({"PROBING_STEPS_ROWS": "50", "PROBING_MEMORY_SAMPLE_SEC": "0.5", "PROBING_COLLECTIVES": "0"})
     assert (s.steps_rows, s.memory_sample_sec, s.collectives) == (50, 0.5, False)
     with pytest.warns(RuntimeWarning):
@@ -531,3 +532,23 @@ def test_the_catalog_never_calls_a_user_callable():
     assert cols == ["a", "b"] and calls == [1]
     t.table("slow", lambda: [{"c": 2.0}])  # replaced: its old columns are forgotten
     assert not [r for r in t.arrow("tables").to_pylist() if r["table_name"] == "slow"]
+
+
+def test_flight_recorder_rows_per_group_come_from_the_setting(torch):
+    import torch.distributed as dist
+
+    t = make_tables(flight_recorder_rows=2)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        start = time.time()
+        for _ in range(4):
+            dist.all_reduce(torch.ones(2))
+        # this process's earlier groups (other tests') are in the recorder too, under other ids
+        mine = [r for r in t.arrow("collectives").to_pylist() if r["source"] != "python" and r["ts"] >= start]
+        assert [r["collective_seq_id"] for r in mine] == [3, 4]  # the newest two of this group
+        (group,) = [g for g in t.arrow("process_groups").to_pylist() if g["group_id"] == mine[0]["group_id"]]
+        assert (group["ranks"], group["backend"], group["last_enqueued"], group["last_completed"]) == ("[0]", "gloo", 4, 4)
+        assert t.plain("process_groups").num_rows == t.arrow("process_groups").num_rows
+    finally:
+        t.close()
+        dist.destroy_process_group()

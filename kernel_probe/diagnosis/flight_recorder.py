@@ -203,11 +203,9 @@ def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], per_grou
             seen.add(identity)
             key = (row["group_id"], row["group_name"], backend or (kind if kind != "fr" else None))
             if key not in group_rows:
-                world = by_name.get(row["group_name"], {})
                 group_rows[key] = {
                     "group_id": row["group_id"], "group_name": row["group_name"], "group_desc": row["group_desc"],
-                    "ranks": config_ranks.get(row["group_name"]) or _ranks_text(world.get("ranks")),
-                    "backend": key[2] or _text(world.get("backend")),
+                    "ranks": config_ranks.get(row["group_name"]), "backend": key[2],
                     **_status(status.get(str(row["group_id"]))),
                 }
             kept.setdefault(key, []).append(((_int(entry.get("record_id")) or 0, row["ts"] or 0.0), row))
@@ -218,12 +216,16 @@ def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], per_grou
             key = (gid, None, kind if kind != "fr" else None)
             group_rows.setdefault(key, {"group_id": gid, "group_name": None, "group_desc": None, "ranks": None,
                                         "backend": key[2], **_status(st)})
-    named = {g["group_name"] for g in group_rows.values()}
     for name, world in by_name.items():
-        if name not in named:
-            group_rows[(None, name, None)] = {"group_id": None, "group_name": name, "group_desc": _text(world.get("desc")),
-                                              "ranks": _ranks_text(world.get("ranks")),
-                                              "backend": _text(world.get("backend"))}
+        # a live group's name may also be a destroyed one's (a process group made again): the
+        # live one is the last made, the highest id
+        same = [g for g in group_rows.values() if g["group_name"] == name]
+        if not same:
+            same = [group_rows.setdefault((None, name, None), {"group_id": None, "group_name": name,
+                                                                "group_desc": _text(world.get("desc"))})]
+        live = max(same, key=lambda g: -1 if g["group_id"] is None else g["group_id"])
+        live["ranks"] = live.get("ranks") or _ranks_text(world.get("ranks"))
+        live["backend"] = live.get("backend") or _text(world.get("backend"))
     newest = [item for items in kept.values() for item in sorted(items, key=lambda i: i[0])[-max(0, per_group):]
               ] if per_group > 0 else []
     newest.sort(key=lambda item: (item[1]["ts"] is None, item[1]["ts"] or 0.0, item[0][0]))
