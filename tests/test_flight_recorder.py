@@ -255,3 +255,28 @@ def test_torchs_ranks_go_to_the_live_group_of_a_reused_name():
     by_id = {g[0]: dict(zip(GROUP_COLUMNS, g)) for g in groups}
     assert (by_id[2]["ranks"], by_id[0]["ranks"], by_id[1]["ranks"]) == ("[0, 1]", None, None)
     assert by_id[0]["backend"] == by_id[2]["backend"] == "gloo"  # from its entries
+
+
+def test_rows_are_read_again_only_once_a_groups_status_moved(monkeypatch):
+    """A dump holds the GIL while torch writes it: while no group's status moves (a stuck job),
+    the rows of the last read are given again; the status alone is asked each time."""
+    dump = captured("late", 0)["dump"]
+    calls = []
+
+    def dump_json(include_collectives, only_active):
+        calls.append(include_collectives)
+        return json.dumps(dump if include_collectives else {k: v for k, v in dump.items() if k != "entries"}).encode()
+
+    c10d = types.SimpleNamespace(_dump_fr_trace_json=dump_json)
+    monkeypatch.setattr(fr, "torch_initialized", lambda: True)
+    monkeypatch.setattr(fr, "loaded_torch_module", lambda name: c10d if name == "torch._C._distributed_c10d" else None)
+    reader = fr.Reader()
+    first = reader.read(10, environ={})
+    assert reader.read(10, environ={}) is first and calls == [False, True, False]
+    dump = copy.deepcopy(dump)
+    dump["pg_status"]["0"]["last_completed_collective"] = "9"  # the late rank arrived
+    moved = reader.read(10, environ={})
+    assert calls[3:] == [False, True] and moved is not first
+    assert {g[1]: g[7] for g in moved.process_groups}["0"] == 9
+    reader.read(5, environ={})  # another bound: read again
+    assert calls[5:] == [False, True]

@@ -78,6 +78,7 @@ class LocalTables:
         self._user: dict[str, Any] = {}
         self._providers: dict[str, Callable[[], Any]] = {}
         self._last_stacks: tuple[list, Any] | None = None  # (rows, their table)
+        self._recorder: Any = None  # diagnosis.flight_recorder.Reader, made by the first query that reads it
         self._recorder_failed: str | None = None  # the last read of torch's flight recorder: why it gave nothing
         # schemas of user callables as of their last call: the catalog never calls one (a slow
         # callable would hold every query, even those that never read it)
@@ -293,7 +294,9 @@ class LocalTables:
         """torch's flight recorder now (only when a query reads it: never on a training thread)."""
         from ..diagnosis import flight_recorder
 
-        recorded = flight_recorder.read(self.settings.flight_recorder_rows)
+        if self._recorder is None:
+            self._recorder = flight_recorder.Reader()
+        recorded = self._recorder.read(self.settings.flight_recorder_rows)
         self._recorder_failed = recorded.note
         return recorded
 
