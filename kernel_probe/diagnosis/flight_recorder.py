@@ -12,8 +12,9 @@ group with its ranks (NCCL), else from torch.distributed's own table of groups.
 
 ``rows`` is pure: dumps and groups in, rows out. ``Reader`` is the I/O around it: it looks up
 the torch this process already loaded (it never imports torch), is for the probe's query
-worker, never a training thread, and reads the entries again only once a group's status moved. ``availability`` says, cheaply, why there is nothing to
-read (torch not loaded, no recorder in this build, the recorder off).
+worker, never a training thread, and reads the entries again only once a group's status
+moved. ``availability`` says, cheaply, why there is nothing to read (torch not loaded, no
+recorder in this build, the recorder off).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def _entry_row(entry: Mapping) -> dict[str, Any]:
         "ts": created / 1e9 if created is not None else None,
         "op": op,
         "bytes": tensor_bytes(entry.get("input_sizes"), entry.get("input_dtypes")),
-        "duration_ms": float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool) else None,
+        "duration_ms": None if isinstance(duration, bool) or not isinstance(duration, (int, float)) else float(duration),
         "async_op": None,
         "source": SOURCE,
         "group_id": _int(entry.get("pg_id")),
@@ -170,7 +171,8 @@ def _entries(value: Any) -> Iterable[Mapping]:
     return (e for e in value if isinstance(e, Mapping)) if isinstance(value, list) else ()
 
 
-def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], per_group: int) -> tuple[list[tuple], list[tuple]]:
+def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]],
+         per_group: int) -> tuple[list[tuple], list[tuple]]:
     """(collectives rows, process_groups rows) of parsed dumps (``{"fr": ..., "nccl": ...}``)
     and torch.distributed's groups (``world_groups()``).
 
@@ -194,8 +196,8 @@ def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], per_grou
         for entry in _entries(dump.get("entries")):
             row = _entry_row(entry)
             backend, _op = _backend_and_op(entry.get("profiling_name"))
-            identity = (row["group_id"], row["group_name"], _text(entry.get("profiling_name")), row["collective_seq_id"],
-                        row["p2p_seq_id"], row["op_id"], _int(entry.get("time_created_ns")))
+            identity = (row["group_id"], row["group_name"], _text(entry.get("profiling_name")),
+                        row["collective_seq_id"], row["p2p_seq_id"], row["op_id"], _int(entry.get("time_created_ns")))
             if row["group_id"] is not None:
                 ids_seen.add(row["group_id"])
             if identity in seen:
@@ -226,8 +228,11 @@ def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], per_grou
         live = max(same, key=lambda g: -1 if g["group_id"] is None else g["group_id"])
         live["ranks"] = live.get("ranks") or _ranks_text(world.get("ranks"))
         live["backend"] = live.get("backend") or _text(world.get("backend"))
-    newest = [item for items in kept.values() for item in sorted(items, key=lambda i: i[0])[-max(0, per_group):]
-              ] if per_group > 0 else []
+    newest: list[tuple[tuple, dict]] = []
+    if per_group > 0:
+        for items in kept.values():
+            items.sort(key=lambda item: item[0])
+            newest.extend(items[-per_group:])
     newest.sort(key=lambda item: (item[1]["ts"] is None, item[1]["ts"] or 0.0, item[0][0]))
     collectives = [tuple(row.get(col) for col in _COLLECTIVE_COLUMNS) for _order, row in newest]
     process_groups = [tuple(g.get(col) for col in _GROUP_COLUMNS) for g in group_rows.values()]
