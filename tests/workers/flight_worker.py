@@ -9,6 +9,8 @@ step, all-reduces a counter on a second group (``side``) from Python. Then, by -
   gradient all-reduce, rank 1 writes its own before it starts that step, then both finish.
 - ``mismatch``: rank 0 calls broadcast where rank 1 calls all_reduce, at the same sequence
   number of the default group; each writes its dump while blocked, then exits.
+- ``p2p``: rank 0 sends a tensor to rank 1 on the default group, then both all-reduce once
+  more; each writes its dump.
 
 A dump is ``<dump-dir>/<scenario>-rank<R>.json``: {"scenario", "rank", "world_size", "torch",
 "dump" (``_dump_fr_trace_json(True, False)``, parsed), "groups" (torch.distributed's groups
@@ -81,7 +83,7 @@ def dump_when_waiting(dump_dir: Path, scenario: str, rank: int, then_exit: bool)
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--scenario", choices=("train", "late", "mismatch"), default="train")
+    p.add_argument("--scenario", choices=("train", "late", "mismatch", "p2p"), default="train")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dump-dir")
     args = p.parse_args()
@@ -120,6 +122,15 @@ def main() -> None:
             wait_for_file(dump_dir / "late-rank0.json")
             write_dump(dump_dir, "late", rank, recorder_dump())
             step()
+        dist.barrier()
+    elif args.scenario == "p2p":
+        tensor = torch.arange(3.0)
+        if rank == 0:
+            dist.send(tensor, dst=1)
+        else:
+            dist.recv(tensor, src=0)
+        dist.all_reduce(torch.ones(2))
+        write_dump(dump_dir, "p2p", rank, recorder_dump())
         dist.barrier()
     else:
         dump_when_waiting(dump_dir, "mismatch", rank, then_exit=True)

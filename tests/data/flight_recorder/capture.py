@@ -2,7 +2,7 @@
 
     python tests/data/flight_recorder/capture.py [--out DIR]
 
-Runs tests/workers/flight_worker.py under torchrun once per scenario (train, late, mismatch)
+Runs tests/workers/flight_worker.py under torchrun once per scenario (train, late, mismatch, p2p)
 and leaves ``<scenario>-rank<R>.json`` in DIR (default: this directory). The reader's unit
 tests (tests/test_flight_recorder.py) read them without starting any process.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent.parent
 WORKER = ROOT / "tests" / "workers" / "flight_worker.py"
-SCENARIOS = ("train", "late", "mismatch")
+SCENARIOS = ("train", "late", "mismatch", "p2p")
 
 
 def capture(out: Path, scenario: str, ranks: int = 2) -> None:
