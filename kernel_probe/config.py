@@ -55,6 +55,9 @@ class Settings:
     collectives_rows: int = 10000  # PROBING_COLLECTIVES_ROWS: `collectives`, one row per call
     memory_sample_sec: float = 5.0  # PROBING_MEMORY_SAMPLE_SEC: `memory` sampling period
     collectives: bool = True  # PROBING_COLLECTIVES: 0 leaves torch.distributed's functions unwrapped
+    # PROBING_FLIGHT_RECORDER_ROWS: `collectives` rows per process group read from torch's flight
+    # recorder at query time (its newest entries; torch's own ring holds TORCH_FR_BUFFER_SIZE in all)
+    flight_recorder_rows: int = 2000
     query_row_cap: int = 1_000_000  # PROBING_QUERY_ROW_CAP: rows one query may ship or return (error past it)
     query_threads: int = 1  # PROBING_QUERY_THREADS: DuckDB threads per rank (the training job owns the cores)
     query_memory: str = "256MB"  # PROBING_QUERY_MEMORY: DuckDB memory limit per rank (no spilling)
@@ -219,6 +222,7 @@ def _parse_settings(env: Mapping[str, str]) -> Settings:
         collectives_rows=int(_number(env, "PROBING_COLLECTIVES_ROWS", 10000, 1)),
         memory_sample_sec=_number(env, "PROBING_MEMORY_SAMPLE_SEC", 5.0, 0.01),
         collectives=_flag(env, "PROBING_COLLECTIVES", True),
+        flight_recorder_rows=int(_number(env, "PROBING_FLIGHT_RECORDER_ROWS", 2000, 1)),
         query_row_cap=int(_number(env, "PROBING_QUERY_ROW_CAP", 1_000_000, 1)),
         query_threads=int(_number(env, "PROBING_QUERY_THREADS", 1, 1)),
         query_memory=_text(env, "PROBING_QUERY_MEMORY") or "256MB",

@@ -76,8 +76,12 @@ def test_names_and_empty_tables():
 
 def test_wire_writes_a_plain_table_without_pyarrow_and_reads_it_back():
     rows = [(1.0, "all_reduce", 4096, 0.25, False), (2.0, None, None, None, True)]
-    data = arrow_ipc.table_to_ipc(convert.plain_table(convert.rows_spec("collectives", rows)))
-    same_tables(arrow_ipc.ipc_to_table(data), convert.rows_table("collectives", rows))
+    recorded = [(3.0, "broadcast", 40, None, None, "flight_recorder", 0, "0", "default_pg", 9, 0, 9, False,
+                 "scheduled", "[[10]]", '["Float"]', "[[10]]", '["Float"]', 1800000)]
+    spec = convert.collectives_spec(rows, recorded)
+    data = arrow_ipc.table_to_ipc(convert.plain_table(spec))
+    same_tables(arrow_ipc.ipc_to_table(data), convert.arrow_table(spec))
+    assert arrow_ipc.ipc_to_table(data).column("source").to_pylist() == ["python", "python", "flight_recorder"]
 
 
 @pytest.fixture

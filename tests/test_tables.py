@@ -241,10 +241,17 @@ def test_collectives_are_timed_without_changing_behaviour(torch, tmp_path):
             assert type(wrapped_exc.value) is type(original_exc.value)
             assert str(wrapped_exc.value) == str(original_exc.value)
 
-        rows = t.arrow("collectives").to_pylist()
+        every = t.arrow("collectives").to_pylist()
+        rows = [r for r in every if r["source"] == "python"]
         assert [(r["op"], r["bytes"], r["async_op"]) for r in rows] == [
             ("all_reduce", 16, False), ("all_reduce", 16, True), ("broadcast", 48, False), ("barrier", 0, False)]
         assert all(r["duration_ms"] >= 0 and abs(r["ts"] - time.time()) < 60 for r in rows)
+        assert all(r["group_id"] is None and r["collective_seq_id"] is None for r in rows)
+        # torch's flight recorder saw the same calls on this group (and keeps other tests' groups)
+        group = [r for r in every if r["source"] == "flight_recorder" and r["ts"] >= rows[0]["ts"] - 1]
+        assert [(r["op"], r["bytes"], r["input_dtypes"]) for r in group][:3] == [
+            ("all_reduce", 16, '["Float"]'), ("all_reduce", 16, '["Float"]'), ("broadcast", 48, '["Double"]')]
+        assert [r["collective_seq_id"] for r in group] == list(range(1, len(group) + 1))
     finally:
         t.close()
         dist.destroy_process_group()
@@ -380,7 +387,8 @@ def test_catalog_lists_every_table_and_column(torch, tables):
     for name, columns in listed.items():
         schema = tables.arrow(name).schema
         assert columns == [(f.name, str(f.type)) for f in schema], name
-    assert listed["tables"] == [("table_name", "string"), ("column_name", "string"), ("column_type", "string")]
+    assert listed["tables"] == [("table_name", "string"), ("column_name", "string"), ("column_type", "string"),
+                                ("note", "string")]
     assert listed["mine"] == [("k", "int64"), ("v", "string")]
     assert listed["metrics"] == [("ts", "double"), ("step", "int64"), ("loss", "double")]
 
@@ -391,7 +399,9 @@ def test_empty_tables_keep_their_schema():
     assert steps.num_rows == 0
     assert [(f.name, str(f.type)) for f in steps.schema] == [("step", "int64"), ("start", "double"), ("duration_ms", "double")] + [
         (phase, "double") for phase in ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms")]
-    assert [str(f.type) for f in t.arrow("collectives").schema] == ["double", "string", "int64", "double", "bool"]
+    assert [str(f.type) for f in t.arrow("collectives").schema][:6] == ["double", "string", "int64", "double", "bool",
+                                                                       "string"]
+    assert t.arrow("collectives").column_names[5] == "source" and t.arrow("process_groups").num_columns == 8
     assert t.arrow("memory").num_columns == 6 and t.arrow("metrics").column_names == ["ts"]
 
     duckdb = pytest.importorskip("duckdb")
@@ -496,7 +506,8 @@ def _same(a: list, b: list) -> bool:
 def test_settings_for_tables():
     s = load_settings({})
     assert (s.steps_rows, s.metrics_rows, s.memory_rows, s.collectives_rows) == (10000, 10000, 3600, 10000)
-    assert s.memory_sample_sec == 5.0 and s.collectives is True
+    assert s.memory_sample_sec == 5.0 and s.collectives is True and s.flight_recorder_rows == 2000
+    assert load_settings({"PROBING_FLIGHT_RECORDER_ROWS": "5"}).flight_recorder_rows == 5
     s = load_settings({"PROBING_STEPS_ROWS": "50", "PROBING_MEMORY_SAMPLE_SEC": "0.5", "PROBING_COLLECTIVES": "0"})
     assert (s.steps_rows, s.memory_sample_sec, s.collectives) == (50, 0.5, False)
     with pytest.warns(RuntimeWarning):
@@ -521,3 +532,23 @@ def test_the_catalog_never_calls_a_user_callable():
     assert cols == ["a", "b"] and calls == [1]
     t.table("slow", lambda: [{"c": 2.0}])  # replaced: its old columns are forgotten
     assert not [r for r in t.arrow("tables").to_pylist() if r["table_name"] == "slow"]
+
+
+def test_flight_recorder_rows_per_group_come_from_the_setting(torch):
+    import torch.distributed as dist
+
+    t = make_tables(flight_recorder_rows=2)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        start = time.time()
+        for _ in range(4):
+            dist.all_reduce(torch.ones(2))
+        # this process's earlier groups (other tests') are in the recorder too, under other ids
+        mine = [r for r in t.arrow("collectives").to_pylist() if r["source"] != "python" and r["ts"] >= start]
+        assert [r["collective_seq_id"] for r in mine] == [3, 4]  # the newest two of this group
+        (group,) = [g for g in t.arrow("process_groups").to_pylist() if g["group_id"] == mine[0]["group_id"]]
+        assert (group["ranks"], group["backend"], group["last_enqueued"], group["last_completed"]) == ("[0]", "gloo", 4, 4)
+        assert t.plain("process_groups").num_rows == t.arrow("process_groups").num_rows
+    finally:
+        t.close()
+        dist.destroy_process_group()

@@ -5,8 +5,8 @@ ring (``ring.Ring``), conversion to Arrow happens only when a query asks
 (``LocalTables.arrow``). Importing this package loads neither pyarrow, pandas nor torch:
 the names below are resolved on first use.
 
-Built-in tables: stacks, steps, memory, metrics, collectives, process, env, tables
-(the catalog); users add their own with ``LocalTables.table(name, data)``.
+Built-in tables: stacks, steps, memory, metrics, collectives, process_groups, process, env,
+tables (the catalog); users add their own with ``LocalTables.table(name, data)``.
 """
 
 from __future__ import annotations

@@ -12,10 +12,15 @@ Built-in tables (columns in ``convert.SCHEMAS``):
                    latest value of each key logged with the same ``step=``
 - ``memory``       sampled every PROBING_MEMORY_SAMPLE_SEC: rss, cpu %, CUDA per device
 - ``metrics``      ``log(**values)`` rows: ts + the union of logged keys
-- ``collectives``  torch.distributed calls made from Python (not DDP's C++ all-reduce)
+- ``collectives``  torch.distributed calls made from Python (source 'python'), and what torch's
+                   flight recorder holds, DDP's C++ all-reduce included (source 'flight_recorder',
+                   read at query time: the newest PROBING_FLIGHT_RECORDER_ROWS of each group)
+- ``process_groups`` one row per process group: ranks, backend, the flight recorder's last
+                   enqueued / started / completed sequence numbers (read at query time)
 - ``process``      one row: pid, host, python, torch, argv, start_time, threads
 - ``env``          the environment, secret-looking names redacted
-- ``tables``       the catalog: table_name, column_name, column_type (Arrow type)
+- ``tables``       the catalog: table_name, column_name, column_type (Arrow type), and a note
+                   where a table is empty for a reason (no flight recorder to read)
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from .ring import Ring
 
 log = logging.getLogger("kernel_probe")
 
-BUILTIN_TABLES = ("collectives", "env", "memory", "metrics", "process", "stacks", "steps", "tables")
+BUILTIN_TABLES = ("collectives", "env", "memory", "metrics", "process", "process_groups", "stacks", "steps", "tables")
 RESERVED_NAMES = frozenset(BUILTIN_TABLES) | {"nodes", "cluster"}  # nodes / cluster.nodes: the probe's
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _now = time.time
@@ -73,6 +78,8 @@ class LocalTables:
         self._user: dict[str, Any] = {}
         self._providers: dict[str, Callable[[], Any]] = {}
         self._last_stacks: tuple[list, Any] | None = None  # (rows, their table)
+        self._recorder: Any = None  # diagnosis.flight_recorder.Reader, made by the first query that reads it
+        self._recorder_failed: str | None = None  # the last read of torch's flight recorder: why it gave nothing
         # schemas of user callables as of their last call: the catalog never calls one (a slow
         # callable would hold every query, even those that never read it)
         self._seen_schemas: dict[str, Any] = {}
@@ -254,13 +261,14 @@ class LocalTables:
         return table
 
     def _arrow_tables(self):
-        rows = []
+        rows, notes = [], self._notes()
         for name in self.names():
             try:
                 sch = self.schema(name)
             except Exception:  # a failing user table is left out of the catalog, not an error
                 continue
-            rows.extend((name, field.name, str(field.type)) for field in sch)
+            note = notes.get(name)
+            rows.extend((name, field.name, str(field.type), note) for field in sch)
         return convert.rows_table("tables", rows)
 
     def _spec_stacks(self) -> convert.Spec:
@@ -276,7 +284,28 @@ class LocalTables:
         return convert.metrics_spec(self._metrics.snapshot())
 
     def _spec_collectives(self) -> convert.Spec:
-        return convert.rows_spec("collectives", self._collectives.rows.snapshot())
+        python_rows = self._collectives.rows.snapshot()
+        return convert.collectives_spec(python_rows, self._flight_recorder().collectives)
+
+    def _spec_process_groups(self) -> convert.Spec:
+        return convert.rows_spec("process_groups", self._flight_recorder().process_groups)
+
+    def _flight_recorder(self):
+        """torch's flight recorder now (only when a query reads it: never on a training thread)."""
+        from ..diagnosis import flight_recorder
+
+        if self._recorder is None:
+            self._recorder = flight_recorder.Reader()
+        recorded = self._recorder.read(self.settings.flight_recorder_rows)
+        self._recorder_failed = recorded.note
+        return recorded
+
+    def _notes(self) -> dict[str, str]:
+        """The catalog's note per table: why the flight recorder's tables hold nothing of it."""
+        from ..diagnosis import flight_recorder
+
+        note = flight_recorder.availability() or self._recorder_failed
+        return {} if note is None else {"collectives": note, "process_groups": note}
 
     def _spec_process(self) -> convert.Spec:
         return convert.rows_spec("process", [live.process_row(self.settings.node_host)])
@@ -287,7 +316,7 @@ class LocalTables:
     def _spec_tables(self) -> convert.Spec:
         """The catalog as ``_arrow_tables`` makes it, from plain tables: _NeedsArrow where a
         table's types take pyarrow to tell (the catalog would differ if it were left out)."""
-        rows = []
+        rows, notes = [], self._notes()
         for name in self.names():
             if name in convert.SCHEMAS and name not in ("steps", "metrics"):
                 types = [(col, convert.ARROW_TYPE_NAMES[typ]) for col, typ in convert.SCHEMAS[name]]
@@ -296,5 +325,6 @@ class LocalTables:
                 if table is None:
                     raise _NeedsArrow(name)
                 types = table.types()
-            rows.extend((name, col, typ) for col, typ in types)
+            note = notes.get(name)
+            rows.extend((name, col, typ, note) for col, typ in types)
         return convert.rows_spec("tables", rows)

@@ -29,13 +29,23 @@ SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
     "memory": (("ts", "float64"), ("rss_bytes", "int64"), ("cpu_percent", "float64"), ("device", "string"),
                ("allocated_bytes", "int64"), ("reserved_bytes", "int64")),
     "metrics": (("ts", "float64"),),
+    # the first PYTHON_COLLECTIVE_COLUMNS are the wrappers' rows (source 'python'); torch's flight
+    # recorder fills the rest too (source 'flight_recorder', diagnosis.flight_recorder)
     "collectives": (("ts", "float64"), ("op", "string"), ("bytes", "int64"), ("duration_ms", "float64"),
-                    ("async_op", "bool")),
+                    ("async_op", "bool"), ("source", "string"), ("group_id", "int64"), ("group_name", "string"),
+                    ("group_desc", "string"), ("collective_seq_id", "int64"), ("p2p_seq_id", "int64"),
+                    ("op_id", "int64"), ("is_p2p", "bool"), ("state", "string"), ("input_sizes", "string"),
+                    ("input_dtypes", "string"), ("output_sizes", "string"), ("output_dtypes", "string"),
+                    ("timeout_ms", "int64")),
+    "process_groups": (("group_id", "int64"), ("group_name", "string"), ("group_desc", "string"),
+                       ("ranks", "string"), ("backend", "string"), ("last_enqueued", "int64"),
+                       ("last_started", "int64"), ("last_completed", "int64")),
     "process": (("pid", "int64"), ("host", "string"), ("python", "string"), ("torch", "string"),
                 ("argv", "string"), ("start_time", "float64"), ("threads", "int64")),
     "env": (("name", "string"), ("value", "string")),
-    "tables": (("table_name", "string"), ("column_name", "string"), ("column_type", "string")),
+    "tables": (("table_name", "string"), ("column_name", "string"), ("column_type", "string"), ("note", "string")),
 }
+PYTHON_COLLECTIVE_COLUMNS = 5  # (ts, op, bytes, duration_ms, async_op): recorders.Collectives' rows
 # metrics keys that are not joined into `steps` (they would collide with its own columns)
 STEPS_OWN = frozenset({"ts", *(col for col, _ in SCHEMAS["steps"])})
 _BASIC = frozenset({int, float, str, bool, bytes, type(None)})
@@ -239,9 +249,22 @@ def plain_table(spec: Spec) -> PlainTable | None:
 
 
 def rows_spec(name: str, rows: list[tuple]) -> Spec:
-    """A built-in table from its row tuples (in SCHEMAS order)."""
+    """A built-in table from its row tuples (in SCHEMAS order, every column)."""
     columns = list(zip(*rows)) if rows else [()] * len(SCHEMAS[name])
-    return [(col, values, typ) for (col, typ), values in zip(SCHEMAS[name], columns)]
+    return [(col, values, typ) for (col, typ), values in zip(SCHEMAS[name], columns, strict=True)]
+
+
+def collectives_spec(python_rows: list[tuple], recorded_rows: list[tuple]) -> Spec:
+    """``collectives``: the wrappers' rows (PYTHON_COLLECTIVE_COLUMNS wide; source 'python',
+    NULL where only the flight recorder knows), then the flight recorder's (every column)."""
+    n = len(python_rows)
+    python = list(zip(*python_rows)) if python_rows else [()] * PYTHON_COLLECTIVE_COLUMNS
+    recorded = list(zip(*recorded_rows)) if recorded_rows else [()] * len(SCHEMAS["collectives"])
+    spec: Spec = []
+    for i, ((col, typ), theirs) in enumerate(zip(SCHEMAS["collectives"], recorded, strict=True)):
+        ours = python[i] if i < PYTHON_COLLECTIVE_COLUMNS else ("python",) * n if col == "source" else (None,) * n
+        spec.append((col, [*ours, *theirs], typ))
+    return spec
 
 
 def rows_table(name: str, rows: list[tuple]):

@@ -22,7 +22,8 @@ from .ring import Ring
 log = logging.getLogger("kernel_probe")
 
 # The Python-level functions of torch.distributed that get wrapped. DDP's gradient
-# all-reduce runs in C++ (the reducer) and never passes through these: it is not seen.
+# all-reduce runs in C++ (the reducer) and never passes through these: only torch's flight
+# recorder sees it (diagnosis.flight_recorder, read at query time).
 COLLECTIVE_OPS = (
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_tensor", "reduce", "all_to_all", "all_to_all_single", "barrier", "gather",
@@ -129,7 +130,7 @@ def cuda_memory() -> list[tuple[str, int | None, int | None]]:
 
 
 class Collectives:
-    """``collectives`` rows: (ts, op, bytes, duration_ms, async_op).
+    """``collectives`` rows of source 'python': (ts, op, bytes, duration_ms, async_op).
 
     ``install()`` replaces the functions named in COLLECTIVE_OPS on the
     ``torch.distributed`` module with timing wrappers, once the application has loaded
