@@ -403,6 +403,16 @@ SPARSE = [  # a column only some ranks' table has: NULL on the others, as in the
     "SELECT _rank, count(e), max(f) FROM sparse GROUP BY _rank ORDER BY _rank",
     "SELECT v, f FROM sparse WHERE f IS NOT NULL ORDER BY v",
     "SELECT count(*) FROM sparse WHERE e IS NULL AND f IS NULL",
+    # top-k, a join, a CTE, qualified names, a group-by key and a star's EXCLUDE only some ranks have
+    "SELECT v, e, _rank FROM sparse ORDER BY e DESC NULLS LAST, v, _rank LIMIT 5",
+    "SELECT s._rank, s.v, s.e, t.g FROM sparse s JOIN t ON s.v = t.g AND s._rank = t._rank "
+    "WHERE s.e > 0.5 ORDER BY ALL",
+    "SELECT t.g, max(s.f), count(s.e) FROM t JOIN sparse s ON s._rank = t._rank GROUP BY t.g ORDER BY t.g",
+    "WITH c AS (SELECT v, e FROM sparse WHERE e IS NOT NULL) SELECT count(*), sum(e) FROM c",
+    "SELECT s.v FROM sparse AS s WHERE s.f = 'f1'",
+    "SELECT f, count(*), sum(e) FROM sparse GROUP BY f ORDER BY f NULLS FIRST",
+    "SELECT * EXCLUDE (f) FROM sparse WHERE e >= 1 ORDER BY ALL",
+    "SELECT v + 1 AS w, e FROM sparse WHERE f IS NULL ORDER BY w, e NULLS FIRST",
 ]
 
 
@@ -423,6 +433,27 @@ def sparse_ranks() -> list[VRank]:
 def test_a_column_only_some_ranks_have_is_null_on_the_others(engine: Engine, sparse_ranks: list[VRank]) -> None:
     _check_on_both(Job(sparse_ranks, engine), Job(sparse_ranks, engine, merge_above_rows=0, arrow_scans=False),
                    SPARSE)
+
+
+def test_a_rank_adds_the_columns_its_plan_lists_as_nulls(engine: Engine, sparse_ranks: list[VRank]) -> None:
+    import dataclasses
+
+    from kernel_probe.sql.execute import PADDED_KEY, run_rank
+    from kernel_probe.sql.planner import Plan
+
+    p = Plan.from_dict(plan("SELECT _rank, v, e FROM sparse WHERE e IS NULL OR v > 100").to_dict())
+    (scan,) = [s for s in p.scans if s.where == "ranks"]
+    assert scan.needs == {"sparse": ("e", "v")}  # through a plan dict, as ranks get it
+    rank0 = sparse_ranks[0]  # lacks e
+    tags = {"_rank": 0, "_node": 0, "_host": "h0", "_local_rank": 0, "_role": "trainer"}
+    (got,) = run_rank(p, engine, rank0.tables, tags).values()
+    assert got.column("e").null_count == got.num_rows == rank0.tables["sparse"].num_rows
+    assert got.schema.metadata[PADDED_KEY] == b"e"
+    (kept,) = run_rank(p, engine, sparse_ranks[1].tables, dict(tags, _rank=1)).values()
+    assert not (kept.schema.metadata or {}).get(PADDED_KEY)
+    bare = dataclasses.replace(p, scans=tuple(dataclasses.replace(s, needs={}) for s in p.scans))
+    with pytest.raises(QueryError, match='"e" not found'):  # nothing but the plan adds it
+        run_rank(bare, engine, rank0.tables, tags)
 
 
 def test_a_column_no_rank_has_is_an_error_and_per_rank_pads_the_others(engine: Engine,

@@ -55,9 +55,6 @@ __all__ = ["TAG_TYPES", "tagged", "lookup", "select_ranks", "run_rank", "merge",
 
 log = logging.getLogger(__name__)
 
-# A column some ranks' table lacks is NULL there, as in the union (DuckDB's own words for it):
-_MISSING_COLUMN = re.compile(r'Referenced column "([^"]+)" not found|does not have a column named "([^"]+)"')
-MAX_PADDED = 16  # columns one scan may add as NULLs before its error stands
 PADDED_KEY = b"probing.padded"  # a scan result's schema metadata: the columns its ranks lacked
 SHAPE_CACHE_SIZE = 64
 
@@ -558,7 +555,9 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
     """Run this rank's side of every "ranks" scan over its local `tables`.
 
     A scan whose table this rank lacks (KeyError from `tables`) yields None, and a line
-    saying so goes to `notes` (when given) and the debug log."""
+    saying so goes to `notes` (when given) and the debug log. A column the scan reads
+    (``Scan.needs``) that this rank's table lacks is added as NULLs, and the result says so
+    (``PADDED_KEY``: the root fails when every rank lacked it)."""
     out: dict[str, pa.Table | None] = {}
     per_rank = plan.mode == "per-rank"
     cache: dict[str, pa.Table | None] = {}  # as found: untagged
@@ -601,8 +600,9 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
             (only,) = regs.values()
             out[scan.name] = _tagged_empty(only.schema, tuple(tags.items()))
             continue
+        lacking = _lacking(regs, scan.needs)
         result = None
-        if arrow and scan.arrow and not per_rank and len(regs) == 1:
+        if arrow and scan.arrow and not per_rank and len(regs) == 1 and not lacking:
             try:
                 run_arrow = arrow_partials if "aggs" in scan.arrow else arrow_rows
                 (table,) = regs.values()
@@ -612,40 +612,40 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
             if result is not None:
                 _within_cap(result, row_cap)
-        padded: list[str] = []
         if result is None:
-            result, padded = _run_padded(engine, scan.sql, with_tags(regs), params=_params_for(scan.sql, params),
-                                         deadline=deadline, row_cap=row_cap)
+            result = engine.run(scan.sql, _padded_with(with_tags(regs), lacking),
+                                params=_params_for(scan.sql, params), deadline=deadline, row_cap=row_cap)
         if per_rank:
             result = tagged(result, tags)
         elif _partial_scan(plan, scan.name):
             result = _narrow(result)
-        out[scan.name] = _with_padded(result, padded)
+        out[scan.name] = _with_padded(result, [c for cols in lacking.values() for c in cols])
     return out
 
 
-def _run_padded(engine: "Engine", sql: str, regs: dict[str, "pa.Table"], **kw: Any) -> tuple["pa.Table", list[str]]:
-    """``engine.run``, where a column this rank's (one) table lacks is added as NULLs, as the
-    union of every rank's table has it: (result, the columns added). Only what DuckDB could
-    not bind is added, so a name that means something else (a select alias) keeps its meaning."""
+def _lacking(regs: Mapping[str, "pa.Table"], needs: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+    """The columns a scan reads (``Scan.needs``) that this rank's tables lack, by table."""
+    out = {}
+    for name, table in regs.items():
+        have = {c.lower() for c in table.column_names}
+        cols = [c for c in dict.fromkeys(needs.get(name.lower(), ())) if c.lower() not in have]
+        if cols:
+            out[name] = cols
+    return out
+
+
+def _padded_with(regs: Mapping[str, "pa.Table"], lacking: Mapping[str, Sequence[str]]) -> dict[str, "pa.Table"]:
+    """`regs` with the `lacking` columns appended as NULLs (after the tags, as the union of
+    every rank's tagged table places a column the first rank lacks)."""
     import pyarrow as pa
 
-    from .engine import QueryError
-
-    padded: list[str] = []
-    while True:
-        try:
-            return engine.run(sql, regs, **kw), padded
-        except QueryError as exc:
-            found = _MISSING_COLUMN.search(str(exc))
-            if found is None or len(regs) != 1 or len(padded) >= MAX_PADDED:
-                raise
-            column = found.group(1) or found.group(2)
-            ((name, table),) = regs.items()
-            if column.lower() in (c.lower() for c in table.column_names):
-                raise
-            regs = {name: table.append_column(pa.field(column, pa.null()), pa.nulls(table.num_rows))}
-            padded.append(column)
+    out = dict(regs)
+    for name, cols in lacking.items():
+        table = out[name]
+        for c in cols:
+            table = table.append_column(pa.field(c, pa.null()), pa.nulls(table.num_rows))
+        out[name] = table
+    return out
 
 
 def _padded(table: "pa.Table") -> list[str]:
