@@ -172,12 +172,15 @@ PLAIN_GROUP_BYS = [  # rank partials computed with Arrow (Scan.arrow) where the 
 
 
 def _calls(monkeypatch, name: str, counted=lambda args, result: True) -> list:
-    """The calls of ``execute.<name>`` that `counted` (its arguments, and its result or
-    None when it raised) keeps, made while the test runs: which path answered."""
+    """The calls of ``fast_paths.<name>`` (else ``execute.<name>``) that `counted` (its
+    arguments, and its result or None when it raised) keeps, made while the test runs:
+    which path answered."""
     import kernel_probe.sql.execute as execute
+    import kernel_probe.sql.fast_paths as fast_paths
 
+    module = fast_paths if hasattr(fast_paths, name) else execute
     seen: list = []
-    real = getattr(execute, name)
+    real = getattr(module, name)
 
     def wrapper(*args):
         result = None
@@ -188,7 +191,7 @@ def _calls(monkeypatch, name: str, counted=lambda args, result: True) -> list:
             if counted(args, result):
                 seen.append(args)
 
-    monkeypatch.setattr(execute, name, wrapper)
+    monkeypatch.setattr(module, name, wrapper)
     return seen
 
 
@@ -348,7 +351,7 @@ def test_bincount_group_by_gives_what_acero_gives_bit_for_bit() -> None:
 
     import pyarrow.compute as pc
 
-    from kernel_probe.sql import execute
+    from kernel_probe.sql import fast_paths
 
     rng = random.Random(5)
     ops = [([], "hash_count_all", None, "n"), (["v"], "hash_count", pc.CountOptions(mode="only_valid"), "c"),
@@ -370,18 +373,18 @@ def test_bincount_group_by_gives_what_acero_gives_bit_for_bit() -> None:
         half = n // 2  # two chunks, as a concatenation of parts gives
         table = pa.Table.from_batches([pa.record_batch({"k": key.slice(0, half), "v": v.slice(0, half)}),
                                        pa.record_batch({"k": key.slice(half), "v": v.slice(half)})])
-        fast = execute._counted_by_key(table, ops, ["k"])
+        fast = fast_paths._counted_by_key(table, ops, ["k"])
         if v.null_count or (kind == "huge" and any(abs(x) > 5 for x in v.to_pylist())):
             assert fast is None, kind
             continue
         assert fast is not None, (kind, n)
         taken += 1
-        monkey = execute._counted_by_key
+        monkey = fast_paths._counted_by_key
         try:
-            execute._counted_by_key = lambda *a: None
-            slow = execute._group_by(table, ops, ["k"])
+            fast_paths._counted_by_key = lambda *a: None
+            slow = fast_paths._group_by(table, ops, ["k"])
         finally:
-            execute._counted_by_key = monkey
+            fast_paths._counted_by_key = monkey
         assert fast.schema.field("k").type == slow.schema.field("k").type
         for name in ("n", "c", "s"):
             assert fast.schema.field(name).type == slow.schema.field(name).type, name
@@ -389,7 +392,7 @@ def test_bincount_group_by_gives_what_acero_gives_bit_for_bit() -> None:
         assert by_key(fast) == by_key(slow)  # doubles added in the same order: equal bits
     assert taken > 40
     nothing = pa.Table.from_batches([], schema=pa.schema([("k", pa.int64()), ("v", pa.int64())]))  # no chunks
-    empty = execute._counted_by_key(nothing, ops, ["k"])
+    empty = fast_paths._counted_by_key(nothing, ops, ["k"])
     assert empty is not None and empty.num_rows == 0 and empty.schema.field("s").type == pa.int64()
 
 

@@ -5,7 +5,7 @@ table with Arrow costs tens of microseconds. The planner marks a rank scan with 
 ``arrow`` spec (``filters``), and a partial-aggregate's root finish with
 ``Plan.final_arrow`` (``final_spec``), only where the Arrow result provably equals the
 SQL's; the executor checks column types at run time and runs the SQL whenever the spec
-does not fit (``execute.arrow_rows``, ``arrow_partials``, ``arrow_final``).
+does not fit (``fast_paths.arrow_rows``, ``arrow_partials``, ``arrow_final``).
 
 Filters are WHERE conjuncts of these forms (a conjunct of any other form: no spec):
 ``col``, ``NOT col`` (a boolean column), ``col <op> literal`` or ``literal <op> col``
