@@ -259,6 +259,30 @@ def test_divisibility_filters_with_arrow_match_duckdb(cluster: Job, reducing: Jo
     assert len(used) >= 6 * 6, len(used)  # the first six, on every rank
 
 
+TOP_K = [  # ORDER BY plain columns ... LIMIT: a rank keeps its first rows with Arrow (NULLs, ties, types)
+    "SELECT g, x FROM t ORDER BY g, x LIMIT 7",  # many ties on g, NULLs in x
+    "SELECT s, x FROM t WHERE x > 0 ORDER BY s DESC, x NULLS FIRST LIMIT 9",
+    "SELECT b, g FROM t ORDER BY b NULLS FIRST, g DESC LIMIT 5 OFFSET 3",
+    "SELECT _rank, id FROM t ORDER BY _rank DESC, id LIMIT 4",
+    "SELECT id, s FROM t WHERE s IN ('alpha', 'beta') ORDER BY s, id DESC LIMIT 6",
+    "SELECT x, id FROM t ORDER BY x DESC NULLS FIRST, id LIMIT 10",
+    "SELECT big, id FROM t WHERE big IS NULL ORDER BY big, id LIMIT 3",
+    "SELECT id, x AS v FROM t ORDER BY v NULLS FIRST, id LIMIT 5",  # through an alias
+    "SELECT id, g FROM t ORDER BY 2 DESC, 1 LIMIT 5",  # by position
+    "SELECT s, b, id FROM t WHERE NOT b ORDER BY s NULLS FIRST, b, id DESC LIMIT 8 OFFSET 1",
+    "SELECT id, x FROM t WHERE x > 990 ORDER BY x, id LIMIT 50",  # fewer rows than the limit
+    "SELECT y, id FROM t ORDER BY y DESC, id LIMIT 5",  # a float key: the SQL's job
+    "SELECT * FROM t WHERE g = 3 ORDER BY id LIMIT 4",  # a timestamp column: the SQL's job
+    "SELECT x + 1 AS w, id FROM t ORDER BY w, id LIMIT 5",  # an expression key: the SQL's job
+]
+
+
+def test_top_k_with_arrow_matches_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
+    used = _calls(monkeypatch, "arrow_rows", lambda args, result: bool(args[0].get("order")) and result is not None)
+    _check_on_both(cluster, reducing, TOP_K, "top-k")
+    assert len(used) >= 10 * 5, len(used)  # the first ten with Arrow on every rank with rows
+
+
 ARROW_FINALS = [  # the root finishes these over the merged partials with Arrow (Plan.final_arrow)
     "SELECT count(*) AS n FROM t",
     "SELECT count(*), sum(x), min(s), max(b), avg(y), sum(big), avg(x) FROM t",

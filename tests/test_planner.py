@@ -499,3 +499,15 @@ def test_each_rank_scan_lists_the_columns_it_reads_and_nothing_else_defines() ->
     assert needed_columns("SELECT a.x FROM t a JOIN t b USING (k)", ("t",), tagged=True) == {"t": ("x", "k")}
     shape = plan("SELECT count(*), sum(x) FROM t")
     assert [s.needs for s in shape.scans if s.name == shape.shape] == [{}]  # sends names and types only
+
+
+def test_a_top_k_of_plain_columns_carries_an_arrow_spec() -> None:
+    cat = {"t": ["x", "s", "y"]}
+    (scan,) = plan("SELECT x, s FROM t WHERE y > 0 ORDER BY x DESC, 2 NULLS FIRST LIMIT 5 OFFSET 1",
+                   catalog=cat).scans
+    assert scan.arrow == {"columns": ["x", "s", "y"], "filters": [["y", ">", 0]],
+                          "order": [["x", True, False], ["s", False, True]], "limit": 6}
+    for sql in ("SELECT x FROM t ORDER BY x + 1 LIMIT 3", "SELECT x FROM t WHERE x > y ORDER BY x LIMIT 3",
+                "SELECT s FROM t ORDER BY s COLLATE nocase LIMIT 3"):
+        p = plan(sql, catalog=cat)
+        assert p.mode == "top-k" and p.scans[0].arrow is None, sql

@@ -258,7 +258,7 @@ def _tags_read(spec: Mapping[str, Any]) -> Collection[str]:
     elif spec.get("columns") is None:
         return TAG_TYPES.keys()  # every column, the tags included
     else:
-        cols |= set(spec["columns"])
+        cols |= set(spec["columns"]) | {o[0] for o in spec.get("order") or ()}
     return cols & TAG_TYPES.keys()
 
 

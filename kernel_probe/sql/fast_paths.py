@@ -7,12 +7,16 @@ runs the SQL instead whenever one raises :class:`NotPlain` (or KeyError, TypeErr
 ValueError, NotImplementedError: a column it does not find by exact name, a value that does
 not fit). Each checks the column types at run time, since the planner sees no data.
 
-- :func:`arrow_rows` (a rank's filtered rows, ``{"columns", "filters"}``): WHERE keeps the
-  rows where every conjunct is TRUE, and a NULL comparison drops the row, as
-  ``null_selection_behavior="drop"`` does. A comparison runs only where DuckDB would not cast
-  (an integer or float column against numbers, a string against strings, a boolean against
-  booleans), and the result holds only types DuckDB hands back to Arrow unchanged
-  (``_SAME_IN_DUCKDB``): anything else is the SQL's job.
+- :func:`arrow_rows` (a rank's filtered rows, ``{"columns", "filters"}``, and a top-k's
+  ``"order"`` and ``"limit"``): WHERE keeps the rows where every conjunct is TRUE, and a NULL
+  comparison drops the row, as ``null_selection_behavior="drop"`` does. A comparison runs
+  only where DuckDB would not cast (an integer or float column against numbers, a string
+  against strings, a boolean against booleans), and the result holds only types DuckDB
+  hands back to Arrow unchanged (``_SAME_IN_DUCKDB``): anything else is the SQL's job. A
+  top-k sorts by integer, boolean and string keys only, which order alike in both (strings
+  by their bytes, DuckDB's default collation), NULLs first or last per key as the plan
+  says; floats decline (DuckDB's NaN is the greatest value). Rows tied on every key may be
+  kept in another choice than DuckDB's: its LIMIT does not choose among ties either.
 - :func:`arrow_partials` (a rank's plain group-by, ``{"keys", "aggs", "filters"}``): count,
   count(*), sum, min, max of integer or float columns, typed as DuckDB types them: count
   BIGINT, an integer sum HUGEINT (decimal128(38, 0), exact), a float sum DOUBLE. Groups come
@@ -119,13 +123,29 @@ def _arrow_filter(table: "pa.Table", filters: Sequence[Sequence[Any]]) -> "pa.Ta
 
 
 def arrow_rows(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
-    """A rows scan (``Scan.arrow``: columns, filters) over one tagged table, with Arrow:
-    the same columns, types and rows as its SQL in DuckDB. ``NotPlain`` (or KeyError for
-    a column it does not find by exact name) when only the SQL can say."""
+    """A rows scan (``Scan.arrow``: columns, filters, and for a top-k order and limit) over
+    one tagged table, with Arrow: the same columns, types and rows as its SQL in DuckDB.
+    ``NotPlain`` (or KeyError for a column it does not find by exact name) when only the SQL
+    can say."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     columns = spec.get("columns")
+    order = spec.get("order") or ()
     if columns is not None:  # filter only what is read: a wide table's other columns never move
-        table = table.select(list(dict.fromkeys([*columns, *(f[0] for f in spec["filters"])])))
+        table = table.select(list(dict.fromkeys([*columns, *(f[0] for f in spec["filters"]),
+                                                 *(o[0] for o in order)])))
     out = _arrow_filter(table, spec["filters"])
+    if order:
+        for col, _, _ in order:
+            typ = out.schema.field(col).type
+            if not (pa.types.is_integer(typ) or pa.types.is_boolean(typ) or typ == pa.string()):
+                raise NotPlain(f"sort key {col}: {typ}")  # a float's NaN goes elsewhere in DuckDB
+        keys = [(col, "descending" if desc else "ascending", "at_start" if first else "at_end")
+                for col, desc, first in order]
+        out = out.take(pc.sort_indices(out, sort_keys=keys).slice(0, spec.get("limit")))
+    elif spec.get("limit") is not None:
+        out = out.slice(0, spec["limit"])
     if columns is not None:
         out = out.select(list(columns))
     for f in out.schema:
