@@ -283,6 +283,28 @@ def test_top_k_with_arrow_matches_duckdb(cluster: Job, reducing: Job, monkeypatc
     assert len(used) >= 10 * 5, len(used)  # the first ten with Arrow on every rank with rows
 
 
+def test_a_top_k_keeps_the_rows_a_full_sort_keeps_first() -> None:
+    import random
+
+    import pyarrow.compute as pc
+
+    from kernel_probe.sql import fast_paths
+
+    rng = random.Random(3)
+    for _ in range(300):  # few distinct values: ties on the first key across the limit
+        n = rng.choice([0, 1, 5, 30, 200])
+        table = pa.table({"x": pa.array([rng.randint(0, 5) if rng.random() > 0.3 else None for _ in range(n)], pa.int64()),
+                          "k": pa.array([rng.randint(0, 3) for _ in range(n)], pa.int32()),
+                          "s": pa.array([rng.choice(["a", "b", None]) for _ in range(n)], pa.string())})
+        order = [[c, rng.random() < 0.5, rng.random() < 0.5] for c in rng.sample(["x", "k", "s"], rng.randint(1, 3))]
+        limit = rng.randint(0, 40)
+        got = fast_paths.arrow_rows({"columns": None, "filters": [], "order": order, "limit": limit}, table)
+        keys = [(c, "descending" if d else "ascending", "at_start" if f else "at_end") for c, d, f in order]
+        want = table.take(pc.sort_indices(table, sort_keys=keys).slice(0, limit))
+        names = [c for c, _, _ in order]
+        assert got.select(names).to_pylist() == want.select(names).to_pylist(), (order, limit)
+
+
 ARROW_FINALS = [  # the root finishes these over the merged partials with Arrow (Plan.final_arrow)
     "SELECT count(*) AS n FROM t",
     "SELECT count(*), sum(x), min(s), max(b), avg(y), sum(big), avg(x) FROM t",
