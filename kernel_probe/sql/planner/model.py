@@ -35,7 +35,8 @@ class Scan:
     plain Arrow compute, when that is all it is (``planner.arrow``): a group-by
     (``{"keys": [[alias, column]], "aggs": [[alias, func, column | None]], "filters": [...]}``,
     func one of count_all, count, sum, min, max) or filtered rows (``{"columns": [...] |
-    None, "filters": [...]}``); a rank uses it where the column types fit and runs ``sql``
+    None, "filters": [...]}``, a top-k's with ``"order": [[column, descending, nulls first]],
+    "limit": n``); a rank uses it where the column types fit (``fast_paths``) and runs ``sql``
     otherwise. ``needs``: per table, the columns ``sql`` reads from it
     (``planner.needs``): a rank whose table lacks one adds it as a NULL column, as the union
     of every rank's table has it there.
