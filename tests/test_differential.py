@@ -172,12 +172,15 @@ PLAIN_GROUP_BYS = [  # rank partials computed with Arrow (Scan.arrow) where the 
 
 
 def _calls(monkeypatch, name: str, counted=lambda args, result: True) -> list:
-    """The calls of ``execute.<name>`` that `counted` (its arguments, and its result or
-    None when it raised) keeps, made while the test runs: which path answered."""
+    """The calls of ``fast_paths.<name>`` (else ``execute.<name>``) that `counted` (its
+    arguments, and its result or None when it raised) keeps, made while the test runs:
+    which path answered."""
     import kernel_probe.sql.execute as execute
+    import kernel_probe.sql.fast_paths as fast_paths
 
+    module = fast_paths if hasattr(fast_paths, name) else execute
     seen: list = []
-    real = getattr(execute, name)
+    real = getattr(module, name)
 
     def wrapper(*args):
         result = None
@@ -188,7 +191,7 @@ def _calls(monkeypatch, name: str, counted=lambda args, result: True) -> list:
             if counted(args, result):
                 seen.append(args)
 
-    monkeypatch.setattr(execute, name, wrapper)
+    monkeypatch.setattr(module, name, wrapper)
     return seen
 
 
@@ -254,6 +257,52 @@ def test_divisibility_filters_with_arrow_match_duckdb(cluster: Job, reducing: Jo
                   lambda args, result: result is not None and any("divisible" in f[1] for f in args[1]))
     _check_on_both(cluster, reducing, DIVISIBLE)
     assert len(used) >= 6 * 6, len(used)  # the first six, on every rank
+
+
+TOP_K = [  # ORDER BY plain columns ... LIMIT: a rank keeps its first rows with Arrow (NULLs, ties, types)
+    "SELECT g, x FROM t ORDER BY g, x LIMIT 7",  # many ties on g, NULLs in x
+    "SELECT s, x FROM t WHERE x > 0 ORDER BY s DESC, x NULLS FIRST LIMIT 9",
+    "SELECT b, g FROM t ORDER BY b NULLS FIRST, g DESC LIMIT 5 OFFSET 3",
+    "SELECT _rank, id FROM t ORDER BY _rank DESC, id LIMIT 4",
+    "SELECT id, s FROM t WHERE s IN ('alpha', 'beta') ORDER BY s, id DESC LIMIT 6",
+    "SELECT x, id FROM t ORDER BY x DESC NULLS FIRST, id LIMIT 10",
+    "SELECT big, id FROM t WHERE big IS NULL ORDER BY big, id LIMIT 3",
+    "SELECT id, x AS v FROM t ORDER BY v NULLS FIRST, id LIMIT 5",  # through an alias
+    "SELECT id, g FROM t ORDER BY 2 DESC, 1 LIMIT 5",  # by position
+    "SELECT s, b, id FROM t WHERE NOT b ORDER BY s NULLS FIRST, b, id DESC LIMIT 8 OFFSET 1",
+    "SELECT id, x FROM t WHERE x > 990 ORDER BY x, id LIMIT 50",  # fewer rows than the limit
+    "SELECT y, id FROM t ORDER BY y DESC, id LIMIT 5",  # a float key: the SQL's job
+    "SELECT * FROM t WHERE g = 3 ORDER BY id LIMIT 4",  # a timestamp column: the SQL's job
+    "SELECT x + 1 AS w, id FROM t ORDER BY w, id LIMIT 5",  # an expression key: the SQL's job
+]
+
+
+def test_top_k_with_arrow_matches_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
+    used = _calls(monkeypatch, "arrow_rows", lambda args, result: bool(args[0].get("order")) and result is not None)
+    _check_on_both(cluster, reducing, TOP_K, "top-k")
+    assert len(used) >= 10 * 5, len(used)  # the first ten with Arrow on every rank with rows
+
+
+def test_a_top_k_keeps_the_rows_a_full_sort_keeps_first() -> None:
+    import random
+
+    import pyarrow.compute as pc
+
+    from kernel_probe.sql import fast_paths
+
+    rng = random.Random(3)
+    for _ in range(300):  # few distinct values: ties on the first key across the limit
+        n = rng.choice([0, 1, 5, 30, 200])
+        table = pa.table({"x": pa.array([rng.randint(0, 5) if rng.random() > 0.3 else None for _ in range(n)], pa.int64()),
+                          "k": pa.array([rng.randint(0, 3) for _ in range(n)], pa.int32()),
+                          "s": pa.array([rng.choice(["a", "b", None]) for _ in range(n)], pa.string())})
+        order = [[c, rng.random() < 0.5, rng.random() < 0.5] for c in rng.sample(["x", "k", "s"], rng.randint(1, 3))]
+        limit = rng.randint(0, 40)
+        got = fast_paths.arrow_rows({"columns": None, "filters": [], "order": order, "limit": limit}, table)
+        keys = [(c, "descending" if d else "ascending", "at_start" if f else "at_end") for c, d, f in order]
+        want = table.take(pc.sort_indices(table, sort_keys=keys).slice(0, limit))
+        names = [c for c, _, _ in order]
+        assert got.select(names).to_pylist() == want.select(names).to_pylist(), (order, limit)
 
 
 ARROW_FINALS = [  # the root finishes these over the merged partials with Arrow (Plan.final_arrow)
@@ -348,7 +397,7 @@ def test_bincount_group_by_gives_what_acero_gives_bit_for_bit() -> None:
 
     import pyarrow.compute as pc
 
-    from kernel_probe.sql import execute
+    from kernel_probe.sql import fast_paths
 
     rng = random.Random(5)
     ops = [([], "hash_count_all", None, "n"), (["v"], "hash_count", pc.CountOptions(mode="only_valid"), "c"),
@@ -370,18 +419,18 @@ def test_bincount_group_by_gives_what_acero_gives_bit_for_bit() -> None:
         half = n // 2  # two chunks, as a concatenation of parts gives
         table = pa.Table.from_batches([pa.record_batch({"k": key.slice(0, half), "v": v.slice(0, half)}),
                                        pa.record_batch({"k": key.slice(half), "v": v.slice(half)})])
-        fast = execute._counted_by_key(table, ops, ["k"])
+        fast = fast_paths._counted_by_key(table, ops, ["k"])
         if v.null_count or (kind == "huge" and any(abs(x) > 5 for x in v.to_pylist())):
             assert fast is None, kind
             continue
         assert fast is not None, (kind, n)
         taken += 1
-        monkey = execute._counted_by_key
+        monkey = fast_paths._counted_by_key
         try:
-            execute._counted_by_key = lambda *a: None
-            slow = execute._group_by(table, ops, ["k"])
+            fast_paths._counted_by_key = lambda *a: None
+            slow = fast_paths._group_by(table, ops, ["k"])
         finally:
-            execute._counted_by_key = monkey
+            fast_paths._counted_by_key = monkey
         assert fast.schema.field("k").type == slow.schema.field("k").type
         for name in ("n", "c", "s"):
             assert fast.schema.field(name).type == slow.schema.field(name).type, name
@@ -389,7 +438,7 @@ def test_bincount_group_by_gives_what_acero_gives_bit_for_bit() -> None:
         assert by_key(fast) == by_key(slow)  # doubles added in the same order: equal bits
     assert taken > 40
     nothing = pa.Table.from_batches([], schema=pa.schema([("k", pa.int64()), ("v", pa.int64())]))  # no chunks
-    empty = execute._counted_by_key(nothing, ops, ["k"])
+    empty = fast_paths._counted_by_key(nothing, ops, ["k"])
     assert empty is not None and empty.num_rows == 0 and empty.schema.field("s").type == pa.int64()
 
 
@@ -403,6 +452,16 @@ SPARSE = [  # a column only some ranks' table has: NULL on the others, as in the
     "SELECT _rank, count(e), max(f) FROM sparse GROUP BY _rank ORDER BY _rank",
     "SELECT v, f FROM sparse WHERE f IS NOT NULL ORDER BY v",
     "SELECT count(*) FROM sparse WHERE e IS NULL AND f IS NULL",
+    # top-k, a join, a CTE, qualified names, a group-by key and a star's EXCLUDE only some ranks have
+    "SELECT v, e, _rank FROM sparse ORDER BY e DESC NULLS LAST, v, _rank LIMIT 5",
+    "SELECT s._rank, s.v, s.e, t.g FROM sparse s JOIN t ON s.v = t.g AND s._rank = t._rank "
+    "WHERE s.e > 0.5 ORDER BY ALL",
+    "SELECT t.g, max(s.f), count(s.e) FROM t JOIN sparse s ON s._rank = t._rank GROUP BY t.g ORDER BY t.g",
+    "WITH c AS (SELECT v, e FROM sparse WHERE e IS NOT NULL) SELECT count(*), sum(e) FROM c",
+    "SELECT s.v FROM sparse AS s WHERE s.f = 'f1'",
+    "SELECT f, count(*), sum(e) FROM sparse GROUP BY f ORDER BY f NULLS FIRST",
+    "SELECT * EXCLUDE (f) FROM sparse WHERE e >= 1 ORDER BY ALL",
+    "SELECT v + 1 AS w, e FROM sparse WHERE f IS NULL ORDER BY w, e NULLS FIRST",
 ]
 
 
@@ -423,6 +482,27 @@ def sparse_ranks() -> list[VRank]:
 def test_a_column_only_some_ranks_have_is_null_on_the_others(engine: Engine, sparse_ranks: list[VRank]) -> None:
     _check_on_both(Job(sparse_ranks, engine), Job(sparse_ranks, engine, merge_above_rows=0, arrow_scans=False),
                    SPARSE)
+
+
+def test_a_rank_adds_the_columns_its_plan_lists_as_nulls(engine: Engine, sparse_ranks: list[VRank]) -> None:
+    import dataclasses
+
+    from kernel_probe.sql.execute import PADDED_KEY, run_rank
+    from kernel_probe.sql.planner import Plan
+
+    p = Plan.from_dict(plan("SELECT _rank, v, e FROM sparse WHERE e IS NULL OR v > 100").to_dict())
+    (scan,) = [s for s in p.scans if s.where == "ranks"]
+    assert scan.needs == {"sparse": ("e", "v")}  # through a plan dict, as ranks get it
+    rank0 = sparse_ranks[0]  # lacks e
+    tags = {"_rank": 0, "_node": 0, "_host": "h0", "_local_rank": 0, "_role": "trainer"}
+    (got,) = run_rank(p, engine, rank0.tables, tags).values()
+    assert got.column("e").null_count == got.num_rows == rank0.tables["sparse"].num_rows
+    assert got.schema.metadata[PADDED_KEY] == b"e"
+    (kept,) = run_rank(p, engine, sparse_ranks[1].tables, dict(tags, _rank=1)).values()
+    assert not (kept.schema.metadata or {}).get(PADDED_KEY)
+    bare = dataclasses.replace(p, scans=tuple(dataclasses.replace(s, needs={}) for s in p.scans))
+    with pytest.raises(QueryError, match='"e" not found'):  # nothing but the plan adds it
+        run_rank(bare, engine, rank0.tables, tags)
 
 
 def test_a_column_no_rank_has_is_an_error_and_per_rank_pads_the_others(engine: Engine,

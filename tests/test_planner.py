@@ -477,3 +477,37 @@ def test_the_root_finishes_plain_aggregates_with_arrow(sql: str, arrow: bool) ->
     p = plan(sql, catalog={"t": ["x", "y"]})
     assert p.mode == "partial-aggregate" and (p.final_arrow is not None) is arrow, p.explain()
     assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).final_arrow == p.final_arrow
+
+
+def test_each_rank_scan_lists_the_columns_it_reads_and_nothing_else_defines() -> None:
+    from kernel_probe.sql.planner.needs import needed_columns
+
+    def needs(sql: str, per_rank: bool = False) -> dict:
+        p = plan(sql, per_rank=per_rank)
+        assert Plan.from_dict(p.to_dict()) == p  # it travels in the plan dict
+        return {s.name: dict(s.needs) for s in p.scans if s.needs}
+
+    assert needs("SELECT g, sum(x) FROM t WHERE y > 0 GROUP BY g") == {"__scan_t": {"t": ("g", "x", "y")}}
+    assert needed_columns("SELECT _rank, S.x AS total, t FROM t AS S WHERE total > 0 AND s.Y IS NULL",
+                          ("t",), tagged=True) == {"t": ("x", "Y")}  # tags, an alias, the row: never padded
+    assert needs("SELECT _rank, x FROM t", per_rank=True) == {"__per_rank": {"t": ("_rank", "x")}}
+    assert needed_columns("SELECT list_transform(l, v -> v + w) FROM t", ("t",), tagged=True) == \
+        {"t": ("l", "w")}
+    assert needed_columns("SELECT st.a.b, t.c.d FROM t", ("t",), tagged=True) == {"t": ("st", "c")}
+    assert needed_columns("SELECT x FROM t, range(3)", ("t",), tagged=True) == {}  # range's columns
+    assert needed_columns("SELECT x FROM t JOIN u USING (k)", ("t", "u"), tagged=True) == {}
+    assert needed_columns("SELECT a.x FROM t a JOIN t b USING (k)", ("t",), tagged=True) == {"t": ("x", "k")}
+    shape = plan("SELECT count(*), sum(x) FROM t")
+    assert [s.needs for s in shape.scans if s.name == shape.shape] == [{}]  # sends names and types only
+
+
+def test_a_top_k_of_plain_columns_carries_an_arrow_spec() -> None:
+    cat = {"t": ["x", "s", "y"]}
+    (scan,) = plan("SELECT x, s FROM t WHERE y > 0 ORDER BY x DESC, 2 NULLS FIRST LIMIT 5 OFFSET 1",
+                   catalog=cat).scans
+    assert scan.arrow == {"columns": ["x", "s", "y"], "filters": [["y", ">", 0]],
+                          "order": [["x", True, False], ["s", False, True]], "limit": 6}
+    for sql in ("SELECT x FROM t ORDER BY x + 1 LIMIT 3", "SELECT x FROM t WHERE x > y ORDER BY x LIMIT 3",
+                "SELECT s FROM t ORDER BY s COLLATE nocase LIMIT 3"):
+        p = plan(sql, catalog=cat)
+        assert p.mode == "top-k" and p.scans[0].arrow is None, sql

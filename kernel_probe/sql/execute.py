@@ -14,6 +14,10 @@ Rules of this file:
   the statement sees the untagged tables and the tags are appended to its result).
 - A rank that has no table of that name contributes ``None`` (no rows, no schema) to
   that scan, not an error; only when no answering rank had it does the root fail.
+- A column a scan reads (``Scan.needs``) that a rank's table lacks is NULL there, as in the
+  union: the rank appends it as a NULL column before the scan runs and says so in its
+  result's schema metadata (``PADDED_KEY``); when every answering rank lacked it, the root
+  says it is not found.
 - An empty input still has a schema: when pruning leaves no rank, one rank is asked
   anyway (its SQL carries the same tag conditions, so it sends no rows), and the root
   answers as DuckDB does over nothing (count 0, sum NULL, no rows).
@@ -30,9 +34,9 @@ Rules of this file:
   a broker re-aggregates its partials only past the fan-out's ``MERGE_ABOVE_ROWS`` rows, the root only
   when the final SQL needs one row per group (variance), since the final re-aggregates
   any number of partial rows; the root keeps the shape scan's answer, which depends only
-  on the SQL and the tables' schemas; and a rank whose partials are a plain group-by of
-  numeric columns (``Scan.arrow``) computes them with Arrow, typed as DuckDB types them
-  (count BIGINT, an integer sum HUGEINT, narrowed like DuckDB's; a float sum DOUBLE).
+  on the SQL and the tables' schemas; and a rank whose scan is a plain filter or group-by
+  (``Scan.arrow``), and the root whose final is a plain re-aggregation (``Plan.final_arrow``),
+  compute it with Arrow (``fast_paths``: when each applies, and why it is DuckDB's answer).
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
-from ..tables.convert import array, scalar
+from ..tables.convert import array
+from . import fast_paths
+from .fast_paths import const
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -55,9 +61,6 @@ __all__ = ["TAG_TYPES", "tagged", "lookup", "select_ranks", "run_rank", "merge",
 
 log = logging.getLogger(__name__)
 
-# A column some ranks' table lacks is NULL there, as in the union (DuckDB's own words for it):
-_MISSING_COLUMN = re.compile(r'Referenced column "([^"]+)" not found|does not have a column named "([^"]+)"')
-MAX_PADDED = 16  # columns one scan may add as NULLs before its error stands
 PADDED_KEY = b"probing.padded"  # a scan result's schema metadata: the columns its ranks lacked
 SHAPE_CACHE_SIZE = 64
 
@@ -75,12 +78,6 @@ def _tagged_empty(schema: "pa.Schema", tags: tuple) -> "pa.Table":
     import pyarrow as pa
 
     return tagged(pa.Table.from_batches([], schema=schema), dict(tags))  # (schema.empty_table() imports pandas)
-
-
-@functools.lru_cache(maxsize=4096)
-def _const(value: Any, typ: "pa.DataType") -> Any:
-    """``scalar(value, typ)``, made once: tags and the finals' literals recur with every query."""
-    return scalar(value, typ)
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,7 +99,7 @@ def tagged(table: "pa.Table", tags: Mapping[str, object], names: Collection[str]
         value = tags.get(name)
         if value is not None and alias == "string":
             value = str(value)
-        col = pa.repeat(_const(value, _empty(alias).type), n) if n else _empty(alias)
+        col = pa.repeat(const(value, _empty(alias).type), n) if n else _empty(alias)
         i = table.schema.get_field_index(name)
         if i >= 0:
             table = table.remove_column(i)
@@ -227,205 +224,14 @@ class ShapeCache(BoundedCache):
         return (sql, tuple((n, t.schema) for n, t in sorted(regs.items())), bound)
 
 
-class _NotPlain(Exception):
-    """The Arrow path does not apply to these columns: run the scan's SQL."""
-
-
-_COMPARE = {"==": "equal", "!=": "not_equal", "<": "less", "<=": "less_equal", ">": "greater",
-            ">=": "greater_equal"}
-# columns a scan's Arrow result may hold: DuckDB gives these back with the same Arrow type
-_SAME_IN_DUCKDB = frozenset({"int8", "int16", "int32", "int64", "float", "double", "bool", "string"})
-
-
-def _comparable(typ: "pa.DataType", values: Sequence[Any]) -> "pa.DataType":
-    """The Arrow type in which a column of `typ` compares with literal `values` as DuckDB
-    compares them, or _NotPlain (DuckDB would cast, e.g. a string to a number)."""
-    import pyarrow as pa
-
-    kinds = {type(v) for v in values}
-    if kinds == {bool}:
-        if pa.types.is_boolean(typ):
-            return typ
-    elif kinds == {str}:
-        if typ == pa.string():
-            return typ
-    elif kinds <= {int, float}:
-        if pa.types.is_signed_integer(typ):
-            return pa.int64() if kinds == {int} else pa.float64()
-        if pa.types.is_floating(typ):
-            return pa.float64()
-    raise _NotPlain(f"{typ} against {sorted(k.__name__ for k in kinds)}")
-
-
-def _arrow_filter(table: "pa.Table", filters: Sequence[Sequence[Any]]) -> "pa.Table":
-    """The rows of `table` where every filter (``planner.arrow``) is TRUE, as SQL's WHERE
-    keeps them (a NULL drops the row)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if not filters:
-        return table
-    mask = None
-    for col, op, value in filters:
-        arr = table.column(col)
-        if op in ("is_null", "not_null"):
-            m = pc.is_null(arr) if op == "is_null" else pc.is_valid(arr)
-        elif op in ("true", "false"):
-            if not pa.types.is_boolean(arr.type):
-                raise _NotPlain(col)
-            m = arr if op == "true" else pc.invert(arr)
-        elif op == "in":
-            m = pc.is_in(arr, value_set=array(value, _comparable(arr.type, value)))
-        elif op in ("divisible", "not_divisible"):
-            if not pa.types.is_integer(arr.type):
-                raise _NotPlain(col)  # DuckDB's modulo of a float or decimal: the SQL's job
-            if abs(value) == 1:  # every value; and INT64_MIN // -1 would overflow
-                m = pc.is_valid(arr) if op == "divisible" else pc.and_kleene(pc.is_valid(arr), _const(False, pa.bool_()))
-            else:
-                k = scalar(value, arr.type)  # ArrowInvalid (a ValueError) when k does not fit: SQL
-                m = pc.equal(pc.multiply(pc.divide(arr, k), k), arr)
-                m = m if op == "divisible" else pc.invert(m)
-        else:
-            m = getattr(pc, _COMPARE[op])(arr, scalar(value, _comparable(arr.type, [value])))
-        mask = m if mask is None else pc.and_kleene(mask, m)
-    return table.filter(mask, null_selection_behavior="drop")
-
-
-def arrow_rows(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
-    """A rows scan (``Scan.arrow``: columns, filters) over one tagged table, with Arrow:
-    the same columns, types and rows as its SQL in DuckDB. ``_NotPlain`` (or KeyError for
-    a column it does not find by exact name) when only the SQL can say."""
-    columns = spec.get("columns")
-    if columns is not None:  # filter only what is read: a wide table's other columns never move
-        table = table.select(list(dict.fromkeys([*columns, *(f[0] for f in spec["filters"])])))
-    out = _arrow_filter(table, spec["filters"])
-    if columns is not None:
-        out = out.select(list(columns))
-    for f in out.schema:
-        if str(f.type) not in _SAME_IN_DUCKDB:
-            raise _NotPlain(f"{f.name}: {f.type}")
-    return out
-
-
-def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
-    """A plain group-by scan (``Scan.arrow``) over one tagged table, with Arrow: the same
-    columns, types and rows as its SQL gives in DuckDB. ``_NotPlain`` (or KeyError for a
-    column it does not find by exact name) when only the SQL can say."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    table = _arrow_filter(table, spec.get("filters") or ())
-    work: dict[str, Any] = {}
-    aggs: list[tuple[str, str, str]] = []  # (alias, input column in `work`, func)
-    for i, (alias, func, col) in enumerate(spec["aggs"]):
-        if func == "count_all":
-            aggs.append((alias, "", func))
-            continue
-        arr = table.column(col)
-        if func != "count" and not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
-            raise _NotPlain(col)
-        if func == "sum":  # DuckDB: HUGEINT for integers (exact), DOUBLE for floats
-            to = pa.decimal128(38, 0) if pa.types.is_integer(arr.type) else pa.float64()
-            arr = arr if arr.type == to else pc.cast(arr, to)
-        work[f"__in{i}"] = arr
-        aggs.append((alias, f"__in{i}", func))
-    keys = [(alias, f"__key{j}") for j, (alias, _) in enumerate(spec["keys"])]
-    for (_, name), (_, col) in zip(keys, spec["keys"]):
-        work[name] = table.column(col)
-    if not keys:
-        out = {}
-        for alias, src, func in aggs:
-            if func == "count_all":
-                value = _const(table.num_rows, pa.int64())
-            elif func == "count":
-                value = pc.count(work[src], mode="only_valid")
-            else:
-                value = getattr(pc, func)(work[src])
-            out[alias] = pa.repeat(value, 1)
-        return pa.table(out)
-    ops = [([] if func == "count_all" else [src], f"hash_{func}",
-            pc.CountOptions(mode="only_valid") if func == "count" else None, f"__out{i}")
-           for i, (_, src, func) in enumerate(aggs)]
-    result = _group_by(pa.table(work), ops, [name for _, name in keys])
-    cols = {alias: result.column(name) for alias, name in keys}
-    cols.update({alias: result.column(f"__out{i}") for i, (alias, _, _) in enumerate(aggs)})
-    return pa.table(cols)
-
-
-def arrow_final(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
-    """A partial-aggregate's final (``Plan.final_arrow``) over its merged partials, with
-    Arrow: the select list's values in order, as the final SQL gives them in DuckDB (the
-    shape then names and types them). ``_NotPlain`` where a type could differ."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    keys = list(spec["keys"])
-    work = {k: table.column(k) for k in keys}
-    ops: list[tuple] = []  # Acero aggregates: (inputs, function, options, output name)
-    for i, out in enumerate(spec["outputs"]):
-        kind = out[0]
-        if kind == "key":
-            continue
-        arr = table.column(out[1])
-        if kind == "count" and not pa.types.is_integer(arr.type):
-            raise _NotPlain(out[1])
-        if kind in ("sum", "avg"):  # DuckDB sums integers exactly (HUGEINT)
-            if pa.types.is_integer(arr.type):
-                arr = pc.cast(arr, pa.decimal128(38, 0))
-            elif not (pa.types.is_floating(arr.type) or pa.types.is_decimal(arr.type)):
-                raise _NotPlain(out[1])
-        if kind in ("min", "max"):
-            typ = arr.type
-            if pa.types.is_floating(typ) and pc.any(pc.is_nan(arr)).as_py():
-                raise _NotPlain(out[1])  # DuckDB's NaN is the greatest value; Arrow skips it
-            if not (pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_decimal(typ)
-                    or pa.types.is_boolean(typ) or typ == pa.string()):
-                raise _NotPlain(out[1])
-        work[f"__in{i}"] = arr
-        ops.append(([f"__in{i}"], "sum" if kind in ("count", "avg") else kind, None, f"__out{i}"))
-        if kind == "avg":
-            work[f"__n{i}"] = table.column(out[2])
-            ops.append(([f"__n{i}"], "sum", None, f"__cnt{i}"))
-    source = pa.table(work) if work else table.select([])
-    if keys:
-        grouped = _group_by(source, [(t, f"hash_{f}", o, n) for t, f, o, n in ops], keys)
-    else:  # one row, also over no rows at all
-        grouped = pa.table({n: pa.repeat(getattr(pc, f)(source.column(t[0])), 1) for t, f, _, n in ops}) \
-            if ops else pa.table({})
-    cols = []
-    for i, out in enumerate(spec["outputs"]):
-        kind = out[0]
-        if kind == "key":
-            cols.append(grouped.column(out[1]))
-        elif kind == "count":
-            cols.append(pc.fill_null(pc.cast(grouped.column(f"__out{i}"), pa.int64()), _const(0, pa.int64())))
-        elif kind == "avg":
-            total = pc.cast(grouped.column(f"__out{i}"), pa.float64())
-            n = pc.cast(grouped.column(f"__cnt{i}"), pa.float64())
-            nothing = pc.fill_null(pc.equal(n, _const(0.0, pa.float64())), _const(True, pa.bool_()))
-            cols.append(pc.if_else(nothing, _const(None, pa.float64()), pc.divide(total, n)))
-        else:
-            cols.append(grouped.column(f"__out{i}"))
-    result = pa.Table.from_arrays(cols, names=[f"c{i}" for i in range(len(cols))])
-    if spec["order"]:
-        if any(pa.types.is_floating(result.column(i).type) for i, _, _ in spec["order"]):
-            raise _NotPlain("a float sort key")  # where NaN goes against NULLs
-        order = [(f"c{i}", "descending" if desc else "ascending", "at_start" if first else "at_end")
-                 for i, desc, first in spec["order"]]
-        result = result.take(pc.sort_indices(result, sort_keys=order))
-    if spec.get("limit") is not None:
-        result = result.slice(0, spec["limit"])
-    return result
-
-
 def _final_with_arrow(plan: "Plan", regs: Mapping[str, "pa.Table"]) -> "pa.Table | None":
     """``arrow_final`` under the shape's names, or None (the final SQL runs) where it does
     not apply or would not give exactly the shape's types."""
     shape = regs[plan.shape]  # type: ignore[index]
     (partials,) = [regs[s.name] for s in plan.scans if s.where == "ranks" and s.name != plan.shape]
     try:
-        result = arrow_final(plan.final_arrow, partials)  # type: ignore[arg-type]
-    except (_NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
+        result = fast_paths.arrow_final(plan.final_arrow, partials)  # type: ignore[arg-type]
+    except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
         log.debug("final: SQL instead of Arrow (%s)", exc)
         return None
     result = _conform(result, shape)
@@ -443,101 +249,6 @@ def _within_cap(result: "pa.Table", row_cap: int | None) -> "pa.Table":
     return result
 
 
-def _group_by(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table":
-    """``table.group_by(keys).aggregate(...)`` with the output names chosen here, through
-    Acero's own nodes: the public ``pyarrow.acero`` module imports pyarrow.dataset, which
-    maps parquet and S3 and imports pandas (tens of MB in every rank)."""
-    counted = _counted_by_key(table, ops, keys)
-    if counted is not None:
-        return counted
-    from pyarrow._acero import AggregateNodeOptions, Declaration, TableSourceNodeOptions
-
-    return Declaration.from_sequence([
-        Declaration("table_source", TableSourceNodeOptions(table)),
-        Declaration("aggregate", AggregateNodeOptions(ops, keys=keys)),
-    ]).to_table(use_threads=False)
-
-
-_BINCOUNT_EXACT = 2 ** 53  # integer sums below this are exact in the doubles numpy's bincount adds
-
-
-def _counted_by_key(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table | None":
-    """``_group_by`` for the common small case, with numpy's bincount (a fraction of Acero's
-    fixed cost on a few hundred rows): one key without NULLs; counts, and sums of doubles
-    (added in row order, as Acero does: the same bits) or of int64 that stay exact. None
-    for anything else, which Acero does. Groups may come in another order than Acero's."""
-    if len(keys) != 1 or not all(o[1] in ("hash_count_all", "hash_count", "hash_sum") for o in ops):
-        return None
-    import pyarrow as pa
-
-    key = table.column(keys[0])
-    if key.null_count or not (pa.types.is_integer(key.type) or pa.types.is_string(key.type)):
-        return None
-    inputs = {}
-    for names, func, _, _ in ops:
-        for name in names:
-            col = table.column(name)
-            if col.null_count or (func == "hash_sum" and col.type not in (pa.float64(), pa.int64())):
-                return None  # a NULL to skip, or a sum of another type (Acero's own result type)
-            inputs[name] = col
-    import numpy as np
-
-    slot, slots, present, groups = _key_slots(key.combine_chunks())
-    counts = np.bincount(slot, minlength=slots)
-    out = {keys[0]: groups}
-    for names, func, _, name in ops:
-        if func != "hash_sum":  # no NULLs: count(x) counts every row
-            out[name] = _from_numpy(counts if present is None else counts[present], pa.int64())
-            continue
-        col = inputs[names[0]]
-        values = _to_numpy(col.combine_chunks())
-        if col.type == pa.int64() and len(values) and \
-                max(-int(values.min()), int(values.max())) * len(values) >= _BINCOUNT_EXACT:
-            return None  # a sum that doubles may round: Acero adds int64
-        sums = np.bincount(slot, weights=values, minlength=slots)
-        sums = sums if present is None else sums[present]
-        out[name] = _from_numpy(sums.astype(np.int64) if col.type == pa.int64() else sums, col.type)
-    return pa.table(out)
-
-
-def _key_slots(key: "pa.Array") -> tuple:
-    """(each row's slot, how many slots, the slots holding a group or None for all, the
-    groups' keys as Arrow). Integers in a narrow range are their own slot (no hashing);
-    other keys get one through a dictionary."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if pa.types.is_integer(key.type) and key.type != pa.uint64():
-        k = _to_numpy(key)
-        lo, hi = (int(k.min()), int(k.max())) if len(k) else (0, -1)
-        if hi - lo <= 4 * len(k) + 64:
-            slot = k.astype(np.int64) - lo
-            present = np.flatnonzero(np.bincount(slot, minlength=hi - lo + 1))
-            return slot, hi - lo + 1, present, _from_numpy((present + lo).astype(k.dtype), key.type)
-    encoded = pc.dictionary_encode(key)
-    return _to_numpy(encoded.indices), len(encoded.dictionary), None, encoded.dictionary
-
-
-def _to_numpy(arr: "pa.Array") -> Any:
-    """A NULL-free integer or double Arrow array's values as numpy, over its buffer: pyarrow's
-    ``to_numpy`` imports pandas (tens of MB in every rank)."""
-    import numpy as np
-
-    dtype = np.dtype({"double": "float64", "float": "float32"}.get(str(arr.type), str(arr.type)))
-    if not len(arr):
-        return np.empty(0, dtype)  # an empty array may have no data buffer at all
-    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
-
-
-def _from_numpy(values: Any, typ: "pa.DataType") -> "pa.Array":
-    """A flat numpy array as Arrow, over its buffer: ``pa.array(ndarray)`` imports pandas."""
-    import numpy as np
-    import pyarrow as pa
-
-    return pa.Array.from_buffers(typ, len(values), [None, pa.py_buffer(np.ascontiguousarray(values))])
-
-
 def _tags_read(spec: Mapping[str, Any]) -> Collection[str]:
     """The tag columns an Arrow scan (``Scan.arrow``) reads: only those are appended (a user
     column named like a tag that it does not read is never read then either)."""
@@ -547,7 +258,7 @@ def _tags_read(spec: Mapping[str, Any]) -> Collection[str]:
     elif spec.get("columns") is None:
         return TAG_TYPES.keys()  # every column, the tags included
     else:
-        cols |= set(spec["columns"])
+        cols |= set(spec["columns"]) | {o[0] for o in spec.get("order") or ()}
     return cols & TAG_TYPES.keys()
 
 
@@ -558,7 +269,9 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
     """Run this rank's side of every "ranks" scan over its local `tables`.
 
     A scan whose table this rank lacks (KeyError from `tables`) yields None, and a line
-    saying so goes to `notes` (when given) and the debug log."""
+    saying so goes to `notes` (when given) and the debug log. A column the scan reads
+    (``Scan.needs``) that this rank's table lacks is added as NULLs, and the result says so
+    (``PADDED_KEY``: the root fails when every rank lacked it)."""
     out: dict[str, pa.Table | None] = {}
     per_rank = plan.mode == "per-rank"
     cache: dict[str, pa.Table | None] = {}  # as found: untagged
@@ -601,51 +314,52 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
             (only,) = regs.values()
             out[scan.name] = _tagged_empty(only.schema, tuple(tags.items()))
             continue
+        lacking = _lacking(regs, scan.needs)
         result = None
-        if arrow and scan.arrow and not per_rank and len(regs) == 1:
+        if arrow and scan.arrow and not per_rank and len(regs) == 1 and not lacking:
             try:
-                run_arrow = arrow_partials if "aggs" in scan.arrow else arrow_rows
+                run_arrow = fast_paths.arrow_partials if "aggs" in scan.arrow else fast_paths.arrow_rows
                 (table,) = regs.values()
                 read = _tags_read(scan.arrow)
                 result = run_arrow(scan.arrow, tagged(table, tags, read) if read else table)
-            except (_NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
+            except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
             if result is not None:
                 _within_cap(result, row_cap)
-        padded: list[str] = []
         if result is None:
-            result, padded = _run_padded(engine, scan.sql, with_tags(regs), params=_params_for(scan.sql, params),
-                                         deadline=deadline, row_cap=row_cap)
+            result = engine.run(scan.sql, _padded_with(with_tags(regs), lacking),
+                                params=_params_for(scan.sql, params), deadline=deadline, row_cap=row_cap)
         if per_rank:
             result = tagged(result, tags)
         elif _partial_scan(plan, scan.name):
             result = _narrow(result)
-        out[scan.name] = _with_padded(result, padded)
+        out[scan.name] = _with_padded(result, [c for cols in lacking.values() for c in cols])
     return out
 
 
-def _run_padded(engine: "Engine", sql: str, regs: dict[str, "pa.Table"], **kw: Any) -> tuple["pa.Table", list[str]]:
-    """``engine.run``, where a column this rank's (one) table lacks is added as NULLs, as the
-    union of every rank's table has it: (result, the columns added). Only what DuckDB could
-    not bind is added, so a name that means something else (a select alias) keeps its meaning."""
+def _lacking(regs: Mapping[str, "pa.Table"], needs: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+    """The columns a scan reads (``Scan.needs``) that this rank's tables lack, by table."""
+    out = {}
+    for name, table in regs.items():
+        have = {c.lower() for c in table.column_names}
+        cols = [c for c in dict.fromkeys(needs.get(name.lower(), ())) if c.lower() not in have]
+        if cols:
+            out[name] = cols
+    return out
+
+
+def _padded_with(regs: Mapping[str, "pa.Table"], lacking: Mapping[str, Sequence[str]]) -> dict[str, "pa.Table"]:
+    """`regs` with the `lacking` columns appended as NULLs (after the tags, as the union of
+    every rank's tagged table places a column the first rank lacks)."""
     import pyarrow as pa
 
-    from .engine import QueryError
-
-    padded: list[str] = []
-    while True:
-        try:
-            return engine.run(sql, regs, **kw), padded
-        except QueryError as exc:
-            found = _MISSING_COLUMN.search(str(exc))
-            if found is None or len(regs) != 1 or len(padded) >= MAX_PADDED:
-                raise
-            column = found.group(1) or found.group(2)
-            ((name, table),) = regs.items()
-            if column.lower() in (c.lower() for c in table.column_names):
-                raise
-            regs = {name: table.append_column(pa.field(column, pa.null()), pa.nulls(table.num_rows))}
-            padded.append(column)
+    out = dict(regs)
+    for name, cols in lacking.items():
+        table = out[name]
+        for c in cols:
+            table = table.append_column(pa.field(c, pa.null()), pa.nulls(table.num_rows))
+        out[name] = table
+    return out
 
 
 def _padded(table: "pa.Table") -> list[str]:

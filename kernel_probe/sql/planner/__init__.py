@@ -43,16 +43,19 @@ Rules of this file:
 Layout: ``model`` (Plan, Scan, PlanError, Declined: plain data, no sqlglot), ``parse``
 (parsing and refusals), ``syntax`` (sqlglot helpers, text splicing), ``analysis`` (table
 references, pushable filters, projections, the shared one-table shape), ``modes`` (the
-builders), ``partial`` (partial aggregation).
+builders), ``partial`` (partial aggregation), ``arrow`` (scans and finals as Arrow compute),
+``needs`` (the columns each rank scan reads: a rank lacking one adds it as NULLs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 from . import modes
 from .analysis import Query
 from .model import MODES, NODES, TAGS, Declined, Plan, PlanError, Scan
+from .needs import needed_columns
 from .parse import _parse
 
 __all__ = ["TAGS", "NODES", "MODES", "PlanError", "Scan", "Plan", "Declined", "plan"]
@@ -61,6 +64,10 @@ __all__ = ["TAGS", "NODES", "MODES", "PlanError", "Scan", "Plan", "Declined", "p
 def plan(sql: str, *, per_rank: bool = False,
          catalog: Mapping[str, Sequence[str]] | None = None) -> Plan:
     """Plan one cluster query (DuckDB dialect); raise PlanError if it cannot run."""
+    return _with_needs(_plan(sql, per_rank, catalog))
+
+
+def _plan(sql: str, per_rank: bool, catalog: Mapping[str, Sequence[str]] | None) -> Plan:
     stmt = _parse(sql)
     q = Query(sql, stmt, catalog, per_rank)
     if per_rank:
@@ -75,3 +82,12 @@ def plan(sql: str, *, per_rank: bool = False,
         if got.reason:
             notes.append(got.reason)
     return modes.ship_rows(q, notes)
+
+
+def _with_needs(p: Plan) -> Plan:
+    """`p` with each rank scan's ``needs``: the columns a rank lacking them adds as NULLs. The
+    shape scan runs no SQL at the ranks (they send their tables' names and types)."""
+    tagged = p.mode != "per-rank"
+    scans = tuple(dataclasses.replace(s, needs=needed_columns(s.sql, s.tables, tagged=tagged))
+                  if s.where == "ranks" and s.name != p.shape else s for s in p.scans)
+    return dataclasses.replace(p, scans=scans)

@@ -5,7 +5,7 @@ table with Arrow costs tens of microseconds. The planner marks a rank scan with 
 ``arrow`` spec (``filters``), and a partial-aggregate's root finish with
 ``Plan.final_arrow`` (``final_spec``), only where the Arrow result provably equals the
 SQL's; the executor checks column types at run time and runs the SQL whenever the spec
-does not fit (``execute.arrow_rows``, ``arrow_partials``, ``arrow_final``).
+does not fit (``fast_paths.arrow_rows``, ``arrow_partials``, ``arrow_final``).
 
 Filters are WHERE conjuncts of these forms (a conjunct of any other form: no spec):
 ``col``, ``NOT col`` (a boolean column), ``col <op> literal`` or ``literal <op> col``
@@ -23,7 +23,7 @@ from typing import Any
 from ._sqlglot import exp
 from .syntax import _col_parts
 
-__all__ = ["filters", "final_spec"]
+__all__ = ["filters", "final_spec", "top_k_spec"]
 
 _OPS = {"EQ": "==", "NEQ": "!=", "LT": "<", "LTE": "<=", "GT": ">", "GTE": ">="}  # sqlglot class names
 _FLIP = {"==": "==", "!=": "!=", "<": ">", "<=": ">=", ">": "<", ">=": "<="}
@@ -40,6 +40,25 @@ def filters(conjuncts: list[Any], alias: str) -> list[list[Any]] | None:
             return None
         out.append(f)
     return out
+
+
+def top_k_spec(conjuncts: list[Any], order: list[Any], alias: str, columns: list[str] | None,
+               limit: int) -> dict | None:
+    """A top-k rank scan (``SELECT columns FROM t WHERE conjuncts ORDER BY order LIMIT limit``)
+    as an Arrow rows spec, or None: every conjunct a filter (``filters``) and every ORDER BY
+    item a plain column of the table. As data: ``{"columns": [...] | None, "filters": [...],
+    "order": [[column, descending, nulls first]], "limit": n}`` (nulls first as sqlglot reads
+    DuckDB's default: last, whatever the direction)."""
+    conditions = filters(conjuncts, alias)
+    if conditions is None:
+        return None
+    keys = []
+    for ob in order:
+        col = _column(ob.this, alias)
+        if col is None:
+            return None
+        keys.append([col, bool(ob.args.get("desc")), bool(ob.args.get("nulls_first"))])
+    return {"columns": columns, "filters": conditions, "order": keys, "limit": limit}
 
 
 def _one(c: Any, alias: str) -> list[Any] | None:

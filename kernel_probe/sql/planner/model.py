@@ -35,8 +35,11 @@ class Scan:
     plain Arrow compute, when that is all it is (``planner.arrow``): a group-by
     (``{"keys": [[alias, column]], "aggs": [[alias, func, column | None]], "filters": [...]}``,
     func one of count_all, count, sum, min, max) or filtered rows (``{"columns": [...] |
-    None, "filters": [...]}``); a rank uses it where the column types fit and runs ``sql``
-    otherwise.
+    None, "filters": [...]}``, a top-k's with ``"order": [[column, descending, nulls first]],
+    "limit": n``); a rank uses it where the column types fit (``fast_paths``) and runs ``sql``
+    otherwise. ``needs``: per table, the columns ``sql`` reads from it
+    (``planner.needs``): a rank whose table lacks one adds it as a NULL column, as the union
+    of every rank's table has it there.
     """
 
     name: str
@@ -46,10 +49,12 @@ class Scan:
     tables: tuple[str, ...] = ()
     merge_at_root: bool = False
     arrow: Mapping[str, Any] | None = None
+    needs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "sql": self.sql, "where": self.where, "merge": self.merge,
-                "tables": list(self.tables), "merge_at_root": self.merge_at_root, "arrow": self.arrow}
+                "tables": list(self.tables), "merge_at_root": self.merge_at_root, "arrow": self.arrow,
+                "needs": {t: list(cols) for t, cols in self.needs.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Scan":
@@ -61,7 +66,14 @@ class Scan:
                    merge=None if merge is None else str(merge),
                    tables=tuple(str(t) for t in d.get("tables", ())),
                    merge_at_root=bool(d.get("merge_at_root", False)),
-                   arrow=d.get("arrow") if isinstance(d.get("arrow"), Mapping) else None)
+                   arrow=d.get("arrow") if isinstance(d.get("arrow"), Mapping) else None,
+                   needs=_needs(d.get("needs")))
+
+
+def _needs(value: Any) -> dict[str, tuple[str, ...]]:
+    if not isinstance(value, Mapping):
+        return {}
+    return {str(t): tuple(str(c) for c in cols) for t, cols in value.items() if isinstance(cols, (list, tuple))}
 
 
 @dataclass(frozen=True)

@@ -215,7 +215,9 @@ def top_k(q: Query) -> Plan | Declined:
     final = q.repointed(lambda r: _ident(name))
     if final is None:
         return Declined("top-k: table position unknown in the text")
-    scan = Scan(name=name, sql=_sql(rank), where="ranks", merge=_sql(merge), tables=(ref.name,))
+    spec = arrow.top_k_spec(_conjuncts(where.this) if where is not None else [], order_exprs, ref.alias,
+                            cols or None, n + o)
+    scan = Scan(name=name, sql=_sql(rank), where="ranks", merge=_sql(merge), tables=(ref.name,), arrow=spec)
     return Plan(mode="top-k", scans=(scan,), final=final, prune=q.prune_for(q.pushable(ref)),
                 order_matters=q.order_matters)
 

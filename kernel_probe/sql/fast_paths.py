@@ -1,0 +1,381 @@
+"""Arrow and numpy answers for the plainest scans and finals, where they provably equal DuckDB's.
+
+A DuckDB pass costs about a millisecond whatever its input; filtering, projecting or grouping
+a small table with Arrow costs tens of microseconds. The planner marks what qualifies
+(``planner.arrow``: ``Scan.arrow``, ``Plan.final_arrow``); ``execute.py`` calls these, and
+runs the SQL instead whenever one raises :class:`NotPlain` (or KeyError, TypeError,
+ValueError, NotImplementedError: a column it does not find by exact name, a value that does
+not fit). Each checks the column types at run time, since the planner sees no data.
+
+- :func:`arrow_rows` (a rank's filtered rows, ``{"columns", "filters"}``, and a top-k's
+  ``"order"`` and ``"limit"``): WHERE keeps the rows where every conjunct is TRUE, and a NULL
+  comparison drops the row, as ``null_selection_behavior="drop"`` does. A comparison runs
+  only where DuckDB would not cast (an integer or float column against numbers, a string
+  against strings, a boolean against booleans), and the result holds only types DuckDB
+  hands back to Arrow unchanged (``_SAME_IN_DUCKDB``): anything else is the SQL's job. A
+  top-k sorts by integer, boolean and string keys only, which order alike in both (strings
+  by their bytes, DuckDB's default collation), NULLs first or last per key as the plan
+  says; floats decline (DuckDB's NaN is the greatest value). Rows tied on every key may be
+  kept in another choice than DuckDB's: its LIMIT does not choose among ties either.
+- :func:`arrow_partials` (a rank's plain group-by, ``{"keys", "aggs", "filters"}``): count,
+  count(*), sum, min, max of integer or float columns, typed as DuckDB types them: count
+  BIGINT, an integer sum HUGEINT (decimal128(38, 0), exact), a float sum DOUBLE. Groups come
+  in any order: partials are re-aggregated above.
+- :func:`arrow_final` (the root's finish of a partial aggregate, ``Plan.final_arrow``): sums
+  of partial counts and sums, avg as sum / count (NULL over no rows), min/max of partials,
+  the select list in order, ORDER BY and LIMIT. It declines a NaN in a min/max (DuckDB's NaN
+  is the greatest value; Arrow skips it) and a float sort key (where NaN goes against NULLs);
+  the caller conforms the result to the shape scan's names and types and runs the SQL
+  when they still differ.
+- The group-bys run on Acero's aggregate node (:func:`_group_by`), or, for one NULL-free key
+  with counts and sums of int64 or doubles, on numpy's bincount (:func:`_counted_by_key`):
+  doubles are added in row order, as Acero adds them (the same bits), and int64 sums only
+  while they stay below 2**53, where a double holds them exactly.
+
+Importing this module imports neither pyarrow nor numpy (a probe that is never queried
+loads neither): they are imported inside the functions. Nothing here imports
+``pyarrow.acero`` or calls ``to_numpy``: both import pandas, tens of MB in every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from ..tables.convert import array, scalar
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["NotPlain", "arrow_rows", "arrow_partials", "arrow_final", "const"]
+
+
+@functools.lru_cache(maxsize=4096)
+def const(value: Any, typ: "pa.DataType") -> Any:
+    """``scalar(value, typ)``, made once: tags and the finals' literals recur with every query."""
+    return scalar(value, typ)
+
+
+class NotPlain(Exception):
+    """The Arrow path does not apply to these columns: run the scan's SQL."""
+
+
+_COMPARE = {"==": "equal", "!=": "not_equal", "<": "less", "<=": "less_equal", ">": "greater",
+            ">=": "greater_equal"}
+# columns a scan's Arrow result may hold: DuckDB gives these back with the same Arrow type
+
+
+_SAME_IN_DUCKDB = frozenset({"int8", "int16", "int32", "int64", "float", "double", "bool", "string"})
+
+
+def _comparable(typ: "pa.DataType", values: Sequence[Any]) -> "pa.DataType":
+    """The Arrow type in which a column of `typ` compares with literal `values` as DuckDB
+    compares them, or NotPlain (DuckDB would cast, e.g. a string to a number)."""
+    import pyarrow as pa
+
+    kinds = {type(v) for v in values}
+    if kinds == {bool}:
+        if pa.types.is_boolean(typ):
+            return typ
+    elif kinds == {str}:
+        if typ == pa.string():
+            return typ
+    elif kinds <= {int, float}:
+        if pa.types.is_signed_integer(typ):
+            return pa.int64() if kinds == {int} else pa.float64()
+        if pa.types.is_floating(typ):
+            return pa.float64()
+    raise NotPlain(f"{typ} against {sorted(k.__name__ for k in kinds)}")
+
+
+def _arrow_filter(table: "pa.Table", filters: Sequence[Sequence[Any]]) -> "pa.Table":
+    """The rows of `table` where every filter (``planner.arrow``) is TRUE, as SQL's WHERE
+    keeps them (a NULL drops the row)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not filters:
+        return table
+    mask = None
+    for col, op, value in filters:
+        arr = table.column(col)
+        if op in ("is_null", "not_null"):
+            m = pc.is_null(arr) if op == "is_null" else pc.is_valid(arr)
+        elif op in ("true", "false"):
+            if not pa.types.is_boolean(arr.type):
+                raise NotPlain(col)
+            m = arr if op == "true" else pc.invert(arr)
+        elif op == "in":
+            m = pc.is_in(arr, value_set=array(value, _comparable(arr.type, value)))
+        elif op in ("divisible", "not_divisible"):
+            if not pa.types.is_integer(arr.type):
+                raise NotPlain(col)  # DuckDB's modulo of a float or decimal: the SQL's job
+            if abs(value) == 1:  # every value; and INT64_MIN // -1 would overflow
+                m = pc.is_valid(arr) if op == "divisible" else pc.and_kleene(pc.is_valid(arr), const(False, pa.bool_()))
+            else:
+                k = scalar(value, arr.type)  # ArrowInvalid (a ValueError) when k does not fit: SQL
+                m = pc.equal(pc.multiply(pc.divide(arr, k), k), arr)
+                m = m if op == "divisible" else pc.invert(m)
+        else:
+            m = getattr(pc, _COMPARE[op])(arr, scalar(value, _comparable(arr.type, [value])))
+        mask = m if mask is None else pc.and_kleene(mask, m)
+    return table.filter(mask, null_selection_behavior="drop")
+
+
+def arrow_rows(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
+    """A rows scan (``Scan.arrow``: columns, filters, and for a top-k order and limit) over
+    one tagged table, with Arrow: the same columns, types and rows as its SQL in DuckDB.
+    ``NotPlain`` (or KeyError for a column it does not find by exact name) when only the SQL
+    can say."""
+    import pyarrow as pa
+
+    columns = spec.get("columns")
+    order = spec.get("order") or ()
+    if columns is not None:  # filter only what is read: a wide table's other columns never move
+        table = table.select(list(dict.fromkeys([*columns, *(f[0] for f in spec["filters"]),
+                                                 *(o[0] for o in order)])))
+    out = _arrow_filter(table, spec["filters"])
+    if order:
+        for col, _, _ in order:
+            typ = out.schema.field(col).type
+            if not (pa.types.is_integer(typ) or pa.types.is_boolean(typ) or typ == pa.string()):
+                raise NotPlain(f"sort key {col}: {typ}")  # a float's NaN goes elsewhere in DuckDB
+        keys = [(col, "descending" if desc else "ascending", "at_start" if first else "at_end")
+                for col, desc, first in order]
+        out = out.take(_first_rows(out, keys, spec.get("limit")))
+    elif spec.get("limit") is not None:
+        out = out.slice(0, spec["limit"])
+    if columns is not None:
+        out = out.select(list(columns))
+    for f in out.schema:
+        if str(f.type) not in _SAME_IN_DUCKDB:
+            raise NotPlain(f"{f.name}: {f.type}")
+    return out
+
+
+def _first_rows(table: "pa.Table", keys: list, limit: int | None) -> "pa.Array":
+    """The indices of `table`'s first `limit` rows in the order of `keys`. Arrow sorts by
+    several keys many times slower than by one, so the rows are first sorted by the first key
+    alone, and only those up to the limit's row and its ties on that key by all of them."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    idx = pc.sort_indices(table, sort_keys=keys[:1])
+    if limit is None or len(keys) == 1 or len(idx) <= limit:
+        return pc.sort_indices(table, sort_keys=keys).slice(0, limit) if len(keys) > 1 else idx.slice(0, limit)
+    if limit == 0:
+        return idx.slice(0, 0)
+    first = table.column(keys[0][0]).take(idx)
+    last = first[limit - 1]
+    rest = first.slice(limit)
+    tied = pc.is_null(rest) if not last.is_valid else pc.fill_null(pc.equal(rest, last), False)
+    more = pc.index(tied, False).as_py()
+    cand = idx.slice(0, limit + (len(rest) if more < 0 else more))
+    within = pc.sort_indices(table.take(cand), sort_keys=keys).slice(0, limit)
+    return cand.take(within) if len(within) else pa.array([], pa.uint64())
+
+
+def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
+    """A plain group-by scan (``Scan.arrow``) over one tagged table, with Arrow: the same
+    columns, types and rows as its SQL gives in DuckDB. ``NotPlain`` (or KeyError for a
+    column it does not find by exact name) when only the SQL can say."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = _arrow_filter(table, spec.get("filters") or ())
+    work: dict[str, Any] = {}
+    aggs: list[tuple[str, str, str]] = []  # (alias, input column in `work`, func)
+    for i, (alias, func, col) in enumerate(spec["aggs"]):
+        if func == "count_all":
+            aggs.append((alias, "", func))
+            continue
+        arr = table.column(col)
+        if func != "count" and not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
+            raise NotPlain(col)
+        if func == "sum":  # DuckDB: HUGEINT for integers (exact), DOUBLE for floats
+            to = pa.decimal128(38, 0) if pa.types.is_integer(arr.type) else pa.float64()
+            arr = arr if arr.type == to else pc.cast(arr, to)
+        work[f"__in{i}"] = arr
+        aggs.append((alias, f"__in{i}", func))
+    keys = [(alias, f"__key{j}") for j, (alias, _) in enumerate(spec["keys"])]
+    for (_, name), (_, col) in zip(keys, spec["keys"]):
+        work[name] = table.column(col)
+    if not keys:
+        out = {}
+        for alias, src, func in aggs:
+            if func == "count_all":
+                value = const(table.num_rows, pa.int64())
+            elif func == "count":
+                value = pc.count(work[src], mode="only_valid")
+            else:
+                value = getattr(pc, func)(work[src])
+            out[alias] = pa.repeat(value, 1)
+        return pa.table(out)
+    ops = [([] if func == "count_all" else [src], f"hash_{func}",
+            pc.CountOptions(mode="only_valid") if func == "count" else None, f"__out{i}")
+           for i, (_, src, func) in enumerate(aggs)]
+    result = _group_by(pa.table(work), ops, [name for _, name in keys])
+    cols = {alias: result.column(name) for alias, name in keys}
+    cols.update({alias: result.column(f"__out{i}") for i, (alias, _, _) in enumerate(aggs)})
+    return pa.table(cols)
+
+
+def arrow_final(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
+    """A partial-aggregate's final (``Plan.final_arrow``) over its merged partials, with
+    Arrow: the select list's values in order, as the final SQL gives them in DuckDB (the
+    shape then names and types them). ``NotPlain`` where a type could differ."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    keys = list(spec["keys"])
+    work = {k: table.column(k) for k in keys}
+    ops: list[tuple] = []  # Acero aggregates: (inputs, function, options, output name)
+    for i, out in enumerate(spec["outputs"]):
+        kind = out[0]
+        if kind == "key":
+            continue
+        arr = table.column(out[1])
+        if kind == "count" and not pa.types.is_integer(arr.type):
+            raise NotPlain(out[1])
+        if kind in ("sum", "avg"):  # DuckDB sums integers exactly (HUGEINT)
+            if pa.types.is_integer(arr.type):
+                arr = pc.cast(arr, pa.decimal128(38, 0))
+            elif not (pa.types.is_floating(arr.type) or pa.types.is_decimal(arr.type)):
+                raise NotPlain(out[1])
+        if kind in ("min", "max"):
+            typ = arr.type
+            if pa.types.is_floating(typ) and pc.any(pc.is_nan(arr)).as_py():
+                raise NotPlain(out[1])  # DuckDB's NaN is the greatest value; Arrow skips it
+            if not (pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_decimal(typ)
+                    or pa.types.is_boolean(typ) or typ == pa.string()):
+                raise NotPlain(out[1])
+        work[f"__in{i}"] = arr
+        ops.append(([f"__in{i}"], "sum" if kind in ("count", "avg") else kind, None, f"__out{i}"))
+        if kind == "avg":
+            work[f"__n{i}"] = table.column(out[2])
+            ops.append(([f"__n{i}"], "sum", None, f"__cnt{i}"))
+    source = pa.table(work) if work else table.select([])
+    if keys:
+        grouped = _group_by(source, [(t, f"hash_{f}", o, n) for t, f, o, n in ops], keys)
+    else:  # one row, also over no rows at all
+        grouped = pa.table({n: pa.repeat(getattr(pc, f)(source.column(t[0])), 1) for t, f, _, n in ops}) \
+            if ops else pa.table({})
+    cols = []
+    for i, out in enumerate(spec["outputs"]):
+        kind = out[0]
+        if kind == "key":
+            cols.append(grouped.column(out[1]))
+        elif kind == "count":
+            cols.append(pc.fill_null(pc.cast(grouped.column(f"__out{i}"), pa.int64()), const(0, pa.int64())))
+        elif kind == "avg":
+            total = pc.cast(grouped.column(f"__out{i}"), pa.float64())
+            n = pc.cast(grouped.column(f"__cnt{i}"), pa.float64())
+            nothing = pc.fill_null(pc.equal(n, const(0.0, pa.float64())), const(True, pa.bool_()))
+            cols.append(pc.if_else(nothing, const(None, pa.float64()), pc.divide(total, n)))
+        else:
+            cols.append(grouped.column(f"__out{i}"))
+    result = pa.Table.from_arrays(cols, names=[f"c{i}" for i in range(len(cols))])
+    if spec["order"]:
+        if any(pa.types.is_floating(result.column(i).type) for i, _, _ in spec["order"]):
+            raise NotPlain("a float sort key")  # where NaN goes against NULLs
+        order = [(f"c{i}", "descending" if desc else "ascending", "at_start" if first else "at_end")
+                 for i, desc, first in spec["order"]]
+        result = result.take(pc.sort_indices(result, sort_keys=order))
+    if spec.get("limit") is not None:
+        result = result.slice(0, spec["limit"])
+    return result
+
+
+def _group_by(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table":
+    """``table.group_by(keys).aggregate(...)`` with the output names chosen here, through
+    Acero's own nodes: the public ``pyarrow.acero`` module imports pyarrow.dataset, which
+    maps parquet and S3 and imports pandas (tens of MB in every rank)."""
+    counted = _counted_by_key(table, ops, keys)
+    if counted is not None:
+        return counted
+    from pyarrow._acero import AggregateNodeOptions, Declaration, TableSourceNodeOptions
+
+    return Declaration.from_sequence([
+        Declaration("table_source", TableSourceNodeOptions(table)),
+        Declaration("aggregate", AggregateNodeOptions(ops, keys=keys)),
+    ]).to_table(use_threads=False)
+
+
+_BINCOUNT_EXACT = 2 ** 53  # integer sums below this are exact in the doubles numpy's bincount adds
+
+
+def _counted_by_key(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table | None":
+    """``_group_by`` for the common small case, with numpy's bincount (a fraction of Acero's
+    fixed cost on a few hundred rows): one key without NULLs; counts, and sums of doubles
+    (added in row order, as Acero does: the same bits) or of int64 that stay exact. None
+    for anything else, which Acero does. Groups may come in another order than Acero's."""
+    if len(keys) != 1 or not all(o[1] in ("hash_count_all", "hash_count", "hash_sum") for o in ops):
+        return None
+    import pyarrow as pa
+
+    key = table.column(keys[0])
+    if key.null_count or not (pa.types.is_integer(key.type) or pa.types.is_string(key.type)):
+        return None
+    inputs = {}
+    for names, func, _, _ in ops:
+        for name in names:
+            col = table.column(name)
+            if col.null_count or (func == "hash_sum" and col.type not in (pa.float64(), pa.int64())):
+                return None  # a NULL to skip, or a sum of another type (Acero's own result type)
+            inputs[name] = col
+    import numpy as np
+
+    slot, slots, present, groups = _key_slots(key.combine_chunks())
+    counts = np.bincount(slot, minlength=slots)
+    out = {keys[0]: groups}
+    for names, func, _, name in ops:
+        if func != "hash_sum":  # no NULLs: count(x) counts every row
+            out[name] = _from_numpy(counts if present is None else counts[present], pa.int64())
+            continue
+        col = inputs[names[0]]
+        values = _to_numpy(col.combine_chunks())
+        if col.type == pa.int64() and len(values) and \
+                max(-int(values.min()), int(values.max())) * len(values) >= _BINCOUNT_EXACT:
+            return None  # a sum that doubles may round: Acero adds int64
+        sums = np.bincount(slot, weights=values, minlength=slots)
+        sums = sums if present is None else sums[present]
+        out[name] = _from_numpy(sums.astype(np.int64) if col.type == pa.int64() else sums, col.type)
+    return pa.table(out)
+
+
+def _key_slots(key: "pa.Array") -> tuple:
+    """(each row's slot, how many slots, the slots holding a group or None for all, the
+    groups' keys as Arrow). Integers in a narrow range are their own slot (no hashing);
+    other keys get one through a dictionary."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_integer(key.type) and key.type != pa.uint64():
+        k = _to_numpy(key)
+        lo, hi = (int(k.min()), int(k.max())) if len(k) else (0, -1)
+        if hi - lo <= 4 * len(k) + 64:
+            slot = k.astype(np.int64) - lo
+            present = np.flatnonzero(np.bincount(slot, minlength=hi - lo + 1))
+            return slot, hi - lo + 1, present, _from_numpy((present + lo).astype(k.dtype), key.type)
+    encoded = pc.dictionary_encode(key)
+    return _to_numpy(encoded.indices), len(encoded.dictionary), None, encoded.dictionary
+
+
+def _to_numpy(arr: "pa.Array") -> Any:
+    """A NULL-free integer or double Arrow array's values as numpy, over its buffer: pyarrow's
+    ``to_numpy`` imports pandas (tens of MB in every rank)."""
+    import numpy as np
+
+    dtype = np.dtype({"double": "float64", "float": "float32"}.get(str(arr.type), str(arr.type)))
+    if not len(arr):
+        return np.empty(0, dtype)  # an empty array may have no data buffer at all
+    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+
+
+def _from_numpy(values: Any, typ: "pa.DataType") -> "pa.Array":
+    """A flat numpy array as Arrow, over its buffer: ``pa.array(ndarray)`` imports pandas."""
+    import numpy as np
+    import pyarrow as pa
+
+    return pa.Array.from_buffers(typ, len(values), [None, pa.py_buffer(np.ascontiguousarray(values))])
