@@ -47,7 +47,7 @@ export interface IRankRow {
   /** The step-time bar's width in percent (the median fills half). */
   barPercent: number;
   slow: boolean;
-  /** "210 ms", or "" before the first step. */
+  /** Milliseconds per step, "210" (the column says the unit), or "" before the first step. */
   ms: string;
   /** "1.62x the median", or "". */
   ratio: string;
@@ -80,7 +80,7 @@ export function rankGroups(nodes: INodes): INodeGroup[] {
       seen: m.age ?? '—',
       barPercent: m.bar === null || m.bar === undefined ? 0 : 100 * Math.min(1, Math.max(0, m.bar)),
       slow: m.slow === true,
-      ms: m.step_time_ms === null ? '' : `${m.step_time_ms.toFixed(0)} ms`,
+      ms: m.step_time_ms === null ? '' : m.step_time_ms.toFixed(0),
       ratio: m.ratio === null || m.ratio === undefined ? '' : `${m.ratio.toFixed(2)}x the median`,
       suspect: suspects.has(m.rank),
       detail: m.reason ? `${m.state} ${m.reason}` : `${m.state} · pid ${m.pid} · ${m.endpoint}`

@@ -181,8 +181,7 @@ function RankRow(props: { row: IRankRow; selected: boolean; onSelect: () => void
         <div className="pm-Cluster-barTrack">
           <div className={`pm-Cluster-bar${row.slow ? ' pm-slow' : ''}`} style={{ width: `${row.barPercent}%` }} />
         </div>
-        <span className="pm-Cluster-ms">{row.ms}</span>
-        {row.slow && <span className="pm-Cluster-slowTag">slow</span>}
+        <span className={`pm-Cluster-ms${row.slow ? ' pm-slow' : ''}`}>{row.ms}</span>
       </td>
     </tr>
   );
@@ -209,7 +208,7 @@ function Nodes({ model, nodes }: { model: ClusterModel; nodes: INodes }): JSX.El
                 <th>role</th>
                 <th>step</th>
                 <th>seen</th>
-                <th>step time</th>
+                <th title="milliseconds per step; the bar: the median fills half">ms/step</th>
               </tr>
             </thead>
             <tbody>
