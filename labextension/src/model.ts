@@ -62,7 +62,7 @@ export interface INodeGroup {
   ranks: IRankRow[];
 }
 
-/** What the panel renders of a `nodes` answer: ranks grouped by node, both in order, and counts per state. */
+/** What the panel renders of a `nodes` answer: ranks grouped by node, nodes and ranks in order. */
 export function rankGroups(nodes: INodes): INodeGroup[] {
   const suspects = new Set(nodes.suspects.flatMap(s => s.ranks));
   const groups = new Map<number, INodeGroup>();

@@ -394,6 +394,14 @@ describe('backoff while the server is gone', () => {
     expect(model.pollState.interval).toBe(2000); // back to the normal pace
   });
 
+  it('takes any interval the settings allow, also one longer than the backoff cap', () => {
+    const model = track(new ClusterModel({ api: fakeApi() as unknown as ProbingApi }));
+    expect(() => {
+      model.intervalSeconds = 0.5;
+      model.intervalSeconds = 60;
+    }).not.toThrow();
+  });
+
   it('stands by while the panel is hidden', async () => {
     jest.useFakeTimers();
     const api = fakeApi();
