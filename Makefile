@@ -7,10 +7,12 @@ DUCKDB_1X := 1.2.2
 
 .PHONY: install demo lab test test-fast bench clean chromium soak
 
-# the Cluster panel (labextension/) is built by the editable install: rebuild when its sources change
+# the Probing panel (labextension/) is built by the editable install: rebuild when its sources change
 $(STAMP): pyproject.toml constraints.txt labextension/package.json labextension/yarn.lock $(wildcard labextension/src/* labextension/style/* labextension/schema/*)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	# the panel's lint and unit-test tools (make test runs them): installed even when the build above was skipped
+	cd labextension && $(abspath $(VENV))/bin/jlpm install
 	# a DuckDB 1.x beside ours, for one test only: it makes a rare exit race frequent (tests/test_engine.py)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --target $(VENV)/duckdb-1x 'duckdb==$(DUCKDB_1X)'
 	# bytecode, as a wheel install leaves it (ranks then skip compiling, even with PYTHONDONTWRITEBYTECODE)

@@ -1,6 +1,7 @@
-"""The JupyterLab Cluster panel in a real browser (issue 8, "Must be shown by tests" 2).
+"""The JupyterLab Probing panel in a real browser (issue 8, "Must be shown by tests" 2).
 
-A real `jupyter lab` subprocess (the installed server extension and lab extension), a
+A real `jupyter lab` subprocess (the server extension of the code under test and the lab
+extension built from this checkout, else the installed one), a
 live local job (tiny DDP training, plain mode: one rank can be killed alone), and Debian
 Chromium driven by Playwright (nothing downloaded). Run twice: at the root and under a
 `base_url` prefix, as behind JupyterHub; the latter also stops the job and launches it
@@ -32,6 +33,8 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = ROOT / "test-artifacts" / "lab-browser"
+BUILT = ROOT / "probing_magics" / "labextension"  # where `jlpm build:prod` (and the editable install) put the panel
+SIDEBAR_TAB = '.jp-SideBar [data-id="probing-cluster"]'
 TOKEN = "lab-browser-test-token"
 POLL_SEC = 1.0  # the panel's poll interval, set through the settings registry
 JOB_ENV = {"PROBING": "1", "PROBING_ROLE": "trainer", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "1",
@@ -53,6 +56,14 @@ def _settings(user_settings: Path) -> None:
         path.write_text(json.dumps(value))
 
 
+def _data_dir_with_built_panel(data_dir: Path) -> Path:
+    """A Jupyter data dir holding a copy of the panel built from this checkout (labextension/'s output)."""
+    target = data_dir / "labextensions" / "probing-magics"
+    shutil.copytree(BUILT, target)
+    shutil.copy(ROOT / "install.json", target / "install.json")
+    return data_dir
+
+
 class Lab:
     """A `jupyter lab` subprocess on a free port, isolated config, settings and workspaces."""
 
@@ -67,6 +78,8 @@ class Lab:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("PROBING", "JUPYTER"))}
         self.env.update({"PROBING_RUNTIME_DIR": str(runtime), "JUPYTER_CONFIG_DIR": str(tmp / "jupyter-config"),
                          "JUPYTER_RUNTIME_DIR": str(tmp / "jupyter-runtime")})
+        if BUILT.joinpath("package.json").exists():  # this checkout's build first, not an older installed one
+            self.env["JUPYTER_PATH"] = str(_data_dir_with_built_panel(tmp / "jupyter-path"))
         self.argv = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
                      f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={root_dir}",
                      f"--ServerApp.base_url={base_url}", f"--LabApp.user_settings_dir={user_settings}",
@@ -171,8 +184,10 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                 page.goto(f"{lab.url}lab?token={TOKEN}")
                 page.wait_for_selector("#jp-main-dock-panel")
 
-                # the panel, before any job runs: it says so
-                page.click('.jp-SideBar [data-id="probing-cluster"]')
+                # the panel, before any job runs: it says so. Its tab is told apart from ipyparallel's "Clusters"
+                expect(page.locator(SIDEBAR_TAB)).to_have_attribute("title", "Probing: ranks of a running job")
+                page.click(SIDEBAR_TAB)
+                expect(page.locator("#probing-cluster .jp-SidePanel-header h2")).to_have_text("Probing")
                 expect(page.locator("#probing-cluster .pm-Cluster-status.pm-status-no-job")).to_contain_text(
                     "No job found")
 
@@ -190,6 +205,15 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                 expect(page.locator("#probing-cluster .pm-Cluster-summary")).to_contain_text("0 dead")
                 expect(page.locator("#probing-cluster .pm-Cluster-rank[data-rank='0'] .pm-Cluster-role")) \
                     .to_have_text("trainer")
+                # a rank's state reads without colour: its word beside the coloured shape
+                assert page.evaluate("""() => [...document.querySelectorAll('#probing-cluster .pm-Cluster-rank')]
+                    .every(r => r.querySelector('.pm-Cluster-stateWord').textContent === r.dataset.state)""")
+                # the server's membership view: its age text ("0.4 s") and, while training, its step-time bars
+                expect(page.locator("#probing-cluster .pm-Cluster-rank[data-rank='0'] .pm-Cluster-age")) \
+                    .to_have_text(re.compile(r"^\d+(\.\d)? (s|min|h)$"))
+                if name == "root":
+                    page.wait_for_function("""() => [...document.querySelectorAll('#probing-cluster .pm-Cluster-bar')]
+                        .some(b => parseFloat(b.style.width) > 0)""", timeout=10_000)
 
                 # click a rank: its current stack
                 page.click("#probing-cluster .pm-Cluster-rank[data-rank='2']")

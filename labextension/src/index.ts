@@ -1,5 +1,5 @@
 /**
- * Wires the Cluster panel into JupyterLab: the sidebar panel (restored with the
+ * Wires the Probing panel into JupyterLab: the sidebar panel (restored with the
  * layout), its settings, the chosen job kept in the state database, and the commands
  * (palette and panel toolbar). The panel's logic lives in `model.ts`, its views in
  * `panel.tsx`, the server calls in `request.ts`.
@@ -11,7 +11,10 @@ import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStateDB } from '@jupyterlab/statedb';
 import { addIcon, refreshIcon } from '@jupyterlab/ui-components';
 
+// the panel is added to the sidebar at activation: its model and views are needed at once
+// eslint-disable-next-line jupyter/prefer-lazy-imports
 import { ClusterModel } from './model';
+// eslint-disable-next-line jupyter/prefer-lazy-imports
 import { ClusterPanel, clusterIcon } from './panel';
 
 const PLUGIN_ID = 'probing-magics:plugin';
@@ -23,6 +26,9 @@ export namespace CommandIDs {
   export const open = 'probing-magics:open';
 }
 
+/** The commands take no arguments (`isPalette` is JupyterLab's own). */
+const NO_ARGS = { args: { type: 'object' as const, properties: {} } };
+
 /** What the inserted cell starts with: the straggler query of the demo. */
 export const SQL_CELL =
   '%%cluster_sql\n' +
@@ -31,7 +37,7 @@ export const SQL_CELL =
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: PLUGIN_ID,
-  description: 'The Cluster panel: a running distributed PyTorch job at a glance.',
+  description: 'The Probing panel: the ranks of a running distributed PyTorch job at a glance.',
   autoStart: true,
   optional: [ILayoutRestorer, ISettingRegistry, ICommandPalette, INotebookTracker, IStateDB],
   activate: (
@@ -46,6 +52,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     app.commands.addCommand(CommandIDs.insertSqlCell, {
       label: 'Insert a %%cluster_sql Cell',
+      describedBy: NO_ARGS,
       caption: 'Insert a %%cluster_sql cell below the active cell of the current notebook',
       icon: args => (args.isPalette ? undefined : addIcon),
       isEnabled: () => !!notebooks?.currentWidget,
@@ -63,19 +70,21 @@ const plugin: JupyterFrontEndPlugin<void> = {
     notebooks?.currentChanged.connect(() => app.commands.notifyCommandChanged(CommandIDs.insertSqlCell));
 
     app.commands.addCommand(CommandIDs.refresh, {
-      label: 'Refresh the Cluster Panel',
+      label: 'Refresh the Probing Panel',
+      describedBy: NO_ARGS,
       icon: args => (args.isPalette ? undefined : refreshIcon),
       execute: () => model.refresh()
     });
 
     const panel = new ClusterPanel(model, app.commands, [CommandIDs.insertSqlCell, CommandIDs.refresh]);
     app.commands.addCommand(CommandIDs.open, {
-      label: 'Show the Cluster Panel',
+      label: 'Show the Probing Panel',
+      describedBy: NO_ARGS,
       icon: args => (args.isPalette ? undefined : clusterIcon),
       execute: () => app.shell.activateById(panel.id)
     });
     for (const command of Object.values(CommandIDs)) {
-      palette?.addItem({ command, category: 'Cluster' });
+      palette?.addItem({ command, category: 'Probing' });
     }
 
     app.shell.add(panel, 'left', { rank: 850 });

@@ -1,5 +1,5 @@
 /**
- * The Cluster panel's state and its one poll. Views only read from here and call its
+ * The Probing panel's state and its one poll. Views only read from here and call its
  * methods; they re-render on `changed`.
  *
  * Each tick: check the server extension's version (once, and again after the server
@@ -14,10 +14,10 @@
  * and only pings the version route until the server answers again. The poll stands by
  * while the panel is hidden or the browser tab is in the background.
  */
-import { Poll } from '@lumino/polling';
+import { IPoll, Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { API_VERSION, ApiError, IJob, INodes, IStackGroup, IVersion, ServerGone, api } from './request';
+import { API_VERSION, ApiError, IJob, INodes, IStackGroup, IVersion, ProbingApi, ServerGone, api } from './request';
 
 export type Status =
   | 'starting'
@@ -29,18 +29,93 @@ export type Status =
   | 'error'
   | 'ready';
 
-const MAX_BACKOFF_MS = 15_000;
-const BACKOFF_FACTOR = 2; // after an error the next tick waits 2x longer, up to 15 s
+export const MAX_BACKOFF_MS = 15_000;
+const BACKOFF_FACTOR = 2; // after an error the next tick waits up to 2x longer, at most 15 s
+
+/** The states every summary lists (0 included), in this order; others follow as met. */
+export const STATES = ['alive', 'stalled', 'dead'];
+
+/** One rank as the panel shows it. The server's membership view decides the bar, `slow` and the age text. */
+export interface IRankRow {
+  rank: number;
+  /** The state's word, shown beside its colour. */
+  state: string;
+  role: string;
+  step: string;
+  /** Last seen, as the server words it ("0.4 s", "3 min"); "—" before the first report. */
+  seen: string;
+  /** The step-time bar's width in percent (the median fills half). */
+  barPercent: number;
+  slow: boolean;
+  /** Milliseconds per step, "210" (the column says the unit), or "" before the first step. */
+  ms: string;
+  /** "1.62x the median", or "". */
+  ratio: string;
+  suspect: boolean;
+  /** The row's tooltip: why it is in its state, or where it runs. */
+  detail: string;
+}
+
+export interface INodeGroup {
+  node: number;
+  host: string;
+  ranks: IRankRow[];
+}
+
+/** What the panel renders of a `nodes` answer: ranks grouped by node, nodes and ranks in order. */
+export function rankGroups(nodes: INodes): INodeGroup[] {
+  const suspects = new Set(nodes.suspects.flatMap(s => s.ranks));
+  const groups = new Map<number, INodeGroup>();
+  for (const m of [...nodes.members].sort((a, b) => a.rank - b.rank)) {
+    let group = groups.get(m.node);
+    if (group === undefined) {
+      group = { node: m.node, host: m.host, ranks: [] };
+      groups.set(m.node, group);
+    }
+    group.ranks.push({
+      rank: m.rank,
+      state: m.state,
+      role: m.role ?? '',
+      step: m.step === null ? '—' : String(m.step),
+      seen: m.age ?? '—',
+      barPercent: m.bar === null || m.bar === undefined ? 0 : 100 * Math.min(1, Math.max(0, m.bar)),
+      slow: m.slow === true,
+      ms: m.step_time_ms === null ? '' : m.step_time_ms.toFixed(0),
+      ratio: m.ratio === null || m.ratio === undefined ? '' : `${m.ratio.toFixed(2)}x the median`,
+      suspect: suspects.has(m.rank),
+      detail: m.reason ? `${m.state} ${m.reason}` : `${m.state} · pid ${m.pid} · ${m.endpoint}`
+    });
+  }
+  return [...groups.values()].sort((a, b) => a.node - b.node);
+}
+
+/** Members per state: the usual states first (also when 0), then any other met. */
+export function stateCounts(nodes: INodes): [string, number][] {
+  const counts = new Map<string, number>(STATES.map(s => [s, 0]));
+  for (const m of nodes.members) {
+    counts.set(m.state, (counts.get(m.state) ?? 0) + 1);
+  }
+  return [...counts.entries()];
+}
+
+export interface IClusterModelOptions {
+  /** Seconds between polls while visible (the settings change it later). */
+  intervalSeconds?: number;
+  /** The server's routes; the real ones unless given. */
+  api?: ProbingApi;
+}
 
 export class ClusterModel {
-  constructor(intervalSeconds = 2) {
+  constructor(options: IClusterModelOptions = {}) {
+    const intervalSeconds = options.intervalSeconds ?? 2;
+    this._api = options.api ?? api;
     this._poll = new Poll({
       auto: false,
       factory: () => this._tick(),
-      frequency: { interval: intervalSeconds * 1000, backoff: BACKOFF_FACTOR, max: MAX_BACKOFF_MS },
       name: 'probing-magics:cluster',
       standby: () => (this._visible ? 'when-hidden' : true)
     });
+    this.intervalSeconds = intervalSeconds; // set here: the constructor raises any max below 30 s to 30 s
   }
 
   /** Emitted whenever anything shown changed. */
@@ -87,6 +162,10 @@ export class ClusterModel {
   get stackMessage(): string {
     return this._stackMessage;
   }
+  /** The poll's phase and the wait before its next tick (grows while the server fails). */
+  get pollState(): IPoll.State<void, void, 'standby'> {
+    return this._poll.state;
+  }
   /** "job X restarted: following its new launch …", shown once per relaunch until dismissed. */
   get notice(): string {
     return this._notice;
@@ -98,7 +177,9 @@ export class ClusterModel {
   }
 
   set intervalSeconds(seconds: number) {
-    this._poll.frequency = { ...this._poll.frequency, interval: Math.max(0.5, seconds) * 1000 };
+    const interval = Math.max(0.5, seconds) * 1000;
+    // backoff waits up to 15 s, or one interval when that is longer (the poll refuses an interval over its max)
+    this._poll.frequency = { interval, backoff: BACKOFF_FACTOR, max: Math.max(MAX_BACKOFF_MS, interval) };
   }
 
   /** Whether the panel is on screen; hidden, the poll stands by. */
@@ -115,8 +196,10 @@ export class ClusterModel {
     void this._poll.start();
   }
 
-  refresh(): Promise<void> {
-    return this._poll.refresh();
+  /** Poll now; resolves once that poll step ran (or stood by, while hidden). */
+  async refresh(): Promise<void> {
+    await this._poll.refresh();
+    await this._poll.tick.catch(() => undefined); // it rejects only when the model is disposed meanwhile
   }
 
   choose(jobId: string | null): void {
@@ -128,17 +211,18 @@ export class ClusterModel {
     this._chosenChanged.emit(jobId);
     this._forgetJob();
     this._changed.emit(); // the previous job's ranks must not stay shown under the new choice
-    void this.refresh();
+    // a tick now, also while one runs: that one asked for the job left, and its answer is dropped
+    void this._poll.schedule({ interval: Poll.IMMEDIATE, phase: 'refreshed' });
   }
 
   async addJob(target: string, token: string): Promise<IJob> {
-    const job = await api.addJob(target, token);
+    const job = await this._api.addJob(target, token);
     this.choose(job.id);
     return job;
   }
 
   async removeJob(jobId: string): Promise<void> {
-    await api.removeJob(jobId);
+    await this._api.removeJob(jobId);
     if (this._chosen === jobId) {
       this.choose(null);
     }
@@ -147,6 +231,7 @@ export class ClusterModel {
 
   /** Show the current stack of one rank (null: close it). */
   async selectRank(rank: number | null): Promise<void> {
+    const asked = ++this._stackAsked; // only the reply to the latest question, for its job and rank, is shown
     this._selectedRank = rank;
     this._stack = null;
     this._stackMessage = rank === null ? '' : `loading the stack of rank ${rank}…`;
@@ -155,17 +240,19 @@ export class ClusterModel {
     if (rank === null || job === null) {
       return;
     }
+    const current = () => asked === this._stackAsked && this._selectedRank === rank && this.job?.id === job.id;
     try {
-      const reply = await api.stacks(job.id, String(rank));
-      if (this._selectedRank !== rank) {
-        return; // another rank was clicked meanwhile
+      const reply = await this._api.stacks(job.id, String(rank));
+      if (!current()) {
+        return;
       }
       this._stack = reply.ranks[String(rank)] ?? null;
       this._stackMessage = this._stack ? '' : `rank ${rank} did not answer (${reply.footer})`;
     } catch (error) {
-      if (this._selectedRank !== rank) {
+      if (!current()) {
         return;
       }
+      this._stack = null;
       this._stackMessage = error instanceof Error ? error.message : String(error);
     }
     this._changed.emit();
@@ -180,7 +267,7 @@ export class ClusterModel {
     const choice = this._choice; // a tick that outlives a change of job must not show the old one
     try {
       if (this._version === null) {
-        const version = await api.version();
+        const version = await this._api.version();
         if (version.api !== API_VERSION) {
           this._set(
             'no-extension',
@@ -191,7 +278,7 @@ export class ClusterModel {
         }
         this._version = version;
       }
-      const { jobs } = await api.jobs();
+      const { jobs } = await this._api.jobs();
       if (choice !== this._choice) {
         return;
       }
@@ -219,7 +306,7 @@ export class ClusterModel {
         this._shown = job.id;
       }
       try {
-        const nodes = await api.nodes(job.id);
+        const nodes = await this._api.nodes(job.id);
         if (choice !== this._choice) {
           return;
         }
@@ -266,6 +353,7 @@ export class ClusterModel {
   }
 
   private _forgetJob(): void {
+    this._stackAsked++; // a stack still on its way belongs to the job left
     this._shown = null;
     this._nodes = null;
     this._updated = null;
@@ -281,6 +369,7 @@ export class ClusterModel {
     this._changed.emit();
   }
 
+  private readonly _api: ProbingApi;
   private _poll: Poll;
   private _changed = new Signal<this, void>(this);
   private _chosenChanged = new Signal<this, string | null>(this);
@@ -296,6 +385,7 @@ export class ClusterModel {
   private _selectedRank: number | null = null;
   private _stack: IStackGroup | null = null;
   private _stackMessage = '';
+  private _stackAsked = 0;
   private _notice = '';
   private _restartsSeen = new Map<string, number>();
   private _visible = false;

@@ -1,5 +1,5 @@
 /**
- * The Cluster panel's views: a toolbar over one React view that re-renders from the
+ * The Probing panel's views: a toolbar over one React view that re-renders from the
  * model's `changed` signal. Views hold no cluster state of their own (only the text
  * typed into the add-job form).
  */
@@ -9,8 +9,8 @@ import { Panel, Widget } from '@lumino/widgets';
 import { CommandToolbarButton, LabIcon, ReactWidget, SidePanel, UseSignal } from '@jupyterlab/ui-components';
 import * as React from 'react';
 
-import { ClusterModel } from './model';
-import { IDeparture, IJob, IMember, INodes } from './request';
+import { ClusterModel, IRankRow, rankGroups, stateCounts } from './model';
+import { IDeparture, IJob, INodes } from './request';
 
 // three nodes of two ranks; currentColor-free so JupyterLab's icon classes colour it per theme
 const clusterSvg = `<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 24 24">
@@ -26,34 +26,17 @@ const clusterSvg = `<svg xmlns="http://www.w3.org/2000/svg" width="16" height="1
 
 export const clusterIcon = new LabIcon({ name: 'probing-magics:cluster', svgstr: clusterSvg });
 
-const STATES = ['alive', 'stalled', 'dead'];
-
-/** "0.4 s", "12 s", "3 min", "2 h" */
-function age(seconds: number): string {
-  if (seconds < 10) {
-    return `${Math.max(0, seconds).toFixed(1)} s`;
-  }
-  if (seconds < 120) {
-    return `${Math.round(seconds)} s`;
-  }
-  if (seconds < 7200) {
-    return `${Math.round(seconds / 60)} min`;
-  }
-  return `${Math.round(seconds / 3600)} h`;
-}
+export const PANEL_TITLE = 'Probing';
+export const PANEL_CAPTION = 'Probing: ranks of a running job';
 
 /** The last two parts of a path: "testing/tiny_ddp.py". */
 function shortPath(file: string): string {
   return file.split('/').slice(-2).join('/');
 }
 
-function median(values: number[]): number | null {
-  if (values.length === 0) {
-    return null;
-  }
-  const sorted = [...values].sort((a, b) => a - b);
-  const mid = Math.floor(sorted.length / 2);
-  return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
+/** A departure's wall-clock time (the server words ages of members only). */
+function clock(epochSeconds: number): string {
+  return new Date(epochSeconds * 1000).toLocaleTimeString();
 }
 
 function jobLabel(job: IJob): string {
@@ -139,42 +122,34 @@ function AddJobForm({ model }: { model: ClusterModel }): JSX.Element {
   );
 }
 
+/** A state as a word beside its colour and shape, so it reads without colour too. */
+function StateMark({ state }: { state: string }): JSX.Element {
+  return (
+    <span className={`pm-Cluster-state pm-state-${state}`} data-state={state}>
+      <span className="pm-Cluster-dot" aria-hidden="true" />
+      <span className="pm-Cluster-stateWord">{state}</span>
+    </span>
+  );
+}
+
 function Summary({ nodes, updated }: { nodes: INodes; updated: Date | null }): JSX.Element {
-  const counts = new Map<string, number>();
-  for (const m of nodes.members) {
-    counts.set(m.state, (counts.get(m.state) ?? 0) + 1);
-  }
-  const states = [...STATES, ...[...counts.keys()].filter(s => !STATES.includes(s))];
   return (
     <div className="pm-Cluster-summary">
-      {states.map(s => (
-        <span key={s} className={`pm-Cluster-count pm-state-${s}`} data-state={s}>
-          <span className="pm-Cluster-dot" /> {counts.get(s) ?? 0} {s}
+      {stateCounts(nodes).map(([state, count]) => (
+        <span key={state} className={`pm-Cluster-count pm-state-${state}`} data-state={state}>
+          <span className="pm-Cluster-dot" aria-hidden="true" /> {count} {state}
         </span>
       ))}
-      {nodes.departures.length > 0 && (
-        <span className="pm-Cluster-count">{nodes.departures.length} departed</span>
-      )}
+      {nodes.departures.length > 0 && <span className="pm-Cluster-count">{nodes.departures.length} departed</span>}
       <span className="pm-Cluster-updated">updated {updated ? updated.toLocaleTimeString() : '—'}</span>
     </div>
   );
 }
 
-function RankRow(props: {
-  member: IMember;
-  now: number;
-  maxMs: number;
-  medianMs: number | null;
-  suspect: boolean;
-  selected: boolean;
-  onSelect: () => void;
-}): JSX.Element {
-  const { member: m, now, maxMs, medianMs, suspect, selected } = props;
-  const ms = m.step_time_ms;
-  const slow = ms !== null && medianMs !== null && medianMs > 0 && ms > 1.5 * medianMs;
-  const width = ms !== null && maxMs > 0 ? Math.max(2, (100 * ms) / maxMs) : 0;
-  const classes = ['pm-Cluster-rank', `pm-state-${m.state}`];
-  if (suspect) {
+function RankRow(props: { row: IRankRow; selected: boolean; onSelect: () => void }): JSX.Element {
+  const { row, selected } = props;
+  const classes = ['pm-Cluster-rank', `pm-state-${row.state}`];
+  if (row.suspect) {
     classes.push('pm-suspect');
   }
   if (selected) {
@@ -183,41 +158,36 @@ function RankRow(props: {
   return (
     <tr
       className={classes.join(' ')}
-      data-rank={m.rank}
-      data-state={m.state}
+      data-rank={row.rank}
+      data-state={row.state}
       onClick={props.onSelect}
-      title={m.reason ? `${m.state} ${m.reason}` : `${m.state} · pid ${m.pid} · ${m.endpoint}`}
+      title={row.detail}
     >
       <td className="pm-Cluster-rankName">
-        <span className="pm-Cluster-dot" title={m.state} /> {m.rank}
-        {suspect && (
+        {row.rank}
+        {row.suspect && (
           <span className="pm-Cluster-suspectTag" title="suspect: stuck where the other stalled ranks are not">
             !
           </span>
         )}
       </td>
-      <td className="pm-Cluster-role">{m.role ?? ''}</td>
-      <td className="pm-Cluster-step">{m.step ?? '—'}</td>
-      <td className="pm-Cluster-age">{m.last_seen === null ? '—' : age(now - m.last_seen)}</td>
-      <td className="pm-Cluster-time" title={medianMs === null ? '' : `median ${medianMs.toFixed(1)} ms`}>
+      <td className="pm-Cluster-stateCell">
+        <StateMark state={row.state} />
+      </td>
+      <td className="pm-Cluster-role">{row.role}</td>
+      <td className="pm-Cluster-step">{row.step}</td>
+      <td className="pm-Cluster-age">{row.seen}</td>
+      <td className="pm-Cluster-time" title={row.ratio}>
         <div className="pm-Cluster-barTrack">
-          <div className={`pm-Cluster-bar${slow ? ' pm-slow' : ''}`} style={{ width: `${width}%` }} />
+          <div className={`pm-Cluster-bar${row.slow ? ' pm-slow' : ''}`} style={{ width: `${row.barPercent}%` }} />
         </div>
-        <span className="pm-Cluster-ms">{ms === null ? '' : `${ms.toFixed(0)} ms`}</span>
+        <span className={`pm-Cluster-ms${row.slow ? ' pm-slow' : ''}`}>{row.ms}</span>
       </td>
     </tr>
   );
 }
 
 function Nodes({ model, nodes }: { model: ClusterModel; nodes: INodes }): JSX.Element {
-  const times = nodes.members.map(m => m.step_time_ms).filter((t): t is number => t !== null);
-  const medianMs = median(times);
-  const maxMs = times.length ? Math.max(...times) : 0;
-  const suspects = new Set(nodes.suspects.flatMap(s => s.ranks));
-  const byNode = new Map<number, IMember[]>();
-  for (const m of [...nodes.members].sort((a, b) => a.rank - b.rank)) {
-    byNode.set(m.node, [...(byNode.get(m.node) ?? []), m]);
-  }
   return (
     <div className="pm-Cluster-nodes">
       {nodes.suspects.map(s => (
@@ -225,52 +195,47 @@ function Nodes({ model, nodes }: { model: ClusterModel; nodes: INodes }): JSX.El
           {s.text}
         </div>
       ))}
-      {[...byNode.entries()]
-        .sort(([a], [b]) => a - b)
-        .map(([node, members]) => (
-          <div key={node} className="pm-Cluster-node" data-node={node}>
-            <div className="pm-Cluster-nodeHeader">
-              node {node} · {members[0].host}
-            </div>
-            <table className="pm-Cluster-table">
-              <thead>
-                <tr>
-                  <th>rank</th>
-                  <th>role</th>
-                  <th>step</th>
-                  <th>seen</th>
-                  <th>step time</th>
-                </tr>
-              </thead>
-              <tbody>
-                {members.map(m => (
-                  <RankRow
-                    key={m.rank}
-                    member={m}
-                    now={nodes.now}
-                    maxMs={maxMs}
-                    medianMs={medianMs}
-                    suspect={suspects.has(m.rank)}
-                    selected={model.selectedRank === m.rank}
-                    onSelect={() => void model.selectRank(model.selectedRank === m.rank ? null : m.rank)}
-                  />
-                ))}
-              </tbody>
-            </table>
+      {rankGroups(nodes).map(group => (
+        <div key={group.node} className="pm-Cluster-node" data-node={group.node}>
+          <div className="pm-Cluster-nodeHeader">
+            node {group.node} · {group.host}
           </div>
-        ))}
-      {nodes.departures.length > 0 && <Departures departures={nodes.departures} now={nodes.now} />}
+          <table className="pm-Cluster-table">
+            <thead>
+              <tr>
+                <th>rank</th>
+                <th>state</th>
+                <th>role</th>
+                <th>step</th>
+                <th>seen</th>
+                <th title="milliseconds per step; the bar: the median fills half">ms/step</th>
+              </tr>
+            </thead>
+            <tbody>
+              {group.ranks.map(row => (
+                <RankRow
+                  key={row.rank}
+                  row={row}
+                  selected={model.selectedRank === row.rank}
+                  onSelect={() => void model.selectRank(model.selectedRank === row.rank ? null : row.rank)}
+                />
+              ))}
+            </tbody>
+          </table>
+        </div>
+      ))}
+      {nodes.departures.length > 0 && <Departures departures={nodes.departures} />}
     </div>
   );
 }
 
-function Departures({ departures, now }: { departures: IDeparture[]; now: number }): JSX.Element {
+function Departures({ departures }: { departures: IDeparture[] }): JSX.Element {
   return (
     <div className="pm-Cluster-departures">
       <div className="pm-Cluster-nodeHeader">departed</div>
       {departures.map(d => (
         <div key={`${d.rank}-${d.incarnation}`} className="pm-Cluster-departure" data-rank={d.rank}>
-          rank {d.rank} · {d.why} · {age(now - d.when)} ago · {d.host} pid {d.pid}
+          rank {d.rank} · {d.why} · at {clock(d.when)} · {d.host} pid {d.pid}
         </div>
       ))}
     </div>
@@ -316,9 +281,7 @@ function ClusterBody({ model }: { model: ClusterModel }): JSX.Element {
   return (
     <div className="pm-Cluster-body" data-status={model.status}>
       {serverOk && <JobChooser model={model} />}
-      {model.status !== 'ready' && (
-        <div className={`pm-Cluster-status pm-status-${model.status}`}>{model.message}</div>
-      )}
+      {model.status !== 'ready' && <div className={`pm-Cluster-status pm-status-${model.status}`}>{model.message}</div>}
       {serverOk && model.notice && (
         <div className="pm-Cluster-notice">
           <span>{model.notice}</span>{' '}
@@ -352,14 +315,19 @@ class ClusterView extends ReactWidget {
 
 /** The sidebar widget: a header, a toolbar (insert-cell command, refresh) and the view. */
 export class ClusterPanel extends SidePanel {
-  constructor(readonly model: ClusterModel, commands: CommandRegistry, commandIds: string[]) {
+  constructor(
+    readonly model: ClusterModel,
+    commands: CommandRegistry,
+    commandIds: string[]
+  ) {
     super({ content: new Panel() }); // a plain panel: the default accordion would add a title row
     this.id = 'probing-cluster';
     this.addClass('pm-Cluster');
     this.title.icon = clusterIcon;
-    this.title.caption = 'Cluster';
+    // named apart from ipyparallel's "Clusters" tab, which shared hubs often show beside it
+    this.title.caption = PANEL_CAPTION;
     const heading = document.createElement('h2');
-    heading.textContent = 'Cluster';
+    heading.textContent = PANEL_TITLE;
     this.header.addWidget(new Widget({ node: heading }));
     for (const id of commandIds) {
       this.toolbar.addItem(id, new CommandToolbarButton({ commands, id, label: '' }));

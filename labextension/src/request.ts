@@ -33,6 +33,8 @@ export interface IJob {
   added: number | null;
   /** Relaunches of this job the server saw so far (a panel counts from here when it first meets the job). */
   restarts: number;
+  /** The job's TCPStore (`store://host:port/run_id`) when known. */
+  store: string | null;
 }
 
 export interface IMember {
@@ -46,19 +48,31 @@ export interface IMember {
   endpoint: string;
   pid: number;
   role: string | null;
-  incarnation: number;
+  /** Random per process start (hex): a relaunched rank has a new one. */
+  incarnation: string;
   state: string;
   last_seen: number | null;
   since: number | null;
   step: number | null;
   step_time_ms: number | null;
+  compute_ms: number | null;
+  comm_wait_ms: number | null;
   tier: string | null;
   reason: string | null;
+  // The server's membership view, the same for the CLI, %cluster_nodes and this panel:
+  /** step_time_ms / the median over the members that have one (null when unknown). */
+  ratio: number | null;
+  /** The step-time bar's width, 0..1: the median fills half of it (null when unknown). */
+  bar: number | null;
+  /** At least 1.5x the median step time. */
+  slow: boolean;
+  /** The last-seen age as text ("0.4 s", "12 s", "3 min"), at the server's `now`. */
+  age: string | null;
 }
 
 export interface IDeparture {
   rank: number;
-  incarnation: number;
+  incarnation: string;
   host: string;
   pid: number;
   when: number;
@@ -173,18 +187,16 @@ function jsonPost(body: unknown): RequestInit {
   return { method: 'POST', body: JSON.stringify(body) };
 }
 
+/** The server's routes as the panel calls them (a model can be given another, e.g. in tests). */
+export type ProbingApi = typeof api;
+
 export const api = {
   version: (): Promise<IVersion> => request<IVersion>('version'),
   jobs: (): Promise<{ jobs: IJob[]; now: number }> => request('jobs'),
   addJob: (target: string, token: string): Promise<IJob> =>
     request<IJob>('jobs', jsonPost({ target, token: token || null })),
-  removeJob: (id: string): Promise<void> =>
-    request<void>(`jobs/${encodeURIComponent(id)}`, { method: 'DELETE' }),
+  removeJob: (id: string): Promise<void> => request<void>(`jobs/${encodeURIComponent(id)}`, { method: 'DELETE' }),
   nodes: (id: string): Promise<INodes> => request<INodes>(`jobs/${encodeURIComponent(id)}/nodes`),
   stacks: (id: string, ranks?: string): Promise<IStacks> =>
-    request<IStacks>(
-      `jobs/${encodeURIComponent(id)}/stacks`,
-      {},
-      ranks ? `?ranks=${encodeURIComponent(ranks)}` : ''
-    )
+    request<IStacks>(`jobs/${encodeURIComponent(id)}/stacks`, {}, ranks ? `?ranks=${encodeURIComponent(ranks)}` : '')
 };
