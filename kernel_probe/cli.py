@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _age(ts: float) -> str:
+def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
@@ -74,7 +74,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     for info in infos:
         status = "running" if connfile.is_alive(info) else "gone"
         rows.append((info.run_id, info.endpoint, str(info.world_size), str(info.pid), info.host,
-                     _age(info.started), status, info.store or "-"))
+                     _when(info.started), status, info.store or "-"))
     print("\n".join(_rows(rows)))
     return 0
 
@@ -84,27 +84,27 @@ def _rows(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def format_nodes(raw: dict, info: dict, departures: bool = False) -> str:
+def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | None = None) -> str:
     """The membership as a plain-text table (the CLI and the demo print this)."""
-    now = time.time()
-    counts: dict[str, int] = {}
+    from .membership.view import membership_view
+
+    view = membership_view(raw["members"], time.time() if now is None else now, raw["departures"])
     rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "ROLE", "STATE", "SEEN", "STEP", "STEP MS", "COMPUTE MS",
              "WAIT MS")]
-    for m in raw["members"]:
-        counts[m["state"]] = counts.get(m["state"], 0) + 1
+    for m in view.members:
         state = m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
-        step_ms = m.get("step_time_ms")
+        step_ms = _ms(m.get("step_time_ms")) + (" slow" if m["slow"] else "")
         rows.append((str(m["rank"]), str(m["node"]), str(m["local_rank"]), m["host"], str(m["pid"]), m["tier"],
-                     m["role"] or "-", state, f"{max(0.0, now - m['last_seen']):.1f}s ago",
-                     "-" if m.get("step") is None else str(m["step"]), _ms(step_ms), _ms(m.get("compute_ms")),
-                     _ms(m.get("comm_wait_ms"))))
-    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                     m["role"] or "-", state, f"{m['age']} ago", "-" if m.get("step") is None else str(m["step"]),
+                     step_ms, _ms(m.get("compute_ms")), _ms(m.get("comm_wait_ms"))))
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(view.counts.items()))
     lines = [f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}"]
     lines += _rows(rows)
+    lines += [f"  {s.text}" for s in view.suspects]
     if departures and raw["departures"]:
         lines.append("departures:")
         for d in raw["departures"]:
-            lines.append(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}) {d['why']} at {_age(d['when'])}")
+            lines.append(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}) {d['why']} at {_when(d['when'])}")
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +58,7 @@ class Job:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the token."""
-        return {"id": self.id, "source": self.source, "target": self.target, "run_id": self.run_id,
-                "endpoint": self.endpoint, "world_size": self.world_size, "pid": self.pid, "host": self.host,
-                "started": self.started, "alive": self.alive, "added": self.added, "store": self.store}
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
 
 def _url_safe(text: str) -> str:

@@ -252,16 +252,6 @@ for _type, _body in BODIES.items():
     SCHEMAS[_type], OPTIONAL[_type] = _schema(_body)
 
 
-# The columns of one member and of one departure in a ``nodes`` answer, in the order
-# users see them (``connect().nodes()``, the ``nodes`` table, the notebook and the panel).
-MEMBER_COLUMNS: tuple[str, ...] = (
-    "rank", "world_size", "local_rank", "local_world_size", "node", "node_count", "host", "endpoint",
-    "pid", "role", "incarnation", "state", "last_seen", "since", "step", "step_time_ms", "compute_ms",
-    "comm_wait_ms", "tier", "reason",
-)
-DEPARTURE_COLUMNS: tuple[str, ...] = ("rank", "incarnation", "host", "pid", "when", "why")
-
-
 class WireError(Exception):
     """A message was rejected. ``reason`` is one of ``REJECT_REASONS``."""
 

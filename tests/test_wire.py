@@ -749,13 +749,6 @@ def test_tables_without_rows_are_encoded_and_read_once_each_metadata_included():
     assert len(_EMPTY_IPC) <= _EMPTY_CACHE_SIZE and len(_EMPTY_TABLES) <= _EMPTY_CACHE_SIZE
 
 
-def test_member_columns_are_the_registry_records_less_the_routing_field():
-    from kernel_probe.membership.registry import MEMBER_FIELDS
-
-    assert set(wire.MEMBER_COLUMNS) == set(MEMBER_FIELDS) - {"via"}
-    assert len(wire.MEMBER_COLUMNS) == len(set(wire.MEMBER_COLUMNS))
-
-
 def test_every_body_is_declared_once_and_checked_with_its_optional_keys():
     assert set(wire.BODIES) == set(wire.SCHEMAS) == set(wire.OPTIONAL)
     assert wire.SCHEMAS["query"] == {"sql": (str,), "timeout": (float,)}
