@@ -31,11 +31,27 @@ class Target:
     store: str | None = None  # the job's store:// address, when known (for people to copy)
 
 
+def find_token(token: str | None = None, token_env: str | None = None,
+               settings: Settings | None = None) -> str | None:
+    """The token a client signs with: ``token`` as given, else the environment variable
+    named ``token_env`` (``ValueError`` when it is not set), else ``PROBING_AUTH_TOKEN``.
+    None: no token anywhere (a connection file or the job's store may still give the key;
+    a front end may ask its user)."""
+    if token:
+        return token
+    if token_env is not None:
+        value = os.environ.get(token_env)
+        if not value:
+            raise ValueError(f"the environment variable {token_env} is not set")
+        return value
+    return (settings or load_settings()).auth_token
+
+
 def resolve(target: str | os.PathLike | None = None, token: str | None = None,
             settings: Settings | None = None) -> Target:
     """Turn what a user typed into an endpoint and a key; ``ConnectError``/``AuthError`` if it cannot."""
     settings = settings or load_settings()
-    token = token or settings.auth_token
+    token = find_token(token, settings=settings)
     conn: connfile.ConnectionInfo | None = None
     run_id: str | None = None
     key: bytes | None = None
