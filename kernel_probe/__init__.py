@@ -121,11 +121,12 @@ def connect(target: str | os.PathLike | None = None, token: str | None = None, t
 
 
 async def connect_async(target: str | os.PathLike | None = None, token: str | None = None,
-                        timeout: float = 5.0) -> "AsyncClient":
-    """``connect()`` for asyncio code: an ``AsyncClient`` whose methods are awaited."""
+                        timeout: float = 5.0, warm: bool = False) -> "AsyncClient":
+    """``connect()`` for asyncio code: an ``AsyncClient`` whose methods are awaited. ``warm``
+    as for ``connect()``, off by default (for servers that mostly watch membership)."""
     from .client import connect_async as _connect_async
 
-    return await _connect_async(target, token=token, timeout=timeout)
+    return await _connect_async(target, token=token, timeout=timeout, warm=warm)
 
 
 def find_token(token: str | None = None, token_env: str | None = None) -> str | None:

@@ -57,6 +57,7 @@ def _when(ts: float) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from .client.follow import root_alive
     from .config import load_settings
     from .shell import connfile
 
@@ -72,7 +73,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     rows = [("RUN ID", "ENDPOINT", "WORLD", "PID", "HOST", "STARTED", "STATUS", "STORE (for -t on another host)")]
     for info in infos:
-        status = "running" if connfile.is_alive(info) else "gone"
+        status = "running" if root_alive(info) else "gone"
         rows.append((info.run_id, info.endpoint, str(info.world_size), str(info.pid), info.host,
                      _when(info.started), status, info.store or "-"))
     print("\n".join(_rows(rows)))
@@ -126,21 +127,25 @@ def _watch_nodes(client, args: argparse.Namespace) -> int:
     """Print the table every ``--watch`` seconds; say once that the job ended, and once that
     it restarted when the client follows it to a new launch (Ctrl-C stops)."""
     from .client import ConnectError, JobEndedError
+    from .client.lifecycle import Ended, JobLifecycle, Seen
 
-    ended = False
+    life = JobLifecycle(time.monotonic, launch=client.launch)
     while True:
         try:
             raw = client.nodes_raw(_connect_timeout(args))
         except JobEndedError as exc:
-            if not ended:
-                print(f"{exc}; waiting for it to be launched again (Ctrl-C to stop)", flush=True)
-            ended = True
+            change = life.observe(Ended(str(exc)))
+            if change.notice:
+                print(f"{change.notice} (Ctrl-C to stop)", flush=True)
         except ConnectError as exc:
             print(f"kernel-probe: {exc}", file=sys.stderr, flush=True)
         else:
-            ended = False
-            while (notice := client.take_notice()) is not None:
-                print(notice, flush=True)
+            followed = 0
+            while client.take_notice() is not None:
+                followed += 1
+            change = life.observe(Seen(client.launch, followed))
+            if change.notice:
+                print(change.notice, flush=True)
             print(f"--- {datetime.now().strftime('%H:%M:%S')}", flush=True)
             print(format_nodes(raw, client.info_, departures=args.departures), flush=True)
         time.sleep(max(0.1, args.watch))

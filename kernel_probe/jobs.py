@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .client import AsyncClient, Client, ConnectError, ProbeError, Target, resolve
-from .client.follow import job_name
+from .client.follow import job_name, root_alive
 from .config import load_settings
 from .shell import connfile
 
@@ -67,7 +67,7 @@ def _url_safe(text: str) -> str:
 
 def _local_jobs(infos: list[connfile.ConnectionInfo]) -> list[Job]:
     """Jobs of the connection files ``infos`` (newest first), with their ids (module docstring)."""
-    alive = {id(info): connfile.is_alive(info) for info in infos}
+    alive = {id(info): root_alive(info) for info in infos}
     taken: set[str] = set()
     ids: dict[int, str] = {}
     for info in sorted(infos, key=lambda i: not alive[id(i)]):  # stable: the running ones, newest first
@@ -156,12 +156,13 @@ class JobRegistry:
         """A new blocking client of the job, checked with a handshake (and warm, as ``connect()``)."""
         return Client.open(self.target(job_id), timeout, warm=warm)
 
-    async def connect_async(self, job_id: str | None = None, timeout: float = 5.0) -> AsyncClient:
-        """A new asyncio client of the job, checked with a handshake."""
+    async def connect_async(self, job_id: str | None = None, timeout: float = 5.0,
+                            warm: bool = False) -> AsyncClient:
+        """A new asyncio client of the job, checked with a handshake (and warm if asked)."""
         import asyncio
 
         target = await asyncio.get_running_loop().run_in_executor(None, self.target, job_id)
-        return await AsyncClient.open(target, timeout)
+        return await AsyncClient.open(target, timeout, warm=warm)
 
 
 _registry: JobRegistry | None = None

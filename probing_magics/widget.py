@@ -28,6 +28,7 @@ from typing import Any
 import ipywidgets as widgets
 
 import kernel_probe
+from kernel_probe.client.lifecycle import RELAUNCHED, Ended, JobLifecycle, Seen
 from kernel_probe.membership.view import membership_view
 
 from .display import ERROR, MUTED, WARN
@@ -144,9 +145,7 @@ class NodesView(widgets.VBox):
         self.interval, self.timeout = interval, timeout
         self.run_id: str | None = None
         self.raw: dict | None = None  # the last membership shown
-        self.ended = False  # the job ended and no relaunch was found yet
-        self.restarts = 0  # relaunches of the job this view followed
-        self.notice: str | None = None  # the last "job X restarted ..." line
+        self.life = JobLifecycle(time.monotonic)  # ended, relaunched: this view's own count
         self._notice_until = 0.0
         self.text = "connecting…"  # the last view as plain text
         self._stop = threading.Event()
@@ -170,6 +169,21 @@ class NodesView(widgets.VBox):
     @property
     def running(self) -> bool:
         return self.thread.is_alive()
+
+    @property
+    def ended(self) -> bool:
+        """The job ended and no relaunch was found yet."""
+        return self.life.ended
+
+    @property
+    def restarts(self) -> int:
+        """Relaunches of the job this view followed."""
+        return self.life.restarts
+
+    @property
+    def notice(self) -> str | None:
+        """The last "job X restarted ..." line."""
+        return self.life.notice
 
     def close(self) -> None:
         self._stop.set()
@@ -196,17 +210,17 @@ class NodesView(widgets.VBox):
                         self.run_id = client.run_id
                     raw = client.nodes_raw(timeout)
                     self._followed(client)
-                    self.ended = False
                     self.raw = raw
                     now = time.time()
                     note = self.notice if self.notice and time.monotonic() < self._notice_until else ""
                     self.text = render_text(raw, self.run_id, now, note)
                     self._show(render_summary(raw, self.run_id, now, note), render_table(raw, now))
-                except kernel_probe.JobEndedError:
-                    self._ended()
+                except kernel_probe.JobEndedError as exc:
+                    self._ended(str(exc))
                 except kernel_probe.ProbeError as exc:
                     if self._target_gone():
-                        self._ended()  # the client (if any) still follows a relaunch from its connection file
+                        # the client (if any) still follows a relaunch from its connection file
+                        self._ended(f"job {self.run_id} has ended: its connection file was removed")
                     else:
                         # a job of this machine keeps its client: a root that is shutting down (no answer,
                         # its file not removed yet) is told ended next time, and the client follows a relaunch
@@ -226,24 +240,27 @@ class NodesView(widgets.VBox):
                 client.close()
 
     def _followed(self, client: kernel_probe.Client) -> None:
-        """Take the client's notices: it followed the job to a new launch."""
-        while (notice := client.take_notice()) is not None:
-            self.restarts, self.notice = client.restarts, notice
-            self._notice_until = time.monotonic() + NOTICE_SEC
-            self.run_id = client.run_id
-            path = client.connection.path if client.connection is not None else None
-            if path and self.target and not str(self.target).startswith(("tcp://", "store://")):
-                self.target = str(path)  # a reconnect goes to the new launch's file
+        """The job answered through ``client``: from a new launch when the client followed
+        one (its notices) or when a new client met one."""
+        followed = 0
+        while client.take_notice() is not None:
+            followed += 1
+        if self.life.observe(Seen(client.launch, followed)).state != RELAUNCHED:
+            return
+        self._notice_until = time.monotonic() + NOTICE_SEC
+        self.run_id = client.run_id
+        path = client.connection.path if client.connection is not None else None
+        if path and self.target and not str(self.target).startswith(("tcp://", "store://")):
+            self.target = str(path)  # a reconnect goes to the new launch's file
 
     def _target_gone(self) -> bool:
         """A connection-file target whose file was removed: the job stopped cleanly."""
         t = self.target
         return bool(t) and not str(t).startswith(("tcp://", "store://")) and not os.path.exists(str(t))
 
-    def _ended(self) -> None:
-        if self.ended:
+    def _ended(self, why: str) -> None:
+        if self.life.observe(Ended(why)).notice is None:
             return  # said once; the last table stays
-        self.ended = True
         raw = self.raw or {}
         self.text = render_text(raw, self.run_id, time.time(), ENDED)
         self._show(render_summary(raw, self.run_id, time.time(), ENDED), self.table.value)
