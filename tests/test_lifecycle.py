@@ -153,3 +153,52 @@ def test_root_alive_by_connection_file():
     reused = dataclasses.replace(me, pid_create_time=me.pid_create_time - 3600)
     assert root_alive(reused) is False and root_alive(reused, os.getpid()) is False  # the file decides
     assert root_alive(dataclasses.replace(reused, host="another-host")) is True  # cannot be checked from here
+
+
+# ---------------------------------------------------------------- the asyncio client warms as the blocking one
+
+
+def test_async_open_can_warm(monkeypatch):
+    import asyncio
+
+    from kernel_probe.client import results
+    from kernel_probe.client.aio import AsyncClient
+    from kernel_probe.client.targets import Target
+
+    calls: list = []
+
+    async def request(self, type_, body, timeout=5.0, on_progress=None):
+        calls.append((type_, dict(body)))
+        raise AssertionError("stop here")  # what the probe would answer is not the point
+
+    async def handshake(self, timeout=5.0, warm=False):
+        calls.append(("handshake", warm))
+        return {}
+
+    async def query(self, sql, timeout=10.0, **kw):
+        calls.append(("query", sql, timeout))
+        return results.QueryResult(None, {"answered": [0, 1]})
+
+    monkeypatch.setattr(AsyncClient, "handshake", handshake)
+    monkeypatch.setattr(AsyncClient, "query", query)
+    target = Target("tcp://127.0.0.1:9", b"k" * 32)
+
+    async def main() -> None:
+        (await AsyncClient.open(target, 2.0)).close()
+        assert calls == [("handshake", False)]
+        calls.clear()
+        (await AsyncClient.open(target, 2.0, warm=True)).close()
+        assert calls == [("handshake", True), ("query", results.WARM_SQL, 2.0)]
+        # and the handshake asks the ranks to load their engines
+        monkeypatch.undo()
+        monkeypatch.setattr(AsyncClient, "request", request)
+        client = AsyncClient(target)
+        calls.clear()
+        try:
+            await client.handshake(1.0, warm=True)
+        except AssertionError:
+            pass
+        client.close()
+        assert calls == [("info_request", {"warm": True})]
+
+    asyncio.run(main())

@@ -33,10 +33,7 @@ from typing import Any
 
 from .liveness import ALIVE, DEAD, DEATH_EVENTS, STALLED, STATES, next_state
 from .record import (
-    IDENTITY_FIELDS,
-    MEMBER_FIELDS,
     MEMBERSHIP_FIELDS,
-    TELEMETRY_FIELDS,
     TIERS,
     VERDICTS,
     Departure,
