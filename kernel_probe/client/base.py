@@ -64,9 +64,11 @@ class ClientState:
         self.lifecycle.observe(Ended(why))
 
     def _answered_now(self) -> None:
+        """The launch this client talks to answered: it runs (after a relaunch was followed)."""
         self._answered = True
-        if self.lifecycle.state != RUNNING:
-            self.lifecycle.observe(Seen(self.lifecycle.launch))  # type: ignore[arg-type]
+        launch = self.lifecycle.launch
+        if self.lifecycle.state != RUNNING and launch is not None:
+            self.lifecycle.observe(Seen(launch))
 
     def _switch_to(self, new: Target) -> None:
         """Talk to the job's new launch from now on (the caller dropped the old socket)."""
