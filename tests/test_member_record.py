@@ -178,3 +178,42 @@ def test_summaries_still_name_the_suspects():
     from kernel_probe.membership import view
 
     assert summaries.stall_suspects is view.stall_suspects and summaries.Suspect is view.Suspect
+
+
+# ---------------------------------------------------------------- the front ends render the one view
+
+
+def straggler_nodes() -> dict:
+    return {"members": [member(0, step_time_ms=100.0, last_seen=NOW - 0.4),
+                        member(1, step_time_ms=100.0, last_seen=NOW - 12),
+                        member(2, step_time_ms=250.0, last_seen=NOW - 180),
+                        member(3, step_time_ms=149.0)],
+            "departures": [], "epoch": 3}
+
+
+def test_the_cli_table_uses_the_view():
+    from kernel_probe.cli import format_nodes
+
+    text = format_nodes(straggler_nodes(), {"run_id": "exp/r0", "world_size": 8}, now=NOW)
+    rows = {line.split()[0]: line for line in text.splitlines()[2:]}
+    assert "0.4 s ago" in rows["0"] and "12 s ago" in rows["1"] and "3 min ago" in rows["2"]
+    assert "250.0 slow" in rows["2"] and "slow" not in rows["3"]  # the median is 124.5: 2.0x and 1.2x
+    assert text.splitlines()[0] == "run exp/r0 · world size 8 · 4 alive"
+
+
+def test_the_widget_bar_is_relative_to_the_median():
+    pytest.importorskip("ipywidgets")
+    import re
+
+    from probing_magics.widget import render_table
+
+    html = render_table({"members": [member(0, step_time_ms=100.0), member(1, step_time_ms=100.0),
+                                     member(2, step_time_ms=150.0), member(3, step_time_ms=400.0)],
+                         "departures": []}, NOW)
+    widths = [int(w) for w in re.findall(r"width:(\d+)%", html)]
+    assert widths == [40, 40, 60, 100]  # median 125 fills half the bar
+    assert html.count("title='1.20x median'") == 1 and "3.20x median" in html
+    from probing_magics.display import WARN
+
+    assert html.count(f"background:{WARN}") == 1  # only the 3.2x rank is slow
+    assert "12 s ago" not in html and "1.0 s ago" in html  # member() was last seen a second before NOW
