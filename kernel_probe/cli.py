@@ -57,7 +57,7 @@ def _when(ts: float) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from .client.follow import root_alive
+    from .client.alive import root_alive
     from .config import load_settings
     from .shell import connfile
 

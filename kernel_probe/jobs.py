@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from .client import AsyncClient, Client, ConnectError, ProbeError, Target, resolve
-from .client.follow import job_name, root_alive
+from .client.alive import root_alive
+from .client.follow import job_name
 from .config import load_settings
 from .shell import connfile
 

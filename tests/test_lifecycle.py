@@ -123,7 +123,7 @@ def test_restart_notice_text():
 def test_root_alive_by_pid(monkeypatch):
     import psutil
 
-    from kernel_probe.client.follow import root_alive
+    from kernel_probe.client.alive import root_alive
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -143,7 +143,7 @@ def test_root_alive_by_connection_file():
     import dataclasses
     import socket
 
-    from kernel_probe.client.follow import root_alive
+    from kernel_probe.client.alive import root_alive
     from kernel_probe.shell import connfile, pidwatch
 
     me = connfile.ConnectionInfo(endpoint="tcp://127.0.0.1:1", run_id="exp/r0", world_size=1, pid=os.getpid(),

@@ -5,7 +5,7 @@ messages (``targets``) and checks it with a handshake; ``Client`` (blocking) and
 matched to their answers by a sans-IO core (``requests``), and turn every failure
 into a one-line ``ProbeError`` (never a traceback from zmq or torch). Whether the job
 runs, ended or was launched again is one state machine (``lifecycle``) that every front
-end feeds; whether a root process runs is one rule (``follow.root_alive``).
+end feeds; whether a root process runs is one rule (``alive.root_alive``).
 """
 
 from __future__ import annotations

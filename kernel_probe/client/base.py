@@ -12,7 +12,7 @@ from typing import Any
 from .. import wire
 from . import results
 from .errors import ConnectError, JobEndedError, NoAnswerError, Refused
-from .follow import root_alive
+from .alive import root_alive
 from .lifecycle import ENDED, RELAUNCHED, RUNNING, Ended, JobLifecycle, Launch, Seen
 from .requests import Requests
 from .targets import Target

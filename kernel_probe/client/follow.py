@@ -6,11 +6,10 @@ endpoint with a new per-job secret. A client connected to the first launch must 
 "job ended" quickly while nothing runs (never wait out a long timeout), and follow the
 job to its new launch by itself once there is one.
 
-* ``root_alive``: the one rule for "does the root process of a job on this machine run"
-  (the clients, the job registry, the CLI's list and the Jupyter server all ask it).
 * ``root_gone``: the root's process is gone, not merely slow or cut off: not alive by
-  that rule, or nothing listens at its endpoint any more (a refused TCP connect; a cut
-  link times out and a frozen root still accepts, so neither is "gone").
+  the one rule (``alive.root_alive``), or nothing listens at its endpoint any more (a
+  refused TCP connect; a cut link times out and a frozen root still accepts, so neither
+  is "gone").
 * ``find_relaunch``: the same job's new root: the same ``store://`` address read again
   (the rendezvous store is hosted by the new agents), or a live connection file here
   with the same run id and another root process.
@@ -24,30 +23,12 @@ from pathlib import Path
 from .. import wire
 from ..config import load_settings
 from ..shell import connfile
+from .alive import root_alive
 from .errors import ProbeError
 from .lifecycle import job_name
 from .targets import Target, resolve
 
 PROBE_TIMEOUT_SEC = 0.5  # a TCP connect to a live root on a reachable host takes microseconds
-
-
-def root_alive(connection: connfile.ConnectionInfo | None, pid: int | None = None) -> bool:
-    """Whether a job's root process still runs, the one rule: by its connection file when
-    there is one (the pid must exist, not be a zombie, and have started when the file says:
-    a reused pid is not the root; a file of another host counts as alive), else by ``pid``
-    alone. A process we may not inspect exists: alive. Neither known: alive (cannot tell)."""
-    if connection is not None:
-        return connfile.is_alive(connection)
-    if not pid:
-        return True
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-    except psutil.AccessDenied:
-        return True
 
 
 def root_gone(endpoint: str, connection: connfile.ConnectionInfo | None, listening: bool = True) -> str | None:
@@ -94,4 +75,4 @@ def find_relaunch(current: Target) -> Target | None:
     return None
 
 
-__all__ = ["root_alive", "root_gone", "find_relaunch", "job_name", "PROBE_TIMEOUT_SEC"]
+__all__ = ["root_gone", "find_relaunch", "job_name", "PROBE_TIMEOUT_SEC"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from .. import wire
 from ..config import Settings, load_settings, run_id_from, split_run_id
 from ..shell import connfile
+from .alive import root_alive
 from .errors import AuthError, ConnectError, JobEndedError
 
 
@@ -67,7 +68,7 @@ def resolve(target: str | os.PathLike | None = None, token: str | None = None,
         endpoint = target_s
         if not token:  # a job on this machine: its connection file has the key
             conn = next((c for c in connfile.list_files(settings.runtime_dir)
-                         if c.endpoint == endpoint and connfile.is_alive(c)), None)
+                         if c.endpoint == endpoint and root_alive(c)), None)
     elif target_s.startswith("store://"):
         endpoint, run_id, key = _from_store(target_s, token, settings.discover_timeout_sec)
     else:

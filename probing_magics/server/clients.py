@@ -34,7 +34,7 @@ from typing import Awaitable, Callable, TypeVar
 
 import kernel_probe
 from kernel_probe import AsyncClient, AuthError, ConnectError, Job, JobEndedError, JobRegistry, UnknownJob
-from kernel_probe.client.follow import root_alive
+from kernel_probe.client.alive import root_alive
 from kernel_probe.client.lifecycle import GONE, Asked, Ended, JobLifecycle, Seen, Tick
 from kernel_probe.shell import connfile
 
