@@ -138,7 +138,11 @@ async def test_jobs_and_nodes_grouped_by_node(api, job):
     assert sorted(sorted(r) for r in by_node.values()) == [[0, 1], [2, 3]]
     assert nodes["suspects"] == [] and nodes["departures"] == []
     assert abs(nodes["now"] - time.time()) < 5
-    # every member as the REST schema says (the record's fields, then the membership view's)
+    # the payloads as the REST schema says; every member: the record's fields, then the view's
+    for payload, expected in ((nodes, schema.NODES), (body, schema.JOBS)):
+        assert set(payload) == set(expected)
+        for name, value in payload.items():
+            assert json_type(value) in expected[name], (name, value)
     for m in members:
         assert list(m) == list(schema.MEMBER)
         for name, value in m.items():

@@ -26,6 +26,15 @@ DEPARTURE: Schema = _schema(DEPARTURE_TABLE)
 # a job of GET jobs and GET jobs/<id>: Job.to_dict(), and how many relaunches the server saw
 JOB: Schema = {**_schema(tuple(c for c in columns_of(Job) if not c.name.startswith("_"))),
                "restarts": ("number",)}
+# GET jobs: the jobs (each a JOB) and the server's clock
+JOBS: Schema = {"jobs": ("array",), "now": ("number",)}
+# GET jobs/<id>/nodes: members (each a MEMBER), departures (each a DEPARTURE), the stall
+# suspects, the server's clock (ages are computed at it) and the relaunches it saw
+NODES: Schema = {
+    "job_id": ("string",), "run_id": ("string", "null"), "world_size": ("number", "null"), "info": ("object",),
+    "epoch": ("number", "null"), "members": ("array",), "departures": ("array",), "suspects": ("array",),
+    "now": ("number",), "restarts": ("number",), "restart_notice": ("string", "null"),
+}
 
 
 
@@ -40,4 +49,4 @@ def json_type(value: object) -> str:
     return "string" if isinstance(value, str) else "array" if isinstance(value, (list, tuple)) else "object"
 
 
-__all__ = ["Schema", "MEMBER", "DEPARTURE", "JOB", "json_type"]
+__all__ = ["Schema", "MEMBER", "DEPARTURE", "JOB", "JOBS", "NODES", "json_type"]
