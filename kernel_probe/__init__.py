@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from .jobs import JobRegistry
     from .shell.probe_thread import ProbeThread
 
-__all__ = ["start", "stop", "set_role", "log", "table", "connect", "connect_async", "job_registry", "probe",
+__all__ = ["start", "stop", "set_role", "log", "table", "connect", "connect_async", "find_token", "job_registry",
+           "probe",
            "ProbeError", "ConnectError", "AuthError", "JobEndedError", "NoAnswerError", "QueryFailed", "QueryResult",
            "Client", "AsyncClient", "Job", "JobRegistry", "UnknownJob", "PROTOCOL_VERSION"]
 __version__ = "0.1.0"
@@ -119,11 +120,21 @@ def connect(target: str | os.PathLike | None = None, token: str | None = None, t
 
 
 async def connect_async(target: str | os.PathLike | None = None, token: str | None = None,
-                        timeout: float = 5.0) -> "AsyncClient":
-    """``connect()`` for asyncio code: an ``AsyncClient`` whose methods are awaited."""
+                        timeout: float = 5.0, warm: bool = False) -> "AsyncClient":
+    """``connect()`` for asyncio code: an ``AsyncClient`` whose methods are awaited. ``warm``
+    as for ``connect()``, off by default (for servers that mostly watch membership)."""
     from .client import connect_async as _connect_async
 
-    return await _connect_async(target, token=token, timeout=timeout)
+    return await _connect_async(target, token=token, timeout=timeout, warm=warm)
+
+
+def find_token(token: str | None = None, token_env: str | None = None) -> str | None:
+    """The token a client signs with: ``token``, else the environment variable named
+    ``token_env`` (``ValueError`` if it is not set), else ``PROBING_AUTH_TOKEN``; None if
+    none is given (a job on this machine or a ``store://`` target may not need one)."""
+    from .client.targets import find_token as _find_token
+
+    return _find_token(token, token_env)
 
 
 def job_registry() -> "JobRegistry":

@@ -52,11 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _age(ts: float) -> str:
+def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from .client.alive import root_alive
     from .config import load_settings
     from .shell import connfile
 
@@ -72,9 +73,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     rows = [("RUN ID", "ENDPOINT", "WORLD", "PID", "HOST", "STARTED", "STATUS", "STORE (for -t on another host)")]
     for info in infos:
-        status = "running" if connfile.is_alive(info) else "gone"
+        status = "running" if root_alive(info) else "gone"
         rows.append((info.run_id, info.endpoint, str(info.world_size), str(info.pid), info.host,
-                     _age(info.started), status, info.store or "-"))
+                     _when(info.started), status, info.store or "-"))
     print("\n".join(_rows(rows)))
     return 0
 
@@ -84,27 +85,27 @@ def _rows(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def format_nodes(raw: dict, info: dict, departures: bool = False) -> str:
+def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | None = None) -> str:
     """The membership as a plain-text table (the CLI and the demo print this)."""
-    now = time.time()
-    counts: dict[str, int] = {}
+    from .membership.view import membership_view
+
+    view = membership_view(raw["members"], time.time() if now is None else now, raw["departures"])
     rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "ROLE", "STATE", "SEEN", "STEP", "STEP MS", "COMPUTE MS",
              "WAIT MS")]
-    for m in raw["members"]:
-        counts[m["state"]] = counts.get(m["state"], 0) + 1
+    for m in view.members:
         state = m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
-        step_ms = m.get("step_time_ms")
+        step_ms = _ms(m.get("step_time_ms")) + (" slow" if m["slow"] else "")
         rows.append((str(m["rank"]), str(m["node"]), str(m["local_rank"]), m["host"], str(m["pid"]), m["tier"],
-                     m["role"] or "-", state, f"{max(0.0, now - m['last_seen']):.1f}s ago",
-                     "-" if m.get("step") is None else str(m["step"]), _ms(step_ms), _ms(m.get("compute_ms")),
-                     _ms(m.get("comm_wait_ms"))))
-    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                     m["role"] or "-", state, f"{m['age']} ago", "-" if m.get("step") is None else str(m["step"]),
+                     step_ms, _ms(m.get("compute_ms")), _ms(m.get("comm_wait_ms"))))
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(view.counts.items()))
     lines = [f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}"]
     lines += _rows(rows)
+    lines += [f"  {s.text}" for s in view.suspects]
     if departures and raw["departures"]:
         lines.append("departures:")
         for d in raw["departures"]:
-            lines.append(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}) {d['why']} at {_age(d['when'])}")
+            lines.append(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}) {d['why']} at {_when(d['when'])}")
     return "\n".join(lines)
 
 
@@ -126,21 +127,25 @@ def _watch_nodes(client, args: argparse.Namespace) -> int:
     """Print the table every ``--watch`` seconds; say once that the job ended, and once that
     it restarted when the client follows it to a new launch (Ctrl-C stops)."""
     from .client import ConnectError, JobEndedError
+    from .client.lifecycle import Ended, JobLifecycle, Seen
 
-    ended = False
+    life = JobLifecycle(time.monotonic, launch=client.launch)
     while True:
         try:
             raw = client.nodes_raw(_connect_timeout(args))
         except JobEndedError as exc:
-            if not ended:
-                print(f"{exc}; waiting for it to be launched again (Ctrl-C to stop)", flush=True)
-            ended = True
+            change = life.observe(Ended(str(exc)))
+            if change.notice:
+                print(f"{change.notice} (Ctrl-C to stop)", flush=True)
         except ConnectError as exc:
             print(f"kernel-probe: {exc}", file=sys.stderr, flush=True)
         else:
-            ended = False
-            while (notice := client.take_notice()) is not None:
-                print(notice, flush=True)
+            followed = 0
+            while client.take_notice() is not None:
+                followed += 1
+            change = life.observe(Seen(client.launch, followed))
+            if change.notice:
+                print(change.notice, flush=True)
             print(f"--- {datetime.now().strftime('%H:%M:%S')}", flush=True)
             print(format_nodes(raw, client.info_, departures=args.departures), flush=True)
         time.sleep(max(0.1, args.watch))

@@ -19,11 +19,12 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .client import AsyncClient, Client, ConnectError, ProbeError, Target, resolve
+from .client.alive import root_alive
 from .client.follow import job_name
 from .config import load_settings
 from .shell import connfile
@@ -58,9 +59,7 @@ class Job:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the token."""
-        return {"id": self.id, "source": self.source, "target": self.target, "run_id": self.run_id,
-                "endpoint": self.endpoint, "world_size": self.world_size, "pid": self.pid, "host": self.host,
-                "started": self.started, "alive": self.alive, "added": self.added, "store": self.store}
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
 
 def _url_safe(text: str) -> str:
@@ -69,7 +68,7 @@ def _url_safe(text: str) -> str:
 
 def _local_jobs(infos: list[connfile.ConnectionInfo]) -> list[Job]:
     """Jobs of the connection files ``infos`` (newest first), with their ids (module docstring)."""
-    alive = {id(info): connfile.is_alive(info) for info in infos}
+    alive = {id(info): root_alive(info) for info in infos}
     taken: set[str] = set()
     ids: dict[int, str] = {}
     for info in sorted(infos, key=lambda i: not alive[id(i)]):  # stable: the running ones, newest first
@@ -158,12 +157,13 @@ class JobRegistry:
         """A new blocking client of the job, checked with a handshake (and warm, as ``connect()``)."""
         return Client.open(self.target(job_id), timeout, warm=warm)
 
-    async def connect_async(self, job_id: str | None = None, timeout: float = 5.0) -> AsyncClient:
-        """A new asyncio client of the job, checked with a handshake."""
+    async def connect_async(self, job_id: str | None = None, timeout: float = 5.0,
+                            warm: bool = False) -> AsyncClient:
+        """A new asyncio client of the job, checked with a handshake (and warm if asked)."""
         import asyncio
 
         target = await asyncio.get_running_loop().run_in_executor(None, self.target, job_id)
-        return await AsyncClient.open(target, timeout)
+        return await AsyncClient.open(target, timeout, warm=warm)
 
 
 _registry: JobRegistry | None = None

@@ -19,7 +19,7 @@ from typing import Callable
 
 from .config import Identity, Settings
 from .effects import PARENT, ConnectParent, Effect, Note, Send, UnwatchPid, WatchPid
-from .membership import Backoff, Registry
+from .membership import REPORT_FIELDS, Backoff, Registry
 from .placement import Place, Placement
 from .query_fanout import QueryFanOut
 from .wire import PROTOCOL_VERSION, Envelope, Message
@@ -29,11 +29,6 @@ PUSH_DEBOUNCE_SEC = 0.02  # batch near-simultaneous joins into one push / one re
 # ~8 times within milliseconds); a change of role, step or stall state goes in at once (update_self)
 SELF_REFRESH_SEC = 0.25
 
-# Fields of a member record that describe the rank itself (a report's identity).
-REPORT_FIELDS = (
-    "rank", "world_size", "local_rank", "local_world_size", "node", "node_count", "host",
-    "endpoint", "pid", "role", "incarnation", "tier", "step", "step_time_ms", "compute_ms", "comm_wait_ms",
-)
 
 
 @dataclass

@@ -1,15 +1,17 @@
-"""What every front end shows the same way: rank lists, grouped stacks, stall suspects.
+"""What every front end shows the same way: grouped stacks.
 
 The CLI, the notebook magics and widget, and the Jupyter server extension (for the
-JupyterLab panel) all call these, so "ranks 0-2,4-7 (7)" and "suspect: rank 3" read
-the same everywhere. Pure functions over plain rows (dicts), no I/O.
+JupyterLab panel) all call these, so "ranks 0-2 (3)" and a stack read the same
+everywhere. Pure functions over plain rows (dicts), no I/O. The rank lists
+(``rank_lists``) and the stall suspects (``membership.view``) are importable from here too.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
+
+from .rank_lists import parse_ranks, rank_span, ranks_label
 
 # The rows %cluster_stacks, `kernel-probe stacks` and the server's stacks route ask for.
 STACKS_SQL = ("SELECT _rank, thread_name, is_main, depth, function, file, line FROM stacks {where} "
@@ -18,42 +20,6 @@ STACKS_SQL = ("SELECT _rank, thread_name, is_main, depth, function, file, line F
 
 def stacks_sql(all_threads: bool = False) -> str:
     return STACKS_SQL.format(where="" if all_threads else "WHERE is_main")
-
-
-def parse_ranks(spec: str | None) -> list[int] | None:
-    """'0-3,8' -> [0, 1, 2, 3, 8]; None or '' -> None (every rank). ``ValueError`` if malformed."""
-    if spec is None or not str(spec).strip():
-        return None
-    ranks: list[int] = []
-    for part in str(spec).split(","):
-        lo, sep, hi = part.strip().partition("-")
-        try:
-            first, last = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"bad rank list {spec!r}: expected e.g. 0-3,8") from None
-        if first < 0 or last < first:
-            raise ValueError(f"bad rank range {part.strip()!r} in {spec!r}")
-        ranks.extend(range(first, last + 1))
-    return ranks
-
-
-def rank_span(ranks: Iterable[int]) -> str:
-    """[0, 1, 2, 4, 5] -> '0-2,4-5'."""
-    ordered = sorted(set(ranks))
-    if not ordered:
-        return ""
-    parts, start = [], ordered[0]
-    for a, b in zip(ordered, ordered[1:] + [None]):
-        if b != a + 1:
-            parts.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(parts)
-
-
-def ranks_label(ranks: Iterable[int]) -> str:
-    """'rank 3' or 'ranks 0-2,4-7 (7)'."""
-    ordered = sorted(set(ranks))
-    return f"rank {ordered[0]}" if len(ordered) == 1 else f"ranks {rank_span(ordered)} ({len(ordered)})"
 
 
 @dataclass(frozen=True)
@@ -108,43 +74,14 @@ def format_stacks(groups: list[StackGroup]) -> str:
     return "\n".join(out) if out else "(no stacks)"
 
 
-@dataclass(frozen=True)
-class Suspect:
-    """Stalled ranks stuck somewhere the majority of stalled ranks is not."""
-
-    ranks: tuple[int, ...]
-    where: str  # the stalled members' reason, e.g. "in fetch_next_batch (train.py:42)"
-    others: int  # how many stalled ranks wait elsewhere
-    others_where: str  # where most of those wait
-
-    @property
-    def text(self) -> str:
-        who = ranks_label(self.ranks)
-        return (f"suspect: {who}, {self.where}; {self.others} other{'s' if self.others != 1 else ''} "
-                f"wait {self.others_where}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ranks": list(self.ranks), "where": self.where, "others": self.others,
-                "others_where": self.others_where, "text": self.text}
+__all__ = ["STACKS_SQL", "stacks_sql", "parse_ranks", "rank_span", "ranks_label", "Frame", "StackGroup",
+           "group_stacks", "format_stacks"]
 
 
-def stall_suspects(members: Iterable[Mapping[str, Any]]) -> list[Suspect]:
-    """Group stalled members by where they are stuck (their ``reason``); when more than
-    one place is seen, every place but the most common one is a suspect: in a job where
-    one rank hangs, the others end up waiting for it inside a collective, all in one place."""
-    stalled = [m for m in members if m.get("state") == "stalled"]
-    places = Counter(str(m.get("reason") or "") for m in stalled)
-    if len(places) < 2:
-        return []
-    (common, n_common), = places.most_common(1)
-    suspects = []
-    for where, _ in sorted(places.items(), key=lambda kv: (kv[1], kv[0])):
-        if where == common:
-            continue
-        ranks = tuple(sorted(int(m["rank"]) for m in stalled if str(m.get("reason") or "") == where))
-        suspects.append(Suspect(ranks, where or "(place unknown)", n_common, common or "(place unknown)"))
-    return suspects
+def __getattr__(name: str) -> Any:
+    # the stall suspects belong to the membership view; these names stay importable from here
+    if name in ("Suspect", "stall_suspects", "suspect_ranks"):
+        from .membership import view
 
-
-def suspect_ranks(members: Iterable[Mapping[str, Any]]) -> set[int]:
-    return {r for s in stall_suspects(members) for r in s.ranks}
+        return getattr(view, name)
+    raise AttributeError(name)

@@ -136,8 +136,8 @@ class InfoBody(_InfoFields, total=False):
 
 
 class NodesBody(TypedDict):
-    members: list  # dicts with MEMBER_COLUMNS (and ``via``)
-    departures: list  # dicts with DEPARTURE_COLUMNS
+    members: list  # dicts with membership.record's MEMBER_COLUMNS (and ``via``)
+    departures: list  # dicts with membership.record's DEPARTURE_COLUMNS
     epoch: int
 
 
@@ -248,16 +248,6 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {}
 OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {}
 for _type, _body in BODIES.items():
     SCHEMAS[_type], OPTIONAL[_type] = _schema(_body)
-
-
-# The columns of one member and of one departure in a ``nodes`` answer, in the order
-# users see them (``connect().nodes()``, the ``nodes`` table, the notebook and the panel).
-MEMBER_COLUMNS: tuple[str, ...] = (
-    "rank", "world_size", "local_rank", "local_world_size", "node", "node_count", "host", "endpoint",
-    "pid", "role", "incarnation", "state", "last_seen", "since", "step", "step_time_ms", "compute_ms",
-    "comm_wait_ms", "tier", "reason",
-)
-DEPARTURE_COLUMNS: tuple[str, ...] = ("rank", "incarnation", "host", "pid", "when", "why")
 
 
 class WireError(Exception):

@@ -9,7 +9,6 @@ connection usable.
 from __future__ import annotations
 
 import getpass
-import os
 import sys
 import time
 from typing import Any
@@ -151,12 +150,11 @@ class ClusterMagics(Magics):
         prompt; it is never typed into a cell."""
         cmd = parse_options(line, {"--token-env", "--timeout"}, CONNECT_USAGE, max_positional=1)
         timeout = seconds_option(cmd, "--timeout", self.settings.connect_timeout)
-        token = None
-        if "--token-env" in cmd.options:
-            var = cmd.options["--token-env"]
-            token = os.environ.get(var)
-            if not token:
-                raise UsageError(f"--token-env {var}: the environment variable {var} is not set")
+        var = cmd.options.get("--token-env")
+        try:
+            token = kernel_probe.find_token(token_env=var)
+        except ValueError as exc:
+            raise UsageError(f"--token-env {var}: {exc}") from None
         target = cmd.positional[0] if cmd.positional else None
         if target is None:
             job = kernel_probe.job_registry().newest()
@@ -185,8 +183,8 @@ class ClusterMagics(Magics):
 
     def _ask_token(self, target: str, tried: str | None) -> str | None:
         """A hidden prompt, only when nobody gave a token and someone can answer it."""
-        if tried or os.environ.get("PROBING_AUTH_TOKEN"):
-            return None
+        if kernel_probe.find_token(tried) is not None:
+            return None  # a token was given: it is wrong, and asking again would not help
         if not self._in_notebook() and not sys.stdin.isatty():
             return None
         try:

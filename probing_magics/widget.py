@@ -20,7 +20,6 @@ import atexit
 import html
 import itertools
 import os
-import statistics
 import threading
 import time
 import weakref
@@ -29,7 +28,8 @@ from typing import Any
 import ipywidgets as widgets
 
 import kernel_probe
-from kernel_probe.summaries import ranks_label, stall_suspects
+from kernel_probe.client.lifecycle import RELAUNCHED, Ended, JobLifecycle, Seen
+from kernel_probe.membership.view import membership_view
 
 from .display import ERROR, MUTED, WARN
 
@@ -42,17 +42,6 @@ _counter = itertools.count(1)
 _live: "weakref.WeakSet[NodesView]" = weakref.WeakSet()
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return ""
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.1f} s ago"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f} min ago"
-    return f"{seconds / 3600:.1f} h ago"
-
-
 def _clock(ts: float | None) -> str:
     return time.strftime("%H:%M:%S", time.localtime(ts)) if ts else ""
 
@@ -63,17 +52,14 @@ def _cell(value: Any) -> str:
 
 def render_summary(raw: dict, run_id: str | None, now: float, note: str = "") -> str:
     """Counts per state and the update time, on one line."""
-    members = raw.get("members") or []
-    counts: dict[str, int] = {}
-    for m in members:
-        counts[m.get("state") or "?"] = counts.get(m.get("state") or "?", 0) + 1
-    parts = [f"<b>{len(members)} rank{'s' if len(members) != 1 else ''}</b>"]
+    view = membership_view(raw.get("members") or [], now, raw.get("departures") or [])
+    parts = [f"<b>{len(view.members)} rank{'s' if len(view.members) != 1 else ''}</b>"]
     for state in ("alive", "stalled", "dead"):
-        if counts.get(state):
-            parts.append(f"<span style='color:{STATE_COLOURS[state]}'>{counts[state]} {state}</span>")
-    parts += [f"{n} {html.escape(s)}" for s, n in counts.items() if s not in STATE_COLOURS]
-    if raw.get("departures"):
-        parts.append(f"{len(raw['departures'])} departed")
+        if view.counts.get(state):
+            parts.append(f"<span style='color:{STATE_COLOURS[state]}'>{view.counts[state]} {state}</span>")
+    parts += [f"{n} {html.escape(s)}" for s, n in view.counts.items() if s not in STATE_COLOURS]
+    if view.departures:
+        parts.append(f"{len(view.departures)} departed")
     parts.append(f"<span style='color:{MUTED}'>run {html.escape(str(run_id or '?'))} · updated {_clock(now)}</span>")
     if note:
         parts.append(f"<b style='color:{ERROR}'>{html.escape(note)}</b>")
@@ -82,72 +68,65 @@ def render_summary(raw: dict, run_id: str | None, now: float, note: str = "") ->
 
 def render_text(raw: dict, run_id: str | None, now: float, note: str = "") -> str:
     """The same view as plain text (a terminal, or a notebook saved without widget state)."""
-    members = sorted(raw.get("members") or [], key=lambda m: (m.get("node") or 0, m.get("rank") or 0))
-    counts: dict[str, int] = {}
-    for m in members:
-        counts[m.get("state") or "?"] = counts.get(m.get("state") or "?", 0) + 1
-    head = f"{len(members)} ranks · " + " · ".join(f"{n} {s}" for s, n in counts.items())
+    view = membership_view(raw.get("members") or [], now, raw.get("departures") or [])
+    head = f"{len(view.members)} ranks · " + " · ".join(f"{n} {s}" for s, n in view.counts.items())
     lines = [f"{head} · run {run_id or '?'} · updated {_clock(now)}" + (f" · {note}" if note else "")]
-    suspects = {r for s in stall_suspects(members) for r in s.ranks}
-    for m in members:
-        st = m.get("step_time_ms")
-        lines.append(f"  rank {m.get('rank')} node {m.get('node')} {m.get('host') or ''} {m.get('role') or '-'} "
-                     f"{m.get('state')}{' (suspect)' if m.get('rank') in suspects else ''} step {m.get('step')}"
-                     + ("" if st is None else f" {st:.1f} ms") + (f" {m['reason']}" if m.get("reason") else ""))
-    lines += [f"  {s.text}" for s in stall_suspects(members)]
+    for group in view.groups:
+        for m in group.members:
+            st = m.get("step_time_ms")
+            lines.append(f"  rank {m.get('rank')} node {m.get('node')} {m.get('host') or ''} {m.get('role') or '-'} "
+                         f"{m.get('state')}{' (suspect)' if view.suspect_of(m.get('rank')) else ''} step {m.get('step')}"
+                         + ("" if st is None else f" {st:.1f} ms") + (" (slow)" if m["slow"] else "")
+                         + (f" {m['reason']}" if m.get("reason") else ""))
+    lines += [f"  {s.text}" for s in view.suspects]
     lines += [f"  departed: rank {d.get('rank')} at {_clock(d.get('when'))} ({d.get('why')})"
               for d in raw.get("departures") or []]
     return "\n".join(lines)
 
 
+def _bar(m: dict) -> str:
+    """The step-time bar: the median fills half of it; a slow rank's turns to the warning colour."""
+    if m["bar"] is None:
+        return ""
+    colour = WARN if m["slow"] else "var(--jp-brand-color1, #1976d2)"
+    return (f"<div title='{m['ratio']:.2f}x median' style='width:80px;background:var(--jp-layout-color2,#eee)'>"
+            f"<div style='width:{100 * m['bar']:.0f}%;height:8px;background:{colour}'></div></div>")
+
+
 def render_table(raw: dict, now: float) -> str:
     """Ranks grouped by node (host, local rank, role, coloured state, last-seen age, step,
     step time with a bar relative to the median), stall suspects, and departures."""
-    members = sorted(raw.get("members") or [], key=lambda m: (m.get("node") or 0, m.get("rank") or 0))
-    suspects = stall_suspects(members)
-    suspect_of = {r: s for s in suspects for r in s.ranks}
-    times = [m["step_time_ms"] for m in members if isinstance(m.get("step_time_ms"), (int, float))]
-    median = statistics.median(times) if times else None
+    view = membership_view(raw.get("members") or [], now, raw.get("departures") or [])
     head = ("<tr><th>rank</th><th>local</th><th>host</th><th>role</th><th>state</th><th>last seen</th>"
             "<th>step</th><th>step time</th><th></th><th style='text-align:left'>reason</th></tr>")
     rows = []
-    for node, group in itertools.groupby(members, key=lambda m: m.get("node")):
-        group = list(group)
-        hosts = sorted({str(m.get("host") or "") for m in group})
-        rows.append(f"<tr class='probing-node'><td colspan='10' style='text-align:left'><b>node {_cell(node)}</b> "
-                    f"<span style='color:{MUTED}'>{html.escape(', '.join(hosts))} · {ranks_label(m['rank'] for m in group)}"
+    for group in view.groups:
+        rows.append(f"<tr class='probing-node'><td colspan='10' style='text-align:left'><b>node {_cell(group.node)}</b> "
+                    f"<span style='color:{MUTED}'>{html.escape(', '.join(group.hosts))} · {group.label}"
                     f"</span></td></tr>")
-        for m in group:
+        for m in group.members:
             state = m.get("state") or ""
             colour = STATE_COLOURS.get(state, MUTED)
             st = m.get("step_time_ms")
-            bar = ""
-            if isinstance(st, (int, float)) and median:
-                ratio = st / median
-                width = min(100.0, 50.0 * ratio)  # the median fills half the bar
-                bar_colour = WARN if ratio >= 1.5 else "var(--jp-brand-color1, #1976d2)"
-                bar = (f"<div title='{ratio:.2f}x median' style='width:80px;background:var(--jp-layout-color2,#eee)'>"
-                       f"<div style='width:{width:.0f}%;height:8px;background:{bar_colour}'></div></div>")
             mark = ""
-            if m.get("rank") in suspect_of:
-                mark = f" <b style='color:{ERROR}' title='{html.escape(suspect_of[m['rank']].text)}'>⚠ suspect</b>"
-            last_seen = m.get("last_seen")
+            suspect = view.suspect_of(m.get("rank"))
+            if suspect is not None:
+                mark = f" <b style='color:{ERROR}' title='{html.escape(suspect.text)}'>⚠ suspect</b>"
             rows.append(
                 f"<tr class='probing-rank' data-rank='{_cell(m.get('rank'))}' data-state='{html.escape(state)}'>"
                 f"<td>{_cell(m.get('rank'))}</td><td>{_cell(m.get('local_rank'))}</td><td>{_cell(m.get('host'))}</td>"
                 f"<td>{_cell(m.get('role'))}</td><td style='color:{colour};font-weight:bold'>{html.escape(state)}{mark}</td>"
-                f"<td>{_age(now - last_seen) if last_seen else ''}</td><td>{_cell(m.get('step'))}</td>"
-                f"<td>{'' if st is None else f'{st:.1f} ms'}</td><td>{bar}</td>"
+                f"<td>{m['age'] + ' ago' if m['age'] else ''}</td><td>{_cell(m.get('step'))}</td>"
+                f"<td>{'' if st is None else f'{st:.1f} ms'}</td><td>{_bar(m)}</td>"
                 f"<td style='text-align:left'>{_cell(m.get('reason'))}</td></tr>")
     out = [f"<table class='probing-nodes'>{head}{''.join(rows)}</table>"]
-    for s in suspects:
+    for s in view.suspects:
         out.append(f"<div class='probing-suspect' style='color:{ERROR}'>⚠ {html.escape(s.text)}</div>")
-    departures = raw.get("departures") or []
-    if departures:
+    if view.departures:
         drows = "".join(
             f"<tr><td>{_cell(d.get('rank'))}</td><td>{_cell(d.get('host'))}</td><td>{_cell(d.get('pid'))}</td>"
             f"<td>{_clock(d.get('when'))}</td><td>{_cell(d.get('why'))}</td></tr>"
-            for d in sorted(departures, key=lambda d: d.get("when") or 0, reverse=True))
+            for d in view.departures)
         out.append(f"<div style='margin-top:0.5em'><b>departed</b></div><table class='probing-departures'>"
                    f"<tr><th>rank</th><th>host</th><th>pid</th><th>when</th><th>why</th></tr>{drows}</table>")
     return "".join(out)
@@ -166,9 +145,7 @@ class NodesView(widgets.VBox):
         self.interval, self.timeout = interval, timeout
         self.run_id: str | None = None
         self.raw: dict | None = None  # the last membership shown
-        self.ended = False  # the job ended and no relaunch was found yet
-        self.restarts = 0  # relaunches of the job this view followed
-        self.notice: str | None = None  # the last "job X restarted ..." line
+        self.life = JobLifecycle(time.monotonic)  # ended, relaunched: this view's own count
         self._notice_until = 0.0
         self.text = "connecting…"  # the last view as plain text
         self._stop = threading.Event()
@@ -192,6 +169,21 @@ class NodesView(widgets.VBox):
     @property
     def running(self) -> bool:
         return self.thread.is_alive()
+
+    @property
+    def ended(self) -> bool:
+        """The job ended and no relaunch was found yet."""
+        return self.life.ended
+
+    @property
+    def restarts(self) -> int:
+        """Relaunches of the job this view followed."""
+        return self.life.restarts
+
+    @property
+    def notice(self) -> str | None:
+        """The last "job X restarted ..." line."""
+        return self.life.notice
 
     def close(self) -> None:
         self._stop.set()
@@ -218,17 +210,17 @@ class NodesView(widgets.VBox):
                         self.run_id = client.run_id
                     raw = client.nodes_raw(timeout)
                     self._followed(client)
-                    self.ended = False
                     self.raw = raw
                     now = time.time()
                     note = self.notice if self.notice and time.monotonic() < self._notice_until else ""
                     self.text = render_text(raw, self.run_id, now, note)
                     self._show(render_summary(raw, self.run_id, now, note), render_table(raw, now))
-                except kernel_probe.JobEndedError:
-                    self._ended()
+                except kernel_probe.JobEndedError as exc:
+                    self._ended(str(exc))
                 except kernel_probe.ProbeError as exc:
                     if self._target_gone():
-                        self._ended()  # the client (if any) still follows a relaunch from its connection file
+                        # the client (if any) still follows a relaunch from its connection file
+                        self._ended(f"job {self.run_id} has ended: its connection file was removed")
                     else:
                         # a job of this machine keeps its client: a root that is shutting down (no answer,
                         # its file not removed yet) is told ended next time, and the client follows a relaunch
@@ -248,24 +240,27 @@ class NodesView(widgets.VBox):
                 client.close()
 
     def _followed(self, client: kernel_probe.Client) -> None:
-        """Take the client's notices: it followed the job to a new launch."""
-        while (notice := client.take_notice()) is not None:
-            self.restarts, self.notice = client.restarts, notice
-            self._notice_until = time.monotonic() + NOTICE_SEC
-            self.run_id = client.run_id
-            path = client.connection.path if client.connection is not None else None
-            if path and self.target and not str(self.target).startswith(("tcp://", "store://")):
-                self.target = str(path)  # a reconnect goes to the new launch's file
+        """The job answered through ``client``: from a new launch when the client followed
+        one (its notices) or when a new client met one."""
+        followed = 0
+        while client.take_notice() is not None:
+            followed += 1
+        if self.life.observe(Seen(client.launch, followed)).state != RELAUNCHED:
+            return
+        self._notice_until = time.monotonic() + NOTICE_SEC
+        self.run_id = client.run_id
+        path = client.connection.path if client.connection is not None else None
+        if path and self.target and not str(self.target).startswith(("tcp://", "store://")):
+            self.target = str(path)  # a reconnect goes to the new launch's file
 
     def _target_gone(self) -> bool:
         """A connection-file target whose file was removed: the job stopped cleanly."""
         t = self.target
         return bool(t) and not str(t).startswith(("tcp://", "store://")) and not os.path.exists(str(t))
 
-    def _ended(self) -> None:
-        if self.ended:
+    def _ended(self, why: str) -> None:
+        if self.life.observe(Ended(why)).notice is None:
             return  # said once; the last table stays
-        self.ended = True
         raw = self.raw or {}
         self.text = render_text(raw, self.run_id, time.time(), ENDED)
         self._show(render_summary(raw, self.run_id, time.time(), ENDED), self.table.value)

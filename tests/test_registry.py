@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from kernel_probe import wire
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernel_probe.membership import (
+    MEMBER_COLUMNS,
     MEMBER_FIELDS,
     MEMBERSHIP_FIELDS,
     DeltaGapError,
@@ -50,7 +50,7 @@ def rep(rank: int, inc: str = "a", **kw) -> dict:
 
 def state(reg: Registry):
     """Everything observable, for 'unchanged' checks."""
-    return (reg.epoch, reg.version, reg.members(), reg.departures(), reg.next_deadline())
+    return (reg.epoch, reg.members(), reg.departures(), reg.next_deadline())
 
 
 # ---------------------------------------------------------------- records
@@ -64,7 +64,7 @@ def test_member_field_order_is_the_nodes_table():
     )  # fmt: skip
     assert set(MEMBERSHIP_FIELDS) == set(MEMBER_FIELDS) - {"last_seen", "step", "step_time_ms", "compute_ms",
                                                            "comm_wait_ms"}
-    assert MEMBER_FIELDS[:-1] == wire.MEMBER_COLUMNS  # the nodes table's columns, in its order
+    assert MEMBER_FIELDS[:-1] == MEMBER_COLUMNS  # the nodes table's columns, in its order
 
 
 def test_member_dict_round_trip_and_optional_keys():
@@ -126,7 +126,7 @@ def test_join():
     m = reg.get(3)
     assert (m.state, m.last_seen, m.since, m.reason, m.via) == ("alive", T0, T0, "", None)
     assert (m.role, m.host, m.pid, m.tier) == ("trainer", "host0", 1003, "leaf")
-    assert (reg.epoch, reg.version) == (1, 1)
+    assert reg.epoch == 1
     assert len(reg) == 1
 
 
@@ -138,19 +138,21 @@ def test_join_with_age_dates_evidence_back():
     assert m.via == 4
 
 
-def test_step_update_bumps_version_not_epoch():
+def test_step_update_is_telemetry_not_epoch():
     reg = Registry()
     reg.observe(rep(1), T0)
     assert reg.observe(rep(1, step=10, step_time_ms=101.0), T0 + 1) is False
-    assert (reg.epoch, reg.version) == (1, 2)
+    assert reg.epoch == 1
     m = reg.get(1)
     assert (m.step, m.step_time_ms, m.last_seen, m.since) == (10, 101.0, T0 + 1, T0)
+    assert reg.delta_since(1)["upserts"] == []  # nothing pushed down the tree
     # last_seen alone is telemetry too
     assert reg.observe(rep(1, step=10, step_time_ms=101.0), T0 + 2) is False
-    assert (reg.epoch, reg.version) == (1, 3)
+    assert reg.epoch == 1 and reg.get(1).last_seen == T0 + 2
     # a byte-identical report changes nothing at all
+    before = state(reg)
     assert reg.observe(rep(1, step=10, step_time_ms=101.0), T0 + 2) is False
-    assert (reg.epoch, reg.version) == (1, 3)
+    assert state(reg) == before
 
 
 @pytest.mark.parametrize(
@@ -161,7 +163,7 @@ def test_membership_field_change_bumps_epoch(key, value):
     reg = Registry()
     reg.observe(rep(1), T0)
     assert reg.observe(rep(1, **{key: value}), T0 + 1) is True
-    assert (reg.epoch, reg.version) == (2, 2)
+    assert reg.epoch == 2
     assert getattr(reg.get(1), key) == value
 
 
@@ -587,7 +589,7 @@ def test_malformed_call_raises(report, now, via):
     reg = Registry()
     with pytest.raises(ValueError):
         reg.observe(report, now, via=via)
-    assert state(reg) == (0, 0, [], [], None)
+    assert state(reg) == (0, [], [], None)
 
 
 def test_optional_report_keys_default():
@@ -680,9 +682,9 @@ def test_apply_delta_mirrors_and_reports_change():
     src.observe(rep(2), T0)
     assert mirror.apply_delta(src.delta_since(mirror.epoch)) is True
     assert mirror.members() == src.members() and mirror.epoch == src.epoch
-    v = mirror.version
+    before = state(mirror)
     assert mirror.apply_delta(src.delta_since(mirror.epoch)) is False
-    assert mirror.version == v
+    assert state(mirror) == before
     src.mark_dead(2, None, "left", T0 + 1)
     src.tick(T0 + 1 + STALE)
     assert mirror.apply_delta(src.delta_since(mirror.epoch)) is True
@@ -748,10 +750,6 @@ def membership(reg: Registry) -> list[tuple]:
     return [tuple(getattr(m, f) for f in MEMBERSHIP_FIELDS) for m in reg.members()]
 
 
-def everything(reg: Registry) -> tuple:
-    return (reg.members(), reg.departures())
-
-
 observe_op = st.tuples(
     st.just("observe"),
     st.integers(0, 5),  # rank
@@ -799,8 +797,8 @@ def test_mirrors_reproduce_source(program):
     for op in program:
         kind = op[0]
         if kind in ("observe", "mark_dead", "tick"):
-            e0, v0 = src.epoch, src.version
-            mem0, all0 = membership(src), everything(src)
+            e0 = src.epoch
+            mem0 = membership(src)
             if kind == "observe":
                 _, rank, inc, stalled, age, via, dead, role, step = op
                 r = rep(rank, inc, stalled=stalled, age=age, role=role, step=step)
@@ -815,8 +813,6 @@ def test_mirrors_reproduce_source(program):
             assert ret == (src.epoch != e0)
             assert (membership(src) != mem0) == (src.epoch == e0 + 1)
             assert src.epoch in (e0, e0 + 1)
-            assert (everything(src) != all0) == (src.version == v0 + 1)
-            assert src.version in (v0, v0 + 1)
         elif kind == "advance":
             now += op[1]
         elif kind == "sync1":

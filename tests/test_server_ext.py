@@ -13,7 +13,8 @@ import pytest
 
 import kernel_probe
 from kernel_probe.testing.harness import LocalJob
-from probing_magics.server import STATE_KEY
+from probing_magics.server import STATE_KEY, schema
+from probing_magics.server.schema import json_type
 
 from .conftest import wait_for
 
@@ -137,6 +138,17 @@ async def test_jobs_and_nodes_grouped_by_node(api, job):
     assert sorted(sorted(r) for r in by_node.values()) == [[0, 1], [2, 3]]
     assert nodes["suspects"] == [] and nodes["departures"] == []
     assert abs(nodes["now"] - time.time()) < 5
+    # the payloads as the REST schema says; every member: the record's fields, then the view's
+    for payload, expected in ((nodes, schema.NODES), (body, schema.JOBS)):
+        assert set(payload) == set(expected)
+        for name, value in payload.items():
+            assert json_type(value) in expected[name], (name, value)
+    for m in members:
+        assert list(m) == list(schema.MEMBER)
+        for name, value in m.items():
+            assert json_type(value) in schema.MEMBER[name], (name, value)
+    for name, value in local.items():
+        assert json_type(value) in schema.JOB[name], (name, value)
 
 
 async def test_one_client_per_job_is_reused(api, job, jp_web_app):

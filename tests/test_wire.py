@@ -724,13 +724,6 @@ def test_the_protocol_module_imports_nothing_of_ours():
     assert ours == []
 
 
-def test_member_columns_are_the_registry_records_less_the_routing_field():
-    from kernel_probe.membership.registry import MEMBER_FIELDS
-
-    assert set(wire.MEMBER_COLUMNS) == set(MEMBER_FIELDS) - {"via"}
-    assert len(wire.MEMBER_COLUMNS) == len(set(wire.MEMBER_COLUMNS))
-
-
 def test_every_body_is_declared_once_and_checked_with_its_optional_keys():
     assert set(wire.BODIES) == set(wire.SCHEMAS) == set(wire.OPTIONAL)
     assert wire.SCHEMAS["query"] == {"sql": (str,), "timeout": (float,)}

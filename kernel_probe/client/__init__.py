@@ -3,7 +3,9 @@ the CLI. ``connect(target)`` resolves where the root is and which key signs our
 messages (``targets``) and checks it with a handshake; ``Client`` (blocking) and
 ``AsyncClient`` (asyncio) keep any number of requests in flight on one connection,
 matched to their answers by a sans-IO core (``requests``), and turn every failure
-into a one-line ``ProbeError`` (never a traceback from zmq or torch).
+into a one-line ``ProbeError`` (never a traceback from zmq or torch). Whether the job
+runs, ended or was launched again is one state machine (``lifecycle``) that every front
+end feeds; whether a root process runs is one rule (``alive.root_alive``).
 """
 
 from __future__ import annotations

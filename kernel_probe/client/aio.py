@@ -10,6 +10,7 @@ checks that touch files or sockets run on a worker thread, never on the loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -26,6 +27,8 @@ from .targets import Target
 
 if TYPE_CHECKING:
     import pandas as pd
+
+log = logging.getLogger(__name__)
 
 
 class AsyncClient(ClientState):
@@ -111,7 +114,7 @@ class AsyncClient(ClientState):
                     raise self._no_answer(timeout)
                 try:
                     envelope = await asyncio.wait_for(asyncio.shield(future), min(left, GONE_CHECK_SEC[1] / 2))
-                    self._answered = True
+                    self._answered_now()
                     return envelope
                 except asyncio.TimeoutError:
                     pass
@@ -120,7 +123,7 @@ class AsyncClient(ClientState):
                 if self._answered and time.monotonic() >= next_check:
                     why = await loop.run_in_executor(None, root_gone, self.endpoint, self.connection)
                     if why is not None:
-                        self._ended = why
+                        self._root_gone(why)
                         raise RootGone()
                     next_check = time.monotonic() + GONE_CHECK_SEC[1]
         finally:
@@ -156,24 +159,37 @@ class AsyncClient(ClientState):
         return True
 
     @classmethod
-    async def open(cls, target: Target, timeout: float = 5.0) -> "AsyncClient":
-        """A client of ``target``, checked with a handshake (closed again if that fails)."""
+    async def open(cls, target: Target, timeout: float = 5.0, warm: bool = False) -> "AsyncClient":
+        """A client of ``target``, checked with a handshake (closed again if that fails);
+        ``warm``: then wait (``warm()``) until the ranks can answer a query at once."""
         client = cls(target)
         try:
-            await client.handshake(timeout)
+            await client.handshake(timeout, warm=warm)
+            if warm:
+                await client.warm(min(timeout, results.WARM_WAIT_MAX))
         except BaseException:
             client.close()
             raise
         return client
 
-    async def handshake(self, timeout: float = 5.0) -> dict:
+    async def handshake(self, timeout: float = 5.0, warm: bool = False) -> dict:
+        """As ``Client.handshake``: ``warm`` asks every rank to load its query engine now."""
         try:
-            env = await self.request("info_request", {}, timeout)
+            env = await self.request("info_request", {"warm": True} if warm else {}, timeout)
         except Refused as refused:
             if self._learn_from(refused):
-                return await self.handshake(timeout)
+                return await self.handshake(timeout, warm)
             raise results.refused_error(refused, self.endpoint) from None
         return self._shook_hands(env)
+
+    async def warm(self, timeout: float = results.WARM_WAIT_MAX) -> int:
+        """As ``Client.warm``: wait (best effort) until every rank's query engine is loaded;
+        how many ranks answered."""
+        try:
+            return len((await self.query(results.WARM_SQL, timeout=timeout)).coverage.get("answered") or ())
+        except ProbeError as exc:
+            log.debug("warming the job: %s", exc)
+            return 0
 
     async def _call(self, type_: str, body: dict, timeout: float,
                     on_progress: Callable[[dict], None] | None = None) -> wire.Envelope:
@@ -226,13 +242,15 @@ class AsyncClient(ClientState):
         self.close()
 
 
-async def connect_async(target: str | None = None, token: str | None = None, timeout: float = 5.0) -> AsyncClient:
+async def connect_async(target: str | None = None, token: str | None = None, timeout: float = 5.0,
+                        warm: bool = False) -> AsyncClient:
     """``connect()`` for asyncio code. Resolving a ``store://`` target talks to a TCPStore
-    (blocking), so it runs on a worker thread."""
+    (blocking), so it runs on a worker thread. ``warm`` as for ``connect()`` (off by default:
+    a server that only watches membership leaves the ranks without their query engines)."""
     from .targets import resolve
 
     resolved = await asyncio.get_running_loop().run_in_executor(None, lambda: resolve(target, token))
-    return await AsyncClient.open(resolved, timeout)
+    return await AsyncClient.open(resolved, timeout, warm=warm)
 
 
 __all__ = ["AsyncClient", "connect_async", "ProbeError"]

@@ -1,17 +1,19 @@
 """What the blocking and the asyncio client share, whatever their transport: which root
-they talk to, which key signs for it, how a refusal teaches the run id, how they switch
-to a relaunched job and say so once, and the errors a request that got no answer means."""
+they talk to, which key signs for it, how a refusal teaches the run id, the job's life
+(``lifecycle``: ended, relaunched and said so once), and the errors a request that got no
+answer means."""
 
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any
 
 from .. import wire
-from ..shell import connfile
 from . import results
 from .errors import ConnectError, JobEndedError, NoAnswerError, Refused
-from .follow import restart_notice
+from .alive import root_alive
+from .lifecycle import ENDED, RELAUNCHED, RUNNING, Ended, JobLifecycle, Launch, Seen
 from .requests import Requests
 from .targets import Target
 
@@ -33,14 +35,40 @@ class ClientState:
         self.connection = target.connection
         self.store = target.store  # the job's store:// address to show people, when known
         self.info_: dict[str, Any] = {}
-        self.restarts = 0  # launches of the job this client followed
         self._target = target
         self._token = target.token
         self._generation = 0  # bumped when the client switches to a new launch
-        self._ended: str | None = None  # why the root is known to be gone (until a relaunch is found)
+        # the job's life as this client sees it: ended while its root is known to be gone
+        self.lifecycle = JobLifecycle(time.monotonic, launch=self.launch)
         self._answered = False  # "gone" means the root answered once and is not there any more
         self._notices: collections.deque[str] = collections.deque()
         self._requests = Requests(target.key)
+
+    @property
+    def launch(self) -> Launch:
+        """The launch of the job this client talks to now (it changes when it follows a relaunch)."""
+        pid = self.connection.pid if self.connection is not None else self.info_.get("pid")
+        return Launch(self.run_id, self.endpoint, pid)
+
+    @property
+    def restarts(self) -> int:
+        """Launches of the job this client followed."""
+        return self.lifecycle.restarts
+
+    @property
+    def _ended(self) -> str | None:
+        """Why the root is known to be gone (None: not known, or a relaunch was found)."""
+        return self.lifecycle.why if self.lifecycle.state == ENDED else None
+
+    def _root_gone(self, why: str) -> None:
+        self.lifecycle.observe(Ended(why))
+
+    def _answered_now(self) -> None:
+        """The launch this client talks to answered: it runs (after a relaunch was followed)."""
+        self._answered = True
+        launch = self.lifecycle.launch
+        if self.lifecycle.state != RUNNING and launch is not None:
+            self.lifecycle.observe(Seen(launch))
 
     def _switch_to(self, new: Target) -> None:
         """Talk to the job's new launch from now on (the caller dropped the old socket)."""
@@ -49,10 +77,11 @@ class ClientState:
         self.store = new.store or self.store
         self._target = Target(new.endpoint, new.key, run_id=new.run_id, token=self._token,
                               connection=new.connection, spec=self._target.spec, store=self.store)
-        self._ended = None
-        self.restarts += 1
         self._generation += 1
-        self._notices.append(restart_notice(self._target, new, self.restarts))
+        change = self.lifecycle.observe(Seen(Launch(new.run_id, new.endpoint,
+                                                    new.connection.pid if new.connection is not None else None)))
+        if change.state == RELAUNCHED and change.notice:
+            self._notices.append(change.notice)
 
     def _learn_from(self, refused: Refused) -> bool:
         """A ``tcp://`` target with a token: the refusal names the job, whose key we can
@@ -68,12 +97,6 @@ class ClientState:
         self.run_id = self.info_.get("run_id", self.run_id)
         return self.info_
 
-    def relaunch_notice(self, restarts: int) -> str:
-        """The notice ``take_notice`` gives when following a relaunch, for the launch this
-        client talks to now, as the ``restarts``-th: for whoever counts a job's launches across
-        clients (a server that replaced its client while the job was down)."""
-        return restart_notice(self._target, self._target, restarts)
-
     def take_notice(self) -> str | None:
         """A one-line notice (e.g. "job X restarted: following its new launch ...") not shown
         yet, or None. Each notice is returned once."""
@@ -84,7 +107,7 @@ class ClientState:
 
     def _no_answer(self, timeout: float) -> ConnectError:
         conn = self.connection
-        if conn is not None and not connfile.is_alive(conn):
+        if conn is not None and not root_alive(conn):
             return JobEndedError(f"job {conn.run_id} has ended: its root (pid {conn.pid}) is gone")
         return NoAnswerError(f"no answer from {self.endpoint} within {timeout:g} s: the job ended or its root "
                              f"is unreachable")

@@ -145,7 +145,7 @@ class Client(ClientState):
                     on_progress(body)
             outcome = waiter.outcome
             if isinstance(outcome, Answered):
-                self._answered = True
+                self._answered_now()
                 return outcome.envelope
             if isinstance(outcome, Failed):
                 raise outcome.error
@@ -158,7 +158,7 @@ class Client(ClientState):
             if now >= next_check and self._answered:
                 why = root_gone(self.endpoint, self.connection)
                 if why is not None:
-                    self._ended = why
+                    self._root_gone(why)
                     raise RootGone()
                 next_check = time.monotonic() + GONE_CHECK_SEC[1]
             if self._io.acquire(blocking=False):

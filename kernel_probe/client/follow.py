@@ -1,13 +1,13 @@
 """Telling a job that ended from one that is slow, and finding its next launch.
 
-The everyday restart (issue 10): the user stops a torchrun job and runs the same
+The everyday restart: the user stops a torchrun job and runs the same
 command again: same rendezvous id, so the same run id, but a new root process at a new
 endpoint with a new per-job secret. A client connected to the first launch must say
 "job ended" quickly while nothing runs (never wait out a long timeout), and follow the
 job to its new launch by itself once there is one.
 
-* ``root_gone``: the root's process is gone, not merely slow or cut off: its pid is dead
-  (a connection file on this machine), or nothing listens at its endpoint any more (a
+* ``root_gone``: the root's process is gone, not merely slow or cut off: not alive by
+  the one rule (``alive.root_alive``), or nothing listens at its endpoint any more (a
   refused TCP connect; a cut link times out and a frozen root still accepts, so neither
   is "gone").
 * ``find_relaunch``: the same job's new root: the same ``store://`` address read again
@@ -21,24 +21,24 @@ import socket
 from pathlib import Path
 
 from .. import wire
-from ..config import load_settings, split_run_id
+from ..config import load_settings
 from ..shell import connfile
+from .alive import root_alive
 from .errors import ProbeError
+from .lifecycle import job_name
 from .targets import Target, resolve
 
 PROBE_TIMEOUT_SEC = 0.5  # a TCP connect to a live root on a reachable host takes microseconds
 
 
-def job_name(run_id: str | None) -> str:
-    """The job a run id belongs to, the same across its launches: torchrun's run ids are
-    ``<rdzv id>/r<restart>``, and a relaunch or an in-place restart only changes the suffix."""
-    return split_run_id(run_id)[0]
-
-
-def root_gone(endpoint: str, connection: connfile.ConnectionInfo | None) -> str | None:
-    """Why the root at ``endpoint`` is known to be gone, or None (alive, slow, or unreachable)."""
-    if connection is not None and not connfile.is_alive(connection):
+def root_gone(endpoint: str, connection: connfile.ConnectionInfo | None, listening: bool = True) -> str | None:
+    """Why the root at ``endpoint`` is known to be gone, or None (alive, slow, or unreachable).
+    ``listening``: also try a TCP connect (a root whose process we cannot see, or one that
+    closed its port and is still exiting)."""
+    if connection is not None and not root_alive(connection):
         return f"job {connection.run_id} has ended: its root (pid {connection.pid}) is gone"
+    if not listening:
+        return None
     # a process still shutting down may hold its pid for seconds after closing its port
     hostport = endpoint[len("tcp://"):] if endpoint.startswith("tcp://") else endpoint
     host, _, port = hostport.rpartition(":")
@@ -65,7 +65,7 @@ def find_relaunch(current: Target) -> Target | None:
                  else load_settings().runtime_dir)
     old_pid = current.connection.pid if current.connection is not None else None
     for info in connfile.list_files(Path(directory)):  # newest first
-        if job_name(info.run_id) != job_name(current.run_id) or info.pid == old_pid or not connfile.is_alive(info):
+        if job_name(info.run_id) != job_name(current.run_id) or info.pid == old_pid or not root_alive(info):
             continue
         if info.endpoint == current.endpoint and old_pid is None:
             continue  # the very root we talk to
@@ -75,11 +75,4 @@ def find_relaunch(current: Target) -> Target | None:
     return None
 
 
-def restart_notice(old: Target, new: Target, restarts: int) -> str:
-    """What a front end says, once, when it followed a job to its new launch."""
-    pid = f"root pid {new.connection.pid} " if new.connection is not None else ""
-    return (f"job {job_name(new.run_id) or new.run_id} restarted: following its new launch "
-            f"({pid}at {new.endpoint}; restart {restarts})")
-
-
-__all__ = ["root_gone", "find_relaunch", "restart_notice", "job_name", "PROBE_TIMEOUT_SEC"]
+__all__ = ["root_gone", "find_relaunch", "job_name", "PROBE_TIMEOUT_SEC"]

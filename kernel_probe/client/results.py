@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .. import wire
+from ..membership import record
 from ..tables import arrow_ipc
 from .errors import AuthError, ProbeError, QueryFailed, Refused
 
@@ -14,27 +15,37 @@ if TYPE_CHECKING:  # pandas is imported only when a DataFrame is asked for
     import numpy as np
     import pandas as pd
 
-NODE_COLUMNS = list(wire.MEMBER_COLUMNS)
-DEPARTURE_COLUMNS = list(wire.DEPARTURE_COLUMNS)
+NODE_COLUMNS = list(record.MEMBER_COLUMNS)
+DEPARTURE_COLUMNS = list(record.DEPARTURE_COLUMNS)
 
 ANSWER_GRACE = 3.0  # the root answers by the deadline; allow for transfer and a slow client
 
 
 def members_frame(members: list[dict]) -> "pd.DataFrame":
-    """One row per rank, typed: timestamps as UTC datetimes, step as a nullable integer,
-    timings as floats (NaN where missing or not a number)."""
-    import pandas as pd
-
+    """One row per rank, each column typed as the member record declares it: times as UTC
+    datetimes, a nullable integer as ``Int64``, numbers as floats (NaN where missing or not
+    a number), text as objects."""
     # Typed column by column, then one frame: converting the columns of a frame made from
     # the dicts cost ~3 ms more, on every nodes() call.
-    columns: dict[str, Any] = {name: [m.get(name) for m in members] for name in NODE_COLUMNS}
-    for name in ("last_seen", "since"):
-        columns[name] = pd.to_datetime(_floats(columns[name]), unit="s", utc=True)
-    columns["step"] = pd.array([v if _is_number(v) and float(v).is_integer() and abs(v) < 2**63 else None
-                                for v in columns["step"]], dtype="Int64")
-    for name in ("step_time_ms", "compute_ms", "comm_wait_ms"):
-        columns[name] = _floats(columns[name])
-    return pd.DataFrame(columns, columns=NODE_COLUMNS)
+    return _typed_frame(members, record.NODE_COLUMNS)
+
+
+def _typed_frame(rows: list[dict], declared: tuple[record.Column, ...]) -> "pd.DataFrame":
+    import pandas as pd
+
+    columns: dict[str, Any] = {}
+    for c in declared:
+        values = [r.get(c.name) for r in rows]
+        if c.unit == record.EPOCH_SECONDS:
+            columns[c.name] = pd.to_datetime(_floats(values), unit="s", utc=True)
+        elif c.type is float:
+            columns[c.name] = _floats(values)
+        elif c.type is int and c.nullable:
+            columns[c.name] = pd.array([v if _is_number(v) and float(v).is_integer() and abs(v) < 2**63 else None
+                                        for v in values], dtype="Int64")
+        else:
+            columns[c.name] = values
+    return pd.DataFrame(columns, columns=[c.name for c in declared])
 
 
 def _is_number(value: Any) -> bool:
@@ -48,11 +59,8 @@ def _floats(values: list) -> "np.ndarray":
 
 
 def departures_frame(departures: list[dict]) -> "pd.DataFrame":
-    import pandas as pd
-
-    df = pd.DataFrame(departures, columns=DEPARTURE_COLUMNS)
-    df["when"] = pd.to_datetime(df["when"], unit="s", utc=True)
-    return df
+    """One row per departure, typed as the departure record declares it."""
+    return _typed_frame(departures, record.DEPARTURE_TABLE)
 
 
 # Grouped by _rank, so every rank runs it whole in DuckDB: what a first query needs is then

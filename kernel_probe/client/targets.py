@@ -15,6 +15,7 @@ from pathlib import Path
 from .. import wire
 from ..config import Settings, load_settings, run_id_from, split_run_id
 from ..shell import connfile
+from .alive import root_alive
 from .errors import AuthError, ConnectError, JobEndedError
 
 
@@ -31,11 +32,27 @@ class Target:
     store: str | None = None  # the job's store:// address, when known (for people to copy)
 
 
+def find_token(token: str | None = None, token_env: str | None = None,
+               settings: Settings | None = None) -> str | None:
+    """The token a client signs with: ``token`` as given, else the environment variable
+    named ``token_env`` (``ValueError`` when it is not set), else ``PROBING_AUTH_TOKEN``.
+    None: no token anywhere (a connection file or the job's store may still give the key;
+    a front end may ask its user)."""
+    if token:
+        return token
+    if token_env is not None:
+        value = os.environ.get(token_env)
+        if not value:
+            raise ValueError(f"the environment variable {token_env} is not set")
+        return value
+    return (settings or load_settings()).auth_token
+
+
 def resolve(target: str | os.PathLike | None = None, token: str | None = None,
             settings: Settings | None = None) -> Target:
     """Turn what a user typed into an endpoint and a key; ``ConnectError``/``AuthError`` if it cannot."""
     settings = settings or load_settings()
-    token = token or settings.auth_token
+    token = find_token(token, settings=settings)
     conn: connfile.ConnectionInfo | None = None
     run_id: str | None = None
     key: bytes | None = None
@@ -51,7 +68,7 @@ def resolve(target: str | os.PathLike | None = None, token: str | None = None,
         endpoint = target_s
         if not token:  # a job on this machine: its connection file has the key
             conn = next((c for c in connfile.list_files(settings.runtime_dir)
-                         if c.endpoint == endpoint and connfile.is_alive(c)), None)
+                         if c.endpoint == endpoint and root_alive(c)), None)
     elif target_s.startswith("store://"):
         endpoint, run_id, key = _from_store(target_s, token, settings.discover_timeout_sec)
     else:

@@ -4,8 +4,10 @@ Rules of this package:
 
 - Pure logic: no sockets, no threads, no clock. Every input that depends on time takes
   ``now: float`` (wall-clock seconds) from the caller; the I/O shell feeds these cores.
-- ``liveness`` is the state machine (one transition table), ``registry`` the record per
-  rank with TTLs, departures and deltas, ``backoff`` the heartbeat schedule.
+- ``liveness`` is the state machine (one transition table), ``record`` the one
+  declaration of a member's fields, ``registry`` the record per rank with TTLs,
+  departures and deltas, ``backoff`` the heartbeat schedule. ``view`` (imported by the
+  front ends, not here) is how every front end shows a membership.
 """
 
 from .backoff import Backoff
@@ -20,27 +22,32 @@ from .liveness import (
     LivenessError,
     next_state,
 )
-from .registry import (
+from .record import (
+    DEPARTURE_COLUMNS,
     IDENTITY_FIELDS,
+    MEMBER_COLUMNS,
     MEMBER_FIELDS,
     MEMBERSHIP_FIELDS,
+    REPORT_FIELDS,
     TELEMETRY_FIELDS,
     TIERS,
     VERDICTS,
-    DeltaGapError,
     Departure,
     Member,
-    Registry,
 )
+from .registry import DeltaGapError, Registry
 
 __all__ = [
     "ALIVE",
     "DEAD",
     "DEATH_EVENTS",
+    "DEPARTURE_COLUMNS",
     "EVENTS",
     "IDENTITY_FIELDS",
+    "MEMBER_COLUMNS",
     "MEMBER_FIELDS",
     "MEMBERSHIP_FIELDS",
+    "REPORT_FIELDS",
     "STALLED",
     "STATES",
     "TELEMETRY_FIELDS",

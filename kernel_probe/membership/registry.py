@@ -14,9 +14,9 @@ Rules of this file:
 - A dead member revives only on evidence newer than the time it died.
 - A different incarnation replaces the record (a restarted probe) unless its
   evidence is older than ours; the old one departs with why ``"replaced"``.
-- ``epoch`` counts *membership* changes (any field in ``MEMBERSHIP_FIELDS``);
-  ``version`` counts every change (telemetry too). Each public call bumps each of
-  them at most once, so one call is one atomic step of the snapshot.
+- ``epoch`` counts *membership* changes (any field in ``MEMBERSHIP_FIELDS``); a
+  telemetry change does not move it. Each public call bumps it at most once, so one
+  call is one atomic step of the snapshot.
 - Deltas (``delta_since`` / ``apply_delta``) carry membership down the tree. A
   registry is either a source (``observe``/``mark_dead``/``tick``) or a mirror
   (``apply_delta``), never both; a mirror can serve deltas to its own children.
@@ -26,192 +26,32 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .liveness import ALIVE, DEAD, DEATH_EVENTS, STALLED, STATES, next_state
+from .record import (
+    MEMBERSHIP_FIELDS,
+    TIERS,
+    VERDICTS,
+    Departure,
+    Member,
+    _float,
+    _identity,
+    _int,
+    _mapping,
+    _need,
+    _opt_float,
+    _opt_int,
+    _str,
+)
 
-__all__ = [
-    "TIERS",
-    "VERDICTS",
-    "MEMBER_FIELDS",
-    "IDENTITY_FIELDS",
-    "TELEMETRY_FIELDS",
-    "MEMBERSHIP_FIELDS",
-    "Member",
-    "Departure",
-    "DeltaGapError",
-    "Registry",
-]
-
-TIERS = ("root", "broker", "leaf")
-VERDICTS = ("alive", "dead")
-
-
-# ---------------------------------------------------------------- validation
-
-
-def _need(d: Mapping[str, Any], key: str) -> Any:
-    try:
-        return d[key]
-    except KeyError:
-        raise ValueError(f"missing required key {key!r}") from None
-
-
-def _int(key: str, v: Any, minimum: int | None = 0) -> int:
-    # bool is an int subclass; True as a rank is a bug upstream, not a rank
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{key!r} must be an int, got {v!r}")
-    if minimum is not None and v < minimum:
-        raise ValueError(f"{key!r} must be >= {minimum}, got {v!r}")
-    return v
-
-
-def _float(key: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{key!r} must be a finite number, got {v!r}")
-    return float(v)
-
-
-def _str(key: str, v: Any, *, nonempty: bool = False, choices: tuple[str, ...] = ()) -> str:
-    if not isinstance(v, str):
-        raise ValueError(f"{key!r} must be a str, got {v!r}")
-    if nonempty and not v:
-        raise ValueError(f"{key!r} must not be empty")
-    if choices and v not in choices:
-        raise ValueError(f"{key!r} must be one of {choices}, got {v!r}")
-    return v
-
-
-def _opt_int(key: str, v: Any) -> int | None:
-    return None if v is None else _int(key, v, minimum=None)
-
-
-def _opt_float(key: str, v: Any) -> float | None:
-    return None if v is None else _float(key, v)
-
-
-def _mapping(what: str, d: Any) -> Mapping[str, Any]:
-    if not isinstance(d, Mapping):
-        raise ValueError(f"{what} must be a mapping, got {type(d).__name__}")
-    return d
-
-
-def _identity(d: Mapping[str, Any]) -> dict[str, Any]:
-    """The identity keys shared by reports and member dicts, checked."""
-    out: dict[str, Any] = {
-        "rank": _int("rank", _need(d, "rank")),
-        "world_size": _int("world_size", _need(d, "world_size"), 1),
-        "local_rank": _int("local_rank", _need(d, "local_rank")),
-        "local_world_size": _int("local_world_size", _need(d, "local_world_size"), 1),
-        "node": _int("node", _need(d, "node")),
-        "node_count": _int("node_count", _need(d, "node_count"), 1),
-        "host": _str("host", _need(d, "host")),
-        "endpoint": _str("endpoint", _need(d, "endpoint")),
-        "pid": _int("pid", _need(d, "pid")),
-        "incarnation": _str("incarnation", _need(d, "incarnation"), nonempty=True),
-    }
-    if out["rank"] >= out["world_size"]:
-        raise ValueError(f"rank {out['rank']} outside world_size {out['world_size']}")
-    return out
-
-
-# ---------------------------------------------------------------- records
-
-
-@dataclass
-class Member:
-    """One rank as the membership sees it. Field names are the ``nodes`` table's columns."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node: int
-    node_count: int
-    host: str
-    endpoint: str
-    pid: int
-    role: str
-    incarnation: str
-    state: str
-    last_seen: float
-    since: float
-    step: int | None = None
-    step_time_ms: float | None = None
-    compute_ms: float | None = None  # forward + backward of the latest step (see progress.StepClock)
-    comm_wait_ms: float | None = None  # blocked on gradient all-reduce in the latest step
-    tier: str = "leaf"  # "root" | "broker" | "leaf"
-    reason: str = ""  # "" while live; why it died: "exited", "left", "stale", free text
-    via: int | None = None  # broker that vouched for it; None = heard directly
-
-    def to_dict(self) -> dict[str, Any]:
-        # a field loop, not dataclasses.asdict (10x slower, and this runs per member per push)
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Member:
-        """Build from a dict; optional keys may be missing, bad required ones raise ValueError."""
-        d = _mapping("member", d)
-        kw = _identity(d)
-        kw["role"] = _str("role", d.get("role", ""))
-        kw["state"] = _str("state", _need(d, "state"), choices=STATES)
-        kw["last_seen"] = _float("last_seen", _need(d, "last_seen"))
-        kw["since"] = _float("since", _need(d, "since"))
-        kw["step"] = _opt_int("step", d.get("step"))
-        kw["step_time_ms"] = _opt_float("step_time_ms", d.get("step_time_ms"))
-        kw["compute_ms"] = _opt_float("compute_ms", d.get("compute_ms"))
-        kw["comm_wait_ms"] = _opt_float("comm_wait_ms", d.get("comm_wait_ms"))
-        kw["tier"] = _str("tier", d.get("tier", "leaf"), choices=TIERS)
-        kw["reason"] = _str("reason", d.get("reason", ""))
-        kw["via"] = _opt_int("via", d.get("via"))
-        return cls(**kw)
-
-
-MEMBER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Member))
-# what a report may change about who a rank is
-IDENTITY_FIELDS: tuple[str, ...] = (
-    "world_size", "local_rank", "local_world_size", "node", "node_count",
-    "host", "endpoint", "pid", "role", "incarnation", "tier",
-)  # fmt: skip
-# changes here bump only `version`; everything else is membership and bumps `epoch`
-TELEMETRY_FIELDS: tuple[str, ...] = ("last_seen", "step", "step_time_ms", "compute_ms", "comm_wait_ms")
-MEMBERSHIP_FIELDS: tuple[str, ...] = tuple(f for f in MEMBER_FIELDS if f not in TELEMETRY_FIELDS)
-
+__all__ = ["DeltaGapError", "Registry"]
 
 def _membership(m: Member) -> tuple[Any, ...]:
     return tuple(getattr(m, f) for f in MEMBERSHIP_FIELDS)
-
-
-@dataclass(frozen=True)
-class Departure:
-    """A member that died: kept after its removal so a user can see who left, when and why."""
-
-    rank: int
-    incarnation: str
-    host: str
-    pid: int
-    when: float
-    why: str
-
-    def to_dict(self) -> dict[str, Any]:
-        # a field loop, not dataclasses.asdict (10x slower, and this runs per member per push)
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Departure:
-        d = _mapping("departure", d)
-        return cls(
-            rank=_int("rank", _need(d, "rank")),
-            incarnation=_str("incarnation", _need(d, "incarnation")),
-            host=_str("host", d.get("host", "")),
-            pid=_int("pid", d.get("pid", 0)),
-            when=_float("when", _need(d, "when")),
-            why=_str("why", _need(d, "why")),
-        )
 
 
 @dataclass(frozen=True)
@@ -273,7 +113,6 @@ class Registry:
         _int("departures_kept", departures_kept)
         self.tombstones_kept = _int("tombstones_kept", tombstones_kept)
         self.epoch: int = 0
-        self.version: int = 0
         self._members: dict[int, Member] = {}
         # rank -> epoch of its last membership change, in epoch order (a change re-inserts),
         # so "what changed since e" reads from the end: O(changes), not O(members)
@@ -294,21 +133,15 @@ class Registry:
         self._vouch: dict[int, tuple[int, float]] = {}
         self._departures: deque[Departure] = deque(maxlen=departures_kept)
         self._e0 = 0
-        self._v0 = 0
 
-    # -- one call = one step: epoch and version move at most once per call
+    # -- one call = one step: the epoch moves at most once per call
 
     def _begin(self) -> None:
-        self._e0, self._v0 = self.epoch, self.version
-
-    def _bump_version(self) -> None:
-        if self.version == self._v0:
-            self.version += 1
+        self._e0 = self.epoch
 
     def _bump_epoch(self) -> int:
         if self.epoch == self._e0:
             self.epoch += 1
-        self._bump_version()
         return self.epoch
 
     def _place(self, rank: int, node: int | None) -> None:
@@ -344,8 +177,6 @@ class Registry:
             self._changed_at.pop(new.rank, None)
             self._changed_at[new.rank] = self._bump_epoch()
             self._tombstones.pop(new.rank, None)  # present again: the upsert says it all
-        else:
-            self._bump_version()
 
     def _schedule(self, rank: int, when: float) -> None:
         self._due[rank] = when
@@ -713,6 +544,4 @@ class Registry:
                 self._tombstone(r, epoch)
         self._vouch.clear()  # a mirror never runs TTLs
         self.epoch = epoch
-        if changed:
-            self.version += 1
         return changed

@@ -59,6 +59,8 @@ export interface IMember {
   comm_wait_ms: number | null;
   tier: string | null;
   reason: string | null;
+  /** The broker that vouched for this rank (null: the rank reported itself). */
+  via: number | null;
   // The server's membership view, the same for the CLI, %cluster_nodes and this panel:
   /** step_time_ms / the median over the members that have one (null when unknown). */
   ratio: number | null;

@@ -15,10 +15,11 @@ not alive, its requests say it ended, and when the job is launched again with th
 run id (same job id, ``kernel_probe.jobs``) its client follows it there by itself
 (``kernel_probe.client.follow``), or a new client connects to the new launch.
 
-Relaunches are counted here, not by a client: the server remembers which launch of each
-job it last talked to (run id, root endpoint and pid) and counts one whenever a call
-answers from another launch, so the count and its one-line notice (``restarts``) survive
-the client being replaced in between.
+Each job's life (running, ended, relaunched, gone) is the server's own
+``kernel_probe.client.lifecycle.JobLifecycle``, not a client's: it remembers which launch
+of the job the server last talked to (run id, root endpoint and pid) and counts a
+relaunch whenever a call answers from another launch, so the count and its one-line
+notice (``restarts``) survive the client being replaced in between.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ import dataclasses
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
-
-import psutil
 
 import kernel_probe
 from kernel_probe import AsyncClient, AuthError, ConnectError, Job, JobEndedError, JobRegistry, UnknownJob
+from kernel_probe.client.alive import root_alive
+from kernel_probe.client.lifecycle import GONE, Asked, Ended, JobLifecycle, Seen, Tick
+from kernel_probe.shell import connfile
 
 T = TypeVar("T")
 
@@ -46,40 +49,6 @@ class TimedOut(ConnectError):
     """The job did not answer within the deadline (it may be frozen or far away)."""
 
 
-Launch = tuple[Any, ...]  # what tells one launch of a job from the next: run id, root endpoint, root pid
-
-
-def _launch_of(client: AsyncClient) -> Launch:
-    """The launch ``client`` talks to now (it changes only when the client follows a relaunch)."""
-    pid = client.connection.pid if client.connection is not None else client.info_.get("pid")
-    return (client.run_id, client.endpoint, pid)
-
-
-@dataclasses.dataclass
-class Launches:
-    """A job's launch the server last talked to, and the relaunches it saw since it first met the job."""
-
-    current: Launch
-    restarts: int = 0
-    notice: str | None = None  # the last relaunch's one-line notice
-
-    def saw(self, launch: Launch, client: AsyncClient, followed: int) -> None:
-        """``client`` answered from ``launch``, having followed ``followed`` relaunches since it
-        last said so (none when a new client met the new launch: the old one was dropped)."""
-        if launch == self.current:
-            return
-        self.current = launch
-        self.restarts += max(1, followed)
-        self.notice = client.relaunch_notice(self.restarts)  # the client's own words, the server's count
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 class ClusterClients:
     """The jobs the server knows and a cached client for each (one per server)."""
 
@@ -89,8 +58,7 @@ class ClusterClients:
         self._clients: dict[str, AsyncClient] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._known: dict[str, Job] = {}  # each job asked for, as last seen running
-        self._asked: dict[str, float] = {}  # when each known job was last asked for (monotonic)
-        self._launches: dict[str, Launches] = {}  # per job: the launch last talked to, relaunches seen
+        self._lives: dict[str, JobLifecycle] = {}  # per job asked for: its launch, relaunches, when last asked
 
     @property
     def registry(self) -> JobRegistry:
@@ -112,8 +80,20 @@ class ClusterClients:
                 self.forget(job_id)
         return jobs + waiting
 
+    def _life(self, job_id: str) -> JobLifecycle:
+        life = self._lives.get(job_id)
+        if life is None or life.state == GONE:  # a job forgotten and met again starts afresh
+            life = self._lives[job_id] = JobLifecycle(time.monotonic, forget_after=WAIT_FOR_RELAUNCH_SEC)
+        return life
+
     def _waited_for(self, job_id: str) -> bool:
-        return time.monotonic() - self._asked.get(job_id, 0.0) < WAIT_FOR_RELAUNCH_SEC
+        """``job_id`` is not listed any more (its connection file is gone): is someone still
+        waiting for its relaunch?"""
+        life = self._lives.get(job_id)
+        if life is None:
+            return False
+        life.observe(Ended(f"job {job_id} has ended"))
+        return life.observe(Tick()).state != GONE
 
     async def job(self, job_id: str) -> Job:
         """The job ``job_id`` (``kernel_probe.UnknownJob`` if there is none, nor one that ended
@@ -127,8 +107,8 @@ class ClusterClients:
 
     def restarts(self, job_id: str) -> tuple[int, str | None]:
         """How many relaunches of ``job_id`` the server saw, and the last one's notice."""
-        seen = self._launches.get(job_id)
-        return (seen.restarts, seen.notice) if seen is not None else (0, None)
+        life = self._lives.get(job_id)
+        return (life.restarts, life.notice) if life is not None else (0, None)
 
     async def add(self, target: str, token: str | None, timeout: float) -> Job:
         """Add a job by address (handshake on the pool); its token stays in this process."""
@@ -163,7 +143,8 @@ class ClusterClients:
         Raises ``UnknownJob``, ``JobEndedError``, ``TimedOut``, ``ConnectError``, ``AuthError``,
         ``QueryFailed`` (all ``ProbeError``)."""
         job = await self.job(job_id)
-        self._asked[job.id] = time.monotonic()
+        life = self._life(job.id)
+        life.observe(Asked())
         if job.alive is not False:
             self._known[job.id] = job
 
@@ -177,7 +158,8 @@ class ClusterClients:
 
         try:
             return await self._watched(job, run(), timeout * 2 + SLACK_SEC)  # a handshake, then the request
-        except JobEndedError:
+        except JobEndedError as exc:
+            life.observe(Ended(str(exc)))
             raise  # the client stays: it follows the job when it is launched again
         except AuthError:
             self.drop(job.id)
@@ -195,12 +177,8 @@ class ClusterClients:
         followed = 0
         while client.take_notice() is not None:  # it followed the job to a new launch
             followed += 1
-        launch = _launch_of(client)
-        seen = self._launches.get(job_id)
-        if seen is None:
-            self._launches[job_id] = Launches(launch)
-        else:
-            seen.saw(launch, client, followed)
+        # none followed, yet another launch: a new client met it (the old one was dropped)
+        self._life(job_id).observe(Seen(client.launch, followed))
 
     @staticmethod
     def _ended(job: Job) -> JobEndedError:
@@ -232,7 +210,13 @@ class ClusterClients:
 
     @staticmethod
     async def _root_exit(job: Job) -> None:
-        while _pid_alive(int(job.pid or 0)):
+        try:
+            conn: connfile.ConnectionInfo | None = connfile.read(Path(job.target))
+        except (OSError, ValueError):
+            conn = None  # removed meanwhile: the pid alone says
+        if conn is not None and conn.pid != job.pid:
+            conn = None
+        while root_alive(conn, job.pid):
             await asyncio.sleep(ROOT_WATCH_SEC)
 
     def drop(self, job_id: str) -> None:
@@ -246,7 +230,7 @@ class ClusterClients:
     def forget(self, job_id: str) -> None:
         """Drop the client of ``job_id`` and everything the server knew of the job."""
         self.drop(job_id)
-        for state in (self._known, self._asked, self._launches):
+        for state in (self._known, self._lives):
             state.pop(job_id, None)
 
     def cached(self) -> list[str]:

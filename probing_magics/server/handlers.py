@@ -21,7 +21,8 @@ from jupyter_server.utils import url_path_join
 
 import kernel_probe
 from kernel_probe.client import ANSWER_GRACE
-from kernel_probe.summaries import group_stacks, parse_ranks, stacks_sql, stall_suspects
+from kernel_probe.membership.view import membership_view
+from kernel_probe.summaries import group_stacks, parse_ranks, stacks_sql
 
 from .. import __version__
 from .clients import ClusterClients, TimedOut
@@ -207,12 +208,13 @@ class NodesHandler(ProbingHandler):
             return await client.nodes_raw(timeout), dict(client.info_)
 
         raw, info = await self.clients.call(job_id, nodes, timeout)
-        members = raw.get("members") or []
+        now = time.time()
+        view = membership_view(raw.get("members") or [], now)  # the members with ratio, bar, slow, age
         restarts, notice = self.clients.restarts(job_id)  # relaunches the server saw (same job id)
         self.reply(json_safe({
             "job_id": job_id, "run_id": info.get("run_id"), "world_size": info.get("world_size"), "info": info,
-            "epoch": raw.get("epoch"), "members": members, "departures": raw.get("departures") or [],
-            "suspects": [s.to_dict() for s in stall_suspects(members)], "now": time.time(),
+            "epoch": raw.get("epoch"), "members": list(view.members), "departures": raw.get("departures") or [],
+            "suspects": [s.to_dict() for s in view.suspects], "now": now,
             "restarts": restarts, "restart_notice": notice,
         }))
 

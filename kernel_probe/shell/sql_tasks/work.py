@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
-from ... import wire
 from ...membership import ALIVE, STALLED
 from ...query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlTask, Warm
 from ...tables.arrow_ipc import ipc_to_table, table_to_ipc
@@ -516,15 +515,13 @@ def nodes_arrow(rows: list[dict]):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    types = {"last_seen": pa.float64(), "since": pa.float64(), "step": pa.int64(), "step_time_ms": pa.float64(),
-             "compute_ms": pa.float64(), "comm_wait_ms": pa.float64(),
-             "host": pa.string(), "endpoint": pa.string(), "role": pa.string(), "incarnation": pa.string(),
-             "state": pa.string(), "tier": pa.string(), "reason": pa.string()}
-    schema = pa.schema([(c, types.get(c, pa.int64())) for c in wire.MEMBER_COLUMNS])
+    from ...membership.record import EPOCH_SECONDS, NODE_COLUMNS
+
+    schema = pa.schema([(c.name, getattr(pa, c.arrow_type)()) for c in NODE_COLUMNS])
     table = pa.Table.from_arrays([array([r.get(f.name) for r in rows], f.type) for f in schema], schema=schema)
     # users read times as timestamps, as in connect().nodes()
     million = scalar(1e6, pa.float64())
-    for col in ("last_seen", "since"):
+    for col in (c.name for c in NODE_COLUMNS if c.unit == EPOCH_SECONDS):
         i = table.schema.get_field_index(col)
         seconds = table.column(col)
         micros = pc.cast(pc.floor(pc.multiply(seconds, million)), pa.int64())

@@ -47,6 +47,7 @@ function member(rank: number, node: number, extra: Partial<IMember> = {}): IMemb
     comm_wait_ms: 50,
     tier: 'leaf',
     reason: null,
+    via: null,
     ratio: 1,
     bar: 0.5,
     slow: false,
