@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kernel_probe  # noqa: E402
-from kernel_probe.testing.harness import LocalJob  # noqa: E402
+from tests.support.harness import LocalJob  # noqa: E402
 
 WORKER = str(ROOT / "tests" / "workers" / "worker.py")
 SQL = "SELECT _rank, count(*) AS frames FROM stacks WHERE is_main GROUP BY _rank"

@@ -41,11 +41,12 @@ sys.path.insert(0, str(ROOT))
 
 import kernel_probe  # noqa: E402
 from kernel_probe.sql.engine import _TIDY_AFTER_S  # noqa: E402
-from kernel_probe.testing.gen import ask_every_mode  # noqa: E402
-from kernel_probe.testing.harness import LocalJob  # noqa: E402
+from tests.support import TINY_DDP  # noqa: E402
+from tests.support.gen import ask_every_mode  # noqa: E402
+from tests.support.harness import LocalJob  # noqa: E402
 
 WORKER = str(ROOT / "tests" / "workers" / "worker.py")
-JOBS = {"idle": [WORKER], "ddp": ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.5"]}
+JOBS = {"idle": [WORKER], "ddp": [TINY_DDP, "--forever", "--step-sleep", "0.5"]}
 
 
 def pss_mb(pids: dict[int, int]) -> list[float]:

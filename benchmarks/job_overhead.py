@@ -147,7 +147,7 @@ def main() -> int:
     if args.worker is not None:
         return worker(args.worker)
 
-    from kernel_probe.testing.harness import LocalJob
+    from tests.support.harness import LocalJob
 
     jobs, outs, querier = {}, {}, None
     try:

@@ -26,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernel_probe  # noqa: E402
 from kernel_probe.client import Client  # noqa: E402
-from kernel_probe.testing.harness import LocalJob  # noqa: E402
+from tests.support.harness import LocalJob  # noqa: E402
+from tests.support import IDLE_WORKER  # noqa: E402
 
-IDLE = ["-m", "kernel_probe.testing.idle_worker"]
+IDLE = [IDLE_WORKER]
 # an idle rank of a real job has torch loaded already: compare like with like
 TORCH_IDLE = ["-c", "import time, torch; time.sleep(3600)"]
 

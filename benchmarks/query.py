@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kernel_probe  # noqa: E402
-from kernel_probe.testing.harness import LocalJob  # noqa: E402
+from tests.support.harness import LocalJob  # noqa: E402
 
 PUSHED = "SELECT g, count(*) AS n, avg(x) AS a FROM big GROUP BY g ORDER BY g"
 SHIPPED = "SELECT g, count(*) AS n, avg(x) AS a FROM (SELECT g, x FROM big) AS b GROUP BY g ORDER BY g"

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kernel_probe  # noqa: E402
-from kernel_probe.testing.harness import LocalJob  # noqa: E402
+from tests.support.harness import LocalJob  # noqa: E402
 
 TABLES = str(ROOT / "tests" / "workers" / "tables_worker.py")
 ROWS = 10_000

@@ -17,11 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-import kernel_probe
-from kernel_probe.cli import format_nodes
-from kernel_probe.summaries import format_stacks, group_stacks, stacks_sql
-from kernel_probe.client import ProbeError
-from kernel_probe.testing.harness import LocalJob
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: its tests' job launcher
+
+import kernel_probe  # noqa: E402
+from kernel_probe.cli import format_nodes  # noqa: E402
+from kernel_probe.summaries import format_stacks, group_stacks, stacks_sql  # noqa: E402
+from kernel_probe.client import ProbeError  # noqa: E402
+from tests.support import TINY_DDP  # noqa: E402
+from tests.support.harness import LocalJob  # noqa: E402
 
 
 DEMO_QUERIES = [
@@ -107,7 +110,7 @@ def run_notebook(name: str) -> int:
 
 def hang_demo() -> int:
     """The demo job with rank 3 hung in its data loader, kept running for diagnose_hang.ipynb."""
-    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2", "--log-metrics",
+    argv = [TINY_DDP, "--forever", "--step-sleep", "0.2", "--log-metrics",
             "--hang-rank", "3", "--hang-after", "20"]
     env = {"PROBING": "1", "PROBING_ROLE": "trainer", "PROBING_CLUSTER_STALL_SEC": "5",
            "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "2"}
@@ -148,7 +151,7 @@ def main() -> int:
         except KeyboardInterrupt:  # before the job was up: LocalJob has already stopped it
             say("\nstopped")
             return 130
-    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2", "--log-metrics",
+    argv = [TINY_DDP, "--forever", "--step-sleep", "0.2", "--log-metrics",
             "--slow-rank", "2", "--slow-ms", "60"]
     say("Starting the bundled training job: 2 nodes x 2 ranks (two torchrun invocations, c10d), PROBING=1")
     with LocalJob(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "1", "PROBING_ROLE": "trainer"}) as job:

@@ -14,12 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-import kernel_probe
-from kernel_probe.client import ProbeError
-from kernel_probe.testing.harness import LocalJob
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: its tests' job launcher
+
+import kernel_probe  # noqa: E402
+from kernel_probe.client import ProbeError  # noqa: E402
+from tests.support import TINY_DDP  # noqa: E402
+from tests.support.harness import LocalJob  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-JOB = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2", "--log-metrics"]
+JOB = [TINY_DDP, "--forever", "--step-sleep", "0.2", "--log-metrics"]
 
 
 def _stop(signum: int, frame: object) -> None:

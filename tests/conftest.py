@@ -32,7 +32,7 @@ def runtime_dir(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def launch(runtime_dir, tmp_path):
     """launch(argv, nodes=, ranks_per_node=, mode=, env=) -> a started LocalJob, closed at teardown."""
-    from kernel_probe.testing.harness import LocalJob
+    from tests.support.harness import LocalJob
 
     jobs = []
 

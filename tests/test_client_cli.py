@@ -131,7 +131,7 @@ def test_pth_hook_costs_nothing_without_probing():
 
 
 def test_explicit_endpoints_without_a_store_and_file_removed_at_exit(runtime_dir):
-    from kernel_probe.testing.harness import free_port
+    from tests.support.harness import free_port
 
     port = free_port()
     base = {**os.environ, "PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime_dir), "WORLD_SIZE": "2",

@@ -25,7 +25,7 @@ SLOW_SEC = 4.0
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """2 ranks; reading `slow` blocks rank 1 for SLOW_SEC seconds."""
-    from kernel_probe.testing.harness import LocalJob
+    from tests.support.harness import LocalJob
 
     runtime = tmp_path_factory.mktemp("runtime")
     mp = pytest.MonkeyPatch()

@@ -18,6 +18,7 @@ from kernel_probe.client import AuthError, Client, ConnectError, JobEndedError
 from kernel_probe.shell import connfile
 
 from .conftest import wait_for, worker_argv
+from tests.support import TINY_DDP
 
 pytestmark = pytest.mark.cluster
 
@@ -246,7 +247,7 @@ def _losses(job) -> dict[tuple[int, int], str]:
 
 
 def test_probe_does_not_change_training(launch, runtime_dir):
-    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--steps", "6", "--step-sleep", "0.3"]
+    argv = [TINY_DDP, "--steps", "6", "--step-sleep", "0.3"]
     plain = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "0"})
     assert plain.wait(180) == [0, 0]
     probed = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "1"})

@@ -2,7 +2,7 @@
 
 Rules of this file:
 
-- A simulated job (``kernel_probe.testing.differential.SimCluster``): 6 virtual ranks on
+- A simulated job (``tests.support.differential.SimCluster``): 6 virtual ranks on
   3 nodes, each a real ``RankCore`` driven by the same effect interpreter as the probe
   thread, placed through the simulated store, running the real SQL tasks; every plan and
   partial crosses the wire as on a real job. The same queries run over a real job in
@@ -31,9 +31,9 @@ import pytest
 from kernel_probe.sql.engine import Engine, QueryError
 from kernel_probe.sql.execute import finish, merge
 from kernel_probe.sql.planner import plan
-from kernel_probe.testing.differential import (Oracle, SimCluster, SimQueryError, assert_same, rows,
+from tests.support.differential import (Oracle, SimCluster, SimQueryError, assert_same, rows,
                                                top_level_order)
-from kernel_probe.testing.gen import GenQuery, VRank, generate_queries, make_ranks, nodes_table, tricky_queries
+from tests.support.gen import GenQuery, VRank, generate_queries, make_ranks, nodes_table, tricky_queries
 
 N_GENERATED = 300
 PER_NODE = 2

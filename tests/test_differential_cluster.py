@@ -12,9 +12,9 @@ import pytest
 
 import kernel_probe
 from kernel_probe.sql.engine import Engine
-from kernel_probe.testing.differential import Oracle, assert_same, top_level_order
-from kernel_probe.testing.gen import generate_queries, make_ranks, tricky_queries
-from kernel_probe.testing.harness import LocalJob
+from tests.support.differential import Oracle, assert_same, top_level_order
+from tests.support.gen import generate_queries, make_ranks, tricky_queries
+from tests.support.harness import LocalJob
 
 from .conftest import wait_for
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import kernel_probe
-from kernel_probe.testing.gen import ask_every_mode
+from tests.support.gen import ask_every_mode
 
 from .conftest import engine_processes, wait_for
 

@@ -20,7 +20,7 @@ import pytest
 
 import kernel_probe
 from kernel_probe.sql import engine
-from kernel_probe.testing.gen import ask_every_mode
+from tests.support.gen import ask_every_mode
 
 from .conftest import engine_processes, wait_for
 

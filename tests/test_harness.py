@@ -16,11 +16,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kernel_probe.testing.harness import LocalJob, free_port
+from tests.support.harness import LocalJob, free_port
+from tests.support import IDLE_WORKER, TINY_DDP
 
 pytestmark = pytest.mark.cluster
 
-IDLE = ["-m", "kernel_probe.testing.idle_worker", "--seconds", "120"]
+IDLE = [IDLE_WORKER, "--seconds", "120"]
 LOSS_RE = re.compile(r"^rank (\d+) step (\d+) loss (\S+)$", re.M)
 
 
@@ -141,7 +142,7 @@ def test_torchrun_mode_membership_freeze_thaw(tmp_path: Path) -> None:
 
 
 def _tiny_ddp_losses(workdir: Path) -> dict[int, list[tuple[int, str]]]:
-    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--steps", "5", "--step-sleep", "0"]
+    argv = [TINY_DDP, "--steps", "5", "--step-sleep", "0"]
     with LocalJob(argv, nodes=2, ranks_per_node=2, mode="torchrun", workdir=workdir) as job:
         try:
             codes = job.wait(timeout=90)
@@ -168,7 +169,7 @@ def test_torchrun_tiny_ddp_deterministic(tmp_path: Path) -> None:
 
 def test_tiny_ddp_forever_stops_together_on_sigterm(tmp_path: Path) -> None:
     """--forever: SIGTERM to one rank stops all ranks after the same step, exit 0 (demo path)."""
-    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.05"]
+    argv = [TINY_DDP, "--forever", "--step-sleep", "0.05"]
     job = LocalJob(argv, nodes=1, ranks_per_node=2, mode="plain", workdir=tmp_path)
     try:
         job.start()

@@ -26,7 +26,7 @@ from kernel_probe.effects import PARENT, Send
 from kernel_probe.interpreter import EffectInterpreter
 from kernel_probe.shell import endpoint
 from kernel_probe.shell.endpoint import MAX_BATCH, REFUSALS_PER_SEC, MemoryTrim, RankEndpoint, RefusalLimit
-from kernel_probe.testing.hostile import HostilePeer
+from tests.support.hostile import HostilePeer
 
 from .conftest import wait_for
 

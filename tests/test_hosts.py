@@ -13,10 +13,12 @@ import time
 
 import pytest
 
-from kernel_probe.testing.harness import LocalJob
-from kernel_probe.testing.netns import Hosts, NetnsError
+from tests.support.harness import LocalJob
+from tests.support import REPO
+from tests.support.netns import Hosts, NetnsError
 
 from .conftest import wait_for
+from tests.support import IDLE_WORKER
 
 pytestmark = pytest.mark.cluster
 HOSTS, PER_HOST = 3, 2
@@ -33,11 +35,12 @@ RUN_ID = "three-hosts"
 
 
 class Watcher:
-    """``kernel_probe.testing.netns watch`` on one host: JSON lines collected on a thread."""
+    """``tests.support.netns watch`` on one host: JSON lines collected on a thread."""
 
     def __init__(self, net: Hosts, host: int, target: str | None, *args: str, runtime=None) -> None:
-        argv = [sys.executable, "-m", "kernel_probe.testing.netns", "watch", target or "", *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "-m", "tests.support.netns", "watch", target or "", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}  # finds tests.support
         if runtime is not None:
             env["PROBING_RUNTIME_DIR"] = str(runtime)
         self.proc = net.popen(host, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -88,7 +91,7 @@ def cluster(tmp_path_factory):
         pytest.fail(f"cannot create network namespaces: {exc}", pytrace=False)
     job = None
     try:
-        job = LocalJob(["-m", "kernel_probe.testing.idle_worker"], nodes=HOSTS, ranks_per_node=PER_HOST,
+        job = LocalJob([IDLE_WORKER], nodes=HOSTS, ranks_per_node=PER_HOST,
                        mode="torchrun", run_id=RUN_ID, rdzv_port=RDZV_PORT, rdzv_host=net.addr(0),
                        env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), **FAST},
                        workdir=tmp_path_factory.mktemp("job"), grace=5,

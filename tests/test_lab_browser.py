@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from kernel_probe.testing.harness import LocalJob, free_port
+from tests.support.harness import LocalJob, free_port
 
 from .conftest import wait_for
+from tests.support import TINY_DDP
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,7 +158,7 @@ STALL = str(Path(__file__).parent / "workers" / "stall_worker.py")
 # training, so steps and step-time bars show. Under the prefix: ranks whose main threads make no
 # progress (no torch: they start in seconds); after PROBING_CLUSTER_STALL_SEC all are stalled and
 # rank 3, stuck where the others are not, is the suspect.
-VARIANTS = [("root", "/", ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2"], "tiny_ddp.py"),
+VARIANTS = [("root", "/", [TINY_DDP, "--forever", "--step-sleep", "0.2"], "tiny_ddp.py"),
             ("base_url", "/prefix/", [STALL, "--odd-rank", "3"], "stall_worker.py")]
 
 

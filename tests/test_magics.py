@@ -18,7 +18,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import kernel_probe
-from kernel_probe.testing.harness import LocalJob
+from tests.support.harness import LocalJob
 from probing_magics.display import ClusterError, ClusterFrame, ExplainText, StacksView
 
 from .conftest import wait_for, worker_argv

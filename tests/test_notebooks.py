@@ -14,10 +14,11 @@ from nbclient import NotebookClient
 import kernel_probe
 
 from .conftest import wait_for
+from tests.support import TINY_DDP
 
 pytestmark = pytest.mark.cluster
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-DDP = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.2", "--log-metrics",
+DDP = [TINY_DDP, "--forever", "--step-sleep", "0.2", "--log-metrics",
        "--slow-rank", "2", "--slow-ms", "60"]
 FAST = {"PROBING_ROLE": "trainer", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "1", "PROBING_CLUSTER_REPORT_BACKOFF": "0",
         "PROBING_MEMORY_SAMPLE_SEC": "1", "PROBING_SAMPLE_INTERVAL_SEC": "0.5"}

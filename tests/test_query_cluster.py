@@ -14,6 +14,7 @@ import kernel_probe
 from kernel_probe.client import QueryFailed
 
 from .conftest import wait_for
+from tests.support import TINY_DDP
 
 pytestmark = pytest.mark.cluster
 TABLES = str(Path(__file__).parent / "workers" / "tables_worker.py")
@@ -35,7 +36,7 @@ def ready_root(world: int, timeout: float = 90):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """2 nodes x 2 ranks, 100k rows of `big` per rank, a `slow` table that blocks on rank 1."""
-    from kernel_probe.testing.harness import LocalJob
+    from tests.support.harness import LocalJob
 
     runtime = tmp_path_factory.mktemp("runtime")
     mp = pytest.MonkeyPatch()
@@ -176,7 +177,7 @@ def test_dead_rank_is_reported_not_waited_for(job):
 
 
 def test_steps_and_stacks_of_an_unmodified_ddp_job(launch):
-    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.1"]
+    argv = [TINY_DDP, "--forever", "--step-sleep", "0.1"]
     launch(argv, nodes=2, ranks_per_node=2, mode="torchrun")
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
 

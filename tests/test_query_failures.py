@@ -30,7 +30,7 @@ SLACK = 0.3  # client-side overhead on top of the query's own deadline
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    from kernel_probe.testing.harness import LocalJob
+    from tests.support.harness import LocalJob
 
     runtime = tmp_path_factory.mktemp("runtime")
     mp = pytest.MonkeyPatch()

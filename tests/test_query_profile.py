@@ -4,8 +4,8 @@ and what a child's malformed profile costs: its details, never the answer."""
 from __future__ import annotations
 
 from kernel_probe.query_fanout import HopTiming
-from kernel_probe.testing.differential import SimCluster
-from kernel_probe.testing.gen import make_ranks
+from tests.support.differential import SimCluster
+from tests.support.gen import make_ranks
 
 
 def test_profile_covers_every_rank_hop_and_merge() -> None:

@@ -16,14 +16,15 @@ import pytest
 
 import kernel_probe
 from kernel_probe.client import JobEndedError
-from kernel_probe.testing.harness import LocalJob, free_port
+from tests.support.harness import LocalJob, free_port
 
 from .conftest import wait_for
+from tests.support import IDLE_WORKER
 
 pytestmark = pytest.mark.cluster
 FAST = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
         "PROBING_SAMPLE_INTERVAL_SEC": "0.25", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "0.5"}
-WORKER = ["-m", "kernel_probe.testing.idle_worker"]
+WORKER = [IDLE_WORKER]
 
 
 def launch(run_id: str, rdzv_port: int, runtime_dir, workdir) -> LocalJob:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import kernel_probe
-from kernel_probe.testing.harness import LocalJob
+from tests.support.harness import LocalJob
 from probing_magics.server import STATE_KEY, schema
 from probing_magics.server.schema import json_type
 

@@ -227,8 +227,8 @@ def test_tables_shipped_with_malformed_tags_fail_that_rank_with_a_clear_error() 
 
 def test_the_profile_says_which_ranks_were_scanned_by_their_broker() -> None:
     from kernel_probe.client.results import format_profile
-    from kernel_probe.testing.differential import SimCluster
-    from kernel_probe.testing.gen import make_ranks
+    from tests.support.differential import SimCluster
+    from tests.support.gen import make_ranks
 
     sim = SimCluster(make_ranks(seed=7), 2)  # 3 nodes x 2: leaves 1, 3, 5 under 0, 2, 4
     coverage, _ = sim.query("SELECT g, stddev(x) AS sd FROM t GROUP BY g")  # stddev: a DuckDB pass on every rank

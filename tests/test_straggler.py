@@ -8,6 +8,7 @@ import pytest
 import kernel_probe
 
 from .conftest import wait_for
+from tests.support import TINY_DDP
 
 pytestmark = pytest.mark.cluster
 SLOW_RANK, SLOW_MS = 2, 150
@@ -24,7 +25,7 @@ GROUP BY _rank ORDER BY compute_ms DESC
 
 
 def test_phases_name_the_straggler_that_step_times_hide(launch):
-    argv = ["-m", "kernel_probe.testing.tiny_ddp", "--forever", "--step-sleep", "0.05",
+    argv = [TINY_DDP, "--forever", "--step-sleep", "0.05",
             "--slow-rank", str(SLOW_RANK), "--slow-ms", str(SLOW_MS)]
     launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25"})
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")

@@ -83,6 +83,11 @@ def test_wheel_has_the_prebuilt_panel_and_the_server_config(wheel):
     assert install["packageName"] == "probing-magics"
     assert "probing_magics/server/handlers.py" in names and "kernel_probe/__init__.py" in names
     assert not [n for n in names if "node_modules" in n or n.endswith((".ts", ".tsx"))]
+    # test helpers (a launcher, a hostile peer, a namespace builder) stay in the repository; the
+    # simulators stay public
+    assert {n for n in names if n.startswith("kernel_probe/testing/")} == {
+        "kernel_probe/testing/__init__.py", "kernel_probe/testing/sim.py", "kernel_probe/testing/vhost.py"}
+    assert not [n for n in names if n.startswith("tests/")]
 
 
 def test_installed_wheel_is_enabled_and_ok_without_node(wheel, tmp_path):

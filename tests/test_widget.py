@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import kernel_probe
-from kernel_probe.testing.harness import LocalJob
+from tests.support.harness import LocalJob
 from probing_magics.widget import THREAD_PREFIX, NodesView
 
 from .conftest import wait_for

@@ -2,12 +2,14 @@
 
 --rows N: `big` gets N rows (id, g = id % 10, x) on every rank.
 --slow-rank R: on rank R, the table `slow` blocks for --slow-sec seconds whenever it is read.
---gen SEED: also register the differential-test tables of kernel_probe.testing.gen for this rank.
+--gen SEED: also register the differential-test tables of tests.support.gen for this rank.
 """
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import kernel_probe
 
@@ -38,7 +40,8 @@ def main() -> None:
     kernel_probe.table("slow", slow)
     kernel_probe.table("fast", [{"rank": rank, "v": 2}])
     if args.gen is not None:  # the differential test's data for this rank, and its role
-        from kernel_probe.testing.gen import make_ranks
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.support
+        from tests.support.gen import make_ranks
 
         mine = make_ranks(args.gen, nodes=args.nodes, per_node=world // args.nodes)[rank]
         for name, table in mine.tables.items():

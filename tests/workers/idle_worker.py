@@ -1,6 +1,6 @@
 """A worker that does nothing, cheaply: for membership tests that need many ranks fast.
 
-``python -m kernel_probe.testing.idle_worker [--seconds S]`` prints
+``python tests/workers/idle_worker.py [--seconds S]`` prints
 ``ready rank=<RANK> pid=<pid>`` and then sleeps until ``S`` seconds have passed or
 SIGTERM/SIGINT arrives; it exits 0 either way. It imports nothing heavy (no torch),
 so a whole simulated cluster of them starts in well under a second.

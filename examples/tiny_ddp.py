@@ -1,6 +1,6 @@
 """A tiny, deterministic CPU training job: the workload the probe is tested against.
 
-Run it as ``python -m kernel_probe.testing.tiny_ddp`` (single process) or under
+Run it as ``python examples/tiny_ddp.py`` (single process) or under
 torchrun (by module or by path). It is deliberately an ordinary training script:
 it contains no probe code (only ``--log-metrics`` adds one ``kernel_probe.log`` call,
 the way a user records a metric); the probe attaches from outside (``PROBING=1``

@@ -17,7 +17,7 @@ address on both hosts: only traffic between those two stops. ``close()`` deletes
 namespace (and with them the veths); namespaces left by a crashed earlier run (their
 creator's pid is gone) are deleted on the next start.
 
-``python -m kernel_probe.testing.netns watch TARGET ...`` is the client the tests run
+``python -m tests.support.netns watch TARGET ...`` is the client the tests run
 inside a namespace: it prints one JSON line per ``nodes()`` poll and per query.
 """
 
@@ -229,7 +229,7 @@ def watch(target: str, poll: float, query_every: float, sql: str, query_timeout:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernel_probe.testing.netns")
+    p = argparse.ArgumentParser(prog="python -m tests.support.netns")
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("watch", help="poll a job and print JSON lines")
     w.add_argument("target")

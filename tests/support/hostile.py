@@ -24,7 +24,7 @@ from typing import Callable
 
 import zmq
 
-from .. import wire
+from kernel_probe import wire
 
 __all__ = ["HostilePeer", "expected_reason"]
 

@@ -74,7 +74,7 @@ class LocalJob:
     """A job of ``nodes`` x ``ranks_per_node`` worker processes on this machine.
 
     ``argv`` is the worker command after the interpreter, e.g.
-    ``["-m", "kernel_probe.testing.idle_worker"]`` or ``["path/to/train.py", "--steps", "5"]``.
+    ``["tests/workers/idle_worker.py"]`` or ``["path/to/train.py", "--steps", "5"]``.
     ``env`` is merged over ``os.environ`` for the workers (and the torchrun agents).
 
     Use as a context manager; :meth:`close` leaves no process behind.

@@ -29,8 +29,8 @@ class Oracle:
     def run(self, sql: str, *, per_rank: bool = False, params: dict | None = None) -> Any:
         import pyarrow as pa
 
-        from ..sql.engine import QueryError
-        from ..sql.execute import tagged
+        from kernel_probe.sql.engine import QueryError
+        from kernel_probe.sql.execute import tagged
 
         sql = re.sub(r"\bcluster\.", "", sql)  # the oracle's tables have flat names
         if per_rank:
@@ -73,8 +73,8 @@ class SimCluster:
     def __init__(self, ranks: list[VRank], per_node: int, *, root_catalog: bool = True,
                  merge_above_rows: int | None = None, arrow_scans: bool = True,
                  ship_plain: bool | None = None) -> None:
-        from ..shell.sql_tasks import TaskOptions, nodes_arrow
-        from .sim import Simulation, SimTables
+        from kernel_probe.shell.sql_tasks import TaskOptions, nodes_arrow
+        from kernel_probe.testing.sim import Simulation, SimTables
 
         nodes = len(ranks) // per_node
         by_rank = {r.rank: r for r in ranks}
@@ -105,7 +105,7 @@ class SimCluster:
     def query(self, sql: str, *, per_rank: bool = False, params: dict | None = None,
               timeout: float = 30.0) -> tuple[dict, Any]:
         """(coverage, Arrow table); ``SimQueryError`` when the root refuses or fails."""
-        from ..tables import arrow_ipc
+        from kernel_probe.tables import arrow_ipc
 
         env = self.sim.query(sql, timeout=timeout, per_rank=per_rank, params=params)
         body = env.msg.body
