@@ -1,4 +1,4 @@
-"""``kernel-probe``: the command line, mirroring the seed's entry points.
+"""``kernel-probe``: the command line.
 
     kernel-probe list [--prune]              jobs (their roots) on this machine
     kernel-probe -t TARGET nodes [--watch S] the membership table (again every S s, following relaunches)

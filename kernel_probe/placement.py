@@ -6,7 +6,7 @@ Rules of this file:
   (``on_store_result``), store steps go out as ``StoreOp`` effects, decisions as
   ``Place``; the rank core applies them. The real shell runs the steps against the
   job's TCPStore (``shell/discovery.py``), the simulator against a dictionary.
-- The election, as the seed describes it: global rank 0 is the root (it publishes
+- The election: global rank 0 is the root (it publishes
   itself); each node's broker is whoever wins ``compare_set`` on the node's key. Local
   rank 0 runs at once; any other rank first reads, and runs itself only after
   ``discover_timeout`` without a winner (with ``--virtual-local-rank`` every worker has

@@ -54,7 +54,7 @@ class Backoff:
         self.enabled = bool(enabled)
         self.retry_base = _positive("retry_base", retry_base)
         self.retry_max = _positive("retry_max", retry_max)
-        # The seed's formula, STALE - STALE/4 - 1, in integer quarters: 25 -> 18.
+        # STALE - STALE/4 - 1 in integer quarters (25 -> 18): a report always lands before one TTL.
         # The floor of 0.1 keeps a tiny stale value from producing a busy loop.
         self.cap: float = max(0.1, min(self.max_interval, self.stale - self.stale // 4 - 1))
         self._current = self.base

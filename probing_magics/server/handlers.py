@@ -1,4 +1,4 @@
-"""The routes under ``<base_url>/probing/api/`` (DESIGN.md section 7).
+"""The routes under ``<base_url>/probing/api/`` (the README's route table).
 
 Every handler is a jupyter_server ``APIHandler``: authenticated (token, cookie + XSRF)
 and authorized (resource ``probing``; GET is "read", the rest "write"). Answers are

@@ -7,7 +7,7 @@ Rules of this file:
   travels down the tree; ``execute.py`` carries it out at every hop.
 - sqlglot is imported on first use (``_sqlglot``), never at module level: a rank that
   only decodes a plan (``Plan.from_dict``) does not pay for it.
-- The meaning of a cluster query is DESIGN.md section 5: every table name is the union,
+- The meaning of a cluster query: every table name is the union,
   over the targeted ranks, of that rank's table with the tag columns ``TAGS`` appended;
   ``nodes`` / ``cluster.nodes`` is the root's registry (no tags) and is only ever read at
   the root. The answer must equal DuckDB's on that union.

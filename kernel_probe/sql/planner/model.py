@@ -78,7 +78,7 @@ def _needs(value: Any) -> dict[str, tuple[str, ...]]:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a cluster query runs; see the module docstring and DESIGN.md section 5.
+    """How a cluster query runs; see the planner package's docstring for what each mode keeps.
 
     ``prune``: SQL over ``_tags`` (columns ``TAGS``, one row per live rank) returning the
     ``_rank`` values to target, or None for all ranks. ``shape``: the name of a scan whose
