@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -47,6 +48,10 @@ def start(wait: float = 0.0) -> "ProbeThread":
             _probe = ProbeThread(settings, load_identity(settings=settings))
             claim_probe()  # children inherit it: a subprocess never starts a second probe
             _probe.start()
+            if settings.dump:  # what this rank knew, written if it ends abnormally
+                from .postmortem import install
+
+                install(settings, _probe.identity, probe)
             if _role is not None:
                 _probe.submit(("role", _role))
         probe_ = _probe
@@ -62,6 +67,9 @@ def stop() -> None:
         probe_, _probe = _probe, None
     if probe_ is not None:
         probe_.stop()
+    dumps = sys.modules.get(__name__ + ".postmortem")
+    if dumps is not None:
+        dumps.uninstall()
 
 
 def probe() -> "ProbeThread | None":
