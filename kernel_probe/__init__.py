@@ -120,8 +120,8 @@ def table(name: str, data: Any) -> None:
 def connect(target: str | os.PathLike | None = None, token: str | None = None, timeout: float = 5.0,
             warm: bool = True) -> "Client":
     """A client of a running job: ``tcp://host:port``, a connection file, ``store://host:port[/run_id]``,
-    or None for the newest job on this machine. ``warm``: return once every rank can answer a
-    query at once (up to 3 s on a job never queried; ``False`` for membership only)."""
+    or None for the newest job on this machine; ``dump://DIR``: an ended job's dumps. ``warm``:
+    return once every rank can answer a query at once (up to 3 s on a job never queried; ``False`` for membership only)."""
     from .client import connect as _connect
 
     return _connect(target, token=token, timeout=timeout, warm=warm)

@@ -5,6 +5,7 @@
     kernel-probe -t TARGET info              the answering probe's identity
     kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
     kernel-probe -t TARGET stacks            main-thread stacks of every rank, grouped
+    kernel-probe -t dump://DIR query|nodes|stacks|info   the same over an ended job's dumps
 
 Errors are one line on stderr and a non-zero exit, never a traceback.
 """
@@ -22,8 +23,8 @@ from . import __version__
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kernel-probe", description="Ask a running distributed PyTorch job.")
     p.add_argument("-t", "--target", default=None,
-                   help="tcp://host:port, a connection file, store://host:port[/run_id] "
-                        "(default: the newest job on this machine)")
+                   help="tcp://host:port, a connection file, store://host:port[/run_id], "
+                        "dump://DIR (an ended job's dumps) (default: the newest job on this machine)")
     p.add_argument("--token", default=None, help="the job's PROBING_AUTH_TOKEN (default: from the environment)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds to wait for an answer (default 5; 10 for queries)")
@@ -118,7 +119,9 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         if args.watch is None:
-            print(format_nodes(client.nodes_raw(_connect_timeout(args)), client.info_, departures=args.departures))
+            raw = client.nodes_raw(_connect_timeout(args))
+            # an ended job's dumps: ages as of its last view, not now
+            print(format_nodes(raw, client.info_, departures=args.departures, now=getattr(client, "seen_at", None)))
             return 0
         return _watch_nodes(client, args)
 

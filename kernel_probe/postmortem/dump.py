@@ -2,11 +2,13 @@
 
 Layout, under ``PROBING_DUMP_DIR`` (default: ``dumps`` under the runtime dir)::
 
-    <run>/rank<k>/dump.json          the manifest: format, identity and tags, the reason,
-                                     the membership as this rank last saw it, what was written
+    <run>/rank<k>/dump.json          the manifest (JSON): format, identity and tags, the
+                                     reasons, the membership as this rank last saw it
+                                     (``nodes``: members and departures), what was written
     <run>/rank<k>/<table>.parquet    every table of the rank (its rings, stacks, the flight
                                      recorder's collectives and process_groups, user tables),
-                                     plus ``reason`` (why it ended) and ``nodes`` (its last view)
+                                     plus ``reason``: rank, when, kind, exception_type,
+                                     message, traceback, signal
     <run>/rank<k>.fatal.txt          faulthandler's traceback of a fatal signal (no dump then)
 
 ``<run>`` is the run id with anything but ``[A-Za-z0-9._-]`` replaced by ``_``. A rank's
@@ -42,7 +44,7 @@ from typing import Any, Callable, Mapping
 FORMAT = 1  # a reader refuses a dump of a newer format
 MANIFEST = "dump.json"
 # tables written first: what says why and where it ended, before the long rings
-FIRST = ("reason", "stacks", "collectives", "process_groups", "nodes", "process")
+FIRST = ("reason", "stacks", "collectives", "process_groups", "process")
 REASON_COLUMNS = ("rank", "when", "kind", "exception_type", "message", "traceback", "signal")
 
 
@@ -90,20 +92,17 @@ def _reason_table(rows: list[dict]):
 
 
 def _stacks_without(table: Any, package_dir: str):
-    """The stacks table without the dump's own frames on top of the main thread (the hook
-    that is writing it), depths renumbered from the frame that was running."""
+    """The stacks table without the main thread's frames of the dump itself (the hook that
+    is writing it, and what it calls), depths renumbered from the frame that was running."""
     import pyarrow as pa
 
     rows = table.to_pylist()
-    main = [r for r in rows if r["is_main"]]
-    skip = 0
-    while skip < len(main) and main[skip]["file"].startswith(package_dir):
-        skip += 1
-    if not skip or skip == len(main):
+    ours = [r["depth"] for r in rows if r["is_main"] and r["file"].startswith(package_dir)]
+    if not ours:
         return table
-    kept = [r for r in rows if not r["is_main"]]
-    for r in main[skip:]:
-        kept.append({**r, "depth": r["depth"] - skip})
+    top = max(ours)  # the outermost of our frames: everything inside it is the dump's
+    kept = [r if not r["is_main"] else {**r, "depth": r["depth"] - top - 1}
+            for r in rows if not r["is_main"] or r["depth"] > top]
     return pa.Table.from_pylist(kept, schema=table.schema)
 
 
@@ -138,10 +137,6 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
     def produce(name: str):
         if name == "reason":
             return _reason_table(reasons)
-        if name == "nodes":
-            from ..shell.sql_tasks import nodes_arrow
-
-            return nodes_arrow(list((nodes or {}).get("members") or []))
         table = tables.arrow(name)
         return _stacks_without(table, package_dir) if name == "stacks" else table
 
@@ -149,7 +144,7 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
         names = list(tables.names())
     except Exception as exc:
         names, skipped["*"] = [], f"{type(exc).__name__}: {exc}"
-    order = [n for n in FIRST if n in names or n in ("reason", "nodes")]
+    order = [n for n in FIRST if n in names or n == "reason"]
     order += [n for n in names if n not in order]
     for name in order:
         if clock() > deadline:
