@@ -145,7 +145,8 @@ class ClusterMagics(Magics):
         """%cluster_connect [TARGET] [--token-env VAR] [--timeout S]
 
         Connect this notebook to a job: TARGET is tcp://host:port, a connection file,
-        store://host:port[/run_id], or nothing for the newest job on this machine. A token
+        store://host:port[/run_id], dump://DIR (an ended job's dumps), or nothing for the
+        newest job on this machine. A token
         comes from PROBING_AUTH_TOKEN, the variable named by --token-env, or a hidden
         prompt; it is never typed into a cell."""
         cmd = parse_options(line, {"--token-env", "--timeout"}, CONNECT_USAGE, max_positional=1)
@@ -262,7 +263,9 @@ class ClusterMagics(Magics):
 
         cmd = parse_options(line, {"--interval"}, NODES_USAGE)
         interval = seconds_option(cmd, "--interval", self.settings.widget_interval)
-        self.connected()  # the same job as the cells (auto-connects like every magic)
+        client = self.connected()  # the same job as the cells (auto-connects like every magic)
+        if self._show_dumped_nodes(client):
+            return None
         key = self._cell_id()  # "" where the frontend sends no cell id: a new view then replaces the last one
         previous = self.views.pop(key, None)
         if previous is not None:  # the same cell run again: its old view stops
@@ -272,6 +275,22 @@ class ClusterMagics(Magics):
         view.start(first_wait=min(2.0, self.settings.connect_timeout))
         display(view)
         return None
+
+    def _show_dumped_nodes(self, client: Any) -> bool:
+        """An ended job's dumps (dump://): its membership as last seen, once (nothing to refresh)."""
+        from kernel_probe.client.targets import is_dump
+
+        if not is_dump(self.target):
+            return False
+        from datetime import datetime, timezone
+
+        from IPython.display import display
+
+        seen = getattr(client, "seen_at", None)
+        when = datetime.fromtimestamp(seen, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if seen else "?"
+        print(f"the job has ended: its ranks as last seen ({when}) · {client.endpoint}")
+        display(client.nodes())
+        return True
 
     def _cell_id(self) -> str:
         kernel = getattr(self.shell, "kernel", None)
