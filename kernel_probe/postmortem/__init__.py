@@ -6,8 +6,8 @@ dumps of an ended job answer the same SQL as the live job (``kernel_probe.client
 - an unhandled exception: ``sys.excepthook`` (the main thread) and ``threading.excepthook``
   (other threads, once per process), chained: the previous hook prints first;
 - SIGTERM and SIGINT (what torchrun sends the surviving ranks when one fails, Slurm at
-  the end of a job): the dump, then the handler that was there before ours, or that the
-  application sets later (``signal.signal`` for these two is routed to our chain while
+  the end of a job): the dump (SIGINT: only when no handler takes it), then the handler
+  that was there before ours, or that the application sets later (``signal.signal`` for these two is routed to our chain while
   the hooks are installed, and ``signal.getsignal`` answers the application's handler);
   with the default action the process then ends as it would have (killed by the signal),
   an ignored signal is ignored and dumps nothing, SIGINT's ``KeyboardInterrupt`` is
@@ -143,7 +143,9 @@ class DumpHooks:
         prev = self._prev.get(signum, signal.SIG_DFL)
         if prev is signal.SIG_IGN:
             return
-        if os.getpid() == self.pid and prev is not signal.default_int_handler:
+        # SIGTERM is an end whatever its handler does next; SIGINT only when nothing handles it
+        # (a handler, or KeyboardInterrupt, may well carry on: Jupyter's interrupt, a caught ^C)
+        if os.getpid() == self.pid and (signum != signal.SIGINT or not callable(prev)):
             self.dump("signal", signal_name=signal.Signals(signum).name)
         if callable(prev):
             prev(signum, frame)  # the application's handler; default_int_handler raises KeyboardInterrupt
