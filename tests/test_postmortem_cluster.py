@@ -139,3 +139,20 @@ def test_a_healthy_end_leaves_nothing(launch, tmp_path):
     assert job.wait(60) == [0]
     left = [p for p in dumps.rglob("*")] if dumps.exists() else []
     assert left == [], f"a healthy end wrote {left}"
+
+
+def test_a_live_jobs_snapshot_answers_as_the_job(launch, tmp_path, capsys):
+    from kernel_probe import cli
+    from tests.support.differential import assert_same
+
+    job, dumps, flags = _start(launch, tmp_path)
+    live = kernel_probe.connect(timeout=5)
+    assert cli.main(["dump", str(tmp_path / "snap")]) == 0
+    assert "wrote the dumps of 3 of 3 ranks" in capsys.readouterr().out
+    c = kernel_probe.connect(f"dump://{tmp_path / 'snap'}")
+    for sql, ordered in QUERIES[:3]:
+        assert_same(c.query(sql).table, live.query(sql).table, ordered=ordered, what=sql)
+    assert c.query("SELECT DISTINCT kind FROM reason").table.to_pylist() == [{"kind": "snapshot"}]
+    assert sorted(c.nodes()["rank"]) == [0, 1, 2]
+    live.close()
+    c.close()
