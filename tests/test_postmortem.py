@@ -203,3 +203,26 @@ def test_a_dump_that_cannot_finish_does_not_hold_the_exit(tmp_path):
     took = time.monotonic() - t0
     assert took < 1 + 4, f"the exit took {took:.1f} s"  # budget + interpreter teardown on a loaded machine
     assert "RuntimeError: the end" in p.stderr.read()
+
+
+def test_a_threads_exception_dumps_once_and_a_fatal_signal_leaves_its_traceback(tmp_path):
+    script = _script(tmp_path, """
+        import threading
+        def fail(): raise KeyError("in a thread")
+        for _ in range(2):
+            t = threading.Thread(target=fail, name="loader"); t.start(); t.join()
+        import faulthandler
+        faulthandler._sigsegv()
+    """)
+    p = subprocess.run([PY, str(script)], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGSEGV, p.stderr
+    run = tmp_path / "dumps" / "local"
+    manifest = json.loads((run / "rank0" / "dump.json").read_text())
+    assert [(r["kind"], r["exception_type"]) for r in manifest["reasons"]] == [("thread_exception", "KeyError")]
+    fatal = (run / "rank0.fatal.txt").read_text()
+    assert "Segmentation fault" in fatal and "main.py" in fatal
+    c = kernel_probe.connect(f"dump://{run}")
+    kinds = c.query("SELECT kind, message FROM reason").table.to_pylist()
+    assert [k["kind"] for k in kinds] == ["thread_exception", "fatal"], "the dump, then how it ended"
+    assert "Segmentation fault" in kinds[1]["message"]
+    assert c.info_["ranks_dumped"] == [0]

@@ -12,8 +12,9 @@ of a live job, in this process:
   that could not be read (one line each) and a dump of a newer format (refused);
 - ``nodes`` / ``nodes_raw`` / ``departures``: the fullest membership view among the dumps
   (the root's, if it left one);
-- a rank that died of a fatal signal leaves only faulthandler's ``rank<k>.fatal.txt``: it
-  answers a ``reason`` row (kind 'fatal', the traceback) and nothing else.
+- a rank that died of a fatal signal leaves faulthandler's ``rank<k>.fatal.txt``: its
+  ``reason`` has a row of kind 'fatal' (the traceback); it answers nothing else unless it
+  had dumped before (a thread's exception).
 """
 
 from __future__ import annotations
@@ -47,13 +48,18 @@ class RankDump:
     manifest: dict
     paths: dict[str, Path] = field(default_factory=dict)
     made: dict[str, Any] = field(default_factory=dict)  # tables not read from a file
+    fatal: Path | None = None  # faulthandler's traceback, when the rank died of a fatal signal after its dump
 
     def table(self, name: str) -> "pa.Table":
         if name in self.made:
             return self.made[name]
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(self.paths[name])
+        table = pq.read_table(self.paths[name])
+        if name == "reason" and self.fatal is not None:  # the end came after the dump
+            table = pa.concat_tables([table, _fatal_reason(self.rank, self.fatal)], promote_options="permissive")
+        return table
 
     def names(self) -> list[str]:
         return sorted({*self.paths, *self.made})
@@ -176,6 +182,7 @@ class DumpClient:
         members = {int(r["rank"]): r for r in self.nodes_raw()["members"] if isinstance(r.get("rank"), int)}
         for rank, path in fatal.items():
             if rank in self.dumps:
+                self.dumps[rank].fatal = path
                 continue
             seen = members.get(rank, {})
             tags = {"_rank": rank, "_node": seen.get("node"), "_host": seen.get("host"),
