@@ -156,3 +156,17 @@ def test_a_live_jobs_snapshot_answers_as_the_job(launch, tmp_path, capsys):
     assert sorted(c.nodes()["rank"]) == [0, 1, 2]
     live.close()
     c.close()
+
+    # the same from a notebook: %cluster_dump, then %cluster_connect dump:// and a query
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "probing_magics")
+    try:
+        ip.run_line_magic("cluster_dump", str(tmp_path / "nb"))
+        assert "wrote the dumps of 3 of 3 ranks" in capsys.readouterr().out
+        ip.run_line_magic("cluster_connect", f"dump://{tmp_path / 'nb'}")
+        frame = ip.run_line_magic("cluster_sql", "SELECT _rank, count(*) AS n FROM mine GROUP BY _rank ORDER BY _rank")
+        assert frame["n"].tolist() == [3, 3, 3]
+    finally:
+        ip.run_line_magic("unload_ext", "probing_magics")
