@@ -153,6 +153,7 @@ class DumpClient:
         self.problems: dict[str, str] = {}  # a rank (or file) -> why it could not be read
         self.seen_at: float | None = None  # when the membership view nodes_raw() gives was written
         self._engine: Any = None
+        self._catalog_cache: dict[str, list[str]] | None = None
         self._load()
         self.info_ = self.info()
 
@@ -247,6 +248,9 @@ class DumpClient:
         return self._engine
 
     def _catalog(self) -> dict[str, list[str]]:
+        """Every table's columns over all dumps (the union), read from the files' footers once."""
+        if self._catalog_cache is not None:
+            return self._catalog_cache
         import pyarrow.parquet as pq
 
         catalog: dict[str, list[str]] = {}
@@ -258,6 +262,7 @@ class DumpClient:
                 except Exception:
                     continue
                 cols.extend(c for c in names if c not in cols)
+        self._catalog_cache = catalog
         return catalog
 
     def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
