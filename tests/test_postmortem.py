@@ -175,7 +175,8 @@ def test_sigterm_by_default_still_kills_and_sigint_dumps_only_an_uncaught_interr
     assert (tmp_path / "dumps" / "local" / "rank0" / "reason.parquet").exists()
 
     caught = tmp_path / "caught"
-    script = _script(caught if caught.mkdir() is None else caught, """
+    caught.mkdir()
+    script = _script(caught, """
         try:
             print("ready", flush=True)
             time.sleep(60)

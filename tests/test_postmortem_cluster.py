@@ -113,7 +113,7 @@ def test_a_rank_raising_leaves_every_ranks_dump(launch, tmp_path):
 
 
 def test_a_rank_killed_leaves_no_dump_and_coverage_says_so(launch, tmp_path):
-    job, dumps, flags = _start(launch, tmp_path)
+    job, dumps, _ = _start(launch, tmp_path)
     job.kill(2)  # SIGKILL: nothing can run; torchrun then stops ranks 0 and 1 with SIGTERM
     job.wait(90)
     run = _run_dir(dumps)
@@ -145,7 +145,7 @@ def test_a_live_jobs_snapshot_answers_as_the_job(launch, tmp_path, capsys):
     from kernel_probe import cli
     from tests.support.differential import assert_same
 
-    job, dumps, flags = _start(launch, tmp_path)
+    _start(launch, tmp_path)
     live = kernel_probe.connect(timeout=5)
     assert cli.main(["dump", str(tmp_path / "snap")]) == 0
     assert "wrote the dumps of 3 of 3 ranks" in capsys.readouterr().out

@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..postmortem.dump import FORMAT, MANIFEST
 from . import results
@@ -50,7 +51,7 @@ class RankDump:
     made: dict[str, Any] = field(default_factory=dict)  # tables not read from a file
     fatal: Path | None = None  # faulthandler's traceback, when the rank died of a fatal signal after its dump
 
-    def table(self, name: str) -> "pa.Table":
+    def table(self, name: str) -> pa.Table:
         if name in self.made:
             return self.made[name]
         import pyarrow as pa
@@ -72,7 +73,7 @@ class _Tables(Mapping):
         self.dump = dump
         self._read: dict[str, Any] = {}
 
-    def __getitem__(self, name: str) -> "pa.Table":
+    def __getitem__(self, name: str) -> pa.Table:
         if name not in self._read:
             if name not in self.dump.paths and name not in self.dump.made:
                 raise KeyError(name)
@@ -130,7 +131,7 @@ def load_rank(path: Path) -> RankDump:
     return RankDump(int(tags["_rank"]), tags, manifest, paths)
 
 
-def _fatal_reason(rank: int, path: Path) -> "pa.Table":
+def _fatal_reason(rank: int, path: Path) -> pa.Table:
     import pyarrow as pa
 
     text = path.read_text(errors="replace")
@@ -158,7 +159,7 @@ class DumpClient:
         self.info_ = self.info()
 
     @classmethod
-    def open(cls, spec: str, default_root: Path) -> "DumpClient":
+    def open(cls, spec: str, default_root: Path) -> DumpClient:
         return cls(find_run_dir(spec, default_root))
 
     def _load(self) -> None:
@@ -233,10 +234,10 @@ class DumpClient:
         return {"members": list(best.get("members") or []), "departures": list(best.get("departures") or []),
                 "epoch": best.get("epoch", 0)}
 
-    def nodes(self, timeout: float = 5.0) -> "pd.DataFrame":
+    def nodes(self, timeout: float = 5.0) -> pd.DataFrame:
         return results.members_frame(self.nodes_raw()["members"])
 
-    def departures(self, timeout: float = 5.0) -> "pd.DataFrame":
+    def departures(self, timeout: float = 5.0) -> pd.DataFrame:
         return results.departures_frame(self.nodes_raw()["departures"])
 
     # --- queries --------------------------------------------------------------------------------------
@@ -335,10 +336,10 @@ class DumpClient:
             self._engine.close()
             self._engine = None
 
-    def __enter__(self) -> "DumpClient":
+    def __enter__(self) -> DumpClient:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

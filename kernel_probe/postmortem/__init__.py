@@ -30,15 +30,16 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["install", "uninstall", "installed", "DumpHooks"]
+__all__ = ["DumpHooks", "install", "installed", "uninstall"]
 
 log = logging.getLogger("kernel_probe")
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_hooks: "DumpHooks | None" = None
+_hooks: DumpHooks | None = None
 _orig_signal = signal.signal
 _orig_getsignal = signal.getsignal
 
@@ -225,5 +226,5 @@ def uninstall() -> None:
         hooks.uninstall()
 
 
-def installed() -> "DumpHooks | None":
+def installed() -> DumpHooks | None:
     return _hooks
