@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -47,6 +48,10 @@ def start(wait: float = 0.0) -> "ProbeThread":
             _probe = ProbeThread(settings, load_identity(settings=settings))
             claim_probe()  # children inherit it: a subprocess never starts a second probe
             _probe.start()
+            if settings.dump:  # what this rank knew, written if it ends abnormally
+                from .postmortem import install
+
+                install(settings, _probe.identity, probe)
             if _role is not None:
                 _probe.submit(("role", _role))
         probe_ = _probe
@@ -62,6 +67,9 @@ def stop() -> None:
         probe_, _probe = _probe, None
     if probe_ is not None:
         probe_.stop()
+    dumps = sys.modules.get(__name__ + ".postmortem")
+    if dumps is not None:
+        dumps.uninstall()
 
 
 def probe() -> "ProbeThread | None":
@@ -112,8 +120,8 @@ def table(name: str, data: Any) -> None:
 def connect(target: str | os.PathLike | None = None, token: str | None = None, timeout: float = 5.0,
             warm: bool = True) -> "Client":
     """A client of a running job: ``tcp://host:port``, a connection file, ``store://host:port[/run_id]``,
-    or None for the newest job on this machine. ``warm``: return once every rank can answer a
-    query at once (up to 3 s on a job never queried; ``False`` for membership only)."""
+    or None for the newest job on this machine; ``dump://DIR``: an ended job's dumps. ``warm``:
+    return once every rank can answer a query at once (up to 3 s on a job never queried; ``False`` for membership only)."""
     from .client import connect as _connect
 
     return _connect(target, token=token, timeout=timeout, warm=warm)

@@ -5,6 +5,8 @@
     kernel-probe -t TARGET info              the answering probe's identity
     kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
     kernel-probe -t TARGET stacks            main-thread stacks of every rank, grouped
+    kernel-probe -t dump://DIR query|nodes|stacks|info   the same over an ended job's dumps
+    kernel-probe -t TARGET dump DIR          a live job's dumps, as its ranks write them when they die
 
 Errors are one line on stderr and a non-zero exit, never a traceback.
 """
@@ -15,6 +17,7 @@ import argparse
 import sys
 import time
 from datetime import datetime
+from pathlib import Path
 
 from . import __version__
 
@@ -22,8 +25,8 @@ from . import __version__
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kernel-probe", description="Ask a running distributed PyTorch job.")
     p.add_argument("-t", "--target", default=None,
-                   help="tcp://host:port, a connection file, store://host:port[/run_id] "
-                        "(default: the newest job on this machine)")
+                   help="tcp://host:port, a connection file, store://host:port[/run_id], "
+                        "dump://DIR (an ended job's dumps) (default: the newest job on this machine)")
     p.add_argument("--token", default=None, help="the job's PROBING_AUTH_TOKEN (default: from the environment)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds to wait for an answer (default 5; 10 for queries)")
@@ -49,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stacks", help="main-thread Python stacks of every rank, grouped")
     st.add_argument("--all-threads", action="store_true", help="every thread, not only the main one")
     st.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
+    dump = sub.add_parser("dump", help="write a live job's dumps under DIR (read them with -t dump://DIR)")
+    dump.add_argument("dir")
+    dump.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="deadline of each query (default 10)")
     return p
 
 
@@ -118,7 +124,9 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         if args.watch is None:
-            print(format_nodes(client.nodes_raw(_connect_timeout(args)), client.info_, departures=args.departures))
+            raw = client.nodes_raw(_connect_timeout(args))
+            # an ended job's dumps: ages as of its last view, not now
+            print(format_nodes(raw, client.info_, departures=args.departures, now=getattr(client, "seen_at", None)))
             return 0
         return _watch_nodes(client, args)
 
@@ -217,7 +225,20 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"list": cmd_list, "nodes": cmd_nodes, "info": cmd_info, "query": cmd_query, "stacks": cmd_stacks}
+def cmd_dump(args: argparse.Namespace) -> int:
+    import kernel_probe
+    from .postmortem.snapshot import snapshot
+
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
+        run_dir, ranks, failed = snapshot(client, Path(args.dir), timeout=_query_timeout(args))
+    print(f"wrote the dumps of {len(ranks)} of {client.info_.get('world_size')} ranks to {run_dir} "
+          f"(read them with: kernel-probe -t dump://{run_dir} query ...)")
+    for rank, why in sorted(failed.items()):
+        print(f"  rank {rank}: no dump ({why})", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"dump": cmd_dump, "list": cmd_list, "nodes": cmd_nodes, "info": cmd_info, "query": cmd_query, "stacks": cmd_stacks}
 
 
 def main(argv: list[str] | None = None) -> int:

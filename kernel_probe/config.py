@@ -65,6 +65,16 @@ class Settings:
     # runs in a child process that ends after this long without a task (their memory cannot be
     # given back otherwise); 0: in the rank itself
     engine_idle_sec: float = 30.0
+    # Post-mortem dumps (kernel_probe.postmortem): what a rank writes when it ends abnormally
+    dump: bool = True  # PROBING_DUMP: 0 installs no exit hooks
+    dump_dir_given: Path | None = None  # PROBING_DUMP_DIR (see dump_dir)
+    dump_budget_sec: float = 2.0  # PROBING_DUMP_BUDGET_SEC: about the longest a dump may delay the exit
+    dump_max_mb: float = 4.0  # PROBING_DUMP_MAX_MB: the tables' rows kept in one rank's dump, newest first
+
+    @property
+    def dump_dir(self) -> Path:
+        """Where abnormal ends are dumped: PROBING_DUMP_DIR, else ``dumps`` under the runtime dir."""
+        return self.dump_dir_given or self.runtime_dir / "dumps"
 
     @property
     def runtime_dir(self) -> Path:
@@ -227,6 +237,10 @@ def _parse_settings(env: Mapping[str, str]) -> Settings:
         query_threads=int(_number(env, "PROBING_QUERY_THREADS", 1, 1)),
         query_memory=_text(env, "PROBING_QUERY_MEMORY") or "256MB",
         engine_idle_sec=_number(env, "PROBING_ENGINE_IDLE_SEC", 30.0, 0.0),
+        dump=_flag(env, "PROBING_DUMP", True),
+        dump_dir_given=Path(env["PROBING_DUMP_DIR"]).expanduser() if env.get("PROBING_DUMP_DIR") else None,
+        dump_budget_sec=_number(env, "PROBING_DUMP_BUDGET_SEC", 2.0, 0.05),
+        dump_max_mb=_number(env, "PROBING_DUMP_MAX_MB", 4.0, 0.01),
     )
 
 

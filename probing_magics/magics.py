@@ -1,4 +1,5 @@
-"""The IPython magics: ``%cluster_connect``, ``%%cluster_sql``, ``%cluster_stacks``, ``%cluster_nodes``.
+"""The IPython magics: ``%cluster_connect``, ``%%cluster_sql``, ``%cluster_stacks``, ``%cluster_nodes``,
+``%cluster_dump``.
 
 State lives on the magics instance of one shell (its client, its live views), never on
 the class. Every cluster failure is shown as one line (``ClusterError``), bad options as
@@ -26,6 +27,7 @@ from .settings import ClusterSQL
 CONNECT_USAGE = "usage: %cluster_connect [TARGET] [--token-env VAR] [--timeout S]"
 STACKS_USAGE = "usage: %cluster_stacks [--ranks SPEC] [--timeout S]"
 NODES_USAGE = "usage: %cluster_nodes [--interval S]"
+DUMP_USAGE = "usage: %cluster_dump DIR [--timeout S]"
 NOT_CONNECTED = "not connected — run %cluster_connect"
 INTERRUPTED = "query interrupted; the connection is still usable"
 
@@ -145,7 +147,8 @@ class ClusterMagics(Magics):
         """%cluster_connect [TARGET] [--token-env VAR] [--timeout S]
 
         Connect this notebook to a job: TARGET is tcp://host:port, a connection file,
-        store://host:port[/run_id], or nothing for the newest job on this machine. A token
+        store://host:port[/run_id], dump://DIR (an ended job's dumps), or nothing for the
+        newest job on this machine. A token
         comes from PROBING_AUTH_TOKEN, the variable named by --token-env, or a hidden
         prompt; it is never typed into a cell."""
         cmd = parse_options(line, {"--token-env", "--timeout"}, CONNECT_USAGE, max_positional=1)
@@ -262,7 +265,9 @@ class ClusterMagics(Magics):
 
         cmd = parse_options(line, {"--interval"}, NODES_USAGE)
         interval = seconds_option(cmd, "--interval", self.settings.widget_interval)
-        self.connected()  # the same job as the cells (auto-connects like every magic)
+        client = self.connected()  # the same job as the cells (auto-connects like every magic)
+        if self._show_dumped_nodes(client):
+            return None
         key = self._cell_id()  # "" where the frontend sends no cell id: a new view then replaces the last one
         previous = self.views.pop(key, None)
         if previous is not None:  # the same cell run again: its old view stops
@@ -272,6 +277,47 @@ class ClusterMagics(Magics):
         view.start(first_wait=min(2.0, self.settings.connect_timeout))
         display(view)
         return None
+
+    def _show_dumped_nodes(self, client: Any) -> bool:
+        """An ended job's dumps (dump://): its membership as last seen, once (nothing to refresh)."""
+        from kernel_probe.client.targets import is_dump
+
+        if not is_dump(self.target):
+            return False
+        from datetime import datetime, timezone
+
+        from IPython.display import display
+
+        seen = getattr(client, "seen_at", None)
+        when = datetime.fromtimestamp(seen, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if seen else "?"
+        print(f"the job has ended: its ranks as last seen ({when}) · {client.endpoint}")
+        display(client.nodes())
+        return True
+
+    # ------------------------------------------------------------------ dumps
+    @line_magic
+    def cluster_dump(self, line: str) -> None:
+        """%cluster_dump DIR [--timeout S]
+
+        Write the job's dumps under DIR, the files its ranks write when they die (Parquet, one
+        directory per rank); read them back with %cluster_connect dump://DIR."""
+        from pathlib import Path
+
+        from kernel_probe.postmortem.snapshot import snapshot
+
+        cmd = parse_options(line, {"--timeout"}, DUMP_USAGE, max_positional=1)
+        if not cmd.positional:
+            raise UsageError(DUMP_USAGE)
+        timeout = seconds_option(cmd, "--timeout", self.settings.timeout)
+        client = self.connected()
+        try:
+            run_dir, ranks, failed = snapshot(client, Path(cmd.positional[0]).expanduser(), timeout=timeout)
+        except kernel_probe.ProbeError as exc:
+            raise self._failed(exc) from None
+        print(f"wrote the dumps of {len(ranks)} of {client.info_.get('world_size')} ranks to {run_dir} "
+              f"· read them with %cluster_connect dump://{run_dir}")
+        for rank, why in sorted(failed.items()):
+            print(f"  rank {rank}: no dump ({why})")
 
     def _cell_id(self) -> str:
         kernel = getattr(self.shell, "kernel", None)
@@ -288,7 +334,8 @@ class ClusterMagics(Magics):
         self._drop_client()
 
 
-_MAGIC_NAMES = {"line": ["cluster_connect", "cluster_sql", "cluster_stacks", "cluster_nodes"], "cell": ["cluster_sql"]}
+_MAGIC_NAMES = {"line": ["cluster_connect", "cluster_sql", "cluster_stacks", "cluster_nodes", "cluster_dump"],
+                "cell": ["cluster_sql"]}
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -31,5 +31,10 @@ def connect(target: str | os.PathLike | None = None, token: str | None = None, t
     """A client of the job at ``target`` (``tcp://host:port``, a connection file,
     ``store://host:port[/run_id]``, or None for the newest job here), checked with a handshake.
     ``warm``: return once the ranks' query engines are loaded (at most ``WARM_WAIT_MAX``
-    seconds on a cold job, a few ms on a warm one), so the first query is fast."""
+    seconds on a cold job, a few ms on a warm one), so the first query is fast.
+    ``dump://DIR``: an ended job's dumps, answered in this process (a ``DumpClient``)."""
+    from .targets import is_dump, open_dumps
+
+    if is_dump(target):
+        return open_dumps(target)  # type: ignore[arg-type,return-value]
     return Client.open(resolve(target, token), timeout, warm=warm)

@@ -3,7 +3,8 @@
 Targets: ``tcp://host:port``; a connection-file path; ``store://host:port[/run_id]``
 (the root's endpoint read from the job's TCPStore); nothing (the newest live
 connection file on this machine). Resolving never talks to the probe itself; the
-client's handshake does that.
+client's handshake does that. ``dump://DIR`` names an ended job's dumps: no endpoint
+to resolve, ``open_dumps`` reads them (``client.dumps``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ def find_token(token: str | None = None, token_env: str | None = None,
     return (settings or load_settings()).auth_token
 
 
+def is_dump(target: str | os.PathLike | None) -> bool:
+    """``dump://DIR``: an ended job's dumps, not a running job."""
+    return isinstance(target, str) and target.startswith("dump://")
+
+
+def open_dumps(target: str, settings: Settings | None = None):
+    """The ``DumpClient`` of ``dump://DIR`` (``dump://``: the newest run under PROBING_DUMP_DIR)."""
+    from .dumps import DumpClient, parse_target
+
+    return DumpClient.open(parse_target(target), (settings or load_settings()).dump_dir)
+
+
 def resolve(target: str | os.PathLike | None = None, token: str | None = None,
             settings: Settings | None = None) -> Target:
     """Turn what a user typed into an endpoint and a key; ``ConnectError``/``AuthError`` if it cannot."""
@@ -58,6 +71,8 @@ def resolve(target: str | os.PathLike | None = None, token: str | None = None,
     key: bytes | None = None
     target_s = os.fspath(target) if target is not None else None
 
+    if is_dump(target_s):
+        raise ConnectError(f"{target_s} is an ended job's dumps: open it with connect(), not a live connection")
     if target_s is None or target_s == "":
         conn = connfile.newest_alive(settings.runtime_dir)
         if conn is None:

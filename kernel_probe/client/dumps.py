@@ -1,0 +1,346 @@
+"""A job that has ended, read from its ranks' dumps (``connect("dump://DIR")``).
+
+``DIR`` is a run's directory (``<PROBING_DUMP_DIR>/<run>``, holding ``rank<k>/``) or the
+dump directory itself (its newest run is opened); ``dump://`` alone: the newest run under
+this machine's ``PROBING_DUMP_DIR``. A ``DumpClient`` answers what a ``Client`` answers
+of a live job, in this process:
+
+- ``query``: the same planner and executor as the live tree (``kernel_probe.sql``), every
+  dump as one rank (``run_rank`` over its tables with its tags), merged and finished here,
+  with ``nodes`` the membership as last seen; the same coverage keys, where ``failed``
+  names every rank that left no dump (killed with SIGKILL: nothing could run), a dump
+  that could not be read (one line each) and a dump of a newer format (refused);
+- ``nodes`` / ``nodes_raw`` / ``departures``: the fullest membership view among the dumps
+  (the root's, if it left one);
+- a rank that died of a fatal signal leaves faulthandler's ``rank<k>.fatal.txt``: its
+  ``reason`` has a row of kind 'fatal' (the traceback); it answers nothing else unless it
+  had dumped before (a thread's exception).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..postmortem.dump import FORMAT, MANIFEST
+from . import results
+from .errors import ConnectError, QueryFailed
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow as pa
+
+SCHEME = "dump://"
+_RANK_DIR = re.compile(r"rank(\d+)\Z")
+_FATAL = re.compile(r"rank(\d+)\.fatal\.txt\Z")
+
+
+@dataclass
+class RankDump:
+    """One rank's dump: its tags, its manifest and its tables (read when a query asks)."""
+
+    rank: int
+    tags: dict
+    manifest: dict
+    paths: dict[str, Path] = field(default_factory=dict)
+    made: dict[str, Any] = field(default_factory=dict)  # tables not read from a file
+    fatal: Path | None = None  # faulthandler's traceback, when the rank died of a fatal signal after its dump
+
+    def table(self, name: str) -> pa.Table:
+        if name in self.made:
+            return self.made[name]
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(self.paths[name])
+        if name == "reason" and self.fatal is not None:  # the end came after the dump
+            table = pa.concat_tables([table, _fatal_reason(self.rank, self.fatal)], promote_options="permissive")
+        return table
+
+    def names(self) -> list[str]:
+        return sorted({*self.paths, *self.made})
+
+
+class _Tables(Mapping):
+    """A dump's tables by name, read on first use (a query reads only what it scans)."""
+
+    def __init__(self, dump: RankDump) -> None:
+        self.dump = dump
+        self._read: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> pa.Table:
+        if name not in self._read:
+            if name not in self.dump.paths and name not in self.dump.made:
+                raise KeyError(name)
+            self._read[name] = self.dump.table(name)
+        return self._read[name]
+
+    def __iter__(self):
+        return iter(self.dump.names())
+
+    def __len__(self) -> int:
+        return len(self.dump.names())
+
+
+def parse_target(target: str) -> str:
+    return target[len(SCHEME):]
+
+
+def find_run_dir(spec: str, default_root: Path) -> Path:
+    """The run directory ``dump://spec`` names; ``ConnectError`` when there is none."""
+    base = Path(spec).expanduser() if spec else default_root
+    if not base.is_dir():
+        raise ConnectError(f"no dumps at {base}: not a directory")
+    if _is_run_dir(base):
+        return base
+    runs = [d for d in base.iterdir() if d.is_dir() and _is_run_dir(d)]
+    if not runs:
+        raise ConnectError(f"no dumps in {base}: expected rank<k>/ directories (a run's dumps) or a "
+                           f"directory of runs (PROBING_DUMP_DIR)")
+    return max(runs, key=lambda d: d.stat().st_mtime)
+
+
+def _is_run_dir(d: Path) -> bool:
+    try:
+        return any(_RANK_DIR.match(p.name) or _FATAL.match(p.name) for p in d.iterdir())
+    except OSError:
+        return False
+
+
+def load_rank(path: Path) -> RankDump:
+    """One ``rank<k>/`` directory; ``ValueError`` (one line) when it is not a dump we can read."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path.name}: no {MANIFEST} (not a probing dump, or a dump cut short)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path.name}: unreadable {MANIFEST}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("format"), int) \
+            or not isinstance(manifest.get("tags"), dict):
+        raise ValueError(f"{path.name}: {MANIFEST} is not a probing dump's manifest")
+    if manifest["format"] > FORMAT:
+        raise ValueError(f"{path.name}: dump format {manifest['format']} is newer than this reader's ({FORMAT}): "
+                         f"read it with a newer probing-magics")
+    tags = manifest["tags"]
+    paths = {p.stem: p for p in path.glob("*.parquet")}
+    return RankDump(int(tags["_rank"]), tags, manifest, paths)
+
+
+def _fatal_reason(rank: int, path: Path) -> pa.Table:
+    import pyarrow as pa
+
+    text = path.read_text(errors="replace")
+    when = path.stat().st_mtime
+    return pa.table({"rank": pa.array([rank], pa.int64()),
+                     "when": pa.array([int(when * 1e6)], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+                     "kind": ["fatal"], "exception_type": pa.array([None], pa.string()),
+                     "message": [text.strip().splitlines()[0] if text.strip() else "fatal signal"],
+                     "traceback": [text], "signal": pa.array([None], pa.string())})
+
+
+class DumpClient:
+    """The dumps of one run, answering as a ``Client`` of that job would (see the module)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.endpoint = f"{SCHEME}{self.run_dir}"
+        self.store = None
+        self.dumps: dict[int, RankDump] = {}
+        self.problems: dict[str, str] = {}  # a rank (or file) -> why it could not be read
+        self.seen_at: float | None = None  # when the membership view nodes_raw() gives was written
+        self._engine: Any = None
+        self._catalog_cache: dict[str, list[str]] | None = None
+        self._load()
+        self.info_ = self.info()
+
+    @classmethod
+    def open(cls, spec: str, default_root: Path) -> DumpClient:
+        return cls(find_run_dir(spec, default_root))
+
+    def _load(self) -> None:
+        fatal: dict[int, Path] = {}
+        for p in sorted(self.run_dir.iterdir()):
+            if p.name.startswith("."):
+                continue  # a dump still being written (or abandoned half way)
+            m, f = _RANK_DIR.match(p.name), _FATAL.match(p.name)
+            if f:
+                if p.stat().st_size:
+                    fatal[int(f.group(1))] = p
+                continue
+            if not m or not p.is_dir():
+                self.problems[p.name] = f"{p.name}: not a probing dump"
+                continue
+            try:
+                d = load_rank(p)
+            except (ValueError, KeyError, TypeError) as exc:
+                self.problems[f"rank {m.group(1)}"] = str(exc)
+                continue
+            self.dumps[d.rank] = d
+        members = {int(r["rank"]): r for r in self.nodes_raw()["members"] if isinstance(r.get("rank"), int)}
+        for rank, path in fatal.items():
+            if rank in self.dumps:
+                self.dumps[rank].fatal = path
+                continue
+            seen = members.get(rank, {})
+            tags = {"_rank": rank, "_node": seen.get("node"), "_host": seen.get("host"),
+                    "_local_rank": seen.get("local_rank"), "_role": seen.get("role")}
+            self.dumps[rank] = RankDump(rank, tags, {"fatal": str(path)}, made={"reason": _fatal_reason(rank, path)})
+
+    # --- what the job was ----------------------------------------------------------------------
+    def _manifests(self) -> list[dict]:
+        return [d.manifest for d in self.dumps.values() if "format" in d.manifest]
+
+    @property
+    def world_size(self) -> int:
+        sizes = [int((m.get("identity") or {}).get("world_size") or 0) for m in self._manifests()]
+        return max([*sizes, (max(self.dumps) + 1) if self.dumps else 0])
+
+    @property
+    def run_id(self) -> str | None:
+        ids = [m.get("run_id") for m in self._manifests() if m.get("run_id")]
+        return ids[0] if ids else None
+
+    def missing(self) -> dict[int, str]:
+        """Ranks of the job that left no dump we can read, and why."""
+        out: dict[int, str] = {}
+        for rank in range(self.world_size):
+            if rank in self.dumps:
+                continue
+            out[rank] = self.problems.get(f"rank {rank}") or \
+                "left no dump (killed by SIGKILL, or ended before it could write one)"
+        return out
+
+    def info(self, timeout: float = 5.0) -> dict:
+        return {"run_id": self.run_id, "world_size": self.world_size, "dumps": str(self.run_dir),
+                "ranks_dumped": sorted(r for r, d in self.dumps.items() if "format" in d.manifest),
+                "ranks_fatal": sorted(r for r, d in self.dumps.items() if "fatal" in d.manifest),
+                "ranks_missing": sorted(self.missing()), "problems": list(self.problems.values()),
+                "state": "ended"}
+
+    def nodes_raw(self, timeout: float = 5.0) -> dict:
+        """The fullest membership view among the dumps: the root's (rank 0) when it left one,
+        else the one that lists the most ranks (the newest of those)."""
+        views = [(m.get("tags", {}).get("_rank") == 0, len((m.get("nodes") or {}).get("members") or ()),
+                  m.get("written_at") or 0, m["nodes"]) for m in self._manifests() if m.get("nodes")]
+        if not views:
+            return {"members": [], "departures": [], "epoch": 0}
+        best = max(views, key=lambda v: v[:3])[3]
+        self.seen_at = max(v[2] for v in views)
+        return {"members": list(best.get("members") or []), "departures": list(best.get("departures") or []),
+                "epoch": best.get("epoch", 0)}
+
+    def nodes(self, timeout: float = 5.0) -> pd.DataFrame:
+        return results.members_frame(self.nodes_raw()["members"])
+
+    def departures(self, timeout: float = 5.0) -> pd.DataFrame:
+        return results.departures_frame(self.nodes_raw()["departures"])
+
+    # --- queries --------------------------------------------------------------------------------------
+    def _engine_(self) -> Any:
+        if self._engine is None:
+            from ..sql.engine import Engine
+
+            self._engine = Engine(threads=2, memory_limit="1GB")
+        return self._engine
+
+    def _catalog(self) -> dict[str, list[str]]:
+        """Every table's columns over all dumps (the union), read from the files' footers once."""
+        if self._catalog_cache is not None:
+            return self._catalog_cache
+        import pyarrow.parquet as pq
+
+        catalog: dict[str, list[str]] = {}
+        for d in self.dumps.values():
+            for name in d.names():
+                cols = catalog.setdefault(name, [])
+                try:
+                    names = d.made[name].column_names if name in d.made else pq.read_schema(d.paths[name]).names
+                except Exception:
+                    continue
+                cols.extend(c for c in names if c not in cols)
+        self._catalog_cache = catalog
+        return catalog
+
+    def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
+              ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
+              local: bool = False, explain: bool = False,
+              on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
+        """One read-only SELECT over the dumps, as the live job would have answered it."""
+        from ..sql import execute
+        from ..sql.engine import QueryError
+        from ..sql.planner import plan as make_plan
+
+        if local:
+            raise QueryFailed("a dump:// job has no probe to ask alone: query without local", code="refused")
+        started = time.monotonic()
+        deadline = time.time() + timeout  # the engine's deadlines are wall-clock times
+        wanted = None if ranks is None else {int(r) for r in ranks}
+        dumps = [d for r, d in sorted(self.dumps.items()) if wanted is None or r in wanted]
+        failed: dict[str, str] = {str(r): why for r, why in self.missing().items() if wanted is None or r in wanted}
+        coverage: dict[str, Any] = {"targeted": [], "answered": [], "pruned": [], "failed": failed,
+                                    "partial": False, "notes": list(self.problems.values()),
+                                    "dumps": str(self.run_dir)}
+        try:
+            p = make_plan(sql, per_rank=per_rank, catalog=self._catalog())
+            coverage.update(plan=p.mode, explain=p.explain())
+            if explain:
+                return results.QueryResult(None, coverage, explain=p.explain())
+            engine = self._engine_()
+            targeted, pruned = execute.select_ranks(p, engine, [d.tags for d in dumps], params=params,
+                                                    deadline=deadline)
+            by_rank = {d.rank: d for d in dumps}
+            parts, notes = [], coverage["notes"]
+            for rank in targeted:
+                d = by_rank[rank]
+                try:
+                    parts.append(execute.run_rank(p, engine, _Tables(d), d.tags, params=params, deadline=deadline,
+                                                  notes=notes))
+                    coverage["answered"].append(rank)
+                except QueryError:
+                    raise
+                except Exception as exc:  # a corrupt table file: this rank fails, the others answer
+                    failed[str(rank)] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                if on_progress is not None:
+                    on_progress({"answered": len(coverage["answered"]), "targeted": len(targeted)})
+            merged = execute.merge(p, engine, parts, deadline=deadline, at_root=True)
+            from ..shell.sql_tasks import nodes_arrow
+
+            table = execute.finish(p, engine, merged, {"nodes": nodes_arrow(self.nodes_raw()["members"])},
+                                   params=params, deadline=deadline)
+        except QueryError as exc:
+            raise QueryFailed(results.error_line({"message": exc.message, "line": exc.line, "col": exc.col}),
+                              code=exc.code, line=exc.line, col=exc.col, coverage=coverage) from None
+        coverage["targeted"] = sorted({*targeted, *(int(r) for r in failed if r.isdigit())})
+        coverage["pruned"] = pruned
+        coverage["partial"] = bool(failed)
+        coverage["elapsed_ms"] = round((time.monotonic() - started) * 1000, 3)
+        if strict and failed:
+            raise QueryFailed(f"partial answer refused (strict): {results.describe_failures(coverage)}",
+                              code="partial", coverage=coverage)
+        return results.QueryResult(table, coverage, explain=coverage.get("explain", ""))
+
+    def warm(self, timeout: float = 0.0) -> int:
+        return len(self.dumps)
+
+    # --- what a live client also offers --------------------------------------------------------------
+    def take_notice(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def __enter__(self) -> DumpClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<DumpClient {self.run_dir}: {len(self.dumps)} ranks, {len(self.missing())} missing>"

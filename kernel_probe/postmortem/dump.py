@@ -1,0 +1,178 @@
+"""Writing one rank's dump: what it knew when it ended, as files anyone can read.
+
+Layout, under ``PROBING_DUMP_DIR`` (default: ``dumps`` under the runtime dir)::
+
+    <run>/rank<k>/dump.json          the manifest (JSON): format, identity and tags, the
+                                     reasons, the membership as this rank last saw it
+                                     (``nodes``: members and departures), what was written
+    <run>/rank<k>/<table>.parquet    every table of the rank (its rings, stacks, the flight
+                                     recorder's collectives and process_groups, user tables),
+                                     plus ``reason``: rank, when, kind, exception_type,
+                                     message, traceback, signal
+    <run>/rank<k>.fatal.txt          faulthandler's traceback of a fatal signal (no dump then)
+
+``<run>`` is the run id with anything but ``[A-Za-z0-9._-]`` replaced by ``_``. A rank's
+dump is a directory, written under a temporary name and renamed when complete, so a
+reader never sees half a dump.
+
+Why Parquet. The dump must be readable without this package by DuckDB, pandas and Spark.
+DuckDB reads Parquet natively (``read_parquet('DIR/*/rank*/steps.parquet')`` is the union
+over ranks) and Arrow IPC only through its ``arrow`` community extension, which must be
+downloaded (often impossible where jobs run); Spark reads Parquet natively and Arrow IPC
+not at all; pandas reads both. Parquet is written with pyarrow, which a rank otherwise
+avoids loading: measured on these machines, ``import pyarrow.parquet`` costs 367 ms and
+53 MB of resident memory (pyarrow alone: 315 ms, 43 MB). A dying rank can afford both, and
+only a dying rank pays them: a healthy exit imports nothing and writes nothing. Measured
+with a load of 16 on 2 cores, pyarrow already loaded: a rank's first dump 1.75 s (the
+conversions' own first imports), later ones 0.2-0.4 s, 160 KB for 10,000 metrics rows.
+
+A rank's dump is a directory rather than one file because Parquet holds one table per
+file; each rank still writes only its own files (no coordination between dying ranks).
+
+Bounded: at most ``PROBING_DUMP_MAX_MB`` of Arrow data (each table keeps its newest rows
+when cut), and the writer starts no table past ``PROBING_DUMP_BUDGET_SEC`` (2 s: the
+import alone took ~1 s on these machines under load) after the hook began, and
+publishes what it has; the hooks wait for it no longer than the budget plus a quarter
+second, so a dump never delays an exit beyond that and never turns it into a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1  # a reader refuses a dump of a newer format
+MANIFEST = "dump.json"
+# tables written first: what says why and where it ended, before the long rings
+FIRST = ("reason", "stacks", "collectives", "process_groups", "process")
+REASON_COLUMNS = ("rank", "when", "kind", "exception_type", "message", "traceback", "signal")
+
+
+def run_dir_name(run_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id or "local")
+
+
+def rank_dir(root: Path, run_id: str, rank: int) -> Path:
+    return Path(root) / run_dir_name(run_id) / f"rank{rank}"
+
+
+def fatal_path(root: Path, run_id: str, rank: int) -> Path:
+    return Path(root) / run_dir_name(run_id) / f"rank{rank}.fatal.txt"
+
+
+def reason_row(rank: int, when: float, kind: str, *, exc: BaseException | None = None,
+               signal_name: str | None = None, traceback_text: str | None = None) -> dict:
+    """One row of the ``reason`` table: kind 'exception', 'thread_exception', 'signal',
+    'fatal' or 'snapshot'."""
+    text = tb = None
+    if exc is not None:
+        import traceback
+
+        text = str(exc)
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return {"rank": rank, "when": when, "kind": kind,
+            "exception_type": None if exc is None else type(exc).__qualname__,
+            "message": text, "traceback": tb if traceback_text is None else traceback_text,
+            "signal": signal_name}
+
+
+def _reason_table(rows: list[dict]):
+    import pyarrow as pa
+
+    types = {"rank": pa.int64(), "when": pa.timestamp("us", tz="UTC"), "signal": pa.string()}
+    cols = {}
+    for c in REASON_COLUMNS:
+        values = [r.get(c) for r in rows]
+        if c == "when":
+            values = [None if v is None else int(v * 1e6) for v in values]
+            cols[c] = pa.array(values, pa.int64()).cast(types[c])
+        else:
+            cols[c] = pa.array(values, types.get(c, pa.string()))
+    return pa.table(cols)
+
+
+def _stacks_without(table: Any, package_dir: str):
+    """The stacks table without the main thread's frames of the dump itself (the hook that
+    is writing it, and what it calls), depths renumbered from the frame that was running."""
+    import pyarrow as pa
+
+    rows = table.to_pylist()
+    ours = [r["depth"] for r in rows if r["is_main"] and r["file"].startswith(package_dir)]
+    if not ours:
+        return table
+    top = max(ours)  # the outermost of our frames: everything inside it is the dump's
+    kept = [r if not r["is_main"] else {**r, "depth": r["depth"] - top - 1}
+            for r in rows if not r["is_main"] or r["depth"] > top]
+    return pa.Table.from_pylist(kept, schema=table.schema)
+
+
+def _newest(table: Any, max_bytes: int):
+    """``table`` cut to its newest rows (rings append at the end) to fit ``max_bytes``."""
+    if table.nbytes <= max_bytes or table.num_rows == 0:
+        return table
+    keep = int(table.num_rows * max_bytes / max(1, table.nbytes))
+    return table.slice(table.num_rows - keep, keep)
+
+
+def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Mapping[str, Any],
+               reasons: list[dict], tables: Any, nodes: Mapping[str, Any] | None,
+               deadline: float, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> Path:
+    """Write one rank's dump and return its directory. ``tables``: the rank's ``LocalTables``
+    (or anything with ``names()`` and ``arrow(name)``); ``nodes``: its last membership
+    (``members``, ``departures``, ``epoch``). Starts no table past ``deadline`` (on
+    ``clock``) and says in the manifest which were left out and why."""
+    started = clock()
+    import pyarrow.parquet as pq
+
+    rank = int(tags["_rank"])
+    final = rank_dir(root, run_id, rank)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".rank{rank}.{os.getpid()}.{time.time_ns()}.tmp"
+    tmp.mkdir(parents=True)  # parents again: another rank may have just removed an empty run dir
+    written: dict[str, int] = {}
+    skipped: dict[str, str] = {}
+    left = max_bytes
+    package_dir = str(Path(__file__).resolve().parent)
+
+    def produce(name: str):
+        if name == "reason":
+            return _reason_table(reasons)
+        table = tables.arrow(name)
+        return _stacks_without(table, package_dir) if name == "stacks" else table
+
+    try:
+        names = list(tables.names())
+    except Exception as exc:
+        names, skipped["*"] = [], f"{type(exc).__name__}: {exc}"
+    order = [n for n in FIRST if n in names or n == "reason"]
+    order += [n for n in names if n not in order]
+    for name in order:
+        if clock() > deadline:
+            skipped[name] = "out of time"
+            continue
+        try:
+            table = produce(name)
+            table = _newest(table, max(0, left))
+            left -= table.nbytes
+            pq.write_table(table, tmp / f"{name}.parquet")
+            written[name] = table.num_rows
+        except Exception as exc:  # one table that cannot be made does not lose the others
+            skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+    manifest = {
+        "format": FORMAT, "run_id": run_id, "tags": dict(tags), "identity": dict(identity),
+        "pid": os.getpid(), "written_at": time.time(), "reasons": reasons,
+        "nodes": dict(nodes) if nodes else None, "tables": written, "skipped": skipped,
+        "elapsed_ms": round((clock() - started) * 1000, 1),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, default=str, indent=1))
+    if final.exists():  # an earlier dump of this rank (a thread's exception, then the end)
+        import shutil
+
+        shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final

@@ -1,0 +1,229 @@
+"""Post-mortem dumps without a job: the writer's bounds, the reader's refusals, the hooks
+in a plain process (a user's SIGTERM handler, the time budget), the settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import kernel_probe
+from kernel_probe.config import load_settings
+
+PY = sys.executable
+
+
+class FakeTables:
+    def __init__(self, tables: dict) -> None:
+        self.tables = tables
+
+    def names(self) -> list[str]:
+        return sorted(self.tables)
+
+    def arrow(self, name: str):
+        value = self.tables[name]
+        return value() if callable(value) else value
+
+
+def _member(rank: int, world: int) -> dict:
+    from kernel_probe.membership.record import NODE_COLUMNS
+
+    m = {c.name: (None if c.nullable else c.type()) for c in NODE_COLUMNS}
+    m.update(rank=rank, world_size=world, local_rank=rank, host="h0", role="trainer", state="alive", tier="leaf",
+             last_seen=time.time(), since=time.time(), pid=100 + rank)
+    return m
+
+
+def _dump(root: Path, rank: int, tables: dict, *, world: int = 3, max_bytes: int = 1 << 22, run: str = "job/r0"):
+    from kernel_probe.postmortem.dump import reason_row, write_dump
+
+    tags = {"_rank": rank, "_node": 0, "_host": "h0", "_local_rank": rank, "_role": "trainer"}
+    nodes = {"members": [_member(r, world) for r in range(world)], "departures": [], "epoch": 3}
+    try:
+        raise ValueError(f"rank {rank} failed")
+    except ValueError as exc:
+        reason = reason_row(rank, time.time(), "exception", exc=exc)
+    return write_dump(root, run_id=run, tags=tags, identity={"rank": rank, "world_size": world}, reasons=[reason],
+                      tables=FakeTables(tables), nodes=nodes, deadline=time.monotonic() + 30, max_bytes=max_bytes)
+
+
+def test_settings():
+    s = load_settings({"PROBING_DUMP_DIR": "/x/d", "PROBING_DUMP_BUDGET_SEC": "0.5", "PROBING_DUMP_MAX_MB": "2",
+                       "PROBING_DUMP": "0"})
+    assert (s.dump_dir, s.dump_budget_sec, s.dump_max_mb, s.dump) == (Path("/x/d"), 0.5, 2.0, False)
+    d = load_settings({"PROBING_RUNTIME_DIR": "/r"})
+    assert (d.dump_dir, d.dump_budget_sec, d.dump) == (Path("/r/dumps"), 2.0, True)
+
+
+def test_a_dump_is_bounded_keeping_the_newest_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    big = pa.table({"step": list(range(100_000)), "v": [1.5] * 100_000})  # 1.6 MB
+    out = _dump(tmp_path, 0, {"metrics": big}, max_bytes=400_000)
+    kept = pq.read_table(out / "metrics.parquet")
+    assert 0 < kept.num_rows < 30_000 and kept.column("step").to_pylist()[-1] == 99_999
+    manifest = json.loads((out / "dump.json").read_text())
+    assert manifest["tables"]["metrics"] == kept.num_rows and manifest["format"] == 1
+
+
+def test_dumps_answer_with_partial_coverage_and_one_line_errors(tmp_path):
+    import pyarrow as pa
+
+    for rank in (0, 1):
+        _dump(tmp_path, rank, {"mine": pa.table({"x": [rank * 10, rank * 10 + 1]})})
+    run = tmp_path / "job_r0"
+    (run / "rank1" / "mine.parquet").write_bytes(b"not parquet at all")  # corrupt
+    (run / "notes.txt").write_text("someone's notes")  # foreign
+    (run / "rank5").mkdir()
+    (run / "rank5" / "dump.json").write_text("{broken")
+    c = kernel_probe.connect(f"dump://{tmp_path}")  # the directory of runs: its newest run
+    r = c.query("SELECT _rank, x FROM mine ORDER BY x")
+    assert r.table.to_pylist() == [{"_rank": 0, "x": 0}, {"_rank": 0, "x": 1}]
+    failed = r.coverage["failed"]
+    assert sorted(failed) == ["1", "2"] and r.coverage["partial"]
+    assert "\n" not in failed["1"] and "no dump" in failed["2"]
+    assert any("notes.txt" in n for n in c.info_["problems"]) and any("rank5" in n for n in c.info_["problems"])
+    # the reason table of the rank whose data file is corrupt still answers
+    reasons = c.query("SELECT _rank, kind, exception_type, message FROM reason ORDER BY _rank").table.to_pylist()
+    assert [(x["_rank"], x["exception_type"], x["message"]) for x in reasons] == \
+        [(0, "ValueError", "rank 0 failed"), (1, "ValueError", "rank 1 failed")]
+    with pytest.raises(kernel_probe.QueryFailed) as err:
+        c.query("SELEC nonsense")
+    assert err.value.code in ("syntax", "refused") and "\n" not in str(err.value)
+    c.close()
+
+
+def test_a_newer_format_is_refused_and_a_fatal_signal_answers_its_traceback(tmp_path):
+    import pyarrow as pa
+
+    _dump(tmp_path, 0, {"mine": pa.table({"x": [1]})})
+    newer = _dump(tmp_path, 1, {"mine": pa.table({"x": [2]})})
+    manifest = json.loads((newer / "dump.json").read_text())
+    (newer / "dump.json").write_text(json.dumps({**manifest, "format": 99}))
+    (tmp_path / "job_r0" / "rank2.fatal.txt").write_text("Fatal Python error: Segmentation fault\n\nThread 0x1:\n")
+    c = kernel_probe.connect(f"dump://{tmp_path / 'job_r0'}")
+    r = c.query("SELECT _rank, _host, kind, message FROM reason ORDER BY _rank")
+    assert r.table.to_pylist() == [
+        {"_rank": 0, "_host": "h0", "kind": "exception", "message": "rank 0 failed"},
+        {"_rank": 2, "_host": "h0", "kind": "fatal", "message": "Fatal Python error: Segmentation fault"}]
+    assert "newer than this reader" in r.coverage["failed"]["1"]
+
+
+def test_dump_targets_from_the_command_line(tmp_path):
+    import pyarrow as pa
+
+    from kernel_probe import cli
+
+    _dump(tmp_path, 0, {"mine": pa.table({"x": [7]})}, world=1)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([PY, "-m", "kernel_probe.cli", "-t", f"dump://{tmp_path}", "query",
+                          "SELECT _rank, x FROM mine", "--format", "csv"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.splitlines() == ["_rank,x", "0,7"], out.stderr
+    nodes = subprocess.run([PY, "-m", "kernel_probe.cli", "-t", f"dump://{tmp_path}", "nodes"],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert nodes.returncode == 0 and "world size 1" in nodes.stdout, nodes.stderr
+    assert cli.main(["-t", f"dump://{tmp_path / 'nowhere'}", "nodes"]) == 1
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "main.py"
+    p.write_text("import kernel_probe, os, signal, sys, time\nkernel_probe.start(wait=5)\n" + textwrap.dedent(body))
+    return p
+
+
+def _env(tmp_path: Path, **extra: str) -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "PROBING_RUNTIME_DIR": str(tmp_path / "rt"),
+            "PROBING_DUMP_DIR": str(tmp_path / "dumps"), "PROBING_DUMP_BUDGET_SEC": "15", **extra}
+
+
+def test_sigterm_runs_the_applications_own_handler_after_the_dump(tmp_path):
+    script = _script(tmp_path, f"""
+        def mine(signum, frame):
+            open({str(tmp_path / 'handled')!r}, "w").write("yes")
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, mine)
+        assert signal.getsignal(signal.SIGTERM) is mine
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([PY, str(script)], env=_env(tmp_path), stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 3 and (tmp_path / "handled").read_text() == "yes"
+    reason = json.loads((tmp_path / "dumps" / "local" / "rank0" / "dump.json").read_text())["reasons"]
+    assert [(r["kind"], r["signal"]) for r in reason] == [("signal", "SIGTERM")]
+
+
+def test_sigterm_by_default_still_kills_and_sigint_dumps_only_an_uncaught_interrupt(tmp_path):
+    script = _script(tmp_path, """
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([PY, str(script)], env=_env(tmp_path), stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == -signal.SIGTERM, "the process ends as SIGTERM would have ended it"
+    assert (tmp_path / "dumps" / "local" / "rank0" / "reason.parquet").exists()
+
+    caught = tmp_path / "caught"
+    caught.mkdir()
+    script = _script(caught, """
+        try:
+            print("ready", flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("caught", flush=True)
+    """)
+    p = subprocess.Popen([PY, str(script)], env=_env(caught), stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGINT)
+    assert p.stdout.readline().strip() == "caught" and p.wait(60) == 0
+    assert not list((caught / "dumps").rglob("rank0")), "an interrupt the application caught is no end"
+
+
+def test_a_dump_that_cannot_finish_does_not_hold_the_exit(tmp_path):
+    script = _script(tmp_path, """
+        kernel_probe.table("stuck", lambda: time.sleep(600))
+        print("ready", flush=True)
+        raise RuntimeError("the end")
+    """)
+    p = subprocess.Popen([PY, str(script)], env=_env(tmp_path, PROBING_DUMP_BUDGET_SEC="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    assert p.wait(60) == 1
+    took = time.monotonic() - t0
+    assert took < 1 + 4, f"the exit took {took:.1f} s"  # budget + interpreter teardown on a loaded machine
+    assert "RuntimeError: the end" in p.stderr.read()
+
+
+def test_a_threads_exception_dumps_once_and_a_fatal_signal_leaves_its_traceback(tmp_path):
+    script = _script(tmp_path, """
+        import threading
+        def fail(): raise KeyError("in a thread")
+        for _ in range(2):
+            t = threading.Thread(target=fail, name="loader"); t.start(); t.join()
+        import faulthandler
+        faulthandler._sigsegv()
+    """)
+    p = subprocess.run([PY, str(script)], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGSEGV, p.stderr
+    run = tmp_path / "dumps" / "local"
+    manifest = json.loads((run / "rank0" / "dump.json").read_text())
+    assert [(r["kind"], r["exception_type"]) for r in manifest["reasons"]] == [("thread_exception", "KeyError")]
+    fatal = (run / "rank0.fatal.txt").read_text()
+    assert "Segmentation fault" in fatal and "main.py" in fatal
+    c = kernel_probe.connect(f"dump://{run}")
+    kinds = c.query("SELECT kind, message FROM reason").table.to_pylist()
+    assert [k["kind"] for k in kinds] == ["thread_exception", "fatal"], "the dump, then how it ended"
+    assert "Segmentation fault" in kinds[1]["message"]
+    assert c.info_["ranks_dumped"] == [0]

@@ -1,0 +1,172 @@
+"""Post-mortem dumps of real torchrun jobs (1 node x 3 ranks; rank 0 is the root).
+
+A rank raising: torchrun stops the others with SIGTERM, every rank leaves a dump, SQL over
+``dump://`` equals DuckDB over the union of the same rows, the raising rank's reason is its
+exception, the others' SIGTERM, and a rank's own SIGTERM handler still ran. A rank killed
+with SIGKILL leaves no dump and coverage names it. A healthy end leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kernel_probe
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.cluster
+DYING = str(Path(__file__).parent / "workers" / "dying_worker.py")
+# the machine running the tests may be loaded: the budget is not what these tests measure
+ENV = {"PROBING_DUMP_BUDGET_SEC": "15", "PROBING_SAMPLE_INTERVAL_SEC": "0.25",
+       "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "0.5"}
+QUERIES = [
+    ("SELECT _rank, count(*) AS n, max(step) AS last FROM metrics GROUP BY _rank", False),
+    ("SELECT avg(loss) AS loss, count(DISTINCT _rank) AS ranks FROM metrics", False),
+    ("SELECT * FROM mine ORDER BY _rank, word", True),
+    ("SELECT _rank, _host, _node, _local_rank, kind, exception_type, signal FROM reason", False),
+    ("SELECT _rank, count(*) AS frames FROM stacks WHERE is_main GROUP BY _rank", False),
+    ("SELECT m.rank, m.word, r.kind FROM mine m JOIN reason r ON m._rank = r._rank", False),
+]
+
+
+def _start(launch, tmp_path, *args):
+    dumps, flags = tmp_path / "dumps", tmp_path / "flags"
+    flags.mkdir()
+    job = launch([DYING, "--dir", str(flags), *args], nodes=1, ranks_per_node=3,
+                 env={**ENV, "PROBING_DUMP_DIR": str(dumps)})
+    job.wait_ready(90)
+    wait_for(lambda: all((flags / f"ready-{r}").exists() for r in range(3)), 60, what="3 ranks ready")
+    root = wait_for(lambda: kernel_probe.connect(timeout=3, warm=False), 60, interval=0.2, what="the root")
+    wait_for(lambda: sorted(m["rank"] for m in root.nodes_raw()["members"]) == [0, 1, 2], 60, interval=0.2,
+             what="3 members at the root")
+    # every rank's own view is the root's (the mirror): wait for a report round to carry it down
+    wait_for(lambda: root.query("SELECT count(*) AS n FROM steps").coverage["answered"] == [0, 1, 2], 60,
+             interval=0.3, what="3 ranks answering")
+    root.close()
+    return job, dumps, flags
+
+
+def _run_dir(dumps: Path) -> Path:
+    (run,) = [d for d in dumps.iterdir() if d.is_dir()]
+    return run
+
+
+def _oracle(run: Path, sql: str):
+    """DuckDB over the union of every dump's tables, each tagged with its rank's tags."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kernel_probe.client.dumps import DumpClient
+    from kernel_probe.shell.sql_tasks import nodes_arrow
+    from kernel_probe.sql.engine import Engine
+    from kernel_probe.sql.execute import tagged
+
+    union: dict[str, list] = {}
+    for d in sorted(run.glob("rank*/")):
+        tags = json.loads((d / "dump.json").read_text())["tags"]
+        for f in d.glob("*.parquet"):
+            union.setdefault(f.stem, []).append(tagged(pq.read_table(f), tags))
+    tables = {n: pa.concat_tables(parts, promote_options="permissive") for n, parts in union.items()}
+    tables["nodes"] = nodes_arrow(DumpClient(run).nodes_raw()["members"])
+    engine = Engine()
+    try:
+        return engine.run(sql, tables)
+    finally:
+        engine.close()
+
+
+def test_a_rank_raising_leaves_every_ranks_dump(launch, tmp_path):
+    from tests.support.differential import assert_same
+
+    job, dumps, flags = _start(launch, tmp_path, "--raise-rank", "1", "--user-handler-rank", "2")
+    (flags / "go").write_text("go")
+    codes = job.wait(90)
+    assert codes[0] not in (None, 0), "torchrun reports the failure"
+    assert (flags / "term-2").read_text() == f"handled {15}", "the application's own SIGTERM handler ran"
+    run = _run_dir(dumps)
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == ["rank0", "rank1", "rank2"], \
+        "every rank dumped; no fatal-signal file is left"
+
+    c = kernel_probe.connect(f"dump://{dumps}")
+    assert c.info_["ranks_dumped"] == [0, 1, 2] and c.info_["ranks_missing"] == []
+    reasons = c.query("SELECT _rank, kind, exception_type, message, traceback, signal FROM reason ORDER BY _rank")
+    rows = reasons.table.to_pylist()
+    assert rows[1]["kind"] == "exception" and rows[1]["exception_type"] == "RuntimeError"
+    assert rows[1]["message"] == "rank 1 gives up" and "gives up" in rows[1]["traceback"]
+    assert [r["kind"] for r in rows] == ["signal", "exception", "signal"]
+    assert rows[0]["signal"] == rows[2]["signal"] == "SIGTERM"
+    assert reasons.coverage["answered"] == [0, 1, 2] and not reasons.coverage["partial"]
+
+    for sql, ordered in QUERIES:
+        assert_same(c.query(sql).table, _oracle(run, sql), ordered=ordered, what=sql)
+
+    nodes = c.nodes()
+    assert sorted(nodes["rank"]) == [0, 1, 2], "the membership as last seen"
+    assert c.query("SELECT count(*) AS n FROM nodes").table.column("n").to_pylist() == [3]
+    # the dying main thread's stack is where it was, not the dump's own frames
+    frames = c.query("SELECT file FROM stacks WHERE is_main AND _rank = 0").table.column("file").to_pylist()
+    assert frames and not any("kernel_probe/postmortem" in f for f in frames) and any("dying_worker" in f for f in frames)
+    c.close()
+
+
+def test_a_rank_killed_leaves_no_dump_and_coverage_says_so(launch, tmp_path):
+    job, dumps, _ = _start(launch, tmp_path)
+    job.kill(2)  # SIGKILL: nothing can run; torchrun then stops ranks 0 and 1 with SIGTERM
+    job.wait(90)
+    run = _run_dir(dumps)
+    assert sorted(p.name for p in run.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["rank0", "rank1"]
+    # all a killed rank leaves: its fatal-signal file, empty (faulthandler never ran)
+    assert [p.stat().st_size for p in run.glob("rank2*")] == [0]
+    c = kernel_probe.connect(f"dump://{run}")
+    r = c.query("SELECT _rank, kind, signal FROM reason ORDER BY _rank")
+    assert r.table.to_pylist() == [{"_rank": 0, "kind": "signal", "signal": "SIGTERM"},
+                                   {"_rank": 1, "kind": "signal", "signal": "SIGTERM"}]
+    assert r.coverage["partial"] and list(r.coverage["failed"]) == ["2"]
+    assert "no dump" in r.coverage["failed"]["2"] and r.coverage["targeted"] == [0, 1, 2]
+    assert "rank 2" in r.footer()
+    with pytest.raises(kernel_probe.QueryFailed, match="partial"):
+        c.query("SELECT * FROM reason", strict=True)
+    assert sorted(c.nodes()["rank"]) == [0, 1, 2]
+    c.close()
+
+
+def test_a_healthy_end_leaves_nothing(launch, tmp_path):
+    job, dumps, flags = _start(launch, tmp_path, "--exit-all")
+    (flags / "go").write_text("go")
+    assert job.wait(60) == [0]
+    left = [p for p in dumps.rglob("*")] if dumps.exists() else []
+    assert left == [], f"a healthy end wrote {left}"
+
+
+def test_a_live_jobs_snapshot_answers_as_the_job(launch, tmp_path, capsys):
+    from kernel_probe import cli
+    from tests.support.differential import assert_same
+
+    _start(launch, tmp_path)
+    live = kernel_probe.connect(timeout=5)
+    assert cli.main(["dump", str(tmp_path / "snap")]) == 0
+    assert "wrote the dumps of 3 of 3 ranks" in capsys.readouterr().out
+    c = kernel_probe.connect(f"dump://{tmp_path / 'snap'}")
+    for sql, ordered in QUERIES[:3]:
+        assert_same(c.query(sql).table, live.query(sql).table, ordered=ordered, what=sql)
+    assert c.query("SELECT DISTINCT kind FROM reason").table.to_pylist() == [{"kind": "snapshot"}]
+    assert sorted(c.nodes()["rank"]) == [0, 1, 2]
+    live.close()
+    c.close()
+
+    # the same from a notebook: %cluster_dump, then %cluster_connect dump:// and a query
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "probing_magics")
+    try:
+        ip.run_line_magic("cluster_dump", str(tmp_path / "nb"))
+        assert "wrote the dumps of 3 of 3 ranks" in capsys.readouterr().out
+        ip.run_line_magic("cluster_connect", f"dump://{tmp_path / 'nb'}")
+        frame = ip.run_line_magic("cluster_sql", "SELECT _rank, count(*) AS n FROM mine GROUP BY _rank ORDER BY _rank")
+        assert frame["n"].tolist() == [3, 3, 3]
+    finally:
+        ip.run_line_magic("unload_ext", "probing_magics")
