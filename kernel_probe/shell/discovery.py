@@ -46,12 +46,14 @@ __all__ = [
     "LOCAL0_KEY",
     "MASTER_KEY",
     "SECRET_KEY",
+    "HOST_KEY",
     "StoreDiscovery",
 ]
 
 MASTER_KEY = "probing/torchrun/{run_id}/master"
 LOCAL0_KEY = "probing/torchrun/{run_id}/node/{node}/local0"
 SECRET_KEY = "probing/torchrun/{run_id}/secret"
+HOST_KEY = "probing/torchrun/{run_id}/host/{rank}"  # each rank's host, where no launcher numbered the nodes
 
 _PREFIX = "probing/"
 _T = TypeVar("_T")
@@ -225,6 +227,24 @@ class StoreDiscovery:
         if not isinstance(value, str) or not value:
             raise DiscoveryError(f"{self._where()}: key {key!r} does not hold a secret string")
         return value
+
+    def publish_host(self, rank: int, host: str) -> None:
+        """Say which host rank ``rank`` runs on (read back by ``read_hosts``)."""
+        key = self._key(HOST_KEY, rank=int(rank))
+        self._call(f"set {key!r}", lambda store: store.set(key, _encode(host)))
+
+    def read_hosts(self, world_size: int) -> dict[int, str] | None:
+        """Every rank's host once all ``world_size`` ranks said it, else None."""
+        keys = [self._key(HOST_KEY, rank=r) for r in range(world_size)]
+        if not self._call("check host keys", lambda store: store.check(keys)):
+            return None
+        hosts = {}
+        for rank, key in enumerate(keys):
+            value = self._decode(key, self._call(f"get {key!r}", lambda store, k=key: store.get(k)))
+            if not isinstance(value, str):
+                raise DiscoveryError(f"{self._where()}: key {key!r} does not hold a host name")
+            hosts[rank] = value
+        return hosts
 
     def close(self) -> None:
         """Drop the client connection; later calls raise DiscoveryError."""

@@ -1,0 +1,172 @@
+"""Jobs started by launchers other than torchrun's dynamic rendezvous, end to end with real
+processes: mp.spawn from a script, torchrun with static rendezvous and --standalone, and
+the rule that a process which never becomes a rank starts no probe and is never a job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+import kernel_probe
+from kernel_probe.client import Client
+from kernel_probe.testing.harness import free_port
+
+from .conftest import PY, wait_for
+
+pytestmark = pytest.mark.cluster
+
+WORKER = str(Path(__file__).parent / "workers" / "launch_worker.py")
+FAST = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
+        "PROBING_SAMPLE_INTERVAL_SEC": "0.25"}
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture
+def start(runtime_dir):
+    """start(argv, env=) -> Popen in its own session (killed as a group at teardown)."""
+    procs: list[subprocess.Popen] = []
+
+    def _start(argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+        base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+        full = {**base, "PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime_dir), **FAST, **(env or {})}
+        proc = subprocess.Popen(argv, env=full, start_new_session=True, **kw)
+        procs.append(proc)
+        return proc
+
+    yield _start
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def rank_pids(control: Path, world: int, timeout: float = 240) -> dict[int, int]:
+    def ready():
+        files = {r: control / f"rank-{r}" for r in range(world)}
+        return all(f.exists() for f in files.values()) and {r: int(f.read_text()) for r, f in files.items()}
+    return wait_for(ready, timeout, interval=0.2, what=f"{world} ranks in init_process_group")
+
+
+def members(client: Client) -> dict[int, dict]:
+    return {m["rank"]: m for m in client.nodes_raw(timeout=3)["members"]}
+
+
+def converged(client: Client, world: int) -> dict[int, dict] | None:
+    m = members(client)
+    return m if sorted(m) == list(range(world)) and all(r["state"] == "alive" for r in m.values()) else None
+
+
+def check_job(control: Path, world: int, run_id: str | None, job_id: str | None, nodes: dict[int, int], not_a_job: tuple[int, ...] = (),
+              kill: bool = True) -> Client:
+    """The launch converged to the right tree, answers SQL over every rank, is one job named
+    ``job_id`` with run ``run_id`` (None: rank 0's TORCHELASTIC_RUN_ID names both), never the
+    launcher, and sees a killed rank die."""
+    pids = rank_pids(control, world)
+    if run_id is None:
+        job_id = psutil.Process(pids[0]).environ()["TORCHELASTIC_RUN_ID"]
+        run_id = f"{job_id}/r0"
+    root = wait_for(lambda: kernel_probe.connect(timeout=2), 90, interval=0.2, what="the job's root")
+    view = wait_for(lambda: converged(root, world), 60, what=f"{world} ranks alive at the root")
+    host = os.uname().nodename
+    for rank, m in view.items():
+        assert (m["pid"], m["world_size"], m["host"]) == (pids[rank], world, host)
+        assert m["node"] == nodes[rank], (rank, m)
+    node_count = len(set(nodes.values()))
+    assert {m["node_count"] for m in view.values()} == {node_count}
+    for node in set(nodes.values()):  # ranks on a node are numbered 0..n-1 in rank order
+        on_node = sorted(r for r, n in nodes.items() if n == node)
+        assert [view[r]["local_rank"] for r in on_node] == list(range(len(on_node)))
+    assert view[0]["tier"] == "root"
+    brokers = {m["node"] for m in view.values() if m["tier"] == "broker"}
+    assert brokers == set(nodes.values()) - {nodes[0]}
+    result = wait_for(lambda: (r := root.query("SELECT _rank, count(*) AS n FROM metrics GROUP BY _rank "
+                                                "ORDER BY _rank", timeout=10)) and len(r.df) == world and r,
+                      60, what="metrics from every rank")
+    assert list(result.df["_rank"]) == list(range(world)) and (result.df["n"] > 0).all()
+    jobs = kernel_probe.job_registry().jobs()
+    assert [(j.id, j.run_id, j.pid, j.world_size) for j in jobs] == [(job_id, run_id, pids[0], world)]
+    assert not set(not_a_job) & {j.pid for j in jobs}
+    if kill:
+        victim = world - 1
+        os.kill(pids[victim], signal.SIGKILL)
+        dead = wait_for(lambda: members(root)[victim]["state"] == "dead" and members(root)[victim], 15,
+                        what=f"killed rank {victim} dead at the root")
+        assert dead["pid"] == pids[victim]
+        assert all(m["state"] == "alive" for r, m in members(root).items() if r != victim)
+    return root
+
+
+def test_mp_spawn_from_a_script(start, tmp_path):
+    control = tmp_path / "control"
+    control.mkdir()
+    port = free_port()
+    start([PY, WORKER, "--launcher", "spawn", "--nprocs", "4", "--control-dir", str(control),
+           "--master-port", str(port), "--no-teardown"])
+    launcher = int(wait_for(lambda: (control / "launcher").read_text(), 60, what="the launcher"))
+    check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {r: 0 for r in range(4)}, not_a_job=(launcher,))
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "standalone"])
+def test_torchrun_static_and_standalone(start, tmp_path, rendezvous):
+    control = tmp_path / "control"
+    control.mkdir()
+    port = free_port()
+    run = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--monitor-interval", "0.2"]
+    worker = [WORKER, "--launcher", "env", "--control-dir", str(control)]
+    if rendezvous == "static":  # two "nodes": --node-rank, --master-addr and --master-port, no rendezvous backend
+        for node in (0, 1):
+            start([*run, "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+                   "--master-port", str(port), *worker])
+        check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {0: 0, 1: 0, 2: 1, 3: 1}, kill=False)
+    else:
+        start([*run, "--standalone", *worker])
+        check_job(control, 2, None, None, {0: 0, 1: 0}, kill=False)
+
+
+NEVER_A_RANK = """
+import multiprocessing as mp, sys, time
+
+def child(queue):
+    import torch.distributed  # loaded, as a data-loader worker loads it, but never initialised
+    time.sleep(1.0)
+    kp = sys.modules.get("kernel_probe")
+    queue.put(repr(kp.probe() if kp else None))
+
+if __name__ == "__main__":
+    time.sleep(1.0)
+    kp = sys.modules.get("kernel_probe")
+    print("self", kp is not None and kp.probe() is not None, flush=True)
+    ctx = mp.get_context(sys.argv[1])
+    queue = ctx.Queue()
+    p = ctx.Process(target=child, args=(queue,))
+    p.start()
+    print("child", queue.get(timeout=60), flush=True)
+    p.join()
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_processes_that_never_become_ranks_start_no_probe(start, runtime_dir, tmp_path, method):
+    # a multiprocessing child of a job of one (a data-loader worker): no probe of its own
+    script = tmp_path / "never_a_rank.py"
+    script.write_text(NEVER_A_RANK)
+    proc = start([PY, str(script), method], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=180)
+    assert out.split("\n")[:2] == ["self True", "child None"]
+    # one task of mpirun or srun that never calls init_process_group: no probe, no job
+    for env in ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
+                {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}):
+        proc = start([PY, "-c", "import sys, time; time.sleep(1.0); kp = sys.modules.get('kernel_probe');"
+                      "print(kp is not None and kp.probe() is not None)"], env=env, stdout=subprocess.PIPE, text=True)
+        out, _ = proc.communicate(timeout=60)
+        assert out.strip() == "False"
+    assert kernel_probe.job_registry().jobs() == []  # the job of one ended with its process
