@@ -5,6 +5,7 @@ the rule that a process which never becomes a rank starts no probe and is never 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,3 +171,19 @@ def test_processes_that_never_become_ranks_start_no_probe(start, runtime_dir, tm
         out, _ = proc.communicate(timeout=60)
         assert out.strip() == "False"
     assert kernel_probe.job_registry().jobs() == []  # the job of one ended with its process
+
+
+def test_mpirun(start, tmp_path):
+    if not shutil.which("mpirun"):
+        pytest.fail("mpirun is missing: `make test` installs Debian's openmpi-bin (apt-get install openmpi-bin)")
+    control = tmp_path / "control"
+    control.mkdir()
+    port = free_port()
+    root_flags = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    # mpirun ends the whole job when a rank dies, unless told not to: the test kills one
+    keep_going = ["--mca", "orte_abort_on_non_zero_status", "0"]
+    mpirun = start(["mpirun", *root_flags, "--oversubscribe", *keep_going, "-np", "4", PY, WORKER, "--launcher", "mpi",
+                    "--control-dir", str(control), "--master-port", str(port)])
+    pids = rank_pids(control, 4)
+    job = f"mpi-{psutil.Process(pids[0]).environ()['OMPI_MCA_ess_base_jobid']}"
+    check_job(control, 4, f"{job}/r0", job, {r: 0 for r in range(4)}, not_a_job=(mpirun.pid,))
