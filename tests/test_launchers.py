@@ -187,3 +187,54 @@ def test_mpirun(start, tmp_path):
     pids = rank_pids(control, 4)
     job = f"mpi-{psutil.Process(pids[0]).environ()['OMPI_MCA_ess_base_jobid']}"
     check_job(control, 4, f"{job}/r0", job, {r: 0 for r in range(4)}, not_a_job=(mpirun.pid,))
+
+
+FORK_CELL = """
+import argparse, os, sys
+sys.path.insert(0, {workers!r})
+import launch_worker
+import torch.multiprocessing as mp
+
+def train(index, args):  # defined in the notebook, as notebook launchers want it
+    launch_worker.rank_main(index, args)
+
+args = argparse.Namespace(launcher="fork", nprocs=4, control_dir={control!r}, master_addr="127.0.0.1",
+                          master_port={port}, seconds=300)
+open(os.path.join(args.control_dir, "launcher"), "w").write(str(os.getpid()))
+# join=False: the test kills a rank, and start_processes' join would then stop the others
+context = mp.start_processes(train, args=(args,), nprocs=4, start_method="fork", join=False)
+print("started", len(context.processes))
+"""
+
+
+def test_fork_from_a_real_kernel(runtime_dir, tmp_path):
+    from jupyter_client.manager import KernelManager
+
+    control = tmp_path / "control"
+    control.mkdir()
+    port = free_port()
+    km = KernelManager(kernel_name="python3")
+    base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    km.start_kernel(env={**base, "PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime_dir), **FAST})
+    kc = km.client()
+    kc.start_channels()
+    pids: dict[int, int] = {}
+    try:
+        kc.wait_for_ready(timeout=120)
+        # the kernel is a job of one until it launches ranks
+        wait_for(lambda: len(kernel_probe.job_registry().jobs()) == 1, 60, what="the kernel's own probe")
+        reply = kc.execute_interactive(FORK_CELL.format(workers=str(Path(WORKER).parent), control=str(control),
+                                                        port=port), timeout=180)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        kernel = int((control / "launcher").read_text())
+        pids = rank_pids(control, 4)
+        check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {r: 0 for r in range(4)},
+                  not_a_job=(kernel,))
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
