@@ -29,6 +29,19 @@ _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
                   "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
+_ranks_seen: list[psutil.Process] = []  # some launchers' ranks leave the launcher's session (mpirun, slurmd)
+
+
+@pytest.fixture(autouse=True)
+def _kill_ranks_seen():
+    yield
+    while _ranks_seen:
+        try:
+            _ranks_seen.pop().kill()  # psutil checks it is still that process (its start time)
+        except psutil.Error:
+            pass
+
+
 @pytest.fixture
 def start(runtime_dir):
     """start(argv, env=) -> Popen in its own session (killed as a group at teardown)."""
@@ -54,7 +67,13 @@ def rank_pids(control: Path, world: int, timeout: float = 240) -> dict[int, int]
     def ready():
         files = {r: control / f"rank-{r}" for r in range(world)}
         return all(f.exists() for f in files.values()) and {r: int(f.read_text()) for r, f in files.items()}
-    return wait_for(ready, timeout, interval=0.2, what=f"{world} ranks in init_process_group")
+    pids = wait_for(ready, timeout, interval=0.2, what=f"{world} ranks in init_process_group")
+    for pid in pids.values():
+        try:
+            _ranks_seen.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    return pids
 
 
 def members(client: Client) -> dict[int, dict]:
@@ -218,7 +237,6 @@ def test_fork_from_a_real_kernel(runtime_dir, tmp_path):
     km.start_kernel(env={**base, "PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime_dir), **FAST})
     kc = km.client()
     kc.start_channels()
-    pids: dict[int, int] = {}
     try:
         kc.wait_for_ready(timeout=120)
         # the kernel is a job of one until it launches ranks
@@ -227,14 +245,32 @@ def test_fork_from_a_real_kernel(runtime_dir, tmp_path):
                                                         port=port), timeout=180)
         assert reply["content"]["status"] == "ok", reply["content"]
         kernel = int((control / "launcher").read_text())
-        pids = rank_pids(control, 4)
         check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {r: 0 for r in range(4)},
                   not_a_job=(kernel,))
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-        for pid in pids.values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+
+
+def test_srun(start, tmp_path):
+    from kernel_probe.testing.slurm import LocalSlurm, SlurmUnavailable
+
+    control = tmp_path / "control"
+    control.mkdir()
+    port = free_port()
+    slurm = LocalSlurm(tmp_path / "slurm")
+    try:
+        slurm.start()
+    except SlurmUnavailable as exc:
+        pytest.fail(f"cannot run a local Slurm here: {exc}", pytrace=False)
+    try:
+        # the ranks are children of slurmd's step daemon, not of srun; they stay when one dies
+        start(["srun", "-n", "4", "--kill-on-bad-exit=0", PY, WORKER, "--launcher", "slurm",
+               "--control-dir", str(control), "--master-port", str(port)], env=slurm.env())
+        pids = rank_pids(control, 4)
+        env = psutil.Process(pids[0]).environ()
+        job = f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+        check_job(control, 4, f"{job}/r0", job, {r: 0 for r in range(4)})
+        subprocess.run(["scancel", env["SLURM_JOB_ID"]], env={**os.environ, **slurm.env()}, timeout=30)
+    finally:
+        slurm.close()
