@@ -217,7 +217,7 @@ import torch.multiprocessing as mp
 def train(index, args):  # defined in the notebook, as notebook launchers want it
     launch_worker.rank_main(index, args)
 
-args = argparse.Namespace(launcher="fork", nprocs=4, control_dir={control!r}, master_addr="127.0.0.1",
+args = argparse.Namespace(launcher="fork", nprocs=4, nnodes=1, node_rank=0, control_dir={control!r}, master_addr="127.0.0.1",
                           master_port={port}, seconds=300)
 open(os.path.join(args.control_dir, "launcher"), "w").write(str(os.getpid()))
 # join=False: the test kills a rank, and start_processes' join would then stop the others
@@ -274,3 +274,55 @@ def test_srun(start, tmp_path):
         subprocess.run(["scancel", env["SLURM_JOB_ID"]], env={**os.environ, **slurm.env()}, timeout=30)
     finally:
         slurm.close()
+
+
+def test_mp_spawn_on_two_hosts(start, tmp_path, runtime_dir):
+    """One mp.spawn script per host (network namespaces), ranks node_rank * 2 + i: nodes by host."""
+    from kernel_probe.testing.netns import Hosts, NetnsError
+
+    from .test_hosts import Watcher, states
+
+    control = tmp_path / "control"
+    control.mkdir()
+    port = free_port()
+    net = Hosts(2)
+    try:
+        net.start()
+    except NetnsError as exc:
+        pytest.fail(f"cannot create network namespaces: {exc}", pytrace=False)
+    watcher = None
+    try:
+        for host in (0, 1):
+            start([*net.prefix(host), PY, WORKER, "--launcher", "spawn", "--nprocs", "2", "--nnodes", "2",
+                   "--node-rank", str(host), "--master-addr", net.addr(0), "--master-port", str(port),
+                   "--control-dir", str(control), "--no-teardown"],
+                  env={"PROBING_NODE_HOST": f"h{host}", "GLOO_SOCKET_IFNAME": "eth0"})
+        pids = rank_pids(control, 4)
+        watcher = Watcher(net, 0, None, "--poll", "0.2", "--query-every", "1", "--wait", "90",
+                          "--sql", "SELECT _rank, count(*) AS n FROM metrics GROUP BY _rank", runtime=runtime_dir)
+        assert watcher.connected(100)["run_id"] == f"{net.addr(0)}:{port}/r0"
+
+        def whole():
+            ns, qs = watcher.of("nodes"), watcher.of("query")
+            return (ns and len(ns[-1]["members"]) == 4 and set(states(ns[-1]).values()) == {"alive"}
+                    and qs and sorted(qs[-1]["answered"]) == [0, 1, 2, 3] and qs[-1]["rows"] == 4 and ns[-1])
+        last = wait_for(whole, 90, interval=0.2, what="4 ranks on 2 hosts alive and answering")
+        by_rank = {m["rank"]: m for m in last["members"]}
+        assert {r: m["host"] for r, m in by_rank.items()} == {0: "h0", 1: "h0", 2: "h1", 3: "h1"}
+        assert {r: m["pid"] for r, m in by_rank.items()} == pids
+        assert {r: m["tier"] for r, m in by_rank.items()} == {0: "root", 1: "leaf", 2: "broker", 3: "leaf"}
+        assert all(m["endpoint"].startswith(f"tcp://{net.addr(r // 2)}:") for r, m in by_rank.items())
+        os.kill(pids[3], signal.SIGKILL)
+        wait_for(lambda: states(watcher.of("nodes")[-1]).get(3) == "dead", 15, what="the killed rank dead")
+        assert {r: s for r, s in states(watcher.of("nodes")[-1]).items() if r != 3} == {0: "alive", 1: "alive",
+                                                                                        2: "alive"}
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        for proc in list(_ranks_seen):
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        net.close()
+        assert net.exists() == [], "namespaces left behind"

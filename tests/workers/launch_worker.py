@@ -2,7 +2,8 @@
 rendezvous: the script finds its rank itself, then calls init_process_group (gloo, env://).
 
     --launcher spawn|fork   this process is the launcher: torch.multiprocessing.start_processes
-                            with that start method, --nprocs ranks on this host
+                            with that start method, --nprocs ranks on this host, node
+                            --node-rank of --nnodes (ranks node_rank * nprocs + i)
     --launcher mpi          one rank of mpirun: OMPI_COMM_WORLD_RANK / _SIZE
     --launcher slurm        one task of srun: SLURM_PROCID / SLURM_NTASKS
     --launcher env          torchrun (static or --standalone): RANK / WORLD_SIZE already set
@@ -43,8 +44,8 @@ def rank_main(index: int | None, args: argparse.Namespace) -> None:
 
     os.environ.setdefault("MASTER_ADDR", args.master_addr)
     os.environ.setdefault("MASTER_PORT", str(args.master_port))
-    if index is not None:  # started by start_processes: the index is the rank
-        rank, world = index, args.nprocs
+    if index is not None:  # started by start_processes on node --node-rank of --nnodes
+        rank, world = args.node_rank * args.nprocs + index, args.nnodes * args.nprocs
     else:
         rank, world = _rank_and_world(args.launcher)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
@@ -67,6 +68,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--launcher", required=True, choices=["spawn", "fork", "mpi", "slurm", "env"])
     p.add_argument("--nprocs", type=int, default=4)
+    p.add_argument("--nnodes", type=int, default=1, help="spawn/fork: this script runs once per node")
+    p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--control-dir", required=True)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=29500)
