@@ -188,12 +188,13 @@ def _exchange_hosts(facts: Any, env: dict, settings: Any, host: str, wait: bool)
     run_id = group_run_id(env, facts)
     with StoreDiscovery(facts.store_host, facts.store_port, run_id, timeout_sec=settings.discover_timeout_sec) as d:
         d.publish_host(facts.rank, host)
-        deadline = time.monotonic() + _HOSTS_WAIT_SEC
+        deadline, pause = time.monotonic() + _HOSTS_WAIT_SEC, 0.02
         while wait:
             hosts = d.read_hosts(facts.world_size)
             if hosts is not None or time.monotonic() > deadline:
                 return hosts
-            time.sleep(0.02)
+            time.sleep(pause)
+            pause = min(0.5, pause * 1.5)  # thousands of ranks poll one store
     return None
 
 
