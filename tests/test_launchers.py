@@ -326,3 +326,29 @@ def test_mp_spawn_on_two_hosts(start, tmp_path, runtime_dir):
                 pass
         net.close()
         assert net.exists() == [], "namespaces left behind"
+
+
+WRAPPED = """
+import inspect, pickle, sys
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed import device_mesh, distributed_c10d as c10d
+
+spawn = sys.modules["torch.multiprocessing.spawn"]
+
+fns = (dist.init_process_group, c10d.init_process_group, device_mesh.init_process_group)
+print(all(f is fns[0] for f in fns), getattr(fns[0], "_kernel_probe_wrapped", False),
+      mp.start_processes is spawn.start_processes and getattr(spawn.start_processes, "_kernel_probe_wrapped", False),
+      pickle.loads(pickle.dumps(dist.init_process_group)) is dist.init_process_group,
+      "def init_process_group" in inspect.getsource(c10d), inspect.signature(fns[0]) == inspect.signature(fns[0].__wrapped__))
+"""
+
+
+def test_the_hook_wraps_where_every_caller_looks_and_stays_transparent(start):
+    proc = start([PY, "-c", WRAPPED], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=120)
+    assert out.split() == ["True"] * 6
+    # without PROBING=1 nothing is wrapped
+    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
+    out = subprocess.run([PY, "-c", WRAPPED], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert out.split()[:3] == ["True", "False", "False"]
