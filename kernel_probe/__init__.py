@@ -20,8 +20,8 @@ import threading
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
-    from .config import Identity
     from .client import AsyncClient, Client
+    from .config import Identity
     from .jobs import JobRegistry
     from .shell.probe_thread import ProbeThread
 

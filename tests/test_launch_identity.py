@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_probe.config import (GroupFacts, identity_from_group, load_settings, needs_hosts, nodes_by_host,
-                                 waits_for_process_group)
+from kernel_probe.config import (
+    GroupFacts,
+    identity_from_group,
+    load_settings,
+    needs_hosts,
+    nodes_by_host,
+    waits_for_process_group,
+)
 
 SETTINGS = load_settings({})
 STORE = dict(store_host="127.0.0.1", store_port=29500)

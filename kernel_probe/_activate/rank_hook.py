@@ -21,7 +21,11 @@ import functools
 import os
 import sys
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ..config import GroupFacts, Settings
+    from ..shell.probe_thread import ProbeThread
 
 _MARK = "_kernel_probe_wrapped"
 _C10D = "torch.distributed.distributed_c10d"
@@ -149,17 +153,18 @@ def became_rank(c10d: Any) -> None:
                      daemon=True).start()
 
 
-def _start_rank(facts: Any, env: dict) -> None:
+def _start_rank(facts: "GroupFacts", env: dict[str, str]) -> None:
     try:
         start_rank(facts, env)
     except Exception as exc:
         _say(f"probe not started for rank {facts.rank}: {exc}")
 
 
-def start_rank(facts: Any, env: dict) -> Any:
+def start_rank(facts: "GroupFacts", env: dict[str, str]) -> "ProbeThread | None":
     """Start this process's probe as rank ``facts.rank`` (unless a probe of a job already runs:
     torchrun's ranks start theirs at interpreter start). Returns the probe, or None."""
     import kernel_probe
+
     from ..config import identity_from_group, load_settings, needs_hosts, this_host
 
     settings = load_settings(env)
@@ -178,7 +183,8 @@ def start_rank(facts: Any, env: dict) -> Any:
     return kernel_probe.start(identity=identity)
 
 
-def _exchange_hosts(facts: Any, env: dict, settings: Any, host: str, wait: bool) -> dict | None:
+def _exchange_hosts(facts: "GroupFacts", env: dict[str, str], settings: "Settings", host: str,
+                    wait: bool) -> dict[int, str] | None:
     """Say this rank's host in the group's store; with ``wait``, every rank's host once all said it."""
     import time
 

@@ -1,12 +1,15 @@
 """Discovery through the job's own TCPStore (DESIGN.md section 2, "Discovery").
 
 torchrun hands every worker ``MASTER_ADDR``/``MASTER_PORT`` of the agent's store; a
-client works without ``init_process_group``. The probe keeps three keys there, all
+client works without ``init_process_group``. A process that becomes a rank in
+``init_process_group`` (mp.spawn, mpirun, srun) uses its process group's TCPStore. The probe keeps four keys there, all
 under ``probing/``:
 
 * ``MASTER_KEY``  -- the root's endpoint and incarnation (set by the root).
 * ``LOCAL0_KEY``  -- each node's broker, elected with ``compare_set``.
 * ``SECRET_KEY``  -- a per-job random secret when no auth token is configured.
+* ``HOST_KEY``    -- each rank's host, when only the hosts can say which ranks share a
+  node (ranks that became ranks in ``init_process_group``: mp.spawn, mpirun).
 
 Where a client finds the root (issue 10): the store a user knows is the rendezvous
 store at ``--rdzv-endpoint`` (the c10d backend's TCPStore, hosted by one agent), not the
