@@ -134,6 +134,16 @@ def test_mp_spawn_from_a_script(start, tmp_path):
     check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {r: 0 for r in range(4)}, not_a_job=(launcher,))
 
 
+def test_scripts_started_by_hand_are_jobs_of_one_until_they_become_ranks(start, tmp_path):
+    control = tmp_path / "control"
+    control.mkdir()
+    port = free_port()
+    for rank in (0, 1):
+        start([PY, WORKER, "--launcher", "args", "--rank", str(rank), "--world-size", "2",
+               "--control-dir", str(control), "--master-port", str(port)])
+    check_job(control, 2, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {0: 0, 1: 0})
+
+
 @pytest.mark.parametrize("rendezvous", ["static", "standalone"])
 def test_torchrun_static_and_standalone(start, tmp_path, rendezvous):
     control = tmp_path / "control"

@@ -7,6 +7,7 @@ rendezvous: the script finds its rank itself, then calls init_process_group (glo
     --launcher mpi          one rank of mpirun: OMPI_COMM_WORLD_RANK / _SIZE
     --launcher slurm        one task of srun: SLURM_PROCID / SLURM_NTASKS
     --launcher env          torchrun (static or --standalone): RANK / WORLD_SIZE already set
+    --launcher args         started by hand, once per rank: --rank of --world-size
 
 Every rank writes ``rank-<r>`` (its pid) to --control-dir once the group is up, checks the
 group with one all_reduce, then logs a metric row a second (``metrics`` for SQL) and
@@ -23,7 +24,10 @@ import sys
 import time
 
 
-def _rank_and_world(launcher: str) -> tuple[int, int]:
+def _rank_and_world(args: argparse.Namespace) -> tuple[int, int]:
+    launcher = args.launcher
+    if launcher == "args":
+        return args.rank, args.world_size
     if launcher == "mpi":
         return int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
     if launcher == "slurm":
@@ -47,7 +51,7 @@ def rank_main(index: int | None, args: argparse.Namespace) -> None:
     if index is not None:  # started by start_processes on node --node-rank of --nnodes
         rank, world = args.node_rank * args.nprocs + index, args.nnodes * args.nprocs
     else:
-        rank, world = _rank_and_world(args.launcher)
+        rank, world = _rank_and_world(args)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -66,7 +70,9 @@ def rank_main(index: int | None, args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--launcher", required=True, choices=["spawn", "fork", "mpi", "slurm", "env"])
+    p.add_argument("--launcher", required=True, choices=["spawn", "fork", "mpi", "slurm", "env", "args"])
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--nprocs", type=int, default=4)
     p.add_argument("--nnodes", type=int, default=1, help="spawn/fork: this script runs once per node")
     p.add_argument("--node-rank", type=int, default=0)
