@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 DUCKDB_1X := 1.2.2
 
-.PHONY: install demo lab test test-fast bench clean chromium soak
+.PHONY: install demo lab test test-fast bench clean chromium openmpi slurm soak
 
 # the Probing panel (labextension/) is built by the editable install: rebuild when its sources change
 $(STAMP): pyproject.toml constraints.txt labextension/package.json labextension/yarn.lock $(wildcard labextension/src/* labextension/style/* labextension/schema/*)
@@ -28,7 +28,7 @@ demo: install
 lab: install
 	$(PY) examples/lab.py $(LAB_ARGS)
 
-test: install chromium
+test: install chromium openmpi slurm
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The browser test drives Debian's Chromium (Playwright downloads nothing): install it when missing.
@@ -37,6 +37,22 @@ chromium:
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
 	  else echo "make test needs /usr/bin/chromium: install the Debian package chromium (apt-get install chromium)" >&2; \
+	    exit 1; fi; }
+
+# The launcher tests start a job with mpirun: install Debian's Open MPI when missing.
+openmpi:
+	@command -v mpirun >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openmpi-bin; \
+	  else echo "make test needs mpirun: install the Debian package openmpi-bin (apt-get install openmpi-bin)" >&2; \
+	    exit 1; fi; }
+
+# ... and with srun on a one-node Slurm the test starts itself: Debian's slurm-wlm and munge.
+slurm:
+	@command -v slurmd >/dev/null && command -v munged >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; \
+	  else echo "make test needs slurmd and munged: install the Debian packages slurm-wlm and munge" >&2; \
 	    exit 1; fi; }
 
 # No processes: the sans-IO cores, the planner, differential SQL through the simulator (~2 min).

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
     from .client import AsyncClient, Client
+    from .config import Identity
     from .jobs import JobRegistry
     from .shell.probe_thread import ProbeThread
 
@@ -36,8 +37,9 @@ _probe: "ProbeThread | None" = None
 _role: str | None = None
 
 
-def start(wait: float = 0.0) -> "ProbeThread":
-    """Start this process's probe (once). Returns at once; ``wait`` seconds to wait until bound."""
+def start(wait: float = 0.0, identity: "Identity | None" = None) -> "ProbeThread":
+    """Start this process's probe (once). Returns at once; ``wait`` seconds to wait until bound.
+    ``identity``: who this rank is (default: from torchrun's environment, or a job of one)."""
     global _probe
     with _lock:
         if _probe is None or not _probe.is_alive():
@@ -45,7 +47,7 @@ def start(wait: float = 0.0) -> "ProbeThread":
             from .shell.probe_thread import ProbeThread
 
             settings = load_settings()
-            _probe = ProbeThread(settings, load_identity(settings=settings))
+            _probe = ProbeThread(settings, identity or load_identity(settings=settings))
             claim_probe()  # children inherit it: a subprocess never starts a second probe
             _probe.start()
             if settings.dump:  # what this rank knew, written if it ends abnormally

@@ -284,3 +284,123 @@ def load_identity(env: Mapping[str, str] | None = None, settings: Settings | Non
         master_addr=env.get("MASTER_ADDR") or None,
         master_port=port or None,
     )
+
+
+# --- ranks that become ranks later: mp.spawn, mpirun, srun, scripts that set RANK themselves ---------
+
+# Variables by which a launcher tells one of several tasks who it is, before any process group
+# exists; such a task waits for init_process_group instead of starting as a job of one.
+_TASK_OF_MANY = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+@dataclass(frozen=True)
+class GroupFacts:
+    """What the default process group says once ``init_process_group`` returned."""
+
+    rank: int
+    world_size: int
+    store_host: str | None = None  # the group's TCPStore (None: a file or hash store)
+    store_port: int | None = None
+
+
+def starts_with_identity(env: Mapping[str, str]) -> bool:
+    """torchrun (or a script's own launcher) gave this process its rank before it started."""
+    return bool(env.get("RANK")) and bool(env.get("WORLD_SIZE"))
+
+
+def waits_for_process_group(env: Mapping[str, str]) -> bool:
+    """One task of several (mpirun, srun -n N) without torchrun's variables: its probe starts
+    when it becomes a rank, not as a job of one at interpreter start."""
+    if starts_with_identity(env):
+        return False
+    return any(_int(env, name, 1) > 1 for name in _TASK_OF_MANY)
+
+
+def local_rank_from(env: Mapping[str, str]) -> int | None:
+    """This rank's index on its node as its launcher numbered it, if it did."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return None
+
+
+def node_from(env: Mapping[str, str]) -> int | None:
+    """This rank's node index as its launcher numbered it, if it did (torchrun, Slurm)."""
+    for name in ("GROUP_RANK", "SLURM_NODEID"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return None
+
+
+def group_run_id(env: Mapping[str, str], facts: GroupFacts) -> str:
+    """The same string on every rank of one launch: the launcher's job id when there is one
+    (torchrun's run id, Slurm's job and step, Open MPI's job), else the group's store address;
+    ``/r<restart>`` as ``run_id_from`` makes it."""
+    if env.get("TORCHELASTIC_RUN_ID", "") not in ("", "none"):
+        return run_id_from(env)
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}/r{env.get('SLURM_RESTART_COUNT') or 0}"
+    mpi_job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE")
+    if mpi_job:
+        return f"mpi-{mpi_job}/r0"
+    if facts.store_host and facts.store_port:
+        return f"{facts.store_host}:{facts.store_port}/r0"
+    return run_id_from(env)
+
+
+def nodes_by_host(hosts: Mapping[int, str], rank: int) -> tuple[int, int, int, int]:
+    """(local rank, local world size, node, node count) of ``rank`` when nodes are the ranks'
+    hosts: nodes numbered in the order of their lowest rank, ranks on a node by rank."""
+    first: dict[str, int] = {}
+    for r in sorted(hosts):
+        first.setdefault(hosts[r], r)
+    order = sorted(first, key=first.__getitem__)
+    mine = hosts[rank]
+    peers = sorted(r for r, h in hosts.items() if h == mine)
+    return peers.index(rank), len(peers), order.index(mine), len(order)
+
+
+def this_host(settings: Settings) -> str:
+    """The host name this rank reports: PROBING_NODE_HOST, else the machine's."""
+    return settings.node_host or socket.gethostname()
+
+
+def identity_from_group(env: Mapping[str, str], facts: GroupFacts, settings: Settings,
+                        hosts: Mapping[int, str] | None = None, host: str | None = None) -> Identity:
+    """Who a process is once it became a rank: rank and world size from its process group,
+    its node from its launcher's variables, else from ``hosts`` (every rank's host name)."""
+    host = host or this_host(settings)
+    local_rank, node = local_rank_from(env), node_from(env)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", 0) or _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 0) or None
+    node_count = _int(env, "GROUP_WORLD_SIZE", 0) or _int(env, "SLURM_STEP_NUM_NODES", 0) \
+        or _int(env, "SLURM_NNODES", 0) or None
+    if hosts and facts.rank in hosts:
+        by_host = nodes_by_host(hosts, facts.rank)
+        local_rank = by_host[0] if local_rank is None else local_rank
+        local_world = local_world or by_host[1]
+        node = by_host[2] if node is None else node
+        node_count = node_count or by_host[3]
+    if node is None and local_rank is not None and local_world:
+        node = facts.rank // local_world  # torchrun's numbering: nodes fill in rank order
+        node_count = node_count or -(-facts.world_size // local_world)
+    if not local_world and node_count and facts.world_size % node_count == 0:
+        local_world = facts.world_size // node_count
+    role = env.get("ROLE_NAME", "")
+    return Identity(
+        rank=facts.rank,
+        world_size=facts.world_size,
+        local_rank=facts.rank if local_rank is None else local_rank,
+        local_world_size=local_world or facts.world_size,
+        node=node or 0,
+        node_count=node_count or 1,
+        host=host,
+        role=settings.role or ("" if role in ("", "default") else role),
+        run_id=group_run_id(env, facts),
+        master_addr=facts.store_host,
+        master_port=facts.store_port,
+    )
+
+
+def needs_hosts(env: Mapping[str, str]) -> bool:
+    """Only the ranks' host names can say where the nodes are (mp.spawn, mpirun)."""
+    return node_from(env) is None and not (local_rank_from(env) is not None and _int(env, "LOCAL_WORLD_SIZE", 0))

@@ -67,6 +67,9 @@ class StepClock:
         self._grad_hooked: weakref.WeakSet = weakref.WeakSet()  # DDP modules whose gradients we time
         self._watches: list[_GradWatch] = []
         self._learning: list[_GradWatch] = []  # watches still hooked on every parameter
+        # a DDP module on a GPU: the host does not wait for its kernels (DDP's all-reduce runs on
+        # its own stream), so host timers would give launch times, not phases: they stay None
+        self.device_side = False
         self.rows = Ring(rows)
         self._append = self.rows.append
         self._reset_phases()
@@ -132,6 +135,8 @@ class StepClock:
             first = self._first_fwd
             data_ms = (first - last) * 1000.0 if first is not None and last is not None and first >= last else None
             fwd, bwd, wait = self._fwd_ms, self._bwd_ms, self._wait_ms
+            if self.device_side:
+                data_ms = fwd = bwd = wait = opt_ms = None
             phases = (data_ms, fwd, bwd, wait, opt_ms)
             self.compute_ms = fwd + bwd if fwd is not None and bwd is not None else None
             self.comm_wait_ms = wait
@@ -215,6 +220,10 @@ class StepClock:
         """
         try:
             self._grad_hooked.add(module)
+            first = next(iter(module.parameters()), None)
+            if first is not None and first.device.type != "cpu":
+                self.device_side = True
+                return
             watch = _GradWatch(module, self)
             if watch.handles:
                 self._watches.append(watch)

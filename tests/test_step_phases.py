@@ -161,3 +161,20 @@ def test_after_the_first_backward_only_the_last_gradients_stay_hooked(ddp_world_
         clock.remove_hooks()
     assert clock.watched_gradients == 0
     assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+
+
+def test_a_module_on_a_gpu_leaves_every_phase_null():
+    import torch
+
+    t = [0.0]
+    clock = StepClock(clock=lambda: t[0])
+    clock._hook_grads(torch.nn.Linear(2, 2, device="meta"))  # not the CPU: kernels run apart from the host
+    assert clock.device_side and clock.watched_gradients == 0
+    for x, hook in ((0.0, clock.on_step), (1.0, clock.on_forward_start), (1.1, clock.on_forward_end),
+                    (1.2, clock.on_backward_start), (1.3, clock.on_grad_ready), (1.5, clock.on_backward_end),
+                    (1.6, clock.on_step_pre), (1.7, clock.on_step)):
+        t[0] = x
+        hook()
+    step, _start, duration, *phases = clock.snapshot()[-1]
+    assert step == 2 and duration == pytest.approx(1700.0) and phases == [None] * 5
+    assert clock.compute_ms is None and clock.comm_wait_ms is None

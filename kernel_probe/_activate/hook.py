@@ -1,7 +1,11 @@
 """``PROBING=1``: start a probe at interpreter start (run from a ``.pth`` file).
 
-Skipped in the torchrun agent (it is not a rank), in our own CLI, in multiprocessing
-children, and in any subprocess of a process that already owns a probe. Never raises:
+A process torchrun started knows its rank now and starts its probe at once; one that
+becomes a rank later (mp.spawn's children, mpirun's and srun's tasks, scripts that set
+their rank themselves) starts it when ``init_process_group`` returns (``rank_hook``);
+any other process is a job of one until it becomes a rank or launches ranks.
+Nothing starts in the torchrun agent, our own CLI or pip; multiprocessing children and
+subprocesses of a process that owns a probe only wait to become ranks. Never raises:
 an import-time failure here must not break the user's interpreter.
 """
 
@@ -11,24 +15,37 @@ import os
 import sys
 
 
-def _skip() -> bool:
-    argv = list(getattr(sys, "orig_argv", None) or sys.argv or [])
+def _argv() -> list[str]:
+    return list(getattr(sys, "orig_argv", None) or sys.argv or [])
+
+
+def _never_a_rank() -> bool:
+    argv = _argv()
     joined = " ".join(argv)
     exe = os.path.basename(argv[0]) if argv else ""
     if "torch.distributed.run" in joined or "torch.distributed.launch" in joined:
         return True
     if any(os.path.basename(a) in ("torchrun", "kernel-probe") for a in argv[:2]) or "kernel_probe.cli" in joined:
         return True
-    if "multiprocessing" in joined or "--multiprocessing-fork" in joined:
-        return True
     return exe in ("pip", "pip3")
+
+
+def _multiprocessing_child() -> bool:
+    """A spawn or forkserver child, the forkserver or the resource tracker (``-c`` code of theirs)."""
+    argv = _argv()
+    return "--multiprocessing-fork" in argv or any(a.startswith("from multiprocessing.") for a in argv)
 
 
 def maybe_start() -> None:
     try:
-        from kernel_probe.config import probe_wanted
+        if _never_a_rank():
+            return
+        from kernel_probe._activate import rank_hook
 
-        if not probe_wanted() or _skip():
+        rank_hook.install()
+        from kernel_probe.config import probe_wanted, waits_for_process_group
+
+        if _multiprocessing_child() or not probe_wanted() or waits_for_process_group(os.environ):
             return
         import kernel_probe
 

@@ -1,12 +1,15 @@
 """Discovery through the job's own TCPStore (DESIGN.md section 2, "Discovery").
 
 torchrun hands every worker ``MASTER_ADDR``/``MASTER_PORT`` of the agent's store; a
-client works without ``init_process_group``. The probe keeps three keys there, all
+client works without ``init_process_group``. A process that becomes a rank in
+``init_process_group`` (mp.spawn, mpirun, srun) uses its process group's TCPStore. The probe keeps four keys there, all
 under ``probing/``:
 
 * ``MASTER_KEY``  -- the root's endpoint and incarnation (set by the root).
 * ``LOCAL0_KEY``  -- each node's broker, elected with ``compare_set``.
 * ``SECRET_KEY``  -- a per-job random secret when no auth token is configured.
+* ``HOST_KEY``    -- each rank's host, when only the hosts can say which ranks share a
+  node (ranks that became ranks in ``init_process_group``: mp.spawn, mpirun).
 
 Where a client finds the root (issue 10): the store a user knows is the rendezvous
 store at ``--rdzv-endpoint`` (the c10d backend's TCPStore, hosted by one agent), not the
@@ -46,12 +49,14 @@ __all__ = [
     "LOCAL0_KEY",
     "MASTER_KEY",
     "SECRET_KEY",
+    "HOST_KEY",
     "StoreDiscovery",
 ]
 
 MASTER_KEY = "probing/torchrun/{run_id}/master"
 LOCAL0_KEY = "probing/torchrun/{run_id}/node/{node}/local0"
 SECRET_KEY = "probing/torchrun/{run_id}/secret"
+HOST_KEY = "probing/torchrun/{run_id}/host/{rank}"  # each rank's host, where no launcher numbered the nodes
 
 _PREFIX = "probing/"
 _T = TypeVar("_T")
@@ -225,6 +230,24 @@ class StoreDiscovery:
         if not isinstance(value, str) or not value:
             raise DiscoveryError(f"{self._where()}: key {key!r} does not hold a secret string")
         return value
+
+    def publish_host(self, rank: int, host: str) -> None:
+        """Say which host rank ``rank`` runs on (read back by ``read_hosts``)."""
+        key = self._key(HOST_KEY, rank=int(rank))
+        self._call(f"set {key!r}", lambda store: store.set(key, _encode(host)))
+
+    def read_hosts(self, world_size: int) -> dict[int, str] | None:
+        """Every rank's host once all ``world_size`` ranks said it, else None."""
+        keys = [self._key(HOST_KEY, rank=r) for r in range(world_size)]
+        if not self._call("check host keys", lambda store: store.check(keys)):
+            return None
+        hosts = {}
+        for rank, key in enumerate(keys):
+            value = self._decode(key, self._call(f"get {key!r}", lambda store, k=key: store.get(k)))
+            if not isinstance(value, str):
+                raise DiscoveryError(f"{self._where()}: key {key!r} does not hold a host name")
+            hosts[rank] = value
+        return hosts
 
     def close(self) -> None:
         """Drop the client connection; later calls raise DiscoveryError."""
