@@ -1,4 +1,4 @@
-"""Discovery through the job's own TCPStore (DESIGN.md section 2, "Discovery").
+"""Discovery through the job's own TCPStore: no extra service.
 
 torchrun hands every worker ``MASTER_ADDR``/``MASTER_PORT`` of the agent's store; a
 client works without ``init_process_group``. A process that becomes a rank in
@@ -11,7 +11,7 @@ under ``probing/``:
 * ``HOST_KEY``    -- each rank's host, when only the hosts can say which ranks share a
   node (ranks that became ranks in ``init_process_group``: mp.spawn, mpirun).
 
-Where a client finds the root (issue 10): the store a user knows is the rendezvous
+Where a client finds the root: the store a user knows is the rendezvous
 store at ``--rdzv-endpoint`` (the c10d backend's TCPStore, hosted by one agent), not the
 agent store at ``MASTER_PORT`` (measured with torch 2.13: two different TCPStores; the
 workers' environment names only the agent store). So the root also publishes its
@@ -24,7 +24,7 @@ in plain Python (validate, check, get, set, compare_set), so neither ever import
 (~5 s and hundreds of MB here): a rank whose script never imported torch does not gain
 torch's memory from its probe, and ``store://`` answers in milliseconds.
 
-Facts this module is built around (measured, see BUILD_NOTES.md): ``get`` on a missing
+Facts this module is built around (measured on torch 2.13): ``get`` on a missing
 key blocks until the store timeout, so every read does a non-blocking ``check`` first;
 after a store error the client connection can stay broken for good, so any failure
 rebuilds the client once and retries. Callers only ever see ``DiscoveryError`` with a
