@@ -5,6 +5,7 @@
     kernel-probe -t TARGET info              the answering probe's identity
     kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
     kernel-probe -t TARGET stacks            main-thread stacks of every rank, grouped
+    kernel-probe -t TARGET diagnose [--json] why the job is stuck: one sentence, then the findings
 
 Errors are one line on stderr and a non-zero exit, never a traceback.
 """
@@ -49,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stacks", help="main-thread Python stacks of every rank, grouped")
     st.add_argument("--all-threads", action="store_true", help="every thread, not only the main one")
     st.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
+    dg = sub.add_parser("diagnose", help="why the job is stuck: dead or stalled ranks, who never entered a "
+                                         "collective, mismatched collectives, and where the odd ranks are")
+    dg.add_argument("--json", action="store_true", help="the verdict as JSON (summary, findings, checked, coverage)")
+    dg.add_argument("--min-wait", type=float, default=None, metavar="SECONDS",
+                    help="how long a collective must be pending before a rank missing from it counts (default 5)")
+    dg.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     return p
 
 
@@ -217,7 +224,24 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"list": cmd_list, "nodes": cmd_nodes, "info": cmd_info, "query": cmd_query, "stacks": cmd_stacks}
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    import json
+
+    import kernel_probe
+    from .diagnosis.verdict import MIN_WAIT_SEC
+
+    min_wait = MIN_WAIT_SEC if args.min_wait is None else args.min_wait
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
+        result = client.diagnose(timeout=_query_timeout(args), min_wait=min_wait)
+    if args.json:
+        print(json.dumps(result.to_dict(), default=str))
+    else:
+        print(result.text())
+    return 0
+
+
+COMMANDS = {"list": cmd_list, "nodes": cmd_nodes, "info": cmd_info, "query": cmd_query, "stacks": cmd_stacks,
+            "diagnose": cmd_diagnose}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,6 +117,11 @@ def _float(value: Any) -> float | None:
     return number if number == number else None
 
 
+def _true(value: Any) -> bool:
+    """A flag from a bool, numpy's bool or pandas' NULL (NaN, None: not set)."""
+    return value is not None and value == value and bool(value)
+
+
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
@@ -206,7 +211,7 @@ def places(stacks: Iterable[Mapping[str, Any]]) -> dict[int, Place]:
     native: dict[int, list[tuple[int, Mapping]]] = {}
     for row in stacks:
         rank = _int(row.get("_rank"))
-        if rank is None or row.get("is_main") is False:
+        if rank is None or (row.get("is_main") is not None and not _true(row.get("is_main"))):
             continue
         kind = row.get("frame_type")
         into = native if kind == "native" else python
@@ -339,7 +344,7 @@ def _entry(rows: Iterable[Mapping], number: int | None) -> Mapping | None:
         return None
     rows = list(rows)
     return (next((r for r in rows if _int(r.get("op_id")) == number), None)
-            or next((r for r in rows if _int(r.get("collective_seq_id")) == number and not r.get("is_p2p")), None))
+            or next((r for r in rows if _int(r.get("collective_seq_id")) == number and not _true(r.get("is_p2p"))), None))
 
 
 def _group_text(g: _Group, entry: Mapping | None) -> str:
@@ -396,7 +401,7 @@ def _mismatch(g: _Group, at: Mapping[int, Place]) -> list[Finding]:
     for rank, rows in g.entries.items():
         for row in rows:
             seq = _int(row.get("collective_seq_id"))
-            if seq is None or row.get("is_p2p") or seq <= 0:
+            if seq is None or _true(row.get("is_p2p")) or seq <= 0:
                 continue
             by_seq.setdefault(seq, {})[rank] = row
     for seq in sorted(by_seq, reverse=True):

@@ -1,0 +1,61 @@
+"""The verdict on a real torchrun job (2 nodes x 2 ranks, gloo, DDP) that hangs: a rank late
+in Python is named with the group, the op and its place; a rank calling another op at the
+same sequence number is named as the mismatch. Each front end gives the same answer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kernel_probe
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.cluster
+WORKER = str(Path(__file__).parent / "workers" / "hang_worker.py")
+FAST = {"PROBING_CLUSTER_STALE_SEC": "6", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
+        "PROBING_SAMPLE_INTERVAL_SEC": "0.25", "OMP_NUM_THREADS": "1"}
+
+
+def _verdict(root, kind: str, min_wait: float = 1.0):
+    def found():
+        result = root.diagnose(timeout=10, min_wait=min_wait)
+        return result if kind in set(result.findings["kind"]) else None
+
+    return wait_for(found, 50, interval=0.5, what=f"a {kind!r} finding")
+
+
+def test_a_rank_late_in_python_is_named_with_the_group_the_op_and_its_place(launch):
+    launch([WORKER, "--scenario", "late", "--late-sec", "90", "--timeout-sec", "90"],
+                 nodes=2, ranks_per_node=2, mode="torchrun", env=FAST)
+    root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
+    result = _verdict(root, "missing")
+    row = result.findings.iloc[0]
+    assert (row["kind"], row["ranks"], row["group"]) == ("missing", [3], "0"), result.text()
+    assert row["seq"] > 0
+    assert "(all_reduce, [136] float32): ranks 0-2 waiting" in row["detail"], row["detail"]
+    assert "rank 3 never entered it — rank 3 is in fetch_next_batch (hang_worker.py:" in row["detail"], row["detail"]
+    assert result.summary.startswith(f"Collective #{row['seq']} on group 0 [default_pg]")
+    assert not result.coverage["partial"]
+    # the CLI says the same
+    cli = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "diagnose", "--json", "--min-wait", "1"],
+                         capture_output=True, text=True, timeout=60)  # the newest job here (runtime_dir)
+    assert cli.returncode == 0, cli.stderr
+    answer = json.loads(cli.stdout)
+    assert (answer["findings"][0]["kind"], answer["findings"][0]["ranks"]) == ("missing", [3]), cli.stdout
+
+
+def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mismatch(launch):
+    launch([WORKER, "--scenario", "mismatch", "--timeout-sec", "90"], nodes=2, ranks_per_node=2,
+           mode="torchrun", env=FAST)
+    root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
+    result = _verdict(root, "mismatch")
+    (row,) = [r for _, r in result.findings.iterrows() if r["kind"] == "mismatch"]
+    assert (row["ranks"], row["group"]) == ([3], "0"), result.text()
+    assert "mismatched op — ranks 0-2 call all_reduce, [10] float32; rank 3 calls broadcast, [10] float32" \
+        in row["detail"], row["detail"]
+    assert result.summary.startswith(f"Collective #{row['seq']} on group 0 [default_pg]: mismatched op")
