@@ -49,7 +49,12 @@ def test_a_rank_late_in_python_is_named_with_the_group_the_op_and_its_place(laun
     assert (answer["findings"][0]["kind"], answer["findings"][0]["ranks"]) == ("missing", [3]), cli.stdout
 
 
-def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mismatch(launch):
+@pytest.fixture
+def jp_server_config():
+    return {"ServerApp": {"jpserver_extensions": {"probing_magics": True}}}
+
+
+async def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mismatch(launch, jp_fetch, jp_web_app):
     launch([WORKER, "--scenario", "mismatch", "--timeout-sec", "90"], nodes=2, ranks_per_node=2,
            mode="torchrun", env=FAST)
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
@@ -59,3 +64,38 @@ def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mismatch(l
     assert "mismatched op — ranks 0-2 call all_reduce, [10] float32; rank 3 calls broadcast, [10] float32" \
         in row["detail"], row["detail"]
     assert result.summary.startswith(f"Collective #{row['seq']} on group 0 [default_pg]: mismatched op")
+
+    # the REST route: the same verdict as JSON
+    from probing_magics.server import STATE_KEY
+
+    try:
+        resp = await jp_fetch("probing", "api", "jobs", method="GET")
+        (job,) = [j for j in json.loads(resp.body)["jobs"] if j["source"] == "local" and j["alive"]]
+        resp = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "1"},
+                              method="GET", request_timeout=60)
+        body = json.loads(resp.body)
+    finally:
+        clients = jp_web_app.settings.get(STATE_KEY)
+        if clients is not None:
+            clients.close()
+    assert body["summary"] == result.summary and body["healthy"] is False
+    (found,) = [f for f in body["findings"] if f["kind"] == "mismatch"]
+    assert (found["ranks"], found["group"], found["seq"]) == ([3], "0", int(row["seq"]))
+    assert set(body) >= {"summary", "findings", "checked", "coverage", "now"}
+    bad = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "x"}, method="GET",
+                         raise_error=False)
+    assert bad.code == 400
+
+    # the magic: HTML with the sentence on top, then the findings table; text in a terminal
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("reload_ext", "probing_magics")
+    try:
+        view = shell.run_line_magic("cluster_diagnose", "--min-wait 1")
+        page = view._repr_html_()
+        assert page.index("Collective #") < page.index("<table class='probing-findings'>") and "broadcast" in page
+        assert repr(view).splitlines()[0] == view.summary and "- mismatch [group 0 #" in repr(view)
+        assert list(view.findings.columns) == ["kind", "ranks", "group", "seq", "detail", "evidence"]
+    finally:
+        shell.run_line_magic("unload_ext", "probing_magics")
