@@ -74,17 +74,20 @@ async def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mism
         resp = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "1"},
                               method="GET", request_timeout=60)
         body = json.loads(resp.body)
+        bad = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "x"},
+                             method="GET", raise_error=False)
+        unknown = await jp_fetch("probing", "api", "jobs", "nosuchjob", "diagnose", method="GET", raise_error=False)
+        refused = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", method="GET", raise_error=False,
+                                 headers={"Authorization": ""})
     finally:
         clients = jp_web_app.settings.get(STATE_KEY)
-        if clients is not None:
+        if clients is not None:  # closed while this server's event loop is alive
             clients.close()
     assert body["summary"] == result.summary and body["healthy"] is False
     (found,) = [f for f in body["findings"] if f["kind"] == "mismatch"]
     assert (found["ranks"], found["group"], found["seq"]) == ([3], "0", int(row["seq"]))
     assert set(body) >= {"summary", "findings", "checked", "coverage", "now"}
-    bad = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "x"}, method="GET",
-                         raise_error=False)
-    assert bad.code == 400
+    assert (bad.code, unknown.code, refused.code) == (400, 404, 403)
 
     # the magic: HTML with the sentence on top, then the findings table; text in a terminal
     from IPython.testing.globalipapp import get_ipython
