@@ -16,7 +16,7 @@ import kernel_probe
 from .conftest import wait_for
 
 pytestmark = pytest.mark.cluster
-WORKER = str(Path(__file__).parent / "workers" / "hang_worker.py")
+WORKER = str(Path(__file__).parent / "workers" / "ddp_hang_worker.py")
 FAST = {"PROBING_CLUSTER_STALE_SEC": "6", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
         "PROBING_SAMPLE_INTERVAL_SEC": "0.25", "OMP_NUM_THREADS": "1"}
 
@@ -38,7 +38,7 @@ def test_a_rank_late_in_python_is_named_with_the_group_the_op_and_its_place(laun
     assert (row["kind"], row["ranks"], row["group"]) == ("missing", [3], "0"), result.text()
     assert row["seq"] > 0
     assert "(all_reduce, [136] float32): ranks 0-2 waiting" in row["detail"], row["detail"]
-    assert "rank 3 never entered it — rank 3 is in fetch_next_batch (hang_worker.py:" in row["detail"], row["detail"]
+    assert "rank 3 never entered it — rank 3 is in fetch_next_batch (ddp_hang_worker.py:" in row["detail"], row["detail"]
     assert result.summary.startswith(f"Collective #{row['seq']} on group 0 [default_pg]")
     assert not result.coverage["partial"]
     # the CLI says the same
