@@ -31,7 +31,7 @@ def _verdict(root, kind: str, min_wait: float = 1.0):
 
 def test_a_rank_late_in_python_is_named_with_the_group_the_op_and_its_place(launch):
     launch([WORKER, "--scenario", "late", "--late-sec", "90", "--timeout-sec", "90"],
-                 nodes=2, ranks_per_node=2, mode="torchrun", env=FAST)
+           nodes=2, ranks_per_node=2, mode="torchrun", env={**FAST, "PROBING_CLUSTER_STALL_SEC": "3"})
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
     result = _verdict(root, "missing")
     row = result.findings.iloc[0]
@@ -47,6 +47,21 @@ def test_a_rank_late_in_python_is_named_with_the_group_the_op_and_its_place(laun
     assert cli.returncode == 0, cli.stderr
     answer = json.loads(cli.stdout)
     assert (answer["findings"][0]["kind"], answer["findings"][0]["ranks"]) == ("missing", [3]), cli.stdout
+
+    # the %cluster_nodes view: once ranks are stalled, a line with the verdict
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("reload_ext", "probing_magics")
+    try:
+        assert shell.run_cell("%cluster_nodes --interval 0.5").error_in_exec is None
+        view = shell._probing_magics.views[""]
+        wait_for(lambda: view.verdict_summary.startswith("Collective #"), 30, interval=0.2,
+                 what="the verdict's line in the nodes view")
+        assert "rank 3 never entered it" in view.verdict.value and "⚠" in view.verdict.value
+        assert view.verdict_summary in view._repr_mimebundle_()["text/plain"]
+    finally:
+        shell.run_line_magic("unload_ext", "probing_magics")
 
 
 @pytest.fixture
