@@ -15,7 +15,7 @@ What it reads from the recorder:
 - A rank whose ``last_enqueued`` is behind the group's newest never entered that
   collective. Gloo's sender of a send/recv may report ``last_completed`` behind although
   done, so "waiting" alone (entered, not completed) is a finding only when every rank of
-  the group is in it and it is old.
+  the group is in it, it is old, and the membership says a rank of the group is stalled.
 - At one sequence number of one group every rank must call the same op with the same
   dtypes (and, for the ops below, the same sizes); a different one is a mismatch, and the
   ranks that differ from the most common call are its culprits.
@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..rank_lists import rank_span
 
-KINDS = ("missing", "mismatch", "dead", "stalled", "waiting")  # the order findings are listed in
+KINDS = ("missing", "mismatch", "dead", "waiting", "stalled")  # the order findings are listed in
 FINDING_COLUMNS = ("kind", "ranks", "group", "seq", "detail", "evidence")
 # a collective pending on some ranks for less than this is a rank a little behind, not a hang
 MIN_WAIT_SEC = 5.0
@@ -434,10 +434,12 @@ def _mismatch(g: _Group, at: Mapping[int, Place]) -> list[Finding]:
     return []
 
 
-def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place]) -> list[Finding]:
-    """Every rank of the group in the same collective, none done, for a while."""
+def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], stalled: set[int]
+             ) -> list[Finding]:
+    """Every rank of the group in the same collective, none done, for a while, and a rank of
+    the group stalled (gloo's counts alone can lag behind a collective that is done)."""
     known = {r: st for r, st in g.status.items() if st[0] is not None}
-    if len(known) < 2 or (g.members and set(g.members) - set(known)):
+    if len(known) < 2 or (g.members and set(g.members) - set(known)) or not stalled & set(known):
         return []
     enqueued = {st[0] for st in known.values()}
     if len(enqueued) != 1:
@@ -473,6 +475,7 @@ def diagnose(nodes: Sequence[Mapping[str, Any]], process_groups: Sequence[Mappin
     at = places(stacks)
     findings, dead = _membership(nodes, departures, now, at)
     groups = _groups(process_groups, collectives)
+    stalled = {r for f in findings if f.kind == "stalled" for r in f.ranks}
     for name in sorted(groups, key=lambda n: (len(n), n)):
         g = groups[name]
         missing = _missing(g, now, min_wait, at, dead)
@@ -480,7 +483,7 @@ def diagnose(nodes: Sequence[Mapping[str, Any]], process_groups: Sequence[Mappin
         mismatch = _mismatch(g, at)
         findings += mismatch
         if not missing and not mismatch:
-            findings += _waiting(g, now, min_wait, at)
+            findings += _waiting(g, now, min_wait, at, stalled)
     findings.sort(key=lambda f: KINDS.index(f.kind))
 
     ranks_seen = sorted({_int(m.get("rank")) for m in nodes} - {None})
