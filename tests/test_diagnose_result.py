@@ -83,3 +83,20 @@ def test_the_view_puts_the_sentence_above_the_table_and_escapes():
     page = VerdictView(d.build(members, groups, entries, stacks, now=T0))._repr_html_()
     assert page.index("Collective #9") < page.index("<table class='probing-findings'>")
     assert "&lt;lambda&gt;" in page and "<lambda>" not in page
+
+
+def test_the_magic_refuses_bad_options_before_connecting():
+    import pytest
+    from IPython.core.error import UsageError
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("reload_ext", "probing_magics")
+    try:
+        for line in ("--bogus", "--min-wait", "extra"):
+            with pytest.raises(UsageError, match="usage: %cluster_diagnose"):
+                shell.run_line_magic("cluster_diagnose", line)
+        with pytest.raises(UsageError, match="--min-wait takes a number of seconds"):
+            shell.run_line_magic("cluster_diagnose", "--min-wait x")
+    finally:
+        shell.run_line_magic("unload_ext", "probing_magics")
