@@ -7,6 +7,7 @@
     kernel-probe -t TARGET stacks            main-thread stacks of every rank, grouped
     kernel-probe -t dump://DIR query|nodes|stacks|info   the same over an ended job's dumps
     kernel-probe -t TARGET dump DIR          a live job's dumps, as its ranks write them when they die
+    kernel-probe -t TARGET diagnose [--json] why the job is stuck: one sentence, then the findings
 
 Errors are one line on stderr and a non-zero exit, never a traceback.
 """
@@ -55,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     dump = sub.add_parser("dump", help="write a live job's dumps under DIR (read them with -t dump://DIR)")
     dump.add_argument("dir")
     dump.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="deadline of each query (default 10)")
+    dg = sub.add_parser("diagnose", help="why the job is stuck: dead or stalled ranks, who never entered a "
+                                         "collective, mismatched collectives, and where the odd ranks are")
+    dg.add_argument("--json", action="store_true", help="the verdict as JSON (summary, findings, checked, coverage)")
+    dg.add_argument("--min-wait", type=float, default=None, metavar="SECONDS",
+                    help="how long a collective must be pending before a rank missing from it counts (default 5)")
+    dg.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     return p
 
 
@@ -238,7 +245,24 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"dump": cmd_dump, "list": cmd_list, "nodes": cmd_nodes, "info": cmd_info, "query": cmd_query, "stacks": cmd_stacks}
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    import json
+
+    import kernel_probe
+    from .diagnosis.verdict import MIN_WAIT_SEC
+
+    min_wait = MIN_WAIT_SEC if args.min_wait is None else args.min_wait
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
+        result = client.diagnose(timeout=_query_timeout(args), min_wait=min_wait)
+    if args.json:
+        print(json.dumps(result.to_dict(), default=str))
+    else:
+        print(result.text())
+    return 0
+
+
+COMMANDS = {"list": cmd_list, "nodes": cmd_nodes, "info": cmd_info, "query": cmd_query, "stacks": cmd_stacks,
+            "diagnose": cmd_diagnose, "dump": cmd_dump}
 
 
 def main(argv: list[str] | None = None) -> int:

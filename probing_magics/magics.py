@@ -1,5 +1,5 @@
 """The IPython magics: ``%cluster_connect``, ``%%cluster_sql``, ``%cluster_stacks``, ``%cluster_nodes``,
-``%cluster_dump``.
+``%cluster_dump``, ``%cluster_diagnose``.
 
 State lives on the magics instance of one shell (its client, its live views), never on
 the class. Every cluster failure is shown as one line (``ClusterError``), bad options as
@@ -28,6 +28,7 @@ CONNECT_USAGE = "usage: %cluster_connect [TARGET] [--token-env VAR] [--timeout S
 STACKS_USAGE = "usage: %cluster_stacks [--ranks SPEC] [--timeout S]"
 NODES_USAGE = "usage: %cluster_nodes [--interval S]"
 DUMP_USAGE = "usage: %cluster_dump DIR [--timeout S]"
+DIAGNOSE_USAGE = "usage: %cluster_diagnose [--min-wait S] [--timeout S]"
 NOT_CONNECTED = "not connected — run %cluster_connect"
 INTERRUPTED = "query interrupted; the connection is still usable"
 
@@ -253,6 +254,30 @@ class ClusterMagics(Magics):
         return StacksView(group_stacks(result.table.to_pylist()), result.footer(),
                           bool(result.coverage.get("partial")))
 
+    # ------------------------------------------------------------------ the verdict
+    @line_magic
+    def cluster_diagnose(self, line: str) -> Any:
+        """%cluster_diagnose [--min-wait S] [--timeout S]
+
+        Why the job is stuck: one sentence, then the findings (dead and stalled ranks, a
+        collective some ranks never entered, a mismatched collective, where the odd ranks
+        are). ``.findings`` of the answer is a DataFrame."""
+        from kernel_probe.diagnosis.verdict import MIN_WAIT_SEC
+
+        from .verdict_view import VerdictView
+
+        cmd = parse_options(line, {"--min-wait", "--timeout"}, DIAGNOSE_USAGE)
+        timeout = seconds_option(cmd, "--timeout", self.settings.timeout)
+        min_wait = seconds_option(cmd, "--min-wait", MIN_WAIT_SEC)
+        client = self.connected()
+        try:
+            return VerdictView(client.diagnose(timeout=timeout, min_wait=min_wait))
+        except KeyboardInterrupt:
+            print(INTERRUPTED)
+            return None
+        except kernel_probe.ProbeError as exc:
+            raise self._failed(exc) from None
+
     # ------------------------------------------------------------------ live view
     @line_magic
     def cluster_nodes(self, line: str) -> None:
@@ -334,7 +359,8 @@ class ClusterMagics(Magics):
         self._drop_client()
 
 
-_MAGIC_NAMES = {"line": ["cluster_connect", "cluster_sql", "cluster_stacks", "cluster_nodes", "cluster_dump"],
+_MAGIC_NAMES = {"line": ["cluster_connect", "cluster_sql", "cluster_stacks", "cluster_nodes", "cluster_dump",
+                         "cluster_diagnose"],
                 "cell": ["cluster_sql"]}
 
 

@@ -12,6 +12,9 @@ is launched again (same run id) its client follows it there (``kernel_probe.clie
 and the view shows the new launch, saying once that the job restarted. A saved or
 converted notebook shows the last table: the view's display carries it as ``text/html``
 next to the widget.
+
+While a rank is stalled or dead, a line under the counts gives the job's verdict (why it
+is stuck, ``Client.diagnose``), asked again every ``VERDICT_EVERY_SEC`` at most.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from .display import ERROR, MUTED, WARN
 THREAD_PREFIX = "probing-nodes-view"
 RELAUNCH_WATCH_SEC = 2.0  # between launches: how often an ended job is checked for a relaunch
 NOTICE_SEC = 60.0  # how long "job X restarted ..." stays in the summary
+VERDICT_EVERY_SEC = 10.0  # while a rank is stalled or dead: how often the verdict is asked again
+VERDICT_STATES = ("stalled", "dead")
 ENDED = "job ended; waiting for a relaunch"
 STATE_COLOURS = {"alive": "var(--jp-success-color1, #2e7d32)", "stalled": WARN, "dead": ERROR}
 _counter = itertools.count(1)
@@ -132,6 +137,18 @@ def render_table(raw: dict, now: float) -> str:
     return "".join(out)
 
 
+def needs_verdict(raw: dict) -> bool:
+    """A rank is stalled or dead: the view shows why the job is stuck."""
+    return any(m.get("state") in VERDICT_STATES for m in raw.get("members") or ())
+
+
+def render_verdict(summary: str) -> str:
+    """The verdict's sentence as the view's line ('' hides it)."""
+    if not summary:
+        return ""
+    return f"<div class='probing-verdict' style='color:{ERROR};font-weight:bold'>⚠ {html.escape(summary)}</div>"
+
+
 class NodesView(widgets.VBox):
     """The live membership table of one job (see the module docstring)."""
 
@@ -139,7 +156,10 @@ class NodesView(widgets.VBox):
                  timeout: float = 5.0) -> None:
         self.summary = widgets.HTML("<i>connecting…</i>")
         self.table = widgets.HTML("")
-        super().__init__([self.summary, self.table])
+        self.verdict = widgets.HTML("")  # why it is stuck, while a rank is stalled or dead
+        self.verdict_summary = ""  # the verdict's sentence shown ('' while none)
+        self._verdict_due = 0.0
+        super().__init__([self.summary, self.verdict, self.table])
         self.add_class("probing-nodes-view")
         self.target, self._token = target, token
         self.interval, self.timeout = interval, timeout
@@ -187,15 +207,15 @@ class NodesView(widgets.VBox):
 
     def close(self) -> None:
         self._stop.set()
-        for child in (self.summary, self.table):
+        for child in (self.summary, self.verdict, self.table):
             child.close()
         super().close()
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict | None:
         data = super()._repr_mimebundle_(**kwargs)
         if data is not None:  # a static copy for saved / converted notebooks
-            data["text/html"] = self.summary.value + self.table.value
-            data["text/plain"] = self.text
+            data["text/html"] = self.summary.value + self.verdict.value + self.table.value
+            data["text/plain"] = self.text + (f"\n{self.verdict_summary}" if self.verdict_summary else "")
         return data
 
     # -------------------------------------------------------------- the view's own thread
@@ -215,6 +235,7 @@ class NodesView(widgets.VBox):
                     note = self.notice if self.notice and time.monotonic() < self._notice_until else ""
                     self.text = render_text(raw, self.run_id, now, note)
                     self._show(render_summary(raw, self.run_id, now, note), render_table(raw, now))
+                    self._update_verdict(client, raw)
                 except kernel_probe.JobEndedError as exc:
                     self._ended(str(exc))
                 except kernel_probe.ProbeError as exc:
@@ -252,6 +273,29 @@ class NodesView(widgets.VBox):
         path = client.connection.path if client.connection is not None else None
         if path and self.target and not str(self.target).startswith(("tcp://", "store://")):
             self.target = str(path)  # a reconnect goes to the new launch's file
+
+    def _update_verdict(self, client: kernel_probe.Client, raw: dict) -> None:
+        """Ask for the verdict while a rank is stalled or dead (at most every VERDICT_EVERY_SEC);
+        hide the line once every rank is alive again."""
+        if not needs_verdict(raw):
+            self._verdict_due = 0.0
+            if self.verdict_summary:
+                self._show_verdict("")
+            return
+        if time.monotonic() < self._verdict_due:
+            return
+        self._verdict_due = time.monotonic() + VERDICT_EVERY_SEC
+        try:
+            summary = client.diagnose(timeout=min(self.timeout, 5.0)).summary
+        except kernel_probe.ProbeError as exc:
+            summary = f"no verdict: {str(exc).splitlines()[0]}"
+        self._show_verdict(summary)
+
+    def _show_verdict(self, summary: str) -> None:
+        self.verdict_summary = summary
+        if self._stop.is_set() or self.comm is None:
+            return
+        self.verdict.value = render_verdict(summary)
 
     def _target_gone(self) -> bool:
         """A connection-file target whose file was removed: the job stopped cleanly."""

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from .. import wire
+from . import diagnose as diagnosis
 from . import results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
 from .errors import AuthError, ConnectError, JobEndedError, ProbeError, QueryFailed, Refused
@@ -222,6 +223,17 @@ class AsyncClient(ClientState):
 
     async def departures(self, timeout: float = 5.0) -> "pd.DataFrame":
         return results.departures_frame((await self.nodes_raw(timeout))["departures"])
+
+    async def diagnose(self, timeout: float = 10.0,
+                       min_wait: float = diagnosis.MIN_WAIT_SEC) -> diagnosis.DiagnoseResult:
+        """As ``Client.diagnose``; membership, the groups and the stacks are asked at once."""
+        now = time.time()
+        members, groups, stacks = await asyncio.gather(
+            self.nodes_raw(min(timeout, 5.0)), self.query(diagnosis.GROUPS_SQL, timeout=timeout),
+            self.query(diagnosis.STACKS_SQL, timeout=timeout))
+        asked = diagnosis.entries_query(groups.df.to_dict("records"))
+        entries = None if asked is None else await self.query(asked[0], timeout=timeout, params=asked[1])
+        return diagnosis.build(members, groups, entries, stacks, now, min_wait)
 
     def close(self) -> None:
         """Close the socket; requests still waiting fail with ``ConnectError``."""

@@ -24,6 +24,7 @@ import zmq
 
 from .. import wire
 from ..shell import connfile
+from . import diagnose as diagnosis
 from . import results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
 from .errors import AuthError, JobEndedError, ProbeError, QueryFailed, Refused
@@ -292,6 +293,20 @@ class Client(ClientState):
     def departures(self, timeout: float = 5.0) -> "pd.DataFrame":
         """Ranks that died or left: rank, incarnation, host, pid, when, why."""
         return results.departures_frame(self.nodes_raw(timeout)["departures"])
+
+    def diagnose(self, timeout: float = 10.0, min_wait: float = diagnosis.MIN_WAIT_SEC) -> diagnosis.DiagnoseResult:
+        """Why the job is stuck, if it is: dead and stalled ranks, a collective some ranks of a
+        group entered and others never did, a mismatched call at one sequence number, and
+        where the odd ranks are. ``.summary`` (one sentence), ``.findings`` (a DataFrame:
+        kind, ranks, group, seq, detail, evidence), ``.checked``, ``.coverage``. ``min_wait``:
+        seconds a collective must be pending before a rank missing from it is a finding."""
+        now = time.time()
+        members = self.nodes_raw(min(timeout, 5.0))
+        groups = self.query(diagnosis.GROUPS_SQL, timeout=timeout)
+        asked = diagnosis.entries_query(groups.df.to_dict("records"))
+        entries = None if asked is None else self.query(asked[0], timeout=timeout, params=asked[1])
+        stacks = self.query(diagnosis.STACKS_SQL, timeout=timeout)
+        return diagnosis.build(members, groups, entries, stacks, now, min_wait)
 
     def close(self) -> None:
         with self._io:

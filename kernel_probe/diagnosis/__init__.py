@@ -2,4 +2,6 @@
 
 ``flight_recorder``: torch's record of the collectives each process group enqueued, as
 rows of the ``collectives`` and ``process_groups`` tables.
+
+``verdict``: why a job is stuck, from membership, those rows and the main threads' stacks.
 """

@@ -13,11 +13,24 @@
  * A tick that cannot reach the Jupyter server rejects, so the lumino `Poll` backs off
  * and only pings the version route until the server answers again. The poll stands by
  * while the panel is hidden or the browser tab is in the background.
+ * While a rank of the shown job is stalled or dead, the verdict (why it is stuck) is asked
+ * beside the poll, at most every VERDICT_EVERY_MS, and shown as a banner.
  */
 import { IPoll, Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { API_VERSION, ApiError, IJob, INodes, IStackGroup, IVersion, ProbingApi, ServerGone, api } from './request';
+import {
+  API_VERSION,
+  ApiError,
+  IJob,
+  INodes,
+  IStackGroup,
+  IVerdict,
+  IVersion,
+  ProbingApi,
+  ServerGone,
+  api
+} from './request';
 
 export type Status =
   | 'starting'
@@ -31,6 +44,15 @@ export type Status =
 
 export const MAX_BACKOFF_MS = 15_000;
 const BACKOFF_FACTOR = 2; // after an error the next tick waits up to 2x longer, at most 15 s
+
+/** While a rank is stalled or dead: how often the verdict is asked again. */
+export const VERDICT_EVERY_MS = 10_000;
+const VERDICT_STATES = ['stalled', 'dead'];
+
+/** Whether the panel asks why the job is stuck: a rank is stalled or dead. */
+export function needsVerdict(nodes: INodes): boolean {
+  return nodes.members.some(m => VERDICT_STATES.includes(m.state));
+}
 
 /** The states every summary lists (0 included), in this order; others follow as met. */
 export const STATES = ['alive', 'stalled', 'dead'];
@@ -165,6 +187,10 @@ export class ClusterModel {
   /** The poll's phase and the wait before its next tick (grows while the server fails). */
   get pollState(): IPoll.State<void, void, 'standby'> {
     return this._poll.state;
+  }
+  /** Why the shown job is stuck, while a rank is stalled or dead (null otherwise, or not yet known). */
+  get verdict(): IVerdict | null {
+    return this._verdict;
   }
   /** "job X restarted: following its new launch …", shown once per relaunch until dismissed. */
   get notice(): string {
@@ -318,6 +344,7 @@ export class ClusterModel {
         this._nodes = nodes;
         this._updated = new Date();
         this._set('ready', '');
+        this._askVerdict(job.id, nodes);
       } catch (error) {
         if (choice !== this._choice) {
           return;
@@ -352,7 +379,43 @@ export class ClusterModel {
     }
   }
 
+  /** Beside the poll (a verdict takes a few queries): never delays the membership's refresh. */
+  private _askVerdict(jobId: string, nodes: INodes): void {
+    if (!needsVerdict(nodes)) {
+      this._verdictDue = 0;
+      if (this._verdict !== null) {
+        this._verdict = null;
+        this._changed.emit();
+      }
+      return;
+    }
+    if (this._verdictAsking || Date.now() < this._verdictDue) {
+      return;
+    }
+    this._verdictAsking = true;
+    this._verdictDue = Date.now() + VERDICT_EVERY_MS;
+    const asked = this._verdictAsked;
+    this._api
+      .diagnose(jobId)
+      .then(verdict => {
+        if (asked === this._verdictAsked && this._shown === jobId) {
+          this._verdict = verdict;
+          this._changed.emit();
+        }
+      })
+      .catch(() => undefined) // the next due time asks again; the membership shows what is known
+      .finally(() => {
+        if (asked === this._verdictAsked) {
+          this._verdictAsking = false;
+        }
+      });
+  }
+
   private _forgetJob(): void {
+    this._verdictAsked++; // a verdict still on its way belongs to the job left
+    this._verdictAsking = false;
+    this._verdictDue = 0;
+    this._verdict = null;
     this._stackAsked++; // a stack still on its way belongs to the job left
     this._shown = null;
     this._nodes = null;
@@ -387,6 +450,10 @@ export class ClusterModel {
   private _stackMessage = '';
   private _stackAsked = 0;
   private _notice = '';
+  private _verdict: IVerdict | null = null;
+  private _verdictAsked = 0;
+  private _verdictAsking = false;
+  private _verdictDue = 0;
   private _restartsSeen = new Map<string, number>();
   private _visible = false;
   private _started = false;

@@ -293,6 +293,11 @@ function ClusterBody({ model }: { model: ClusterModel }): JSX.Element {
       {nodes && model.status === 'ready' && (
         <>
           <Summary nodes={nodes} updated={model.updated} />
+          {model.verdict && !model.verdict.healthy && (
+            <div className="pm-Cluster-verdict" title={model.verdict.checked.join('; ')}>
+              {model.verdict.summary}
+            </div>
+          )}
           <Nodes model={model} nodes={nodes} />
           <Stack model={model} />
         </>

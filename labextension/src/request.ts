@@ -122,6 +122,26 @@ export interface IStacks {
   footer: string;
 }
 
+/** One finding of the verdict (a row: kind, ranks, group, seq, detail, evidence). */
+export interface IFinding {
+  kind: string;
+  ranks: number[];
+  group: string | null;
+  seq: number | null;
+  detail: string;
+  evidence: string;
+}
+
+/** GET jobs/<id>/diagnose: why the job is stuck. */
+export interface IVerdict {
+  /** One plain sentence: the first finding, or "No hang found: ...". */
+  summary: string;
+  findings: IFinding[];
+  checked: string[];
+  healthy: boolean;
+  now: number;
+}
+
 /** The Jupyter server did not answer (stopped, restarting, network down). */
 export class ServerGone extends Error {
   constructor(message: string) {
@@ -200,5 +220,6 @@ export const api = {
   removeJob: (id: string): Promise<void> => request<void>(`jobs/${encodeURIComponent(id)}`, { method: 'DELETE' }),
   nodes: (id: string): Promise<INodes> => request<INodes>(`jobs/${encodeURIComponent(id)}/nodes`),
   stacks: (id: string, ranks?: string): Promise<IStacks> =>
-    request<IStacks>(`jobs/${encodeURIComponent(id)}/stacks`, {}, ranks ? `?ranks=${encodeURIComponent(ranks)}` : '')
+    request<IStacks>(`jobs/${encodeURIComponent(id)}/stacks`, {}, ranks ? `?ranks=${encodeURIComponent(ranks)}` : ''),
+  diagnose: (id: string): Promise<IVerdict> => request<IVerdict>(`jobs/${encodeURIComponent(id)}/diagnose`)
 };

@@ -21,6 +21,7 @@ from jupyter_server.utils import url_path_join
 
 import kernel_probe
 from kernel_probe.client import ANSWER_GRACE
+from kernel_probe.diagnosis.verdict import MIN_WAIT_SEC
 from kernel_probe.membership.view import membership_view
 from kernel_probe.summaries import group_stacks, parse_ranks, stacks_sql
 
@@ -266,6 +267,28 @@ class StacksHandler(ProbingHandler):
         }))
 
 
+class DiagnoseHandler(ProbingHandler):
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def get(self, job_id: str) -> None:
+        timeout = _timeout(self.get_query_argument("timeout", None), 10.0)
+        min_wait = self.get_query_argument("min_wait", None)
+        try:
+            min_wait_sec = MIN_WAIT_SEC if min_wait in (None, "") else float(min_wait)
+        except ValueError:
+            raise ApiError(400, "bad_request", f"bad min_wait {min_wait!r}: expected seconds") from None
+        if not 0 <= min_wait_sec <= MAX_TIMEOUT * 12:
+            raise ApiError(400, "bad_request", "min_wait must be seconds, not negative")
+
+        async def diagnose(client: kernel_probe.AsyncClient) -> Any:
+            return await client.diagnose(timeout=timeout, min_wait=min_wait_sec)
+
+        # two rounds: membership, groups and stacks at once, then the groups' recorder entries
+        result = await self.clients.call(job_id, diagnose, 2 * (timeout + ANSWER_GRACE))
+        self.reply(json_safe({**result.to_dict(), "healthy": result.healthy, "now": time.time()}))
+
+
 def setup_handlers(web_app: tornado.web.Application) -> ClusterClients:
     """Register the routes under the server's base_url; returns the server's job clients."""
     clients = web_app.settings.get(STATE_KEY)
@@ -279,5 +302,6 @@ def setup_handlers(web_app: tornado.web.Application) -> ClusterClients:
         (url_path_join(base, "jobs", JOB_ID, "nodes"), NodesHandler),
         (url_path_join(base, "jobs", JOB_ID, "query"), QueryHandler),
         (url_path_join(base, "jobs", JOB_ID, "stacks"), StacksHandler),
+        (url_path_join(base, "jobs", JOB_ID, "diagnose"), DiagnoseHandler),
     ])
     return clients

@@ -1,10 +1,21 @@
 /**
  * The panel's model on fixed payloads, with the server's routes replaced by a fake.
  */
-import { ClusterModel, MAX_BACKOFF_MS, rankGroups, stateCounts } from '../model';
-import { ApiError, IJob, IMember, INodes, IStacks, ProbingApi, ServerGone } from '../request';
+import { ClusterModel, MAX_BACKOFF_MS, VERDICT_EVERY_MS, needsVerdict, rankGroups, stateCounts } from '../model';
+import { ApiError, IJob, IMember, INodes, IStacks, IVerdict, ProbingApi, ServerGone } from '../request';
 
 const VERSION = { api: 1, package: '0.1.0', protocol: 1 };
+const VERDICT: IVerdict = {
+  summary:
+    'Collective #9 on group 0 [default_pg] (all_reduce, [136] float32): ranks 0-2 waiting 41 s; ' +
+    'rank 3 never entered it — rank 3 is in fetch_next_batch (train.py:42).',
+  findings: [
+    { kind: 'missing', ranks: [3], group: '0', seq: 9, detail: 'collective #9 …', evidence: 'last enqueued …' }
+  ],
+  checked: ['membership of 4 ranks (4 alive)'],
+  healthy: false,
+  now: 2000
+};
 
 function job(id: string, extra: Partial<IJob> = {}): IJob {
   return {
@@ -101,7 +112,8 @@ function fakeApi(jobs: IJob[] = [job('A')]): Fake {
     addJob: jest.fn(),
     removeJob: jest.fn(async () => undefined),
     nodes: jest.fn(async (id: string) => nodes(id)),
-    stacks: jest.fn()
+    stacks: jest.fn(),
+    diagnose: jest.fn(async () => VERDICT)
   };
 }
 
@@ -130,6 +142,63 @@ function track(model: ClusterModel): ClusterModel {
   models.push(model);
   return model;
 }
+
+describe('the verdict banner', () => {
+  const stalled = (id: string) =>
+    nodes(id, { members: [member(0, 0), member(1, 0), member(2, 1), member(3, 1, { state: 'stalled' })] });
+
+  it('is asked only while a rank is stalled or dead, and at most every VERDICT_EVERY_MS', async () => {
+    const api = fakeApi();
+    const model = track(started(api));
+    await model.refresh();
+    expect(api.diagnose).not.toHaveBeenCalled();
+    expect(model.verdict).toBeNull();
+
+    api.nodes.mockImplementation(async (id: string) => stalled(id));
+    await model.refresh();
+    await settle();
+    expect(api.diagnose).toHaveBeenCalledTimes(1);
+    expect(api.diagnose).toHaveBeenLastCalledWith('A');
+    expect(model.verdict?.summary).toBe(VERDICT.summary);
+
+    await model.refresh(); // within VERDICT_EVERY_MS: not asked again
+    await settle();
+    expect(api.diagnose).toHaveBeenCalledTimes(1);
+    const now = Date.now();
+    jest.spyOn(Date, 'now').mockReturnValue(now + VERDICT_EVERY_MS + 1);
+    await model.refresh();
+    await settle();
+    expect(api.diagnose).toHaveBeenCalledTimes(2);
+
+    api.nodes.mockImplementation(async (id: string) => nodes(id)); // every rank alive again
+    await model.refresh();
+    expect(model.verdict).toBeNull();
+  });
+
+  it('drops a verdict that arrives after the job changed, and survives a failing one', async () => {
+    const api = fakeApi([job('A'), job('B')]);
+    api.nodes.mockImplementation(async (id: string) => stalled(id));
+    const fromA = later<IVerdict>();
+    api.diagnose.mockReturnValueOnce(fromA.promise).mockRejectedValueOnce(new ApiError(504, 'timeout', 'slow'));
+    const model = track(started(api, 'A'));
+    await model.refresh();
+    expect(api.diagnose).toHaveBeenLastCalledWith('A');
+    model.choose('B');
+    await model.refresh();
+    await settle();
+    expect(api.diagnose).toHaveBeenLastCalledWith('B');
+    fromA.resolve(VERDICT);
+    await settle();
+    expect(model.job?.id).toBe('B');
+    expect(model.verdict).toBeNull(); // A's verdict does not land under B, B's failed
+  });
+
+  it('needs a stalled or dead rank', () => {
+    expect(needsVerdict(nodes('A'))).toBe(false);
+    expect(needsVerdict(stalled('A'))).toBe(true);
+    expect(needsVerdict(nodes('A', { members: [member(0, 0, { state: 'dead' })] }))).toBe(true);
+  });
+});
 
 describe('the stack of a rank', () => {
   it('keeps a reply only for the job and rank it was asked for', async () => {

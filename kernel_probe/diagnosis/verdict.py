@@ -1,0 +1,520 @@
+"""Why a job is stuck: one verdict from membership, torch's flight recorder and the stacks.
+
+Pure: plain rows in (``nodes`` members and departures, ``process_groups``, the flight
+recorder's ``collectives`` and the main threads' ``stacks``, each row tagged with its
+``_rank``), the time now in, findings out. Every front end (``Client.diagnose``, the CLI,
+the magic, the REST route, the widget and the panel) shows this one answer.
+
+What it reads from the recorder:
+- A group is known by the name its entries carry (``group_name``), never by ``pg_config``'s
+  keys (gloo keys those ''), so the same group on every rank is one group here.
+- ``last_enqueued`` / ``last_completed`` count torch's ``op_id`` on gloo (send/recv advance
+  it without an entry of their own); the entry a rank waits in is the one whose ``op_id``
+  is its ``last_enqueued`` (``collective_seq_id`` where no op_id matches), and the number
+  shown to people is that entry's ``collective_seq_id``.
+- A rank whose ``last_enqueued`` is behind the group's newest never entered that
+  collective. Gloo's sender of a send/recv may report ``last_completed`` behind although
+  done, so "waiting" alone (entered, not completed) is a finding only when every rank of
+  the group is in it, it is old, and the membership says a rank of the group is stalled.
+- At one sequence number of one group every rank must call the same op with the same
+  dtypes (and, for the ops below, the same sizes); a different one is a mismatch, and the
+  ranks that differ from the most common call are its culprits.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..rank_lists import rank_span
+
+KINDS = ("missing", "mismatch", "dead", "waiting", "stalled")  # the order findings are listed in
+FINDING_COLUMNS = ("kind", "ranks", "group", "seq", "detail", "evidence")
+# a collective pending on some ranks for less than this is a rank a little behind, not a hang
+MIN_WAIT_SEC = 5.0
+# ops whose input shapes must be equal on every rank of the group
+SAME_INPUT_OPS = frozenset({
+    "all_reduce", "allreduce", "allreduce_coalesced", "all_reduce_coalesced", "broadcast", "reduce",
+    "all_gather", "allgather", "_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced",
+    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
+})
+# c10::ScalarType names as people write them
+DTYPE_NAMES = {
+    "Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
+    "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool",
+    "ComplexFloat": "complex64", "ComplexDouble": "complex128", "ComplexHalf": "complex32",
+    "UInt16": "uint16", "UInt32": "uint32", "UInt64": "uint64",
+}
+# where a frame is library code, not the user's: the place of a rank is its innermost other frame
+_LIBRARY_MARKS = ("/site-packages/", "/dist-packages/", "<frozen ", "/lib/python3", "/torch/", "/kernel_probe/")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing found; a row of the findings table."""
+
+    kind: str  # KINDS
+    ranks: tuple[int, ...]  # the ranks it is about (the culprits where there are some)
+    group: str | None  # the process group's name as its entries give it
+    seq: int | None  # the collective's sequence number on that group
+    detail: str  # one sentence for a person
+    evidence: str  # what it rests on
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "ranks": list(self.ranks), "group": self.group, "seq": self.seq,
+                "detail": self.detail, "evidence": self.evidence}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    summary: str  # one plain sentence
+    findings: tuple[Finding, ...]
+    checked: tuple[str, ...] = field(default=())  # what was looked at, one line each
+
+    @property
+    def healthy(self) -> bool:
+        return not self.findings
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary, "findings": [f.to_dict() for f in self.findings],
+                "checked": list(self.checked)}
+
+    def text(self) -> str:
+        """Plain text: the sentence, the findings, what was checked."""
+        lines = [self.summary]
+        for f in self.findings:
+            where = f" [group {f.group}" + (f" #{f.seq}" if f.seq is not None else "") + "]" if f.group else ""
+            lines.append(f"- {f.kind}{where}: {f.detail}")
+            if f.evidence:
+                lines.append(f"    {f.evidence}")
+        if self.checked:
+            lines.append("checked: " + "; ".join(self.checked))
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- small readers
+
+
+def _int(value: Any) -> int | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if number == number else None  # NaN (pandas' NULL) is no number
+
+
+def _float(value: Any) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number == number else None
+
+
+def _true(value: Any) -> bool:
+    """A flag from a bool, numpy's bool or pandas' NULL (NaN, None: not set)."""
+    return value is not None and value == value and bool(value)
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return None
+    return value
+
+
+def seconds_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "? s"
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """'rank 3' or 'ranks 0-2' (no count: the sentence reads on)."""
+    ordered = sorted(set(ranks))
+    return f"rank {ordered[0]}" if len(ordered) == 1 else f"ranks {rank_span(ordered)}"
+
+
+def tensors_text(sizes: Any, dtypes: Any) -> str:
+    """'[1000] float32'; several tensors comma-separated; '' when nothing is known."""
+    sizes, dtypes = _json(sizes), _json(dtypes)
+    if not isinstance(sizes, list):
+        sizes = []
+    if not isinstance(dtypes, list):
+        dtypes = []
+    parts = []
+    for i in range(max(len(sizes), len(dtypes))):
+        shape = sizes[i] if i < len(sizes) else None
+        dtype = dtypes[i] if i < len(dtypes) else None
+        shape_text = "[" + ", ".join(str(d) for d in shape) + "]" if isinstance(shape, list) else ""
+        dtype_text = DTYPE_NAMES.get(dtype, str(dtype).lower()) if isinstance(dtype, str) else ""
+        parts.append(" ".join(p for p in (shape_text, dtype_text) if p))
+    return ", ".join(p for p in parts if p)
+
+
+def call_text(op: str | None, sizes: Any, dtypes: Any) -> str:
+    """'all_reduce, [1000] float32'."""
+    tensors = tensors_text(sizes, dtypes)
+    return f"{op or 'unknown op'}, {tensors}" if tensors else (op or "unknown op")
+
+
+# ---------------------------------------------------------------- stacks
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a rank's main thread is: its own innermost frame, and the innermost native one."""
+
+    python: str  # "in fetch_next_batch (train.py:42)"; "" when no stack came
+    innermost: str  # the innermost Python frame when it is library code, else ""
+    native: str  # the innermost native frame when the stacks carry them, else ""
+
+    @property
+    def text(self) -> str:
+        if not self.python:
+            return "(no Python frame)" + (f" [native: {self.native}]" if self.native else "")
+        out = self.python
+        if self.innermost:
+            out += f", inside {self.innermost}"
+        if self.native:
+            out += f" [native: {self.native}]"
+        return out
+
+
+def _frame_text(function: Any, file: Any, line: Any) -> str:
+    name = str(file or "?").replace("\\", "/").rsplit("/", 1)[-1]
+    line = _int(line)
+    return f"{function or '?'} ({name}:{line})" if line is not None else f"{function or '?'} ({name})"
+
+
+def _is_library(file: Any) -> bool:
+    path = str(file or "").replace("\\", "/")
+    return any(mark in path for mark in _LIBRARY_MARKS)
+
+
+def places(stacks: Iterable[Mapping[str, Any]]) -> dict[int, Place]:
+    """Main-thread stack rows (``_rank``, depth 0 innermost, optional ``frame_type``
+    'python' | 'native') -> each rank's place."""
+    python: dict[int, list[tuple[int, Mapping]]] = {}
+    native: dict[int, list[tuple[int, Mapping]]] = {}
+    for row in stacks:
+        rank = _int(row.get("_rank"))
+        if rank is None or (row.get("is_main") is not None and not _true(row.get("is_main"))):
+            continue
+        kind = row.get("frame_type")
+        into = native if kind == "native" else python
+        into.setdefault(rank, []).append((_int(row.get("depth")) or 0, row))
+    out: dict[int, Place] = {}
+    for rank in sorted(set(python) | set(native)):
+        frames = [r for _d, r in sorted(python.get(rank, []), key=lambda item: item[0])]
+        own = next((r for r in frames if not _is_library(r.get("file"))), None)
+        first = frames[0] if frames else None
+        own_text = f"in {_frame_text(own['function'], own['file'], own.get('line'))}" if own is not None else ""
+        if own is None and first is not None:
+            own_text = f"in {_frame_text(first['function'], first['file'], first.get('line'))}"
+        inner = ""
+        if own is not None and first is not None and first is not own:
+            inner = _frame_text(first["function"], first["file"], first.get("line"))
+        nat = [r for _d, r in sorted(native.get(rank, []), key=lambda item: item[0])]
+        native_text = str(nat[0].get("function") or "?") if nat else ""
+        out[rank] = Place(own_text, inner, native_text)
+    return out
+
+
+def _where(ranks: Iterable[int], at: Mapping[int, Place]) -> str:
+    """'rank 3 is in fetch_next_batch (train.py:42)'; ranks in one place are named together."""
+    by_place: dict[str | None, list[int]] = {}
+    for rank in sorted(set(ranks)):
+        place = at.get(rank)
+        by_place.setdefault(place.text if place is not None and place.python else None, []).append(rank)
+    parts = []
+    for text, rs in by_place.items():
+        verb = "is" if len(rs) == 1 else "are"
+        parts.append(f"{ranks_text(rs)} {verb} {text}" if text else f"no stack from {ranks_text(rs)}")
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------- membership
+
+
+def _membership(nodes: Sequence[Mapping[str, Any]], departures: Sequence[Mapping[str, Any]], now: float,
+                at: Mapping[int, Place]) -> tuple[list[Finding], dict[int, str]]:
+    """Dead and stalled findings, and each dead rank's reason (for the other findings)."""
+    findings: list[Finding] = []
+    dead: dict[int, str] = {}
+    live_ranks = set()
+    dead_rows: dict[str, list[tuple[int, float | None]]] = {}
+    stalled_rows: dict[str, list[tuple[int, float | None]]] = {}
+    for m in nodes:
+        rank = _int(m.get("rank"))
+        if rank is None:
+            continue
+        state = m.get("state")
+        reason = str(m.get("reason") or "")
+        since = _float(m.get("since"))
+        age = None if since is None else max(0.0, now - since)
+        if state == "dead":
+            dead[rank] = reason or "no heartbeat"
+            dead_rows.setdefault(dead[rank], []).append((rank, age))
+        else:
+            live_ranks.add(rank)
+            if state == "stalled":
+                stalled_rows.setdefault(reason, []).append((rank, age))
+    for d in departures:
+        rank = _int(d.get("rank"))
+        if rank is None or rank in live_ranks or rank in dead:
+            continue
+        why = str(d.get("why") or "") or "left"
+        when = _float(d.get("when"))
+        dead[rank] = why
+        dead_rows.setdefault(why, []).append((rank, None if when is None else max(0.0, now - when)))
+    for why, items in sorted(dead_rows.items(), key=lambda kv: min(r for r, _ in kv[1])):
+        ranks = tuple(sorted(r for r, _ in items))
+        ages = [a for _, a in items if a is not None]
+        since = f" for {seconds_text(max(ages))}" if ages else ""
+        findings.append(Finding("dead", ranks, None, None, f"{ranks_text(ranks)} dead ({why}){since}",
+                                f"membership: state dead, reason {why!r}"))
+    for where, items in sorted(stalled_rows.items(), key=lambda kv: min(r for r, _ in kv[1])):
+        ranks = tuple(sorted(r for r, _ in items))
+        ages = [a for _, a in items if a is not None]
+        since = f" for {seconds_text(max(ages))}" if ages else ""
+        place = _where(ranks, at) if any(r in at for r in ranks) else f"{ranks_text(ranks)} {where or 'place unknown'}"
+        findings.append(Finding("stalled", ranks, None, None,
+                                f"{ranks_text(ranks)} stalled{since}: {place}",
+                                f"membership: state stalled, reason {where!r}"))
+    return findings, dead
+
+
+# ---------------------------------------------------------------- the flight recorder
+
+
+@dataclass
+class _Group:
+    name: str
+    members: tuple[int, ...] | None = None  # the group's ranks, where some rank knows them
+    status: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)  # rank -> (enq, done)
+    entries: dict[int, list[Mapping]] = field(default_factory=dict)  # rank -> its recorder rows
+
+
+def _group_key(row: Mapping[str, Any]) -> str | None:
+    name = _text(row.get("group_name"))
+    if name is not None:
+        return name
+    gid = _int(row.get("group_id"))
+    return None if gid is None else str(gid)
+
+
+def _groups(process_groups: Iterable[Mapping[str, Any]], collectives: Iterable[Mapping[str, Any]]
+            ) -> dict[str, _Group]:
+    groups: dict[str, _Group] = {}
+    for row in process_groups:
+        key, rank = _group_key(row), _int(row.get("_rank"))
+        if key is None or rank is None:
+            continue
+        g = groups.setdefault(key, _Group(key))
+        ranks = _json(row.get("ranks"))
+        if g.members is None and isinstance(ranks, list) and ranks and all(_int(r) is not None for r in ranks):
+            g.members = tuple(sorted(_int(r) for r in ranks))
+        g.status[rank] = (_int(row.get("last_enqueued")), _int(row.get("last_completed")))
+    for row in collectives:
+        if row.get("source") not in (None, "flight_recorder"):
+            continue
+        key, rank = _group_key(row), _int(row.get("_rank"))
+        if key is None or rank is None:
+            continue
+        groups.setdefault(key, _Group(key)).entries.setdefault(rank, []).append(row)
+    return groups
+
+
+def _entry(rows: Iterable[Mapping], number: int | None) -> Mapping | None:
+    """The entry a group's status number names: by op_id, else by collective_seq_id."""
+    if number is None:
+        return None
+    rows = list(rows)
+    return (next((r for r in rows if _int(r.get("op_id")) == number), None)
+            or next((r for r in rows if _int(r.get("collective_seq_id")) == number and not _true(r.get("is_p2p"))), None))
+
+
+def _group_text(g: _Group, entry: Mapping | None) -> str:
+    desc = _text(entry.get("group_desc")) if entry is not None else None
+    return f"group {g.name}" + (f" [{desc}]" if desc and desc != g.name else "")
+
+
+def _missing(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], dead: Mapping[int, str]
+             ) -> list[Finding]:
+    known = {r: enq for r, (enq, _done) in g.status.items() if enq is not None}
+    if len(known) < 2:
+        return []
+    top = max(known.values())
+    ahead = sorted(r for r, enq in known.items() if enq == top)
+    behind = sorted(r for r, enq in known.items() if enq < top)
+    if not behind:
+        return []
+    entries = [e for r in ahead if (e := _entry(g.entries.get(r, ()), top)) is not None]
+    created = [t for e in entries if (t := _float(e.get("ts"))) is not None]
+    waited = now - min(created) if created else None
+    if waited is not None and waited < min_wait:
+        return []
+    first = entries[0] if entries else None
+    seq = _int(first.get("collective_seq_id")) if first is not None else None
+    call = call_text(first.get("op"), first.get("input_sizes"), first.get("input_dtypes")) if first else "unknown op"
+    name = f"collective #{seq if seq is not None else top}"
+    waiting = f"{ranks_text(ahead)} waiting" + (f" {seconds_text(waited)}" if waited is not None else "")
+    why = []
+    for r in behind:
+        if r in dead:
+            why.append(f"rank {r} is dead ({dead[r]})")
+    alive_behind = [r for r in behind if r not in dead]
+    if alive_behind:
+        why.append(_where(alive_behind, at))
+    unheard = sorted(set(g.members or ()) - set(g.status))
+    detail = (f"{name} on {_group_text(g, first)} ({call}): {waiting}; {ranks_text(behind)} never entered it"
+              f" — {'; '.join(why)}")
+    last = ", ".join(f"rank {r}: {known[r]}" for r in sorted(known))
+    evidence = f"last enqueued per rank ({last}; op_id {top} is the newest)"
+    if unheard:
+        evidence += f"; no recorder status from {ranks_text(unheard)}"
+    return [Finding("missing", tuple(behind), g.name, seq if seq is not None else top, detail, evidence)]
+
+
+def _signature(row: Mapping) -> tuple:
+    op = row.get("op")
+    sizes = row.get("input_sizes") if op in SAME_INPUT_OPS else None
+    return (op, row.get("input_dtypes"), sizes)
+
+
+def _mismatch(g: _Group, at: Mapping[int, Place]) -> list[Finding]:
+    """The newest sequence number of the group at which the ranks' calls differ."""
+    by_seq: dict[int, dict[int, Mapping]] = {}
+    for rank, rows in g.entries.items():
+        for row in rows:
+            seq = _int(row.get("collective_seq_id"))
+            if seq is None or _true(row.get("is_p2p")) or seq <= 0:
+                continue
+            by_seq.setdefault(seq, {})[rank] = row
+    for seq in sorted(by_seq, reverse=True):
+        calls = by_seq[seq]
+        if len(calls) < 2:
+            continue
+        sigs = Counter(_signature(row) for row in calls.values())
+        if len(sigs) < 2:
+            continue
+        # the most common call is the expected one; ties: the one of the lowest rank
+        lowest = {sig: min(r for r, row in calls.items() if _signature(row) == sig) for sig in sigs}
+        common = max(sigs, key=lambda sig: (sigs[sig], -lowest[sig]))
+        culprits = tuple(sorted(r for r, row in calls.items() if _signature(row) != common))
+        parts = []
+        for sig in sorted(sigs, key=lambda s: lowest[s]):
+            rs = sorted(r for r, row in calls.items() if _signature(row) == sig)
+            row = calls[rs[0]]
+            verb = "calls" if len(rs) == 1 else "call"
+            parts.append(f"{ranks_text(rs)} {verb} {call_text(row.get('op'), row.get('input_sizes'), row.get('input_dtypes'))}")
+        first = calls[min(calls)]
+        what = {"op" if len({s[0] for s in sigs}) > 1 else None, "dtype" if len({s[1] for s in sigs}) > 1 else None,
+                "size" if len({s[2] for s in sigs}) > 1 else None} - {None}
+        detail = (f"collective #{seq} on {_group_text(g, first)}: mismatched {', '.join(sorted(what))} — "
+                  + "; ".join(parts))
+        if any(r in at for r in culprits):
+            detail += f" — {_where(culprits, at)}"
+        evidence = (f"flight recorder entries at collective_seq_id {seq} of group {g.name}; "
+                    f"culprit{'s' if len(culprits) > 1 else ''}: {ranks_text(culprits)} (differ from the most common call)")
+        return [Finding("mismatch", culprits, g.name, seq, detail, evidence)]
+    return []
+
+
+def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], stalled: set[int]
+             ) -> list[Finding]:
+    """Every rank of the group in the same collective, none done, for a while, and a rank of
+    the group stalled (gloo's counts alone can lag behind a collective that is done)."""
+    known = {r: st for r, st in g.status.items() if st[0] is not None}
+    if len(known) < 2 or (g.members and set(g.members) - set(known)) or not stalled & set(known):
+        return []
+    enqueued = {st[0] for st in known.values()}
+    if len(enqueued) != 1:
+        return []
+    (top,) = enqueued
+    if any(done is None or done >= top for _enq, done in known.values()):
+        return []
+    entries = [e for r in known if (e := _entry(g.entries.get(r, ()), top)) is not None]
+    created = [t for e in entries if (t := _float(e.get("ts"))) is not None]
+    if not created or now - min(created) < min_wait:
+        return []
+    first = entries[0]
+    seq = _int(first.get("collective_seq_id"))
+    ranks = tuple(sorted(known))
+    detail = (f"collective #{seq} on {_group_text(g, first)} "
+              f"({call_text(first.get('op'), first.get('input_sizes'), first.get('input_dtypes'))}): "
+              f"{ranks_text(ranks)} entered it {seconds_text(now - min(created))} ago and none completed it — "
+              f"{_where(ranks, at)}")
+    return [Finding("waiting", ranks, g.name, seq, detail,
+                    f"last enqueued {top}, last completed below it on every rank of group {g.name}")]
+
+
+# ---------------------------------------------------------------- the verdict
+
+
+def diagnose(nodes: Sequence[Mapping[str, Any]], process_groups: Sequence[Mapping[str, Any]],
+             collectives: Sequence[Mapping[str, Any]], stacks: Sequence[Mapping[str, Any]], now: float, *,
+             departures: Sequence[Mapping[str, Any]] = (), min_wait: float = MIN_WAIT_SEC) -> Verdict:
+    """The verdict on a job from its rows at time ``now`` (seconds since the epoch, the
+    clock of the rows' ``ts``, ``since`` and ``when``). Rows other than ``nodes`` and
+    ``departures`` carry ``_rank``. ``min_wait``: how long a collective must have been
+    pending before a rank that has not entered it is a finding."""
+    at = places(stacks)
+    findings, dead = _membership(nodes, departures, now, at)
+    groups = _groups(process_groups, collectives)
+    stalled = {r for f in findings if f.kind == "stalled" for r in f.ranks}
+    for name in sorted(groups, key=lambda n: (len(n), n)):
+        g = groups[name]
+        missing = _missing(g, now, min_wait, at, dead)
+        findings += missing
+        mismatch = _mismatch(g, at)
+        findings += mismatch
+        if not missing and not mismatch:
+            findings += _waiting(g, now, min_wait, at, stalled)
+    findings.sort(key=lambda f: KINDS.index(f.kind))
+
+    ranks_seen = sorted({_int(m.get("rank")) for m in nodes} - {None})
+    recorded = sorted({r for g in groups.values() for r in g.status})
+    checked = [f"membership of {len(ranks_seen)} rank{'s' if len(ranks_seen) != 1 else ''}"
+               + (f" ({sum(1 for m in nodes if m.get('state') == 'alive')} alive)" if nodes else "")]
+    if groups:
+        checked.append(f"flight recorder of {len(groups)} process group{'s' if len(groups) != 1 else ''} "
+                       f"({', '.join(sorted(groups, key=lambda n: (len(n), n)))}) on {ranks_text(recorded) if recorded else 'no rank'}")
+    else:
+        checked.append("no flight-recorder rows (recorder off, absent, or no collective yet)")
+    silent = sorted(set(ranks_seen) - set(recorded)) if groups else []
+    if silent:
+        checked.append(f"no recorder status from {ranks_text(silent)}")
+    checked.append(f"main-thread stacks of {ranks_text(at) if at else 'no rank'}")
+    summary = _summary(findings)
+    return Verdict(summary, tuple(findings), tuple(checked))
+
+
+def _summary(findings: Sequence[Finding]) -> str:
+    if not findings:
+        return "No hang found: no rank dead or stalled, every process group's ranks in step, no mismatched collective."
+    head = findings[0].detail
+    rest = len(findings) - 1
+    head = head[0].upper() + head[1:]
+    return head + (f" (and {rest} more finding{'s' if rest != 1 else ''})" if rest else "") + "."
+
+
+def findings_rows(verdict: Verdict) -> list[dict[str, Any]]:
+    return [f.to_dict() for f in verdict.findings]
+
+
+__all__ = ["KINDS", "FINDING_COLUMNS", "MIN_WAIT_SEC", "Finding", "Verdict", "Place", "places", "diagnose",
+           "tensors_text", "call_text", "ranks_text", "findings_rows"]

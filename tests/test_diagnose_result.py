@@ -1,0 +1,102 @@
+"""What ``diagnose()`` asks and returns, without a job: the recorder entries it asks for,
+the coverage of its queries, the findings DataFrame, and the verdict view's HTML and text."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kernel_probe.client import diagnose as d
+from probing_magics.verdict_view import VerdictView
+
+T0 = 1_800_000_000.0
+
+
+class Answer:
+    """A stand-in for a QueryResult: a DataFrame and its coverage."""
+
+    def __init__(self, rows: list[dict], answered=(0, 1), targeted=(0, 1), failed=None) -> None:
+        self.df = pd.DataFrame(rows)
+        self.coverage = {"answered": list(answered), "targeted": list(targeted), "failed": failed or {}}
+
+
+def test_entries_are_asked_per_group_from_a_little_before_its_oldest_unfinished_one():
+    groups = [{"group_name": "0", "group_id": 0, "last_completed": 8}, {"group_name": "0", "group_id": 0,
+                                                                          "last_completed": 1841},
+              {"group_name": None, "group_id": 3, "last_completed": None}, {"group_name": None, "group_id": None}]
+    sql, params = d.entries_query(groups)
+    assert "source = 'flight_recorder'" in sql and sql.count("$g") == 2
+    assert params == {"g0": 3, "n0": 0, "g1": "0", "n1": 7}
+    assert d.entries_query([]) is None
+
+
+def test_coverage_is_the_ranks_every_query_reached():
+    c = d.merged_coverage([Answer([], (0, 1, 2), (0, 1, 2)), Answer([], (0, 2), (0, 1, 2), {1: "timeout"})])
+    assert c == {"targeted": [0, 1, 2], "answered": [0, 2], "failed": {1: "timeout"}, "partial": True}
+    assert not d.merged_coverage([Answer([])])["partial"]
+
+
+def late_answers(answered=(0, 1)):
+    groups = Answer([{"_rank": r, "group_id": 0, "group_name": "0", "group_desc": "default_pg", "ranks": "[0, 1]",
+                      "last_enqueued": 9 - r, "last_completed": 8} for r in (0, 1)], answered)
+    entries = Answer([{"_rank": 0, "source": "flight_recorder", "ts": T0 - 20, "op": "all_reduce", "group_id": 0,
+                       "group_name": "0", "group_desc": "default_pg", "collective_seq_id": 9, "op_id": 9,
+                       "is_p2p": False, "input_sizes": "[[136]]", "input_dtypes": '["Float"]'}], answered)
+    stacks = Answer([{"_rank": 1, "is_main": True, "depth": 0, "function": "fetch_next_batch", "file": "/j/train.py",
+                      "line": 42}], answered)
+    members = {"members": [{"rank": r, "state": "alive", "since": T0 - 60} for r in (0, 1)], "departures": []}
+    return members, groups, entries, stacks
+
+
+def test_the_result_has_the_sentence_the_findings_frame_and_the_coverage():
+    result = d.build(*late_answers(), now=T0)
+    assert result.summary.startswith("Collective #9 on group 0 [default_pg] (all_reduce, [136] float32): rank 0 "
+                                     "waiting 20 s; rank 1 never entered it — rank 1 is in fetch_next_batch")
+    df = result.findings
+    assert list(df.columns) == ["kind", "ranks", "group", "seq", "detail", "evidence"]
+    assert df.iloc[0]["ranks"] == [1] and df["seq"].dtype == "Int64" and df.attrs["summary"] == result.summary
+    assert not result.healthy and not result.coverage["partial"]
+    assert result.to_dict()["findings"][0]["kind"] == "missing"
+    assert result.text().splitlines()[0] == result.summary
+
+
+def test_a_partial_answer_is_said_in_what_was_checked():
+    members, groups, entries, stacks = late_answers()
+    stacks = Answer([], answered=[0])  # rank 1's stack did not come
+    result = d.build(members, groups, entries, stacks, now=T0)
+    assert result.coverage["partial"] and result.checked[-1] == "not every rank answered: rank 1 missing"
+    assert "no stack from rank 1" in result.summary
+
+
+def test_a_healthy_job_and_no_recorder():
+    members, groups, _entries, stacks = late_answers()
+    empty = Answer([])
+    result = d.build(members, empty, None, stacks, now=T0)
+    assert result.healthy and len(result.findings) == 0 and list(result.findings.columns)[0] == "kind"
+    view = VerdictView(result)
+    assert "No hang found" in view._repr_html_() and "probing-findings" not in view._repr_html_()
+    assert "no flight-recorder rows" in repr(view)
+
+
+def test_the_view_puts_the_sentence_above_the_table_and_escapes():
+    members, groups, entries, stacks = late_answers()
+    stacks.df.loc[0, "function"] = "<lambda>"
+    page = VerdictView(d.build(members, groups, entries, stacks, now=T0))._repr_html_()
+    assert page.index("Collective #9") < page.index("<table class='probing-findings'>")
+    assert "&lt;lambda&gt;" in page and "<lambda>" not in page
+
+
+def test_the_magic_refuses_bad_options_before_connecting():
+    import pytest
+    from IPython.core.error import UsageError
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("reload_ext", "probing_magics")
+    try:
+        for line in ("--bogus", "--min-wait", "extra"):
+            with pytest.raises(UsageError, match="usage: %cluster_diagnose"):
+                shell.run_line_magic("cluster_diagnose", line)
+        with pytest.raises(UsageError, match="--min-wait takes a number of seconds"):
+            shell.run_line_magic("cluster_diagnose", "--min-wait x")
+    finally:
+        shell.run_line_magic("unload_ext", "probing_magics")

@@ -1,0 +1,119 @@
+"""The verdict on a real torchrun job (2 nodes x 2 ranks, gloo, DDP) that hangs: a rank late
+in Python is named with the group, the op and its place; a rank calling another op at the
+same sequence number is named as the mismatch. Each front end gives the same answer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kernel_probe
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.cluster
+WORKER = str(Path(__file__).parent / "workers" / "ddp_hang_worker.py")
+FAST = {"PROBING_CLUSTER_STALE_SEC": "6", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
+        "PROBING_SAMPLE_INTERVAL_SEC": "0.25", "OMP_NUM_THREADS": "1"}
+
+
+def _verdict(root, kind: str, min_wait: float = 1.0):
+    def found():
+        result = root.diagnose(timeout=10, min_wait=min_wait)
+        return result if kind in set(result.findings["kind"]) else None
+
+    return wait_for(found, 50, interval=0.5, what=f"a {kind!r} finding")
+
+
+def test_a_rank_late_in_python_is_named_with_the_group_the_op_and_its_place(launch):
+    launch([WORKER, "--scenario", "late", "--late-sec", "90", "--timeout-sec", "90"],
+           nodes=2, ranks_per_node=2, mode="torchrun", env={**FAST, "PROBING_CLUSTER_STALL_SEC": "3"})
+    root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
+    result = _verdict(root, "missing")
+    row = result.findings.iloc[0]
+    assert (row["kind"], row["ranks"], row["group"]) == ("missing", [3], "0"), result.text()
+    assert row["seq"] > 0
+    assert "(all_reduce, [136] float32): ranks 0-2 waiting" in row["detail"], row["detail"]
+    assert "rank 3 never entered it — rank 3 is in fetch_next_batch (ddp_hang_worker.py:" in row["detail"], row["detail"]
+    assert result.summary.startswith(f"Collective #{row['seq']} on group 0 [default_pg]")
+    assert not result.coverage["partial"]
+    # the CLI says the same
+    cli = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "diagnose", "--json", "--min-wait", "1"],
+                         capture_output=True, text=True, timeout=60)  # the newest job here (runtime_dir)
+    assert cli.returncode == 0, cli.stderr
+    answer = json.loads(cli.stdout)
+    assert (answer["findings"][0]["kind"], answer["findings"][0]["ranks"]) == ("missing", [3]), cli.stdout
+
+    # the %cluster_nodes view: once ranks are stalled, a line with the verdict
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("reload_ext", "probing_magics")
+    try:
+        assert shell.run_cell("%cluster_nodes --interval 0.5").error_in_exec is None
+        view = shell._probing_magics.views[""]
+        wait_for(lambda: view.verdict_summary.startswith("Collective #"), 30, interval=0.2,
+                 what="the verdict's line in the nodes view")
+        assert "rank 3 never entered it" in view.verdict.value and "⚠" in view.verdict.value
+        assert view.verdict_summary in view._repr_mimebundle_()["text/plain"]
+    finally:
+        shell.run_line_magic("unload_ext", "probing_magics")
+
+
+@pytest.fixture
+def jp_server_config():
+    return {"ServerApp": {"jpserver_extensions": {"probing_magics": True}}}
+
+
+async def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mismatch(launch, jp_fetch, jp_web_app):
+    launch([WORKER, "--scenario", "mismatch", "--timeout-sec", "90"], nodes=2, ranks_per_node=2,
+           mode="torchrun", env=FAST)
+    root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
+    result = _verdict(root, "mismatch")
+    (row,) = [r for _, r in result.findings.iterrows() if r["kind"] == "mismatch"]
+    assert (row["ranks"], row["group"]) == ([3], "0"), result.text()
+    assert "mismatched op — ranks 0-2 call all_reduce, [10] float32; rank 3 calls broadcast, [10] float32" \
+        in row["detail"], row["detail"]
+    assert result.summary.startswith(f"Collective #{row['seq']} on group 0 [default_pg]: mismatched op")
+
+    # the REST route: the same verdict as JSON
+    from probing_magics.server import STATE_KEY
+
+    try:
+        resp = await jp_fetch("probing", "api", "jobs", method="GET")
+        (job,) = [j for j in json.loads(resp.body)["jobs"] if j["source"] == "local" and j["alive"]]
+        resp = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "1"},
+                              method="GET", request_timeout=60)
+        body = json.loads(resp.body)
+        bad = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "x"},
+                             method="GET", raise_error=False)
+        unknown = await jp_fetch("probing", "api", "jobs", "nosuchjob", "diagnose", method="GET", raise_error=False)
+        refused = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", method="GET", raise_error=False,
+                                 headers={"Authorization": ""})
+    finally:
+        clients = jp_web_app.settings.get(STATE_KEY)
+        if clients is not None:  # closed while this server's event loop is alive
+            clients.close()
+    assert body["summary"] == result.summary and body["healthy"] is False
+    (found,) = [f for f in body["findings"] if f["kind"] == "mismatch"]
+    assert (found["ranks"], found["group"], found["seq"]) == ([3], "0", int(row["seq"]))
+    assert set(body) >= {"summary", "findings", "checked", "coverage", "now"}
+    assert (bad.code, unknown.code, refused.code) == (400, 404, 403)
+
+    # the magic: HTML with the sentence on top, then the findings table; text in a terminal
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("reload_ext", "probing_magics")
+    try:
+        view = shell.run_line_magic("cluster_diagnose", "--min-wait 1")
+        page = view._repr_html_()
+        assert page.index("Collective #") < page.index("<table class='probing-findings'>") and "broadcast" in page
+        assert repr(view).splitlines()[0] == view.summary and "- mismatch [group 0 #" in repr(view)
+        assert list(view.findings.columns) == ["kind", "ranks", "group", "seq", "detail", "evidence"]
+    finally:
+        shell.run_line_magic("unload_ext", "probing_magics")
