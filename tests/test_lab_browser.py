@@ -322,8 +322,9 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                     _shot(page, "#probing-cluster", out, "panel-job-ended.png")
                     # reloaded while nothing runs, the panel first meets the job ended: it still must say
                     # that it restarted when it comes back (the server's count, from the listing)
-                    page.reload()
-                    expect(page.locator("#probing-cluster .pm-Cluster-jobSelect")).to_have_value(local_id)
+                    page.reload()  # JupyterLab's own start after a reload takes seconds on a busy machine
+                    expect(page.locator("#probing-cluster .pm-Cluster-jobSelect")).to_have_value(local_id,
+                                                                                               timeout=30_000)
                     expect(page.locator("#probing-cluster .pm-Cluster-status.pm-status-job-ended")) \
                         .to_contain_text("waiting for a relaunch", timeout=15_000)
                     job = LocalJob(worker, nodes=2, ranks_per_node=2, mode="plain", run_id=job.run_id,
