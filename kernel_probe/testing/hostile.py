@@ -26,7 +26,7 @@ import zmq
 
 from .. import wire
 
-__all__ = ["HostilePeer", "expected_reason"]
+__all__ = ["BURST_KINDS", "HostilePeer", "burst_frames", "bursts", "expected_reason"]
 
 BIG = 2 * 2**20  # the 2 MB frames of the issue's report
 
@@ -211,3 +211,64 @@ class HostilePeer:
 
     def close(self) -> None:
         self.ctx.term()  # waits for lingering sends: what we counted has been delivered
+
+
+# --- bursts on fresh connections: what a port scanner or a confused client sends ---------------
+
+BURST_KINDS = ("random", "empty", "truncated", "big", "tagged", "wide")
+
+
+def burst_frames(kind: str, rng: random.Random, big: bytes) -> list[bytes]:
+    """One unsigned message of ``kind``: random multipart frames, empty frames, a signed-looking
+    message cut short, a 2 MiB frame, or the protocol tag followed by an unsigned header."""
+    if kind == "random":
+        return [rng.randbytes(rng.randint(0, 2048)) for _ in range(rng.randint(1, 6))]
+    if kind == "wide":  # frames just under the sockets' limit
+        return [big[: rng.randint(2**19, 2**20)] for _ in range(rng.randint(1, 6))]
+    if kind == "empty":
+        return [b""] * rng.randint(1, 4)
+    if kind == "truncated":
+        whole = [wire.PROTOCOL, rng.randbytes(wire.SIGNATURE_BYTES),
+                 b'{"type":"query","sender":"x","incarnation":"y","seq":1,"ts":0,"msg_id":"m","corr_id":null}',
+                 b'{"sql":"SELECT 1","timeout":5}']
+        cut = rng.randint(0, 3)
+        return whole[:cut] + [whole[cut][: rng.randint(0, len(whole[cut]) - 1)]]
+    if kind == "big":
+        return [rng.randbytes(rng.randint(0, 64)), big]
+    if kind == "tagged":
+        header = ('{"type":"info_request","sender":"s%d","incarnation":"%s","seq":1,"ts":%f,"msg_id":"m","corr_id":null}'
+                  % (rng.randrange(10**6), rng.randbytes(8).hex(), time.time())).encode()
+        return [wire.PROTOCOL, rng.randbytes(wire.SIGNATURE_BYTES), header, b"{}"]
+    raise ValueError(f"unknown burst kind {kind!r}")
+
+
+def bursts(endpoints: list[str], seconds: float, kinds: tuple[str, ...] = BURST_KINDS, *, burst: int = 50,
+           connections_per_sec: float = 13.3, mixed: bool = False, seed: int = 0) -> int:
+    """For ``seconds``, bursts of ``burst`` messages of one kind (chosen at random among
+    ``kinds``; ``mixed``: a kind per message), each on a fresh DEALER connection to each of
+    ``endpoints``, at about ``connections_per_sec`` connections a second in all; the number
+    of connections made."""
+    rng = random.Random(seed)
+    big = rng.randbytes(BIG)
+    ctx = zmq.Context()
+    made, start = 0, time.monotonic()
+    try:
+        while time.monotonic() - start < seconds:
+            for address in endpoints:
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 2000)  # let the burst leave before the socket goes
+                sock.setsockopt(zmq.SNDHWM, burst)
+                sock.setsockopt(zmq.RCVHWM, 10)  # refusals we never read
+                sock.connect(address)
+                kind = rng.choice(kinds)
+                for _ in range(burst):
+                    try:
+                        sock.send_multipart(burst_frames(rng.choice(kinds) if mixed else kind, rng, big), zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                sock.close()
+                made += 1
+            time.sleep(max(0.0, start + made / connections_per_sec - time.monotonic()))
+    finally:
+        ctx.term()
+    return made
