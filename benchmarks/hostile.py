@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, nargs="*", default=[30.0, 90.0])
     ap.add_argument("--per-kind", type=float, default=0.0, help="also each kind alone, this long")
     ap.add_argument("--kinds", nargs="+", default=None, help="the kinds run alone (--per-kind)")
+    ap.add_argument("--shuffled", action="store_true", help="a kind per message, not per burst")
+    ap.add_argument("--no-trim", action="store_true", help="ranks that never give rejected bytes' memory back")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=2)
     args = ap.parse_args()
@@ -96,6 +98,12 @@ def main() -> None:
     import os
 
     os.environ["PROBING_RUNTIME_DIR"] = runtime
+    if args.no_trim:  # every rank imports this sitecustomize first: MemoryTrim is never due
+        patch = Path(runtime) / "site"
+        patch.mkdir()
+        (patch / "sitecustomize.py").write_text(
+            "from kernel_probe.shell import endpoint\nendpoint.MemoryTrim.due = lambda self, now: False\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", str(ROOT))])
     world = args.nodes * args.ranks_per_node
     with LocalJob(argv, nodes=args.nodes, ranks_per_node=args.ranks_per_node, mode="torchrun", env=env,
                   workdir=Path(runtime) / "job") as job:
@@ -108,12 +116,11 @@ def main() -> None:
         print(f"root rank {root['rank']} at {root['endpoint']}, leaf rank {leaf['rank']} at {leaf['endpoint']}")
         time.sleep(5)
         runs = [(k, args.per_kind, (k,)) for k in (args.kinds or BURST_KINDS)] if args.per_kind else []
-        runs += [("mix", s, BURST_KINDS) for s in args.seconds]  # a kind per burst
-        runs += [("shuffled", s, BURST_KINDS) for s in args.seconds]  # a kind per message
+        runs += [("mix", s, BURST_KINDS) for s in args.seconds]
         print(f"{'traffic':>10} {'sec':>5} {'conns':>6} | {'root before':>11} {'peak':>6} {'after':>7} {'growth':>7} | "
               f"{'leaf before':>11} {'peak':>6} {'after':>7} {'growth':>7}  (RSS, MiB)")
         for name, seconds, kinds in runs:
-            before, peak, after, made = attack(client, targets, seconds, kinds, world, name == "shuffled")
+            before, peak, after, made = attack(client, targets, seconds, kinds, world, args.shuffled)
             print(f"{name:>10} {seconds:5.0f} {made:6d} | " + " | ".join(
                 f"{before[i]:11.1f} {peak[i]:6.1f} {after[i]:7.1f} {after[i] - before[i]:+7.1f}" for i in (0, 1)),
                 flush=True)
