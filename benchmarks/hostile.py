@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import kernel_probe  # noqa: E402
 from kernel_probe.testing.harness import LocalJob  # noqa: E402
-from kernel_probe.testing.hostile import BURST_KINDS, bursts  # noqa: E402
+from kernel_probe.testing.hostile import BURST_KINDS, bursts, root_and_leaf  # noqa: E402
 
 BUSY = str(ROOT / "tests" / "workers" / "busy_worker.py")
 QUERY = "SELECT rank, count(*) AS n FROM work GROUP BY rank ORDER BY rank"
@@ -49,15 +49,6 @@ def wait_for(predicate, timeout: float, what: str):
             pass
         time.sleep(0.3)
     raise SystemExit(f"timed out waiting for {what}")
-
-
-def root_and_leaf(client) -> tuple[dict, dict]:
-    """The root's member row and a leaf's on the other node (the leaf a broker does not host)."""
-    members = client.nodes_raw(timeout=5)["members"]
-    root = next(m for m in members if m["tier"] == "root")
-    leaves = [m for m in members if m["tier"] == "leaf"]
-    leaf = next((m for m in leaves if m["node"] != root["node"]), leaves[0])
-    return root, leaf
 
 
 def attack(client, targets: list[tuple[str, psutil.Process]], seconds: float, kinds: tuple[str, ...],
@@ -111,7 +102,7 @@ def main() -> None:
         client = wait_for(lambda: kernel_probe.connect(timeout=2), 90, "the root")
         wait_for(lambda: client.query(QUERY, timeout=5).coverage["answered"] == list(range(world)), 90,
                  "every rank answering")
-        root, leaf = root_and_leaf(client)
+        root, leaf = root_and_leaf(client.nodes_raw(timeout=5)["members"])
         targets = [(root["endpoint"], psutil.Process(root["pid"])), (leaf["endpoint"], psutil.Process(leaf["pid"]))]
         print(f"root rank {root['rank']} at {root['endpoint']}, leaf rank {leaf['rank']} at {leaf['endpoint']}")
         time.sleep(5)

@@ -1,4 +1,4 @@
-"""Hostile peers (issue 10, part 4): a minute of bad messages against a live job's root.
+"""Hostile peers: a minute of bad messages against a live job's root.
 
 Random frames, replayed signed frames, truncated multipart messages, oversized messages,
 a flood of a few hundred connections (some sending 2 MB frames), valid-looking queries
@@ -6,6 +6,8 @@ with a wrong key, stale timestamps. Every bad message is counted in the root's `
 (``rejected``), nothing crashes, the training step of the attacked rank is not slowed
 beyond the bound, heartbeats and queries keep working, the root's RSS grows <= 10 MiB.
 Also the wire rule that makes the RSS bound hold: no frame over 1 MiB (longer parts split).
+And as a new user would try it on a torchrun job: bursts of 50 bad messages, each on a fresh
+connection, against the root and a leaf for 30 s and then 90 s: their RSS does not grow with it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kernel_probe.effects import PARENT, Send
 from kernel_probe.interpreter import EffectInterpreter
 from kernel_probe.shell import endpoint
 from kernel_probe.shell.endpoint import MAX_BATCH, REFUSALS_PER_SEC, MemoryTrim, RankEndpoint, RefusalLimit
-from kernel_probe.testing.hostile import HostilePeer
+from kernel_probe.testing.hostile import HostilePeer, bursts, root_and_leaf
 
 from .conftest import wait_for
 
@@ -249,3 +251,48 @@ def test_a_minute_of_hostile_peers(launch, runtime_dir):
     assert counted == expected and set(expected) >= {"malformed", "bad_signature", "replay", "stale", "oversized"}
     assert slowdown <= STEP_SLOWDOWN_MAX
     assert growth <= RSS_GROWTH_MAX_MIB
+
+
+# --- bursts on fresh connections against a torchrun job's root and a leaf -----------------------
+
+BURST_RATE = 13.3  # fresh connections a second, root and leaf together: ~400 in 30 s
+SETTLE_SEC = 3.0  # the probe gives rejected bytes' memory back once a burst is over
+
+
+@pytest.mark.cluster
+def test_bursts_on_fresh_connections_leave_the_root_and_a_leafs_rss_flat(launch, runtime_dir):
+    job = launch([BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", "5000"], nodes=2, ranks_per_node=2,
+                 mode="torchrun")
+    job.wait_ready(90)
+    client = wait_for(lambda: kernel_probe.connect(timeout=2), 90, interval=0.3, what="the root")
+    query = "SELECT rank, count(*) AS n FROM work GROUP BY rank ORDER BY rank"
+    everyone = [0, 1, 2, 3]
+    wait_for(lambda: client.query(query, timeout=5).coverage["answered"] == everyone, 90, interval=0.3,
+             what="every rank answering")
+    root, leaf = root_and_leaf(client.nodes_raw(timeout=5)["members"])
+    procs = [psutil.Process(root["pid"]), psutil.Process(leaf["pid"])]
+
+    def rss() -> list[float]:
+        return [p.memory_info().rss / 2**20 for p in procs]
+
+    assert client.query(query, timeout=10).coverage["answered"] == everyone
+    level = rss()  # the level after a query made before the traffic
+    figures = []
+    for seconds in (30.0, 90.0):
+        before = rss()
+        made = bursts([root["endpoint"], leaf["endpoint"]], seconds, connections_per_sec=BURST_RATE, seed=int(seconds))
+        answer = wait_for(lambda: client.query(query, timeout=10), 30, interval=0.5, what="a query after the bursts")
+        assert answer.coverage["answered"] == everyone and not answer.coverage["partial"]
+        assert {m["rank"]: m["state"] for m in client.nodes_raw(timeout=5)["members"]} == dict.fromkeys(everyone, "alive")
+        time.sleep(SETTLE_SEC)
+        after = rss()
+        figures.append((seconds, made, before, after))
+        print(f"\n{seconds:.0f} s of bursts, {made} connections: RSS root {before[0]:.1f} -> {after[0]:.1f} MiB, "
+              f"leaf {before[1]:.1f} -> {after[1]:.1f} MiB (level before any: {level[0]:.1f} / {level[1]:.1f})")
+        assert made >= seconds * BURST_RATE * 0.5  # the bursts really came, even on a loaded machine
+    for seconds, made, before, after in figures:
+        for who, b, a in zip(("root", "leaf"), before, after):
+            assert a - b <= RSS_GROWTH_MAX_MIB, f"{who} +{a - b:.1f} MiB after {seconds:.0f} s"
+    final = figures[-1][3]
+    for who, b, a in zip(("root", "leaf"), level, final):  # not with the duration: 120 s in all, same bound
+        assert a - b <= RSS_GROWTH_MAX_MIB, f"{who} +{a - b:.1f} MiB after 120 s"

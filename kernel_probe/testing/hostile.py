@@ -26,7 +26,7 @@ import zmq
 
 from .. import wire
 
-__all__ = ["BURST_KINDS", "HostilePeer", "burst_frames", "bursts", "expected_reason"]
+__all__ = ["BURST_KINDS", "HostilePeer", "burst_frames", "bursts", "expected_reason", "root_and_leaf"]
 
 BIG = 2 * 2**20  # the 2 MB frames of the issue's report
 
@@ -272,3 +272,10 @@ def bursts(endpoints: list[str], seconds: float, kinds: tuple[str, ...] = BURST_
     finally:
         ctx.term()
     return made
+
+
+def root_and_leaf(members: list[dict]) -> tuple[dict, dict]:
+    """The root's row of a ``nodes`` answer, and a leaf's, on another node when there is one."""
+    root = next(m for m in members if m["tier"] == "root")
+    leaves = [m for m in members if m["tier"] == "leaf"]
+    return root, next((m for m in leaves if m["node"] != root["node"]), leaves[0])
