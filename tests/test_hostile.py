@@ -27,7 +27,8 @@ from kernel_probe import wire
 from kernel_probe.effects import PARENT, Send
 from kernel_probe.interpreter import EffectInterpreter
 from kernel_probe.shell import endpoint
-from kernel_probe.shell.endpoint import MAX_BATCH, REFUSALS_PER_SEC, MemoryTrim, RankEndpoint, RefusalLimit
+from kernel_probe.shell.endpoint import (MAX_BATCH, REFUSALS_PER_SEC, MemoryTrim, RankEndpoint, RefusalLimit,
+                                         recv_frames)
 from kernel_probe.testing.hostile import HostilePeer, bursts, root_and_leaf
 
 from .conftest import wait_for
@@ -161,6 +162,42 @@ def test_sending_up_without_a_parent_tells_the_core_a_heartbeat_failed(ctx):
     assert net.shell.core.send_failed == 0
     net.send(Send(PARENT, wire.Message("heartbeat", {"reports": [], "known_epoch": 0})))
     assert net.shell.core.send_failed == 1
+    net.close()
+
+
+def test_an_endpoint_keeps_nothing_of_the_connections_a_burst_came_on(ctx):
+    """Every fresh connection of a flood is let go by libzmq once it left, every message it
+    queued reaches the codec and is counted, and nothing per sender stays behind."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    net = RankEndpoint(_Shell(), ctx, wire.Codec(KEY, "rank0", "i0"), "run")
+    port = net.router.bind_to_random_port("tcp://127.0.0.1")
+    monitor = net.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+    made: list[int] = []
+    kinds = ("random", "empty", "truncated", "tagged")  # none cut off: every message arrives
+    flood = threading.Thread(target=lambda: made.append(
+        bursts([f"tcp://127.0.0.1:{port}"], 4.0, kinds, burst=50, connections_per_sec=40, seed=3)))
+    flood.start()
+    while flood.is_alive():
+        net.drain_router(time.time())
+        time.sleep(0.002)
+    flood.join()
+    wait_for(lambda: net.drain_router(time.time()) or sum(net.rejected().values()) >= made[0] * 50, 20,
+             interval=0.01, what="every message of the flood")
+    events = {zmq.EVENT_ACCEPTED: 0, zmq.EVENT_DISCONNECTED: 0}
+
+    def all_released() -> bool:
+        while monitor.poll(0):
+            events[recv_monitor_message(monitor)["event"]] += 1
+        return events[zmq.EVENT_ACCEPTED] == events[zmq.EVENT_DISCONNECTED] == made[0]
+
+    wait_for(all_released, 10, interval=0.05, what=f"{made[0]} connections accepted and let go: {events}")
+    assert made[0] >= 80 and sum(net.rejected().values()) == made[0] * 50
+    assert recv_frames(net.router) is None  # nothing queued for a peer that left
+    assert not net.codec._last_seq  # unsigned senders leave no replay state
+    assert len(net.refusals._sent) <= REFUSALS_PER_SEC
+    net.router.disable_monitor()
+    monitor.close(0)
     net.close()
 
 
