@@ -201,7 +201,7 @@ def test_an_endpoint_keeps_nothing_of_the_connections_a_burst_came_on(ctx):
     net.close()
 
 
-def test_rejected_bytes_are_trimmed_after_a_burst_or_at_once_past_the_threshold(monkeypatch):
+def test_rejected_messages_are_trimmed_after_a_burst_or_at_once_past_a_threshold_of_bytes(monkeypatch):
     trims = []
     monkeypatch.setattr(endpoint, "_malloc_trim", lambda pad: trims.append(pad) or 1)
     trim = MemoryTrim()
@@ -215,6 +215,10 @@ def test_rejected_bytes_are_trimmed_after_a_burst_or_at_once_past_the_threshold(
     assert trim.due(102.0)  # a big burst: at once, without waiting for it to end
     trim.release(102.0)
     assert trims == [0, 0] and trim.trims == 2
+    trim.rejected(0, 102.5)  # an empty message: its connection's memory was freed all the same
+    assert not trim.due(103.0) and trim.due(102.5 + endpoint.TRIM_EVERY_SEC)
+    trim.release(103.5)
+    assert trims == [0, 0, 0] and trim.rejected_messages == 0
 
 
 # --- a minute against a live job --------------------------------------------------------------
