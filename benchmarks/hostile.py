@@ -59,8 +59,14 @@ def attack(client, targets: list[tuple[str, psutil.Process]], seconds: float, ki
     before = [mib(p) for _, p in targets]
     peak = list(before)
     made: list[int] = []
-    sender = threading.Thread(target=lambda: made.append(bursts([a for a, _ in targets], seconds, kinds,
-                                                                           mixed=mixed)))
+
+    def send() -> None:
+        if kinds:
+            made.append(bursts([a for a, _ in targets], seconds, kinds, mixed=mixed))
+        else:  # the control: the job alone for as long
+            time.sleep(seconds)
+
+    sender = threading.Thread(target=send)
     sender.start()
     while sender.is_alive():
         peak = [max(x, mib(p)) for x, (_, p) in zip(peak, targets)]
@@ -75,6 +81,7 @@ def attack(client, targets: list[tuple[str, psutil.Process]], seconds: float, ki
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, nargs="*", default=[30.0, 90.0])
+    ap.add_argument("--quiet", type=float, default=30.0, help="first, the job alone this long (the control)")
     ap.add_argument("--per-kind", type=float, default=0.0, help="also each kind alone, this long")
     ap.add_argument("--kinds", nargs="+", default=None, help="the kinds run alone (--per-kind)")
     ap.add_argument("--shuffled", action="store_true", help="a kind per message, not per burst")
@@ -84,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
 
     runtime = tempfile.mkdtemp(prefix="probing-hostile-")
-    argv = [BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", "20000"]
+    argv = [BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", "500"]  # the table is full before we measure
     env = {"PROBING": "1", "PROBING_RUNTIME_DIR": runtime}
     import os
 
@@ -106,7 +113,8 @@ def main() -> None:
         targets = [(root["endpoint"], psutil.Process(root["pid"])), (leaf["endpoint"], psutil.Process(leaf["pid"]))]
         print(f"root rank {root['rank']} at {root['endpoint']}, leaf rank {leaf['rank']} at {leaf['endpoint']}")
         time.sleep(5)
-        runs = [(k, args.per_kind, (k,)) for k in (args.kinds or BURST_KINDS)] if args.per_kind else []
+        runs = [("quiet", args.quiet, ())] if args.quiet else []
+        runs += [(k, args.per_kind, (k,)) for k in (args.kinds or BURST_KINDS)] if args.per_kind else []
         runs += [("mix", s, BURST_KINDS) for s in args.seconds]
         print(f"{'traffic':>10} {'sec':>5} {'conns':>6} | {'root before':>11} {'peak':>6} {'after':>7} {'growth':>7} | "
               f"{'leaf before':>11} {'peak':>6} {'after':>7} {'growth':>7}  (RSS, MiB)")
