@@ -302,6 +302,7 @@ SETTLE_SEC = 3.0  # the probe gives rejected bytes' memory back once a burst is 
 
 @pytest.mark.cluster
 def test_bursts_on_fresh_connections_leave_the_root_and_a_leafs_rss_flat(launch, runtime_dir):
+    # 500 steps kept: the table is full before the level is taken, so its growth is not the traffic's
     job = launch([BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", "500"], nodes=2, ranks_per_node=2,
                  mode="torchrun")
     job.wait_ready(90)
