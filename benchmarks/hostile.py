@@ -6,9 +6,12 @@ query first (its RSS is the level), then for ``--seconds`` (30 and 90 unless tol
 endpoints at once (~13 connections a second: ~400 in 30 s): random multipart frames, empty
 frames, signed-looking messages cut short, 2 MiB frames, the protocol tag with an unsigned
 header (``kernel_probe.testing.hostile.bursts``). Then a query again (every rank answers),
-a few quiet seconds, and the RSS of both; ``--per-kind`` also runs each kind alone.
+a few quiet seconds, and the RSS of both. First the control: the job alone as long
+(``--quiet``); ``--per-kind`` also runs each kind alone (``wide``: frames just under the
+1 MiB cap, by name only); ``--no-trim``: ranks that never hand rejected bytes' memory back.
 
-    .venv/bin/python benchmarks/hostile.py [--seconds 30 90] [--per-kind 15]
+    .venv/bin/python benchmarks/hostile.py [--seconds 30 90] [--per-kind 15 [--kinds empty big wide]]
+                                           [--no-trim] [--keep 20000]
 """
 
 from __future__ import annotations
@@ -86,12 +89,15 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=None, help="the kinds run alone (--per-kind)")
     ap.add_argument("--shuffled", action="store_true", help="a kind per message, not per burst")
     ap.add_argument("--no-trim", action="store_true", help="ranks that never give rejected bytes' memory back")
+    ap.add_argument("--keep", type=int, default=500,
+                    help="steps each rank keeps in its table `work` (500: full before the first figure; more: "
+                         "the table still grows while we measure, as the control row shows)")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=2)
     args = ap.parse_args()
 
     runtime = tempfile.mkdtemp(prefix="probing-hostile-")
-    argv = [BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", "500"]  # the table is full before we measure
+    argv = [BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", str(args.keep)]
     env = {"PROBING": "1", "PROBING_RUNTIME_DIR": runtime}
     import os
 
@@ -107,8 +113,12 @@ def main() -> None:
                   workdir=Path(runtime) / "job") as job:
         job.wait_ready(120)
         client = wait_for(lambda: kernel_probe.connect(timeout=2), 90, "the root")
-        wait_for(lambda: client.query(QUERY, timeout=5).coverage["answered"] == list(range(world)), 90,
-                 "every rank answering")
+
+        def ready() -> bool:  # every rank answers and, with a small --keep, its table is full
+            n = client.query(QUERY, timeout=5).df.n.tolist()
+            return len(n) == world and (args.keep > 500 or n == [args.keep] * world)
+
+        wait_for(ready, 120, "every rank answering")
         root, leaf = root_and_leaf(client.nodes_raw(timeout=5)["members"])
         targets = [(root["endpoint"], psutil.Process(root["pid"])), (leaf["endpoint"], psutil.Process(leaf["pid"]))]
         print(f"root rank {root['rank']} at {root['endpoint']}, leaf rank {leaf['rank']} at {leaf['endpoint']}")

@@ -16,6 +16,7 @@ counted apart (``cut_off``). ``run_for`` mixes everything from several threads.
 from __future__ import annotations
 
 import collections
+import json
 import random
 import threading
 import time
@@ -236,8 +237,9 @@ def burst_frames(kind: str, rng: random.Random, big: bytes) -> list[bytes]:
     if kind == "big":
         return [rng.randbytes(rng.randint(0, 64)), big]
     if kind == "tagged":
-        header = ('{"type":"info_request","sender":"s%d","incarnation":"%s","seq":1,"ts":%f,"msg_id":"m","corr_id":null}'
-                  % (rng.randrange(10**6), rng.randbytes(8).hex(), time.time())).encode()
+        header = json.dumps({"type": "info_request", "sender": f"s{rng.randrange(10**6)}",
+                             "incarnation": rng.randbytes(8).hex(), "seq": 1, "ts": time.time(), "msg_id": "m",
+                             "corr_id": None}).encode()
         return [wire.PROTOCOL, rng.randbytes(wire.SIGNATURE_BYTES), header, b"{}"]
     raise ValueError(f"unknown burst kind {kind!r}")
 
