@@ -146,7 +146,7 @@ def malloc_trim() -> Callable[[int], int] | None:
 
 
 class MemoryTrim:
-    """Rejected bytes since the last trim, and giving their memory back (one per process:
+    """Rejected messages and bytes since the last trim, and giving their memory back (one per process:
     glibc's arenas are the process's)."""
 
     def __init__(self) -> None:
