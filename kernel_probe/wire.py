@@ -406,6 +406,18 @@ def _schema_problem(type_: str, body: Any) -> str | None:
     return None
 
 
+_REPLAY_NAME_CHARS = 64  # longer sender or incarnation names are remembered by their digest
+
+
+def _replay_key(sender: str, incarnation: str) -> tuple[str, str] | bytes:
+    """What the replay check remembers a peer by: its names, or a 16-byte digest of long ones,
+    so ``Limits.history`` entries cost a few hundred KiB however long the names a peer signs."""
+    if len(sender) <= _REPLAY_NAME_CHARS and len(incarnation) <= _REPLAY_NAME_CHARS:
+        return (sender, incarnation)
+    return hashlib.blake2b(f"{len(sender)}:{sender}{incarnation}".encode("utf-8", "surrogatepass"),
+                           digest_size=16).digest()
+
+
 # --------------------------------------------------------------------------- codec
 
 
@@ -437,9 +449,9 @@ class Codec:
         self.rejected: collections.Counter[str] = collections.Counter()
         self._seq = itertools.count(1)
         self._id_prefix = secrets.token_hex(8)  # default msg_id: 32 hex digits, this and the seq (no urandom per message)
-        # (sender, incarnation) -> last accepted seq, least recently used first.
+        # _replay_key(sender, incarnation) -> last accepted seq, least recently used first.
         # Bounded so a peer inventing incarnations cannot grow our memory.
-        self._last_seq: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
+        self._last_seq: collections.OrderedDict[tuple[str, str] | bytes, int] = collections.OrderedDict()
 
     # ----------------------------------------------------------------- encode
 
@@ -553,7 +565,7 @@ class Codec:
             raise WireError("stale", f"ts {header.ts:.3f} vs now {now:.3f}")
 
         # 7. Replay. Recorded only now, so a rejected message never moves the bar.
-        peer = (header.sender, header.incarnation)
+        peer = _replay_key(header.sender, header.incarnation)
         last = self._last_seq.get(peer)
         if last is not None and header.seq <= last:
             raise WireError("replay", f"seq {header.seq} <= {last} from {header.sender}")

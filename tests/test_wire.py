@@ -536,6 +536,18 @@ def test_history_evicts_least_recently_used(clock):
     assert ("b", "i") not in rx._last_seq and ("a", "i") in rx._last_seq
 
 
+def test_history_remembers_long_names_by_a_small_digest(clock):
+    rx = Codec(KEY, "rx", "i", clock=clock)
+    long_a, long_b = "s" * 3000, "s" * 2999 + "t"  # a header of up to 4 KiB each
+    for name in (long_a, long_b):
+        sender = Codec(KEY, name, "inc-" + "x" * 900, clock=clock)
+        assert_rejected(rx, _replay(rx, sender), "replay")  # still protected
+    digests = [k for k in rx._last_seq if isinstance(k, bytes)]  # (assert_rejected adds short-named peers)
+    assert len(digests) == 2 and all(len(k) == 16 for k in digests)  # two peers, not one: the digests differ
+    rx.decode(Codec(KEY, "rank:1", "inc-1", clock=clock).encode(Message("info_request", {})))
+    assert ("rank:1", "inc-1") in rx._last_seq  # short names as they are: no hashing on the common path
+
+
 def test_reject_reasons_are_the_contract():
     # Each of the sections above reaches one reason; make sure the list is the contract.
     assert set(REJECT_REASONS) == {"malformed", "bad_signature", "replay", "stale", "oversized", "unknown_type"}

@@ -30,10 +30,11 @@ log = logging.getLogger("kernel_probe")
 
 MAX_BATCH = 256  # messages handled per socket per wake-up, so no peer can starve the timers
 REFUSALS_PER_SEC = 20  # unsigned refusals are cheap to trigger: never amplify a flood
-# Bad messages are short-lived buffers allocated on libzmq's I/O thread and copied on ours;
+# Bad messages are short-lived buffers allocated on libzmq's I/O thread and copied on ours, and
+# the connections they came on (libzmq's engine, buffers and pipes) are freed when they go;
 # glibc keeps what is freed in its arenas. The 1 MiB frame cap (wire rule 3) bounds what stays
 # at an arena's top; what sits in its free lists goes back to the OS: after this many rejected
-# bytes, or once a burst of them is over, at most once a second.
+# bytes, or once a burst of rejected messages (even empty ones) is over, at most once a second.
 TRIM_AFTER_BYTES = 4 * 2**20
 TRIM_EVERY_SEC = 1.0
 
@@ -145,25 +146,27 @@ def malloc_trim() -> Callable[[int], int] | None:
 
 
 class MemoryTrim:
-    """Rejected bytes since the last trim, and giving their memory back (one per process:
+    """Rejected messages and bytes since the last trim, and giving their memory back (one per process:
     glibc's arenas are the process's)."""
 
     def __init__(self) -> None:
+        self.rejected_messages = 0  # since the last trim
         self.rejected_bytes = 0  # since the last trim
         self.trims = 0
         self._last_reject = 0.0
         self._next_trim = 0.0
 
     def rejected(self, nbytes: int, now: float) -> None:
+        self.rejected_messages += 1
         self.rejected_bytes += nbytes
         self._last_reject = now
 
     def due(self, now: float) -> bool:
-        return bool(self.rejected_bytes) and now >= self._next_trim and (
+        return bool(self.rejected_messages) and now >= self._next_trim and (
             self.rejected_bytes >= TRIM_AFTER_BYTES or now - self._last_reject >= TRIM_EVERY_SEC)
 
     def release(self, now: float) -> None:
-        self.rejected_bytes = 0
+        self.rejected_messages = self.rejected_bytes = 0
         self._next_trim = now + TRIM_EVERY_SEC
         trim = malloc_trim()
         if trim is not None:  # glibc only; elsewhere the memory is merely kept
@@ -196,6 +199,7 @@ class RankEndpoint:
                 return
             if len(frames) < 2:
                 self.dropped += 1
+                self.trim.rejected(sum(map(len, frames)), now)
                 continue
             rid, payload = frames[0], frames[1:]
             try:

@@ -11,11 +11,15 @@ short-lived connections, some sending 2 MB frames. A frame over the sockets' lim
 (``Limits.max_frame_bytes``) never reaches the probe's code: ZeroMQ cuts that connection
 off (and whatever else it had queued), so those go on throwaway connections and are
 counted apart (``cut_off``). ``run_for`` mixes everything from several threads.
+
+``bursts`` is what a port scanner or a confused client sends, as a new user would try it:
+bursts of unsigned bad messages, each on a fresh connection, against several endpoints.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import random
 import threading
 import time
@@ -26,7 +30,7 @@ import zmq
 
 from kernel_probe import wire
 
-__all__ = ["HostilePeer", "expected_reason"]
+__all__ = ["BURST_KINDS", "HostilePeer", "burst_frames", "bursts", "expected_reason", "root_and_leaf"]
 
 BIG = 2 * 2**20  # the 2 MB frames of the issue's report
 
@@ -211,3 +215,72 @@ class HostilePeer:
 
     def close(self) -> None:
         self.ctx.term()  # waits for lingering sends: what we counted has been delivered
+
+
+# --- bursts on fresh connections: what a port scanner or a confused client sends ---------------
+
+BURST_KINDS = ("random", "empty", "truncated", "big", "tagged")  # "wide": frames just under 1 MiB, asked by name
+
+
+def burst_frames(kind: str, rng: random.Random, big: bytes) -> list[bytes]:
+    """One unsigned message of ``kind``: random multipart frames, empty frames, a signed-looking
+    message cut short, a 2 MiB frame, or the protocol tag followed by an unsigned header."""
+    if kind == "random":
+        return [rng.randbytes(rng.randint(0, 2048)) for _ in range(rng.randint(1, 6))]
+    if kind == "wide":  # frames just under the sockets' limit
+        return [big[: rng.randint(2**19, 2**20)] for _ in range(rng.randint(1, 6))]
+    if kind == "empty":
+        return [b""] * rng.randint(1, 4)
+    if kind == "truncated":
+        whole = [wire.PROTOCOL, rng.randbytes(wire.SIGNATURE_BYTES),
+                 b'{"type":"query","sender":"x","incarnation":"y","seq":1,"ts":0,"msg_id":"m","corr_id":null}',
+                 b'{"sql":"SELECT 1","timeout":5}']
+        cut = rng.randint(0, 3)
+        return whole[:cut] + [whole[cut][: rng.randint(0, len(whole[cut]) - 1)]]
+    if kind == "big":
+        return [rng.randbytes(rng.randint(0, 64)), big]
+    if kind == "tagged":
+        header = json.dumps({"type": "info_request", "sender": f"s{rng.randrange(10**6)}",
+                             "incarnation": rng.randbytes(8).hex(), "seq": 1, "ts": time.time(), "msg_id": "m",
+                             "corr_id": None}).encode()
+        return [wire.PROTOCOL, rng.randbytes(wire.SIGNATURE_BYTES), header, b"{}"]
+    raise ValueError(f"unknown burst kind {kind!r}")
+
+
+def bursts(endpoints: list[str], seconds: float, kinds: tuple[str, ...] = BURST_KINDS, *, burst: int = 50,
+           connections_per_sec: float = 13.3, mixed: bool = False, seed: int = 0) -> int:
+    """For ``seconds``, bursts of ``burst`` messages of one kind (chosen at random among
+    ``kinds``; ``mixed``: a kind per message), each on a fresh DEALER connection to each of
+    ``endpoints``, at about ``connections_per_sec`` connections a second in all; the number
+    of connections made."""
+    rng = random.Random(seed)
+    big = rng.randbytes(BIG)
+    ctx = zmq.Context()
+    made, start = 0, time.monotonic()
+    try:
+        while time.monotonic() - start < seconds:
+            for address in endpoints:
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 2000)  # let the burst leave before the socket goes
+                sock.setsockopt(zmq.SNDHWM, burst)
+                sock.setsockopt(zmq.RCVHWM, 10)  # refusals we never read
+                sock.connect(address)
+                kind = rng.choice(kinds)
+                for _ in range(burst):
+                    try:
+                        sock.send_multipart(burst_frames(rng.choice(kinds) if mixed else kind, rng, big), zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                sock.close()
+                made += 1
+            time.sleep(max(0.0, start + made / connections_per_sec - time.monotonic()))
+    finally:
+        ctx.term()
+    return made
+
+
+def root_and_leaf(members: list[dict]) -> tuple[dict, dict]:
+    """The root's row of a ``nodes`` answer, and a leaf's, on another node when there is one."""
+    root = next(m for m in members if m["tier"] == "root")
+    leaves = [m for m in members if m["tier"] == "leaf"]
+    return root, next((m for m in leaves if m["node"] != root["node"]), leaves[0])
