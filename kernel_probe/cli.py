@@ -4,7 +4,7 @@
     kernel-probe -t TARGET nodes [--watch S] the membership table (again every S s, following relaunches)
     kernel-probe -t TARGET info              the answering probe's identity
     kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
-    kernel-probe -t TARGET stacks            main-thread stacks of every rank, grouped
+    kernel-probe -t TARGET stacks [--native] main-thread stacks of every rank, grouped (C/C++ frames too)
 
 Errors are one line on stderr and a non-zero exit, never a traceback.
 """
@@ -45,9 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--explain", action="store_true", help="show the plan instead of running it")
     q.add_argument("--format", choices=("table", "csv", "json"), default="table")
     q.add_argument("--profile", action="store_true", help="also show where the time went, hop by hop")
+    q.add_argument("--native", action="store_true",
+                   help="`stacks` with native (C/C++) frames too, taken by py-spy on each rank")
     q.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     st = sub.add_parser("stacks", help="main-thread Python stacks of every rank, grouped")
     st.add_argument("--all-threads", action="store_true", help="every thread, not only the main one")
+    st.add_argument("--native", action="store_true",
+                    help="native (C/C++) frames too (a gloo/NCCL wait, a C extension), taken by py-spy")
     st.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     return p
 
@@ -185,7 +189,8 @@ def cmd_query(args: argparse.Namespace) -> int:
 
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         result = client.query(args.sql, timeout=_query_timeout(args), strict=args.strict, per_rank=args.per_rank,
-                              ranks=parse_ranks(args.ranks), local=args.local, explain=args.explain)
+                              ranks=parse_ranks(args.ranks), local=args.local, explain=args.explain,
+                              native=args.native)
     if args.explain:
         print(result.explain)
         return 0
@@ -208,11 +213,14 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 def cmd_stacks(args: argparse.Namespace) -> int:
     import kernel_probe
-    from .summaries import format_stacks, group_stacks, stacks_sql
+    from .summaries import NATIVE_NOTES_SQL, format_stacks, group_stacks, native_notes, stacks_sql
 
+    notes: list[str] = []
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
-        result = client.query(stacks_sql(args.all_threads), timeout=_query_timeout(args))
-    print(format_stacks(group_stacks(result.table.to_pylist())))
+        result = client.query(stacks_sql(args.all_threads), timeout=_query_timeout(args), native=args.native)
+        if args.native:  # why a rank has no native frames, one line each
+            notes = native_notes(client.query(NATIVE_NOTES_SQL, timeout=_query_timeout(args)).table.to_pylist())
+    print(format_stacks(group_stacks(result.table.to_pylist()), notes))
     print(result.footer())
     return 0
 
