@@ -184,6 +184,6 @@ def _run_child(argv: list[str], *, timeout: float, name_tracer: bool) -> tuple[i
         out, err = child.communicate("go\n", timeout=timeout)
     except subprocess.TimeoutExpired:
         child.kill()
-        child.communicate()
+        child.wait()  # not its pipes: a grandchild may hold them
         raise
     return child.returncode, out, err
