@@ -193,3 +193,28 @@ def test_under_yama_the_child_waits_until_named_tracer(monkeypatch):
     dump = native_stacks.take_dump(10.0)
     assert dump.note is None and len(named) == 1
     assert any(t.thread_id == threading.main_thread().ident for t in dump.threads)
+
+
+def test_a_dump_bigger_than_a_pipe_comes_whole():
+    # py-spy prints while this process is still paused: its output must not wait for a reader here
+    stop = threading.Event()
+
+    def deep(n: int) -> None:
+        if n:
+            deep(n - 1)
+        else:
+            stop.wait(60)
+
+    threads = [threading.Thread(target=deep, args=(120,), name=f"deep{i}", daemon=True) for i in range(12)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.2)
+        started = time.monotonic()
+        dump = native_stacks.take_dump(20.0)
+        assert dump.note is None, dump.note
+        assert time.monotonic() - started < 15.0
+        seen = {t.thread_id: t for t in dump.threads}
+        assert all(len(seen[t.ident].frames) > 120 for t in threads)
+    finally:
+        stop.set()

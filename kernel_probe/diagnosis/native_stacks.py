@@ -172,18 +172,28 @@ def take_dump(timeout: float, pyspy: str | None = None, pid: int | None = None,
 
 
 def _run_child(argv: list[str], *, timeout: float, name_tracer: bool) -> tuple[int, str, str]:
-    """Run py-spy; ``name_tracer``: it waits on its stdin (a shell's ``read``, then ``exec``:
-    the same pid) until this process has named it its tracer."""
-    if not name_tracer:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-        return done.returncode, done.stdout, done.stderr
-    child = subprocess.Popen(["/bin/sh", "-c", 'read _ && exec "$@"', "sh", *argv], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _allow_tracer(child.pid)
-        out, err = child.communicate("go\n", timeout=timeout)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()  # not its pipes: a grandchild may hold them
-        raise
-    return child.returncode, out, err
+    """Run py-spy, its output into files: py-spy writes while it still holds this process
+    paused, and a pipe that fills (a big dump) would wait for a reader that cannot run.
+    ``name_tracer``: it waits on its stdin (a shell's ``read``, then ``exec``: the same pid)
+    until this process has named it its tracer."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        if name_tracer:
+            child = subprocess.Popen(["/bin/sh", "-c", 'read _ && exec "$@"', "sh", *argv], stdin=subprocess.PIPE,
+                                     stdout=out, stderr=err, text=True)
+        else:
+            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        try:
+            if name_tracer:
+                _allow_tracer(child.pid)
+                child.stdin.write("go\n")  # type: ignore[union-attr]
+                child.stdin.close()  # type: ignore[union-attr]
+            returncode = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return returncode, out.read(), err.read()
