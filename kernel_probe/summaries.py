@@ -17,7 +17,7 @@ from .rank_lists import parse_ranks, rank_span, ranks_label
 STACKS_SQL = ("SELECT _rank, thread_name, is_main, depth, frame_type, function, file, line FROM stacks {where} "
               "ORDER BY _rank, thread_name, depth")
 # Asked after a query with native frames: why a rank's `stacks` has none (py-spy refused, missing, slow).
-NATIVE_NOTES_SQL = "SELECT _rank, note FROM tables WHERE table_name = 'stacks' AND note IS NOT NULL ORDER BY _rank"
+NATIVE_NOTES_SQL = "SELECT DISTINCT _rank, note FROM tables WHERE table_name = 'stacks' AND note IS NOT NULL ORDER BY _rank"
 
 
 def stacks_sql(all_threads: bool = False) -> str:
