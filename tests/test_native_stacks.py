@@ -218,3 +218,38 @@ def test_a_dump_bigger_than_a_pipe_comes_whole():
         assert all(len(seen[t.ident].frames) > 120 for t in threads)
     finally:
         stop.set()
+
+
+class _Broker:
+    """A fan-out's tree: rank 2, a broker with one child, rank 3."""
+
+    rank, tier, ships_to_parent, incarnation = 2, "broker", False, "i"
+
+    def hops(self, ranks):
+        return {r: (3, b"r3") for r in ranks if r == 3}
+
+    def child_rank(self, rid):
+        return 3 if rid == b"r3" else None
+
+    def member_rows(self):
+        return []
+
+    def child_ids(self):
+        return [b"r3"]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_fan_out_carries_the_option_down_and_into_the_scan(native):
+    from kernel_probe.effects import Send
+    from kernel_probe.query_fanout import QueryFanOut
+    from kernel_probe.wire import Envelope, Header, Message
+
+    body = {"qid": "q1", "plan": {"final": "SELECT 1", "scans": []}, "deadline": 10.0, "ranks": [2, 3]}
+    if native:
+        body["native"] = True
+    effects = QueryFanOut(_Broker()).on_subquery(
+        Envelope(Header("subquery", "x", "i", 1, 0.0, "m1", None), Message("subquery", body)), 0.0)
+    (down,) = [e for e in effects if isinstance(e, Send)]
+    (scan,) = [e.task for e in effects if isinstance(getattr(e, "task", None), RankScan)]
+    assert down.msg.body.get("native", False) is native and scan.native is native
+    assert native or "native" not in down.msg.body  # a plain query's message is as it was
