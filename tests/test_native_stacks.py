@@ -196,7 +196,7 @@ def test_under_yama_the_child_waits_until_named_tracer(monkeypatch):
 
 
 def test_a_dump_bigger_than_a_pipe_comes_whole():
-    # py-spy prints while this process is still paused: its output must not wait for a reader here
+    # many threads, deep stacks: a dump far bigger than a pipe's buffer, read whole
     stop = threading.Event()
 
     def deep(n: int) -> None:

@@ -7,7 +7,8 @@ thread that reads the table (never the I/O thread, never a training thread), and
 most PROBING_NATIVE_STACKS_TIMEOUT_SEC for it. A process may not ptrace itself, but its
 child may trace it: where Yama's ptrace_scope is 1 the child is first named the rank's
 tracer (``prctl(PR_SET_PTRACER)``), before it starts tracing (it waits on its stdin until
-then). py-spy pauses the rank while it reads the stacks (tens of milliseconds).
+then). py-spy pauses the rank while it reads the stacks: tens of milliseconds, a few seconds
+where it first reads the symbols of a big library on the stack (libtorch).
 
 py-spy's dump is one consistent snapshot of every Python thread with its native frames
 interleaved in calling order; a thread it reports is taken from it (innermost first, frames
@@ -172,9 +173,8 @@ def take_dump(timeout: float, pyspy: str | None = None, pid: int | None = None,
 
 
 def _run_child(argv: list[str], *, timeout: float, name_tracer: bool) -> tuple[int, str, str]:
-    """Run py-spy, its output into files: py-spy writes while it still holds this process
-    paused, and a pipe that fills (a big dump) would wait for a reader that cannot run.
-    ``name_tracer``: it waits on its stdin (a shell's ``read``, then ``exec``: the same pid)
+    """Run py-spy, its output into files: one ``wait`` bounds the whole run (no pipe to
+    drain meanwhile, none held open by anything it leaves behind). ``name_tracer``: it waits on its stdin (a shell's ``read``, then ``exec``: the same pid)
     until this process has named it its tracer."""
     import tempfile
 
