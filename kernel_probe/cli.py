@@ -191,6 +191,7 @@ def cmd_query(args: argparse.Namespace) -> int:
         result = client.query(args.sql, timeout=_query_timeout(args), strict=args.strict, per_rank=args.per_rank,
                               ranks=parse_ranks(args.ranks), local=args.local, explain=args.explain,
                               native=args.native)
+        notes = _native_notes(client, args) if args.native and not args.explain else []
     if args.explain:
         print(result.explain)
         return 0
@@ -205,21 +206,30 @@ def cmd_query(args: argparse.Namespace) -> int:
         with pd.option_context("display.max_rows", 200, "display.max_columns", 50, "display.width", 200):
             print(df.to_string(index=False) if len(df) else "(no rows)")
     side = sys.stderr if args.format != "table" else sys.stdout
+    for line in notes:  # why a rank's `stacks` has no native frames
+        print(line, file=side)
     print(result.footer(), file=side)
     if args.profile:
         print(result.profile(), file=side)
     return 0
 
 
+def _native_notes(client, args: argparse.Namespace) -> list[str]:
+    """After a query with native frames: why a rank has none, one line per reason."""
+    from .summaries import NATIVE_NOTES_SQL, native_notes
+
+    ranks = parse_ranks(getattr(args, "ranks", None))
+    found = client.query(NATIVE_NOTES_SQL, timeout=_query_timeout(args), ranks=ranks, local=getattr(args, "local", False))
+    return native_notes(found.table.to_pylist())
+
+
 def cmd_stacks(args: argparse.Namespace) -> int:
     import kernel_probe
-    from .summaries import NATIVE_NOTES_SQL, format_stacks, group_stacks, native_notes, stacks_sql
+    from .summaries import format_stacks, group_stacks, stacks_sql
 
-    notes: list[str] = []
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         result = client.query(stacks_sql(args.all_threads), timeout=_query_timeout(args), native=args.native)
-        if args.native:  # why a rank has no native frames, one line each
-            notes = native_notes(client.query(NATIVE_NOTES_SQL, timeout=_query_timeout(args)).table.to_pylist())
+        notes = _native_notes(client, args) if args.native else []
     print(format_stacks(group_stacks(result.table.to_pylist()), notes))
     print(result.footer())
     return 0
