@@ -91,3 +91,8 @@ def test_a_rank_blocked_in_gloo_shows_the_wait(launch, tmp_path):
     assert any(line.startswith("  [native] ") and "gloo" in line for line in lines), out.stdout
     assert "rank 0: native stacks unavailable: ptrace refused by the OS" in out.stdout, out.stdout
     assert any("in never_enters" in line for line in lines), out.stdout
+    out = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "query", "--native", "--timeout", "30",
+                          "SELECT _rank, count(*) AS n FROM stacks WHERE frame_type = 'native' GROUP BY _rank"],
+                         capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0: native stacks unavailable: ptrace refused by the OS" in out.stdout, out.stdout
