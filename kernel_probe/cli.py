@@ -4,7 +4,7 @@
     kernel-probe -t TARGET nodes [--watch S] the membership table (again every S s, following relaunches)
     kernel-probe -t TARGET info              the answering probe's identity
     kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
-    kernel-probe -t TARGET stacks            main-thread stacks of every rank, grouped
+    kernel-probe -t TARGET stacks [--native] main-thread stacks of every rank, grouped (C/C++ frames too)
     kernel-probe -t dump://DIR query|nodes|stacks|info   the same over an ended job's dumps
     kernel-probe -t TARGET dump DIR          a live job's dumps, as its ranks write them when they die
     kernel-probe -t TARGET diagnose [--json] why the job is stuck: one sentence, then the findings
@@ -49,9 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--explain", action="store_true", help="show the plan instead of running it")
     q.add_argument("--format", choices=("table", "csv", "json"), default="table")
     q.add_argument("--profile", action="store_true", help="also show where the time went, hop by hop")
+    q.add_argument("--native", action="store_true",
+                   help="`stacks` with native (C/C++) frames too, taken by py-spy on each rank")
     q.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     st = sub.add_parser("stacks", help="main-thread Python stacks of every rank, grouped")
     st.add_argument("--all-threads", action="store_true", help="every thread, not only the main one")
+    st.add_argument("--native", action="store_true",
+                    help="native (C/C++) frames too (a gloo/NCCL wait, a C extension), taken by py-spy")
     st.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     dump = sub.add_parser("dump", help="write a live job's dumps under DIR (read them with -t dump://DIR)")
     dump.add_argument("dir")
@@ -200,7 +204,9 @@ def cmd_query(args: argparse.Namespace) -> int:
 
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         result = client.query(args.sql, timeout=_query_timeout(args), strict=args.strict, per_rank=args.per_rank,
-                              ranks=parse_ranks(args.ranks), local=args.local, explain=args.explain)
+                              ranks=parse_ranks(args.ranks), local=args.local, explain=args.explain,
+                              native=args.native)
+        notes = _native_notes(client, args) if args.native and not args.explain else []
     if args.explain:
         print(result.explain)
         return 0
@@ -215,10 +221,21 @@ def cmd_query(args: argparse.Namespace) -> int:
         with pd.option_context("display.max_rows", 200, "display.max_columns", 50, "display.width", 200):
             print(df.to_string(index=False) if len(df) else "(no rows)")
     side = sys.stderr if args.format != "table" else sys.stdout
+    for line in notes:  # why a rank's `stacks` has no native frames
+        print(line, file=side)
     print(result.footer(), file=side)
     if args.profile:
         print(result.profile(), file=side)
     return 0
+
+
+def _native_notes(client, args: argparse.Namespace) -> list[str]:
+    """After a query with native frames: why a rank has none, one line per reason."""
+    from .summaries import NATIVE_NOTES_SQL, native_notes
+
+    ranks = parse_ranks(getattr(args, "ranks", None))
+    found = client.query(NATIVE_NOTES_SQL, timeout=_query_timeout(args), ranks=ranks, local=getattr(args, "local", False))
+    return native_notes(found.table.to_pylist())
 
 
 def cmd_stacks(args: argparse.Namespace) -> int:
@@ -226,8 +243,9 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     from .summaries import format_stacks, group_stacks, stacks_sql
 
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
-        result = client.query(stacks_sql(args.all_threads), timeout=_query_timeout(args))
-    print(format_stacks(group_stacks(result.table.to_pylist())))
+        result = client.query(stacks_sql(args.all_threads), timeout=_query_timeout(args), native=args.native)
+        notes = _native_notes(client, args) if args.native else []
+    print(format_stacks(group_stacks(result.table.to_pylist()), notes))
     print(result.footer())
     return 0
 

@@ -58,6 +58,10 @@ class Settings:
     # PROBING_FLIGHT_RECORDER_ROWS: `collectives` rows per process group read from torch's flight
     # recorder at query time (its newest entries; torch's own ring holds TORCH_FR_BUFFER_SIZE in all)
     flight_recorder_rows: int = 2000
+    # `stacks` with native frames (a query sent with native=True): py-spy's time limit, and
+    # which py-spy (PROBING_NATIVE_STACKS_PYSPY; default: the one beside the interpreter, else PATH)
+    native_stacks_timeout_sec: float = 5.0  # PROBING_NATIVE_STACKS_TIMEOUT_SEC
+    native_stacks_pyspy: str | None = None
     query_row_cap: int = 1_000_000  # PROBING_QUERY_ROW_CAP: rows one query may ship or return (error past it)
     query_threads: int = 1  # PROBING_QUERY_THREADS: DuckDB threads per rank (the training job owns the cores)
     query_memory: str = "256MB"  # PROBING_QUERY_MEMORY: DuckDB memory limit per rank (no spilling)
@@ -233,6 +237,8 @@ def _parse_settings(env: Mapping[str, str]) -> Settings:
         memory_sample_sec=_number(env, "PROBING_MEMORY_SAMPLE_SEC", 5.0, 0.01),
         collectives=_flag(env, "PROBING_COLLECTIVES", True),
         flight_recorder_rows=int(_number(env, "PROBING_FLIGHT_RECORDER_ROWS", 2000, 1)),
+        native_stacks_timeout_sec=_number(env, "PROBING_NATIVE_STACKS_TIMEOUT_SEC", 5.0, 0.1),
+        native_stacks_pyspy=_text(env, "PROBING_NATIVE_STACKS_PYSPY"),
         query_row_cap=int(_number(env, "PROBING_QUERY_ROW_CAP", 1_000_000, 1)),
         query_threads=int(_number(env, "PROBING_QUERY_THREADS", 1, 1)),
         query_memory=_text(env, "PROBING_QUERY_MEMORY") or "256MB",

@@ -238,7 +238,8 @@ class QueryFanOut:
                 s.local = True
                 s.timing.task_started["rank"] = now
                 own.append(self._task(s, RankScan(s.plan, params=s.request.get("params"), deadline=s.gather_by,
-                                                  ships_to_parent=s.origin is PARENT and self.tree.ships_to_parent)))
+                                                  ships_to_parent=s.origin is PARENT and self.tree.ships_to_parent,
+                                                  native=bool(s.request.get("native")))))
                 continue
             hop = hops.get(rank)
             if hop is None:
@@ -253,6 +254,8 @@ class QueryFanOut:
             s.timing.sent[hop] = now
             body = {"qid": s.qid, "plan": down, "deadline": child_deadline, "ranks": ranks,
                     "params": s.request.get("params")}
+            if s.request.get("native"):  # only then: a plain query's message stays as it was
+                body["native"] = True
             effects.append(Send(rid, Message("subquery", body)))
         return effects + own
 
@@ -279,7 +282,8 @@ class QueryFanOut:
         ranks = [r for r in body["ranks"] if isinstance(r, int)]
         s = HopQuery(qid, PARENT, env.header.msg_id, deadline,
                     deadline - min(HOP_MARGIN_MAX, max(0.0, deadline - now) * FINISH_SHARE), now,
-                    request={"params": body.get("params")}, plan=body["plan"], targeted=ranks)
+                    request={"params": body.get("params"), "native": bool(body.get("native"))}, plan=body["plan"],
+                    targeted=ranks)
         self.queries[qid] = s
         if self.tree.tier is None:
             s.failed.update({r: "not ready" for r in ranks})

@@ -51,13 +51,15 @@ class PlanQuery(_Task):
 class RankScan(_Task):
     """This rank's scans of ``plan`` (a plan dict) over its own tables. ``ships_to_parent``: a
     leaf answering a parent on its machine, which may answer with the tables its scans read
-    instead (a result with ``ship``), for the parent to scan (a ``ShippedScan`` there)."""
+    instead (a result with ``ship``), for the parent to scan (a ``ShippedScan`` there).
+    ``native``: its ``stacks`` carry native frames too (py-spy; a shipped table already has them)."""
 
     kind: ClassVar[str] = "rank"
     plan: dict
     params: Any = None
     deadline: float | None = None
     ships_to_parent: bool = False
+    native: bool = False
 
 
 @dataclass(frozen=True)

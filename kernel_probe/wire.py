@@ -152,6 +152,7 @@ class QueryBody(_QueryFields, total=False):  # client -> probe
     explain: bool
     ranks: list | None
     params: dict | None
+    native: bool  # `stacks` with native frames too (py-spy, on each rank asked)
 
 
 class QueryProgressBody(TypedDict):  # probe -> client, on long queries
@@ -180,6 +181,7 @@ class _SubqueryFields(TypedDict):
 
 class SubqueryBody(_SubqueryFields, total=False):  # parent -> child
     params: dict | None
+    native: bool  # as the query's
 
 
 class _SubresultFields(TypedDict):

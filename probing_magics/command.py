@@ -174,15 +174,17 @@ class OptionsCommand:
     options: dict[str, str]
 
 
-def parse_options(line: str, valued: set[str], usage: str, max_positional: int = 0) -> OptionsCommand:
-    """A simple ``[POSITIONAL] [--opt VALUE]...`` line; ``UsageError`` for anything else."""
+def parse_options(line: str, valued: set[str], usage: str, max_positional: int = 0,
+                  flags: frozenset[str] = frozenset()) -> OptionsCommand:
+    """A simple ``[POSITIONAL] [--opt VALUE] [--flag]...`` line; ``UsageError`` for anything
+    else. A flag given is in ``options`` as ``"True"``."""
     tokens = line.split()
     positional: list[str] = []
     options: dict[str, str] = {}
     i = 0
     while i < len(tokens):
         if tokens[i].startswith("-"):
-            name, value, i = _read_option(tokens, i, set(), valued, usage)
+            name, value, i = _read_option(tokens, i, flags, valued, usage)
             options[name] = str(value)
         else:
             positional.append(tokens[i])

@@ -82,23 +82,28 @@ class StacksView:
     """``%cluster_stacks``: identical main-thread stacks grouped, innermost frame first.
     ``groups`` keeps the ``StackGroup``s for code that wants them."""
 
-    def __init__(self, groups: list[StackGroup], footer: str, partial: bool = False) -> None:
+    def __init__(self, groups: list[StackGroup], footer: str, partial: bool = False,
+                 notes: list[str] | None = None) -> None:
         self.groups, self.footer, self.partial = groups, footer, partial
+        self.notes = list(notes or [])  # why a rank has no native frames (--native), one line each
 
     def _repr_html_(self) -> str:
         blocks = []
         for g in self.groups:
             frames = "".join(
-                f"<tr><td style='text-align:left'><code>{html.escape(f.function)}</code></td>"
-                f"<td style='text-align:left;color:{MUTED}'>{html.escape(f.file)}:{f.line}</td></tr>"
+                f"<tr><td style='text-align:left'>{'<i>native</i> ' if f.native else ''}"
+                f"<code>{html.escape(f.function)}</code></td>"
+                f"<td style='text-align:left;color:{MUTED}'>{html.escape(f.file)}"
+                f"{'' if f.native and f.line is None else f':{f.line}'}</td></tr>"
                 for f in g.frames)
             blocks.append(f"<div class='probing-stack' style='margin-bottom:0.6em'><b>{html.escape(g.label)}</b>"
                           f" <span style='color:{MUTED}'>· thread {html.escape(g.thread)} · innermost first"
                           f"</span><table style='margin-left:1em'>{frames}</table></div>")
         colour = WARN if self.partial else MUTED
         body = "".join(blocks) or "<i>no stacks</i>"
+        body += "".join(f"<div style='color:{WARN}'>{html.escape(n)}</div>" for n in self.notes)
         return f"{body}<div style='color:{colour};font-size:90%'>{html.escape(self.footer)}</div>"
 
     def __repr__(self) -> str:
-        return f"{format_stacks(self.groups)}\n{self.footer}"
+        return f"{format_stacks(self.groups, self.notes)}\n{self.footer}"
 

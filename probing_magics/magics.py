@@ -18,14 +18,14 @@ from IPython.core.error import StdinNotImplementedError, UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 
 import kernel_probe
-from kernel_probe.summaries import group_stacks, stacks_sql
+from kernel_probe.summaries import NATIVE_NOTES_SQL, group_stacks, native_notes, stacks_sql
 
 from .command import parse_options, parse_sql_command, ranks_option, seconds_option
 from .display import ClusterError, ClusterFrame, ExplainText, StacksView
 from .settings import ClusterSQL
 
 CONNECT_USAGE = "usage: %cluster_connect [TARGET] [--token-env VAR] [--timeout S]"
-STACKS_USAGE = "usage: %cluster_stacks [--ranks SPEC] [--timeout S]"
+STACKS_USAGE = "usage: %cluster_stacks [--ranks SPEC] [--timeout S] [--native]"
 NODES_USAGE = "usage: %cluster_nodes [--interval S]"
 DUMP_USAGE = "usage: %cluster_dump DIR [--timeout S]"
 DIAGNOSE_USAGE = "usage: %cluster_diagnose [--min-wait S] [--timeout S]"
@@ -242,17 +242,24 @@ class ClusterMagics(Magics):
     # ------------------------------------------------------------------ stacks
     @line_magic
     def cluster_stacks(self, line: str) -> StacksView | None:
-        """%cluster_stacks [--ranks SPEC] [--timeout S]
+        """%cluster_stacks [--ranks SPEC] [--timeout S] [--native]
 
-        Where every rank's main thread is right now; identical stacks grouped, innermost frame first."""
-        cmd = parse_options(line, {"--ranks", "--timeout"}, STACKS_USAGE)
+        Where every rank's main thread is right now; identical stacks grouped, innermost frame first.
+        ``--native``: C/C++ frames too (a gloo/NCCL wait, a C extension), taken by py-spy on each
+        rank; a rank where it cannot be taken says why in one line."""
+        cmd = parse_options(line, {"--ranks", "--timeout"}, STACKS_USAGE, flags=frozenset({"--native"}))
         ranks = ranks_option(cmd)
         timeout = seconds_option(cmd, "--timeout", self.settings.timeout)
-        result = self._query(stacks_sql(), timeout=timeout, ranks=ranks)
+        native = "--native" in cmd.options
+        result = self._query(stacks_sql(), timeout=timeout, ranks=ranks, native=native)
         if result is None:
             return None
+        notes: list[str] = []
+        if native:
+            why = self._query(NATIVE_NOTES_SQL, timeout=timeout, ranks=ranks)
+            notes = [] if why is None else native_notes(why.table.to_pylist())
         return StacksView(group_stacks(result.table.to_pylist()), result.footer(),
-                          bool(result.coverage.get("partial")))
+                          bool(result.coverage.get("partial")), notes=notes)
 
     # ------------------------------------------------------------------ the verdict
     @line_magic

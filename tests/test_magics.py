@@ -194,6 +194,17 @@ def test_stacks_grouped(ip):
     assert err is None and [g.label for g in view.groups] == ["rank 2"]
 
 
+def test_stacks_with_native_frames(ip):
+    view, err = run(ip, "%cluster_stacks --ranks 2 --native")
+    assert err is None and [g.label for g in view.groups] == ["rank 2"]
+    frames = view.groups[0].frames
+    assert frames[0].native and frames[0].line is None  # innermost: the C call the main thread waits in
+    assert any(f.function.endswith("main") and not f.native for f in frames)
+    assert "  [native] " in repr(view) and "<i>native</i>" in view._repr_html_() and not view.notes
+    _, err = run(ip, "%cluster_stacks --native=yes")
+    assert isinstance(err, UsageError)
+
+
 def test_unreachable_and_missing_token(ip, capsys, monkeypatch):
     # a port we hold bound but never listen on: nobody answers there, and nobody else can take it
     hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

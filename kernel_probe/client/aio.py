@@ -205,10 +205,12 @@ class AsyncClient(ClientState):
 
     async def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
                     ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
-                    local: bool = False, explain: bool = False,
+                    local: bool = False, explain: bool = False, native: bool = False,
                     on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
         """As ``Client.query``; decoding the Arrow answer is cheap, so it stays on the loop."""
         body = results.query_body(sql, timeout, per_rank, ranks, params, local, explain)
+        if native:  # `stacks` with native frames too: each rank asked runs py-spy on itself
+            body["native"] = True
         try:
             env = await self._call("query", body, timeout + results.ANSWER_GRACE, on_progress)
         except ValueError as exc:

@@ -255,16 +255,21 @@ class Client(ClientState):
 
     def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
               ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
-              local: bool = False, explain: bool = False,
+              local: bool = False, explain: bool = False, native: bool = False,
               on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
         """Run one read-only SELECT over the job (DESIGN section 5).
 
         ``ranks`` restricts the ranks asked; ``params`` bind as ``$name``; ``local`` asks
-        only the probe connected to; ``explain`` returns the plan without running it.
+        only the probe connected to; ``explain`` returns the plan without running it;
+        ``native``: ``stacks`` carry each thread's native (C/C++) frames too, taken by py-spy
+        (PROBING_NATIVE_STACKS_TIMEOUT_SEC bounds it; where it cannot, the catalog's note of
+        ``stacks`` says why, and the Python frames still come).
         Partial answers are allowed unless ``strict``; ``coverage`` says who answered.
         ``on_progress`` receives ``{"answered", "targeted"}`` reports on this thread.
         """
         body = results.query_body(sql, timeout, per_rank, ranks, params, local, explain)
+        if native:  # `stacks` with native frames too: each rank asked runs py-spy on itself
+            body["native"] = True
         try:
             env = self._call("query", body, timeout + results.ANSWER_GRACE, on_progress)
         except ValueError as exc:  # params that JSON cannot carry

@@ -7,7 +7,9 @@ asks. Registering user tables takes a lock held only for a dict update.
 
 Built-in tables (columns in ``convert.SCHEMAS``):
 
-- ``stacks``       every thread's live Python stack at query time
+- ``stacks``       every thread's live Python stack at query time (frame_type 'python'); with
+                   native frames too ('native', taken by py-spy) for a query that asks
+                   (``NativeStacks``), and the catalog's note saying why when they could not be
 - ``steps``        one row per optimizer step (torch's global optimizer hooks), plus the
                    latest value of each key logged with the same ``step=``
 - ``memory``       sampled every PROBING_MEMORY_SAMPLE_SEC: rss, cpu %, CUDA per device
@@ -80,6 +82,7 @@ class LocalTables:
         self._last_stacks: tuple[list, Any] | None = None  # (rows, their table)
         self._recorder: Any = None  # diagnosis.flight_recorder.Reader, made by the first query that reads it
         self._recorder_failed: str | None = None  # the last read of torch's flight recorder: why it gave nothing
+        self._native_failed: str | None = None  # the last py-spy dump: why it gave no native frames
         # schemas of user callables as of their last call: the catalog never calls one (a slow
         # callable would hold every query, even those that never read it)
         self._seen_schemas: dict[str, Any] = {}
@@ -260,6 +263,21 @@ class LocalTables:
         self._last_stacks = (rows, table)
         return table
 
+    def native_stack_rows(self) -> list[tuple]:
+        """``stacks`` rows with native frames: py-spy's dump of this process merged with the
+        Python frames (only when a query asks, on its worker thread; bounded by
+        PROBING_NATIVE_STACKS_TIMEOUT_SEC). A dump that cannot be had leaves the Python
+        frames, and its reason in the catalog's note of ``stacks``."""
+        from ..diagnosis import native_stacks
+
+        python_rows = live.stack_rows()
+        dump = native_stacks.take_dump(self.settings.native_stacks_timeout_sec, self.settings.native_stacks_pyspy)
+        self._native_failed = dump.note
+        if dump.note is not None:
+            log.info("probing: %s", dump.note)
+            return python_rows
+        return native_stacks.merge_rows(python_rows, dump.threads, threading.main_thread().ident)
+
     def _arrow_tables(self):
         rows, notes = [], self._notes()
         for name in self.names():
@@ -301,11 +319,15 @@ class LocalTables:
         return recorded
 
     def _notes(self) -> dict[str, str]:
-        """The catalog's note per table: why the flight recorder's tables hold nothing of it."""
+        """The catalog's note per table: why the flight recorder's tables hold nothing of it,
+        why the last query asking for native stacks got none."""
         from ..diagnosis import flight_recorder
 
         note = flight_recorder.availability() or self._recorder_failed
-        return {} if note is None else {"collectives": note, "process_groups": note}
+        notes = {} if note is None else {"collectives": note, "process_groups": note}
+        if self._native_failed is not None:
+            notes["stacks"] = self._native_failed
+        return notes
 
     def _spec_process(self) -> convert.Spec:
         return convert.rows_spec("process", [live.process_row(self.settings.node_host)])
@@ -328,3 +350,40 @@ class LocalTables:
             note = notes.get(name)
             rows.extend((name, col, typ, note) for col, typ in types)
         return convert.rows_spec("tables", rows)
+
+
+class NativeStacks:
+    """``tables`` (a ``LocalTables``) for one query that asked for native frames: its
+    ``stacks`` come with them (``LocalTables.native_stack_rows``: a py-spy child, so never
+    served at once on the I/O thread); every other table and method is ``tables``' own."""
+
+    def __init__(self, tables: Any) -> None:
+        self._tables = tables
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tables, name)
+
+    def arrow(self, name: str):
+        if name != "stacks":
+            return self._tables.arrow(name)
+        try:
+            return convert.rows_table("stacks", self._tables.native_stack_rows())
+        except Exception as exc:
+            raise TableError(name, _one_line(name, exc)) from exc
+
+    def plain(self, name: str) -> convert.PlainTable | None:
+        if name != "stacks":
+            return self._tables.plain(name)
+        try:
+            return convert.plain_table(convert.rows_spec("stacks", self._tables.native_stack_rows()))
+        except Exception:
+            return None
+
+    def at_once(self, name: str, max_rows: int):
+        return None if name == "stacks" else self._tables.at_once(name, max_rows)
+
+
+def with_native_stacks(tables: Any) -> Any:
+    """``tables`` whose ``stacks`` carry native frames, where it can take them (a rank's own
+    ``LocalTables``); else ``tables`` as it is."""
+    return NativeStacks(tables) if hasattr(tables, "native_stack_rows") else tables

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Sequence
 # Column names and Arrow types of the built-in tables: an empty table keeps its schema.
 SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
     "stacks": (("thread_id", "int64"), ("thread_name", "string"), ("is_main", "bool"), ("depth", "int64"),
-               ("function", "string"), ("file", "string"), ("line", "int64")),
+               ("frame_type", "string"), ("function", "string"), ("file", "string"), ("line", "int64")),
     "steps": (("step", "int64"), ("start", "float64"), ("duration_ms", "float64"), ("data_ms", "float64"),
               ("forward_ms", "float64"), ("backward_ms", "float64"), ("comm_wait_ms", "float64"),
               ("optimizer_ms", "float64")),

@@ -16,8 +16,9 @@ SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH|COOK
 
 
 def stack_rows() -> list[tuple]:
-    """(thread_id, thread_name, is_main, depth, function, file, line) for every frame of
-    every thread, depth 0 = innermost; the main thread first, then by thread id."""
+    """(thread_id, thread_name, is_main, depth, frame_type, function, file, line) for every
+    Python frame of every thread (frame_type 'python'), depth 0 = innermost; the main
+    thread first, then by thread id. Native frames: ``diagnosis.native_stacks``."""
     frames = sys._current_frames()
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
@@ -29,7 +30,7 @@ def stack_rows() -> list[tuple]:
         # being torn down while we read it): stop at anything that is not a frame
         while isinstance(frame, FrameType):
             code = frame.f_code
-            rows.append((tid, name, is_main, depth, code.co_name, code.co_filename, frame.f_lineno))
+            rows.append((tid, name, is_main, depth, "python", code.co_name, code.co_filename, frame.f_lineno))
             frame = frame.f_back
             depth += 1
     del frames, frame

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 from ...membership import ALIVE, STALLED
 from ...query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlTask, Warm
 from ...tables.arrow_ipc import ipc_to_table, table_to_ipc
+from ...tables.catalog import with_native_stacks
 from ...tables.convert import array, scalar
 from .routing import QUICK_MAX_ROWS, Facts
 
@@ -267,6 +268,8 @@ class SqlWork:
         return self._plan(task, facts, engine=_NoEngine(), cached_only=True)
 
     def _quick_rank(self, task: RankScan, facts: Facts) -> dict:
+        if task.native:
+            raise NotQuick("native stacks (a py-spy child)")
         if task.ships_to_parent and facts.ships_plain:
             return self._ship_plain(task.plan, at_once=True) or self._not_quick("a table only pyarrow converts")
         return self._rank(task, facts, engine=_NoEngine(), tables=_QuickTables(self.tables))
@@ -372,12 +375,13 @@ class SqlWork:
         """This rank's scans; a leaf that ships to its parent answers with its tables instead:
         plain ones while it ships plain, else Arrow ones when its scans need DuckDB."""
         ships = task.ships_to_parent and engine is None
+        own = self._tables_of(task)
         if ships and facts.ships_plain:
-            shipped = self._ship_plain(task.plan)
+            shipped = self._ship_plain(task.plan, tables=own)
             if shipped is not None:
                 return shipped
         if tables is None:
-            tables = _Once(_LocalTables(self.tables))  # a stack or a user's callable is read once
+            tables = _Once(_LocalTables(own))  # a stack or a user's callable is read once
         tags = self.tags()
         run = self._scans(task.plan, tables, tags, task.params, task.deadline)
         if ships:
@@ -410,27 +414,32 @@ class SqlWork:
             return None
         return dict(_encode(found), ship={"tags": tags})
 
-    def _ship_plain(self, plan: dict, at_once: bool = False) -> dict | None:
+    def _ship_plain(self, plan: dict, at_once: bool = False, tables: Any = None) -> dict | None:
         """The tables this leaf's scans read, written without pyarrow (see ``_shipped``).
         ``at_once``: NotQuick for any table but the live stacks (quick work converts no ring)."""
         names = _scanned_tables(plan)
         if at_once and any(name.lower() != "stacks" for name in names):
             raise NotQuick("a recorded table")
-        return self._shipped(names, _PlainTables(self.tables), self.tags())
+        return self._shipped(names, _PlainTables(self.tables if tables is None else tables), self.tags())
+
+    def _tables_of(self, task: RankScan) -> Any:
+        """This rank's tables as ``task`` reads them: with native stacks when it asks."""
+        return with_native_stacks(self.tables) if task.native else self.tables
 
     def own_tables(self, task: RankScan, facts: Facts) -> dict | ShippedScan:
         """This rank's scans for its engine process: the ``ShippedScan`` of the tables they read
         (plain where they can be, else converted by pyarrow here) under this rank's tags, as a
         leaf ships them. A rank that has pyarrow loaded anyway does the scans itself where
         Arrow suffices (its answer instead: no table to copy for the child)."""
-        tables: Mapping = _Once(_LocalTables(self.tables)) if facts.pyarrow_loaded else _PlainTables(self.tables)
+        own = self._tables_of(task)
+        tables: Mapping = _Once(_LocalTables(own)) if facts.pyarrow_loaded else _Once(_PlainTables(own))
         if facts.pyarrow_loaded and self.options.arrow_scans:
             try:
                 return _timed(lambda: self._rank(task, facts, engine=_NoEngine(), tables=tables))
             except NotQuick:
                 pass
         # a table only pyarrow can make is made by it
-        found = _encode(_read(_scanned_tables(task.plan), tables, _LocalTables(self.tables)))
+        found = _encode(_read(_scanned_tables(task.plan), tables, _LocalTables(own)))
         return ShippedScan(task.plan, found["scans"], found["buffers"], self.tags(), params=task.params,
                            deadline=task.deadline)
 
