@@ -2,4 +2,7 @@
 
 ``flight_recorder``: torch's record of the collectives each process group enqueued, as
 rows of the ``collectives`` and ``process_groups`` tables.
+
+``profile``: a torch.profiler capture on demand, started and stopped at step boundaries,
+as rows of ``profile_ops``, ``profile_status`` and ``profile_trace``.
 """
