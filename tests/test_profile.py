@@ -4,6 +4,7 @@ profile_trace, and costs nothing while not armed. One process, a tiny model."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -54,8 +55,10 @@ def test_a_capture_runs_from_the_next_step_end_for_n_steps(tables):
     assert tables.steps.capture is None  # off again: the hook is back to one attribute check
     status = _rows(tables, "profile_status")[0]
     assert (status["state"], status["step_first"], status["step_last"]) == ("done", 4, 5)
-    assert status["started"] <= status["ended"] and status["events"] > 0 and status["error"] is None
+    assert status["started"] <= status["ended"] and status["events"] is None and status["error"] is None
     ops = _rows(tables, "profile_ops")
+    status = _rows(tables, "profile_status")[0]
+    assert status["events"] > 0 and status["events_dropped"] == 0
     names = {r["op"]: r for r in ops}
     assert "aten::special_erfcx" in names and "aten::linear" in names
     assert names["aten::linear"]["calls"] == 2  # one forward per profiled step
@@ -131,3 +134,83 @@ def test_nothing_runs_while_no_capture_is_asked():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "3", "None", "False"], out.stderr
+
+
+# --- asking the job: the profile message, and merging what comes back ---------------------------
+
+def test_the_profile_message_arms_here_and_passes_on_through_the_children():
+    from kernel_probe.effects import PARENT, Send
+    from kernel_probe.profile_plane import on_profile
+    from kernel_probe.wire import Envelope, Header, Message
+
+    class Capture:
+        def __init__(self):
+            self.armed = []
+
+        def arm(self, capture_id, steps):
+            if self.armed:
+                raise CaptureBusy(f"capture {self.armed[0][0]} is running on this rank")
+            self.armed.append((capture_id, steps))
+
+    class Core:
+        rank = 0
+        capture = Capture()
+        profile_capture = staticmethod(lambda: Core.capture)
+
+        def hops(self, ranks):  # ranks 1 and 2 through child b"a", 3 through b"b"; 7 unknown
+            return {r: {1: (1, b"a"), 2: (1, b"a"), 3: (3, b"b")}[r] for r in ranks if r in (1, 2, 3)}
+
+    def env(body):
+        header = Header(type="profile", sender="client", incarnation="x", seq=1, ts=0.0, msg_id="m1", corr_id=None)
+        return Envelope(header=header, msg=Message("profile", body))
+
+    out = on_profile(Core(), b"client", env({"action": "arm", "id": "c1", "ranks": [0, 1, 2, 3, 7], "steps": 2}), 0.0)
+    sends = {s.to: s.msg for s in out if isinstance(s, Send)}
+    assert Core.capture.armed == [("c1", 2)]
+    assert sends[b"a"].body["ranks"] == [1, 2] and sends[b"b"].body["ranks"] == [3]
+    assert sends[b"client"].body == {"action": "accepted", "id": "c1", "ranks": [0, 1, 2, 3], "unreachable": [7],
+                                     "refused": {}}
+    again = on_profile(Core(), PARENT, env({"action": "arm", "id": "c2", "ranks": [0], "steps": 1}), 0.0)
+    assert not [s for s in again if isinstance(s, Send)]  # from the parent: no answer, a note of the refusal
+    refused = on_profile(Core(), b"client", env({"action": "arm", "id": "c2", "ranks": [0], "steps": 1}), 0.0)
+    assert refused[-1].msg.body["refused"] == {"0": "capture c1 is running on this rank"}
+    assert on_profile(Core(), b"c", env({"action": "explode", "id": "c"}), 0.0)[0].msg.type == "error"
+
+
+def test_parse_ranks():
+    from kernel_probe.client.profiles import parse_ranks
+
+    assert parse_ranks("0,2-3, 5") == [0, 2, 3, 5] and parse_ranks(None) is None and parse_ranks([3, 1]) == [1, 3]
+
+
+def test_merged_trace_has_a_lane_per_rank_on_the_roots_clock_and_a_size_cap():
+    from kernel_probe.client.profiles import clock_offsets_us, merge_trace
+
+    members = {0: {"rank": 0, "node": 0, "host": "a", "tier": "root"}, 1: {"rank": 1, "node": 1, "host": "b"}}
+    status = {0: {"now": 100.0}, 1: {"now": 100.5}}  # rank 1's clock runs 0.5 s ahead
+    offsets = clock_offsets_us(status, members, 0)
+    assert offsets == {0: 0.0, 1: 500_000.0}
+    rows = [{"_rank": 0, "ph": "X", "name": "a", "cat": "cpu_op", "ts_us": 1_000_000.0, "dur_us": 5.0,
+             "thread": "1/1", "args": '{"k": 1}'},
+            {"_rank": 1, "ph": "X", "name": "b", "cat": "cpu_op", "ts_us": 1_500_010.0, "dur_us": 5.0,
+             "thread": "2/9", "args": None}]
+    trace, note = merge_trace(rows, members, offsets, max_bytes=10_000)
+    events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
+    assert [(e["pid"], e["name"], e["ts"]) for e in events] == [(0, "a", 0.0), (1, "b", 10.0)] and note == ""
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names[0] == "rank 0 (node 0, host a)" and names[1].startswith("rank 1 (node 1, host b) clock +500.000")
+    cut, note = merge_trace(rows * 50, members, offsets, max_bytes=2_000, dropped_on_rank={1: 7})
+    assert "cut at" in note and "rank 1 kept its first events only (7 dropped there)" in note
+    assert len(json.dumps(cut)) < 2_500
+
+
+def test_compare_ops_puts_the_largest_extra_first():
+    import pandas as pd
+
+    from kernel_probe.client.profiles import compare_ops, slowest_and_median
+
+    assert slowest_and_median({0: 10.0, 1: 30.0, 2: 12.0, 3: 11.0}) == (1, 3)
+    ops = pd.DataFrame({"_rank": [0, 0, 1, 1, 1], "op": ["mm", "add", "mm", "add", "extra"],
+                        "self_cpu_ms": [1.0, 2.0, 9.0, 2.0, 4.0]})
+    table = compare_ops(ops, 1, 0)
+    assert list(table["op"]) == ["mm", "extra", "add"] and list(table["extra_ms"]) == [8.0, 4.0, 0.0]

@@ -24,7 +24,7 @@ import zmq
 
 from .. import wire
 from ..shell import connfile
-from . import results
+from . import profiles, results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
 from .errors import AuthError, JobEndedError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
@@ -292,6 +292,18 @@ class Client(ClientState):
     def departures(self, timeout: float = 5.0) -> "pd.DataFrame":
         """Ranks that died or left: rank, incarnation, host, pid, when, why."""
         return results.departures_frame(self.nodes_raw(timeout)["departures"])
+
+    def profile(self, ranks: "Iterable[int] | str | None" = None, steps: int = 2, out: str | None = None,
+                timeout: float = 120.0, max_trace_mb: float = profiles.DEFAULT_TRACE_MAX_MB,
+                on_progress: Callable[[dict], None] | None = None) -> profiles.ProfileResult:
+        """torch.profiler on ``ranks`` (a list or "0,2-3"; None: every rank) from their next
+        step end for ``steps`` steps; returns when every chosen rank finished or failed
+        (``ProfileResult``: per-op rows, the slowest rank against the median, who failed).
+        ``out``: also write one Chrome/Perfetto trace of every profiled rank there, at most
+        ``max_trace_mb``. ``ProfileBusy`` if a capture is already running in the job; an
+        interrupt or the ``timeout`` cancels the capture. ``on_progress`` receives
+        ``{"finished", "ranks", "running"}`` about four times a second."""
+        return profiles.ProfileRun(self, ranks, steps, out, timeout, max_trace_mb, on_progress).run()
 
     def close(self) -> None:
         with self._io:

@@ -14,7 +14,8 @@ Threads and rules:
 - A capture's results stay until the next capture replaces them: ``profile_ops`` (one row
   per op: calls, self and total CPU time, device time when a device was profiled),
   ``profile_trace`` (its trace events, at most ``MAX_TRACE_EVENTS``; ``events_dropped``
-  counts the rest) and ``profile_status`` (one row: where the capture is).
+  counts the rest) and ``profile_status`` (one row: where the capture is; its event
+  counts once a query has read the trace).
 - One capture at a time: arming while one is armed or running is refused with the id
   of the one in the way.
 """
@@ -132,10 +133,10 @@ class ProfileCapture:
         with self._lock:
             if self.state is None:
                 return []
-            self._collect()
+            read = self._prof is None  # events are counted once the trace has been read (profile_trace)
             return [(self.capture_id, self.state, self.steps, self.step_first, self.step_last, self.armed_at,
-                     self.started, self.ended, len(self._trace), self._dropped, self.error, self._host,
-                     self._wall())]
+                     self.started, self.ended, len(self._trace) if read else None,
+                     self._dropped if read else None, self.error, self._host, self._wall())]
 
     def ops_rows(self) -> list[tuple]:
         with self._lock:
