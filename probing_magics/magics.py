@@ -1,4 +1,5 @@
-"""The IPython magics: ``%cluster_connect``, ``%%cluster_sql``, ``%cluster_stacks``, ``%cluster_nodes``.
+"""The IPython magics: ``%cluster_connect``, ``%%cluster_sql``, ``%cluster_stacks``, ``%cluster_nodes``,
+``%cluster_profile``.
 
 State lives on the magics instance of one shell (its client, its live views), never on
 the class. Every cluster failure is shown as one line (``ClusterError``), bad options as
@@ -19,7 +20,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 import kernel_probe
 from kernel_probe.summaries import group_stacks, stacks_sql
 
-from .command import parse_options, parse_sql_command, ranks_option, seconds_option
+from .command import parse_options, parse_profile_command, parse_sql_command, ranks_option, seconds_option
 from .display import ClusterError, ClusterFrame, ExplainText, StacksView
 from .settings import ClusterSQL
 
@@ -250,6 +251,35 @@ class ClusterMagics(Magics):
         return StacksView(group_stacks(result.table.to_pylist()), result.footer(),
                           bool(result.coverage.get("partial")))
 
+    # ------------------------------------------------------------------ profile
+    @line_magic
+    def cluster_profile(self, line: str) -> None:
+        """%cluster_profile [--ranks SPEC] [--steps N] [--out FILE] [--timeout S] [-o NAME]
+
+        torch.profiler on the chosen ranks (default: all) from their next step end for N steps
+        (default 2); prints the slowest rank's top ops next to the median rank's; --out writes
+        one Chrome/Perfetto trace of every profiled rank; -o NAME keeps the ProfileResult
+        (its .ops: every rank's profile_ops rows). Interrupt to cancel the capture."""
+        from kernel_probe.client.profiles import format_profile
+
+        cmd = parse_profile_command(line)
+        client = self.connected()
+        progress = QueryProgress(self._in_notebook())
+        try:
+            result = client.profile(ranks=cmd.ranks, steps=cmd.steps, out=cmd.out, timeout=cmd.timeout or 120.0,
+                                    on_progress=lambda p: progress({"answered": p["finished"], "targeted": p["ranks"]}))
+        except KeyboardInterrupt:
+            print("profile interrupted and cancelled; the connection is still usable")
+            return None
+        except kernel_probe.ProbeError as exc:
+            raise self._failed(exc) from None
+        finally:
+            progress.done()
+        if cmd.name:
+            self.shell.user_ns[cmd.name] = result
+        print(format_profile(result))
+        return None
+
     # ------------------------------------------------------------------ live view
     @line_magic
     def cluster_nodes(self, line: str) -> None:
@@ -288,7 +318,8 @@ class ClusterMagics(Magics):
         self._drop_client()
 
 
-_MAGIC_NAMES = {"line": ["cluster_connect", "cluster_sql", "cluster_stacks", "cluster_nodes"], "cell": ["cluster_sql"]}
+_MAGIC_NAMES = {"line": ["cluster_connect", "cluster_sql", "cluster_stacks", "cluster_nodes", "cluster_profile"],
+                "cell": ["cluster_sql"]}
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -20,7 +20,7 @@ SLOW_RANK, SLOW_MS = 2, 60
 EXTRA_OP = "tiny_ddp.extra_compute"
 
 
-def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path):
+def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, capsys):
     argv = [TINY_DDP, "--forever", "--step-sleep", "0.05", "--slow-rank", str(SLOW_RANK), "--slow-ms", str(SLOW_MS)]
     launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25"})
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
@@ -58,6 +58,16 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path):
     # a size cap cuts the trace and says so
     small = root.profile(ranks=[0], steps=1, out=str(tmp_path / "small.json"), timeout=60, max_trace_mb=0.002)
     assert "cut at" in small.trace_note and len(json.loads((tmp_path / "small.json").read_text())["traceEvents"]) > 0
+
+    # the command line: ranks chosen, the comparison printed, the trace written
+    from kernel_probe import cli
+
+    trace_file = tmp_path / "cli.json"
+    assert cli.main(["profile", "--ranks", "0,2", "--steps", "1", "--out", str(trace_file), "--timeout", "60"]) == 0
+    printed = capsys.readouterr().out
+    assert "2/2 ranks profiled 1 step(s)" in printed and "slowest rank 2" in printed and "aten::mm" in printed
+    lanes = {e["pid"] for e in json.loads(trace_file.read_text())["traceEvents"] if e.get("name") == "process_name"}
+    assert lanes == {0, 2}
 
     # ranks chosen; a second capture while one runs is refused
     first: dict = {}

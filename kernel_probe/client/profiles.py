@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from ..rank_lists import parse_ranks as _parse_rank_text
 from .errors import ProbeError, QueryFailed
 
 if TYPE_CHECKING:
@@ -75,22 +76,23 @@ class ProfileResult:
 
 
 def parse_ranks(spec: str | Iterable[int] | None) -> list[int] | None:
-    """``"0,2-3"`` -> [0, 2, 3]; a list of ints as is; None or "" -> None (every rank)."""
-    if spec is None or spec == "":
-        return None
-    if not isinstance(spec, str):
-        return sorted({int(r) for r in spec})
-    out: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, sep, hi = part.partition("-")
-        if sep:
-            out.update(range(int(lo), int(hi) + 1))
-        else:
-            out.add(int(part))
-    return sorted(out)
+    """``"0,2-3"`` -> [0, 2, 3]; a list of ints, sorted; None or "" -> None (every rank)."""
+    if spec is None or isinstance(spec, str):
+        parsed = _parse_rank_text(spec)
+        return None if parsed is None else sorted(set(parsed))
+    return sorted({int(r) for r in spec})
+
+
+def format_profile(result: ProfileResult, top: int = 10) -> str:
+    """The answer as text: who was profiled (and who failed), then the slowest rank's top
+    ops next to the median rank's."""
+    text = result.summary()
+    if result.comparison is not None and len(result.comparison):
+        table = result.comparison.head(top).rename(columns={
+            "slowest_ms": f"rank {result.slowest_rank} ms", "median_ms": f"rank {result.median_rank} ms"})
+        text += "\n\ntop ops of the slowest rank next to the median rank's (self CPU ms):\n"
+        text += table.to_string(index=False, float_format=lambda v: f"{v:.2f}")
+    return text
 
 
 class ProfileRun:
@@ -108,7 +110,7 @@ class ProfileRun:
         self.max_trace_bytes = int(max_trace_mb * 1e6)
         self.on_progress = on_progress
         self.clock, self.sleep = clock, sleep
-        self.capture_id = uuid.uuid4().hex[:12]
+        self.capture_id = secrets.token_hex(6)
 
     def run(self) -> ProfileResult:
         deadline = self.clock() + self.timeout
