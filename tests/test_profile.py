@@ -214,3 +214,84 @@ def test_compare_ops_puts_the_largest_extra_first():
                         "self_cpu_ms": [1.0, 2.0, 9.0, 2.0, 4.0]})
     table = compare_ops(ops, 1, 0)
     assert list(table["op"]) == ["mm", "extra", "add"] and list(table["extra_ms"]) == [8.0, 4.0, 0.0]
+
+
+class _FakeJob:
+    """A client of a 2-rank job whose captures finish after two polls (rank 1 never, with ``stuck``)."""
+
+    def __init__(self, stuck: bool = False, busy: bool = False):
+        self.polls, self.sent, self.stuck, self.busy = 0, [], stuck, busy
+
+    def nodes_raw(self):
+        return {"members": [{"rank": 0, "node": 0, "host": "h", "tier": "root"}, {"rank": 1, "node": 0, "host": "h"}]}
+
+    def request(self, type_, body, timeout):
+        from kernel_probe.wire import Message
+
+        self.sent.append(body)
+        self.capture_id = body["id"]
+
+        class Env:
+            msg = Message("profile", {"action": "accepted", "id": body["id"], "ranks": body["ranks"],
+                                      "unreachable": [], "refused": {}})
+        return Env()
+
+    def query(self, sql, timeout, ranks=None, params=None):
+        import pyarrow as pa
+
+        class Result:
+            coverage: dict = {"failed": {}}
+
+        r = Result()
+        if "FROM profile_status" in sql:
+            if not self.sent:
+                rows = [{"_rank": 1, "capture_id": "old", "state": "running"}] if self.busy else []
+            else:
+                self.polls += 1
+                state = "done" if self.polls >= 2 else "running"
+                rows = [{"_rank": k, "capture_id": self.capture_id, "state": "running" if self.stuck and k else state,
+                         "step_first": 5, "step_last": 6, "events_dropped": 0, "error": None, "now": 1.0}
+                        for k in ranks]
+            r.table = pa.Table.from_pylist(rows) if rows else None
+        elif "FROM steps" in sql:
+            r.table = pa.Table.from_pylist([{"_rank": k, "step": s, "forward_ms": 1.0 + k, "backward_ms": 1.0}
+                                            for k in ranks for s in (5, 6)])
+        else:
+            r.table = pa.Table.from_pylist([{"_rank": k, "op": "mm", "self_cpu_ms": 1.0 + k} for k in ranks])
+            r.df = r.table.to_pandas()
+        return r
+
+
+def test_a_run_waits_for_every_rank_then_compares_and_cancels_when_late(monkeypatch):
+    from kernel_probe.client import profiles
+
+    monkeypatch.setattr(profiles, "POLL_SEC", 0.0)
+    job = _FakeJob()
+    seen = []
+    result = profiles.drive(profiles.ProfileRun(steps=2, on_progress=seen.append).run(), job)
+    assert sorted(result.status) == [0, 1] and not result.failed and result.slowest_rank == 1
+    assert seen[-1] == {"finished": 2, "ranks": 2, "running": 0} and job.sent[0]["action"] == "arm"
+    with pytest.raises(profiles.ProfileBusy, match="old on ranks \\[1\\]"):
+        profiles.drive(profiles.ProfileRun().run(), _FakeJob(busy=True))
+    late = _FakeJob(stuck=True)
+    with pytest.raises(profiles.ProfileFailed, match="ranks \\[1\\] did not finish"):
+        profiles.drive(profiles.ProfileRun(timeout=5.0, clock=iter(range(100)).__next__).run(), late)
+    assert [b["action"] for b in late.sent] == ["arm", "cancel"]  # nothing left running
+
+
+def test_the_async_client_runs_the_same_steps(monkeypatch):
+    import asyncio
+
+    from kernel_probe.client import profiles
+
+    monkeypatch.setattr(profiles, "POLL_SEC", 0.0)
+    job = _FakeJob()
+
+    class Async:
+        def __getattr__(self, name):
+            async def call(*args, **kwargs):
+                return getattr(job, name)(*args, **kwargs)
+            return call
+
+    result = asyncio.run(profiles.drive_async(profiles.ProfileRun(ranks="1").run(), Async()))
+    assert sorted(result.status) == [1] and job.sent[0]["ranks"] == [1]

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from .. import wire
-from . import results
+from . import profiles, results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
 from .errors import AuthError, ConnectError, JobEndedError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
@@ -222,6 +222,13 @@ class AsyncClient(ClientState):
 
     async def departures(self, timeout: float = 5.0) -> "pd.DataFrame":
         return results.departures_frame((await self.nodes_raw(timeout))["departures"])
+
+    async def profile(self, ranks: "Iterable[int] | str | None" = None, steps: int = 2, out: str | None = None,
+                      timeout: float = 120.0, max_trace_mb: float = profiles.DEFAULT_TRACE_MAX_MB,
+                      on_progress: Callable[[dict], None] | None = None) -> profiles.ProfileResult:
+        """As ``Client.profile``; cancelling the task cancels the capture."""
+        run = profiles.ProfileRun(ranks, steps, out, timeout, max_trace_mb, on_progress).run()
+        return await profiles.drive_async(run, self)
 
     def close(self) -> None:
         """Close the socket; requests still waiting fail with ``ConnectError``."""

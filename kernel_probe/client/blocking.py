@@ -303,7 +303,7 @@ class Client(ClientState):
         ``max_trace_mb``. ``ProfileBusy`` if a capture is already running in the job; an
         interrupt or the ``timeout`` cancels the capture. ``on_progress`` receives
         ``{"finished", "ranks", "running"}`` about four times a second."""
-        return profiles.ProfileRun(self, ranks, steps, out, timeout, max_trace_mb, on_progress).run()
+        return profiles.drive(profiles.ProfileRun(ranks, steps, out, timeout, max_trace_mb, on_progress).run(), self)
 
     def close(self) -> None:
         with self._io:

@@ -2,9 +2,9 @@
 rank's capture through ``profile_status``, then read ``profile_ops`` and merge every rank's
 ``profile_trace`` into one Chrome/Perfetto trace.
 
-The waiting and collecting (``ProfileRun``) is written against the blocking ``Client``'s
-``query`` / ``request`` / ``nodes_raw``; the rest (``merge_trace``, ``compare_ops``) is
-pure and tested on its own.
+The waiting and collecting (``ProfileRun.run``) is a generator of the client calls it
+needs (``Call``): ``drive`` runs it on the blocking ``Client``, ``drive_async`` on the
+``AsyncClient``; the rest (``merge_trace``, ``compare_ops``) is pure.
 
 Clocks: each rank stamps its trace events with its own wall clock. Ranks on the root's
 host share its clock (offset 0). A rank on another host gets the offset of its clock from
@@ -19,7 +19,7 @@ import json
 import time
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, NamedTuple
 
 from ..rank_lists import parse_ranks as _parse_rank_text
 from .errors import ProbeError, QueryFailed
@@ -95,47 +95,94 @@ def format_profile(result: ProfileResult, top: int = 10) -> str:
     return text
 
 
-class ProfileRun:
-    """One capture, driven from the calling thread of a blocking ``Client``."""
+class Call(NamedTuple):
+    """What ``ProfileRun`` needs of the client next: ``method`` (nodes_raw, request, query,
+    or sleep) called with ``args`` and ``kwargs``."""
 
-    def __init__(self, client: Any, ranks: Iterable[int] | str | None = None, steps: int = 2,
+    method: str
+    args: tuple = ()
+    kwargs: dict = {}
+
+
+def drive(run: Generator[Call, Any, Any], client: Any) -> Any:
+    """Run ``ProfileRun.run()`` on a blocking client; its exceptions go back into the run."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            call = run.throw(error) if error is not None else run.send(value)
+        except StopIteration as stop:
+            return stop.value
+        try:
+            value, error = (time.sleep(*call.args) if call.method == "sleep"
+                            else getattr(client, call.method)(*call.args, **call.kwargs)), None
+        except BaseException as exc:  # noqa: B036 - an interrupt too: the run cancels its capture
+            value, error = None, exc
+
+
+async def drive_async(run: Generator[Call, Any, Any], client: Any) -> Any:
+    """``drive`` for an ``AsyncClient``."""
+    import asyncio
+
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            call = run.throw(error) if error is not None else run.send(value)
+        except StopIteration as stop:
+            return stop.value
+        try:
+            if call.method == "sleep":
+                value = await asyncio.sleep(*call.args)
+            else:
+                value = await getattr(client, call.method)(*call.args, **call.kwargs)
+            error = None
+        except BaseException as exc:  # noqa: B036 - cancellation too: the run cancels its capture
+            value, error = None, exc
+
+
+class ProfileRun:
+    """One capture, as the steps a client takes (``run``), free of any client's I/O."""
+
+    def __init__(self, ranks: Iterable[int] | str | None = None, steps: int = 2,
                  out: str | None = None, timeout: float = 120.0, max_trace_mb: float = DEFAULT_TRACE_MAX_MB,
-                 on_progress: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.client = client
+                 on_progress: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         self.wanted = parse_ranks(ranks)
         self.steps = max(1, int(steps))
         self.out = out
         self.timeout = timeout
         self.max_trace_bytes = int(max_trace_mb * 1e6)
         self.on_progress = on_progress
-        self.clock, self.sleep = clock, sleep
+        self.clock = clock
         self.capture_id = secrets.token_hex(6)
 
-    def run(self) -> ProfileResult:
+    def run(self) -> Generator[Call, Any, ProfileResult]:
+        """The capture as the client calls it needs (``Call``s), sent their results; returns
+        the ``ProfileResult``. ``drive`` / ``drive_async`` run it on a client."""
         deadline = self.clock() + self.timeout
-        members = {int(m["rank"]): m for m in self.client.nodes_raw()["members"]}
+        members = {int(m["rank"]): m for m in (yield Call("nodes_raw"))["members"]}
         ranks = sorted(members) if self.wanted is None else self.wanted
         unknown = [r for r in ranks if r not in members]
         if unknown:
             raise ProfileFailed(f"no such rank(s) in this job: {unknown}")
-        self._check_idle(sorted(members))
-        reply = self._send("arm", ranks)
+        yield from self._check_idle(sorted(members))
+        reply = yield from self._send("arm", ranks)
         failed: dict[int, str] = {int(r): f"refused: {why}" for r, why in (reply.get("refused") or {}).items()}
         failed.update({int(r): "unreachable from the root" for r in reply.get("unreachable") or ()})
         try:
-            status = self._wait(ranks, failed, deadline)
+            status = yield from self._wait(ranks, failed, deadline)
         except BaseException:  # interrupt, deadline, lost job: no capture is left running
             try:
-                self._send("cancel", ranks)
+                yield from self._send("cancel", ranks)
             except Exception:
                 pass
             raise
-        return self._collect(ranks, members, status, failed)
+        return (yield from self._collect(ranks, members, status, failed))
 
     # --- steps ------------------------------------------------------------------------------
-    def _check_idle(self, everyone: list[int]) -> None:
-        rows = self._status(everyone)[0]
+    def _check_idle(self, everyone: list[int]) -> Generator[Call, Any, None]:
+        rows = (yield from self._status(everyone))[0]
         busy = [r for r in rows if r["state"] in ("armed", "running")]
         if busy:
             ids = sorted({r["capture_id"] for r in busy})
@@ -143,23 +190,24 @@ class ProfileRun:
                               f"{sorted(int(r['_rank']) for r in busy)}); one capture per job at a time: "
                               "wait for it to finish, or interrupt the call that started it")
 
-    def _send(self, action: str, ranks: list[int]) -> dict:
+    def _send(self, action: str, ranks: list[int]) -> Generator[Call, Any, dict]:
         body = {"action": action, "id": self.capture_id, "ranks": ranks, "steps": self.steps}
-        env = self.client.request("profile", body, timeout=10.0)
+        env = yield Call("request", ("profile", body), {"timeout": 10.0})
         if env.msg.type == "error":
             raise ProfileFailed(f"the probe refused the profile request: {env.msg.body.get('message')}")
         return env.msg.body
 
-    def _status(self, ranks: list[int]) -> tuple[list[dict], dict]:
-        result = self.client.query(STATUS_SQL, timeout=10.0, ranks=ranks)
+    def _status(self, ranks: list[int]) -> Generator[Call, Any, tuple[list[dict], dict]]:
+        result = yield Call("query", (STATUS_SQL,), {"timeout": 10.0, "ranks": ranks})
         rows = [] if result.table is None else result.table.to_pylist()
         return rows, result.coverage
 
-    def _wait(self, ranks: list[int], failed: dict[int, str], deadline: float) -> dict[int, dict]:
+    def _wait(self, ranks: list[int], failed: dict[int, str], deadline: float
+              ) -> Generator[Call, Any, dict[int, dict]]:
         status: dict[int, dict] = {}
         while True:
             try:
-                rows, coverage = self._status(ranks)
+                rows, coverage = yield from self._status(ranks)
             except QueryFailed:  # a whole answer too slow (a loaded job): asked again until the deadline
                 rows, coverage = [], {}
             for row in rows:
@@ -186,29 +234,29 @@ class ProfileRun:
                 late = [r for r in ranks if r not in finished]
                 raise ProfileFailed(f"profile {self.capture_id}: ranks {late} did not finish {self.steps} step(s) "
                                     f"within {self.timeout:g} s (is the job stepping?); the capture was cancelled")
-            self.sleep(POLL_SEC)
+            yield Call("sleep", (POLL_SEC,))
 
     def _collect(self, ranks: list[int], members: dict[int, dict], status: dict[int, dict],
-                 failed: dict[int, str]) -> ProfileResult:
+                 failed: dict[int, str]) -> Generator[Call, Any, ProfileResult]:
         import pandas as pd
 
         done = [r for r in ranks if status.get(r, {}).get("state") == "done" and r not in failed]
         ops = pd.DataFrame()
         if done:
-            ops = self.client.query("SELECT * FROM profile_ops WHERE capture_id = $id ORDER BY _rank, self_cpu_ms DESC",
-                                    timeout=30.0, ranks=done, params={"id": self.capture_id}).df
+            ops = (yield Call("query", ("SELECT * FROM profile_ops WHERE capture_id = $id ORDER BY _rank, self_cpu_ms DESC",),
+                              {"timeout": 30.0, "ranks": done, "params": {"id": self.capture_id}})).df
         result = ProfileResult(self.capture_id, ranks, self.steps, status, failed, ops)
         if done:
-            compute = self._compute_ms(done, status)
+            compute = yield from self._compute_ms(done, status)
             result.slowest_rank, result.median_rank = slowest_and_median(compute)
             if result.slowest_rank is not None:
                 result.comparison = compare_ops(ops, result.slowest_rank, result.median_rank)
         if self.out and done:
             root_rank = next((r for r, m in members.items() if m.get("tier") == "root"), 0)
             offsets = clock_offsets_us(status, members, root_rank)
-            trace_rows = self.client.query(
-                "SELECT _rank, ph, name, cat, ts_us, dur_us, thread, args FROM profile_trace WHERE capture_id = $id",
-                timeout=60.0, ranks=done, params={"id": self.capture_id}).table.to_pylist()
+            trace_rows = (yield Call(
+                "query", ("SELECT _rank, ph, name, cat, ts_us, dur_us, thread, args FROM profile_trace WHERE capture_id = $id",),
+                {"timeout": 60.0, "ranks": done, "params": {"id": self.capture_id}})).table.to_pylist()
             trace, note = merge_trace(trace_rows, members, offsets, self.max_trace_bytes,
                                       {r: status[r].get("events_dropped") or 0 for r in done})
             with open(self.out, "w", encoding="utf-8") as fh:
@@ -217,13 +265,13 @@ class ProfileRun:
             result.offsets_ms = {r: us / 1000.0 for r, us in offsets.items()}
         return result
 
-    def _compute_ms(self, done: list[int], status: dict[int, dict]) -> dict[int, float]:
+    def _compute_ms(self, done: list[int], status: dict[int, dict]) -> Generator[Call, Any, dict[int, float]]:
         """Each rank's forward + backward time over its profiled steps (``steps``), else its
         total self CPU time in ``profile_ops``."""
         lo = min(status[r]["step_first"] for r in done)
         hi = max(status[r]["step_last"] for r in done)
-        rows = self.client.query("SELECT _rank, step, forward_ms, backward_ms FROM steps WHERE step BETWEEN $lo AND $hi",
-                                 timeout=10.0, ranks=done, params={"lo": lo, "hi": hi}).table.to_pylist()
+        rows = (yield Call("query", ("SELECT _rank, step, forward_ms, backward_ms FROM steps WHERE step BETWEEN $lo AND $hi",),
+                           {"timeout": 10.0, "ranks": done, "params": {"lo": lo, "hi": hi}})).table.to_pylist()
         out: dict[int, float] = {}
         for row in rows:
             rank = int(row["_rank"])
