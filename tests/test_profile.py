@@ -219,8 +219,8 @@ def test_compare_ops_puts_the_largest_extra_first():
 class _FakeJob:
     """A client of a 2-rank job whose captures finish after two polls (rank 1 never, with ``stuck``)."""
 
-    def __init__(self, stuck: bool = False, busy: bool = False):
-        self.polls, self.sent, self.stuck, self.busy = 0, [], stuck, busy
+    def __init__(self, stuck: bool = False, busy: bool = False, dies: bool = False):
+        self.polls, self.sent, self.stuck, self.busy, self.dies = 0, [], stuck, busy, dies
 
     def nodes_raw(self):
         return {"members": [{"rank": 0, "node": 0, "host": "h", "tier": "root"}, {"rank": 1, "node": 0, "host": "h"}]}
@@ -251,7 +251,9 @@ class _FakeJob:
                 state = "done" if self.polls >= 2 else "running"
                 rows = [{"_rank": k, "capture_id": self.capture_id, "state": "running" if self.stuck and k else state,
                          "step_first": 5, "step_last": 6, "events_dropped": 0, "error": None, "now": 1.0}
-                        for k in ranks]
+                        for k in ranks if not (self.dies and k == 1 and self.polls > 1)]
+                if self.dies and self.polls > 1:
+                    r.coverage = {"failed": {"1": "dead"}}
             r.table = pa.Table.from_pylist(rows) if rows else None
         elif "FROM steps" in sql:
             r.table = pa.Table.from_pylist([{"_rank": k, "step": s, "forward_ms": 1.0 + k, "backward_ms": 1.0}
@@ -274,9 +276,13 @@ def test_a_run_waits_for_every_rank_then_compares_and_cancels_when_late(monkeypa
     with pytest.raises(profiles.ProfileBusy, match="old on ranks \\[1\\]"):
         profiles.drive(profiles.ProfileRun().run(), _FakeJob(busy=True))
     late = _FakeJob(stuck=True)
-    with pytest.raises(profiles.ProfileFailed, match="ranks \\[1\\] did not finish"):
-        profiles.drive(profiles.ProfileRun(timeout=5.0, clock=iter(range(100)).__next__).run(), late)
-    assert [b["action"] for b in late.sent] == ["arm", "cancel"]  # nothing left running
+    result = profiles.drive(profiles.ProfileRun(timeout=5.0, clock=iter(range(100)).__next__).run(), late)
+    assert list(result.failed) == [1] and "did not finish 2 step(s) within 5 s" in result.failed[1]
+    assert [(b["action"], b["ranks"]) for b in late.sent] == [("arm", [0, 1]), ("cancel", [1])]  # none left running
+    assert sorted(result.status) == [0, 1] and set(result.ops["_rank"]) == {0}  # rank 0's profile is still read
+    dying = _FakeJob(stuck=True, dies=True)
+    result = profiles.drive(profiles.ProfileRun(timeout=50.0).run(), dying)
+    assert result.failed == {1: "no answer during the capture: dead"} and "rank 1: no answer" in result.summary()
 
 
 def test_the_async_client_runs_the_same_steps(monkeypatch):

@@ -300,9 +300,10 @@ class Client(ClientState):
         step end for ``steps`` steps; returns when every chosen rank finished or failed
         (``ProfileResult``: per-op rows, the slowest rank against the median, who failed).
         ``out``: also write one Chrome/Perfetto trace of every profiled rank there, at most
-        ``max_trace_mb``. ``ProfileBusy`` if a capture is already running in the job; an
-        interrupt or the ``timeout`` cancels the capture. ``on_progress`` receives
-        ``{"finished", "ranks", "running"}`` about four times a second."""
+        ``max_trace_mb``. ``ProfileBusy`` if a capture is already running in the job. A rank
+        that dies, or has not finished its steps when ``timeout`` is up (its capture is then
+        cancelled), is in ``failed`` with the reason; an interrupt cancels the capture.
+        ``on_progress`` receives ``{"finished", "ranks", "running"}`` about four times a second."""
         return profiles.drive(profiles.ProfileRun(ranks, steps, out, timeout, max_trace_mb, on_progress).run(), self)
 
     def close(self) -> None:

@@ -172,7 +172,7 @@ class ProfileRun:
         failed.update({int(r): "unreachable from the root" for r in reply.get("unreachable") or ()})
         try:
             status = yield from self._wait(ranks, failed, deadline)
-        except BaseException:  # interrupt, deadline, lost job: no capture is left running
+        except BaseException:  # an interrupt, a lost job: no capture is left running
             try:
                 yield from self._send("cancel", ranks)
             except Exception:
@@ -230,10 +230,13 @@ class ProfileRun:
                                   "running": sum(1 for r in status.values() if r["state"] == "running")})
             if len(finished) == len(ranks):
                 return status
-            if self.clock() >= deadline:
+            if self.clock() >= deadline:  # the late ranks fail; the others' profiles are still read
                 late = [r for r in ranks if r not in finished]
-                raise ProfileFailed(f"profile {self.capture_id}: ranks {late} did not finish {self.steps} step(s) "
-                                    f"within {self.timeout:g} s (is the job stepping?); the capture was cancelled")
+                for rank in late:
+                    failed[rank] = f"did not finish {self.steps} step(s) within {self.timeout:g} s (is it stepping?); " \
+                                   "its capture was cancelled"
+                yield from self._send("cancel", late)
+                return status
             yield Call("sleep", (POLL_SEC,))
 
     def _collect(self, ranks: list[int], members: dict[int, dict], status: dict[int, dict],
