@@ -69,6 +69,21 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     lanes = {e["pid"] for e in json.loads(trace_file.read_text())["traceEvents"] if e.get("name") == "process_name"}
     assert lanes == {0, 2}
 
+    # the notebook: %cluster_profile prints the comparison and keeps the result under -o
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("reload_ext", "probing_magics")
+    try:
+        assert shell.run_cell("%cluster_connect").error_in_exec is None
+        ran = shell.run_cell("%cluster_profile --ranks 1-2 --steps 1 -o prof")
+        assert ran.error_in_exec is None and ran.error_before_exec is None
+        printed = capsys.readouterr().out
+        assert "2/2 ranks profiled 1 step(s)" in printed and "top ops of the slowest rank" in printed, printed
+        assert shell.user_ns["prof"].slowest_rank == SLOW_RANK and set(shell.user_ns["prof"].ops["_rank"]) == {1, 2}
+    finally:
+        shell.run_line_magic("unload_ext", "probing_magics")
+
     # ranks chosen; a second capture while one runs is refused
     first: dict = {}
     runner = threading.Thread(target=lambda: first.update(r=kernel_probe.connect(timeout=5).profile(
