@@ -243,7 +243,13 @@ class _FakeJob:
             coverage: dict = {"failed": {}}
 
         r = Result()
-        if "FROM profile_status" in sql:
+        if "events_dropped FROM profile_status" in sql:
+            r.table = pa.Table.from_pylist([{"_rank": k, "events_dropped": 3 * k} for k in ranks])
+        elif "FROM profile_trace" in sql:
+            r.table = pa.Table.from_pylist([{"_rank": k, "ph": "X", "name": f"op{k}", "cat": "cpu_op",
+                                             "ts_us": 1e9 + k, "dur_us": 1.0, "thread": "1/1", "args": None}
+                                            for k in ranks])
+        elif "FROM profile_status" in sql:
             if not self.sent:
                 rows = [{"_rank": 1, "capture_id": "old", "state": "running"}] if self.busy else []
             else:
@@ -264,14 +270,18 @@ class _FakeJob:
         return r
 
 
-def test_a_run_waits_for_every_rank_then_compares_and_cancels_when_late(monkeypatch):
+def test_a_run_waits_for_every_rank_then_compares_and_cancels_when_late(monkeypatch, tmp_path):
     from kernel_probe.client import profiles
 
     monkeypatch.setattr(profiles, "POLL_SEC", 0.0)
     job = _FakeJob()
     seen = []
-    result = profiles.drive(profiles.ProfileRun(steps=2, on_progress=seen.append).run(), job)
+    out = tmp_path / "t.json"
+    result = profiles.drive(profiles.ProfileRun(steps=2, on_progress=seen.append, out=str(out)).run(), job)
     assert sorted(result.status) == [0, 1] and not result.failed and result.slowest_rank == 1
+    events = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [(e["pid"], e["name"], e["ts"]) for e in events] == [(0, "op0", 0.0), (1, "op1", 1.0)]
+    assert result.trace_note == "rank 1 kept its first events only (3 dropped there)"
     assert seen[-1] == {"finished": 2, "ranks": 2, "running": 0} and job.sent[0]["action"] == "arm"
     with pytest.raises(profiles.ProfileBusy, match="old on ranks \\[1\\]"):
         profiles.drive(profiles.ProfileRun().run(), _FakeJob(busy=True))

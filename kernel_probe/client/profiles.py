@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 POLL_SEC = 0.25
 DEFAULT_TRACE_MAX_MB = 100.0
 TERMINAL = ("done", "failed", "cancelled")
+TRACE_SQL = "SELECT _rank, ph, name, cat, ts_us, dur_us, thread, args FROM profile_trace WHERE capture_id = $id"
 STATUS_SQL = ("SELECT _rank, _node, _host, capture_id, state, steps, step_first, step_last, events, "
               "events_dropped, error, now FROM profile_status")
 
@@ -257,9 +258,14 @@ class ProfileRun:
         if self.out and done:
             root_rank = next((r for r, m in members.items() if m.get("tier") == "root"), 0)
             offsets = clock_offsets_us(status, members, root_rank)
-            trace_rows = (yield Call(
-                "query", ("SELECT _rank, ph, name, cat, ts_us, dur_us, thread, args FROM profile_trace WHERE capture_id = $id",),
-                {"timeout": 60.0, "ranks": done, "params": {"id": self.capture_id}})).table.to_pylist()
+            trace_rows: list[dict] = []
+            for rank in done:  # one rank at a time: a rank keeps up to 200k events, a query ships up to its row cap
+                trace_rows += (yield Call("query", (TRACE_SQL,), {"timeout": 60.0, "ranks": [rank],
+                                                                  "params": {"id": self.capture_id}})).table.to_pylist()
+            counted = (yield Call("query", ("SELECT _rank, events_dropped FROM profile_status WHERE capture_id = $id",),
+                                  {"timeout": 10.0, "ranks": done, "params": {"id": self.capture_id}})).table.to_pylist()
+            for row in counted:  # counted once the trace was read
+                status[int(row["_rank"])]["events_dropped"] = row["events_dropped"]
             trace, note = merge_trace(trace_rows, members, offsets, self.max_trace_bytes,
                                       {r: status[r].get("events_dropped") or 0 for r in done})
             with open(self.out, "w", encoding="utf-8") as fh:
