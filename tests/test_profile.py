@@ -311,3 +311,44 @@ def test_the_async_client_runs_the_same_steps(monkeypatch):
 
     result = asyncio.run(profiles.drive_async(profiles.ProfileRun(ranks="1").run(), Async()))
     assert sorted(result.status) == [1] and job.sent[0]["ranks"] == [1]
+
+
+def test_arming_never_waits_for_a_slow_read_and_a_stale_read_is_dropped():
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class SlowProfiler:
+        def start(self):
+            pass
+
+        def stop(self):
+            pass
+
+        def key_averages(self):
+            release.wait(5)
+            return []
+
+        def export_chrome_trace(self, path):
+            with open(path, "w") as fh:
+                fh.write('{"traceEvents": []}')
+
+    class Clock:
+        capture = None
+
+    cap = ProfileCapture(make_profiler=SlowProfiler)
+    cap.attach(Clock())
+    cap.arm("c1", 1)
+    cap.on_step(1)
+    cap.on_step(2)
+    assert cap.state == "done"
+    reader = threading.Thread(target=cap.ops_rows)
+    reader.start()
+    time.sleep(0.2)  # the reader is inside key_averages
+    t0 = time.perf_counter()
+    cap.arm("c2", 1)
+    assert time.perf_counter() - t0 < 0.1 and cap.state == "armed"
+    release.set()
+    reader.join(5)
+    assert cap.capture_id == "c2" and cap.state == "armed" and cap.status_rows()[0][8] is None  # c1's rows dropped

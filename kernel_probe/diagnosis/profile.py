@@ -53,7 +53,9 @@ class ProfileCapture:
         self._max_events = max_events
         self._make_profiler = make_profiler or _torch_profiler
         self._clock: Any = None  # the StepClock whose on_step calls ours while armed
-        self._lock = threading.Lock()  # probe-side readers and arm/cancel (never taken on the training thread)
+        self._lock = threading.Lock()  # held briefly: arm/cancel and readers (never on the training thread)
+        self._collecting = threading.Lock()  # held while one reader turns the profiler's records into rows
+        self._collected = False
         self.capture_id: str | None = None
         self.state: str | None = None
         self.steps = 0
@@ -84,7 +86,7 @@ class ProfileCapture:
             self.capture_id, self.state, self.steps = capture_id, ARMED, steps
             self.step_first = self.step_last = self.started = self.ended = None
             self.armed_at, self.error, self._cancel = self._wall(), None, False
-            self._prof, self._ops, self._trace, self._dropped = None, [], [], 0
+            self._prof, self._ops, self._trace, self._dropped, self._collected = None, [], [], 0, False
         if self._clock is not None:
             self._clock.capture = self  # last: the hook starts calling us from the next step end
 
@@ -133,32 +135,45 @@ class ProfileCapture:
         with self._lock:
             if self.state is None:
                 return []
-            read = self._prof is None  # events are counted once the trace has been read (profile_trace)
+            read = self._collected  # events are counted once the trace has been read (profile_trace)
             return [(self.capture_id, self.state, self.steps, self.step_first, self.step_last, self.armed_at,
                      self.started, self.ended, len(self._trace) if read else None,
                      self._dropped if read else None, self.error, self._host, self._wall())]
 
     def ops_rows(self) -> list[tuple]:
+        self._collect()
         with self._lock:
-            self._collect()
             return list(self._ops)
 
     def trace_rows(self) -> list[tuple]:
+        self._collect()
         with self._lock:
-            self._collect()
             return list(self._trace)
 
     def _collect(self) -> None:
-        """The stopped profiler's records as rows, once (the lock is held)."""
-        prof = self._prof
-        if prof is None or self.state not in (DONE, CANCELLED):
-            return
-        self._prof = None
-        try:
-            self._ops = ops_rows(prof.key_averages(), self.capture_id, self.step_first, self.step_last)
-            self._trace, self._dropped = trace_rows(_chrome_trace(prof), self.capture_id, self._max_events)
-        except Exception as exc:
-            self.state, self.error = FAILED, f"reading the profile: {type(exc).__name__}: {exc}"[:500]
+        """The stopped profiler's records as rows, once. Seconds for a big capture, so only
+        ``_collecting`` is held meanwhile: ``arm`` (the probe's I/O thread) never waits for it."""
+        with self._collecting:
+            with self._lock:
+                prof, capture_id = self._prof, self.capture_id
+                if prof is None or self.state not in (DONE, CANCELLED):
+                    return
+                self._prof = None
+                first, last = self.step_first, self.step_last
+            error = None
+            try:
+                ops = ops_rows(prof.key_averages(), capture_id, first, last)
+                trace, dropped = trace_rows(_chrome_trace(prof), capture_id, self._max_events)
+            except Exception as exc:
+                error = f"reading the profile: {type(exc).__name__}: {exc}"[:500]
+            with self._lock:
+                if self.capture_id != capture_id:  # a new capture was armed meanwhile: these rows are stale
+                    return
+                if error is not None:
+                    self.state, self.error = FAILED, error
+                else:
+                    self._ops, self._trace, self._dropped = ops, trace, dropped
+                self._collected = True
 
 
 def _torch_profiler() -> Any:
