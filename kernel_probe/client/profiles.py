@@ -16,8 +16,8 @@ applied.
 from __future__ import annotations
 
 import json
-import time
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, NamedTuple
 
