@@ -8,6 +8,7 @@
     kernel-probe -t dump://DIR query|nodes|stacks|info   the same over an ended job's dumps
     kernel-probe -t TARGET dump DIR          a live job's dumps, as its ranks write them when they die
     kernel-probe -t TARGET diagnose [--json] why the job is stuck: one sentence, then the findings
+    kernel-probe -t TARGET profile [--ranks 0-3] [--steps N] [--out FILE]   torch.profiler on chosen ranks
 
 Errors are one line on stderr and a non-zero exit, never a traceback.
 """
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     dg.add_argument("--min-wait", type=float, default=None, metavar="SECONDS",
                     help="how long a collective must be pending before a rank missing from it counts (default 5)")
     dg.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
+    _add_profile_parser(sub)
     return p
 
 
@@ -279,8 +281,44 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_profile_parser(sub) -> None:
+    pr = sub.add_parser("profile", help="torch.profiler on chosen ranks for N steps: top ops, one merged trace")
+    pr.add_argument("--ranks", default=None, help="only these ranks, e.g. 0-3,8 (default: every rank)")
+    pr.add_argument("--steps", type=int, default=2, help="steps to profile, from each rank's next step end")
+    pr.add_argument("--out", default=None, metavar="FILE", help="write one Chrome/Perfetto trace of every rank here")
+    pr.add_argument("--max-trace-mb", type=float, default=None, help="cap of the trace file (default 100)")
+    pr.add_argument("--top", type=int, default=10, help="ops shown for the slowest and the median rank")
+    pr.add_argument("--timeout", type=float, default=argparse.SUPPRESS,
+                    help="seconds the ranks have to finish their steps (default 120)")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import kernel_probe
+    from .client.profiles import DEFAULT_TRACE_MAX_MB, format_profile
+
+    started = time.monotonic()
+    shown = [False]
+
+    def progress(p: dict) -> None:  # a line on stderr once the call takes more than a second
+        if time.monotonic() - started >= 1.0 and sys.stderr.isatty():
+            shown[0] = True
+            print(f"\rprofiling: {p['finished']}/{p['ranks']} ranks finished, {p['running']} running",
+                  end="", file=sys.stderr, flush=True)
+
+    ranks = parse_ranks(args.ranks)
+    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
+        try:
+            result = client.profile(ranks=ranks, steps=args.steps, out=args.out, timeout=args.timeout or 120.0,
+                                    max_trace_mb=args.max_trace_mb or DEFAULT_TRACE_MAX_MB, on_progress=progress)
+        finally:
+            if shown[0]:
+                print(file=sys.stderr)
+    print(format_profile(result, top=args.top))
+    return 0 if len(result.failed) < len(result.ranks) else 1
+
+
 COMMANDS = {"list": cmd_list, "nodes": cmd_nodes, "info": cmd_info, "query": cmd_query, "stacks": cmd_stacks,
-            "diagnose": cmd_diagnose, "dump": cmd_dump}
+            "diagnose": cmd_diagnose, "dump": cmd_dump, "profile": cmd_profile}
 
 
 def main(argv: list[str] | None = None) -> int:

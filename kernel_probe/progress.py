@@ -72,6 +72,7 @@ class StepClock:
         self.device_side = False
         self.rows = Ring(rows)
         self._append = self.rows.append
+        self.capture: Any = None  # an armed diagnosis.profile.ProfileCapture, driven from on_step
         self._reset_phases()
 
     def _reset_phases(self) -> None:
@@ -149,6 +150,9 @@ class StepClock:
                 self._append((step, self._pre_wall, (now - self._pre) * 1000.0, *phases))
             else:
                 self._append((step, wall, None, *phases))
+            capture = self.capture  # None unless a profile was asked for: one attribute check
+            if capture is not None:
+                capture.on_step(step)
         except Exception:  # telemetry never reaches the training loop
             pass
 

@@ -15,8 +15,9 @@ Rules of this file:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
+from . import profile_plane
 from .config import Identity, Settings
 from .effects import PARENT, ConnectParent, Effect, Note, Send, UnwatchPid, WatchPid
 from .membership import REPORT_FIELDS, Backoff, Registry
@@ -71,6 +72,7 @@ class RankCore:
     stalled: bool = False
     stalled_where: str = ""  # where the main thread is stuck while stalled (its innermost frame)
     info_extras: Callable[[], dict] | None = None  # facts only the shell has (rejected counts, store://)
+    profile_capture: Callable[[], Any] | None = None  # this rank's profile capture (profile_plane); None: cannot
 
     registry: Registry = field(init=False)  # authoritative: the job (root) or the node (broker)
     mirror: Registry = field(init=False)  # the job's membership as pushed down by the parent
@@ -252,6 +254,8 @@ class RankCore:
                 return self.fanout.on_subquery(env, now)
             if kind == "warm":
                 return self.fanout.on_warm(now)
+            if kind == "profile":
+                return profile_plane.on_profile(self, PARENT, env, now)
             if kind == "error" and self._outstanding and env.msg.corr_id == self._outstanding[0]:
                 return self._report_failed(now, f"parent answered {body.get('code')}")
             return []
@@ -266,6 +270,8 @@ class RankCore:
         if kind == "info_request":  # a client's handshake; one that will query asks for warm engines
             warm = self.fanout.on_client_hello(now) if body.get("warm") is True else []
             return [Send(sender, Message("info", self.info(), corr_id=env.header.msg_id))] + warm
+        if kind == "profile":
+            return profile_plane.on_profile(self, sender, env, now)
         if kind == "nodes_request":
             return [Send(sender, Message("nodes", self.nodes_body(), corr_id=env.header.msg_id))]
         return [Send(sender, Message("error", {"code": "unsupported", "message": f"this probe does not serve {kind!r}"},

@@ -201,6 +201,18 @@ class SubresultBody(_SubresultFields, total=False):  # child -> parent
     ship: dict  # a leaf's tags: ``scans`` names the tables its scans read, for the parent to scan
 
 
+class _ProfileFields(TypedDict):
+    action: str  # "arm" | "cancel" (client -> root -> the ranks' parents); "accepted" (root -> client)
+    id: str
+
+
+class ProfileBody(_ProfileFields, total=False):  # see profile_plane
+    ranks: list  # arm / cancel: the ranks asked; accepted: those the request was passed on to
+    steps: int
+    unreachable: list  # accepted: asked ranks the root has no way to
+    refused: dict  # accepted: rank -> why it did not arm (the root's own answer only)
+
+
 class ErrorBody(TypedDict):
     code: str
     message: str
@@ -224,6 +236,8 @@ BODIES: dict[str, type] = {
     "subquery": SubqueryBody,
     "warm": EmptyBody,  # parent -> child: a client connected; load the query engine now
     "subresult": SubresultBody,
+    # profile plane: arming a capture on chosen ranks; its results are queried as tables
+    "profile": ProfileBody,
     "error": ErrorBody,
 }
 

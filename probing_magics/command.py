@@ -203,3 +203,30 @@ def ranks_option(cmd: OptionsCommand) -> list[int] | None:
         return parse_ranks(cmd.options.get("--ranks"))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+PROFILE_USAGE = "usage: %cluster_profile [--ranks SPEC] [--steps N] [--out FILE] [--timeout S] [-o NAME]"
+
+
+@dataclass
+class ProfileCommand:
+    """The options of ``%cluster_profile``."""
+
+    ranks: list[int] | None
+    steps: int
+    out: str | None
+    timeout: float | None
+    name: str | None
+
+
+def parse_profile_command(line: str) -> ProfileCommand:
+    """``%cluster_profile`` options -> a ``ProfileCommand``; ``UsageError`` if malformed."""
+    cmd = parse_options(line, {"--ranks", "--steps", "--out", "--timeout", "-o"}, PROFILE_USAGE)
+    steps_text = cmd.options.get("--steps", "2")
+    if not steps_text.isdigit() or int(steps_text) < 1:
+        raise UsageError(f"--steps needs a whole number of steps >= 1, got {steps_text!r}; {PROFILE_USAGE}")
+    name = cmd.options.get("-o")
+    if name is not None and not name.isidentifier():
+        raise UsageError(f"-o needs a Python name, got {name!r}; {PROFILE_USAGE}")
+    timeout = seconds_option(cmd, "--timeout", 0.0) or None
+    return ProfileCommand(ranks_option(cmd), int(steps_text), cmd.options.get("--out"), timeout, name)

@@ -1,5 +1,5 @@
 """The IPython magics: ``%cluster_connect``, ``%%cluster_sql``, ``%cluster_stacks``, ``%cluster_nodes``,
-``%cluster_dump``, ``%cluster_diagnose``.
+``%cluster_dump``, ``%cluster_diagnose``, ``%cluster_profile``.
 
 State lives on the magics instance of one shell (its client, its live views), never on
 the class. Every cluster failure is shown as one line (``ClusterError``), bad options as
@@ -20,7 +20,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 import kernel_probe
 from kernel_probe.summaries import NATIVE_NOTES_SQL, group_stacks, native_notes, stacks_sql
 
-from .command import parse_options, parse_sql_command, ranks_option, seconds_option
+from .command import parse_options, parse_profile_command, parse_sql_command, ranks_option, seconds_option
 from .display import ClusterError, ClusterFrame, ExplainText, StacksView
 from .settings import ClusterSQL
 
@@ -285,6 +285,35 @@ class ClusterMagics(Magics):
         except kernel_probe.ProbeError as exc:
             raise self._failed(exc) from None
 
+    # ------------------------------------------------------------------ profile
+    @line_magic
+    def cluster_profile(self, line: str) -> None:
+        """%cluster_profile [--ranks SPEC] [--steps N] [--out FILE] [--timeout S] [-o NAME]
+
+        torch.profiler on the chosen ranks (default: all) from their next step end for N steps
+        (default 2); prints the slowest rank's top ops next to the median rank's; --out writes
+        one Chrome/Perfetto trace of every profiled rank; -o NAME keeps the ProfileResult
+        (its .ops: every rank's profile_ops rows). Interrupt to cancel the capture."""
+        from kernel_probe.client.profiles import format_profile
+
+        cmd = parse_profile_command(line)
+        client = self.connected()
+        progress = QueryProgress(self._in_notebook())
+        try:
+            result = client.profile(ranks=cmd.ranks, steps=cmd.steps, out=cmd.out, timeout=cmd.timeout or 120.0,
+                                    on_progress=lambda p: progress({"answered": p["finished"], "targeted": p["ranks"]}))
+        except KeyboardInterrupt:
+            print("profile interrupted and cancelled; the connection is still usable")
+            return None
+        except kernel_probe.ProbeError as exc:
+            raise self._failed(exc) from None
+        finally:
+            progress.done()
+        if cmd.name:
+            self.shell.user_ns[cmd.name] = result
+        print(format_profile(result))
+        return None
+
     # ------------------------------------------------------------------ live view
     @line_magic
     def cluster_nodes(self, line: str) -> None:
@@ -367,7 +396,7 @@ class ClusterMagics(Magics):
 
 
 _MAGIC_NAMES = {"line": ["cluster_connect", "cluster_sql", "cluster_stacks", "cluster_nodes", "cluster_dump",
-                         "cluster_diagnose"],
+                         "cluster_diagnose", "cluster_profile"],
                 "cell": ["cluster_sql"]}
 
 

@@ -90,7 +90,7 @@ def test_not_connected(ip, tmp_path, monkeypatch, capsys):
     assert "not connected — run %cluster_connect" in one_line_error(capsys, err)
     _, err = run(ip, "%cluster_connect")
     assert isinstance(err, ClusterError) and "no running job found" in one_line_error(capsys, err)
-    for magic in ("%cluster_stacks", "%cluster_nodes"):
+    for magic in ("%cluster_stacks", "%cluster_nodes", "%cluster_profile"):
         _, err = run(ip, magic)
         assert isinstance(err, ClusterError) and "not connected" in one_line_error(capsys, err)
 
@@ -139,7 +139,8 @@ def test_unknown_parameter_and_bad_options(ip, capsys):
     assert isinstance(err, UsageError) and "nowhere_defined" in str(err)
     for bad in ("%cluster_sql --bogus SELECT 1", "%cluster_sql --ranks 3-1 SELECT 1", "%cluster_sql --timeout -- 1",
                 "%cluster_sql --timeout 0 SELECT 1", "%%cluster_sql -o 1x\nSELECT 1", "%cluster_stacks --ranks x",
-                "%cluster_nodes --interval soon", "%cluster_connect --bogus", "%cluster_connect a b",
+                "%cluster_profile --steps 0", "%cluster_profile --steps two", "%cluster_profile -o 1x",
+                "%cluster_profile --ranks 3-1", "%cluster_profile --bogus", "%cluster_nodes --interval soon", "%cluster_connect --bogus", "%cluster_connect a b",
                 "%cluster_connect tcp://127.0.0.1:1 --token-env PROBING_TEST_UNSET_VAR", "%%cluster_sql\n"):
         _, err = run(ip, bad)
         assert isinstance(err, UsageError), (bad, err)

@@ -113,7 +113,8 @@ async def test_every_route_refuses_requests_without_credentials(api, job):
                                ("POST", ("jobs",), {"target": "tcp://127.0.0.1:1"}),
                                ("GET", ("jobs", job_id), None), ("DELETE", ("jobs", job_id), None),
                                ("GET", ("jobs", job_id, "nodes"), None), ("GET", ("jobs", job_id, "stacks"), None),
-                               ("POST", ("jobs", job_id, "query"), {"sql": "SELECT 1"})]:
+                               ("POST", ("jobs", job_id, "query"), {"sql": "SELECT 1"}),
+                               ("POST", ("jobs", job_id, "profile"), {})]:
         status, _ = await api(method, *path, body=body, auth=False)
         assert status == 403, (method, path, status)
 
@@ -208,6 +209,22 @@ async def test_bad_input_and_bad_sql_are_400(api, job):
     for bad in [{}, {"target": "/etc/passwd"}, {"target": "tcp://127.0.0.1:1", "token": 5}]:
         status, body = await api("POST", "jobs", body=bad)
         assert status == 400 and body["code"] == "bad_request", (bad, body)
+
+
+async def test_profile_route_names_ranks_that_do_not_step_and_refuses_bad_input(api, job):
+    # this job's ranks never step: their captures stay armed until the deadline, then are cancelled
+    job_id = await _local_job_id(api)
+    status, body = await api("POST", "jobs", job_id, "profile", body={"ranks": "0,3", "steps": 1, "timeout": 1})
+    assert status == 200, body
+    assert body["ranks"] == [0, 3] and sorted(body["failed"]) == ["0", "3"], body
+    assert all("did not finish 1 step(s)" in why for why in body["failed"].values()) and body["comparison"] is None
+    assert {s["state"] for s in body["status"].values()} <= {"armed", "cancelled"}
+    status, rows = await api("POST", "jobs", job_id, "query",
+                             body={"sql": f"SELECT _rank, state FROM profile_status WHERE capture_id = '{body['capture_id']}'"})
+    assert status == 200 and sorted(r[1] for r in rows["rows"]) == ["cancelled", "cancelled"], rows  # none left armed
+    for bad in [{"steps": 0}, {"steps": "2"}, {"ranks": "x"}, {"timeout": -1}, {"top": True}]:
+        status, err = await api("POST", "jobs", job_id, "profile", body=bad)
+        assert status == 400 and err["code"] == "bad_request", (bad, err)
 
 
 async def test_unknown_job_is_404(api, job):

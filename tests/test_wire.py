@@ -104,6 +104,7 @@ SAMPLES: dict[str, tuple[dict, tuple[bytes, ...]]] = {
     "subresult": ({"qid": "q1", "status": "ok", "answered": [1], "failed": {"2": "timeout"}, "scans": ["s"]},
                   (b"ARROW1",)),
     "query_result": ({"status": "ok"}, (b"ARROW1\x00\xff", b"", b"\x00" * 1000)),
+    "profile": ({"action": "arm", "id": "c1", "ranks": [0, 3], "steps": 2}, ()),
     "error": ({"code": "sql", "message": "Parser Error: ünïcode \udc80"}, ()),
 }
 

@@ -15,6 +15,7 @@ import os
 from .aio import AsyncClient, connect_async
 from .blocking import Client
 from .errors import AuthError, ConnectError, JobEndedError, NoAnswerError, ProbeError, QueryFailed
+from .profiles import ProfileBusy, ProfileFailed, ProfileResult
 from .results import (ANSWER_GRACE, DEPARTURE_COLUMNS, NODE_COLUMNS, QueryResult, describe_failures,
                       members_frame)
 from .targets import Target, resolve
@@ -23,6 +24,7 @@ __all__ = [
     "connect", "connect_async", "resolve", "Target", "Client", "AsyncClient", "QueryResult",
     "ProbeError", "ConnectError", "JobEndedError", "NoAnswerError", "AuthError", "QueryFailed",
     "NODE_COLUMNS", "DEPARTURE_COLUMNS", "ANSWER_GRACE", "members_frame", "describe_failures",
+    "ProfileBusy", "ProfileFailed", "ProfileResult",
 ]
 
 

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from .. import wire
 from . import diagnose as diagnosis
-from . import results
+from . import profiles, results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
 from .errors import AuthError, ConnectError, JobEndedError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
@@ -236,6 +236,12 @@ class AsyncClient(ClientState):
         asked = diagnosis.entries_query(groups.df.to_dict("records"))
         entries = None if asked is None else await self.query(asked[0], timeout=timeout, params=asked[1])
         return diagnosis.build(members, groups, entries, stacks, now, min_wait)
+    async def profile(self, ranks: "Iterable[int] | str | None" = None, steps: int = 2, out: str | None = None,
+                      timeout: float = 120.0, max_trace_mb: float = profiles.DEFAULT_TRACE_MAX_MB,
+                      on_progress: Callable[[dict], None] | None = None) -> profiles.ProfileResult:
+        """As ``Client.profile``; cancelling the task cancels the capture."""
+        run = profiles.ProfileRun(ranks, steps, out, timeout, max_trace_mb, on_progress).run()
+        return await profiles.drive_async(run, self)
 
     def close(self) -> None:
         """Close the socket; requests still waiting fail with ``ConnectError``."""

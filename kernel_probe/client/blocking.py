@@ -25,7 +25,7 @@ import zmq
 from .. import wire
 from ..shell import connfile
 from . import diagnose as diagnosis
-from . import results
+from . import profiles, results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
 from .errors import AuthError, JobEndedError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
@@ -312,6 +312,18 @@ class Client(ClientState):
         entries = None if asked is None else self.query(asked[0], timeout=timeout, params=asked[1])
         stacks = self.query(diagnosis.STACKS_SQL, timeout=timeout)
         return diagnosis.build(members, groups, entries, stacks, now, min_wait)
+    def profile(self, ranks: "Iterable[int] | str | None" = None, steps: int = 2, out: str | None = None,
+                timeout: float = 120.0, max_trace_mb: float = profiles.DEFAULT_TRACE_MAX_MB,
+                on_progress: Callable[[dict], None] | None = None) -> profiles.ProfileResult:
+        """torch.profiler on ``ranks`` (a list or "0,2-3"; None: every rank) from their next
+        step end for ``steps`` steps; returns when every chosen rank finished or failed
+        (``ProfileResult``: per-op rows, the slowest rank against the median, who failed).
+        ``out``: also write one Chrome/Perfetto trace of every profiled rank there, at most
+        ``max_trace_mb``. ``ProfileBusy`` if a capture is already running in the job. A rank
+        that dies, or has not finished its steps when ``timeout`` is up (its capture is then
+        cancelled), is in ``failed`` with the reason; an interrupt cancels the capture.
+        ``on_progress`` receives ``{"finished", "ranks", "running"}`` about four times a second."""
+        return profiles.drive(profiles.ProfileRun(ranks, steps, out, timeout, max_trace_mb, on_progress).run(), self)
 
     def close(self) -> None:
         with self._io:

@@ -4,4 +4,6 @@
 rows of the ``collectives`` and ``process_groups`` tables.
 
 ``verdict``: why a job is stuck, from membership, those rows and the main threads' stacks.
+``profile``: a torch.profiler capture on demand, started and stopped at step boundaries,
+as rows of ``profile_ops``, ``profile_status`` and ``profile_trace``.
 """

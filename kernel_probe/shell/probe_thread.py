@@ -139,6 +139,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self.poller.register(router, zmq.POLLIN)
         self.poller.register(self._wake.fd, zmq.POLLIN)
         self.core.info_extras = self._info_extras
+        self.core.profile_capture = lambda: self.tables.profile
         self.carry_out(self.core.start(now, use_store=self._use_store))
         if self.core.tier == "root" and ident.rank == 0:  # a rank cut off from its store runs alone, but is not the job
             self._write_connection_file()

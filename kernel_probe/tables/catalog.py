@@ -21,6 +21,8 @@ Built-in tables (columns in ``convert.SCHEMAS``):
                    enqueued / started / completed sequence numbers (read at query time)
 - ``process``      one row: pid, host, python, torch, argv, start_time, threads
 - ``env``          the environment, secret-looking names redacted
+- ``profile_ops``, ``profile_status``, ``profile_trace``  the last torch.profiler capture asked
+                   of this rank (``diagnosis.profile``): per op, where it is, its trace events
 - ``tables``       the catalog: table_name, column_name, column_type (Arrow type), and a note
                    where a table is empty for a reason (no flight recorder to read)
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import sys
 import threading
 import time
@@ -42,7 +45,8 @@ from .ring import Ring
 
 log = logging.getLogger("kernel_probe")
 
-BUILTIN_TABLES = ("collectives", "env", "memory", "metrics", "process", "process_groups", "stacks", "steps", "tables")
+BUILTIN_TABLES = ("collectives", "env", "memory", "metrics", "process", "process_groups", "profile_ops",
+                  "profile_status", "profile_trace", "stacks", "steps", "tables")
 RESERVED_NAMES = frozenset(BUILTIN_TABLES) | {"nodes", "cluster"}  # nodes / cluster.nodes: the probe's
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _now = time.time
@@ -77,6 +81,7 @@ class LocalTables:
         self._metrics_append = self._metrics.append
         self._memory = MemorySampler(settings.memory_rows, settings.memory_sample_sec)
         self._collectives = Collectives(settings.collectives_rows, enabled=settings.collectives)
+        self._profile: Any = None  # diagnosis.profile.ProfileCapture, made when a capture is first asked
         self._user: dict[str, Any] = {}
         self._providers: dict[str, Callable[[], Any]] = {}
         self._last_stacks: tuple[list, Any] | None = None  # (rows, their table)
@@ -331,6 +336,33 @@ class LocalTables:
 
     def _spec_process(self) -> convert.Spec:
         return convert.rows_spec("process", [live.process_row(self.settings.node_host)])
+
+    @property
+    def profile(self):
+        """This rank's profile capture (``diagnosis.profile``), made on first use: a job
+        never profiled never loads it."""
+        if self._profile is None:
+            with self._lock:
+                if self._profile is None:
+                    from ..diagnosis.profile import ProfileCapture
+
+                    capture = ProfileCapture(host=self.settings.node_host or socket.gethostname())
+                    capture.attach(self.steps)
+                    self._profile = capture
+        return self._profile
+
+    def _profile_rows(self, which: str) -> list[tuple]:
+        capture = self._profile
+        return [] if capture is None else getattr(capture, f"{which}_rows")()
+
+    def _spec_profile_ops(self) -> convert.Spec:
+        return convert.rows_spec("profile_ops", self._profile_rows("ops"))
+
+    def _spec_profile_status(self) -> convert.Spec:
+        return convert.rows_spec("profile_status", self._profile_rows("status"))
+
+    def _spec_profile_trace(self) -> convert.Spec:
+        return convert.rows_spec("profile_trace", self._profile_rows("trace"))
 
     def _spec_env(self) -> convert.Spec:
         return convert.rows_spec("env", live.env_rows())

@@ -45,6 +45,18 @@ SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
     "env": (("name", "string"), ("value", "string")),
     "tables": (("table_name", "string"), ("column_name", "string"), ("column_type", "string"), ("note", "string")),
 }
+# the last profile capture asked of this rank (diagnosis.profile fills them)
+SCHEMAS.update({
+    "profile_ops": (("capture_id", "string"), ("step_first", "int64"), ("step_last", "int64"), ("op", "string"),
+                    ("calls", "int64"), ("self_cpu_ms", "float64"), ("cpu_ms", "float64"),
+                    ("self_device_ms", "float64"), ("device_ms", "float64")),
+    "profile_status": (("capture_id", "string"), ("state", "string"), ("steps", "int64"), ("step_first", "int64"),
+                       ("step_last", "int64"), ("armed_at", "float64"), ("started", "float64"),
+                       ("ended", "float64"), ("events", "int64"), ("events_dropped", "int64"),
+                       ("error", "string"), ("host", "string"), ("now", "float64")),
+    "profile_trace": (("capture_id", "string"), ("ph", "string"), ("name", "string"), ("cat", "string"),
+                      ("ts_us", "float64"), ("dur_us", "float64"), ("thread", "string"), ("args", "string")),
+})
 PYTHON_COLLECTIVE_COLUMNS = 5  # (ts, op, bytes, duration_ms, async_op): recorders.Collectives' rows
 # metrics keys that are not joined into `steps` (they would collide with its own columns)
 STEPS_OWN = frozenset({"ts", *(col for col, _ in SCHEMAS["steps"])})

@@ -289,6 +289,47 @@ class DiagnoseHandler(ProbingHandler):
         self.reply(json_safe({**result.to_dict(), "healthy": result.healthy, "now": time.time()}))
 
 
+class ProfileHandler(ProbingHandler):
+    """POST jobs/<id>/profile ``{"ranks", "steps", "timeout", "top"}``: torch.profiler on the
+    chosen ranks for N steps. Answers who was profiled (``status`` per rank, ``failed`` with
+    reasons), the slowest and median ranks and the top ops of one next to the other
+    (``comparison``: columns, rows). No trace file: a route must not write where a remote
+    caller names; the trace stays in each rank's ``profile_trace`` for SQL. 409 while
+    another capture runs in the job."""
+
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def post(self, job_id: str) -> None:
+        from kernel_probe.client.profiles import ProfileBusy
+
+        body = self.body()
+        ranks = _ranks(body.get("ranks"))
+        timeout = _timeout(body.get("timeout"), 60.0)
+        steps, top = body.get("steps", 2), body.get("top", 10)
+        for name, value in (("steps", steps), ("top", top)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ApiError(400, "bad_request", f"{name} must be a whole number >= 1")
+
+        async def profile(client: kernel_probe.AsyncClient) -> Any:
+            return await client.profile(ranks=ranks, steps=steps, timeout=timeout)
+
+        try:  # each poll and read is its own query: room for them past the capture's own deadline
+            result = await self.clients.call(job_id, profile, timeout + 30.0)
+        except ProfileBusy as exc:
+            raise ApiError(409, "busy", str(exc)) from None
+        comparison = result.comparison.head(top) if result.comparison is not None else None
+        self.reply(json_safe({
+            "capture_id": result.capture_id, "ranks": result.ranks, "steps": result.steps,
+            "status": {str(r): s for r, s in sorted(result.status.items())},
+            "failed": {str(r): why for r, why in sorted(result.failed.items())},
+            "slowest_rank": result.slowest_rank, "median_rank": result.median_rank,
+            "comparison": None if comparison is None else {
+                "columns": list(comparison.columns), "rows": comparison.to_dict(orient="records")},
+            "op_rows": len(result.ops), "summary": result.summary(),
+        }))
+
+
 def setup_handlers(web_app: tornado.web.Application) -> ClusterClients:
     """Register the routes under the server's base_url; returns the server's job clients."""
     clients = web_app.settings.get(STATE_KEY)
@@ -303,5 +344,6 @@ def setup_handlers(web_app: tornado.web.Application) -> ClusterClients:
         (url_path_join(base, "jobs", JOB_ID, "query"), QueryHandler),
         (url_path_join(base, "jobs", JOB_ID, "stacks"), StacksHandler),
         (url_path_join(base, "jobs", JOB_ID, "diagnose"), DiagnoseHandler),
+        (url_path_join(base, "jobs", JOB_ID, "profile"), ProfileHandler),
     ])
     return clients

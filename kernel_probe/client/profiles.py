@@ -1,0 +1,386 @@
+"""A profile of chosen ranks, asked from a client: arm (``profile_plane``), wait for each
+rank's capture through ``profile_status``, then read ``profile_ops`` and merge every rank's
+``profile_trace`` into one Chrome/Perfetto trace.
+
+The waiting and collecting (``ProfileRun.run``) is a generator of the client calls it
+needs (``Call``): ``drive`` runs it on the blocking ``Client``, ``drive_async`` on the
+``AsyncClient``; the rest (``merge_trace``, ``compare_ops``) is pure.
+
+Clocks: each rank stamps its trace events with its own wall clock. Ranks on the root's
+host share its clock (offset 0). A rank on another host gets the offset of its clock from
+the root's, estimated as the difference of the ``now`` each reported in the same status
+query (good to the query's fan-out latency, a few ms); the answer says which offsets it
+applied.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, NamedTuple
+
+from ..rank_lists import parse_ranks as _parse_rank_text
+from .errors import ProbeError, QueryFailed
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+POLL_SEC = 0.25
+DEFAULT_TRACE_MAX_MB = 100.0
+TERMINAL = ("done", "failed", "cancelled")
+TRACE_SQL = "SELECT _rank, ph, name, cat, ts_us, dur_us, thread, args FROM profile_trace WHERE capture_id = $id"
+STATUS_SQL = ("SELECT _rank, _node, _host, capture_id, state, steps, step_first, step_last, events, "
+              "events_dropped, error, now FROM profile_status")
+
+
+class ProfileBusy(ProbeError):
+    """Another capture is armed or running in this job."""
+
+
+class ProfileFailed(ProbeError):
+    """The capture could not be armed or did not finish."""
+
+
+@dataclass
+class ProfileResult:
+    """What a capture found. ``ops``: every profiled rank's ``profile_ops`` rows (with
+    ``_rank``); ``comparison``: the slowest rank's top ops next to the median rank's;
+    ``failed``: rank -> why it has no profile; ``trace_path`` / ``trace_note`` when a
+    trace was written."""
+
+    capture_id: str
+    ranks: list[int]
+    steps: int
+    status: dict[int, dict]
+    failed: dict[int, str]
+    ops: "pd.DataFrame"
+    comparison: "pd.DataFrame | None" = None
+    slowest_rank: int | None = None
+    median_rank: int | None = None
+    trace_path: str | None = None
+    trace_note: str = ""
+    offsets_ms: dict[int, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        done = sorted(r for r, s in self.status.items() if s.get("state") == "done")
+        lines = [f"profile {self.capture_id}: {len(done)}/{len(self.ranks)} ranks profiled {self.steps} step(s)"]
+        for rank, why in sorted(self.failed.items()):
+            lines.append(f"  rank {rank}: {why}")
+        if self.slowest_rank is not None:
+            lines.append(f"slowest rank {self.slowest_rank} (most compute in the profiled steps), "
+                         f"median rank {self.median_rank}")
+        if self.trace_path:
+            lines.append(f"trace: {self.trace_path}" + (f" ({self.trace_note})" if self.trace_note else ""))
+        return "\n".join(lines)
+
+
+def parse_ranks(spec: str | Iterable[int] | None) -> list[int] | None:
+    """``"0,2-3"`` -> [0, 2, 3]; a list of ints, sorted; None or "" -> None (every rank)."""
+    if spec is None or isinstance(spec, str):
+        parsed = _parse_rank_text(spec)
+        return None if parsed is None else sorted(set(parsed))
+    return sorted({int(r) for r in spec})
+
+
+def format_profile(result: ProfileResult, top: int = 10) -> str:
+    """The answer as text: who was profiled (and who failed), then the slowest rank's top
+    ops next to the median rank's."""
+    text = result.summary()
+    if result.comparison is not None and len(result.comparison):
+        table = result.comparison.head(top).rename(columns={
+            "slowest_ms": f"rank {result.slowest_rank} ms", "median_ms": f"rank {result.median_rank} ms"})
+        text += "\n\ntop ops of the slowest rank next to the median rank's (self CPU ms):\n"
+        text += table.to_string(index=False, float_format=lambda v: f"{v:.2f}")
+    return text
+
+
+class Call(NamedTuple):
+    """What ``ProfileRun`` needs of the client next: ``method`` (nodes_raw, request, query,
+    or sleep) called with ``args`` and ``kwargs``."""
+
+    method: str
+    args: tuple = ()
+    kwargs: dict = {}
+
+
+def drive(run: Generator[Call, Any, Any], client: Any) -> Any:
+    """Run ``ProfileRun.run()`` on a blocking client; its exceptions go back into the run."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            call = run.throw(error) if error is not None else run.send(value)
+        except StopIteration as stop:
+            return stop.value
+        try:
+            value, error = (time.sleep(*call.args) if call.method == "sleep"
+                            else getattr(client, call.method)(*call.args, **call.kwargs)), None
+        except BaseException as exc:  # noqa: B036 - an interrupt too: the run cancels its capture
+            value, error = None, exc
+
+
+async def drive_async(run: Generator[Call, Any, Any], client: Any) -> Any:
+    """``drive`` for an ``AsyncClient``."""
+    import asyncio
+
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            call = run.throw(error) if error is not None else run.send(value)
+        except StopIteration as stop:
+            return stop.value
+        try:
+            if call.method == "sleep":
+                value = await asyncio.sleep(*call.args)
+            else:
+                value = await getattr(client, call.method)(*call.args, **call.kwargs)
+            error = None
+        except BaseException as exc:  # noqa: B036 - cancellation too: the run cancels its capture
+            value, error = None, exc
+
+
+class ProfileRun:
+    """One capture, as the steps a client takes (``run``), free of any client's I/O."""
+
+    def __init__(self, ranks: Iterable[int] | str | None = None, steps: int = 2,
+                 out: str | None = None, timeout: float = 120.0, max_trace_mb: float = DEFAULT_TRACE_MAX_MB,
+                 on_progress: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.wanted = parse_ranks(ranks)
+        self.steps = max(1, int(steps))
+        self.out = out
+        self.timeout = timeout
+        self.max_trace_bytes = int(max_trace_mb * 1e6)
+        self.on_progress = on_progress
+        self.clock = clock
+        self.capture_id = secrets.token_hex(6)
+
+    def run(self) -> Generator[Call, Any, ProfileResult]:
+        """The capture as the client calls it needs (``Call``s), sent their results; returns
+        the ``ProfileResult``. ``drive`` / ``drive_async`` run it on a client."""
+        deadline = self.clock() + self.timeout
+        members = {int(m["rank"]): m for m in (yield Call("nodes_raw"))["members"]}
+        ranks = sorted(members) if self.wanted is None else self.wanted
+        unknown = [r for r in ranks if r not in members]
+        if unknown:
+            raise ProfileFailed(f"no such rank(s) in this job: {unknown}")
+        yield from self._check_idle(sorted(members))
+        reply = yield from self._send("arm", ranks)
+        failed: dict[int, str] = {int(r): f"refused: {why}" for r, why in (reply.get("refused") or {}).items()}
+        failed.update({int(r): "unreachable from the root" for r in reply.get("unreachable") or ()})
+        try:
+            status = yield from self._wait(ranks, failed, deadline)
+        except BaseException:  # an interrupt, a lost job: no capture is left running
+            try:
+                yield from self._send("cancel", ranks)
+            except Exception:
+                pass
+            raise
+        return (yield from self._collect(ranks, members, status, failed))
+
+    # --- steps ------------------------------------------------------------------------------
+    def _check_idle(self, everyone: list[int]) -> Generator[Call, Any, None]:
+        rows = (yield from self._status(everyone))[0]
+        busy = [r for r in rows if r["state"] in ("armed", "running")]
+        if busy:
+            ids = sorted({r["capture_id"] for r in busy})
+            raise ProfileBusy(f"a capture is already running in this job ({', '.join(ids)} on ranks "
+                              f"{sorted(int(r['_rank']) for r in busy)}); one capture per job at a time: "
+                              "wait for it to finish, or interrupt the call that started it")
+
+    def _send(self, action: str, ranks: list[int]) -> Generator[Call, Any, dict]:
+        body = {"action": action, "id": self.capture_id, "ranks": ranks, "steps": self.steps}
+        env = yield Call("request", ("profile", body), {"timeout": 10.0})
+        if env.msg.type == "error":
+            raise ProfileFailed(f"the probe refused the profile request: {env.msg.body.get('message')}")
+        return env.msg.body
+
+    def _status(self, ranks: list[int]) -> Generator[Call, Any, tuple[list[dict], dict]]:
+        result = yield Call("query", (STATUS_SQL,), {"timeout": 10.0, "ranks": ranks})
+        rows = [] if result.table is None else result.table.to_pylist()
+        return rows, result.coverage
+
+    def _wait(self, ranks: list[int], failed: dict[int, str], deadline: float
+              ) -> Generator[Call, Any, dict[int, dict]]:
+        status: dict[int, dict] = {}
+        while True:
+            try:
+                rows, coverage = yield from self._status(ranks)
+            except QueryFailed:  # a whole answer too slow (a loaded job): asked again until the deadline
+                rows, coverage = [], {}
+            for row in rows:
+                rank = int(row["_rank"])
+                if row["capture_id"] == self.capture_id:
+                    status[rank] = row
+                elif row["state"] in ("armed", "running") and rank not in failed:
+                    failed[rank] = f"busy with capture {row['capture_id']}"
+            for rank, why in (coverage.get("failed") or {}).items():
+                rank = int(rank)
+                # a slow answer is asked again; a rank that died or cannot be reached is named
+                if rank not in failed and status.get(rank, {}).get("state") not in TERMINAL and why != "timeout":
+                    failed[rank] = f"no answer during the capture: {why}"
+            for rank, row in status.items():
+                if row["state"] in ("failed", "cancelled") and rank not in failed:
+                    failed[rank] = f"capture {row['state']}" + (f": {row['error']}" if row.get("error") else "")
+            finished = [r for r in ranks if r in failed or status.get(r, {}).get("state") in TERMINAL]
+            if self.on_progress is not None:
+                self.on_progress({"finished": len(finished), "ranks": len(ranks),
+                                  "running": sum(1 for r in status.values() if r["state"] == "running")})
+            if len(finished) == len(ranks):
+                return status
+            if self.clock() >= deadline:  # the late ranks fail; the others' profiles are still read
+                late = [r for r in ranks if r not in finished]
+                for rank in late:
+                    failed[rank] = f"did not finish {self.steps} step(s) within {self.timeout:g} s (is it stepping?); " \
+                                   "its capture was cancelled"
+                yield from self._send("cancel", late)
+                return status
+            yield Call("sleep", (POLL_SEC,))
+
+    def _collect(self, ranks: list[int], members: dict[int, dict], status: dict[int, dict],
+                 failed: dict[int, str]) -> Generator[Call, Any, ProfileResult]:
+        import pandas as pd
+
+        done = [r for r in ranks if status.get(r, {}).get("state") == "done" and r not in failed]
+        ops = pd.DataFrame()
+        if done:
+            ops = (yield Call("query", ("SELECT * FROM profile_ops WHERE capture_id = $id ORDER BY _rank, self_cpu_ms DESC",),
+                              {"timeout": 30.0, "ranks": done, "params": {"id": self.capture_id}})).df
+        result = ProfileResult(self.capture_id, ranks, self.steps, status, failed, ops)
+        if done:
+            compute = yield from self._compute_ms(done, status)
+            result.slowest_rank, result.median_rank = slowest_and_median(compute)
+            if result.slowest_rank is not None:
+                result.comparison = compare_ops(ops, result.slowest_rank, result.median_rank)
+        if self.out and done:
+            root_rank = next((r for r, m in members.items() if m.get("tier") == "root"), 0)
+            offsets = clock_offsets_us(status, members, root_rank)
+            trace_rows: list[dict] = []
+            for rank in done:  # one rank at a time: a rank keeps up to 200k events, a query ships up to its row cap
+                trace_rows += (yield Call("query", (TRACE_SQL,), {"timeout": 60.0, "ranks": [rank],
+                                                                  "params": {"id": self.capture_id}})).table.to_pylist()
+            counted = (yield Call("query", ("SELECT _rank, events_dropped FROM profile_status WHERE capture_id = $id",),
+                                  {"timeout": 10.0, "ranks": done, "params": {"id": self.capture_id}})).table.to_pylist()
+            for row in counted:  # counted once the trace was read
+                status[int(row["_rank"])]["events_dropped"] = row["events_dropped"]
+            trace, note = merge_trace(trace_rows, members, offsets, self.max_trace_bytes,
+                                      {r: status[r].get("events_dropped") or 0 for r in done})
+            with open(self.out, "w", encoding="utf-8") as fh:
+                json.dump(trace, fh)
+            result.trace_path, result.trace_note = self.out, note
+            result.offsets_ms = {r: us / 1000.0 for r, us in offsets.items()}
+        return result
+
+    def _compute_ms(self, done: list[int], status: dict[int, dict]) -> Generator[Call, Any, dict[int, float]]:
+        """Each rank's forward + backward time over its profiled steps (``steps``), else its
+        total self CPU time in ``profile_ops``."""
+        lo = min(status[r]["step_first"] for r in done)
+        hi = max(status[r]["step_last"] for r in done)
+        rows = (yield Call("query", ("SELECT _rank, step, forward_ms, backward_ms FROM steps WHERE step BETWEEN $lo AND $hi",),
+                           {"timeout": 10.0, "ranks": done, "params": {"lo": lo, "hi": hi}})).table.to_pylist()
+        out: dict[int, float] = {}
+        for row in rows:
+            rank = int(row["_rank"])
+            if status[rank]["step_first"] <= row["step"] <= status[rank]["step_last"] and row["forward_ms"] is not None \
+                    and row["backward_ms"] is not None:
+                out[rank] = out.get(rank, 0.0) + row["forward_ms"] + row["backward_ms"]
+        return out
+
+
+def slowest_and_median(compute_ms: dict[int, float]) -> tuple[int | None, int | None]:
+    if not compute_ms:
+        return None, None
+    ordered = sorted(compute_ms, key=lambda r: (compute_ms[r], r))
+    return ordered[-1], ordered[(len(ordered) - 1) // 2]
+
+
+def compare_ops(ops: "pd.DataFrame", slowest: int, median: int | None, top: int = 10) -> "pd.DataFrame":
+    """The slowest rank's ops next to the median rank's (self CPU ms, summed over the
+    profiled steps), the largest extra time first: columns op, slowest_ms, median_ms, extra_ms."""
+    import pandas as pd
+
+    def per_op(rank: int | None) -> "pd.Series":
+        if rank is None or ops is None or ops.empty:
+            return pd.Series(dtype=float)
+        return ops[ops["_rank"] == rank].groupby("op")["self_cpu_ms"].sum()
+
+    slow, mid = per_op(slowest), per_op(median)
+    table = pd.DataFrame({"slowest_ms": slow, "median_ms": mid}).fillna(0.0)
+    table["extra_ms"] = table["slowest_ms"] - table["median_ms"]
+    table = table.sort_values("extra_ms", ascending=False).head(top)
+    table.index.name = "op"
+    return table.reset_index()
+
+
+def clock_offsets_us(status: dict[int, dict], members: dict[int, dict], root_rank: int) -> dict[int, float]:
+    """Per rank, how far its wall clock is ahead of the root's, in microseconds: 0 on the
+    root's host (one clock), else the difference of the ``now`` both reported."""
+    root_host = (members.get(root_rank) or {}).get("host")
+    root_now = (status.get(root_rank) or {}).get("now")
+    out: dict[int, float] = {}
+    for rank, row in status.items():
+        host = (members.get(rank) or {}).get("host") or row.get("_host")
+        if host == root_host or root_now is None or row.get("now") is None:
+            out[rank] = 0.0
+        else:
+            out[rank] = (row["now"] - root_now) * 1e6
+    return out
+
+
+def merge_trace(rows: list[dict], members: dict[int, dict], offsets_us: dict[int, float], max_bytes: int,
+                dropped_on_rank: dict[int, int] | None = None) -> tuple[dict, str]:
+    """One Chrome trace: a process lane per rank (``pid`` = rank, named with its node and
+    host), each rank's events shifted onto the root's clock, the earliest event at 0.
+    Events are kept in time order until the trace reaches ``max_bytes``; the note says
+    what was cut (here, or already on a rank)."""
+    events: list[tuple[float, int, dict]] = []
+    threads: dict[tuple[int, str], int] = {}
+    for row in rows:
+        rank = int(row["_rank"])
+        ts = row["ts_us"] - offsets_us.get(rank, 0.0)
+        tid = threads.setdefault((rank, row["thread"]), sum(1 for k in threads if k[0] == rank))
+        ev = {"ph": row["ph"], "name": row["name"], "cat": row["cat"], "pid": rank, "tid": tid}
+        if row.get("dur_us") is not None:
+            ev["dur"] = row["dur_us"]
+        if row.get("args"):
+            try:
+                ev["args"] = json.loads(row["args"])
+            except ValueError:
+                ev["args"] = {"text": row["args"]}
+        events.append((ts, rank, ev))
+    events.sort(key=lambda e: e[0])
+    t0 = events[0][0] if events else 0.0
+    meta: list[dict] = []
+    for rank in sorted({r for _, r, _ in events}):
+        m = members.get(rank) or {}
+        label = f"rank {rank} (node {m.get('node', '?')}, host {m.get('host', '?')})"
+        offset = offsets_us.get(rank, 0.0)
+        if offset:
+            label += f" clock {offset / 1000.0:+.3f} ms"
+        meta.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": label}})
+        meta.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+    for (rank, thread), tid in threads.items():
+        meta.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": thread}})
+    size = len(json.dumps(meta)) + 200
+    kept: list[dict] = []
+    for ts, _rank, ev in events:
+        ev["ts"] = round(ts - t0, 3)
+        size += len(json.dumps(ev)) + 2
+        if size > max_bytes:
+            break
+        kept.append(ev)
+    notes = []
+    if len(kept) < len(events):
+        cut_at = (events[len(kept)][0] - t0) / 1000.0
+        notes.append(f"cut at {max_bytes / 1e6:g} MB: kept {len(kept)} of {len(events)} events, "
+                     f"those before {cut_at:.1f} ms")
+    for rank, n in sorted((dropped_on_rank or {}).items()):
+        if n:
+            notes.append(f"rank {rank} kept its first events only ({n} dropped there)")
+    trace = {"traceEvents": meta + kept, "displayTimeUnit": "ms",
+             "otherData": {"clock": "each rank's wall clock shifted onto the root's; offsets in the lane names",
+                           "t0_epoch_us": t0, "cut": "; ".join(notes)}}
+    return trace, "; ".join(notes)

@@ -1,0 +1,75 @@
+"""Arming a profile capture on chosen ranks: the ``profile`` message, passed down the
+membership tree like a subquery, with no answer from below.
+
+Why a message and not SQL: a query is read-only and answers only what the tables hold,
+while arming changes what a rank does at its next step end; and a capture has no answer
+to wait for when it is armed, only later, when its steps have run. So the request is one
+message that every hop passes on to the children through which the asked ranks are
+reached (``RankCore.hops``, as a subquery does), and everything after it is plain SQL over
+the tables the capture fills: a client polls ``profile_status`` until each asked rank is
+done (the query's coverage names the ranks that died or cannot be reached), then reads
+``profile_ops`` and ``profile_trace``. One capture per job: the client checks
+``profile_status`` first, and a rank refuses to arm while another capture is active.
+
+Sans-IO: the rank's capture is reached through ``Tree.profile_capture`` (a callable
+returning ``diagnosis.profile.ProfileCapture``; None where the probe cannot profile).
+Only the root answers, to the client that asked: which ranks the request was passed on
+to, which it could not reach, and its own refusal if any.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .effects import PARENT, Effect, Note, Send
+from .wire import Envelope, Message
+
+ACTIONS = ("arm", "cancel")
+
+
+def on_profile(core: Any, sender: bytes | None, env: Envelope, now: float) -> list[Effect]:
+    """A ``profile`` request from a client (``sender`` its routing id) or from the parent."""
+    body = env.msg.body
+    action, capture_id = body.get("action"), body.get("id")
+    ranks = [r for r in body.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool)]
+    if action not in ACTIONS:
+        return [] if sender is PARENT else [_error(sender, env, f"unknown profile action {action!r}")]
+    out: list[Effect] = []
+    refused: dict[str, str] = {}
+    if core.rank in ranks:
+        why = _act_here(core, action, capture_id, body.get("steps"))
+        if why is not None:
+            refused[str(core.rank)] = why
+            out.append(Note(f"profile {capture_id}: {why}"))
+    hops = core.hops([r for r in ranks if r != core.rank])
+    by_child: dict[bytes, list[int]] = {}
+    for rank, (_hop, rid) in hops.items():
+        by_child.setdefault(rid, []).append(rank)
+    for rid, below in by_child.items():
+        out.append(Send(rid, Message("profile", {**body, "ranks": below})))
+    if sender is not PARENT:
+        reached = sorted(hops) + ([core.rank] if core.rank in ranks and not refused else [])
+        unreachable = sorted(set(ranks) - set(hops) - {core.rank})
+        out.append(Send(sender, Message("profile", {"action": "accepted", "id": capture_id, "ranks": sorted(reached),
+                                                    "unreachable": unreachable, "refused": refused},
+                                        corr_id=env.header.msg_id)))
+    return out
+
+
+def _act_here(core: Any, action: str, capture_id: Any, steps: Any) -> str | None:
+    get = getattr(core, "profile_capture", None)
+    if get is None:
+        return "this probe cannot profile"
+    try:
+        capture = get()
+        if action == "arm":
+            capture.arm(str(capture_id), int(steps) if isinstance(steps, int) else 1)
+        else:
+            capture.cancel(None if capture_id in (None, "") else str(capture_id))
+    except Exception as exc:  # CaptureBusy, or a capture that cannot be made here
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def _error(sender: bytes | None, env: Envelope, message: str) -> Send:
+    return Send(sender, Message("error", {"code": "bad_request", "message": message}, corr_id=env.header.msg_id))

@@ -1,0 +1,354 @@
+"""The rank side of profiles on demand: a capture armed from the probe thread runs from the
+next step end for N steps (the optimizer hooks), fills profile_ops / profile_status /
+profile_trace, and costs nothing while not armed. One process, a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kernel_probe.config import load_settings
+from kernel_probe.diagnosis.profile import CaptureBusy, ProfileCapture, trace_rows
+from kernel_probe.tables import LocalTables
+
+torch = pytest.importorskip("torch")
+
+
+def _train(tables: LocalTables, steps: int, extra=None) -> None:
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        opt.zero_grad()
+        out = model(torch.randn(4, 8))
+        if extra is not None and tables.steps.step is not None and tables.steps.step % 2 == 1:
+            out = extra(out)
+        out.sum().backward()
+        opt.step()
+
+
+@pytest.fixture
+def tables():
+    t = LocalTables(load_settings())
+    assert t.steps.install_torch_hooks()
+    yield t
+    t.close()
+
+
+def _rows(tables: LocalTables, name: str) -> list[dict]:
+    return tables.arrow(name).to_pylist()
+
+
+def test_a_capture_runs_from_the_next_step_end_for_n_steps(tables):
+    _train(tables, 2)
+    assert tables.steps.capture is None and _rows(tables, "profile_status") == []
+    tables.profile.arm("c1", steps=2)
+    assert tables.steps.capture is tables.profile
+    status = _rows(tables, "profile_status")
+    assert [(s["capture_id"], s["state"]) for s in status] == [("c1", "armed")]
+    _train(tables, 1)  # step 3 ends: the profiler starts
+    assert _rows(tables, "profile_status")[0]["state"] == "running"
+    _train(tables, 2, extra=torch.special.erfcx)  # steps 4 and 5 profiled
+    assert tables.steps.capture is None  # off again: the hook is back to one attribute check
+    status = _rows(tables, "profile_status")[0]
+    assert (status["state"], status["step_first"], status["step_last"]) == ("done", 4, 5)
+    assert status["started"] <= status["ended"] and status["events"] is None and status["error"] is None
+    ops = _rows(tables, "profile_ops")
+    status = _rows(tables, "profile_status")[0]
+    assert status["events"] > 0 and status["events_dropped"] == 0
+    names = {r["op"]: r for r in ops}
+    assert "aten::special_erfcx" in names and "aten::linear" in names
+    assert names["aten::linear"]["calls"] == 2  # one forward per profiled step
+    assert all(r["capture_id"] == "c1" and r["step_first"] == 4 and r["step_last"] == 5 for r in ops)
+    assert all(r["self_cpu_ms"] >= 0 and r["cpu_ms"] >= r["self_cpu_ms"] - 1e-6 for r in ops)
+    assert all(r["device_ms"] is None for r in ops)  # no device on this machine
+    trace = _rows(tables, "profile_trace")
+    assert len(trace) == status["events"]
+    linear = [e for e in trace if e["name"] == "aten::linear"]
+    assert len(linear) == 2 and all(status["started"] * 1e6 - 1e6 < e["ts_us"] < status["ended"] * 1e6 + 1e6
+                                    for e in linear)  # epoch microseconds
+
+
+def test_one_capture_at_a_time_and_cancel(tables):
+    _train(tables, 1)
+    tables.profile.arm("c1", steps=3)
+    tables.profile.arm("c1", steps=3)  # the same request again: fine
+    with pytest.raises(CaptureBusy, match="c1"):
+        tables.profile.arm("c2", steps=1)
+    _train(tables, 2)
+    assert tables.profile.state == "running"
+    assert not tables.profile.cancel("other")
+    assert tables.profile.cancel("c1")
+    _train(tables, 1)
+    status = _rows(tables, "profile_status")[0]
+    assert status["state"] == "cancelled" and tables.steps.capture is None
+    tables.profile.arm("c2", steps=1)  # the next one may go
+    assert tables.profile.cancel()  # armed, not started: cancelled at once
+    assert tables.profile.state == "cancelled"
+    _train(tables, 2)
+    assert tables.steps.capture is None and tables.profile.state == "cancelled"
+
+
+def test_a_profiler_that_will_not_start_fails_the_capture_not_the_step():
+    class Broken:
+        def start(self):
+            raise RuntimeError("profiler already enabled")
+
+    class Clock:
+        capture = None
+
+    clock = Clock()
+    cap = ProfileCapture(make_profiler=Broken)
+    cap.attach(clock)
+    cap.arm("c1", 2)
+    cap.on_step(7)
+    assert cap.state == "failed" and "already enabled" in cap.error and clock.capture is None
+
+
+def test_trace_events_are_bounded_and_in_epoch_microseconds():
+    trace = {"baseTimeNanoseconds": 1_000_000_000_000,
+             "traceEvents": [{"ph": "M", "name": "process_name", "ts": 0, "pid": 1, "tid": 0}]
+             + [{"ph": "X", "name": f"op{i}", "cat": "cpu_op", "ts": 10.0 + i, "dur": 2.0, "pid": 1, "tid": 5,
+                 "args": {"x": i}} for i in range(5)]}
+    rows, dropped = trace_rows(trace, "c", max_events=3)
+    assert dropped == 2 and [r[2] for r in rows] == ["op0", "op1", "op2"]
+    assert rows[0][4] == 1_000_000_000.0 + 10.0 and rows[0][5] == 2.0 and rows[0][6] == "1/5"
+
+
+def test_nothing_runs_while_no_capture_is_asked():
+    code = textwrap.dedent("""
+        import sys
+        from kernel_probe.tables import local_tables
+        before = "torch" in sys.modules  # the capture's module loads no torch
+        import torch
+        t = local_tables()
+        t.steps.install_torch_hooks()
+        m = torch.nn.Linear(2, 2); o = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            o.zero_grad(); m(torch.randn(1, 2)).sum().backward(); o.step()
+        t.names()
+        print(before, t.steps.step, t.steps.capture, torch.autograd.profiler._is_profiler_enabled)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "3", "None", "False"], out.stderr
+
+
+# --- asking the job: the profile message, and merging what comes back ---------------------------
+
+def test_the_profile_message_arms_here_and_passes_on_through_the_children():
+    from kernel_probe.effects import PARENT, Send
+    from kernel_probe.profile_plane import on_profile
+    from kernel_probe.wire import Envelope, Header, Message
+
+    class Capture:
+        def __init__(self):
+            self.armed = []
+
+        def arm(self, capture_id, steps):
+            if self.armed:
+                raise CaptureBusy(f"capture {self.armed[0][0]} is running on this rank")
+            self.armed.append((capture_id, steps))
+
+    class Core:
+        rank = 0
+        capture = Capture()
+        profile_capture = staticmethod(lambda: Core.capture)
+
+        def hops(self, ranks):  # ranks 1 and 2 through child b"a", 3 through b"b"; 7 unknown
+            return {r: {1: (1, b"a"), 2: (1, b"a"), 3: (3, b"b")}[r] for r in ranks if r in (1, 2, 3)}
+
+    def env(body):
+        header = Header(type="profile", sender="client", incarnation="x", seq=1, ts=0.0, msg_id="m1", corr_id=None)
+        return Envelope(header=header, msg=Message("profile", body))
+
+    out = on_profile(Core(), b"client", env({"action": "arm", "id": "c1", "ranks": [0, 1, 2, 3, 7], "steps": 2}), 0.0)
+    sends = {s.to: s.msg for s in out if isinstance(s, Send)}
+    assert Core.capture.armed == [("c1", 2)]
+    assert sends[b"a"].body["ranks"] == [1, 2] and sends[b"b"].body["ranks"] == [3]
+    assert sends[b"client"].body == {"action": "accepted", "id": "c1", "ranks": [0, 1, 2, 3], "unreachable": [7],
+                                     "refused": {}}
+    again = on_profile(Core(), PARENT, env({"action": "arm", "id": "c2", "ranks": [0], "steps": 1}), 0.0)
+    assert not [s for s in again if isinstance(s, Send)]  # from the parent: no answer, a note of the refusal
+    refused = on_profile(Core(), b"client", env({"action": "arm", "id": "c2", "ranks": [0], "steps": 1}), 0.0)
+    assert refused[-1].msg.body["refused"] == {"0": "capture c1 is running on this rank"}
+    assert on_profile(Core(), b"c", env({"action": "explode", "id": "c"}), 0.0)[0].msg.type == "error"
+
+
+def test_parse_ranks():
+    from kernel_probe.client.profiles import parse_ranks
+
+    assert parse_ranks("0,2-3, 5") == [0, 2, 3, 5] and parse_ranks(None) is None and parse_ranks([3, 1]) == [1, 3]
+
+
+def test_merged_trace_has_a_lane_per_rank_on_the_roots_clock_and_a_size_cap():
+    from kernel_probe.client.profiles import clock_offsets_us, merge_trace
+
+    members = {0: {"rank": 0, "node": 0, "host": "a", "tier": "root"}, 1: {"rank": 1, "node": 1, "host": "b"}}
+    status = {0: {"now": 100.0}, 1: {"now": 100.5}}  # rank 1's clock runs 0.5 s ahead
+    offsets = clock_offsets_us(status, members, 0)
+    assert offsets == {0: 0.0, 1: 500_000.0}
+    rows = [{"_rank": 0, "ph": "X", "name": "a", "cat": "cpu_op", "ts_us": 1_000_000.0, "dur_us": 5.0,
+             "thread": "1/1", "args": '{"k": 1}'},
+            {"_rank": 1, "ph": "X", "name": "b", "cat": "cpu_op", "ts_us": 1_500_010.0, "dur_us": 5.0,
+             "thread": "2/9", "args": None}]
+    trace, note = merge_trace(rows, members, offsets, max_bytes=10_000)
+    events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
+    assert [(e["pid"], e["name"], e["ts"]) for e in events] == [(0, "a", 0.0), (1, "b", 10.0)] and note == ""
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names[0] == "rank 0 (node 0, host a)" and names[1].startswith("rank 1 (node 1, host b) clock +500.000")
+    cut, note = merge_trace(rows * 50, members, offsets, max_bytes=2_000, dropped_on_rank={1: 7})
+    assert "cut at" in note and "rank 1 kept its first events only (7 dropped there)" in note
+    assert len(json.dumps(cut)) < 2_500
+
+
+def test_compare_ops_puts_the_largest_extra_first():
+    import pandas as pd
+
+    from kernel_probe.client.profiles import compare_ops, slowest_and_median
+
+    assert slowest_and_median({0: 10.0, 1: 30.0, 2: 12.0, 3: 11.0}) == (1, 3)
+    ops = pd.DataFrame({"_rank": [0, 0, 1, 1, 1], "op": ["mm", "add", "mm", "add", "extra"],
+                        "self_cpu_ms": [1.0, 2.0, 9.0, 2.0, 4.0]})
+    table = compare_ops(ops, 1, 0)
+    assert list(table["op"]) == ["mm", "extra", "add"] and list(table["extra_ms"]) == [8.0, 4.0, 0.0]
+
+
+class _FakeJob:
+    """A client of a 2-rank job whose captures finish after two polls (rank 1 never, with ``stuck``)."""
+
+    def __init__(self, stuck: bool = False, busy: bool = False, dies: bool = False):
+        self.polls, self.sent, self.stuck, self.busy, self.dies = 0, [], stuck, busy, dies
+
+    def nodes_raw(self):
+        return {"members": [{"rank": 0, "node": 0, "host": "h", "tier": "root"}, {"rank": 1, "node": 0, "host": "h"}]}
+
+    def request(self, type_, body, timeout):
+        from kernel_probe.wire import Message
+
+        self.sent.append(body)
+        self.capture_id = body["id"]
+
+        class Env:
+            msg = Message("profile", {"action": "accepted", "id": body["id"], "ranks": body["ranks"],
+                                      "unreachable": [], "refused": {}})
+        return Env()
+
+    def query(self, sql, timeout, ranks=None, params=None):
+        import pyarrow as pa
+
+        class Result:
+            coverage: dict = {"failed": {}}
+
+        r = Result()
+        if "events_dropped FROM profile_status" in sql:
+            r.table = pa.Table.from_pylist([{"_rank": k, "events_dropped": 3 * k} for k in ranks])
+        elif "FROM profile_trace" in sql:
+            r.table = pa.Table.from_pylist([{"_rank": k, "ph": "X", "name": f"op{k}", "cat": "cpu_op",
+                                             "ts_us": 1e9 + k, "dur_us": 1.0, "thread": "1/1", "args": None}
+                                            for k in ranks])
+        elif "FROM profile_status" in sql:
+            if not self.sent:
+                rows = [{"_rank": 1, "capture_id": "old", "state": "running"}] if self.busy else []
+            else:
+                self.polls += 1
+                state = "done" if self.polls >= 2 else "running"
+                rows = [{"_rank": k, "capture_id": self.capture_id, "state": "running" if self.stuck and k else state,
+                         "step_first": 5, "step_last": 6, "events_dropped": 0, "error": None, "now": 1.0}
+                        for k in ranks if not (self.dies and k == 1 and self.polls > 1)]
+                if self.dies and self.polls > 1:
+                    r.coverage = {"failed": {"1": "dead"}}
+            r.table = pa.Table.from_pylist(rows) if rows else None
+        elif "FROM steps" in sql:
+            r.table = pa.Table.from_pylist([{"_rank": k, "step": s, "forward_ms": 1.0 + k, "backward_ms": 1.0}
+                                            for k in ranks for s in (5, 6)])
+        else:
+            r.table = pa.Table.from_pylist([{"_rank": k, "op": "mm", "self_cpu_ms": 1.0 + k} for k in ranks])
+            r.df = r.table.to_pandas()
+        return r
+
+
+def test_a_run_waits_for_every_rank_then_compares_and_cancels_when_late(monkeypatch, tmp_path):
+    from kernel_probe.client import profiles
+
+    monkeypatch.setattr(profiles, "POLL_SEC", 0.0)
+    job = _FakeJob()
+    seen = []
+    out = tmp_path / "t.json"
+    result = profiles.drive(profiles.ProfileRun(steps=2, on_progress=seen.append, out=str(out)).run(), job)
+    assert sorted(result.status) == [0, 1] and not result.failed and result.slowest_rank == 1
+    events = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [(e["pid"], e["name"], e["ts"]) for e in events] == [(0, "op0", 0.0), (1, "op1", 1.0)]
+    assert result.trace_note == "rank 1 kept its first events only (3 dropped there)"
+    assert seen[-1] == {"finished": 2, "ranks": 2, "running": 0} and job.sent[0]["action"] == "arm"
+    with pytest.raises(profiles.ProfileBusy, match="old on ranks \\[1\\]"):
+        profiles.drive(profiles.ProfileRun().run(), _FakeJob(busy=True))
+    late = _FakeJob(stuck=True)
+    result = profiles.drive(profiles.ProfileRun(timeout=5.0, clock=iter(range(100)).__next__).run(), late)
+    assert list(result.failed) == [1] and "did not finish 2 step(s) within 5 s" in result.failed[1]
+    assert [(b["action"], b["ranks"]) for b in late.sent] == [("arm", [0, 1]), ("cancel", [1])]  # none left running
+    assert sorted(result.status) == [0, 1] and set(result.ops["_rank"]) == {0}  # rank 0's profile is still read
+    dying = _FakeJob(stuck=True, dies=True)
+    result = profiles.drive(profiles.ProfileRun(timeout=50.0).run(), dying)
+    assert result.failed == {1: "no answer during the capture: dead"} and "rank 1: no answer" in result.summary()
+
+
+def test_the_async_client_runs_the_same_steps(monkeypatch):
+    import asyncio
+
+    from kernel_probe.client import profiles
+
+    monkeypatch.setattr(profiles, "POLL_SEC", 0.0)
+    job = _FakeJob()
+
+    class Async:
+        def __getattr__(self, name):
+            async def call(*args, **kwargs):
+                return getattr(job, name)(*args, **kwargs)
+            return call
+
+    result = asyncio.run(profiles.drive_async(profiles.ProfileRun(ranks="1").run(), Async()))
+    assert sorted(result.status) == [1] and job.sent[0]["ranks"] == [1]
+
+
+def test_arming_never_waits_for_a_slow_read_and_a_stale_read_is_dropped():
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class SlowProfiler:
+        def start(self):
+            pass
+
+        def stop(self):
+            pass
+
+        def key_averages(self):
+            release.wait(5)
+            return []
+
+        def export_chrome_trace(self, path):
+            with open(path, "w") as fh:
+                fh.write('{"traceEvents": []}')
+
+    class Clock:
+        capture = None
+
+    cap = ProfileCapture(make_profiler=SlowProfiler)
+    cap.attach(Clock())
+    cap.arm("c1", 1)
+    cap.on_step(1)
+    cap.on_step(2)
+    assert cap.state == "done"
+    reader = threading.Thread(target=cap.ops_rows)
+    reader.start()
+    time.sleep(0.2)  # the reader is inside key_averages
+    t0 = time.perf_counter()
+    cap.arm("c2", 1)
+    assert time.perf_counter() - t0 < 0.1 and cap.state == "armed"
+    release.set()
+    reader.join(5)
+    assert cap.capture_id == "c2" and cap.state == "armed" and cap.status_rows()[0][8] is None  # c1's rows dropped
