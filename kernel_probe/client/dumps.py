@@ -268,9 +268,11 @@ class DumpClient:
 
     def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
               ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
-              local: bool = False, explain: bool = False,
+              local: bool = False, explain: bool = False, native: bool = False,
               on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
-        """One read-only SELECT over the dumps, as the live job would have answered it."""
+        """One read-only SELECT over the dumps, as the live job would have answered it. ``native``:
+        accepted as a live job's query takes it, but a dump holds the stacks as written (their
+        Python frames): native frames can only be taken from a process that still runs."""
         from ..sql import execute
         from ..sql.engine import QueryError
         from ..sql.planner import plan as make_plan
@@ -285,6 +287,9 @@ class DumpClient:
         coverage: dict[str, Any] = {"targeted": [], "answered": [], "pruned": [], "failed": failed,
                                     "partial": False, "notes": list(self.problems.values()),
                                     "dumps": str(self.run_dir)}
+        if native:
+            coverage["notes"].append("native frames come only from running ranks: these are the stacks the "
+                                     "dumps hold")
         try:
             p = make_plan(sql, per_rank=per_rank, catalog=self._catalog())
             coverage.update(plan=p.mode, explain=p.explain())
