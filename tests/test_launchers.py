@@ -84,6 +84,16 @@ def converged(client: Client, world: int) -> dict[int, dict] | None:
     return m if sorted(m) == list(range(world)) and all(r["state"] == "alive" for r in m.values()) else None
 
 
+def root_of(world: int) -> Client | None:
+    """A client of the newest job here once it is the job of ``world`` ranks: before
+    init_process_group a rank started by hand is a job of one, whose root then goes away."""
+    client = kernel_probe.connect(timeout=2)
+    if client.info_.get("world_size") == world:
+        return client
+    client.close()
+    return None
+
+
 def check_job(control: Path, world: int, run_id: str | None, job_id: str | None, nodes: dict[int, int], not_a_job: tuple[int, ...] = (),
               kill: bool = True) -> Client:
     """The launch converged to the right tree, answers SQL over every rank, is one job named
@@ -93,7 +103,7 @@ def check_job(control: Path, world: int, run_id: str | None, job_id: str | None,
     if run_id is None:
         job_id = psutil.Process(pids[0]).environ()["TORCHELASTIC_RUN_ID"]
         run_id = f"{job_id}/r0"
-    root = wait_for(lambda: kernel_probe.connect(timeout=2), 90, interval=0.2, what="the job's root")
+    root = wait_for(lambda: root_of(world), 90, interval=0.2, what="the job's root")
     view = wait_for(lambda: converged(root, world), 60, what=f"{world} ranks alive at the root")
     host = os.uname().nodename
     for rank, m in view.items():

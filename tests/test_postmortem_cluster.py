@@ -158,10 +158,10 @@ def test_a_live_jobs_snapshot_answers_as_the_job(launch, tmp_path, capsys):
     c.close()
 
     # the same from a notebook: %cluster_dump, then %cluster_connect dump:// and a query
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.testing.globalipapp import get_ipython
 
-    ip = start_ipython()
-    ip.run_line_magic("load_ext", "probing_magics")
+    ip = get_ipython()  # IPython's one test shell, made by the first test that asks (start_ipython: once only)
+    ip.run_line_magic("reload_ext", "probing_magics")
     try:
         ip.run_line_magic("cluster_dump", str(tmp_path / "nb"))
         assert "wrote the dumps of 3 of 3 ranks" in capsys.readouterr().out
