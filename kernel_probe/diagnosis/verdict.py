@@ -97,16 +97,6 @@ class Verdict:
 # ---------------------------------------------------------------- small readers
 
 
-def _int(value: Any) -> int | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return int(number) if number == number else None  # NaN (pandas' NULL) is no number
-
-
 def _float(value: Any) -> float | None:
     if value is None or isinstance(value, bool):
         return None
@@ -114,7 +104,12 @@ def _float(value: Any) -> float | None:
         number = float(value)
     except (TypeError, ValueError):
         return None
-    return number if number == number else None
+    return number if number == number else None  # NaN (pandas' NULL) is no number
+
+
+def _int(value: Any) -> int | None:
+    number = _float(value)
+    return None if number is None else int(number)
 
 
 def _true(value: Any) -> bool:
