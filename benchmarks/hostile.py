@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kernel_probe  # noqa: E402
+from tests.support import wait_for  # noqa: E402
 from tests.support.harness import LocalJob  # noqa: E402
 from tests.support.hostile import BURST_KINDS, bursts, root_and_leaf  # noqa: E402
 
@@ -39,19 +40,6 @@ SETTLE_SEC = 4.0  # the probe trims its heap after a burst of rejected bytes is 
 
 def mib(proc: psutil.Process) -> float:
     return proc.memory_info().rss / 2**20
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except Exception:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 def attack(client, targets: list[tuple[str, psutil.Process]], seconds: float, kinds: tuple[str, ...],
@@ -74,7 +62,7 @@ def attack(client, targets: list[tuple[str, psutil.Process]], seconds: float, ki
     while sender.is_alive():
         peak = [max(x, mib(p)) for x, (_, p) in zip(peak, targets)]
         sender.join(1.0)
-    answered = wait_for(lambda: client.query(QUERY, timeout=10).coverage["answered"], 30, "a query after it")
+    answered = wait_for(lambda: client.query(QUERY, timeout=10).coverage["answered"], 30, 0.3, "a query after it")
     assert answered == list(range(world)), answered
     time.sleep(SETTLE_SEC)
     after = [mib(p) for _, p in targets]
@@ -112,13 +100,13 @@ def main() -> None:
     with LocalJob(argv, nodes=args.nodes, ranks_per_node=args.ranks_per_node, mode="torchrun", env=env,
                   workdir=Path(runtime) / "job") as job:
         job.wait_ready(120)
-        client = wait_for(lambda: kernel_probe.connect(timeout=2), 90, "the root")
+        client = wait_for(lambda: kernel_probe.connect(timeout=2), 90, 0.3, "the root")
 
         def ready() -> bool:  # every rank answers and, with a small --keep, its table is full
             n = client.query(QUERY, timeout=5).df.n.tolist()
             return len(n) == world and (args.keep > 500 or n == [args.keep] * world)
 
-        wait_for(ready, 120, "every rank answering")
+        wait_for(ready, 120, 0.3, "every rank answering")
         root, leaf = root_and_leaf(client.nodes_raw(timeout=5)["members"])
         targets = [(root["endpoint"], psutil.Process(root["pid"])), (leaf["endpoint"], psutil.Process(leaf["pid"]))]
         print(f"root rank {root['rank']} at {root['endpoint']}, leaf rank {leaf['rank']} at {leaf['endpoint']}")

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
-from typing import Callable, TypeVar
 
 import pytest
 
+from tests.support import wait_for  # noqa: F401 (the tests import it from here)
+
 pytest_plugins = ["pytest_jupyter.jupyter_server"]  # jp_fetch & co. (only a root conftest may declare it)
 
-T = TypeVar("T")
 WORKER = str(Path(__file__).parent / "workers" / "worker.py")
 
 
@@ -46,21 +45,6 @@ def launch(runtime_dir, tmp_path):
     yield _launch
     for job in jobs:
         job.close()
-
-
-def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition") -> T:
-    """Poll until predicate() is truthy; return its value. Exceptions count as 'not yet'."""
-    deadline = time.monotonic() + timeout
-    last_exc = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except Exception as exc:  # not up yet
-            last_exc = exc
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
 
 
 def worker_argv(*extra: str) -> list[str]:
