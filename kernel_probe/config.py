@@ -74,6 +74,9 @@ class Settings:
     dump_dir_given: Path | None = None  # PROBING_DUMP_DIR (see dump_dir)
     dump_budget_sec: float = 2.0  # PROBING_DUMP_BUDGET_SEC: about the longest a dump may delay the exit
     dump_max_mb: float = 4.0  # PROBING_DUMP_MAX_MB: the tables' rows kept in one rank's dump, newest first
+    # PROBING_CURVE: 1 encrypts and authenticates every connection with CURVE keys derived from
+    # the job's key, 0 never; unset: when the probe listens beyond loopback (see placement.encrypts)
+    curve: bool | None = None
 
     @property
     def dump_dir(self) -> Path:
@@ -127,7 +130,7 @@ def _warn(name: str, value: str, default: object) -> None:
     warnings.warn(f"probing: ignoring {name}={value!r}; using {default!r}", RuntimeWarning, stacklevel=3)
 
 
-def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+def _flag(env: Mapping[str, str], name: str, default: bool | None) -> bool | None:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -247,6 +250,7 @@ def _parse_settings(env: Mapping[str, str]) -> Settings:
         dump_dir_given=Path(env["PROBING_DUMP_DIR"]).expanduser() if env.get("PROBING_DUMP_DIR") else None,
         dump_budget_sec=_number(env, "PROBING_DUMP_BUDGET_SEC", 2.0, 0.05),
         dump_max_mb=_number(env, "PROBING_DUMP_MAX_MB", 4.0, 0.01),
+        curve=_flag(env, "PROBING_CURVE", None),
     )
 
 

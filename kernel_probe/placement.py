@@ -137,3 +137,23 @@ def signing_key(settings: Settings, identity: Identity, *, use_store: bool, stor
     if identity.world_size == 1 and not settings.parent_endpoint and not settings.root_endpoint:
         return derive_key(fresh_secret, identity.run_id), None
     return derive_key(None, identity.run_id), None
+
+
+def is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("localhost", "::1", "[::1]")
+
+
+def encrypts(settings: Settings, bind_host: str) -> bool:
+    """Whether a rank's sockets are under CURVE: as PROBING_CURVE says, else when it listens
+    beyond loopback. Every rank of a job shares the settings and the bind rule, so a job
+    decides as one; a client finds the answer in the connection file or the store's record."""
+    if settings.curve is not None:
+        return settings.curve
+    return not is_loopback(bind_host)
+
+
+def curve_material(token: str | None, key: bytes) -> bytes:
+    """What the job's CURVE keypair derives from: a key derived from the token alone when there
+    is one (a client that knows only the token and the root's address can dial before it learns
+    the run id), else the signing key. The connection file keeps it, never the token."""
+    return derive_key(token, "\0curve") if token else key

@@ -57,6 +57,7 @@ __all__ = [
     "Codec",
     "derive_key",
     "new_secret",
+    "curve_options",
     "refusal_frames",
     "parse_refusal",
 ]
@@ -69,6 +70,7 @@ SIGNATURE_BYTES = 32  # raw SHA-256 digest
 REJECT_REASONS = ("malformed", "bad_signature", "replay", "stale", "oversized", "unknown_type")
 
 _KEY_CONTEXT = b"probing-magics/v1/"  # domain separation: a key for this protocol only
+_CURVE_CONTEXT = b"probing-magics/v1/curve"  # the CURVE keypair's, apart from the signing key's
 _HEADER_KEYS = ("type", "sender", "incarnation", "seq", "ts", "msg_id", "corr_id")
 
 _NoneType = type(None)
@@ -337,6 +339,24 @@ def derive_key(token: str | None, run_id: str) -> bytes:
 def new_secret() -> str:
     """A per-job random secret, used in place of a token when none was given."""
     return secrets.token_hex(32)
+
+
+def curve_options(key: bytes, *, server: bool) -> list[tuple[int, int | bytes]]:
+    """The socket options that put a ZeroMQ socket under CURVE, the job's one keypair derived
+    from its signing key: a ROUTER (``server``) or a DEALER dialing one.
+
+    Whoever can sign for the job can complete the handshake; anybody else is cut off by
+    libzmq before it keeps a byte of theirs -- without CURVE a peer speaking raw ZMTP can
+    make libzmq hold an unfinished multipart message of any length (MAXMSGSIZE bounds each
+    frame, not their number). ``zmq.curve_public`` is a pure function (X25519)."""
+    import zmq
+    from zmq.utils import z85
+
+    secret = z85.encode(hmac.new(key, _CURVE_CONTEXT, hashlib.sha256).digest())
+    public = zmq.curve_public(secret)
+    if server:
+        return [(zmq.CURVE_SERVER, 1), (zmq.CURVE_SECRETKEY, secret)]
+    return [(zmq.CURVE_SERVERKEY, public), (zmq.CURVE_PUBLICKEY, public), (zmq.CURVE_SECRETKEY, secret)]
 
 
 # --------------------------------------------------------------------------- helpers

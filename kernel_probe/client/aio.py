@@ -21,7 +21,7 @@ from .. import wire
 from . import diagnose as diagnosis
 from . import profiles, results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
-from .errors import AuthError, ConnectError, JobEndedError, ProbeError, QueryFailed, Refused
+from .errors import AuthError, ConnectError, JobEndedError, NoAnswerError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
 from .requests import Answered, Failed, Progress
 from .targets import Target
@@ -52,6 +52,7 @@ class AsyncClient(ClientState):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_message_bytes)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            self._dial(sock)
             sock.connect(self.endpoint)
             self._sock = sock
         if self._reader is None or self._reader.done():
@@ -144,12 +145,7 @@ class AsyncClient(ClientState):
             new = await asyncio.get_running_loop().run_in_executor(None, find_relaunch, self._target)
             if new is None:
                 return False
-            if self._reader is not None:
-                self._reader.cancel()
-                self._reader = None
-            if self._sock is not None:
-                self._sock.close(0)
-                self._sock = None
+            self._drop_socket()
             self._switch_to(new)
             generation = self._generation
         try:
@@ -173,10 +169,27 @@ class AsyncClient(ClientState):
             raise
         return client
 
+    def _drop_socket(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
     async def handshake(self, timeout: float = 5.0, warm: bool = False) -> dict:
         """As ``Client.handshake``: ``warm`` asks every rank to load its query engine now."""
+        guessed = self._target.curve_guessed
         try:
-            env = await self.request("info_request", {"warm": True} if warm else {}, timeout)
+            env = await self.request("info_request", {"warm": True} if warm else {}, timeout / 2 if guessed else timeout)
+        except NoAnswerError:
+            if not self._other_way():
+                raise
+            self._drop_socket()
+            try:
+                return await self.handshake(timeout / 2, warm)
+            except NoAnswerError:
+                raise self._no_answer(timeout) from None  # the whole wait, both ways
         except Refused as refused:
             if self._learn_from(refused):
                 return await self.handshake(timeout, warm)

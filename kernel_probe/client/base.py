@@ -6,10 +6,12 @@ answer means."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Any
 
 from .. import wire
+from ..placement import curve_material
 from . import results
 from .errors import ConnectError, JobEndedError, NoAnswerError, Refused
 from .alive import root_alive
@@ -43,6 +45,25 @@ class ClientState:
         self._answered = False  # "gone" means the root answered once and is not there any more
         self._notices: collections.deque[str] = collections.deque()
         self._requests = Requests(target.key)
+        self._tried_both = False  # with and without CURVE (see _other_way)
+
+    def _other_way(self) -> bool:
+        """A handshake got no answer on a guessed CURVE setting: try the other one (a job on one
+        host with a token listens on every interface, but plain; a job of several hosts encrypts).
+        True when there was another way to try."""
+        target = self._target
+        if not target.curve_guessed:
+            return False
+        other = None if target.curve is not None else curve_material(target.token, target.key)
+        self._target = dataclasses.replace(target, curve=other, curve_guessed=False)
+        self._tried_both = True
+        return True
+
+    def _dial(self, sock: Any) -> None:
+        """Put ``sock`` under CURVE when the job's root is (before it connects)."""
+        if self._target.curve is not None:
+            for option, value in wire.curve_options(self._target.curve, server=False):
+                sock.setsockopt(option, value)
 
     @property
     def launch(self) -> Launch:
@@ -76,7 +97,8 @@ class ClientState:
         self.endpoint, self.run_id, self.connection = new.endpoint, new.run_id, new.connection
         self.store = new.store or self.store
         self._target = Target(new.endpoint, new.key, run_id=new.run_id, token=self._token,
-                              connection=new.connection, spec=self._target.spec, store=self.store)
+                              connection=new.connection, spec=self._target.spec, store=self.store,
+                              curve=new.curve)
         self._generation += 1
         change = self.lifecycle.observe(Seen(Launch(new.run_id, new.endpoint,
                                                     new.connection.pid if new.connection is not None else None)))
@@ -109,8 +131,13 @@ class ClientState:
         conn = self.connection
         if conn is not None and not root_alive(conn):
             return JobEndedError(f"job {conn.run_id} has ended: its root (pid {conn.pid}) is gone")
+        # Under CURVE a wrong key gets no refusal, only silence: the handshake fails in libzmq.
+        hint = ("; its connections are encrypted (CURVE): check the token, and PROBING_CURVE on both sides"
+                if self._target.curve is not None and not self._tried_both else
+                "; tried with and without CURVE encryption" if self._tried_both else "" if conn is not None else
+                "; if the job encrypts its connections (CURVE, the default off loopback), set PROBING_CURVE=1 here")
         return NoAnswerError(f"no answer from {self.endpoint} within {timeout:g} s: the job ended or its root "
-                             f"is unreachable")
+                             f"is unreachable{hint}")
 
     def _ended_error(self) -> JobEndedError:
         return JobEndedError(self._ended or f"job {self.run_id} has ended")

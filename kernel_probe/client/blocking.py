@@ -27,7 +27,7 @@ from ..shell import connfile
 from . import diagnose as diagnosis
 from . import profiles, results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
-from .errors import AuthError, JobEndedError, ProbeError, QueryFailed, Refused
+from .errors import AuthError, JobEndedError, NoAnswerError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
 from .requests import Answered, Failed, Progress
 from .targets import Target
@@ -54,9 +54,10 @@ class Client(ClientState):
 
     def __init__(self, endpoint: str, key: bytes, *, run_id: str | None = None, token: str | None = None,
                  connection: connfile.ConnectionInfo | None = None, spec: str | None = None,
-                 store: str | None = None) -> None:
+                 store: str | None = None, curve: bytes | None = None,
+                 curve_guessed: bool = False) -> None:
         super().__init__(Target(endpoint, key, run_id=run_id, token=token, connection=connection, spec=spec,
-                                store=store))
+                                store=store, curve=curve, curve_guessed=curve_guessed))
         self._follow_lock = threading.Lock()
         self._io = threading.Lock()  # held by whoever touches the socket
         self._state = threading.Lock()  # guards the matcher and the waiters
@@ -67,7 +68,8 @@ class Client(ClientState):
     @classmethod
     def from_target(cls, target: Target) -> "Client":
         return cls(target.endpoint, target.key, run_id=target.run_id, token=target.token,
-                   connection=target.connection, spec=target.spec, store=target.store)
+                   connection=target.connection, spec=target.spec, store=target.store, curve=target.curve,
+                   curve_guessed=target.curve_guessed)
 
     @classmethod
     def open(cls, target: Target, timeout: float = 5.0, warm: bool = False) -> "Client":
@@ -91,6 +93,7 @@ class Client(ClientState):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_message_bytes)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            self._dial(sock)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock
@@ -231,8 +234,17 @@ class Client(ClientState):
         """Check that a probe answers and accepts our key; learn the run id on the way.
         ``warm``: ask every rank to load its query engine now, in the background (a client that
         will query; one that only watches membership leaves the ranks without it)."""
+        guessed = self._target.curve_guessed
         try:
-            env = self.request("info_request", {"warm": True} if warm else {}, timeout)
+            env = self.request("info_request", {"warm": True} if warm else {}, timeout / 2 if guessed else timeout)
+        except NoAnswerError:
+            if not self._other_way():
+                raise
+            self._drop_socket()
+            try:
+                return self.handshake(timeout / 2, warm)
+            except NoAnswerError:
+                raise self._no_answer(timeout) from None  # the whole wait, both ways
         except Refused as refused:
             with self._state:
                 learnt = self._learn_from(refused)

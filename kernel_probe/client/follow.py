@@ -71,7 +71,7 @@ def find_relaunch(current: Target) -> Target | None:
             continue  # the very root we talk to
         key = wire.derive_key(current.token, info.run_id) if current.token else bytes.fromhex(info.key)
         return Target(info.endpoint, key, run_id=info.run_id, token=current.token, connection=info,
-                      spec=current.spec, store=info.store or current.store)
+                      spec=current.spec, store=info.store or current.store, curve=bytes.fromhex(info.curve) if info.curve else None)
     return None
 
 

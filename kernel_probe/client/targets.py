@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .. import wire
 from ..config import Settings, load_settings, run_id_from, split_run_id
+from ..placement import curve_material, is_loopback
 from ..shell import connfile
 from .alive import root_alive
 from .errors import AuthError, ConnectError, JobEndedError
@@ -31,6 +32,8 @@ class Target:
     connection: connfile.ConnectionInfo | None = None  # the job's connection file, when there is one
     spec: str | None = None  # what the user typed (None: the newest job here), to find a relaunch by
     store: str | None = None  # the job's store:// address, when known (for people to copy)
+    curve: bytes | None = None  # the root's sockets are under CURVE: what its keys derive from
+    curve_guessed: bool = False  # by the job's rule, not from the job: the handshake may try the other way
 
 
 def find_token(token: str | None = None, token_env: str | None = None,
@@ -69,6 +72,7 @@ def resolve(target: str | os.PathLike | None = None, token: str | None = None,
     conn: connfile.ConnectionInfo | None = None
     run_id: str | None = None
     key: bytes | None = None
+    curve: bytes | None | bool = None  # known material, or whether to derive it (None: the rule decides)
     target_s = os.fspath(target) if target is not None else None
 
     if is_dump(target_s):
@@ -81,11 +85,14 @@ def resolve(target: str | os.PathLike | None = None, token: str | None = None,
         endpoint = conn.endpoint
     elif target_s.startswith("tcp://"):
         endpoint = target_s
+        here = next((c for c in connfile.list_files(settings.runtime_dir)
+                     if c.endpoint == endpoint and root_alive(c)), None)
         if not token:  # a job on this machine: its connection file has the key
-            conn = next((c for c in connfile.list_files(settings.runtime_dir)
-                         if c.endpoint == endpoint and root_alive(c)), None)
+            conn = here
+        elif here is not None:
+            curve = bytes.fromhex(here.curve) if here.curve else False
     elif target_s.startswith("store://"):
-        endpoint, run_id, key = _from_store(target_s, token, settings.discover_timeout_sec)
+        endpoint, run_id, key, curve = _from_store(target_s, token, settings.discover_timeout_sec)
     else:
         path = Path(target_s).expanduser()
         if not path.exists():
@@ -98,7 +105,7 @@ def resolve(target: str | os.PathLike | None = None, token: str | None = None,
         endpoint = conn.endpoint
 
     if conn is not None:
-        run_id = conn.run_id
+        run_id, curve = conn.run_id, (bytes.fromhex(conn.curve) if conn.curve else False)
         key = bytes.fromhex(conn.key) if not token else wire.derive_key(token, conn.run_id)
     elif key is None:
         if not token:
@@ -106,8 +113,18 @@ def resolve(target: str | os.PathLike | None = None, token: str | None = None,
                             f"connection file / store:// target")
         key = wire.derive_key(token, run_id or "")
     store = target_s if target_s and target_s.startswith("store://") else (conn.store if conn else None)
+    guessed = curve is None and settings.curve is None
+    if curve is None:  # a tcp:// target off this machine: the job's own rule, from here
+        curve = settings.curve if settings.curve is not None else not is_loopback(endpoint_host(endpoint))
+    if curve is True:
+        curve = curve_material(token, key)
     return Target(endpoint, key, run_id=run_id, token=token, connection=conn, spec=target_s or None,
-                  store=store or None)
+                  store=store or None, curve=curve or None, curve_guessed=guessed)
+
+
+def endpoint_host(endpoint: str) -> str:
+    """``tcp://host:port`` -> host."""
+    return endpoint[len("tcp://"):].rpartition(":")[0] if endpoint.startswith("tcp://") else endpoint
 
 
 def parse_store(target: str) -> tuple[str, int, str]:
@@ -121,7 +138,7 @@ def parse_store(target: str) -> tuple[str, int, str]:
     return host, int(port_s), run.strip("/")
 
 
-def _from_store(target: str, token: str | None, timeout: float) -> tuple[str, str, bytes]:
+def _from_store(target: str, token: str | None, timeout: float) -> tuple[str, str, bytes, bool]:
     """Read the root's record from the store a user named: the rendezvous store at
     ``--rdzv-endpoint`` (run = ``--rdzv-id``) or the agent store at ``MASTER_PORT``.
     Plain-Python reads (no torch import): a few milliseconds."""
@@ -171,7 +188,7 @@ def _from_store(target: str, token: str | None, timeout: float) -> tuple[str, st
         endpoint = master.get("endpoint")
         if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
             raise ConnectError(f"the store at {hostport} holds a bad root record for run {store_run}")
-        return endpoint, run_id, key
+        return endpoint, run_id, key, master.get("curve") is True
     except DiscoveryError as exc:
         raise ConnectError(f"cannot read the job's store: {exc}") from None
     finally:

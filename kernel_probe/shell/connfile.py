@@ -73,6 +73,7 @@ class ConnectionInfo:
     # the root's start in clock ticks since boot (Linux): exact, and no wall-clock step (NTP, a
     # paused or forked VM) moves it, where pid_create_time, boot time plus ticks, can move
     pid_start_ticks: int | None = None
+    curve: str = ""  # hex of what the job's CURVE keys derive from (placement.curve_material); "": no CURVE
     path: Path | None = None  # where it was read from / written to; not serialised
 
     def to_dict(self) -> dict:
@@ -108,7 +109,16 @@ class ConnectionInfo:
         store = d.get("store", "")  # optional: files of older writers lack it
         ticks = d.get("pid_start_ticks")
         ticks = ticks if isinstance(ticks, int) and not isinstance(ticks, bool) and ticks >= 0 else None
-        return cls(**values, store=store if isinstance(store, str) else "", pid_start_ticks=ticks, path=path)
+        return cls(**values, store=store if isinstance(store, str) else "", pid_start_ticks=ticks,
+                   curve=_hex(d.get("curve")), path=path)
+
+
+def _hex(value: Any) -> str:
+    """An optional hex field: as written, or "" when absent or not hex."""
+    try:
+        return value if isinstance(value, str) and bytes.fromhex(value) else ""
+    except ValueError:
+        return ""
 
 
 def _safe(run_id: str) -> str:

@@ -58,9 +58,17 @@ def probe_context() -> zmq.Context:
     return ctx
 
 
-def router_socket(ctx: zmq.Context, limits: wire.Limits) -> zmq.Socket:
+def _secure(sock: zmq.Socket, curve_key: bytes | None, *, server: bool) -> None:
+    """CURVE on ``sock`` when the job encrypts (``curve_key``: its signing key); before bind/connect."""
+    if curve_key is not None:
+        for option, value in wire.curve_options(curve_key, server=server):
+            sock.setsockopt(option, value)
+
+
+def router_socket(ctx: zmq.Context, limits: wire.Limits, curve_key: bytes | None = None) -> zmq.Socket:
     """The ROUTER a rank binds: children and clients dial it."""
     router = ctx.socket(zmq.ROUTER)
+    _secure(router, curve_key, server=True)
     router.setsockopt(zmq.LINGER, 0)
     router.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)  # longer frames: the peer is cut off (see wire rule 3)
     router.setsockopt(zmq.SNDHWM, 1000)
@@ -69,9 +77,10 @@ def router_socket(ctx: zmq.Context, limits: wire.Limits) -> zmq.Socket:
     return router
 
 
-def parent_socket(ctx: zmq.Context, endpoint: str, limits: wire.Limits) -> zmq.Socket:
+def parent_socket(ctx: zmq.Context, endpoint: str, limits: wire.Limits, curve_key: bytes | None = None) -> zmq.Socket:
     """A DEALER dialing the parent at ``endpoint``."""
     sock = ctx.socket(zmq.DEALER)
+    _secure(sock, curve_key, server=False)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a parent that is not there
     sock.setsockopt(zmq.SNDHWM, 16)
@@ -175,17 +184,20 @@ class MemoryTrim:
 
 
 class RankEndpoint:
-    """One rank's ROUTER (bound by the caller), its parent DEALER and its codec."""
+    """One rank's ROUTER (bound by the caller), its parent DEALER and its codec; with
+    ``curve_key`` (the job's signing key) both sockets are under CURVE."""
 
     def __init__(self, shell: EffectInterpreter, ctx: zmq.Context, codec: wire.Codec, run_id: str, *,
-                 refusals: RefusalLimit | None = None, trim: MemoryTrim | None = None) -> None:
+                 refusals: RefusalLimit | None = None, trim: MemoryTrim | None = None,
+                 curve_key: bytes | None = None) -> None:
         self.shell = shell
         self.ctx = ctx
         self.codec = codec
         self.run_id = run_id
         self.refusals = refusals or RefusalLimit()
         self.trim = trim or MemoryTrim()
-        self.router = router_socket(ctx, codec.limits)
+        self.curve_key = curve_key
+        self.router = router_socket(ctx, codec.limits, curve_key)
         self.parent: zmq.Socket | None = None
         self.dropped = 0  # messages that never reached the codec (no routing id and payload)
 
@@ -274,7 +286,7 @@ class RankEndpoint:
             self.parent.close(0)
             self.parent = None
         if endpoint:
-            self.parent = parent_socket(self.ctx, endpoint, self.codec.limits)
+            self.parent = parent_socket(self.ctx, endpoint, self.codec.limits, self.curve_key)
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.router] if self.parent is None else [self.router, self.parent]
@@ -293,6 +305,7 @@ class RankEndpoint:
             endpoint=address, run_id=self.run_id, world_size=world_size, pid=pid, pid_create_time=create_time(pid),
             host=host or socket.gethostname(), incarnation=self.codec.incarnation,
             key=key.hex(), started=started, protocol=wire.PROTOCOL_VERSION, store=store,
+            curve=self.curve_key.hex() if self.curve_key is not None else "",
             pid_start_ticks=(proc_stat(pid) or (None, None))[1],
         )
         return str(connfile.write(runtime_dir, info))

@@ -26,7 +26,7 @@ from .. import wire
 from ..config import Identity, Settings, split_run_id
 from ..effects import RunSqlTask, Send, StoreOp
 from ..interpreter import EffectInterpreter
-from ..placement import signing_key
+from ..placement import curve_material, encrypts, signing_key
 from ..progress import StallDetector, main_stack_signature, stuck_where
 from ..rank_core import RankCore
 from . import connfile
@@ -120,9 +120,10 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self._use_store = s.torchrun_cluster and ident.in_job and ident.has_store and not s.parent_endpoint
         key = self.key = self._key()
         codec = wire.Codec(key, sender=f"rank{ident.rank}", incarnation=self.incarnation, clock=self.clock)
-        net = self.net = RankEndpoint(self, self.ctx, codec, ident.run_id)
-        router = net.router
         host = bind_host(s, ident)
+        net = self.net = RankEndpoint(self, self.ctx, codec, ident.run_id,
+                                      curve_key=curve_material(s.auth_token, key) if encrypts(s, host) else None)
+        router = net.router
         if s.port:
             router.bind(f"tcp://{host}:{s.port}")
             port = s.port
@@ -305,9 +306,10 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         # on this thread, like every store call: each is bounded by the discovery timeout
         d, args = self._discovery, op.args
         try:
-            if op.op == "publish_master":
-                d.publish_master(args["record"])
-                self._mirror_master(args["record"])
+            if op.op == "publish_master":  # with the one fact a client needs before it can dial
+                record = {**args["record"], "curve": self.net.curve_key is not None}
+                d.publish_master(record)
+                self._mirror_master(record)
                 return None
             if op.op == "elect_local0":
                 return d.elect_local0(args["node"], args["record"], stale=args.get("stale"))

@@ -21,6 +21,8 @@ from __future__ import annotations
 import collections
 import json
 import random
+import socket
+import struct
 import threading
 import time
 import uuid
@@ -284,3 +286,26 @@ def root_and_leaf(members: list[dict]) -> tuple[dict, dict]:
     root = next(m for m in members if m["tier"] == "root")
     leaves = [m for m in members if m["tier"] == "leaf"]
     return root, next((m for m in leaves if m["node"] != root["node"]), leaves[0])
+
+
+def unfinished_message(endpoint: str, frames: int, frame_bytes: int = 2**20 - 64) -> socket.socket:
+    """Speak raw ZMTP 3.0 (NULL mechanism, as a DEALER) to ``endpoint`` and send ``frames``
+    frames of ``frame_bytes``, each marked "more", never the last one: a plain ZeroMQ socket
+    holds them all (MAXMSGSIZE bounds a frame, not their number), waiting for the end. The
+    open socket, for the caller to close; sending stops early if the peer cuts it off."""
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\x00" + bytes(31)
+
+    def prop(name: bytes, value: bytes) -> bytes:
+        return bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
+
+    ready = b"\x05READY" + prop(b"Socket-Type", b"DEALER")
+    body = b"y" * frame_bytes
+    try:
+        sock.sendall(greeting + b"\x04" + bytes([len(ready)]) + ready)
+        for _ in range(frames):
+            sock.sendall(b"\x03" + struct.pack(">Q", len(body)) + body)  # long frame, more to come
+    except OSError:
+        pass  # cut off: what CURVE does to a peer without the key
+    return sock
