@@ -184,6 +184,13 @@ def repaired(dump: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, An
                                   for g in groups}}
 
 
+def worker_frame(text: str) -> str:
+    """The innermost frame of the worker in the stack torchfrtrace prints with its finding."""
+    frame = re.search(r"collective stack trace:.*?^\s*(\w+) at \S*?" + re.escape(WORKER.name) + r":(\d+)", text,
+                      flags=re.S | re.M)
+    return f"{frame.group(1)} ({WORKER.name}:{frame.group(2)})" if frame else "none"
+
+
 def error_line(text: str) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1].strip()[:90] if lines else ""
@@ -203,6 +210,7 @@ class Bench:
         self.port = free_port()
         self.asked_dumps = 0
         self.groups: list[dict[str, Any]] | None = None
+        self.runtime_before = os.environ.get("PROBING_RUNTIME_DIR")  # put back by close()
         # as an activated venv would have it: torch's /pyspy_dump runs `py-spy` from PATH
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         self.env = {"PROBING": "1", "PROBING_RUNTIME_DIR": str(self.runtime), "OMP_NUM_THREADS": "1", "PATH": path,
@@ -223,6 +231,10 @@ class Bench:
 
     def close(self) -> None:
         self.job.close()
+        if self.runtime_before is None:
+            os.environ.pop("PROBING_RUNTIME_DIR", None)
+        else:
+            os.environ["PROBING_RUNTIME_DIR"] = self.runtime_before
 
     def tools(self) -> list[Callable[[], list[Row]]]:
         return [self.ours, self.ours_cli, self.ours_native, self.debug_fr_page, self.debug_fr_view_repaired,
@@ -357,7 +369,7 @@ class Bench:
         for tool, done, seconds in (("torchfrtrace", as_is, as_is_sec), ("torchfrtrace, key repaired", run, fixed_sec)):
             said = done.stdout + done.stderr
             note = (f"exit {done.returncode}: {error_line(done.stderr)}" if done.returncode
-                    else f"incl. {written:.2f} s to write the dumps")
+                    else f"incl. {written:.2f} s of dumps; its stack: {worker_frame(said)}")
             rows.append(self.row(tool, judge_fr_trace(said, self.want), seconds, note))
         return rows
 
@@ -388,20 +400,23 @@ def seconds_text(seconds: list[float]) -> str:
 
 
 def disagreements(rows: list[Row]) -> list[str]:
-    """Per scenario: which tools name another culprit than ours, or none."""
+    """Per scenario, each tool whose answer differs from our verdict's, and how."""
     out = []
     for scenario in dict.fromkeys(r.scenario for r in rows):
         mine = [r for r in rows if r.scenario == scenario]
-        ours = next(r.rank for r in mine if r.tool.startswith("ours: connect"))
+        ours = next(r for r in mine if r.tool.startswith("ours: connect"))
         for r in mine:
-            if r.tool.startswith("ours") or r.rank == ours:
+            if r.tool.startswith("ours") or (r.rank, r.op, r.place) == (ours.rank, ours.op, ours.place):
                 continue
-            if r.rank.startswith("no") and r.place == "unmarked":
-                why = "shows every rank's stack, names no culprit"
+            if r.rank == ours.rank:
+                missed = [what for what, a, b in (("the op", r.op, ours.op), ("the place", r.place, ours.place)) if a != b]
+                why = f"names rank {r.rank} too, not {' nor '.join(missed)}"
+            elif r.place == "unmarked":
+                why = "shows every rank's stack (the culprit's place among them), names no culprit"
             elif r.rank.startswith("no"):
                 why = f"names no culprit ({r.note})"
             else:
-                why = f"names rank {r.rank}, ours {ours}"
+                why = f"names rank {r.rank}, ours rank {ours.rank}"
             out.append(f"{scenario}: {r.tool} {why}")
     return out
 
