@@ -49,9 +49,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -161,7 +162,7 @@ def judge_fr_db(db: Any, want: Expected) -> tuple[str, str, str]:
 def rank_sections(page: str) -> dict[int, str]:
     """The debug server's per-rank sections ("Rank N: http://..."), as text."""
     text = html.unescape(re.sub(r"<[^>]+>", "", page))
-    parts = re.split(r"^\s*Rank (\d+): \S+\s*$", text, flags=re.M)
+    parts = re.split(r"^\s*Rank (\d+): \S+\s*$", text, flags=re.MULTILINE)
     return {int(parts[i]): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
@@ -180,14 +181,14 @@ def judge_stacks_page(page: str, want: Expected) -> tuple[str, str, str, str]:
 def repaired(dump: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
     """A copy of a gloo flight-recorder dump whose ``pg_config`` is keyed by each group's
     name, with its ranks, as torch's analyzers expect (the entries name their group that way)."""
-    return {**dump, "pg_config": {g["name"]: {"name": g["name"], "desc": g["desc"] or "", "ranks": json.dumps(g["ranks"])}
-                                  for g in groups}}
+    config = {g["name"]: {"name": g["name"], "desc": g["desc"] or "", "ranks": json.dumps(g["ranks"])} for g in groups}
+    return {**dump, "pg_config": config}
 
 
 def worker_frame(text: str) -> str:
     """The innermost frame of the worker in the stack torchfrtrace prints with its finding."""
     frame = re.search(r"collective stack trace:.*?^\s*(\w+) at \S*?" + re.escape(WORKER.name) + r":(\d+)", text,
-                      flags=re.S | re.M)
+                      flags=re.DOTALL | re.MULTILINE)
     return f"{frame.group(1)} ({WORKER.name}:{frame.group(2)})" if frame else "none"
 
 
@@ -249,12 +250,14 @@ class Bench:
         t = time.perf_counter()
         with kernel_probe.connect() as client:
             answer = client.diagnose().to_dict()
-        return [self.row("ours: connect() + Client.diagnose()", judge_verdict(answer, self.want), time.perf_counter() - t)]
+        seconds = time.perf_counter() - t
+        return [self.row("ours: connect() + Client.diagnose()", judge_verdict(answer, self.want), seconds)]
 
     def ours_cli(self) -> list[Row]:
         t = time.perf_counter()
         run = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "diagnose", "--json"], capture_output=True,
-                             text=True, timeout=120, env={**os.environ, "PROBING_RUNTIME_DIR": str(self.runtime)})
+                             text=True, timeout=120, check=False,
+                             env={**os.environ, "PROBING_RUNTIME_DIR": str(self.runtime)})
         seconds = time.perf_counter() - t
         if run.returncode != 0:
             return [self.row("ours: kernel-probe diagnose", ("no", "no", "no"), seconds, error_line(run.stderr))]
@@ -268,7 +271,8 @@ class Bench:
         seconds = time.perf_counter() - t
         df = result.df
         mine = df[df["_rank"] == self.want.rank]
-        where = " ".join(f"{f} {Path(str(p)).name}:{ln}" for f, p, ln in zip(mine["function"], mine["file"], mine["line"]))
+        frames = zip(mine["function"], mine["file"], mine["line"])
+        where = " ".join(f"{function} {Path(str(file)).name}:{line}" for function, file, line in frames)
         native = int((df["frame_type"] == "native").sum())
         place = "unmarked" if self.want.placed(where) else "no"
         ranks = df["_rank"].nunique()
@@ -355,7 +359,8 @@ class Bench:
         asked = self.write_dumps()
         written = time.perf_counter() - t
         t = time.perf_counter()
-        as_is = subprocess.run([*FR_TRACE, str(asked / "trace")], capture_output=True, text=True, timeout=120)
+        as_is = subprocess.run([*FR_TRACE, str(asked / "trace")], capture_output=True, text=True, timeout=120,
+                               check=False)
         as_is_sec = written + time.perf_counter() - t
         t = time.perf_counter()
         fixed = asked / "repaired"
@@ -364,7 +369,7 @@ class Bench:
             dump = pickle.loads((asked / "trace" / f"rank{rank}").read_bytes())
             groups = json.loads((asked / "groups" / f"rank{rank}.json").read_text())
             (fixed / f"rank{rank}").write_bytes(pickle.dumps(repaired(dump, groups)))
-        run = subprocess.run([*FR_TRACE, str(fixed)], capture_output=True, text=True, timeout=120)
+        run = subprocess.run([*FR_TRACE, str(fixed)], capture_output=True, text=True, timeout=120, check=False)
         fixed_sec = written + time.perf_counter() - t
         rows = []
         for tool, done, seconds in (("torchfrtrace", as_is, as_is_sec), ("torchfrtrace, key repaired", run, fixed_sec)):
@@ -404,13 +409,14 @@ def disagreements(rows: list[Row]) -> list[str]:
     """Per scenario, each tool whose answer differs from our verdict's, and how."""
     out = []
     for scenario in dict.fromkeys(r.scenario for r in rows):
-        mine = [r for r in rows if r.scenario == scenario]
-        ours = next(r for r in mine if r.tool.startswith("ours: connect"))
-        for r in mine:
+        here = [r for r in rows if r.scenario == scenario]
+        ours = next(r for r in here if r.tool.startswith("ours: connect"))
+        for r in here:
             if r.tool.startswith("ours") or (r.rank, r.op, r.place) == (ours.rank, ours.op, ours.place):
                 continue
             if r.rank == ours.rank:
-                missed = [what for what, a, b in (("the op", r.op, ours.op), ("the place", r.place, ours.place)) if a != b]
+                pairs = (("the op", r.op, ours.op), ("the place", r.place, ours.place))
+                missed = [what for what, theirs, our in pairs if theirs != our]
                 why = f"names rank {r.rank} too, not {' nor '.join(missed)}"
             elif r.place == "unmarked":
                 why = "shows every rank's stack (the culprit's place among them), names no culprit"

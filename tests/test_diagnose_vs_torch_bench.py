@@ -87,7 +87,7 @@ def test_our_verdict_is_judged_by_its_first_finding():
 
 
 def test_a_stacks_page_shows_the_place_unmarked_and_a_failed_page_says_why():
-    faulthandler = {r: f'File "/repo/tests/workers/ddp_hang_worker.py", line 92 in step\n' for r in range(3)}
+    faulthandler = {r: 'File "/repo/tests/workers/ddp_hang_worker.py", line 92 in step\n' for r in range(3)}
     faulthandler[3] = 'File "/repo/tests/workers/ddp_hang_worker.py", line 40 in fetch_next_batch\n'
     assert bench.judge_stacks_page(_page(faulthandler), LATE) == ("no", "no", "unmarked", "4 ranks' stacks")
     mismatch_line = {3: f'File "/repo/tests/workers/ddp_hang_worker.py", line {MISMATCH.line} in main\n'}
@@ -96,7 +96,7 @@ def test_a_stacks_page_shows_the_place_unmarked_and_a_failed_page_says_why():
     assert bench.judge_stacks_page(_page(elsewhere), LATE)[2] == "no"
     failed = {r: "Failed to fetch: status=500\nCan't get native stack traces with the --nonblocking option."
               for r in range(4)}
-    rank, op, place, note = bench.judge_stacks_page(_page(failed), LATE)
+    rank, _, place, note = bench.judge_stacks_page(_page(failed), LATE)
     assert (rank, place) == ("no", "no") and note.startswith("4/4 ranks failed: status=500 Can't get native")
 
 
