@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import psutil
@@ -15,6 +16,7 @@ import pytest
 
 import kernel_probe
 from kernel_probe.client import Client
+from kernel_probe.shell import connfile
 from tests.support.harness import free_port
 
 from .conftest import PY, wait_for
@@ -134,14 +136,41 @@ def check_job(control: Path, world: int, run_id: str | None, job_id: str | None,
     return root
 
 
-def test_mp_spawn_from_a_script(start, tmp_path):
+class JobsSeen:
+    """Every pid that ever had a connection file in the runtime dir (a job), polled from now on."""
+
+    def __init__(self, runtime_dir: Path, interval: float = 0.02) -> None:
+        self.runtime_dir, self.interval = runtime_dir, interval
+        self.pids: set[int] = set()
+        self.polls = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._done.is_set():
+            self.pids |= {info.pid for info in connfile.list_files(self.runtime_dir)}
+            self.polls += 1
+            self._done.wait(self.interval)
+
+    def stop(self) -> set[int]:
+        self._done.set()
+        self._thread.join(5)
+        return self.pids
+
+
+def test_mp_spawn_from_a_script(start, tmp_path, runtime_dir):
     control = tmp_path / "control"
     control.mkdir()
     port = free_port()
+    seen = JobsSeen(runtime_dir)  # from before the script starts: the launcher is never a job, at any time
     start([PY, WORKER, "--launcher", "spawn", "--nprocs", "4", "--control-dir", str(control),
            "--master-port", str(port), "--no-teardown"])
     launcher = int(wait_for(lambda: (control / "launcher").read_text(), 60, what="the launcher"))
-    check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {r: 0 for r in range(4)}, not_a_job=(launcher,))
+    root = check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {r: 0 for r in range(4)},
+                     not_a_job=(launcher,))
+    pids = seen.stop()
+    assert launcher not in pids and pids == {members(root)[0]["pid"]} and seen.polls > 50, (launcher, pids)
 
 
 def test_scripts_started_by_hand_are_jobs_of_one_until_they_become_ranks(start, tmp_path):
@@ -181,8 +210,10 @@ def child(queue):
     queue.put(repr(kp.probe() if kp else None))
 
 if __name__ == "__main__":
-    time.sleep(1.0)
     kp = sys.modules.get("kernel_probe")
+    end = time.monotonic() + 30  # a job of one two seconds after its imports
+    while kp is not None and kp.probe() is None and time.monotonic() < end:
+        time.sleep(0.05)
     print("self", kp is not None and kp.probe() is not None, flush=True)
     ctx = mp.get_context(sys.argv[1])
     queue = ctx.Queue()
