@@ -97,10 +97,11 @@ def root_of(world: int) -> Client | None:
 
 
 def check_job(control: Path, world: int, run_id: str | None, job_id: str | None, nodes: dict[int, int], not_a_job: tuple[int, ...] = (),
-              kill: bool = True) -> Client:
+              kill: int = signal.SIGKILL, torn_down: tuple[int, ...] = ()) -> Client:
     """The launch converged to the right tree, answers SQL over every rank, is one job named
     ``job_id`` with run ``run_id`` (None: rank 0's TORCHELASTIC_RUN_ID names both), never the
-    launcher, and sees a killed rank die."""
+    launcher, and sees the last rank die when sent ``kill`` (SIGSTOP: frozen past the TTL),
+    with the ranks its launcher then stops (``torn_down``) and no other."""
     pids = rank_pids(control, world)
     if run_id is None:
         job_id = psutil.Process(pids[0]).environ()["TORCHELASTIC_RUN_ID"]
@@ -126,13 +127,12 @@ def check_job(control: Path, world: int, run_id: str | None, job_id: str | None,
     jobs = kernel_probe.job_registry().jobs()
     assert [(j.id, j.run_id, j.pid, j.world_size) for j in jobs] == [(job_id, run_id, pids[0], world)]
     assert not set(not_a_job) & {j.pid for j in jobs}
-    if kill:
-        victim = world - 1
-        os.kill(pids[victim], signal.SIGKILL)
-        dead = wait_for(lambda: members(root)[victim]["state"] == "dead" and members(root)[victim], 15,
-                        what=f"killed rank {victim} dead at the root")
-        assert dead["pid"] == pids[victim]
-        assert all(m["state"] == "alive" for r, m in members(root).items() if r != victim)
+    victim = world - 1
+    os.kill(pids[victim], kill)
+    dead = wait_for(lambda: all(members(root)[r]["state"] == "dead" for r in (victim, *torn_down)) and members(root),
+                    20, what=f"rank {victim} dead at the root after {signal.Signals(kill).name}")
+    assert dead[victim]["pid"] == pids[victim]
+    assert all(m["state"] == "alive" for r, m in dead.items() if r not in (victim, *torn_down)), dead
     return root
 
 
@@ -194,10 +194,12 @@ def test_torchrun_static_and_standalone(start, tmp_path, rendezvous):
         for node in (0, 1):
             start([*run, "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
                    "--master-port", str(port), *worker])
-        check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {0: 0, 1: 0, 2: 1, 3: 1}, kill=False)
+        # rank 3 killed: its agent stops rank 2 and exits; node 0's agent, never told, keeps ranks 0 and 1
+        check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {0: 0, 1: 0, 2: 1, 3: 1}, torn_down=(2,))
     else:
         start([*run, "--standalone", *worker])
-        check_job(control, 2, None, None, {0: 0, 1: 0}, kill=False)
+        # a killed rank makes the one agent stop every rank, the root too: rank 1 is frozen instead
+        check_job(control, 2, None, None, {0: 0, 1: 0}, kill=signal.SIGSTOP)
 
 
 NEVER_A_RANK = """
