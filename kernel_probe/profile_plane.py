@@ -82,7 +82,8 @@ def _clock(core: Any, sender: bytes | None, env: Envelope) -> Send:
     get = getattr(core, "profile_capture", None)
     if get is None:
         return _error(sender, env, "this probe cannot profile")
-    return Send(sender, Message("profile", {"action": CLOCK, "now": get().now()}, corr_id=env.header.msg_id))
+    body = {"action": CLOCK, "id": str(env.msg.body.get("id") or ""), "now": float(get().now())}
+    return Send(sender, Message("profile", body, corr_id=env.header.msg_id))
 
 
 def _error(sender: bytes | None, env: Envelope, message: str) -> Send:

@@ -110,6 +110,8 @@ def test_a_job_of_one_is_due_once_the_main_thread_stopped_importing_for_the_dela
     assert not d.due(1.0, importing=False)
     assert not d.due(1.9, importing=True)  # `import torch` for seconds: the clock starts again after it
     assert not d.due(3.8, importing=False) and d.due(3.9, importing=False)
+    forever = SoloDelay(now=0.0, delay=2.0, max_wait=30.0)  # a program that runs inside an import
+    assert not any(forever.due(t, importing=True) for t in range(30)) and forever.due(30.0, importing=True)
 
 
 def test_the_main_threads_import_is_seen_from_another_thread(tmp_path, monkeypatch):

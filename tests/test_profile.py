@@ -141,7 +141,7 @@ def test_nothing_runs_while_no_capture_is_asked():
 def test_the_profile_message_arms_here_and_passes_on_through_the_children():
     from kernel_probe.effects import PARENT, Send
     from kernel_probe.profile_plane import on_profile
-    from kernel_probe.wire import Envelope, Header, Message
+    from kernel_probe.wire import Envelope, Header, Message, _schema_problem
 
     class Capture:
         def __init__(self):
@@ -179,7 +179,8 @@ def test_the_profile_message_arms_here_and_passes_on_through_the_children():
     assert refused[-1].msg.body["refused"] == {"0": "capture c1 is running on this rank"}
     assert on_profile(Core(), b"c", env({"action": "explode", "id": "c"}), 0.0)[0].msg.type == "error"
     clock = on_profile(Core(), b"c", env({"action": "clock", "id": "c1", "ranks": [1]}), 0.0)
-    assert [(s.to, s.msg.body) for s in clock] == [(b"c", {"action": "clock", "now": 1234.5})]  # the root alone
+    assert [(s.to, s.msg.body) for s in clock] == [(b"c", {"action": "clock", "id": "c1", "now": 1234.5})]  # root only
+    assert _schema_problem("profile", clock[0].msg.body) is None  # a body the wire carries
     assert on_profile(Core(), PARENT, env({"action": "clock", "id": "c1"}), 0.0) == []
 
 
@@ -389,7 +390,7 @@ def test_a_run_puts_another_hosts_clock_on_the_roots_with_the_measured_offset(mo
     assert trace["otherData"]["clock_offsets"]["1"]["how"] == "measured"
     text = profiles.format_profile(result)
     assert f"rank 1: {c.offset_ms:+.3f} ms ± {c.bound_ms:.3f} ms (measured)" in text
-    assert "ranks 0: the root's host" in text
+    assert "  rank 0: the root's host (one clock)" in text
 
 
 def test_the_async_client_runs_the_same_steps(monkeypatch):

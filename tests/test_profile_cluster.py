@@ -31,7 +31,8 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     argv = [TINY_DDP, "--forever", "--step-sleep", "0.05", "--slow-rank", str(SLOW_RANK), "--slow-ms", str(SLOW_MS)]
     job = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun",
                  env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25", "PROBING_CLUSTER_STALE_SEC": "5",
-                      "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5"})
+                      "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5"},
+                 node_env=lambda node: {"PROBING_NODE_HOST": f"host{node}"})  # node 1 "on another host"
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
     wait_for(lambda: root.query("SELECT _rank FROM steps WHERE step > 3 GROUP BY _rank").df.shape[0] == 4 or None,
              120, interval=1.0, what="steps on every rank")
@@ -43,6 +44,11 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     assert sorted(result.status) == [0, 1, 2, 3] and not result.failed, result.summary()
     assert all(s["state"] == "done" and s["step_last"] - s["step_first"] == 1 for s in result.status.values())
     assert progress and progress[-1]["finished"] == 4
+    # node 1's clock measured against the root's: one machine's clock, so the true offset is 0
+    assert {r: c.how for r, c in result.clock.items()} == {0: "root's host", 1: "root's host", 2: "measured",
+                                                          3: "measured"}, result.clock
+    assert all(abs(result.clock[r].offset_ms) <= result.clock[r].bound_ms < 1000 for r in (2, 3)), result.clock
+    assert "clocks (each rank's ahead of the root's" in result.summary()
 
     # what the straggler does that the others don't: one query
     only_slow = root.query(f"""
@@ -58,7 +64,8 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     trace = json.loads(out.read_text())
     lanes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
     assert sorted(lanes) == [0, 1, 2, 3], lanes
-    assert all(f"rank {r} (node " in lanes[r] and "host" in lanes[r] for r in lanes)
+    assert all(f"rank {r} (node {r // 2}, host host{r // 2})" in lanes[r] for r in lanes)
+    assert all(" ms ± " in lanes[r] for r in (2, 3)) and trace["otherData"]["clock_offsets"]["3"]["how"] == "measured"
     events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
     assert {e["pid"] for e in events} == {0, 1, 2, 3} and min(e["ts"] for e in events) == 0
     assert any(e["name"] == EXTRA_OP and e["pid"] == SLOW_RANK for e in events)

@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable
 
 SOLO_DELAY_SEC = 2.0
+SOLO_MAX_WAIT_SEC = 30.0  # a program that runs inside an import (``import train``) still gets its probe
 POLL_SEC = 0.1
 _IMPORT_FRAMES = "<frozen importlib._bootstrap"
 
@@ -31,13 +32,16 @@ PENDING, STARTED, CANCELLED = "pending", "started", "cancelled"
 
 
 class SoloDelay:
-    """Due once the main thread has not been importing for ``delay`` seconds."""
+    """Due once the main thread has not been importing for ``delay`` seconds, or ``max_wait``
+    seconds after the start whatever it does."""
 
-    def __init__(self, now: float, delay: float = SOLO_DELAY_SEC) -> None:
-        self.delay = delay
-        self.quiet_since = now
+    def __init__(self, now: float, delay: float = SOLO_DELAY_SEC, max_wait: float = SOLO_MAX_WAIT_SEC) -> None:
+        self.delay, self.max_wait = delay, max_wait
+        self.started = self.quiet_since = now
 
     def due(self, now: float, importing: bool) -> bool:
+        if now - self.started >= self.max_wait:
+            return True
         if importing:
             self.quiet_since = now
             return False

@@ -405,7 +405,7 @@ def clock_lines(clock: dict[int, ClockOffset]) -> list[str]:
                                            if c.bound_ms is not None else "not measured, not shifted"))
     same = sorted(r for r in clock if r not in off_host)
     if same:
-        lines.append(f"  ranks {', '.join(map(str, same))}: the root's host (one clock)")
+        lines.append(f"  rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))}: the root's host (one clock)")
     return lines
 
 
