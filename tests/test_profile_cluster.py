@@ -112,6 +112,8 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     runner.join(90)
     assert sorted(first["r"].status) == [1, 3] and not first["r"].failed, first["r"].summary()
     assert set(first["r"].ops["_rank"]) == {1, 3}
+    rows = root.query(f"SELECT DISTINCT _rank FROM profile_ops WHERE capture_id = '{first['r'].capture_id}'").df
+    assert sorted(rows["_rank"]) == [1, 3]  # asked of every rank: only the chosen ones have its rows
 
     _interrupting_a_real_kernels_cell_cancels_the_capture(root, runtime_dir, capsys)
     _the_command_line_shows_progress_and_cancels_on_interrupt(root, runtime_dir)

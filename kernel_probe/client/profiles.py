@@ -345,7 +345,8 @@ def compare_ops(ops: "pd.DataFrame", slowest: int, median: int | None, top: int 
 
 class ClockOffset(NamedTuple):
     """How far a rank's wall clock is ahead of the root's (``offset_ms``), give or take
-    ``bound_ms`` (None: not measured, no shift applied); ``how``: "root's host" or "measured"."""
+    ``bound_ms`` (None: not measured, no shift applied); ``how``: "root's host", "measured"
+    or "not measured"."""
 
     offset_ms: float
     bound_ms: float | None
@@ -361,7 +362,7 @@ class ClockOffsets:
     comes from the ``now`` of its status row in a query sent at q0 and answered at q1. So the
     rank's offset is ``now_rank - (root_now + (mid_q - mid_ping))`` to within half of both round
     trips; of several readings the tightest is kept. Clocks run at the same rate over a
-    capture's seconds (a skew of 1 ppm is 1 us a second)."""
+    capture's seconds (a drift of 1 ppm is 1 us a second)."""
 
     def __init__(self) -> None:
         self._root: tuple[float, float, float] | None = None  # (now, mid, half round trip)
