@@ -244,6 +244,19 @@ def test_processes_that_never_become_ranks_start_no_probe(start, runtime_dir, tm
     assert kernel_probe.job_registry().jobs() == []  # the job of one ended with its process
 
 
+def test_a_job_of_one_starts_after_its_imports_and_still_dumps_on_sigterm(start, runtime_dir):
+    # its exit hooks are installed on the main thread at interpreter start, its probe later
+    proc = start([PY, "-c", "import time; time.sleep(120)"])
+    info = wait_for(lambda: connfile.newest_alive(runtime_dir), 60, what="the job of one")
+    assert info.pid == proc.pid and info.world_size == 1
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == -signal.SIGTERM
+    import pyarrow.parquet as pq
+
+    reason = pq.read_table(runtime_dir / "dumps" / "local" / "rank0" / "reason.parquet").to_pylist()
+    assert [(r["kind"], r["signal"]) for r in reason] == [("signal", "SIGTERM")]
+
+
 def test_mpirun(start, tmp_path):
     if not shutil.which("mpirun"):
         pytest.fail("mpirun is missing: `make test` installs Debian's openmpi-bin (apt-get install openmpi-bin)")
