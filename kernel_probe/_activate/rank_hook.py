@@ -147,8 +147,8 @@ def became_rank(c10d: Any) -> None:
     the probe from another thread."""
     if not c10d.is_initialized():
         return
-    from . import solo
     from ..config import GroupFacts
+    from . import solo
 
     solo.cancel()  # a rank now: no probe of one starts meanwhile
 
@@ -170,8 +170,8 @@ def start_rank(facts: "GroupFacts", env: dict[str, str]) -> "ProbeThread | None"
     torchrun's ranks start theirs at interpreter start). Returns the probe, or None."""
     import kernel_probe
 
-    from . import solo
     from ..config import identity_from_group, load_settings, needs_hosts, this_host
+    from . import solo
 
     settings = load_settings(env)
     if not settings.enabled:

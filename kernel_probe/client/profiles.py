@@ -63,7 +63,7 @@ class ProfileResult:
     trace_path: str | None = None
     trace_note: str = ""
     offsets_ms: dict[int, float] = field(default_factory=dict)
-    clock: dict[int, "ClockOffset"] = field(default_factory=dict)
+    clock: dict[int, ClockOffset] = field(default_factory=dict)
 
     def summary(self) -> str:
         done = sorted(r for r, s in self.status.items() if s.get("state") == "done")
