@@ -310,6 +310,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         try:
             result = client.profile(ranks=ranks, steps=args.steps, out=args.out, timeout=args.timeout or 120.0,
                                     max_trace_mb=args.max_trace_mb or DEFAULT_TRACE_MAX_MB, on_progress=progress)
+        except KeyboardInterrupt:  # the run sent the ranks a cancel before this
+            if shown[0]:
+                shown[0] = False
+                print(file=sys.stderr)  # off the progress line
+            print("kernel-probe: profile interrupted and cancelled on its ranks", file=sys.stderr)
+            return 130
         finally:
             if shown[0]:
                 print(file=sys.stderr)

@@ -15,6 +15,10 @@ Sans-IO: the rank's capture is reached through ``Tree.profile_capture`` (a calla
 returning ``diagnosis.profile.ProfileCapture``; None where the probe cannot profile).
 Only the root answers, to the client that asked: which ranks the request was passed on
 to, which it could not reach, and its own refusal if any.
+
+``clock`` is a ping of the root alone: it answers its wall clock (``now``), which the client
+brackets with its own send and receive times to put every rank's trace on the root's clock
+(``client.profiles.ClockOffsets``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from .effects import PARENT, Effect, Note, Send
 from .wire import Envelope, Message
 
 ACTIONS = ("arm", "cancel")
+CLOCK = "clock"
 
 
 def on_profile(core: Any, sender: bytes | None, env: Envelope, now: float) -> list[Effect]:
@@ -32,6 +37,8 @@ def on_profile(core: Any, sender: bytes | None, env: Envelope, now: float) -> li
     body = env.msg.body
     action, capture_id = body.get("action"), body.get("id")
     ranks = [r for r in body.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool)]
+    if action == CLOCK and sender is not PARENT:
+        return [_clock(core, sender, env)]
     if action not in ACTIONS:
         return [] if sender is PARENT else [_error(sender, env, f"unknown profile action {action!r}")]
     out: list[Effect] = []
@@ -69,6 +76,14 @@ def _act_here(core: Any, action: str, capture_id: Any, steps: Any) -> str | None
     except Exception as exc:  # CaptureBusy, or a capture that cannot be made here
         return str(exc) or type(exc).__name__
     return None
+
+
+def _clock(core: Any, sender: bytes | None, env: Envelope) -> Send:
+    get = getattr(core, "profile_capture", None)
+    if get is None:
+        return _error(sender, env, "this probe cannot profile")
+    body = {"action": CLOCK, "id": str(env.msg.body.get("id") or ""), "now": float(get().now())}
+    return Send(sender, Message("profile", body, corr_id=env.header.msg_id))
 
 
 def _error(sender: bytes | None, env: Envelope, message: str) -> Send:

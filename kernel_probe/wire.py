@@ -204,8 +204,8 @@ class SubresultBody(_SubresultFields, total=False):  # child -> parent
 
 
 class _ProfileFields(TypedDict):
-    action: str  # "arm" | "cancel" (client -> root -> the ranks' parents); "accepted" (root -> client)
-    id: str
+    action: str  # "arm" | "cancel" (client -> root -> the ranks' parents); "accepted" (root -> client);
+    id: str  # "clock" (client -> root -> client: the root's wall clock)
 
 
 class ProfileBody(_ProfileFields, total=False):  # see profile_plane
@@ -213,6 +213,7 @@ class ProfileBody(_ProfileFields, total=False):  # see profile_plane
     steps: int
     unreachable: list  # accepted: asked ranks the root has no way to
     refused: dict  # accepted: rank -> why it did not arm (the root's own answer only)
+    now: float  # clock: the root's wall clock when it answered
 
 
 class ErrorBody(TypedDict):

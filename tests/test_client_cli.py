@@ -31,7 +31,9 @@ def single(runtime_dir):
     """One PROBING=1 Python process: a job of world size 1."""
     env = {**os.environ, "PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime_dir)}
     proc = subprocess.Popen([sys.executable, "-c",
-                             "import time, sys; time.sleep(1.5);"
+                             "import time, sys\n"
+                             "while sys.modules['kernel_probe'].probe() is None: time.sleep(0.05)\n"  # its job of one
+                             "time.sleep(1.5);"
                              "print('torch' in sys.modules, 'pandas' in sys.modules, flush=True);"
                              "time.sleep(120)"],
                             env=env, stdout=subprocess.PIPE, text=True)

@@ -99,3 +99,74 @@ def test_role_and_host_from_settings():
 ])
 def test_which_processes_wait_to_become_ranks(env, waits):
     assert waits_for_process_group(env) is waits
+
+
+# --- a process that is not a rank yet: a job of one only after its imports -----------------------
+
+def test_a_job_of_one_is_due_once_the_main_thread_stopped_importing_for_the_delay():
+    from kernel_probe._activate.solo import SoloDelay
+
+    d = SoloDelay(now=0.0, delay=2.0)
+    assert not d.due(1.0, importing=False)
+    assert not d.due(1.9, importing=True)  # `import torch` for seconds: the clock starts again after it
+    assert not d.due(3.8, importing=False) and d.due(3.9, importing=False)
+    forever = SoloDelay(now=0.0, delay=2.0, max_wait=30.0)  # a program that runs inside an import
+    assert not any(forever.due(t, importing=True) for t in range(30)) and forever.due(30.0, importing=True)
+
+
+def test_the_main_threads_import_is_seen_from_another_thread(tmp_path, monkeypatch):
+    import sys
+    import threading
+    import time
+
+    from kernel_probe._activate.solo import main_thread_importing
+
+    (tmp_path / "slow_module_for_solo.py").write_text("import time\ntime.sleep(1.0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importer = threading.Thread(target=lambda: __import__("slow_module_for_solo"))
+    importer.start()
+    time.sleep(0.3)
+    assert main_thread_importing(importer.ident)
+    importer.join()
+    idle = threading.Thread(target=time.sleep, args=(1.0,))
+    idle.start()
+    time.sleep(0.1)
+    assert not main_thread_importing(idle.ident)
+    idle.join()
+    sys.modules.pop("slow_module_for_solo", None)
+
+
+def test_a_pending_job_of_one_never_starts_once_cancelled(monkeypatch):
+    import threading
+
+    from kernel_probe._activate import solo
+
+    monkeypatch.setattr(solo, "POLL_SEC", 0.001)
+    monkeypatch.setattr(solo, "_state", None)
+    started: list[str] = []
+    t = [0.0]
+
+    def clock():
+        t[0] += 0.5
+        return t[0]
+
+    solo._state = solo.PENDING
+    solo._wait_then_start(solo.SoloDelay(clock(), 2.0), clock, lambda: False, lambda: started.append("probe"))
+    assert started == ["probe"] and solo.state() == solo.STARTED and not solo.cancel()
+
+    started.clear()
+    solo._state = solo.PENDING
+    asked = threading.Event()
+
+    def still_importing() -> bool:  # the main thread stays in its imports until the launcher cancels
+        asked.set()
+        return True
+
+    waiter = threading.Thread(target=solo._wait_then_start,
+                              args=(solo.SoloDelay(clock(), 2.0), clock, still_importing,
+                                    lambda: started.append("probe")))
+    waiter.start()
+    asked.wait(5)
+    assert solo.cancel() and solo.state() == solo.CANCELLED  # mp.spawn called: it was pending
+    waiter.join(5)
+    assert not waiter.is_alive() and started == []

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import psutil
@@ -15,6 +16,7 @@ import pytest
 
 import kernel_probe
 from kernel_probe.client import Client
+from kernel_probe.shell import connfile
 from tests.support.harness import free_port
 
 from .conftest import PY, wait_for
@@ -95,10 +97,11 @@ def root_of(world: int) -> Client | None:
 
 
 def check_job(control: Path, world: int, run_id: str | None, job_id: str | None, nodes: dict[int, int], not_a_job: tuple[int, ...] = (),
-              kill: bool = True) -> Client:
+              kill: int = signal.SIGKILL, torn_down: tuple[int, ...] = ()) -> Client:
     """The launch converged to the right tree, answers SQL over every rank, is one job named
     ``job_id`` with run ``run_id`` (None: rank 0's TORCHELASTIC_RUN_ID names both), never the
-    launcher, and sees a killed rank die."""
+    launcher, and sees the last rank die when sent ``kill`` (SIGSTOP: frozen past the TTL),
+    with the ranks its launcher then stops (``torn_down``) and no other."""
     pids = rank_pids(control, world)
     if run_id is None:
         job_id = psutil.Process(pids[0]).environ()["TORCHELASTIC_RUN_ID"]
@@ -124,24 +127,50 @@ def check_job(control: Path, world: int, run_id: str | None, job_id: str | None,
     jobs = kernel_probe.job_registry().jobs()
     assert [(j.id, j.run_id, j.pid, j.world_size) for j in jobs] == [(job_id, run_id, pids[0], world)]
     assert not set(not_a_job) & {j.pid for j in jobs}
-    if kill:
-        victim = world - 1
-        os.kill(pids[victim], signal.SIGKILL)
-        dead = wait_for(lambda: members(root)[victim]["state"] == "dead" and members(root)[victim], 15,
-                        what=f"killed rank {victim} dead at the root")
-        assert dead["pid"] == pids[victim]
-        assert all(m["state"] == "alive" for r, m in members(root).items() if r != victim)
+    victim = world - 1
+    os.kill(pids[victim], kill)
+    dead = wait_for(lambda: all(members(root)[r]["state"] == "dead" for r in (victim, *torn_down)) and members(root),
+                    20, what=f"rank {victim} dead at the root after {signal.Signals(kill).name}")
+    assert dead[victim]["pid"] == pids[victim]
+    assert all(m["state"] == "alive" for r, m in dead.items() if r not in (victim, *torn_down)), dead
     return root
 
 
-def test_mp_spawn_from_a_script(start, tmp_path):
+class JobsSeen:
+    """Every pid that ever had a connection file in the runtime dir (a job), polled from now on."""
+
+    def __init__(self, runtime_dir: Path, interval: float = 0.02) -> None:
+        self.runtime_dir, self.interval = runtime_dir, interval
+        self.pids: set[int] = set()
+        self.polls = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._done.is_set():
+            self.pids |= {info.pid for info in connfile.list_files(self.runtime_dir)}
+            self.polls += 1
+            self._done.wait(self.interval)
+
+    def stop(self) -> set[int]:
+        self._done.set()
+        self._thread.join(5)
+        return self.pids
+
+
+def test_mp_spawn_from_a_script(start, tmp_path, runtime_dir):
     control = tmp_path / "control"
     control.mkdir()
     port = free_port()
+    seen = JobsSeen(runtime_dir)  # from before the script starts: the launcher is never a job, at any time
     start([PY, WORKER, "--launcher", "spawn", "--nprocs", "4", "--control-dir", str(control),
            "--master-port", str(port), "--no-teardown"])
     launcher = int(wait_for(lambda: (control / "launcher").read_text(), 60, what="the launcher"))
-    check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {r: 0 for r in range(4)}, not_a_job=(launcher,))
+    root = check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {r: 0 for r in range(4)},
+                     not_a_job=(launcher,))
+    pids = seen.stop()
+    assert launcher not in pids and pids == {members(root)[0]["pid"]} and seen.polls > 50, (launcher, pids)
 
 
 def test_scripts_started_by_hand_are_jobs_of_one_until_they_become_ranks(start, tmp_path):
@@ -165,10 +194,12 @@ def test_torchrun_static_and_standalone(start, tmp_path, rendezvous):
         for node in (0, 1):
             start([*run, "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
                    "--master-port", str(port), *worker])
-        check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {0: 0, 1: 0, 2: 1, 3: 1}, kill=False)
+        # rank 3 killed: its agent stops rank 2 and exits; node 0's agent, never told, keeps ranks 0 and 1
+        check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {0: 0, 1: 0, 2: 1, 3: 1}, torn_down=(2,))
     else:
         start([*run, "--standalone", *worker])
-        check_job(control, 2, None, None, {0: 0, 1: 0}, kill=False)
+        # a killed rank makes the one agent stop every rank, the root too: rank 1 is frozen instead
+        check_job(control, 2, None, None, {0: 0, 1: 0}, kill=signal.SIGSTOP)
 
 
 NEVER_A_RANK = """
@@ -181,8 +212,10 @@ def child(queue):
     queue.put(repr(kp.probe() if kp else None))
 
 if __name__ == "__main__":
-    time.sleep(1.0)
     kp = sys.modules.get("kernel_probe")
+    end = time.monotonic() + 30  # a job of one two seconds after its imports
+    while kp is not None and kp.probe() is None and time.monotonic() < end:
+        time.sleep(0.05)
     print("self", kp is not None and kp.probe() is not None, flush=True)
     ctx = mp.get_context(sys.argv[1])
     queue = ctx.Queue()
@@ -209,6 +242,19 @@ def test_processes_that_never_become_ranks_start_no_probe(start, runtime_dir, tm
         out, _ = proc.communicate(timeout=60)
         assert out.strip() == "False"
     assert kernel_probe.job_registry().jobs() == []  # the job of one ended with its process
+
+
+def test_a_job_of_one_starts_after_its_imports_and_still_dumps_on_sigterm(start, runtime_dir):
+    # its exit hooks are installed on the main thread at interpreter start, its probe later
+    proc = start([PY, "-c", "import time; time.sleep(120)"])
+    info = wait_for(lambda: connfile.newest_alive(runtime_dir), 60, what="the job of one")
+    assert info.pid == proc.pid and info.world_size == 1
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == -signal.SIGTERM
+    import pyarrow.parquet as pq
+
+    reason = pq.read_table(runtime_dir / "dumps" / "local" / "rank0" / "reason.parquet").to_pylist()
+    assert [(r["kind"], r["signal"]) for r in reason] == [("signal", "SIGTERM")]
 
 
 def test_mpirun(start, tmp_path):

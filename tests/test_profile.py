@@ -141,7 +141,7 @@ def test_nothing_runs_while_no_capture_is_asked():
 def test_the_profile_message_arms_here_and_passes_on_through_the_children():
     from kernel_probe.effects import PARENT, Send
     from kernel_probe.profile_plane import on_profile
-    from kernel_probe.wire import Envelope, Header, Message
+    from kernel_probe.wire import Envelope, Header, Message, _schema_problem
 
     class Capture:
         def __init__(self):
@@ -151,6 +151,9 @@ def test_the_profile_message_arms_here_and_passes_on_through_the_children():
             if self.armed:
                 raise CaptureBusy(f"capture {self.armed[0][0]} is running on this rank")
             self.armed.append((capture_id, steps))
+
+        def now(self):
+            return 1234.5
 
     class Core:
         rank = 0
@@ -175,6 +178,10 @@ def test_the_profile_message_arms_here_and_passes_on_through_the_children():
     refused = on_profile(Core(), b"client", env({"action": "arm", "id": "c2", "ranks": [0], "steps": 1}), 0.0)
     assert refused[-1].msg.body["refused"] == {"0": "capture c1 is running on this rank"}
     assert on_profile(Core(), b"c", env({"action": "explode", "id": "c"}), 0.0)[0].msg.type == "error"
+    clock = on_profile(Core(), b"c", env({"action": "clock", "id": "c1", "ranks": [1]}), 0.0)
+    assert [(s.to, s.msg.body) for s in clock] == [(b"c", {"action": "clock", "id": "c1", "now": 1234.5})]  # root only
+    assert _schema_problem("profile", clock[0].msg.body) is None  # a body the wire carries
+    assert on_profile(Core(), PARENT, env({"action": "clock", "id": "c1"}), 0.0) == []
 
 
 def test_parse_ranks():
@@ -184,24 +191,49 @@ def test_parse_ranks():
 
 
 def test_merged_trace_has_a_lane_per_rank_on_the_roots_clock_and_a_size_cap():
-    from kernel_probe.client.profiles import clock_offsets_us, merge_trace
+    from kernel_probe.client.profiles import ClockOffset, merge_trace
 
     members = {0: {"rank": 0, "node": 0, "host": "a", "tier": "root"}, 1: {"rank": 1, "node": 1, "host": "b"}}
-    status = {0: {"now": 100.0}, 1: {"now": 100.5}}  # rank 1's clock runs 0.5 s ahead
-    offsets = clock_offsets_us(status, members, 0)
-    assert offsets == {0: 0.0, 1: 500_000.0}
+    clock = {0: ClockOffset(0.0, 0.0, "root's host"), 1: ClockOffset(500.0, 0.25, "measured")}  # rank 1: 0.5 s ahead
     rows = [{"_rank": 0, "ph": "X", "name": "a", "cat": "cpu_op", "ts_us": 1_000_000.0, "dur_us": 5.0,
              "thread": "1/1", "args": '{"k": 1}'},
             {"_rank": 1, "ph": "X", "name": "b", "cat": "cpu_op", "ts_us": 1_500_010.0, "dur_us": 5.0,
              "thread": "2/9", "args": None}]
-    trace, note = merge_trace(rows, members, offsets, max_bytes=10_000)
+    trace, note = merge_trace(rows, members, clock, max_bytes=10_000)
     events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
     assert [(e["pid"], e["name"], e["ts"]) for e in events] == [(0, "a", 0.0), (1, "b", 10.0)] and note == ""
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
-    assert names[0] == "rank 0 (node 0, host a)" and names[1].startswith("rank 1 (node 1, host b) clock +500.000")
-    cut, note = merge_trace(rows * 50, members, offsets, max_bytes=2_000, dropped_on_rank={1: 7})
+    assert names[0] == "rank 0 (node 0, host a)" and names[1] == "rank 1 (node 1, host b) clock +500.000 ms ± 0.250 ms"
+    assert trace["otherData"]["clock_offsets"] == {"0": {"offset_ms": 0.0, "bound_ms": 0.0, "how": "root's host"},
+                                                   "1": {"offset_ms": 500.0, "bound_ms": 0.25, "how": "measured"}}
+    cut, note = merge_trace(rows * 50, members, clock, max_bytes=2_000, dropped_on_rank={1: 7})
     assert "cut at" in note and "rank 1 kept its first events only (7 dropped there)" in note
     assert len(json.dumps(cut)) < 2_500
+
+
+def test_clock_offsets_are_measured_within_their_bound_and_the_tightest_reading_wins():
+    from kernel_probe.client.profiles import ClockOffsets
+
+    members = {0: {"host": "a", "tier": "root"}, 1: {"host": "a"}, 2: {"host": "b"}, 3: {"host": "c"}}
+    skew = {0: 0.0, 1: 0.0, 2: 5.0, 3: -0.0123}  # seconds ahead of the root's clock (host a)
+    wall0 = 1.7e9
+    clocks = ClockOffsets()
+    # (client send, true time the clock was read, client receive), client monotonic seconds
+    for sent, read, answered in [(10.0, 10.030, 10.100), (11.0, 11.001, 11.004)]:
+        clocks.root_reading(wall0 + read, sent, answered)
+    for rank, readings in {2: [(20.0, 20.2, 20.5), (21.0, 21.0015, 21.002)], 3: [(30.0, 30.01, 30.05)]}.items():
+        for sent, read, answered in readings:
+            clocks.rank_reading(rank, wall0 + read + skew[rank], sent, answered)
+    out = clocks.offsets([0, 1, 2, 3], members, 0)
+    assert out[0] == out[1] == (0.0, 0.0, "root's host")
+    for rank, bound_ms in ((2, 1.0 + 2.0), (3, 25.0 + 2.0)):  # half of each kept round trip
+        c = out[rank]
+        assert c.how == "measured" and c.bound_ms == pytest.approx(bound_ms)
+        assert abs(c.offset_ms - skew[rank] * 1e3) <= c.bound_ms
+    assert abs(out[2].offset_ms - 5000.0) < 2.0  # the tight readings were kept, not the 0.5 s one
+    unmeasured = ClockOffsets()
+    unmeasured.rank_reading(2, wall0, 0.0, 1.0)  # no reading of the root's clock
+    assert unmeasured.offsets([2], members, 0)[2] == (0.0, None, "not measured")
 
 
 def test_compare_ops_puts_the_largest_extra_first():
@@ -286,13 +318,79 @@ def test_a_run_waits_for_every_rank_then_compares_and_cancels_when_late(monkeypa
     with pytest.raises(profiles.ProfileBusy, match="old on ranks \\[1\\]"):
         profiles.drive(profiles.ProfileRun().run(), _FakeJob(busy=True))
     late = _FakeJob(stuck=True)
-    result = profiles.drive(profiles.ProfileRun(timeout=5.0, clock=iter(range(100)).__next__).run(), late)
+    result = profiles.drive(profiles.ProfileRun(timeout=5.0, clock=lambda: late.polls).run(), late)  # a poll a second
     assert list(result.failed) == [1] and "did not finish 2 step(s) within 5 s" in result.failed[1]
     assert [(b["action"], b["ranks"]) for b in late.sent] == [("arm", [0, 1]), ("cancel", [1])]  # none left running
     assert sorted(result.status) == [0, 1] and set(result.ops["_rank"]) == {0}  # rank 0's profile is still read
     dying = _FakeJob(stuck=True, dies=True)
     result = profiles.drive(profiles.ProfileRun(timeout=50.0).run(), dying)
     assert result.failed == {1: "no answer during the capture: dead"} and "rank 1: no answer" in result.summary()
+
+
+class _SkewedJob(_FakeJob):
+    """``_FakeJob`` with rank 1 on another host whose clock runs ``skew`` s ahead; every call
+    takes ``latency`` s of the client's (simulated) monotonic clock, the clock read halfway."""
+
+    def __init__(self, skew: float, latency: float):
+        super().__init__()
+        self.t, self.skew, self.latency = 100.0, skew, latency
+
+    def mono(self) -> float:
+        return self.t
+
+    def _wall(self, rank: int) -> float:
+        return 1.7e9 + self.t + (self.skew if rank == 1 else 0.0)
+
+    def nodes_raw(self):
+        return {"members": [{"rank": 0, "node": 0, "host": "h", "tier": "root"}, {"rank": 1, "node": 1, "host": "h2"}]}
+
+    def request(self, type_, body, timeout):
+        if body["action"] != "clock":
+            return super().request(type_, body, timeout)
+        from kernel_probe.wire import Message
+
+        self.sent.append(body)
+        self.t += self.latency / 2
+        now = self._wall(0)
+        self.t += self.latency / 2
+
+        class Env:
+            msg = Message("profile", {"action": "clock", "now": now})
+        return Env()
+
+    def query(self, sql, timeout, ranks=None, params=None):
+        self.t += self.latency / 2
+        r = super().query(sql, timeout, ranks, params)
+        if "FROM profile_trace" in sql:  # each rank's event at the same true time, on its own clock
+            r.table = r.table.set_column(r.table.schema.get_field_index("ts_us"), "ts_us",
+                                         [[(1.7e9 + 50.0 + (self.skew if k == 1 else 0.0)) * 1e6 for k in ranks]])
+        elif "now FROM profile_status" in sql and r.table is not None:
+            r.table = r.table.set_column(r.table.schema.get_field_index("now"), "now",
+                                         [[self._wall(k) for k in r.table.column("_rank").to_pylist()]])
+        self.t += self.latency / 2
+        return r
+
+
+def test_a_run_puts_another_hosts_clock_on_the_roots_with_the_measured_offset(monkeypatch, tmp_path):
+    from kernel_probe.client import profiles
+
+    monkeypatch.setattr(profiles, "POLL_SEC", 0.0)
+    job = _SkewedJob(skew=3.25, latency=0.004)
+    out = tmp_path / "t.json"
+    result = profiles.drive(profiles.ProfileRun(steps=2, out=str(out), clock=job.mono).run(), job)
+    c = result.clock[1]
+    assert c.how == "measured" and c.bound_ms == pytest.approx(4.0) and abs(c.offset_ms - 3250.0) <= c.bound_ms
+    assert result.clock[0] == (0.0, 0.0, "root's host")
+    assert [b["action"] for b in job.sent].count("clock") == 3
+    trace = json.loads(out.read_text())
+    events = {e["pid"]: e["ts"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert abs(events[1] - events[0]) <= c.bound_ms * 1e3  # the same moment on one axis, within the bound
+    lanes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert lanes[1] == f"rank 1 (node 1, host h2) clock {c.offset_ms:+.3f} ms ± {c.bound_ms:.3f} ms"
+    assert trace["otherData"]["clock_offsets"]["1"]["how"] == "measured"
+    text = profiles.format_profile(result)
+    assert f"rank 1: {c.offset_ms:+.3f} ms ± {c.bound_ms:.3f} ms (measured)" in text
+    assert "  rank 0: the root's host (one clock)" in text
 
 
 def test_the_async_client_runs_the_same_steps(monkeypatch):

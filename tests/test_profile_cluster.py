@@ -1,11 +1,18 @@
 """Profiles on demand on a real torchrun 2x2 job with a straggler: every rank's capture
 names the straggler's extra op, the merged trace has one lane per rank, a second capture
-while one runs is refused, and --ranks chooses who is profiled."""
+while one runs is refused, --ranks chooses who is profiled, an interrupt (of a real
+kernel's cell, of the command line) cancels the capture on the ranks, and a rank frozen
+mid-capture is named while the call still returns. One job for all of it."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -20,9 +27,12 @@ SLOW_RANK, SLOW_MS = 2, 60
 EXTRA_OP = "tiny_ddp.extra_compute"
 
 
-def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, capsys):
+def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, capsys, runtime_dir):
     argv = [TINY_DDP, "--forever", "--step-sleep", "0.05", "--slow-rank", str(SLOW_RANK), "--slow-ms", str(SLOW_MS)]
-    launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25"})
+    job = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun",
+                 env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25", "PROBING_CLUSTER_STALE_SEC": "5",
+                      "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5"},
+                 node_env=lambda node: {"PROBING_NODE_HOST": f"host{node}"})  # node 1 "on another host"
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
     wait_for(lambda: root.query("SELECT _rank FROM steps WHERE step > 3 GROUP BY _rank").df.shape[0] == 4 or None,
              120, interval=1.0, what="steps on every rank")
@@ -34,6 +44,11 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     assert sorted(result.status) == [0, 1, 2, 3] and not result.failed, result.summary()
     assert all(s["state"] == "done" and s["step_last"] - s["step_first"] == 1 for s in result.status.values())
     assert progress and progress[-1]["finished"] == 4
+    # node 1's clock measured against the root's: one machine's clock, so the true offset is 0
+    assert {r: c.how for r, c in result.clock.items()} == {0: "root's host", 1: "root's host", 2: "measured",
+                                                          3: "measured"}, result.clock
+    assert all(abs(result.clock[r].offset_ms) <= result.clock[r].bound_ms < 1000 for r in (2, 3)), result.clock
+    assert "clocks (each rank's ahead of the root's" in result.summary()
 
     # what the straggler does that the others don't: one query
     only_slow = root.query(f"""
@@ -49,7 +64,8 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     trace = json.loads(out.read_text())
     lanes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
     assert sorted(lanes) == [0, 1, 2, 3], lanes
-    assert all(f"rank {r} (node " in lanes[r] and "host" in lanes[r] for r in lanes)
+    assert all(f"rank {r} (node {r // 2}, host host{r // 2})" in lanes[r] for r in lanes)
+    assert all(" ms ± " in lanes[r] for r in (2, 3)) and trace["otherData"]["clock_offsets"]["3"]["how"] == "measured"
     events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
     assert {e["pid"] for e in events} == {0, 1, 2, 3} and min(e["ts"] for e in events) == 0
     assert any(e["name"] == EXTRA_OP and e["pid"] == SLOW_RANK for e in events)
@@ -96,3 +112,132 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     runner.join(90)
     assert sorted(first["r"].status) == [1, 3] and not first["r"].failed, first["r"].summary()
     assert set(first["r"].ops["_rank"]) == {1, 3}
+    rows = root.query(f"SELECT DISTINCT _rank FROM profile_ops WHERE capture_id = '{first['r'].capture_id}'").df
+    assert sorted(rows["_rank"]) == [1, 3]  # asked of every rank: only the chosen ones have its rows
+
+    _interrupting_a_real_kernels_cell_cancels_the_capture(root, runtime_dir, capsys)
+    _the_command_line_shows_progress_and_cancels_on_interrupt(root, runtime_dir)
+    _a_rank_frozen_mid_capture_is_named_and_the_call_returns(job, root)  # last: the job stays stuck
+
+
+def _running_capture(root, ranks: int) -> str:
+    """The id of the capture running on ``ranks`` ranks, once it is."""
+    def running():
+        df = root.query("SELECT capture_id FROM profile_status WHERE state = 'running'").df
+        return len(df) == ranks and df["capture_id"].nunique() == 1 and df["capture_id"].iloc[0]
+    return wait_for(running, 60, interval=0.2, what=f"a capture running on {ranks} ranks")
+
+
+def _cancelled_everywhere(root, capture_id: str, ranks: int) -> None:
+    wait_for(lambda: root.query(f"SELECT _rank FROM profile_status WHERE capture_id = '{capture_id}' "
+                                "AND state = 'cancelled'").df.shape[0] == ranks or None,
+             30, interval=0.2, what=f"capture {capture_id} cancelled on {ranks} ranks")
+
+
+def _iopub_until(kc, msg_id: str, timeout: float, last=None) -> list[dict]:
+    """The cell's iopub messages until ``last(msg)`` (default: the kernel is idle again)."""
+    last = last or (lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "idle")
+    out, end = [], time.monotonic() + timeout
+    while time.monotonic() < end:
+        msg = kc.get_iopub_msg(timeout=max(0.1, end - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        out.append(msg)
+        if last(msg):
+            return out
+    raise AssertionError(f"no such message within {timeout} s: {[m['msg_type'] for m in out]}")
+
+
+def _a_progress_bar(msg: dict) -> bool:
+    return msg["msg_type"] == "display_data" and "application/vnd.jupyter.widget-view+json" in msg["content"]["data"]
+
+
+def _interrupting_a_real_kernels_cell_cancels_the_capture(root, runtime_dir, capsys) -> None:
+    from jupyter_client.manager import KernelManager
+
+    from kernel_probe import cli
+
+    env = {k: v for k, v in os.environ.items() if k != "PROBING"}  # the kernel is a client, not a job
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(env={**env, "PROBING_RUNTIME_DIR": str(runtime_dir)})
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=120)
+        reply = kc.execute_interactive("%load_ext probing_magics\n%cluster_connect", timeout=60)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        cell = kc.execute("%cluster_profile --steps 5000 --timeout 120")
+        capture_id = _running_capture(root, 4)
+        # a second capture while this one runs: a clear error, from the command line too
+        capsys.readouterr()
+        assert cli.main(["profile", "--steps", "1", "--timeout", "30"]) == 1
+        err = capsys.readouterr().err
+        assert f"a capture is already running in this job ({capture_id} on ranks [0, 1, 2, 3])" in err, err
+        t0 = time.monotonic()
+        bar = _iopub_until(kc, cell, 30, last=_a_progress_bar)[-1]  # a progress bar, after a second
+        assert "IntProgress" in bar["content"]["data"]["text/plain"] and time.monotonic() - t0 < 30
+        km.interrupt_kernel()
+        msgs = _iopub_until(kc, cell, 60)
+        printed = "".join(m["content"].get("text", "") for m in msgs if m["msg_type"] == "stream")
+        assert "profile interrupted and cancelled; the connection is still usable" in printed, msgs
+        assert not [m for m in msgs if m["msg_type"] == "error"], msgs
+        _cancelled_everywhere(root, capture_id, 4)
+        # the next capture may go, from the same connection
+        cell = kc.execute("%cluster_profile --ranks 0 --steps 1 --timeout 60")
+        printed = "".join(m["content"].get("text", "") for m in _iopub_until(kc, cell, 90)
+                          if m["msg_type"] == "stream")
+        assert "1/1 ranks profiled 1 step(s)" in printed, printed
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def _the_command_line_shows_progress_and_cancels_on_interrupt(root, runtime_dir) -> None:
+    import pty
+
+    main, terminal = pty.openpty()  # stderr a terminal: the progress line is for people
+    env = {k: v for k, v in os.environ.items() if k != "PROBING"}
+    proc = subprocess.Popen([sys.executable, "-m", "kernel_probe.cli", "profile", "--steps", "5000", "--timeout", "120"],
+                            env={**env, "PROBING_RUNTIME_DIR": str(runtime_dir)}, stdout=subprocess.PIPE,
+                            stderr=terminal)
+    os.close(terminal)
+    try:
+        capture_id = _running_capture(root, 4)
+        seen = _read_until(main, b"profiling: 0/4 ranks finished, 4 running", 30)  # after a second
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        seen += _read_until(main, b"kernel-probe: profile interrupted and cancelled on its ranks", 10)
+        _cancelled_everywhere(root, capture_id, 4)
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(main)
+
+
+def _read_until(fd: int, needle: bytes, timeout: float) -> bytes:
+    import select
+
+    seen, end = b"", time.monotonic() + timeout
+    while needle not in seen:
+        ready, _, _ = select.select([fd], [], [], max(0.0, end - time.monotonic()))
+        if not ready:
+            raise AssertionError(f"{needle!r} not written within {timeout} s: {seen!r}")
+        seen += os.read(fd, 4096)
+    return seen
+
+
+def _a_rank_frozen_mid_capture_is_named_and_the_call_returns(job, root) -> None:
+    done: dict = {}
+    t0 = time.monotonic()
+    runner = threading.Thread(target=lambda: done.update(r=kernel_probe.connect(timeout=5).profile(
+        steps=5000, timeout=20)))
+    runner.start()
+    _running_capture(root, 4)
+    job.freeze(3)  # DDP: the others then wait for it in their next all-reduce, their steps stop too
+    runner.join(90)
+    assert not runner.is_alive(), "the call hangs"
+    result = done["r"]
+    print("\n" + result.summary())
+    assert sorted(result.failed) == [0, 1, 2, 3] and time.monotonic() - t0 < 60, result.summary()
+    assert "rank 3: no answer during the capture: " in result.summary(), result.summary()
+    assert all("did not finish 5000 step(s) within 20 s" in result.failed[r] for r in (0, 1, 2)), result.failed

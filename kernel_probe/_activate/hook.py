@@ -3,7 +3,8 @@
 A process torchrun started knows its rank now and starts its probe at once; one that
 becomes a rank later (mp.spawn's children, mpirun's and srun's tasks, scripts that set
 their rank themselves) starts it when ``init_process_group`` returns (``rank_hook``);
-any other process is a job of one until it becomes a rank or launches ranks.
+any other process becomes a job of one shortly after its imports (``solo``), unless it
+became a rank or launched ranks by then.
 Nothing starts in the torchrun agent, our own CLI or pip; multiprocessing children and
 subprocesses of a process that owns a probe only wait to become ranks. Never raises:
 an import-time failure here must not break the user's interpreter.
@@ -43,9 +44,14 @@ def maybe_start() -> None:
         from kernel_probe._activate import rank_hook
 
         rank_hook.install()
-        from kernel_probe.config import probe_wanted, waits_for_process_group
+        from kernel_probe.config import probe_wanted, starts_with_identity, waits_for_process_group
 
         if _multiprocessing_child() or not probe_wanted() or waits_for_process_group(os.environ):
+            return
+        if not starts_with_identity(os.environ):
+            from kernel_probe._activate import solo
+
+            solo.schedule()
             return
         import kernel_probe
 

@@ -10,7 +10,9 @@ each as it loads, before anything can take a reference to it:
   address, and hand them to a thread that starts the probe; the call itself pays for
   a few attribute reads and a thread start.
 * ``torch.multiprocessing.spawn.start_processes`` (``mp.spawn``, notebook launchers):
-  a process that starts ranks is a launcher, not a job; its probe of one stops first.
+  a process that starts ranks is a launcher, not a job: its probe of one, still pending
+  (``solo``) as it is when the script launches right after its imports, never starts;
+  one already running stops.
 
 Nothing here imports torch, zmq or the rest of the probe until a group exists.
 """
@@ -146,6 +148,9 @@ def became_rank(c10d: Any) -> None:
     if not c10d.is_initialized():
         return
     from ..config import GroupFacts
+    from . import solo
+
+    solo.cancel()  # a rank now: no probe of one starts meanwhile
 
     host, port = store_address(c10d._get_default_store())
     facts = GroupFacts(rank=c10d.get_rank(), world_size=c10d.get_world_size(), store_host=host, store_port=port)
@@ -166,6 +171,7 @@ def start_rank(facts: "GroupFacts", env: dict[str, str]) -> "ProbeThread | None"
     import kernel_probe
 
     from ..config import identity_from_group, load_settings, needs_hosts, this_host
+    from . import solo
 
     settings = load_settings(env)
     if not settings.enabled:
@@ -178,8 +184,8 @@ def start_rank(facts: "GroupFacts", env: dict[str, str]) -> "ProbeThread | None"
     if facts.world_size > 1 and facts.store_host and settings.torchrun_cluster:
         hosts = _exchange_hosts(facts, env, settings, host, wait=needs_hosts(env))
     identity = identity_from_group(env, facts, settings, hosts, host=host)
-    if running is not None:
-        kernel_probe.stop()  # the probe of one this process started with: it is a rank now
+    if running is not None or solo.state() is not None:
+        kernel_probe.stop()  # the probe of one this process started with (or its exit hooks): a rank now
     return kernel_probe.start(identity=identity)
 
 
@@ -205,8 +211,11 @@ def _exchange_hosts(facts: "GroupFacts", env: dict[str, str], settings: "Setting
 
 
 def launching() -> None:
-    """This process starts ranks: a probe of one it runs stops (the ranks are the job)."""
+    """This process starts ranks: its probe of one never starts, or stops (the ranks are the job)."""
+    from . import solo
+
+    pending = solo.cancel()
     kernel_probe = sys.modules.get("kernel_probe")
     running = kernel_probe.probe() if kernel_probe is not None else None
-    if running is not None and not running.identity.in_job:
-        kernel_probe.stop()
+    if kernel_probe is not None and (pending and running is None or running is not None and not running.identity.in_job):
+        kernel_probe.stop()  # also removes the exit hooks the pending probe had installed

@@ -8,9 +8,10 @@ needs (``Call``): ``drive`` runs it on the blocking ``Client``, ``drive_async`` 
 
 Clocks: each rank stamps its trace events with its own wall clock. Ranks on the root's
 host share its clock (offset 0). A rank on another host gets the offset of its clock from
-the root's, estimated as the difference of the ``now`` each reported in the same status
-query (good to the query's fan-out latency, a few ms); the answer says which offsets it
-applied.
+the root's as measured by ``ClockOffsets`` (the root's clock from ``clock`` pings, the
+rank's from the ``now`` of its status rows, each bracketed by the client's send and
+receive times), with the bound of its error; the trace's lane names and the answer say
+which offsets were applied.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class ProfileResult:
     trace_path: str | None = None
     trace_note: str = ""
     offsets_ms: dict[int, float] = field(default_factory=dict)
+    clock: dict[int, ClockOffset] = field(default_factory=dict)
 
     def summary(self) -> str:
         done = sorted(r for r, s in self.status.items() if s.get("state") == "done")
@@ -73,6 +75,7 @@ class ProfileResult:
                          f"median rank {self.median_rank}")
         if self.trace_path:
             lines.append(f"trace: {self.trace_path}" + (f" ({self.trace_note})" if self.trace_note else ""))
+            lines += clock_lines(self.clock)
         return "\n".join(lines)
 
 
@@ -157,6 +160,7 @@ class ProfileRun:
         self.on_progress = on_progress
         self.clock = clock
         self.capture_id = secrets.token_hex(6)
+        self.clocks = ClockOffsets()
 
     def run(self) -> Generator[Call, Any, ProfileResult]:
         """The capture as the client calls it needs (``Call``s), sent their results; returns
@@ -199,9 +203,29 @@ class ProfileRun:
         return env.msg.body
 
     def _status(self, ranks: list[int]) -> Generator[Call, Any, tuple[list[dict], dict]]:
+        t0 = self.clock()
         result = yield Call("query", (STATUS_SQL,), {"timeout": 10.0, "ranks": ranks})
+        t1 = self.clock()
         rows = [] if result.table is None else result.table.to_pylist()
+        for row in rows:  # each rank's clock, read within [t0, t1]
+            if row.get("now") is not None:
+                self.clocks.rank_reading(int(row["_rank"]), row["now"], t0, t1)
         return rows, result.coverage
+
+    def _read_root_clock(self, pings: int = 3) -> Generator[Call, Any, None]:
+        """The root's clock, read ``pings`` times (the tightest is kept); a root that cannot
+        say leaves the other hosts' ranks unshifted (the answer says so)."""
+        for _ in range(pings):
+            t0 = self.clock()
+            try:
+                env = yield Call("request", ("profile", {"action": "clock", "id": self.capture_id}), {"timeout": 5.0})
+            except ProbeError:
+                return
+            t1 = self.clock()
+            now = env.msg.body.get("now") if env.msg.type == "profile" else None
+            if not isinstance(now, (int, float)):
+                return
+            self.clocks.root_reading(now, t0, t1)
 
     def _wait(self, ranks: list[int], failed: dict[int, str], deadline: float
               ) -> Generator[Call, Any, dict[int, dict]]:
@@ -257,7 +281,10 @@ class ProfileRun:
                 result.comparison = compare_ops(ops, result.slowest_rank, result.median_rank)
         if self.out and done:
             root_rank = next((r for r, m in members.items() if m.get("tier") == "root"), 0)
-            offsets = clock_offsets_us(status, members, root_rank)
+            root_host = (members.get(root_rank) or {}).get("host")
+            if any((members.get(r) or {}).get("host") != root_host for r in done):
+                yield from self._read_root_clock()
+            clock = self.clocks.offsets(done, members, root_rank)
             trace_rows: list[dict] = []
             for rank in done:  # one rank at a time: a rank keeps up to 200k events, a query ships up to its row cap
                 trace_rows += (yield Call("query", (TRACE_SQL,), {"timeout": 60.0, "ranks": [rank],
@@ -266,12 +293,13 @@ class ProfileRun:
                                   {"timeout": 10.0, "ranks": done, "params": {"id": self.capture_id}})).table.to_pylist()
             for row in counted:  # counted once the trace was read
                 status[int(row["_rank"])]["events_dropped"] = row["events_dropped"]
-            trace, note = merge_trace(trace_rows, members, offsets, self.max_trace_bytes,
+            trace, note = merge_trace(trace_rows, members, clock, self.max_trace_bytes,
                                       {r: status[r].get("events_dropped") or 0 for r in done})
             with open(self.out, "w", encoding="utf-8") as fh:
                 json.dump(trace, fh)
             result.trace_path, result.trace_note = self.out, note
-            result.offsets_ms = {r: us / 1000.0 for r, us in offsets.items()}
+            result.clock = clock
+            result.offsets_ms = {r: c.offset_ms for r, c in clock.items()}
         return result
 
     def _compute_ms(self, done: list[int], status: dict[int, dict]) -> Generator[Call, Any, dict[int, float]]:
@@ -315,27 +343,81 @@ def compare_ops(ops: "pd.DataFrame", slowest: int, median: int | None, top: int 
     return table.reset_index()
 
 
-def clock_offsets_us(status: dict[int, dict], members: dict[int, dict], root_rank: int) -> dict[int, float]:
-    """Per rank, how far its wall clock is ahead of the root's, in microseconds: 0 on the
-    root's host (one clock), else the difference of the ``now`` both reported."""
-    root_host = (members.get(root_rank) or {}).get("host")
-    root_now = (status.get(root_rank) or {}).get("now")
-    out: dict[int, float] = {}
-    for rank, row in status.items():
-        host = (members.get(rank) or {}).get("host") or row.get("_host")
-        if host == root_host or root_now is None or row.get("now") is None:
-            out[rank] = 0.0
-        else:
-            out[rank] = (row["now"] - root_now) * 1e6
-    return out
+class ClockOffset(NamedTuple):
+    """How far a rank's wall clock is ahead of the root's (``offset_ms``), give or take
+    ``bound_ms`` (None: not measured, no shift applied); ``how``: "root's host", "measured"
+    or "not measured"."""
+
+    offset_ms: float
+    bound_ms: float | None
+    how: str
 
 
-def merge_trace(rows: list[dict], members: dict[int, dict], offsets_us: dict[int, float], max_bytes: int,
+class ClockOffsets:
+    """Each rank's clock offset from the root's, measured from the client, sans-IO.
+
+    A reading of a clock is a value ``now`` taken somewhere between two times ``t0 <= t1`` of
+    the client's own monotonic clock (sent, answered). The root's clock comes from ``clock``
+    pings: at client time m it reads ``now + (m - mid)`` to within ``(t1 - t0) / 2``. A rank's
+    comes from the ``now`` of its status row in a query sent at q0 and answered at q1. So the
+    rank's offset is ``now_rank - (root_now + (mid_q - mid_ping))`` to within half of both round
+    trips; of several readings the tightest is kept. Clocks run at the same rate over a
+    capture's seconds (a drift of 1 ppm is 1 us a second)."""
+
+    def __init__(self) -> None:
+        self._root: tuple[float, float, float] | None = None  # (now, mid, half round trip)
+        self._ranks: dict[int, tuple[float, float, float]] = {}
+
+    def root_reading(self, now: float, t0: float, t1: float) -> None:
+        self._root = _tighter(self._root, now, t0, t1)
+
+    def rank_reading(self, rank: int, now: float, t0: float, t1: float) -> None:
+        self._ranks[rank] = _tighter(self._ranks.get(rank), now, t0, t1)
+
+    def offsets(self, ranks: Iterable[int], members: dict[int, dict], root_rank: int) -> dict[int, ClockOffset]:
+        root_host = (members.get(root_rank) or {}).get("host")
+        out: dict[int, ClockOffset] = {}
+        for rank in ranks:
+            if (members.get(rank) or {}).get("host") == root_host:
+                out[rank] = ClockOffset(0.0, 0.0, "root's host")
+            elif self._root is None or rank not in self._ranks:
+                out[rank] = ClockOffset(0.0, None, "not measured")
+            else:
+                now, mid, half = self._ranks[rank]
+                root_now, root_mid, root_half = self._root
+                out[rank] = ClockOffset((now - root_now - (mid - root_mid)) * 1e3, (half + root_half) * 1e3, "measured")
+        return out
+
+
+def _tighter(kept: tuple[float, float, float] | None, now: float, t0: float, t1: float
+             ) -> tuple[float, float, float]:
+    reading = (float(now), (t0 + t1) / 2.0, max(0.0, t1 - t0) / 2.0)
+    return reading if kept is None or reading[2] < kept[2] else kept
+
+
+def clock_lines(clock: dict[int, ClockOffset]) -> list[str]:
+    """The offsets the trace applied, one line per rank off the root's host: what the answer says."""
+    off_host = {r: c for r, c in clock.items() if c.how != "root's host"}
+    if not off_host:
+        return ["clocks: every rank is on the root's host (one clock)"] if clock else []
+    lines = ["clocks (each rank's ahead of the root's, subtracted in the trace):"]
+    for rank, c in sorted(off_host.items()):
+        lines.append(f"  rank {rank}: " + (f"{c.offset_ms:+.3f} ms ± {c.bound_ms:.3f} ms (measured)"
+                                           if c.bound_ms is not None else "not measured, not shifted"))
+    same = sorted(r for r in clock if r not in off_host)
+    if same:
+        lines.append(f"  rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))}: the root's host (one clock)")
+    return lines
+
+
+def merge_trace(rows: list[dict], members: dict[int, dict], clock: dict[int, ClockOffset], max_bytes: int,
                 dropped_on_rank: dict[int, int] | None = None) -> tuple[dict, str]:
     """One Chrome trace: a process lane per rank (``pid`` = rank, named with its node and
-    host), each rank's events shifted onto the root's clock, the earliest event at 0.
+    host, and its clock's offset when off the root's host), each rank's events shifted onto
+    the root's clock (``clock``), the earliest event at 0.
     Events are kept in time order until the trace reaches ``max_bytes``; the note says
     what was cut (here, or already on a rank)."""
+    offsets_us = {r: c.offset_ms * 1e3 for r, c in clock.items()}
     events: list[tuple[float, int, dict]] = []
     threads: dict[tuple[int, str], int] = {}
     for row in rows:
@@ -357,9 +439,11 @@ def merge_trace(rows: list[dict], members: dict[int, dict], offsets_us: dict[int
     for rank in sorted({r for _, r, _ in events}):
         m = members.get(rank) or {}
         label = f"rank {rank} (node {m.get('node', '?')}, host {m.get('host', '?')})"
-        offset = offsets_us.get(rank, 0.0)
-        if offset:
-            label += f" clock {offset / 1000.0:+.3f} ms"
+        c = clock.get(rank)
+        if c is not None and c.how == "measured":
+            label += f" clock {c.offset_ms:+.3f} ms ± {c.bound_ms:.3f} ms"
+        elif c is not None and c.how == "not measured":
+            label += " clock not measured"
         meta.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": label}})
         meta.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
     for (rank, thread), tid in threads.items():
@@ -382,5 +466,7 @@ def merge_trace(rows: list[dict], members: dict[int, dict], offsets_us: dict[int
             notes.append(f"rank {rank} kept its first events only ({n} dropped there)")
     trace = {"traceEvents": meta + kept, "displayTimeUnit": "ms",
              "otherData": {"clock": "each rank's wall clock shifted onto the root's; offsets in the lane names",
+                           "clock_offsets": {str(r): {"offset_ms": c.offset_ms, "bound_ms": c.bound_ms, "how": c.how}
+                                             for r, c in sorted(clock.items())},
                            "t0_epoch_us": t0, "cut": "; ".join(notes)}}
     return trace, "; ".join(notes)

@@ -74,6 +74,10 @@ class ProfileCapture:
     def attach(self, clock: Any) -> None:
         self._clock = clock
 
+    def now(self) -> float:
+        """This rank's wall clock, as its ``profile_trace`` timestamps and ``profile_status.now`` read it."""
+        return self._wall()
+
     # --- the probe thread ----------------------------------------------------------------
     def arm(self, capture_id: str, steps: int) -> None:
         """Profile the ``steps`` steps after the next step end. CaptureBusy if one is active."""
