@@ -262,6 +262,9 @@ export class ProfileModel {
         }
         if (asked === this._asked) {
           this._state = state;
+          if (state.state !== 'running') {
+            this._error = ''; // a start refused while this one ran: no longer news
+          }
           this._changed.emit();
         }
       }

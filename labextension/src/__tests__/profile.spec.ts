@@ -163,6 +163,7 @@ describe('ProfileModel', () => {
     api.profileState.mockResolvedValueOnce(DONE);
     await clock.release();
     expect(model.view.phase).toBe('done');
+    expect(model.error).toBe(''); // the refusal was about the capture that ended
     model.dispose();
   });
 
