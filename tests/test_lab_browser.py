@@ -6,7 +6,10 @@ live local job (tiny DDP training, plain mode: one rank can be killed alone), an
 Chromium driven by Playwright (nothing downloaded). Run twice: at the root and under a
 `base_url` prefix, as behind JupyterHub; the latter also stops the job and launches it
 again (issue 10): the panel says it ended, is reloaded in the gap, then shows the new
-launch and says once that it restarted. Screenshots land in test-artifacts/lab-browser/.
+launch and says once that it restarted. At the root the training job is also profiled from
+the panel's Profile button (progress, a second click refused, the top ops, the trace link)
+and added again by its dumps (dump://: ended, ranks as last seen, the verdict). Screenshots
+land in test-artifacts/lab-browser/.
 """
 
 from __future__ import annotations

@@ -293,6 +293,26 @@ async def test_a_second_capture_while_one_runs_is_409_and_a_capture_can_be_cance
 
     await _until("no rank armed", none_armed, 10)
 
+    # a capture started elsewhere (a notebook's Client.profile): the job refuses the server's in
+    # one line, and the job's last capture stays what GET shows
+    loop = asyncio.get_running_loop()
+    with kernel_probe.connect(token=TOKEN, timeout=5) as other:
+        elsewhere = loop.run_in_executor(None, lambda: other.profile(steps=1, timeout=4))
+
+        async def refused() -> dict | None:
+            status, err = await api("POST", "jobs", job_id, "profile", body={"steps": 1, "timeout": 2})
+            if status == 409:
+                return err
+            assert status in (200, 202), err  # before the other capture was armed: ours ran instead
+            await _capture_ended(api, job_id)
+            return None
+
+        err = await _until("a refusal from the job", refused, 20)
+        assert err["code"] == "busy" and err["message"].startswith("a capture is already running in this job"), err
+        status, state = await api("GET", "jobs", job_id, "profile")
+        assert status == 200 and state["state"] in ("cancelled", "done") and state["error"] is None, state
+        await elsewhere
+
 
 async def test_an_ended_job_added_by_its_dumps(api, job, tmp_path):
     """dump://DIR: the dumps kernel_probe writes (here a snapshot of the live job) open as an

@@ -6,8 +6,9 @@ One capture per job at a time (the job itself refuses a second one; the server r
 before asking). Each job keeps its last capture: its state (running, done, failed,
 cancelled), progress, answer or error, and the merged trace it wrote. Trace files live in
 one directory the server made for them (``probing-traces-*`` under the temp dir), named by
-the server (job id and a counter), one per job: a new capture of a job removes the previous
-one's, and closing the server removes them all. No caller ever names a path.
+the server (job id and a counter), one per job: a capture that ends with a trace removes
+the job's previous one, and closing the server removes them all. No caller ever names a
+path.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class ProfileCaptures:
 
     def __init__(self) -> None:
         self._captures: dict[str, Capture] = {}
+        self._previous: dict[str, Capture | None] = {}  # while a capture starts: the job's last one before it
+        self._traces: dict[str, Path] = {}  # the one trace file each job keeps
         self._seq = 0
         self._dir: Path | None = None
 
@@ -78,18 +81,33 @@ class ProfileCaptures:
               run: Callable[[Capture], Awaitable[Any]]) -> Capture:
         """Start ``run(capture)`` (it writes the trace to ``capture.trace_path`` and returns the
         result). The caller checked that no capture of the job runs."""
-        previous = self._captures.get(job_id)
-        if previous is not None:
-            previous.trace_path.unlink(missing_ok=True)
         self._seq += 1
         capture = Capture(job_id, self._seq, ranks, steps, top,
                           self._trace_dir() / f"{job_id}-{self._seq}.trace.json")
+        self._previous[job_id] = self._captures.get(job_id)
         self._captures[job_id] = capture
         capture.task = asyncio.ensure_future(self._follow(capture, run))
         return capture
 
-    @staticmethod
-    async def _follow(capture: Capture, run: Callable[[Capture], Awaitable[Any]]) -> None:
+    def withdraw(self, capture: Capture) -> None:
+        """``capture`` was refused at its start: the job's last capture is the one before it again."""
+        if self._captures.get(capture.job_id) is capture:
+            previous = self._previous.pop(capture.job_id, None)
+            if previous is None:
+                del self._captures[capture.job_id]
+            else:
+                self._captures[capture.job_id] = previous
+
+    def _ended(self, capture: Capture) -> None:
+        """One trace per job: the one of the capture that ended last with one."""
+        if capture.trace_file() is None:
+            return
+        old = self._traces.get(capture.job_id)
+        if old is not None and old != capture.trace_path:
+            old.unlink(missing_ok=True)
+        self._traces[capture.job_id] = capture.trace_path
+
+    async def _follow(self, capture: Capture, run: Callable[[Capture], Awaitable[Any]]) -> None:
         try:
             result = await run(capture)
         except asyncio.CancelledError:
@@ -98,6 +116,9 @@ class ProfileCaptures:
             capture.finish(FAILED, error=exc)
         else:
             capture.finish(DONE, result=result)
+            self._ended(capture)
+        if capture.state != FAILED and self._captures.get(capture.job_id) is capture:
+            self._previous.pop(capture.job_id, None)  # only a refused start goes back to it
 
     def cancel(self, job_id: str) -> Capture | None:
         """Cancel the running capture of ``job_id`` (its ranks stop profiling); None if none runs."""
@@ -109,10 +130,12 @@ class ProfileCaptures:
 
     def forget(self, job_id: str) -> None:
         capture = self._captures.pop(job_id, None)
-        if capture is not None:
-            if capture.task is not None and not capture.task.done():
-                capture.task.cancel()
-            capture.trace_path.unlink(missing_ok=True)
+        self._previous.pop(job_id, None)
+        if capture is not None and capture.task is not None and not capture.task.done():
+            capture.task.cancel()
+        trace = self._traces.pop(job_id, None)
+        if trace is not None:
+            trace.unlink(missing_ok=True)
 
     def close(self) -> None:
         for job_id in list(self._captures):

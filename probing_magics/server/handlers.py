@@ -389,6 +389,7 @@ class ProfileHandler(ProbingHandler):
         except asyncio.TimeoutError:
             pass
         if capture.state == FAILED and capture.error is not None:
+            captures.withdraw(capture)  # refused: what the job showed before stays
             raise capture.error
         self.set_status(202 if capture.running else 200)
         self.reply(capture_dict(capture, job_id))
