@@ -191,7 +191,7 @@ def _profile_from_the_panel(page, out: Path) -> None:
     assert sorted(lanes) == [0, 1, 2, 3], lanes
 
 
-def _dumps_from_the_panel(page, out: Path, tmp_path: Path, endpoint: str, back_to: str) -> None:
+def _dumps_from_the_panel(page, out: Path, tmp_path: Path, conn_file: str, back_to: str) -> None:
     """Add a job by its dumps: a bad directory is one line and nothing else changes; the dumps
     show as an ended job, ranks as last seen, with the verdict; then back to ``back_to``."""
     from playwright.sync_api import expect
@@ -199,7 +199,7 @@ def _dumps_from_the_panel(page, out: Path, tmp_path: Path, endpoint: str, back_t
     import kernel_probe
     from kernel_probe.postmortem.snapshot import snapshot
 
-    with kernel_probe.connect(endpoint, timeout=10, warm=False) as client:
+    with kernel_probe.connect(conn_file, timeout=10, warm=False) as client:
         run_dir, ranks, _ = snapshot(client, tmp_path / "dumps")
     assert ranks == [0, 1, 2, 3]
     select = page.locator("#probing-cluster .pm-Cluster-jobSelect")
@@ -366,7 +366,10 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                 expect(page.locator("#probing-cluster .pm-Cluster-jobSelect")).to_have_value(chosen)
 
                 if name == "root":  # an ended job, added by its dumps (a snapshot of this job)
-                    _dumps_from_the_panel(page, out, tmp_path, endpoint, chosen)
+                    jobs = json.loads(urllib.request.urlopen(f"{lab.url}probing/api/jobs?token={TOKEN}",
+                                                             timeout=10).read())["jobs"]
+                    (conn_file,) = [j["target"] for j in jobs if j["source"] == "local"]
+                    _dumps_from_the_panel(page, out, tmp_path, conn_file, chosen)
 
                 # last (under DDP the others fail soon after, in their all-reduce): a rank dies and turns dead
                 # within about one poll (plus the root's pid watch)

@@ -417,7 +417,10 @@ function ClusterBody({ model }: { model: ClusterModel }): JSX.Element {
           {dumps && <EndedJob nodes={nodes} />}
           <Summary nodes={nodes} updated={model.updated} />
           {model.verdict && (dumps || !model.verdict.healthy) && (
-            <div className="pm-Cluster-verdict" title={model.verdict.checked.join('; ')}>
+            <div
+              className={`pm-Cluster-verdict${model.verdict.healthy ? ' pm-healthy' : ''}`}
+              title={model.verdict.checked.join('; ')}
+            >
               {model.verdict.summary}
             </div>
           )}
