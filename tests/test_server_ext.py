@@ -256,8 +256,9 @@ async def test_profile_route_names_ranks_that_do_not_step_and_refuses_bad_input(
     assert all("did not finish 1 step(s)" in why for why in body["failed"].values()) and body["comparison"] is None
     assert {s["state"] for s in body["status"].values()} <= {"armed", "cancelled"}
     assert body["trace"] is None  # no rank profiled: no trace to download
-    status, err = await api("GET", "jobs", job_id, "profile", "trace")
-    assert status == 404 and err["code"] == "no_trace", err
+    for params in (None, {"capture": body["capture_id"]}, {"capture": "../../../etc/passwd"}):
+        status, err = await api("GET", "jobs", job_id, "profile", "trace", params=params)
+        assert status == 404 and err["code"] == "no_trace", (params, err)
     status, rows = await api("POST", "jobs", job_id, "query",
                              body={"sql": f"SELECT _rank, state FROM profile_status WHERE capture_id = '{body['capture_id']}'"})
     assert status == 200 and sorted(r[1] for r in rows["rows"]) == ["cancelled", "cancelled"], rows  # none left armed

@@ -7,13 +7,14 @@ before asking). Each job keeps its last capture: its state (running, done, faile
 cancelled), progress, answer or error, and the merged trace it wrote. Trace files live in
 one directory the server made for them (``probing-traces-*`` under the temp dir), named by
 the server (job id and a counter), one per job: a capture that ends with a trace removes
-the job's previous one, and closing the server removes them all. No caller ever names a
-path.
+the job's previous one, and the directory goes when the server exits. No caller ever names
+a path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import shutil
 import tempfile
 import time
@@ -71,6 +72,8 @@ class ProfileCaptures:
     def _trace_dir(self) -> Path:
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix="probing-traces-"))
+            # a module extension gets no stop hook from jupyter_server: removed when the server exits
+            atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
         return self._dir
 
     def current(self, job_id: str) -> Capture | None:
