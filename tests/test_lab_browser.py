@@ -6,7 +6,10 @@ live local job (tiny DDP training, plain mode: one rank can be killed alone), an
 Chromium driven by Playwright (nothing downloaded). Run twice: at the root and under a
 `base_url` prefix, as behind JupyterHub; the latter also stops the job and launches it
 again (issue 10): the panel says it ended, is reloaded in the gap, then shows the new
-launch and says once that it restarted. Screenshots land in test-artifacts/lab-browser/.
+launch and says once that it restarted. At the root the training job is also profiled from
+the panel's Profile button (progress, a second click refused, the top ops, the trace link)
+and added again by its dumps (dump://: ended, ranks as last seen, the verdict). Screenshots
+land in test-artifacts/lab-browser/.
 """
 
 from __future__ import annotations
@@ -153,6 +156,75 @@ def _run_cell(page, text: str) -> None:
                            arg=cell.element_handle(), timeout=60_000)
 
 
+PROFILE = "#probing-cluster .pm-Cluster-profile"
+
+
+def _profile_from_the_panel(page, out: Path) -> None:
+    """The Profile button on the running job: progress while it runs, a second click refused
+    by the server, then the slowest rank's top ops and the merged trace (four rank lanes)."""
+    from playwright.sync_api import expect
+
+    expect(page.locator(f"{PROFILE} .pm-Cluster-profileSteps")).to_have_value("2")  # the default
+    page.fill(f"{PROFILE} .pm-Cluster-profileSteps", "4")  # long enough to click again while it runs
+    page.click(f"{PROFILE} .pm-Cluster-profileButton")
+    expect(page.locator(f"{PROFILE}[data-phase='running'] .pm-Cluster-profileProgress")).to_contain_text(
+        "profiling 4 step(s) on every rank", timeout=30_000)
+    page.click(f"{PROFILE} .pm-Cluster-profileButton")
+    expect(page.locator(f"{PROFILE} .pm-Cluster-profileError")).to_contain_text(
+        "a capture is already running in job")
+    _shot(page, "#probing-cluster", out, "panel-profile-running.png")
+    expect(page.locator(f"{PROFILE}[data-phase='done']")).to_be_visible(timeout=90_000)
+    expect(page.locator(f"{PROFILE} .pm-Cluster-profileHeadline")).to_contain_text("4/4 ranks profiled 4 step(s)")
+    ops = page.locator(f"{PROFILE} .pm-Cluster-op")
+    expect(ops.first).to_be_visible()
+    assert re.fullmatch(r"op rank \d ms rank \d ms extra ms",
+                        " ".join(page.locator(f"{PROFILE} .pm-Cluster-ops th").all_inner_texts()))
+    link = page.locator(f"{PROFILE} a.pm-Cluster-traceLink")
+    expect(link).to_have_attribute("download", re.compile(r"^probing-profile-[0-9a-f]+\.json$"))
+    _shot(page, "#probing-cluster", out, "panel-profile.png")
+    # the link downloads the trace the server wrote: one process lane per rank
+    lanes = page.evaluate("""async (href) => {
+        const r = await fetch(href);
+        const trace = await r.json();
+        return trace.traceEvents.filter(e => e.ph === 'M' && e.name === 'process_name').map(e => e.pid);
+    }""", link.get_attribute("href"))
+    assert sorted(lanes) == [0, 1, 2, 3], lanes
+
+
+def _dumps_from_the_panel(page, out: Path, tmp_path: Path, conn_file: str, back_to: str) -> None:
+    """Add a job by its dumps: a bad directory is one line and nothing else changes; the dumps
+    show as an ended job, ranks as last seen, with the verdict; then back to ``back_to``."""
+    from playwright.sync_api import expect
+
+    import kernel_probe
+    from kernel_probe.postmortem.snapshot import snapshot
+
+    with kernel_probe.connect(conn_file, timeout=10, warm=False) as client:
+        run_dir, ranks, _ = snapshot(client, tmp_path / "dumps")
+    assert ranks == [0, 1, 2, 3]
+    select = page.locator("#probing-cluster .pm-Cluster-jobSelect")
+    page.click("#probing-cluster .pm-Cluster-add summary")
+    page.fill("#probing-cluster .pm-Cluster-addTarget", f"dump://{tmp_path / 'no-such-dir'}")
+    page.click("#probing-cluster .pm-Cluster-add button[type='submit']")
+    expect(page.locator("#probing-cluster .pm-Cluster-addMessage")).to_contain_text("no dumps at")
+    expect(select).to_have_value(back_to)
+    expect(page.locator("#probing-cluster .pm-Cluster-rank")).to_have_count(4)  # nothing else lost
+
+    page.fill("#probing-cluster .pm-Cluster-addTarget", f"dump://{run_dir}")
+    page.click("#probing-cluster .pm-Cluster-add button[type='submit']")
+    expect(page.locator("#probing-cluster .pm-Cluster-addMessage")).to_contain_text("added")
+    expect(select).to_have_value(re.compile(r"^dump-"))
+    ended = page.locator("#probing-cluster .pm-Cluster-ended [data-job-state='ended']")
+    expect(ended).to_contain_text("ended")
+    expect(page.locator("#probing-cluster .pm-Cluster-rank[data-state='alive']")).to_have_count(4)  # as last seen
+    expect(page.locator("#probing-cluster .pm-Cluster-verdict")).not_to_be_empty(timeout=20_000)
+    expect(page.locator(PROFILE)).to_have_count(0)  # an ended job cannot be profiled
+    _shot(page, "#probing-cluster", out, "panel-dumps.png")
+    page.select_option("#probing-cluster .pm-Cluster-jobSelect", back_to)
+    page.wait_for_selector("#probing-cluster .pm-Cluster-body[data-status='ready'] .pm-Cluster-rank[data-rank='0']")
+    expect(page.locator("#probing-cluster .pm-Cluster-ended")).to_have_count(0)
+
+
 STALL = str(Path(__file__).parent / "workers" / "stall_worker.py")
 # (name, base_url, the job's worker, a file on its ranks' main-thread stack). At the root: DDP
 # training, so steps and step-time bars show. Under the prefix: ranks whose main threads make no
@@ -233,6 +305,9 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                     expect(page.locator("#probing-cluster .pm-Cluster-rank[data-state='stalled']")).to_have_count(4)
                     _shot(page, "#probing-cluster", out, "panel-suspect.png")
 
+                if name == "root":  # training: profile it from the panel
+                    _profile_from_the_panel(page, out)
+
                 # the dark theme: the panel follows JupyterLab's CSS variables
                 page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', "
                               "{theme: 'JupyterLab Dark'})")
@@ -289,6 +364,12 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                 page.wait_for_selector("#probing-cluster .pm-Cluster-rank[data-rank='0']")
                 expect(page.locator("#probing-cluster")).to_be_visible()
                 expect(page.locator("#probing-cluster .pm-Cluster-jobSelect")).to_have_value(chosen)
+
+                if name == "root":  # an ended job, added by its dumps (a snapshot of this job)
+                    jobs = json.loads(urllib.request.urlopen(f"{lab.url}probing/api/jobs?token={TOKEN}",
+                                                             timeout=10).read())["jobs"]
+                    (conn_file,) = [j["target"] for j in jobs if j["source"] == "local"]
+                    _dumps_from_the_panel(page, out, tmp_path, conn_file, chosen)
 
                 # last (under DDP the others fail soon after, in their all-reduce): a rank dies and turns dead
                 # within about one poll (plus the root's pid watch)

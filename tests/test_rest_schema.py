@@ -36,12 +36,18 @@ def json_type(ts: str) -> str:
         return "number"
     if ts in ("true", "false"):
         return "boolean"
-    return ts  # an array or an object: never what a scalar field is sent as
+    if ts.endswith("[]"):
+        return "array"
+    if ts.startswith("{") or re.fullmatch(r"I[A-Z]\w*", ts):  # an inline object type or an interface
+        return "object"
+    return ts  # anything else: never what a field is sent as
 
 
 def test_interface_parser():
     ts = "export interface IX {\n  /** doc; with a semicolon */\n  a: number | null;\n  b?: 'x' | 'y';\n}\n"
     assert interface_fields(ts, "IX") == {"a": {"number", "null"}, "b": {"string"}}
+    ts = "export interface IY {\n  a: number[] | null;\n  b: IX;\n  c: { [rank: string]: string };\n  d: Foo;\n}\n"
+    assert interface_fields(ts, "IY") == {"a": {"array", "null"}, "b": {"object"}, "c": {"object"}, "d": {"Foo"}}
 
 
 def drifts(interface: str, expected: schema.Schema) -> list[str]:
@@ -56,6 +62,9 @@ def drifts(interface: str, expected: schema.Schema) -> list[str]:
 
 @pytest.mark.parametrize(("interface", "expected"), [
     ("IMember", schema.MEMBER), ("IDeparture", schema.DEPARTURE), ("IJob", schema.JOB),
+    ("IProfileState", schema.PROFILE_STATE), ("IProfileProgress", schema.PROFILE_PROGRESS),
+    ("IProfileResult", schema.PROFILE_RESULT), ("IProfileTrace", schema.PROFILE_TRACE),
+    ("IProfileError", schema.PROFILE_ERROR),
 ])
 def test_panel_interfaces_match_the_rest_schema(interface, expected):
     assert drifts(interface, expected) == []

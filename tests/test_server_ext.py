@@ -104,7 +104,7 @@ async def test_version(api):
 
     status, body = await api("GET", "version")
     assert status == 200
-    assert body == {"api": 1, "package": probing_magics.__version__, "protocol": kernel_probe.PROTOCOL_VERSION}
+    assert body == {"api": 2, "package": probing_magics.__version__, "protocol": kernel_probe.PROTOCOL_VERSION}
 
 
 async def test_every_route_refuses_requests_without_credentials(api, job):
@@ -114,7 +114,9 @@ async def test_every_route_refuses_requests_without_credentials(api, job):
                                ("GET", ("jobs", job_id), None), ("DELETE", ("jobs", job_id), None),
                                ("GET", ("jobs", job_id, "nodes"), None), ("GET", ("jobs", job_id, "stacks"), None),
                                ("POST", ("jobs", job_id, "query"), {"sql": "SELECT 1"}),
-                               ("POST", ("jobs", job_id, "profile"), {})]:
+                               ("POST", ("jobs", job_id, "profile"), {}), ("GET", ("jobs", job_id, "profile"), None),
+                               ("DELETE", ("jobs", job_id, "profile"), None),
+                               ("GET", ("jobs", job_id, "profile", "trace"), None)]:
         status, _ = await api(method, *path, body=body, auth=False)
         assert status == 403, (method, path, status)
 
@@ -211,20 +213,162 @@ async def test_bad_input_and_bad_sql_are_400(api, job):
         assert status == 400 and body["code"] == "bad_request", (bad, body)
 
 
+def _schema_drift(payload: dict, expected: schema.Schema) -> list[str]:
+    out = [f"{k}: not in the schema" for k in payload if k not in expected]
+    out += [f"{k}: missing" for k in expected if k not in payload]
+    out += [f"{k}: {json_type(v)} not in {expected[k]}" for k, v in payload.items()
+            if k in expected and json_type(v) not in expected[k]]
+    return out
+
+
+def _profile_state_drift(state: dict) -> list[str]:
+    """The capture's payload against the REST schema, nested parts too."""
+    out = _schema_drift(state, schema.PROFILE_STATE)
+    for part, expected in (("progress", schema.PROFILE_PROGRESS), ("result", schema.PROFILE_RESULT),
+                           ("error", schema.PROFILE_ERROR)):
+        if state.get(part) is not None:
+            out += [f"{part}.{d}" for d in _schema_drift(state[part], expected)]
+    trace = (state.get("result") or {}).get("trace")
+    if trace is not None:
+        out += [f"result.trace.{d}" for d in _schema_drift(trace, schema.PROFILE_TRACE)]
+    return out
+
+
+async def _capture_ended(api, job_id: str, timeout: float = 60) -> dict:
+    async def ended() -> dict | None:
+        status, state = await api("GET", "jobs", job_id, "profile")
+        assert status == 200 and _profile_state_drift(state) == [], state
+        return state if state["state"] != "running" else None
+
+    return await _until("the capture to end", ended, timeout)
+
+
 async def test_profile_route_names_ranks_that_do_not_step_and_refuses_bad_input(api, job):
     # this job's ranks never step: their captures stay armed until the deadline, then are cancelled
     job_id = await _local_job_id(api)
-    status, body = await api("POST", "jobs", job_id, "profile", body={"ranks": "0,3", "steps": 1, "timeout": 1})
-    assert status == 200, body
+    status, started = await api("POST", "jobs", job_id, "profile", body={"ranks": "0,3", "steps": 1, "timeout": 1})
+    assert status in (200, 202) and _profile_state_drift(started) == [], started
+    assert started["ranks"] == [0, 3] and started["steps"] == 1 and started["job_id"] == job_id
+    state = await _capture_ended(api, job_id)
+    assert state["state"] == "done" and state["error"] is None and state["ended"] >= state["started"], state
+    body = state["result"]
     assert body["ranks"] == [0, 3] and sorted(body["failed"]) == ["0", "3"], body
     assert all("did not finish 1 step(s)" in why for why in body["failed"].values()) and body["comparison"] is None
     assert {s["state"] for s in body["status"].values()} <= {"armed", "cancelled"}
+    assert body["trace"] is None  # no rank profiled: no trace to download
+    for params in (None, {"capture": body["capture_id"]}, {"capture": "../../../etc/passwd"}):
+        status, err = await api("GET", "jobs", job_id, "profile", "trace", params=params)
+        assert status == 404 and err["code"] == "no_trace", (params, err)
     status, rows = await api("POST", "jobs", job_id, "query",
                              body={"sql": f"SELECT _rank, state FROM profile_status WHERE capture_id = '{body['capture_id']}'"})
     assert status == 200 and sorted(r[1] for r in rows["rows"]) == ["cancelled", "cancelled"], rows  # none left armed
     for bad in [{"steps": 0}, {"steps": "2"}, {"ranks": "x"}, {"timeout": -1}, {"top": True}]:
         status, err = await api("POST", "jobs", job_id, "profile", body=bad)
         assert status == 400 and err["code"] == "bad_request", (bad, err)
+    status, err = await api("POST", "jobs", "nope", "profile", body={})
+    assert status == 404 and err["code"] == "unknown_job", err
+
+
+async def test_a_second_capture_while_one_runs_is_409_and_a_capture_can_be_cancelled(api, job):
+    job_id = await _local_job_id(api)
+    status, state = await api("GET", "jobs", job_id, "profile")
+    assert status == 200 and _profile_state_drift(state) == [], state
+    status, started = await api("POST", "jobs", job_id, "profile", body={"steps": 2, "timeout": 30})
+    assert status == 202 and started["state"] == "running", started
+    assert started["progress"] == {"finished": 0, "ranks": 4, "running": 0}, started  # armed, never stepping
+    status, err = await api("POST", "jobs", job_id, "profile", body={"steps": 1})
+    assert status == 409 and err["code"] == "busy", err
+    assert err["message"].startswith("a capture is already running in job ") and "one capture per job" in err["message"]
+    assert "\n" not in err["message"]
+    status, state = await api("DELETE", "jobs", job_id, "profile")
+    assert status == 200 and state["state"] == "cancelled" and state["result"] is None, state
+    status, err = await api("DELETE", "jobs", job_id, "profile")
+    assert status == 409 and err["code"] == "not_running", err
+    # the ranks were told: none is left armed
+
+    async def none_armed() -> bool | None:
+        status, rows = await api("POST", "jobs", job_id, "query", body={
+            "sql": "SELECT count(*) AS n FROM profile_status WHERE state IN ('armed', 'running')"})
+        assert status == 200, rows
+        return True if rows["rows"] == [[0]] else None
+
+    await _until("no rank armed", none_armed, 10)
+
+    # a capture started elsewhere (a notebook's Client.profile): the job refuses the server's in
+    # one line, and the job's last capture stays what GET shows
+    loop = asyncio.get_running_loop()
+    with kernel_probe.connect(token=TOKEN, timeout=5) as other:
+        elsewhere = loop.run_in_executor(None, lambda: other.profile(steps=1, timeout=4))
+
+        async def refused() -> dict | None:
+            status, err = await api("POST", "jobs", job_id, "profile", body={"steps": 1, "timeout": 2})
+            if status == 409:
+                return err
+            assert status in (200, 202), err  # before the other capture was armed: ours ran instead
+            await _capture_ended(api, job_id)
+            return None
+
+        err = await _until("a refusal from the job", refused, 20)
+        assert err["code"] == "busy" and err["message"].startswith("a capture is already running in this job"), err
+        status, state = await api("GET", "jobs", job_id, "profile")
+        assert status == 200 and state["state"] in ("cancelled", "done") and state["error"] is None, state
+        await elsewhere
+
+
+async def test_an_ended_job_added_by_its_dumps(api, job, tmp_path):
+    """dump://DIR: the dumps kernel_probe writes (here a snapshot of the live job) open as an
+    ended job: listed, never alive; its nodes as last seen; the same SQL answers; the verdict
+    runs over them; a profile is refused (it needs a running job); a bad directory is one line."""
+    from kernel_probe.postmortem.snapshot import snapshot
+
+    job_id = await _local_job_id(api)
+    with kernel_probe.connect(token=TOKEN, timeout=5) as client:
+        run_dir, ranks, failed = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: snapshot(client, tmp_path / "dumps"))
+    assert ranks == [0, 1, 2, 3] and failed == {}
+    (run_dir / "notes.txt").write_text("not a dump")  # a foreign file: named, the ranks still answer
+
+    before = await _listed(api)
+    for bad in (tmp_path / "nothing-here", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        status, err = await api("POST", "jobs", body={"target": f"dump://{bad}"})
+        assert status == 400 and err["code"] == "bad_request" and str(bad) in err["message"], err
+        assert "\n" not in err["message"]
+    assert await _listed(api) == before  # nothing lost
+
+    status, added = await api("POST", "jobs", body={"target": f"dump://{tmp_path / 'dumps'}"})
+    assert status == 201, added
+    assert added["source"] == "dump" and added["id"].startswith("dump-") and added["alive"] is False, added
+    assert added["target"] == f"dump://{run_dir.resolve()}" and added["world_size"] == 4
+    assert _schema_drift(added, schema.JOB) == []
+    status, listing = await api("GET", "jobs")
+    assert [j["id"] for j in listing["jobs"]] == [job_id, added["id"]]  # the ended job after the running one
+    status, again = await api("POST", "jobs", body={"target": f"dump://{run_dir}"})  # the same run: the same job
+    assert status == 201 and again["id"] == added["id"] and len((await api("GET", "jobs"))[1]["jobs"]) == 2
+
+    dump_id = added["id"]
+    status, nodes = await api("GET", "jobs", dump_id, "nodes")
+    assert status == 200 and _schema_drift(nodes, schema.NODES) == [], nodes
+    assert sorted(m["rank"] for m in nodes["members"]) == [0, 1, 2, 3]
+    assert {m["state"] for m in nodes["members"]} == {"alive"}  # as last seen, not "dead" by now
+    assert nodes["now"] <= time.time() and nodes["info"]["state"] == "ended"
+    sql = {"sql": "SELECT _rank, v FROM fast ORDER BY _rank"}
+    live, dumped = await api("POST", "jobs", job_id, "query", body=sql), await api("POST", "jobs", dump_id, "query",
+                                                                                  body=sql)
+    assert dumped[0] == 200 and dumped[1]["rows"] == live[1]["rows"] == [[0, 2], [1, 2], [2, 2], [3, 2]], dumped
+    assert dumped[1]["coverage"]["answered"] == [0, 1, 2, 3]
+    assert any("notes.txt" in n for n in dumped[1]["coverage"]["notes"]), dumped[1]["coverage"]
+    status, stacks = await api("GET", "jobs", dump_id, "stacks")
+    assert status == 200 and sorted(stacks["ranks"]) == ["0", "1", "2", "3"], stacks
+    status, verdict = await api("GET", "jobs", dump_id, "diagnose")
+    assert status == 200 and isinstance(verdict["summary"], str) and verdict["summary"], verdict
+    assert isinstance(verdict["healthy"], bool) and verdict["checked"]
+    status, err = await api("POST", "jobs", dump_id, "profile", body={"steps": 1})
+    assert status == 502 and err["code"] == "job_ended" and "needs a running job" in err["message"], err
+
+    assert (await api("DELETE", "jobs", dump_id))[0] == 204
+    assert (await api("GET", "jobs", dump_id, "nodes"))[0] == 404
+    assert await _listed(api) == before
 
 
 async def test_unknown_job_is_404(api, job):

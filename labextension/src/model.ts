@@ -15,10 +15,14 @@
  * while the panel is hidden or the browser tab is in the background.
  * While a rank of the shown job is stalled or dead, the verdict (why it is stuck) is asked
  * beside the poll, at most every VERDICT_EVERY_MS, and shown as a banner.
+ * A job added by its dumps (`dump://DIR`) has ended for good: its ranks are shown as last
+ * seen, and its verdict (who failed first, and why) is asked once.
+ * The shown job's profile captures are `profile`'s (a running job only).
  */
 import { IPoll, Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
+import { ProfileModel } from './profile';
 import {
   API_VERSION,
   ApiError,
@@ -52,6 +56,16 @@ const VERDICT_STATES = ['stalled', 'dead'];
 /** Whether the panel asks why the job is stuck: a rank is stalled or dead. */
 export function needsVerdict(nodes: INodes): boolean {
   return nodes.members.some(m => VERDICT_STATES.includes(m.state));
+}
+
+/** How a job is worded: running, ended (waiting for a relaunch), or ended and read from its dumps. */
+export type JobKind = 'running' | 'ended' | 'dumps';
+
+export function jobKind(job: IJob): JobKind {
+  if (job.source === 'dump') {
+    return 'dumps';
+  }
+  return job.alive === false ? 'ended' : 'running';
 }
 
 /** The states every summary lists (0 included), in this order; others follow as met. */
@@ -125,12 +139,16 @@ export interface IClusterModelOptions {
   intervalSeconds?: number;
   /** The server's routes; the real ones unless given. */
   api?: ProbingApi;
+  /** How often a running profile capture is looked at (ms). */
+  profilePollMs?: number;
 }
 
 export class ClusterModel {
   constructor(options: IClusterModelOptions = {}) {
     const intervalSeconds = options.intervalSeconds ?? 2;
     this._api = options.api ?? api;
+    this.profile = new ProfileModel(this._api, { pollMs: options.profilePollMs });
+    this.profile.changed.connect(() => this._changed.emit());
     this._poll = new Poll({
       auto: false,
       factory: () => this._tick(),
@@ -139,6 +157,9 @@ export class ClusterModel {
     });
     this.intervalSeconds = intervalSeconds; // set here: the constructor raises any max below 30 s to 30 s
   }
+
+  /** The shown job's profile captures (none for a job that ended). */
+  readonly profile: ProfileModel;
 
   /** Emitted whenever anything shown changed. */
   get changed(): ISignal<this, void> {
@@ -286,6 +307,7 @@ export class ClusterModel {
 
   dispose(): void {
     this._poll.dispose();
+    this.profile.dispose();
     Signal.clearData(this);
   }
 
@@ -331,6 +353,7 @@ export class ClusterModel {
         this._forgetJob();
         this._shown = job.id;
       }
+      void this.profile.show(jobKind(job) === 'running' ? job.id : null);
       try {
         const nodes = await this._api.nodes(job.id);
         if (choice !== this._choice) {
@@ -344,7 +367,7 @@ export class ClusterModel {
         this._nodes = nodes;
         this._updated = new Date();
         this._set('ready', '');
-        this._askVerdict(job.id, nodes);
+        this._askVerdict(job, nodes);
       } catch (error) {
         if (choice !== this._choice) {
           return;
@@ -379,9 +402,11 @@ export class ClusterModel {
     }
   }
 
-  /** Beside the poll (a verdict takes a few queries): never delays the membership's refresh. */
-  private _askVerdict(jobId: string, nodes: INodes): void {
-    if (!needsVerdict(nodes)) {
+  /** Beside the poll (a verdict takes a few queries): never delays the membership's refresh.
+   * An ended job's dumps do not change: their verdict is asked once. */
+  private _askVerdict(job: IJob, nodes: INodes): void {
+    const dumps = jobKind(job) === 'dumps';
+    if (!dumps && !needsVerdict(nodes)) {
       this._verdictDue = 0;
       if (this._verdict !== null) {
         this._verdict = null;
@@ -392,8 +417,9 @@ export class ClusterModel {
     if (this._verdictAsking || Date.now() < this._verdictDue) {
       return;
     }
+    const jobId = job.id;
     this._verdictAsking = true;
-    this._verdictDue = Date.now() + VERDICT_EVERY_MS;
+    this._verdictDue = dumps ? Infinity : Date.now() + VERDICT_EVERY_MS;
     const asked = this._verdictAsked;
     this._api
       .diagnose(jobId)
@@ -403,7 +429,11 @@ export class ClusterModel {
           this._changed.emit();
         }
       })
-      .catch(() => undefined) // the next due time asks again; the membership shows what is known
+      .catch(() => {
+        if (asked === this._verdictAsked) {
+          this._verdictDue = Date.now() + VERDICT_EVERY_MS; // asked again then; the membership shows what is known
+        }
+      })
       .finally(() => {
         if (asked === this._verdictAsked) {
           this._verdictAsking = false;
@@ -412,6 +442,7 @@ export class ClusterModel {
   }
 
   private _forgetJob(): void {
+    void this.profile.show(null); // a capture's answer belongs to its job
     this._verdictAsked++; // a verdict still on its way belongs to the job left
     this._verdictAsking = false;
     this._verdictDue = 0;

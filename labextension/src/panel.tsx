@@ -9,7 +9,8 @@ import { Panel, Widget } from '@lumino/widgets';
 import { CommandToolbarButton, LabIcon, ReactWidget, SidePanel, UseSignal } from '@jupyterlab/ui-components';
 import * as React from 'react';
 
-import { ClusterModel, IRankRow, rankGroups, stateCounts } from './model';
+import { ClusterModel, IRankRow, jobKind, rankGroups, stateCounts } from './model';
+import { DEFAULT_STEPS, ProfileModel } from './profile';
 import { IDeparture, IJob, INodes } from './request';
 
 // three nodes of two ranks; currentColor-free so JupyterLab's icon classes colour it per theme
@@ -42,7 +43,8 @@ function clock(epochSeconds: number): string {
 function jobLabel(job: IJob): string {
   const size = job.world_size === null ? '' : ` · ${job.world_size} ranks`;
   const where = job.source === 'added' ? ` · ${job.target}` : job.host ? ` · ${job.host}` : '';
-  const ended = job.alive === false ? ' · ended' : '';
+  const kind = jobKind(job);
+  const ended = kind === 'dumps' ? ' · ended (dumps)' : kind === 'ended' ? ' · ended' : '';
   return `${job.run_id ?? job.id}${size}${where}${ended}`;
 }
 
@@ -67,7 +69,7 @@ function JobChooser({ model }: { model: ClusterModel }): JSX.Element | null {
           ))}
         </select>
       </label>
-      {job?.source === 'added' && (
+      {(job?.source === 'added' || job?.source === 'dump') && (
         <button className="pm-Cluster-linkButton" onClick={() => void model.removeJob(job.id)}>
           forget
         </button>
@@ -97,11 +99,11 @@ function AddJobForm({ model }: { model: ClusterModel }): JSX.Element {
   };
   return (
     <details className="pm-Cluster-add">
-      <summary>Add a job by address</summary>
+      <summary>Add a job by address or by its dumps</summary>
       <form onSubmit={e => void submit(e)}>
         <input
           className="pm-Cluster-addTarget"
-          placeholder="tcp://host:port or store://host:port/run_id"
+          placeholder="tcp://host:port, store://host:port/run_id or dump://DIR"
           value={target}
           onChange={e => setTarget(e.currentTarget.value)}
         />
@@ -184,6 +186,125 @@ function RankRow(props: { row: IRankRow; selected: boolean; onSelect: () => void
         <span className={`pm-Cluster-ms${row.slow ? ' pm-slow' : ''}`}>{row.ms}</span>
       </td>
     </tr>
+  );
+}
+
+/** An ended job read from its dumps: said with its own word and shape, and when it was last seen. */
+function EndedJob({ nodes }: { nodes: INodes }): JSX.Element {
+  return (
+    <div className="pm-Cluster-ended">
+      <span className="pm-Cluster-jobState pm-job-ended" data-job-state="ended">
+        <span className="pm-Cluster-endedShape" aria-hidden="true" />
+        <span className="pm-Cluster-stateWord">ended</span>
+      </span>{' '}
+      post-mortem dumps · ranks as last seen at {clock(nodes.now)}
+    </div>
+  );
+}
+
+function ProfileResult({ profile }: { profile: ProfileModel }): JSX.Element | null {
+  const view = profile.view;
+  const url = profile.traceUrl;
+  if (view.phase !== 'done') {
+    return null;
+  }
+  return (
+    <div className="pm-Cluster-profileResult">
+      <div className="pm-Cluster-profileHeadline">{view.headline}</div>
+      {view.failed.map(line => (
+        <div key={line} className="pm-Cluster-profileFailed">
+          {line}
+        </div>
+      ))}
+      {view.rows.length > 0 && (
+        <table className="pm-Cluster-table pm-Cluster-ops">
+          <caption>top ops of the slowest rank next to the median rank's (self CPU)</caption>
+          <thead>
+            <tr>
+              {view.columns.map(c => (
+                <th key={c}>{c}</th>
+              ))}
+            </tr>
+          </thead>
+          <tbody>
+            {view.rows.map((row, i) => (
+              <tr key={i} className="pm-Cluster-op">
+                {row.map((cell, j) => (
+                  <td key={j} className={j === 0 ? 'pm-Cluster-opName' : 'pm-Cluster-opMs'} title={cell}>
+                    {cell}
+                  </td>
+                ))}
+              </tr>
+            ))}
+          </tbody>
+        </table>
+      )}
+      {view.trace && url && (
+        <div className="pm-Cluster-trace">
+          <a className="pm-Cluster-traceLink" href={url} download={view.trace.name}>
+            download the merged trace
+          </a>{' '}
+          ({view.trace.size}; open it in Perfetto or chrome://tracing)
+          {view.trace.note && <div className="pm-Cluster-traceNote">{view.trace.note}</div>}
+        </div>
+      )}
+    </div>
+  );
+}
+
+/** The Profile button of the shown job: steps and ranks asked, then progress, then the answer. */
+function Profile({ profile }: { profile: ProfileModel }): JSX.Element {
+  const [steps, setSteps] = React.useState(String(DEFAULT_STEPS));
+  const [ranks, setRanks] = React.useState('');
+  const view = profile.view;
+  const stepCount = Number(steps);
+  const valid = Number.isInteger(stepCount) && stepCount >= 1;
+  const start = (event: React.FormEvent) => {
+    event.preventDefault();
+    void profile.start({ steps: stepCount, ranks: ranks.trim() || null });
+  };
+  return (
+    <div className="pm-Cluster-profile" data-phase={view.phase}>
+      <form className="pm-Cluster-profileForm" onSubmit={start}>
+        <button type="submit" className="pm-Cluster-profileButton" disabled={!valid || profile.starting}>
+          Profile
+        </button>
+        <label>
+          steps{' '}
+          <input
+            className="pm-Cluster-profileSteps"
+            type="number"
+            min={1}
+            value={steps}
+            onChange={e => setSteps(e.currentTarget.value)}
+          />
+        </label>
+        <label>
+          ranks{' '}
+          <input
+            className="pm-Cluster-profileRanks"
+            placeholder="all"
+            value={ranks}
+            onChange={e => setRanks(e.currentTarget.value)}
+          />
+        </label>
+      </form>
+      {profile.error && <div className="pm-Cluster-profileError">{profile.error}</div>}
+      {(view.phase === 'starting' || view.phase === 'running') && (
+        <div className="pm-Cluster-profileProgress">
+          <progress max={100} value={view.percent} /> <span>profiling {view.progress}</span>{' '}
+          {view.phase === 'running' && (
+            <button className="pm-Cluster-linkButton" onClick={() => void profile.cancel()}>
+              cancel
+            </button>
+          )}
+        </div>
+      )}
+      {(view.phase === 'failed' || view.phase === 'cancelled') && (
+        <div className="pm-Cluster-profileFailed">{view.headline}</div>
+      )}
+      <ProfileResult profile={profile} />
+    </div>
   );
 }
 
@@ -278,6 +399,7 @@ function Stack({ model }: { model: ClusterModel }): JSX.Element | null {
 function ClusterBody({ model }: { model: ClusterModel }): JSX.Element {
   const nodes = model.nodes;
   const serverOk = !['starting', 'no-extension', 'server-gone'].includes(model.status);
+  const dumps = model.job !== null && jobKind(model.job) === 'dumps';
   return (
     <div className="pm-Cluster-body" data-status={model.status}>
       {serverOk && <JobChooser model={model} />}
@@ -292,12 +414,17 @@ function ClusterBody({ model }: { model: ClusterModel }): JSX.Element {
       )}
       {nodes && model.status === 'ready' && (
         <>
+          {dumps && <EndedJob nodes={nodes} />}
           <Summary nodes={nodes} updated={model.updated} />
-          {model.verdict && !model.verdict.healthy && (
-            <div className="pm-Cluster-verdict" title={model.verdict.checked.join('; ')}>
+          {model.verdict && (dumps || !model.verdict.healthy) && (
+            <div
+              className={`pm-Cluster-verdict${model.verdict.healthy ? ' pm-healthy' : ''}`}
+              title={model.verdict.checked.join('; ')}
+            >
               {model.verdict.summary}
             </div>
           )}
+          {model.profile.jobId !== null && <Profile profile={model.profile} />}
           <Nodes model={model} nodes={nodes} />
           <Stack model={model} />
         </>

@@ -10,7 +10,7 @@ import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
 /** The route shapes this panel understands; the server says which it serves. */
-export const API_VERSION = 1;
+export const API_VERSION = 2;
 
 export interface IVersion {
   api: number;
@@ -20,7 +20,8 @@ export interface IVersion {
 
 export interface IJob {
   id: string;
-  source: 'local' | 'added';
+  /** Running on the server's machine, added by address, or an ended job read from its dumps (`dump://DIR`). */
+  source: 'local' | 'added' | 'dump';
   target: string;
   run_id: string | null;
   endpoint: string | null;
@@ -142,6 +143,75 @@ export interface IVerdict {
   now: number;
 }
 
+/** What the Profile button asks: steps from each rank's next step end; ranks "0,2-3" (null: every rank). */
+export interface IProfileAsk {
+  steps: number;
+  ranks: string | null;
+}
+
+/** A running capture's last poll of its ranks. */
+export interface IProfileProgress {
+  finished: number;
+  ranks: number;
+  running: number;
+}
+
+/** The merged Chrome/Perfetto trace of a capture, to download (`api.traceUrl`). */
+export interface IProfileTrace {
+  name: string;
+  bytes: number;
+  /** What was cut to keep it under its cap ("" when nothing). */
+  note: string;
+}
+
+export type Cell = string | number | boolean | null;
+
+/** The slowest rank's top ops next to the median rank's: columns op, slowest_ms, median_ms, extra_ms. */
+export interface IProfileComparison {
+  columns: string[];
+  rows: { [column: string]: Cell }[];
+}
+
+/** A finished capture's answer. */
+export interface IProfileResult {
+  capture_id: string;
+  ranks: number[];
+  steps: number;
+  /** Each rank's capture as it reported it (state, steps, events, …). */
+  status: { [rank: string]: { [field: string]: Cell } };
+  /** Ranks without a profile, and why. */
+  failed: { [rank: string]: string };
+  slowest_rank: number | null;
+  median_rank: number | null;
+  comparison: IProfileComparison | null;
+  op_rows: number;
+  summary: string;
+  trace: IProfileTrace | null;
+  /** Each rank's clock offset from the root's, applied in the trace. */
+  offsets_ms: { [rank: string]: number };
+}
+
+/** Why a capture failed: what its start would have answered. */
+export interface IProfileError {
+  status: number;
+  code: string;
+  message: string;
+}
+
+/** GET/POST/DELETE jobs/<id>/profile: the job's running or last capture. */
+export interface IProfileState {
+  state: 'none' | 'running' | 'done' | 'failed' | 'cancelled';
+  job_id: string;
+  ranks: number[] | null;
+  steps: number | null;
+  started: number | null;
+  ended: number | null;
+  progress: IProfileProgress | null;
+  result: IProfileResult | null;
+  error: IProfileError | null;
+  now: number;
+}
+
 /** The Jupyter server did not answer (stopped, restarting, network down). */
 export class ServerGone extends Error {
   constructor(message: string) {
@@ -221,5 +291,23 @@ export const api = {
   nodes: (id: string): Promise<INodes> => request<INodes>(`jobs/${encodeURIComponent(id)}/nodes`),
   stacks: (id: string, ranks?: string): Promise<IStacks> =>
     request<IStacks>(`jobs/${encodeURIComponent(id)}/stacks`, {}, ranks ? `?ranks=${encodeURIComponent(ranks)}` : ''),
-  diagnose: (id: string): Promise<IVerdict> => request<IVerdict>(`jobs/${encodeURIComponent(id)}/diagnose`)
+  diagnose: (id: string): Promise<IVerdict> => request<IVerdict>(`jobs/${encodeURIComponent(id)}/diagnose`),
+  /** Start a capture (the answer comes once its ranks were asked; 409 while one runs). */
+  profile: (id: string, ask: IProfileAsk): Promise<IProfileState> =>
+    request<IProfileState>(`jobs/${encodeURIComponent(id)}/profile`, jsonPost(ask)),
+  profileState: (id: string): Promise<IProfileState> =>
+    request<IProfileState>(`jobs/${encodeURIComponent(id)}/profile`),
+  cancelProfile: (id: string): Promise<IProfileState> =>
+    request<IProfileState>(`jobs/${encodeURIComponent(id)}/profile`, { method: 'DELETE' }),
+  /** Where the browser downloads a capture's merged trace (the server's file of that capture). */
+  traceUrl: (id: string, captureId: string): string =>
+    URLExt.join(
+      ServerConnection.makeSettings().baseUrl,
+      'probing',
+      'api',
+      'jobs',
+      encodeURIComponent(id),
+      'profile',
+      'trace'
+    ) + `?capture=${encodeURIComponent(captureId)}`
 };

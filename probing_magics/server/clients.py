@@ -20,6 +20,9 @@ Each job's life (running, ended, relaunched, gone) is the server's own
 of the job the server last talked to (run id, root endpoint and pid) and counts a
 relaunch whenever a call answers from another launch, so the count and its one-line
 notice (``restarts``) survive the client being replaced in between.
+
+Ended jobs given as ``dump://DIR`` (their ranks' dumps) are the server's too
+(``dump_jobs``): listed after the others, never alive, answered from the files.
 """
 
 from __future__ import annotations
@@ -38,10 +41,14 @@ from kernel_probe.client.alive import root_alive
 from kernel_probe.client.lifecycle import GONE, Asked, Ended, JobLifecycle, Seen, Tick
 from kernel_probe.shell import connfile
 
+from .captures import ProfileCaptures
+from .dump_jobs import DumpJobs, is_dump_target
+
 T = TypeVar("T")
 
 ROOT_WATCH_SEC = 0.25  # how often the root's pid is checked while a request waits
 SLACK_SEC = 2.0  # beyond a call's own deadline, before the server gives up on it regardless
+CANCEL_GRACE_SEC = 3.0  # a cancelled call's own clean-up may take this long
 WAIT_FOR_RELAUNCH_SEC = 60.0  # an ended job nobody asked for this long is forgotten (its client closed)
 
 
@@ -59,6 +66,8 @@ class ClusterClients:
         self._connecting: dict[str, asyncio.Lock] = {}
         self._known: dict[str, Job] = {}  # each job asked for, as last seen running
         self._lives: dict[str, JobLifecycle] = {}  # per job asked for: its launch, relaunches, when last asked
+        self.dumps = DumpJobs(self._pool)
+        self.captures = ProfileCaptures()  # each job's running or last profile capture
 
     @property
     def registry(self) -> JobRegistry:
@@ -78,7 +87,7 @@ class ClusterClients:
                 waiting.append(dataclasses.replace(self._known[job_id], alive=False))
             else:
                 self.forget(job_id)
-        return jobs + waiting
+        return jobs + waiting + self.dumps.jobs()
 
     def _life(self, job_id: str) -> JobLifecycle:
         life = self._lives.get(job_id)
@@ -98,6 +107,9 @@ class ClusterClients:
     async def job(self, job_id: str) -> Job:
         """The job ``job_id`` (``kernel_probe.UnknownJob`` if there is none, nor one that ended
         and is still waited for)."""
+        dump = self.dumps.get(job_id)
+        if dump is not None:
+            return dump.job
         try:
             return await self._blocking(self.registry.get, job_id)
         except UnknownJob:
@@ -111,7 +123,10 @@ class ClusterClients:
         return (life.restarts, life.notice) if life is not None else (0, None)
 
     async def add(self, target: str, token: str | None, timeout: float) -> Job:
-        """Add a job by address (handshake on the pool); its token stays in this process."""
+        """Add a job by address (handshake on the pool; its token stays in this process), or an
+        ended job by its dumps (``dump://DIR``: ``ValueError`` when DIR holds none)."""
+        if is_dump_target(target):
+            return await self.dumps.add(target)
         try:
             job = await asyncio.wait_for(self._blocking(self.registry.add, target, token, timeout),
                                          timeout + SLACK_SEC)
@@ -123,6 +138,9 @@ class ClusterClients:
         return job
 
     async def remove(self, job_id: str) -> None:
+        self.captures.forget(job_id)
+        if self.dumps.remove(job_id):
+            return
         await self._blocking(self.registry.remove, job_id)
         self.forget(job_id)
 
@@ -142,6 +160,13 @@ class ClusterClients:
         """``await fn(client)`` for job ``job_id``; ``timeout`` is the deadline ``fn`` gives its request.
         Raises ``UnknownJob``, ``JobEndedError``, ``TimedOut``, ``ConnectError``, ``AuthError``,
         ``QueryFailed`` (all ``ProbeError``)."""
+        dump = self.dumps.get(job_id)
+        if dump is not None:  # read from files: nothing to watch, nothing that relaunches
+            try:
+                return await asyncio.wait_for(fn(dump), timeout + SLACK_SEC)  # type: ignore[arg-type]
+            except asyncio.TimeoutError:
+                raise TimedOut(f"the dumps of job {dump.job.run_id or job_id} did not answer within "
+                               f"{timeout + SLACK_SEC:g} s") from None
         job = await self.job(job_id)
         life = self._life(job.id)
         life.observe(Asked())
@@ -203,6 +228,10 @@ class ClusterClients:
             if watch is not None and watch in done:
                 raise self._ended(job)
             raise TimedOut(f"job {job.run_id or job.id} did not answer within {deadline:g} s")
+        except asyncio.CancelledError:  # the caller gave up: the work gets a moment to wind up
+            task.cancel()  # (a profile capture tells its ranks to stop)
+            await asyncio.wait({task}, timeout=CANCEL_GRACE_SEC)
+            raise
         finally:
             for t in (task, watch):
                 if t is not None and not t.done():
@@ -240,4 +269,6 @@ class ClusterClients:
     def close(self) -> None:
         for job_id in list(self._clients):
             self.forget(job_id)
+        self.dumps.close()
+        self.captures.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -4,11 +4,12 @@ Every handler is a jupyter_server ``APIHandler``: authenticated (token, cookie +
 and authorized (resource ``probing``; GET is "read", the rest "write"). Answers are
 JSON; errors are JSON ``{"message", "code"}`` (plus ``line``/``col`` for SQL) with
 a real status: 400 bad input or SQL, 403 refused, 404 unknown job, 409 a job of this
-machine cannot be removed, 502 unreachable or ended, 503 busy, 504 timed out.
+machine cannot be removed or a profile capture already runs, 502 unreachable or ended, 503 busy, 504 timed out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import time
@@ -20,16 +21,17 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
 import kernel_probe
-from kernel_probe.client import ANSWER_GRACE
+from kernel_probe.client import ANSWER_GRACE, ProfileBusy
 from kernel_probe.diagnosis.verdict import MIN_WAIT_SEC
 from kernel_probe.membership.view import membership_view
-from kernel_probe.summaries import group_stacks, parse_ranks, stacks_sql
+from kernel_probe.summaries import group_stacks, parse_ranks, ranks_label, stacks_sql
 
 from .. import __version__
+from .captures import FAILED, Capture
 from .clients import ClusterClients, TimedOut
 from .jsonsafe import json_safe, table_rows
 
-API_VERSION = 1  # bump when a route's shape changes; the panel checks it at start
+API_VERSION = 2  # bump when a route's shape changes; the panel checks it at start
 AUTH_RESOURCE = "probing"
 JOB_ID = r"(?P<job_id>[A-Za-z0-9._-]+)"
 MAX_TIMEOUT = 300.0
@@ -54,6 +56,8 @@ def api_error(exc: BaseException) -> ApiError:
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, ProfileBusy):
+        return ApiError(409, "busy", message)
     if isinstance(exc, kernel_probe.UnknownJob):
         return ApiError(404, "unknown_job", message)
     if isinstance(exc, kernel_probe.QueryFailed):
@@ -170,8 +174,9 @@ class JobsHandler(ProbingHandler):
     async def post(self) -> None:
         body = self.body()
         target, token = body.get("target"), body.get("token")
-        if not isinstance(target, str) or not target.strip().startswith(("tcp://", "store://")):
-            raise ApiError(400, "bad_request", "target must be an address: tcp://host:port or store://host:port[/run_id]")
+        if not isinstance(target, str) or not target.strip().startswith(("tcp://", "store://", "dump://")):
+            raise ApiError(400, "bad_request", "target must be an address: tcp://host:port or "
+                                               "store://host:port[/run_id], or an ended job's dumps: dump://DIR")
         if token is not None and not isinstance(token, str):
             raise ApiError(400, "bad_request", "token must be a string")
         job = await self.clients.add(target.strip(), token or None, _timeout(body.get("timeout"), 5.0))
@@ -191,7 +196,7 @@ class JobHandler(ProbingHandler):
     @json_errors
     async def delete(self, job_id: str) -> None:
         job = await self.clients.job(job_id)
-        if job.source != "added":
+        if job.source == "local":
             raise ApiError(409, "local_job", f"job {job_id} runs on this machine: it cannot be removed, only stopped")
         await self.clients.remove(job_id)
         self.set_status(204)
@@ -205,11 +210,12 @@ class NodesHandler(ProbingHandler):
     async def get(self, job_id: str) -> None:
         timeout = _timeout(self.get_query_argument("timeout", None), 5.0)
 
-        async def nodes(client: kernel_probe.AsyncClient) -> tuple[dict, dict]:
-            return await client.nodes_raw(timeout), dict(client.info_)
+        async def nodes(client: kernel_probe.AsyncClient) -> tuple[dict, dict, float | None]:
+            # an ended job's dumps: ages as of its last view (seen_at), not now
+            return await client.nodes_raw(timeout), dict(client.info_), getattr(client, "seen_at", None)
 
-        raw, info = await self.clients.call(job_id, nodes, timeout)
-        now = time.time()
+        raw, info, seen_at = await self.clients.call(job_id, nodes, timeout)
+        now = seen_at or time.time()
         view = membership_view(raw.get("members") or [], now)  # the members with ratio, bar, slow, age
         restarts, notice = self.clients.restarts(job_id)  # relaunches the server saw (same job id)
         self.reply(json_safe({
@@ -289,20 +295,65 @@ class DiagnoseHandler(ProbingHandler):
         self.reply(json_safe({**result.to_dict(), "healthy": result.healthy, "now": time.time()}))
 
 
+ARM_WAIT_SEC = 15.0  # a capture's start waits this long for its ranks' first answer (a refusal comes then)
+TRACE_CHUNK = 1 << 20
+
+
+def capture_dict(capture: Capture | None, job_id: str) -> dict:
+    """A capture as GET jobs/<id>/profile answers it (schema.PROFILE_STATE); state "none"
+    before the first one."""
+    if capture is None:
+        return {"state": "none", "job_id": job_id, "ranks": None, "steps": None, "started": None, "ended": None,
+                "progress": None, "result": None, "error": None, "now": time.time()}
+    error = None
+    if capture.error is not None:
+        try:
+            err = api_error(capture.error)
+            error = {"status": err.status, "code": err.code, "message": str(err)}
+        except Exception:  # not a failure the routes know: said as it is, in one line
+            text = str(capture.error).splitlines()[0] if str(capture.error) else ""
+            error = {"status": 500, "code": "internal", "message": f"{type(capture.error).__name__}: {text}"}
+    return json_safe({
+        "state": capture.state, "job_id": capture.job_id, "ranks": capture.ranks, "steps": capture.steps,
+        "started": capture.started, "ended": capture.ended, "progress": capture.progress,
+        "result": None if capture.result is None else _result_dict(capture), "error": error, "now": time.time()})
+
+
+def _result_dict(capture: Capture) -> dict:
+    result = capture.result
+    comparison = result.comparison.head(capture.top) if result.comparison is not None else None
+    trace = capture.trace_file()
+    return {
+        "capture_id": result.capture_id, "ranks": result.ranks, "steps": result.steps,
+        "status": {str(r): s for r, s in sorted(result.status.items())},
+        "failed": {str(r): why for r, why in sorted(result.failed.items())},
+        "slowest_rank": result.slowest_rank, "median_rank": result.median_rank,
+        "comparison": None if comparison is None else {
+            "columns": list(comparison.columns), "rows": comparison.to_dict(orient="records")},
+        "op_rows": len(result.ops), "summary": result.summary(),
+        "trace": None if trace is None else {"name": f"probing-profile-{result.capture_id}.json",
+                                             "bytes": trace.stat().st_size, "note": result.trace_note},
+        "offsets_ms": {str(r): ms for r, ms in sorted(result.offsets_ms.items())},
+    }
+
+
 class ProfileHandler(ProbingHandler):
-    """POST jobs/<id>/profile ``{"ranks", "steps", "timeout", "top"}``: torch.profiler on the
-    chosen ranks for N steps. Answers who was profiled (``status`` per rank, ``failed`` with
-    reasons), the slowest and median ranks and the top ops of one next to the other
-    (``comparison``: columns, rows). No trace file: a route must not write where a remote
-    caller names; the trace stays in each rank's ``profile_trace`` for SQL. 409 while
-    another capture runs in the job."""
+    """A profile capture of a job, run by the server: ``POST`` starts it (``{"ranks", "steps",
+    "timeout", "top"}``; 409 while one runs in the job), ``GET`` follows it (its state, progress,
+    then its answer: who was profiled, who failed why, the slowest rank's top ops next to the
+    median's, the merged trace to download from ``profile/trace``), ``DELETE`` cancels it."""
+
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def get(self, job_id: str) -> None:
+        await self.clients.job(job_id)  # 404 for a job the server does not know
+        self.reply(capture_dict(self.clients.captures.current(job_id), job_id))
 
     @tornado.web.authenticated
     @authorized
     @json_errors
     async def post(self, job_id: str) -> None:
-        from kernel_probe.client.profiles import ProfileBusy
-
         body = self.body()
         ranks = _ranks(body.get("ranks"))
         timeout = _timeout(body.get("timeout"), 60.0)
@@ -310,25 +361,77 @@ class ProfileHandler(ProbingHandler):
         for name, value in (("steps", steps), ("top", top)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ApiError(400, "bad_request", f"{name} must be a whole number >= 1")
+        job = await self.clients.job(job_id)
+        clients, captures = self.clients, self.clients.captures
+        running = captures.current(job_id)
+        if running is not None and running.running:
+            on = "every rank" if running.ranks is None else ranks_label(running.ranks)
+            raise ApiError(409, "busy", f"a capture is already running in job {job.run_id or job_id} "
+                                        f"({running.steps} step(s) on {on}, started "
+                                        f"{time.time() - running.started:.0f} s ago): one capture per job at a "
+                                        "time; wait for it to finish or cancel it")
 
-        async def profile(client: kernel_probe.AsyncClient) -> Any:
-            return await client.profile(ranks=ranks, steps=steps, timeout=timeout)
+        async def run(capture: Capture) -> Any:
+            def progress(p: dict) -> None:
+                capture.progress = dict(p)
+                capture.armed.set()
 
-        try:  # each poll and read is its own query: room for them past the capture's own deadline
-            result = await self.clients.call(job_id, profile, timeout + 30.0)
-        except ProfileBusy as exc:
-            raise ApiError(409, "busy", str(exc)) from None
-        comparison = result.comparison.head(top) if result.comparison is not None else None
-        self.reply(json_safe({
-            "capture_id": result.capture_id, "ranks": result.ranks, "steps": result.steps,
-            "status": {str(r): s for r, s in sorted(result.status.items())},
-            "failed": {str(r): why for r, why in sorted(result.failed.items())},
-            "slowest_rank": result.slowest_rank, "median_rank": result.median_rank,
-            "comparison": None if comparison is None else {
-                "columns": list(comparison.columns), "rows": comparison.to_dict(orient="records")},
-            "op_rows": len(result.ops), "summary": result.summary(),
-        }))
+            async def profile(client: kernel_probe.AsyncClient) -> Any:
+                return await client.profile(ranks=ranks, steps=steps, out=str(capture.trace_path), timeout=timeout,
+                                            on_progress=progress)
 
+            # each poll and read is its own query: room for them past the capture's own deadline
+            return await clients.call(job_id, profile, timeout + 30.0)
+
+        capture = captures.start(job_id, ranks, steps, top, run)
+        try:  # a refusal (another capture, unknown ranks, an ended job) comes before the first poll
+            await asyncio.wait_for(asyncio.shield(capture.armed.wait()), ARM_WAIT_SEC)
+        except asyncio.TimeoutError:
+            pass
+        if capture.state == FAILED and capture.error is not None:
+            captures.withdraw(capture)  # refused: what the job showed before stays
+            raise capture.error
+        self.set_status(202 if capture.running else 200)
+        self.reply(capture_dict(capture, job_id))
+
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def delete(self, job_id: str) -> None:
+        await self.clients.job(job_id)
+        capture = self.clients.captures.cancel(job_id)
+        if capture is None:
+            raise ApiError(409, "not_running", f"no capture is running in job {job_id}")
+        if capture.task is not None:  # its ranks are told to stop: a moment
+            await asyncio.wait({capture.task}, timeout=10.0)
+        self.reply(capture_dict(capture, job_id))
+
+
+class ProfileTraceHandler(ProbingHandler):
+    """GET jobs/<id>/profile/trace[?capture=ID]: the merged Chrome/Perfetto trace of the job's
+    last capture, as a download. The file is the one the server wrote for that capture (never
+    a path a caller names); 404 when there is none, or ``capture`` names an older one."""
+
+    @tornado.web.authenticated
+    @authorized
+    @json_errors
+    async def get(self, job_id: str) -> None:
+        await self.clients.job(job_id)
+        capture = self.clients.captures.current(job_id)
+        path = capture.trace_file() if capture is not None else None
+        wanted = self.get_query_argument("capture", None)
+        if path is None or (wanted and wanted != capture.result.capture_id):
+            raise ApiError(404, "no_trace", f"no trace of {'capture ' + wanted if wanted else 'a capture'} in job "
+                                            f"{job_id}: a newer capture replaced it, or none wrote one")
+        name = f"probing-profile-{capture.result.capture_id}.json"
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Content-Disposition", f'attachment; filename="{name}"')
+        loop = asyncio.get_running_loop()
+        with path.open("rb") as fh:
+            while chunk := await loop.run_in_executor(None, fh.read, TRACE_CHUNK):
+                self.write(chunk)
+                await self.flush()
+        self.finish()
 
 def setup_handlers(web_app: tornado.web.Application) -> ClusterClients:
     """Register the routes under the server's base_url; returns the server's job clients."""
@@ -345,5 +448,6 @@ def setup_handlers(web_app: tornado.web.Application) -> ClusterClients:
         (url_path_join(base, "jobs", JOB_ID, "stacks"), StacksHandler),
         (url_path_join(base, "jobs", JOB_ID, "diagnose"), DiagnoseHandler),
         (url_path_join(base, "jobs", JOB_ID, "profile"), ProfileHandler),
+        (url_path_join(base, "jobs", JOB_ID, "profile", "trace"), ProfileTraceHandler),
     ])
     return clients

@@ -1,10 +1,11 @@
 """The JSON payloads of the ``jobs`` and ``nodes`` routes, field by field, derived from
 the records they carry: a member as the membership declares it plus the membership
 view's fields, a departure, a job (``kernel_probe.Job``) plus the relaunches the server
-saw. The panel's TypeScript interfaces are checked against these (tests/test_rest_schema.py).
+saw, a profile capture as the server follows it. The panel's TypeScript interfaces are
+checked against these (tests/test_rest_schema.py).
 
 Each schema maps a field name to the JSON types its value can have: "number", "string",
-"boolean", "null".
+"boolean", "null", "array", "object".
 """
 
 from __future__ import annotations
@@ -35,6 +36,27 @@ NODES: Schema = {
     "epoch": ("number", "null"), "members": ("array",), "departures": ("array",), "suspects": ("array",),
     "now": ("number",), "restarts": ("number",), "restart_notice": ("string", "null"),
 }
+# GET/POST/DELETE jobs/<id>/profile: the job's running or last capture ("none" before the first);
+# its progress, then its answer (PROFILE_RESULT) or why it failed (PROFILE_ERROR)
+PROFILE_STATE: Schema = {
+    "state": ("string",), "job_id": ("string",), "ranks": ("array", "null"), "steps": ("number", "null"),
+    "started": ("number", "null"), "ended": ("number", "null"), "progress": ("object", "null"),
+    "result": ("object", "null"), "error": ("object", "null"), "now": ("number",),
+}
+# the capture's last poll of its ranks
+PROFILE_PROGRESS: Schema = {"finished": ("number",), "ranks": ("number",), "running": ("number",)}
+# a finished capture: who was profiled (status per rank), who failed why, the slowest rank's top
+# ops next to the median rank's (comparison: columns, rows), the merged trace (PROFILE_TRACE)
+PROFILE_RESULT: Schema = {
+    "capture_id": ("string",), "ranks": ("array",), "steps": ("number",), "status": ("object",),
+    "failed": ("object",), "slowest_rank": ("number", "null"), "median_rank": ("number", "null"),
+    "comparison": ("object", "null"), "op_rows": ("number",), "summary": ("string",),
+    "trace": ("object", "null"), "offsets_ms": ("object",),
+}
+# the merged trace, downloaded from GET jobs/<id>/profile/trace?capture=<capture_id>
+PROFILE_TRACE: Schema = {"name": ("string",), "bytes": ("number",), "note": ("string",)}
+# why a capture failed: what its start would have answered (status, code, one line)
+PROFILE_ERROR: Schema = {"status": ("number",), "code": ("string",), "message": ("string",)}
 
 
 
@@ -49,4 +71,5 @@ def json_type(value: object) -> str:
     return "string" if isinstance(value, str) else "array" if isinstance(value, (list, tuple)) else "object"
 
 
-__all__ = ["Schema", "MEMBER", "DEPARTURE", "JOB", "JOBS", "NODES", "json_type"]
+__all__ = ["Schema", "MEMBER", "DEPARTURE", "JOB", "JOBS", "NODES", "PROFILE_STATE", "PROFILE_PROGRESS",
+           "PROFILE_RESULT", "PROFILE_TRACE", "PROFILE_ERROR", "json_type"]

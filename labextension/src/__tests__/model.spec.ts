@@ -1,10 +1,18 @@
 /**
  * The panel's model on fixed payloads, with the server's routes replaced by a fake.
  */
-import { ClusterModel, MAX_BACKOFF_MS, VERDICT_EVERY_MS, needsVerdict, rankGroups, stateCounts } from '../model';
-import { ApiError, IJob, IMember, INodes, IStacks, IVerdict, ProbingApi, ServerGone } from '../request';
+import {
+  ClusterModel,
+  MAX_BACKOFF_MS,
+  VERDICT_EVERY_MS,
+  jobKind,
+  needsVerdict,
+  rankGroups,
+  stateCounts
+} from '../model';
+import { ApiError, IJob, IMember, INodes, IProfileState, IStacks, IVerdict, ProbingApi, ServerGone } from '../request';
 
-const VERSION = { api: 1, package: '0.1.0', protocol: 1 };
+const VERSION = { api: 2, package: '0.1.0', protocol: 1 };
 const VERDICT: IVerdict = {
   summary:
     'Collective #9 on group 0 [default_pg] (all_reduce, [136] float32): ranks 0-2 waiting 41 s; ' +
@@ -14,6 +22,19 @@ const VERDICT: IVerdict = {
   ],
   checked: ['membership of 4 ranks (4 alive)'],
   healthy: false,
+  now: 2000
+};
+
+const NO_CAPTURE: IProfileState = {
+  state: 'none',
+  job_id: 'A',
+  ranks: null,
+  steps: null,
+  started: null,
+  ended: null,
+  progress: null,
+  result: null,
+  error: null,
   now: 2000
 };
 
@@ -113,7 +134,11 @@ function fakeApi(jobs: IJob[] = [job('A')]): Fake {
     removeJob: jest.fn(async () => undefined),
     nodes: jest.fn(async (id: string) => nodes(id)),
     stacks: jest.fn(),
-    diagnose: jest.fn(async () => VERDICT)
+    diagnose: jest.fn(async () => VERDICT),
+    profile: jest.fn(),
+    profileState: jest.fn(async (id: string) => ({ ...NO_CAPTURE, job_id: id })),
+    cancelProfile: jest.fn(),
+    traceUrl: jest.fn((id: string, capture: string) => `/probing/api/jobs/${id}/profile/trace?capture=${capture}`)
   };
 }
 
@@ -191,6 +216,30 @@ describe('the verdict banner', () => {
     await settle();
     expect(model.job?.id).toBe('B');
     expect(model.verdict).toBeNull(); // A's verdict does not land under B, B's failed
+  });
+
+  it('is asked once for an ended job read from its dumps, although no rank is stalled or dead', async () => {
+    const dumps = job('dump-1', { source: 'dump', alive: false, target: 'dump:///d/run', endpoint: null, pid: null });
+    const api = fakeApi([job('A'), dumps]);
+    api.diagnose.mockRejectedValueOnce(new ApiError(504, 'timeout', 'slow')).mockResolvedValue(VERDICT);
+    const model = track(started(api, 'dump-1'));
+    await model.refresh();
+    await settle();
+    expect(jobKind(model.job!)).toBe('dumps');
+    expect(model.status).toBe('ready'); // its ranks as last seen, not "ended; waiting for a relaunch"
+    expect(api.diagnose).toHaveBeenCalledTimes(1);
+    expect(model.verdict).toBeNull(); // that one failed: asked again after VERDICT_EVERY_MS
+    const now = Date.now();
+    jest.spyOn(Date, 'now').mockReturnValue(now + VERDICT_EVERY_MS + 1);
+    await model.refresh();
+    await settle();
+    expect(api.diagnose).toHaveBeenCalledTimes(2);
+    expect(model.verdict?.summary).toBe(VERDICT.summary);
+    jest.spyOn(Date, 'now').mockReturnValue(now + 10 * VERDICT_EVERY_MS);
+    await model.refresh();
+    await settle();
+    expect(api.diagnose).toHaveBeenCalledTimes(2); // the dumps do not change: one verdict
+    expect(api.diagnose).toHaveBeenLastCalledWith('dump-1');
   });
 
   it('needs a stalled or dead rank', () => {
@@ -414,11 +463,11 @@ describe('a job that ends and is launched again', () => {
 describe('the server extension', () => {
   it('says plainly when it is missing or of another version', async () => {
     const api = fakeApi();
-    api.version.mockResolvedValueOnce({ ...VERSION, api: 2, package: '9.0.0' });
+    api.version.mockResolvedValueOnce({ ...VERSION, api: 3, package: '9.0.0' });
     const model = track(started(api));
     await model.refresh();
     expect(model.status).toBe('no-extension');
-    expect(model.message).toContain('API 2, package 9.0.0');
+    expect(model.message).toContain('API 3, package 9.0.0');
     expect(api.jobs).not.toHaveBeenCalled();
 
     api.version.mockRejectedValueOnce(new ApiError(404, 'no_route', '404 Not Found for version'));
@@ -534,5 +583,33 @@ describe('what the panel renders of a nodes answer', () => {
       ['stalled', 0],
       ['dead', 0]
     ]);
+  });
+});
+
+describe('jobs and their profile captures', () => {
+  it('words a job as running, ended (waiting for a relaunch) or read from its dumps', () => {
+    expect(jobKind(job('A'))).toBe('running');
+    expect(jobKind(job('A', { alive: null, source: 'added' }))).toBe('running');
+    expect(jobKind(job('A', { alive: false }))).toBe('ended');
+    expect(jobKind(job('d', { source: 'dump', alive: false }))).toBe('dumps');
+  });
+
+  it('shows the captures of a running job only, and those of the job shown', async () => {
+    const dumps = job('dump-1', { source: 'dump', alive: false });
+    const api = fakeApi([job('A'), job('B'), dumps]);
+    const model = track(started(api, 'A'));
+    await model.refresh();
+    await settle();
+    expect(model.profile.jobId).toBe('A');
+    expect(api.profileState).toHaveBeenLastCalledWith('A');
+    model.choose('dump-1');
+    await model.refresh();
+    await settle();
+    expect(model.profile.jobId).toBeNull(); // an ended job cannot be profiled: no button
+    model.choose('B');
+    await model.refresh();
+    await settle();
+    expect(model.profile.jobId).toBe('B');
+    expect(api.profileState).toHaveBeenCalledTimes(2);
   });
 });

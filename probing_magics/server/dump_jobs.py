@@ -1,0 +1,151 @@
+"""The ended jobs the server was given as ``dump://DIR`` (their ranks' post-mortem dumps).
+
+``kernel_probe.connect("dump://DIR")`` reads the dumps in this process (a blocking client
+that answers the same SQL as the live job would have). Here each such job gets a
+``Job`` record (source ``dump``, never alive) and a ``DumpJobClient``: the dump client's
+calls, awaited the way the routes await a live job's ``AsyncClient``, each run on the
+server's thread pool (Parquet reads and DuckDB must not block the event loop), one at a
+time per job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import threading
+import time
+from concurrent.futures import Executor
+from typing import Any, Callable, TypeVar
+
+import kernel_probe
+from kernel_probe import Job, JobEndedError
+
+T = TypeVar("T")
+
+SCHEME = "dump://"
+SOURCE = "dump"
+
+
+def is_dump_target(target: str) -> bool:
+    return target.startswith(SCHEME)
+
+
+class _NoRows:
+    """The answer over a table no dump holds: no rows, with the coverage of the other queries."""
+
+    def __init__(self, coverage: dict) -> None:
+        import pandas as pd
+
+        self.df = pd.DataFrame()
+        self.coverage = coverage
+
+
+class DumpJobClient:
+    """One dump job's client as the routes use it: ``info_``, ``seen_at`` (when its membership
+    was last seen: ages are computed at it) and the awaited calls."""
+
+    def __init__(self, job: Job, dumps: Any, pool: Executor) -> None:
+        self.job = job
+        self._dumps = dumps
+        self._pool = pool
+        self._lock = threading.Lock()  # one call at a time: the dump client's query engine is one
+
+    @property
+    def info_(self) -> dict:
+        return self._dumps.info_
+
+    @property
+    def seen_at(self) -> float | None:
+        return self._dumps.seen_at
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        def locked() -> T:
+            with self._lock:
+                return fn(*args, **kw)
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, locked)
+
+    async def nodes_raw(self, timeout: float = 5.0) -> dict:
+        return await self._run(self._dumps.nodes_raw, timeout)
+
+    async def query(self, sql: str, **kw: Any) -> Any:
+        return await self._run(self._dumps.query, sql, **kw)
+
+    async def diagnose(self, timeout: float = 10.0, min_wait: float | None = None) -> Any:
+        return await self._run(self._diagnose, timeout, min_wait)
+
+    def _diagnose(self, timeout: float, min_wait: float | None) -> Any:
+        from kernel_probe.client import diagnose as diagnosis
+
+        min_wait = diagnosis.MIN_WAIT_SEC if min_wait is None else min_wait
+        own = getattr(self._dumps, "diagnose", None)
+        if own is not None:  # the dump reader's own verdict (it also reads why each rank ended)
+            return own(timeout=timeout, min_wait=min_wait)
+        # the verdict's queries as a live client asks them, over the dumps, at the time they were written
+        members = self._dumps.nodes_raw(timeout)
+        stacks = self._dumps.query(diagnosis.STACKS_SQL, timeout=timeout)
+        try:
+            groups = self._dumps.query(diagnosis.GROUPS_SQL, timeout=timeout)
+        except kernel_probe.QueryFailed as exc:
+            if not str(exc).startswith("no rank has a table named"):
+                raise
+            groups = _NoRows(stacks.coverage)  # a job without process groups: its dumps hold none
+        asked = diagnosis.entries_query(groups.df.to_dict("records"))
+        entries = None if asked is None else self._dumps.query(asked[0], timeout=timeout, params=asked[1])
+        now = self._dumps.seen_at or time.time()
+        return diagnosis.build(members, groups, entries, stacks, now, min_wait)
+
+    async def profile(self, *args: Any, **kw: Any) -> Any:
+        raise JobEndedError(f"job {self.job.run_id or self.job.id} has ended (read from its dumps): "
+                            "a profile needs a running job")
+
+    def close(self) -> None:
+        self._dumps.close()
+
+
+class DumpJobs:
+    """The dump jobs added to this server, by job id (``dump-<digest of the run directory>``)."""
+
+    def __init__(self, pool: Executor) -> None:
+        self._pool = pool
+        self._clients: dict[str, DumpJobClient] = {}
+
+    async def add(self, target: str) -> Job:
+        """Open ``dump://DIR``; ``ValueError`` (one line) when DIR holds no dump this reader can read.
+        Adding the same run again reads it anew."""
+        loop = asyncio.get_running_loop()
+        try:
+            dumps = await loop.run_in_executor(self._pool, functools.partial(kernel_probe.connect, target))
+        except kernel_probe.ConnectError as exc:
+            raise ValueError(str(exc).splitlines()[0]) from None
+        if not dumps.dumps:
+            problems = dumps.info_.get("problems") or []
+            dumps.close()
+            raise ValueError(f"no readable dump in {dumps.run_dir}" + (f": {problems[0]}" if problems else ""))
+        run_dir = str(dumps.run_dir.resolve())
+        job = Job(id="dump-" + hashlib.sha256(run_dir.encode()).hexdigest()[:12], source=SOURCE,
+                  target=SCHEME + run_dir, run_id=dumps.run_id, endpoint=None, world_size=dumps.world_size,
+                  alive=False, added=time.time())
+        old = self._clients.pop(job.id, None)
+        if old is not None:
+            old.close()
+        self._clients[job.id] = DumpJobClient(job, dumps, self._pool)
+        return job
+
+    def jobs(self) -> list[Job]:
+        """Newest added first."""
+        return sorted((c.job for c in self._clients.values()), key=lambda j: j.added or 0.0, reverse=True)
+
+    def get(self, job_id: str) -> DumpJobClient | None:
+        return self._clients.get(job_id)
+
+    def remove(self, job_id: str) -> bool:
+        client = self._clients.pop(job_id, None)
+        if client is not None:
+            client.close()
+        return client is not None
+
+    def close(self) -> None:
+        for job_id in list(self._clients):
+            self.remove(job_id)
