@@ -590,7 +590,9 @@ def diagnose(nodes: Sequence[Mapping[str, Any]], process_groups: Sequence[Mappin
     silent = sorted(set(ranks_seen) - set(recorded)) if groups else []
     if silent:
         checked.append(f"no recorder status from {ranks_text(silent)}")
-    checked.append(f"main-thread stacks of {ranks_text(at) if at else 'no rank'}")
+    with_native = [r for r, place in at.items() if place.native]
+    checked.append(f"main-thread stacks of {ranks_text(at) if at else 'no rank'}"
+                   + (f" (native frames of {ranks_text(with_native)})" if with_native else ""))
     summary = _summary(findings)
     return Verdict(summary, tuple(findings), tuple(checked))
 
