@@ -23,7 +23,6 @@ The group's collective timeout is --timeout-sec, so a hung job ends by itself.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import time
 
@@ -33,15 +32,9 @@ from torch import nn
 
 
 def stuck_in_c(seconds: float) -> None:
+    import ctypes
+
     ctypes.CDLL(None).poll(None, 0, int(seconds * 1000))  # ctypes releases the GIL: the probe still answers
-
-
-def fetch_next_batch(rank: int, late: str | None, late_sec: float) -> torch.Tensor:
-    if late == "python":
-        time.sleep(late_sec)  # the data loader of this rank is stuck
-    elif late == "native":
-        stuck_in_c(late_sec)
-    return torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
 
 
 def skip_the_group(late_sec: float) -> None:
@@ -50,6 +43,14 @@ def skip_the_group(late_sec: float) -> None:
 
 def hold(seconds: float) -> None:
     time.sleep(seconds)  # the job goes on (an evaluation, say) while the test looks at it
+
+
+def fetch_next_batch(rank: int, late: str | None, late_sec: float) -> torch.Tensor:
+    if late == "python":
+        time.sleep(late_sec)  # the data loader of this rank is stuck
+    elif late == "native":
+        stuck_in_c(late_sec)
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
 
 
 def main() -> None:
