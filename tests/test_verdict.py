@@ -159,6 +159,11 @@ def test_every_rank_in_one_old_collective_is_waiting_but_a_lagging_sender_is_not
     assert (stalled.kind, stalled.ranks) == ("stalled", (1,))
     assert (waiting.kind, waiting.ranks, waiting.group, waiting.seq) == ("waiting", (0, 1), "1", 3)
     assert "entered it 20 s ago and none completed it" in waiting.detail
+    recv = native(0, ("pthread_cond_wait", "libc.so.6"), ("gloo::transport::tcp::UnboundBuffer::waitRecv", "libtorch_cpu.so"),
+                  ("c10d::ProcessGroupGloo::recv", "libtorch_cpu.so"))
+    (waiting, _stalled) = v.diagnose(nodes, pgs, coll, recv, T0).findings
+    assert waiting.evidence.endswith("; rank 0 waits in gloo::transport::tcp::UnboundBuffer::waitRecv (libtorch_cpu.so) "
+                                     "(native stack)")
     pgs[1]["last_completed"] = 3  # gloo's sender may lag: one rank done means it is not a hang
     assert [f.kind for f in v.diagnose(nodes, pgs, coll, [], T0).findings] == ["stalled"]
 

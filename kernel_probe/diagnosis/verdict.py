@@ -538,8 +538,10 @@ def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], st
               f"({call_text(first.get('op'), first.get('input_sizes'), first.get('input_dtypes'))}): "
               f"{ranks_text(ranks)} entered it {seconds_text(now - min(created))} ago and none completed it — "
               f"{_where(ranks, at)}")
-    return [Finding("waiting", ranks, g.name, seq, detail,
-                    f"last enqueued {top}, last completed below it on every rank of group {g.name}")]
+    evidence = f"last enqueued {top}, last completed below it on every rank of group {g.name}"
+    if native := _native_waits(ranks, at):
+        evidence += f"; {native}"
+    return [Finding("waiting", ranks, g.name, seq, detail, evidence)]
 
 
 # ---------------------------------------------------------------- the verdict
