@@ -114,6 +114,9 @@ def test_a_mismatched_size_or_dtype(field, value, what):
     assert (f.kind, f.ranks, f.seq) == ("mismatch", (1,), 5)
     assert f"mismatched {what} —" in f.detail
     assert ("[999] float32" if what == "size" else "[1000] float16") in f.detail
+    assert f.evidence.endswith("; pending on ranks 0-2")
+    done = v.diagnose(alive(0, 1, 2), [group(r, "0", 5, 5) for r in range(3)], coll, [], T0).findings[0]
+    assert done.evidence.endswith("; completed on ranks 0-2")  # a wrong answer rather than a hang
 
 
 def test_sizes_of_ops_whose_inputs_may_differ_are_not_compared():

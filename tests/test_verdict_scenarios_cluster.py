@@ -60,7 +60,7 @@ def test_a_rank_calling_the_op_with_another_size_or_dtype_is_the_mismatch(launch
                                     f"ranks 0-2 call all_reduce, [10] float32; rank 3 calls {odd_call} — "
                                     f"rank 3 is in hold (ddp_hang_worker.py:"), row["detail"]
     assert row["evidence"] == (f"flight recorder entries at collective_seq_id {row['seq']} of group 0; "
-                               "culprit: rank 3 (differ from the most common call)")
+                               "culprit: rank 3 (differ from the most common call); completed on ranks 0-3")
     assert result.summary.startswith(f"Collective #{row['seq']} on group 0 [default_pg]: mismatched {scenario}")
     # gloo did not stop it: the same byte count on every rank, every rank went on to `hold`
     assert "hang worker rank=3: " not in job.output(3)

@@ -510,8 +510,22 @@ def _mismatch(g: _Group, at: Mapping[int, Place]) -> list[Finding]:
             detail += f" — {_where(culprits, at)}"
         evidence = (f"flight recorder entries at collective_seq_id {seq} of group {g.name}; "
                     f"culprit{'s' if len(culprits) > 1 else ''}: {ranks_text(culprits)} (differ from the most common call)")
+        if done := _completed(g, calls):
+            evidence += f"; {done}"
         return [Finding("mismatch", culprits, g.name, seq, detail, evidence)]
     return []
+
+
+def _completed(g: _Group, calls: Mapping[int, Mapping]) -> str:
+    """Whether the ranks' status says they completed their calls: a mismatch that completed
+    (the same byte count on every rank, say) gave a wrong answer instead of a hang."""
+    done, pending = [], []
+    for rank, row in calls.items():
+        number, (_enq, completed) = _int(row.get("op_id")), g.status.get(rank, (None, None))
+        if number is not None and completed is not None:
+            (done if completed >= number else pending).append(rank)
+    parts = ([f"completed on {ranks_text(done)}"] if done else []) + ([f"pending on {ranks_text(pending)}"] if pending else [])
+    return ", ".join(parts)
 
 
 def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], stalled: set[int]
