@@ -67,7 +67,7 @@ def test_a_rank_calling_the_op_with_another_size_or_dtype_is_the_mismatch(launch
 
 
 def test_a_member_skipping_a_subgroup_s_collective_is_named_with_that_group(launch):
-    job, root = _start(launch, "subgroup", NATIVE)
+    _job, root = _start(launch, "subgroup", NATIVE)
     result = _until(root, lambda rows: {r["group"] for r in rows if r["kind"] == "missing"} == {"0", "1"},
                     "a missing rank on group 1 and on group 0", native=True)
     first, then = result.findings.to_dict("records")
@@ -105,7 +105,7 @@ def test_a_dead_rank_is_what_the_others_wait_for(launch):
 
 
 def test_a_rank_stuck_in_c_is_named_by_its_native_frame(launch):
-    job, root = _start(launch, "native", NATIVE)
+    _job, root = _start(launch, "native", NATIVE)
     result = _until(root, lambda rows: any(r["kind"] == "missing" for r in rows), "rank 3 missing", native=True)
     row = _row(result, "missing", "0")
     assert (row["ranks"], row["group"]) == ([3], "0") and row["seq"] > 0, result.text()

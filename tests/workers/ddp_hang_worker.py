@@ -92,12 +92,10 @@ def main() -> None:
                 tensor = torch.ones(2, 5) if args.scenario == "size" else torch.ones(10, dtype=torch.int32)
             dist.all_reduce(tensor)
             hold(args.late_sec)
-        elif args.scenario == "subgroup":
-            if rank != 0:
-                if odd:
-                    skip_the_group(args.late_sec)
-                else:
-                    dist.all_reduce(torch.ones(10), group=subgroup)
+        elif args.scenario == "subgroup" and odd:
+            skip_the_group(args.late_sec)
+        elif args.scenario == "subgroup" and rank != 0:  # rank 0 is no member: it goes on to the barrier
+            dist.all_reduce(torch.ones(10), group=subgroup)
         dist.barrier()
     except Exception as exc:  # the group's timeout: the hang ends the job
         print(f"hang worker rank={rank}: {type(exc).__name__}", flush=True)
