@@ -87,7 +87,8 @@ def test_a_member_skipping_a_subgroup_s_collective_is_named_with_that_group(laun
 
 def test_a_dead_rank_is_what_the_others_wait_for(launch):
     job, root = _start(launch, "late", FAST)
-    late = _until(root, lambda rows: any(r["kind"] == "missing" for r in rows), "rank 3 late")
+    late = _until(root, lambda rows: any(r["kind"] == "missing" and "fetch_next_batch" in r["detail"] for r in rows),
+                  "rank 3 late in fetch_next_batch")  # not a rank slow to start, missing from DDP's first call
     seq = _row(late, "missing", "0")["seq"]
     job.freeze(3)  # torchrun would end the job if it died: frozen, it stops answering
     frozen = time.monotonic()
@@ -106,7 +107,8 @@ def test_a_dead_rank_is_what_the_others_wait_for(launch):
 
 def test_a_rank_stuck_in_c_is_named_by_its_native_frame(launch):
     _job, root = _start(launch, "native", NATIVE)
-    result = _until(root, lambda rows: any(r["kind"] == "missing" for r in rows), "rank 3 missing", native=True)
+    result = _until(root, lambda rows: any(r["kind"] == "missing" and "stuck_in_c" in r["detail"] for r in rows),
+                    "rank 3 missing, in stuck_in_c", native=True)
     row = _row(result, "missing", "0")
     assert (row["ranks"], row["group"]) == ([3], "0") and row["seq"] > 0, result.text()
     assert "(all_reduce, [136] float32): ranks 0-2 waiting" in row["detail"], row["detail"]
