@@ -1,8 +1,8 @@
 """More hangs of a real torchrun job (2 nodes x 2 ranks, gloo, DDP) and the verdict on each:
 the culprit rank, the group, the op and the place, in the sentence and in the findings rows.
 
-- another tensor size or dtype at the same sequence number (the same byte count: gloo
-  completes the call with a wrong answer; a byte count that differs aborts the job in gloo);
+- another tensor size, and another dtype, at the same sequence number (the same byte count:
+  gloo completes the call with a wrong answer; a byte count that differs aborts the job in gloo);
 - a subgroup (``new_group`` of ranks 1-3) whose collective one member skips;
 - a rank frozen (SIGSTOP) while the others wait for it: dead once its TTL is up;
 - a rank stuck in C (libc's ``poll``): with native stacks its native frame is its place, and
@@ -49,19 +49,23 @@ def _row(result, kind: str, group: str) -> dict:
     return row
 
 
-@pytest.mark.parametrize("scenario,odd_call", [("size", "all_reduce, [2, 5] float32"),
-                                               ("dtype", "all_reduce, [10] int32")])
-def test_a_rank_calling_the_op_with_another_size_or_dtype_is_the_mismatch(launch, scenario, odd_call):
-    job, root = _start(launch, scenario, FAST)
-    result = _until(root, lambda rows: any(r["kind"] == "mismatch" for r in rows), "a mismatch")
-    row = _row(result, "mismatch", "0")
-    assert (row["ranks"], row["group"]) == ([3], "0") and row["seq"] > 0, result.text()
-    assert row["detail"].startswith(f"collective #{row['seq']} on group 0 [default_pg]: mismatched {scenario} — "
-                                    f"ranks 0-2 call all_reduce, [10] float32; rank 3 calls {odd_call} — "
-                                    f"rank 3 is in hold (ddp_hang_worker.py:"), row["detail"]
-    assert row["evidence"] == (f"flight recorder entries at collective_seq_id {row['seq']} of group 0; "
-                               "culprit: rank 3 (differ from the most common call); completed on ranks 0-3")
-    assert result.summary.startswith(f"Collective #{row['seq']} on group 0 [default_pg]: mismatched {scenario}")
+def test_a_rank_calling_the_op_with_another_size_or_dtype_is_the_mismatch(launch):
+    """One job: another size on the default group, then another dtype on a second group."""
+    job, root = _start(launch, "size", FAST)
+    result = _until(root, lambda rows: {r["group"] for r in rows if r["kind"] == "mismatch"} == {"0", "1"},
+                    "a mismatch on group 0 and on group 1")
+    size, dtype = _row(result, "mismatch", "0"), _row(result, "mismatch", "1")
+    assert (size["ranks"], dtype["ranks"], dtype["seq"]) == ([3], [3], 1) and size["seq"] > 0, result.text()
+    assert size["detail"].startswith(f"collective #{size['seq']} on group 0 [default_pg]: mismatched size — "
+                                     "ranks 0-2 call all_reduce, [10] float32; rank 3 calls all_reduce, [2, 5] float32 — "
+                                     "rank 3 is in hold (ddp_hang_worker.py:"), size["detail"]
+    assert dtype["detail"].startswith("collective #1 on group 1 (ranks 0-3): mismatched dtype — ranks 0-2 call "
+                                      "all_reduce, [10] float32; rank 3 calls all_reduce, [10] int32 — "
+                                      "rank 3 is in hold (ddp_hang_worker.py:"), dtype["detail"]
+    for row in (size, dtype):
+        assert row["evidence"] == (f"flight recorder entries at collective_seq_id {row['seq']} of group {row['group']}; "
+                                   "culprit: rank 3 (differ from the most common call); completed on ranks 0-3")
+    assert result.summary.startswith(f"Collective #{size['seq']} on group 0 [default_pg]: mismatched size")
     # gloo did not stop it: the same byte count on every rank, every rank went on to `hold`
     assert "hang worker rank=3: " not in job.output(3)
 

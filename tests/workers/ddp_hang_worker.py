@@ -9,10 +9,11 @@ by --scenario (the odd rank is the last one):
   ctypes, the GIL released): its Python stack ends at the call, only its native frames say where;
 - ``mismatch``: the odd rank calls broadcast where the others call all_reduce, at the same
   sequence number of the default group; every rank then blocks until the group's timeout;
-- ``size`` / ``dtype``: the odd rank calls all_reduce with a [2, 5] tensor (``size``) or an
-  int32 one (``dtype``) where the others pass [10] float32. Both have the others' byte count,
-  so gloo completes the call with a wrong answer (a byte count that differs aborts the job in
-  gloo: "Received data size doesn't match expected size"); every rank then holds in ``hold``;
+- ``size``: the odd rank calls all_reduce with a [2, 5] tensor where the others pass [10]
+  float32 (on the default group), then with an int32 one where they pass float32 (on a second
+  group of every rank). Each has the others' byte count, so gloo completes the call with a
+  wrong answer (a byte count that differs aborts the job in gloo: "Received data size doesn't
+  match expected size"); every rank then holds in ``hold``;
 - ``subgroup``: every rank makes a group of ranks 1..N-1 with ``new_group``; its members but the
   odd rank all_reduce on it, the odd rank skips it (``skip_the_group`` sleeps --late-sec), and
   rank 0, not a member, waits in the default group's barrier.
@@ -55,7 +56,7 @@ def fetch_next_batch(rank: int, late: str | None, late_sec: float) -> torch.Tens
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--scenario", choices=("late", "native", "mismatch", "size", "dtype", "subgroup"), required=True)
+    p.add_argument("--scenario", choices=("late", "native", "mismatch", "size", "subgroup"), required=True)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--late-sec", type=float, default=60.0)
     p.add_argument("--timeout-sec", type=float, default=60.0)
@@ -67,6 +68,7 @@ def main() -> None:
     model = nn.parallel.DistributedDataParallel(nn.Linear(16, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     subgroup = dist.new_group(list(range(1, world))) if args.scenario == "subgroup" else None
+    everyone = dist.new_group() if args.scenario == "size" else None
 
     def step(late: str | None = None) -> None:
         x = fetch_next_batch(rank, late, args.late_sec)
@@ -86,11 +88,9 @@ def main() -> None:
                 dist.broadcast(tensor, src=0)
             else:
                 dist.all_reduce(tensor)
-        elif args.scenario in ("size", "dtype"):
-            tensor = torch.ones(10)
-            if odd:
-                tensor = torch.ones(2, 5) if args.scenario == "size" else torch.ones(10, dtype=torch.int32)
-            dist.all_reduce(tensor)
+        elif args.scenario == "size":
+            dist.all_reduce(torch.ones(2, 5) if odd else torch.ones(10))
+            dist.all_reduce(torch.ones(10, dtype=torch.int32 if odd else torch.float32), group=everyone)
             hold(args.late_sec)
         elif args.scenario == "subgroup" and odd:
             skip_the_group(args.late_sec)
