@@ -52,8 +52,10 @@ def _row(result, kind: str, group: str) -> dict:
 def test_a_rank_calling_the_op_with_another_size_or_dtype_is_the_mismatch(launch):
     """One job: another size on the default group, then another dtype on a second group."""
     job, root = _start(launch, "size", FAST)
-    result = _until(root, lambda rows: {r["group"] for r in rows if r["kind"] == "mismatch"} == {"0", "1"},
-                    "a mismatch on group 0 and on group 1")
+    # every rank past both calls (a rank may still be finishing the second when the first is done)
+    result = _until(root, lambda rows: {r["group"] for r in rows if r["kind"] == "mismatch"
+                                        and r["evidence"].endswith("completed on ranks 0-3")} == {"0", "1"},
+                    "a completed mismatch on group 0 and on group 1")
     size, dtype = _row(result, "mismatch", "0"), _row(result, "mismatch", "1")
     assert (size["ranks"], dtype["ranks"], dtype["seq"]) == ([3], [3], 1) and size["seq"] > 0, result.text()
     assert size["detail"].startswith(f"collective #{size['seq']} on group 0 [default_pg]: mismatched size — "
