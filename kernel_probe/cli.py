@@ -8,6 +8,7 @@
     kernel-probe -t dump://DIR query|nodes|stacks|info   the same over an ended job's dumps
     kernel-probe -t TARGET dump DIR          a live job's dumps, as its ranks write them when they die
     kernel-probe -t TARGET diagnose [--json] why the job is stuck: one sentence, then the findings
+                                             (exit 0: no hang found, 1: findings, 2: no answer)
     kernel-probe -t TARGET profile [--ranks 0-3] [--steps N] [--out FILE]   torch.profiler on chosen ranks
 
 Errors are one line on stderr and a non-zero exit, never a traceback.
@@ -62,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     dump.add_argument("dir")
     dump.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="deadline of each query (default 10)")
     dg = sub.add_parser("diagnose", help="why the job is stuck: dead or stalled ranks, who never entered a "
-                                         "collective, mismatched collectives, and where the odd ranks are")
+                                         "collective, mismatched collectives, and where the odd ranks are",
+                        epilog="exit status: 0 when no hang or failure is found, 1 when the verdict has "
+                               "findings, 2 when the job could not be asked (or the arguments are wrong)")
     dg.add_argument("--json", action="store_true", help="the verdict as JSON (summary, findings, checked, coverage)")
     dg.add_argument("--min-wait", type=float, default=None, metavar="SECONDS",
                     help="how long a collective must be pending before a rank missing from it counts (default 5)")
@@ -265,20 +268,30 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return 0
 
 
+DIAGNOSE_HEALTHY, DIAGNOSE_FINDINGS, DIAGNOSE_ERROR = 0, 1, 2  # `diagnose`'s exit status (as diff's)
+
+
 def cmd_diagnose(args: argparse.Namespace) -> int:
     import json
 
     import kernel_probe
     from .diagnosis.verdict import MIN_WAIT_SEC
 
+    from .client import ProbeError
+
     min_wait = MIN_WAIT_SEC if args.min_wait is None else args.min_wait
-    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
-        result = client.diagnose(timeout=_query_timeout(args), min_wait=min_wait)
+    try:
+        with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args),
+                                  warm=False) as client:
+            result = client.diagnose(timeout=_query_timeout(args), min_wait=min_wait)
+    except ProbeError as exc:  # 2, as argparse's errors: 1 means the verdict found something
+        print(f"kernel-probe: {exc}", file=sys.stderr)
+        return DIAGNOSE_ERROR
     if args.json:
         print(json.dumps(result.to_dict(), default=str))
     else:
         print(result.text())
-    return 0
+    return DIAGNOSE_HEALTHY if result.healthy else DIAGNOSE_FINDINGS
 
 
 def _add_profile_parser(sub) -> None:

@@ -114,6 +114,9 @@ def test_a_mismatched_size_or_dtype(field, value, what):
     assert (f.kind, f.ranks, f.seq) == ("mismatch", (1,), 5)
     assert f"mismatched {what} —" in f.detail
     assert ("[999] float32" if what == "size" else "[1000] float16") in f.detail
+    assert f.evidence.endswith("; pending on ranks 0-2")
+    done = v.diagnose(alive(0, 1, 2), [group(r, "0", 5, 5) for r in range(3)], coll, [], T0).findings[0]
+    assert done.evidence.endswith("; completed on ranks 0-2")  # a wrong answer rather than a hang
 
 
 def test_sizes_of_ops_whose_inputs_may_differ_are_not_compared():
@@ -159,6 +162,11 @@ def test_every_rank_in_one_old_collective_is_waiting_but_a_lagging_sender_is_not
     assert (stalled.kind, stalled.ranks) == ("stalled", (1,))
     assert (waiting.kind, waiting.ranks, waiting.group, waiting.seq) == ("waiting", (0, 1), "1", 3)
     assert "entered it 20 s ago and none completed it" in waiting.detail
+    recv = native(0, ("pthread_cond_wait", "libc.so.6"), ("gloo::transport::tcp::UnboundBuffer::waitRecv", "libtorch_cpu.so"),
+                  ("c10d::ProcessGroupGloo::recv", "libtorch_cpu.so"))
+    (waiting, _stalled) = v.diagnose(nodes, pgs, coll, recv, T0).findings
+    assert waiting.evidence.endswith("; rank 0 waits in gloo::transport::tcp::UnboundBuffer::waitRecv (libtorch_cpu.so) "
+                                     "(native stack)")
     pgs[1]["last_completed"] = 3  # gloo's sender may lag: one rank done means it is not a hang
     assert [f.kind for f in v.diagnose(nodes, pgs, coll, [], T0).findings] == ["stalled"]
 
@@ -189,8 +197,78 @@ def test_native_frames_are_shown_beside_the_python_place():
     rows = frames(3, ("fetch_next_batch", "/job/train.py", 42))
     rows += [{"_rank": 3, "is_main": True, "depth": 0, "function": "__poll", "file": "libc.so.6", "line": None,
               "frame_type": "native"}]
-    assert v.places(rows)[3].text == "in fetch_next_batch (train.py:42) [native: __poll]"
+    assert v.places(rows)[3].text == "in fetch_next_batch (train.py:42) [native: __poll (libc.so.6)]"
     assert v.places(frames(1, C10D))[1].text == "in all_reduce (distributed_c10d.py:2800)"  # library only
+
+
+def native(rank: int, *stack: tuple[str, str]) -> list[dict]:
+    """Native main-thread rows (function, shared object), innermost first, before any Python frame."""
+    return [{"_rank": rank, "is_main": True, "depth": d, "function": f, "file": lib, "line": None,
+             "frame_type": "native"} for d, (f, lib) in enumerate(stack)]
+
+
+DDP_WAIT = (("0x7f99502a3f16", "/usr/lib/libc.so.6"), ("pthread_cond_wait", "/usr/lib/libc.so.6"),
+            ("std::condition_variable::wait", "/usr/lib/libstdc++.so.6"),
+            ("c10d::Reducer::finalize_backward", "/venv/torch/lib/libtorch_cpu.so"),
+            ("torch::autograd::Engine::thread_main", "/venv/torch/lib/libtorch_cpu.so"))
+
+
+def test_the_native_place_is_the_collective_layer_s_frame_else_the_innermost_named_one():
+    assert v.places(native(0, *DDP_WAIT))[0].native == "c10d::Reducer::finalize_backward (libtorch_cpu.so)"
+    stuck = native(3, ("0x7f00", "/usr/lib/libc.so.6"), ("poll", "/usr/lib/libc.so.6"), ("ffi_call", "/usr/lib/libffi.so"))
+    assert v.places(stuck)[3].native == "poll (libc.so.6)"  # an address names nothing
+    assert v.places(native(2, ("0x7f00", "/usr/lib/libc.so.6")))[2].native == "0x7f00 (libc.so.6)"
+
+
+def test_the_missing_finding_says_where_the_waiting_ranks_wait_natively():
+    nodes, pgs, coll, stacks = late_job()
+    stacks = [row for r in range(3) for row in native(r, *DDP_WAIT)] + stacks
+    (f,) = v.diagnose(nodes, pgs, coll, stacks, T0).findings
+    assert f.evidence.endswith("; ranks 0-2 wait in c10d::Reducer::finalize_backward (libtorch_cpu.so) (native stack)")
+
+
+def subgroup_job() -> tuple[list, list, list, list]:
+    """Group 1 of ranks 1-3: ranks 1-2 entered its collective #1, rank 3 skipped it (no status on
+    it); rank 0, not a member, entered the default group's barrier #9 that ranks 1-3 never reach."""
+    pgs = [group(r, "0", 9 if r == 0 else 8, 8) for r in range(4)]
+    pgs += [group(r, "1", 1, -1, "[1, 2, 3]", gid=1) for r in (1, 2)]
+    pgs += [dict(group(3, "1", 0, 0, "[1, 2, 3]", gid=1), last_enqueued=None, last_completed=None)]
+    coll = [entry(0, "0", 9, op="barrier", sizes="[]", dtypes="[]", ts=T0 - 20)]
+    coll += [entry(r, "1", 1, sizes="[[10]]", gid=1, ts=T0 - 21) for r in (1, 2)]
+    stacks = [row for r in (1, 2) for row in frames(r, C10D, ("main", "/job/train.py", 99))]
+    stacks += frames(3, ("skip_the_group", "/job/train.py", 48))
+    return alive(0, 1, 2, 3), pgs, coll, stacks
+
+
+def test_a_member_skipping_a_subgroup_s_collective_comes_first_the_default_group_s_wait_after():
+    first, then = v.diagnose(*subgroup_job(), T0).findings
+    assert (first.kind, first.ranks, first.group, first.seq) == ("missing", (3,), "1", 1)
+    assert first.detail == ("collective #1 on group 1 [g] (ranks 1-3) (all_reduce, [10] float32): ranks 1-2 waiting "
+                            "21 s; rank 3 never entered it — rank 3 is in skip_the_group (train.py:48)")
+    assert (then.kind, then.ranks, then.group, then.seq) == ("missing", (1, 2, 3), "0", 9)
+    assert then.detail.endswith("ranks 1-3 never entered it — ranks 1-2 wait in collective #1 on group 1 [g] "
+                                "(ranks 1-3) (all_reduce, [10] float32); rank 3 is in skip_the_group (train.py:48)")
+
+
+def test_a_dead_rank_that_no_longer_answers_is_what_the_others_wait_for():
+    nodes, pgs, coll, stacks = late_job()
+    nodes[3].update(state="dead", reason="no heartbeat", since=T0 - 8)
+    pgs = [g for g in pgs if g["_rank"] != 3]
+    coll = [c for c in coll if c["_rank"] != 3]
+    stacks = [s for s in stacks if s["_rank"] != 3]
+    (f,) = v.diagnose(nodes, pgs, coll, stacks, T0).findings
+    assert (f.kind, f.ranks, f.group, f.seq) == ("dead", (3,), "0", 1842)
+    assert f.detail == ("rank 3 dead (no heartbeat) for 8.0 s — ranks 0-2 wait for it in collective #1842 on group 0 "
+                        "[default_pg] (all_reduce, [1000] float32) for 41 s")
+    assert "no recorder status from rank 3" in f.evidence
+    assert not v.diagnose(nodes, pgs, coll, stacks, T0 - 41 + 2).findings[0].group  # not waiting long yet
+
+
+def test_a_collective_done_where_it_was_entered_leaves_nobody_missing():
+    """A rank's status read before it entered, the others' after all completed: no finding."""
+    pgs = [group(r, "0", 9, 9) for r in range(3)] + [group(3, "0", 8, 8)]
+    coll = [entry(r, "0", 9) for r in range(3)]
+    assert v.diagnose(alive(0, 1, 2, 3), pgs, coll, [], T0).healthy
 
 
 def test_tensor_and_call_text():

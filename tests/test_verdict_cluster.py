@@ -21,10 +21,13 @@ FAST = {"PROBING_CLUSTER_STALE_SEC": "6", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": 
         "PROBING_SAMPLE_INTERVAL_SEC": "0.25", "OMP_NUM_THREADS": "1"}
 
 
-def _verdict(root, kind: str, min_wait: float = 1.0):
+def _verdict(root, kind: str, min_wait: float = 1.0, where: str = ""):
+    """The first verdict with a ``kind`` finding whose detail has ``where`` (a rank slow to start
+    is missing from DDP's first collective for a moment on this busy machine)."""
     def found():
         result = root.diagnose(timeout=10, min_wait=min_wait)
-        return result if kind in set(result.findings["kind"]) else None
+        rows = result.findings
+        return result if ((rows["kind"] == kind) & rows["detail"].str.contains(where, regex=False)).any() else None
 
     return wait_for(found, 50, interval=0.5, what=f"a {kind!r} finding")
 
@@ -33,7 +36,7 @@ def test_a_rank_late_in_python_is_named_with_the_group_the_op_and_its_place(laun
     launch([WORKER, "--scenario", "late", "--late-sec", "90", "--timeout-sec", "90"],
            nodes=2, ranks_per_node=2, mode="torchrun", env={**FAST, "PROBING_CLUSTER_STALL_SEC": "3"})
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
-    result = _verdict(root, "missing")
+    result = _verdict(root, "missing", where="fetch_next_batch")
     row = result.findings.iloc[0]
     assert (row["kind"], row["ranks"], row["group"]) == ("missing", [3], "0"), result.text()
     assert row["seq"] > 0
@@ -44,7 +47,7 @@ def test_a_rank_late_in_python_is_named_with_the_group_the_op_and_its_place(laun
     # the CLI says the same
     cli = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "diagnose", "--json", "--min-wait", "1"],
                          capture_output=True, text=True, timeout=60)  # the newest job here (runtime_dir)
-    assert cli.returncode == 0, cli.stderr
+    assert cli.returncode == 1, cli.stderr  # the verdict has findings
     answer = json.loads(cli.stdout)
     assert (answer["findings"][0]["kind"], answer["findings"][0]["ranks"]) == ("missing", [3]), cli.stdout
 

@@ -239,13 +239,13 @@ class AsyncClient(ClientState):
     async def departures(self, timeout: float = 5.0) -> "pd.DataFrame":
         return results.departures_frame((await self.nodes_raw(timeout))["departures"])
 
-    async def diagnose(self, timeout: float = 10.0,
-                       min_wait: float = diagnosis.MIN_WAIT_SEC) -> diagnosis.DiagnoseResult:
+    async def diagnose(self, timeout: float = 10.0, min_wait: float = diagnosis.MIN_WAIT_SEC,
+                       native: bool = False) -> diagnosis.DiagnoseResult:
         """As ``Client.diagnose``; membership, the groups and the stacks are asked at once."""
         now = time.time()
         members, groups, stacks = await asyncio.gather(
             self.nodes_raw(min(timeout, 5.0)), self.query(diagnosis.GROUPS_SQL, timeout=timeout),
-            self.query(diagnosis.STACKS_SQL, timeout=timeout))
+            self.query(diagnosis.STACKS_SQL, timeout=timeout, native=native))
         asked = diagnosis.entries_query(groups.df.to_dict("records"))
         entries = None if asked is None else await self.query(asked[0], timeout=timeout, params=asked[1])
         return diagnosis.build(members, groups, entries, stacks, now, min_wait)

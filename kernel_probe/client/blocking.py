@@ -311,18 +311,21 @@ class Client(ClientState):
         """Ranks that died or left: rank, incarnation, host, pid, when, why."""
         return results.departures_frame(self.nodes_raw(timeout)["departures"])
 
-    def diagnose(self, timeout: float = 10.0, min_wait: float = diagnosis.MIN_WAIT_SEC) -> diagnosis.DiagnoseResult:
+    def diagnose(self, timeout: float = 10.0, min_wait: float = diagnosis.MIN_WAIT_SEC,
+                 native: bool = False) -> diagnosis.DiagnoseResult:
         """Why the job is stuck, if it is: dead and stalled ranks, a collective some ranks of a
         group entered and others never did, a mismatched call at one sequence number, and
         where the odd ranks are. ``.summary`` (one sentence), ``.findings`` (a DataFrame:
         kind, ranks, group, seq, detail, evidence), ``.checked``, ``.coverage``. ``min_wait``:
-        seconds a collective must be pending before a rank missing from it is a finding."""
+        seconds a collective must be pending before a rank missing from it is a finding.
+        ``native``: the stacks with native (C/C++) frames too, taken by py-spy on each rank (a
+        rank stuck in C, and what the waiting ranks wait in, are then named)."""
         now = time.time()
         members = self.nodes_raw(min(timeout, 5.0))
         groups = self.query(diagnosis.GROUPS_SQL, timeout=timeout)
         asked = diagnosis.entries_query(groups.df.to_dict("records"))
         entries = None if asked is None else self.query(asked[0], timeout=timeout, params=asked[1])
-        stacks = self.query(diagnosis.STACKS_SQL, timeout=timeout)
+        stacks = self.query(diagnosis.STACKS_SQL, timeout=timeout, native=native)
         return diagnosis.build(members, groups, entries, stacks, now, min_wait)
     def profile(self, ranks: "Iterable[int] | str | None" = None, steps: int = 2, out: str | None = None,
                 timeout: float = 120.0, max_trace_mb: float = profiles.DEFAULT_TRACE_MAX_MB,

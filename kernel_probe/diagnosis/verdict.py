@@ -12,13 +12,20 @@ What it reads from the recorder:
   it without an entry of their own); the entry a rank waits in is the one whose ``op_id``
   is its ``last_enqueued`` (``collective_seq_id`` where no op_id matches), and the number
   shown to people is that entry's ``collective_seq_id``.
-- A rank whose ``last_enqueued`` is behind the group's newest never entered that
-  collective. Gloo's sender of a send/recv may report ``last_completed`` behind although
+- A rank whose ``last_enqueued`` is behind the group's newest, while a rank that entered it
+  has not completed it, never entered that collective (a rank that answers with no status for
+  a group has enqueued nothing on it). A rank that never entered one group's collective
+  because it waits in another group's is a consequence: that other group's finding comes
+  first. A dead rank that no longer answers, while the others of its group wait, is what
+  they wait for. Gloo's sender of a send/recv may report ``last_completed`` behind although
   done, so "waiting" alone (entered, not completed) is a finding only when every rank of
   the group is in it, it is old, and the membership says a rank of the group is stalled.
 - At one sequence number of one group every rank must call the same op with the same
   dtypes (and, for the ops below, the same sizes); a different one is a mismatch, and the
   ranks that differ from the most common call are its culprits.
+- A rank's native place is its innermost frame of torch's collective layer (c10d, gloo, NCCL)
+  where its native stack has one (what a rank waiting in a collective waits in), else its
+  innermost named native frame (a C call it is stuck in).
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ DTYPE_NAMES = {
 }
 # where a frame is library code, not the user's: the place of a rank is its innermost other frame
 _LIBRARY_MARKS = ("/site-packages/", "/dist-packages/", "<frozen ", "/lib/python3", "/torch/", "/kernel_probe/")
+# native frames of torch's collective layer: where a rank waiting in a collective waits
+_COLLECTIVE_MARKS = ("c10d::", "gloo::", "nccl")
 
 
 @dataclass(frozen=True)
@@ -223,9 +232,22 @@ def places(stacks: Iterable[Mapping[str, Any]]) -> dict[int, Place]:
         if own is not None and first is not None and first is not own:
             inner = _frame_text(first["function"], first["file"], first.get("line"))
         nat = [r for _d, r in sorted(native.get(rank, []), key=lambda item: item[0])]
-        native_text = str(nat[0].get("function") or "?") if nat else ""
-        out[rank] = Place(own_text, inner, native_text)
+        out[rank] = Place(own_text, inner, _native_text(nat))
     return out
+
+
+def _native_text(frames: Sequence[Mapping]) -> str:
+    """'c10d::Reducer::finalize_backward (libtorch_cpu.so)' from native frames, innermost first:
+    the innermost of torch's collective layer, else the innermost with a name (an address is none)."""
+    named = [r for r in frames if _text(r.get("function")) and not str(r["function"]).startswith("0x")]
+    pick = next((r for r in named if any(m in str(r["function"]) for m in _COLLECTIVE_MARKS)), None)
+    pick = pick or (named[0] if named else (frames[0] if frames else None))
+    if pick is None:
+        return ""
+    lib = str(pick.get("file") or "").replace("\\", "/").rsplit("/", 1)[-1]
+    line = _int(pick.get("line"))
+    where = f"{lib}:{line}" if lib and line else lib
+    return f"{pick.get('function') or '?'}" + (f" ({where})" if where else "")
 
 
 def _where(ranks: Iterable[int], at: Mapping[int, Place]) -> str:
@@ -322,7 +344,9 @@ def _groups(process_groups: Iterable[Mapping[str, Any]], collectives: Iterable[M
         ranks = _json(row.get("ranks"))
         if g.members is None and isinstance(ranks, list) and ranks and all(_int(r) is not None for r in ranks):
             g.members = tuple(sorted(_int(r) for r in ranks))
-        g.status[rank] = (_int(row.get("last_enqueued")), _int(row.get("last_completed")))
+        enqueued, completed = _int(row.get("last_enqueued")), _int(row.get("last_completed"))
+        # the rank has the group but no status for it: it has enqueued nothing on it
+        g.status[rank] = (enqueued, completed) if enqueued is not None else (0, 0)
     for row in collectives:
         if row.get("source") not in (None, "flight_recorder"):
             continue
@@ -343,45 +367,106 @@ def _entry(rows: Iterable[Mapping], number: int | None) -> Mapping | None:
 
 
 def _group_text(g: _Group, entry: Mapping | None) -> str:
+    """'group 0 [default_pg]'; another group with its ranks: 'group 1 (ranks 1-3)'."""
     desc = _text(entry.get("group_desc")) if entry is not None else None
-    return f"group {g.name}" + (f" [{desc}]" if desc and desc != g.name else "")
+    out = f"group {g.name}" + (f" [{desc}]" if desc and desc not in (g.name, "undefined") else "")
+    return out + (f" ({ranks_text(g.members)})" if g.members and desc != "default_pg" else "")
 
 
-def _missing(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], dead: Mapping[int, str]
-             ) -> list[Finding]:
-    known = {r: enq for r, (enq, _done) in g.status.items() if enq is not None}
-    if len(known) < 2:
-        return []
-    top = max(known.values())
-    ahead = sorted(r for r, enq in known.items() if enq == top)
-    behind = sorted(r for r, enq in known.items() if enq < top)
-    if not behind:
-        return []
+@dataclass(frozen=True)
+class _Pending:
+    """A group's newest collective, entered by ``ahead`` and not completed by all of them."""
+
+    top: int  # its op_id (the status number)
+    ahead: tuple[int, ...]  # the ranks in it
+    behind: tuple[int, ...]  # the ranks with a status that have not entered it
+    entry: Mapping | None  # its recorder entry on a rank in it
+    waited: float | None  # seconds since a rank entered it
+
+    @property
+    def seq(self) -> int:
+        seq = _int(self.entry.get("collective_seq_id")) if self.entry is not None else None
+        return self.top if seq is None else seq
+
+    def call(self) -> str:
+        e = self.entry
+        return call_text(e.get("op"), e.get("input_sizes"), e.get("input_dtypes")) if e is not None else "unknown op"
+
+
+def _pending(g: _Group, now: float) -> _Pending | None:
+    known = {r: st for r, st in g.status.items() if st[0] is not None}
+    if not known:
+        return None
+    top = max(enq for enq, _done in known.values())
+    ahead = tuple(sorted(r for r, (enq, _done) in known.items() if enq == top))
+    if all(known[r][1] is not None and known[r][1] >= top for r in ahead):
+        return None  # done where it was entered: nobody waits in it
+    behind = tuple(sorted(r for r, (enq, _done) in known.items() if enq < top))
     entries = [e for r in ahead if (e := _entry(g.entries.get(r, ()), top)) is not None]
     created = [t for e in entries if (t := _float(e.get("ts"))) is not None]
-    waited = now - min(created) if created else None
-    if waited is not None and waited < min_wait:
+    return _Pending(top, ahead, behind, entries[0] if entries else None, now - min(created) if created else None)
+
+
+def _in_text(g: _Group, p: _Pending) -> str:
+    """'collective #9 on group 0 [default_pg] (all_reduce, [136] float32)'."""
+    return f"collective #{p.seq} on {_group_text(g, p.entry)} ({p.call()})"
+
+
+def _native_waits(ranks: Iterable[int], at: Mapping[int, Place]) -> str:
+    """'ranks 0-2 wait in c10d::Reducer::finalize_backward (libtorch_cpu.so)' from the native
+    stacks, where they came."""
+    by_frame: dict[str, list[int]] = {}
+    for r in ranks:
+        if r in at and at[r].native:
+            by_frame.setdefault(at[r].native, []).append(r)
+    return "; ".join(f"{ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'} in {frame} (native stack)"
+                     for frame, rs in by_frame.items())
+
+
+def _missing(g: _Group, p: _Pending | None, min_wait: float, at: Mapping[int, Place], dead: Mapping[int, str],
+             elsewhere: Mapping[int, str]) -> list[Finding]:
+    """The ranks that never entered the group's pending collective. ``elsewhere``: ranks
+    waiting in another group's collective, with that collective's text."""
+    if p is None or not p.behind or (p.waited is not None and p.waited < min_wait):
         return []
-    first = entries[0] if entries else None
-    seq = _int(first.get("collective_seq_id")) if first is not None else None
-    call = call_text(first.get("op"), first.get("input_sizes"), first.get("input_dtypes")) if first else "unknown op"
-    name = f"collective #{seq if seq is not None else top}"
-    waiting = f"{ranks_text(ahead)} waiting" + (f" {seconds_text(waited)}" if waited is not None else "")
-    why = []
-    for r in behind:
-        if r in dead:
-            why.append(f"rank {r} is dead ({dead[r]})")
-    alive_behind = [r for r in behind if r not in dead]
-    if alive_behind:
-        why.append(_where(alive_behind, at))
-    unheard = sorted(set(g.members or ()) - set(g.status))
-    detail = (f"{name} on {_group_text(g, first)} ({call}): {waiting}; {ranks_text(behind)} never entered it"
-              f" — {'; '.join(why)}")
+    waiting = f"{ranks_text(p.ahead)} waiting" + (f" {seconds_text(p.waited)}" if p.waited is not None else "")
+    why = [f"rank {r} is dead ({dead[r]})" for r in p.behind if r in dead]
+    busy: dict[str, list[int]] = {}
+    for r in p.behind:
+        if r not in dead and r in elsewhere:
+            busy.setdefault(elsewhere[r], []).append(r)
+    why += [f"{ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'} in {text}" for text, rs in busy.items()]
+    free = [r for r in p.behind if r not in dead and r not in elsewhere]
+    if free:
+        why.append(_where(free, at))
+    detail = f"{_in_text(g, p)}: {waiting}; {ranks_text(p.behind)} never entered it — {'; '.join(why)}"
+    known = {r: st[0] for r, st in g.status.items() if st[0] is not None}
     last = ", ".join(f"rank {r}: {known[r]}" for r in sorted(known))
-    evidence = f"last enqueued per rank ({last}; op_id {top} is the newest)"
+    evidence = f"last enqueued per rank ({last}; op_id {p.top} is the newest)"
+    unheard = sorted(set(g.members or ()) - set(g.status))
     if unheard:
         evidence += f"; no recorder status from {ranks_text(unheard)}"
-    return [Finding("missing", tuple(behind), g.name, seq if seq is not None else top, detail, evidence)]
+    if native := _native_waits(p.ahead, at):
+        evidence += f"; {native}"
+    return [Finding("missing", p.behind, g.name, p.seq, detail, evidence)]
+
+
+def _waited_for(g: _Group, p: _Pending | None, min_wait: float, at: Mapping[int, Place], dead: Mapping[int, str]
+                ) -> tuple[tuple[int, ...], str, str] | None:
+    """Dead ranks of the group that no longer answer while the others wait in its collective:
+    (those ranks, what the others wait in, its evidence)."""
+    if p is None or (p.waited is not None and p.waited < min_wait):
+        return None
+    gone = tuple(sorted((set(g.members or ()) - set(g.status)) & set(dead)))
+    if not gone:
+        return None
+    text = (f"{ranks_text(p.ahead)} wait for {'it' if len(gone) == 1 else 'them'} in {_in_text(g, p)}"
+            + (f" for {seconds_text(p.waited)}" if p.waited is not None else ""))
+    evidence = (f"no recorder status from {ranks_text(gone)}; {ranks_text(p.ahead)} enqueued op_id {p.top} "
+                f"of group {g.name} and have not completed it")
+    if native := _native_waits(p.ahead, at):
+        evidence += f"; {native}"
+    return gone, text, evidence
 
 
 def _signature(row: Mapping) -> tuple:
@@ -425,8 +510,22 @@ def _mismatch(g: _Group, at: Mapping[int, Place]) -> list[Finding]:
             detail += f" — {_where(culprits, at)}"
         evidence = (f"flight recorder entries at collective_seq_id {seq} of group {g.name}; "
                     f"culprit{'s' if len(culprits) > 1 else ''}: {ranks_text(culprits)} (differ from the most common call)")
+        if done := _completed(g, calls):
+            evidence += f"; {done}"
         return [Finding("mismatch", culprits, g.name, seq, detail, evidence)]
     return []
+
+
+def _completed(g: _Group, calls: Mapping[int, Mapping]) -> str:
+    """Whether the ranks' status says they completed their calls: a mismatch that completed
+    (the same byte count on every rank, say) gave a wrong answer instead of a hang."""
+    done, pending = [], []
+    for rank, row in calls.items():
+        number, (_enq, completed) = _int(row.get("op_id")), g.status.get(rank, (None, None))
+        if number is not None and completed is not None:
+            (done if completed >= number else pending).append(rank)
+    parts = ([f"completed on {ranks_text(done)}"] if done else []) + ([f"pending on {ranks_text(pending)}"] if pending else [])
+    return ", ".join(parts)
 
 
 def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], stalled: set[int]
@@ -453,8 +552,10 @@ def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], st
               f"({call_text(first.get('op'), first.get('input_sizes'), first.get('input_dtypes'))}): "
               f"{ranks_text(ranks)} entered it {seconds_text(now - min(created))} ago and none completed it — "
               f"{_where(ranks, at)}")
-    return [Finding("waiting", ranks, g.name, seq, detail,
-                    f"last enqueued {top}, last completed below it on every rank of group {g.name}")]
+    evidence = f"last enqueued {top}, last completed below it on every rank of group {g.name}"
+    if native := _native_waits(ranks, at):
+        evidence += f"; {native}"
+    return [Finding("waiting", ranks, g.name, seq, detail, evidence)]
 
 
 # ---------------------------------------------------------------- the verdict
@@ -471,15 +572,27 @@ def diagnose(nodes: Sequence[Mapping[str, Any]], process_groups: Sequence[Mappin
     findings, dead = _membership(nodes, departures, now, at)
     groups = _groups(process_groups, collectives)
     stalled = {r for f in findings if f.kind == "stalled" for r in f.ranks}
-    for name in sorted(groups, key=lambda n: (len(n), n)):
-        g = groups[name]
-        missing = _missing(g, now, min_wait, at, dead)
+    names = sorted(groups, key=lambda n: (len(n), n))
+    pending = {name: _pending(groups[name], now) for name in names}
+    waits_in: dict[int, dict[str, str]] = {}  # rank -> group -> the collective it waits in there
+    for name, p in pending.items():
+        for r in p.ahead if p is not None else ():
+            waits_in.setdefault(r, {})[name] = _in_text(groups[name], p)
+    consequences: set[int] = set()  # ids of findings caused by a rank waiting in another group
+    for name in names:
+        g, p = groups[name], pending[name]
+        elsewhere = {r: text for r, texts in waits_in.items()
+                     for other, text in texts.items() if other != name}
+        missing = _missing(g, p, min_wait, at, dead, elsewhere)
+        consequences |= {id(f) for f in missing if any(r in elsewhere for r in f.ranks)}
         findings += missing
         mismatch = _mismatch(g, at)
         findings += mismatch
         if not missing and not mismatch:
             findings += _waiting(g, now, min_wait, at, stalled)
-    findings.sort(key=lambda f: KINDS.index(f.kind))
+        if (waited := _waited_for(g, p, min_wait, at, dead)) is not None:
+            findings = _dead_awaited(findings, *waited, g.name, p.seq)
+    findings.sort(key=lambda f: (KINDS.index(f.kind), id(f) in consequences))
 
     ranks_seen = sorted({_int(m.get("rank")) for m in nodes} - {None})
     recorded = sorted({r for g in groups.values() for r in g.status})
@@ -493,9 +606,23 @@ def diagnose(nodes: Sequence[Mapping[str, Any]], process_groups: Sequence[Mappin
     silent = sorted(set(ranks_seen) - set(recorded)) if groups else []
     if silent:
         checked.append(f"no recorder status from {ranks_text(silent)}")
-    checked.append(f"main-thread stacks of {ranks_text(at) if at else 'no rank'}")
+    with_native = [r for r, place in at.items() if place.native]
+    checked.append(f"main-thread stacks of {ranks_text(at) if at else 'no rank'}"
+                   + (f" (native frames of {ranks_text(with_native)})" if with_native else ""))
     summary = _summary(findings)
     return Verdict(summary, tuple(findings), tuple(checked))
+
+
+def _dead_awaited(findings: list[Finding], gone: tuple[int, ...], text: str, evidence: str, group: str,
+                  seq: int) -> list[Finding]:
+    """The dead finding of ``gone`` says who waits for them, in which collective (the first
+    group found, where a rank blocks several)."""
+    out = []
+    for f in findings:
+        if f.kind == "dead" and f.group is None and set(gone) & set(f.ranks):
+            f = Finding("dead", f.ranks, group, seq, f"{f.detail} — {text}", f"{f.evidence}; {evidence}")
+        out.append(f)
+    return out
 
 
 def _summary(findings: Sequence[Finding]) -> str:

@@ -1,12 +1,22 @@
-"""A gloo DDP job that hangs on purpose, for the verdict's end-to-end tests.
+"""A gloo DDP job that hangs (or goes wrong) on purpose, for the verdict's end-to-end tests.
 
 Every rank trains a few DDP steps (DDP's C++ gradient all-reduce on the default group), then,
-by --scenario:
+by --scenario (the odd rank is the last one):
 
-- ``late``: the last rank is late in Python (``fetch_next_batch`` sleeps --late-sec) while the
+- ``late``: the odd rank is late in Python (``fetch_next_batch`` sleeps --late-sec) while the
   others enter the next step's gradient all-reduce and wait for it;
-- ``mismatch``: the last rank calls broadcast where the others call all_reduce, at the same
-  sequence number of the default group; every rank then blocks until the group's timeout.
+- ``native``: the same, but the odd rank's data loader is stuck in C (libc's ``poll`` through
+  ctypes, the GIL released): its Python stack ends at the call, only its native frames say where;
+- ``mismatch``: the odd rank calls broadcast where the others call all_reduce, at the same
+  sequence number of the default group; every rank then blocks until the group's timeout;
+- ``size``: the odd rank calls all_reduce with a [2, 5] tensor where the others pass [10]
+  float32 (on the default group), then with an int32 one where they pass float32 (on a second
+  group of every rank). Each has the others' byte count, so gloo completes the call with a
+  wrong answer (a byte count that differs aborts the job in gloo: "Received data size doesn't
+  match expected size"); every rank then holds in ``hold``;
+- ``subgroup``: every rank makes a group of ranks 1..N-1 with ``new_group``; its members but the
+  odd rank all_reduce on it, the odd rank skips it (``skip_the_group`` sleeps --late-sec), and
+  rank 0, not a member, waits in the default group's barrier.
 
 The group's collective timeout is --timeout-sec, so a hung job ends by itself.
 
@@ -35,9 +45,25 @@ import torch.distributed as dist
 from torch import nn
 
 
-def fetch_next_batch(rank: int, late: bool, late_sec: float) -> torch.Tensor:
-    if late:
+def stuck_in_c(seconds: float) -> None:
+    import ctypes
+
+    ctypes.CDLL(None).poll(None, 0, int(seconds * 1000))  # ctypes releases the GIL: the probe still answers
+
+
+def skip_the_group(late_sec: float) -> None:
+    time.sleep(late_sec)  # this member forgot the group's collective
+
+
+def hold(seconds: float) -> None:
+    time.sleep(seconds)  # the job goes on (an evaluation, say) while the test looks at it
+
+
+def fetch_next_batch(rank: int, late: str | None, late_sec: float) -> torch.Tensor:
+    if late == "python":
         time.sleep(late_sec)  # the data loader of this rank is stuck
+    elif late == "native":
+        stuck_in_c(late_sec)
     return torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
 
 
@@ -73,7 +99,7 @@ def dump_when_asked(root: Path, rank: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--scenario", choices=("late", "mismatch"), required=True)
+    p.add_argument("--scenario", choices=("late", "native", "mismatch", "size", "subgroup"), required=True)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--late-sec", type=float, default=60.0)
     p.add_argument("--timeout-sec", type=float, default=60.0)
@@ -85,8 +111,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Linear(16, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    subgroup = dist.new_group(list(range(1, world))) if args.scenario == "subgroup" else None
+    everyone = dist.new_group() if args.scenario == "size" else None
 
-    def step(late: bool = False) -> None:
+    def step(late: str | None = None) -> None:
         x = fetch_next_batch(rank, late, args.late_sec)
         opt.zero_grad()
         model(x).sum().backward()  # DDP's gradient all-reduce: 136 floats
@@ -96,14 +124,22 @@ def main() -> None:
         step()
     print(f"hang worker rank={rank} trained", flush=True)
     try:
-        if args.scenario == "late":
-            step(late=odd)
-        else:
+        if args.scenario in ("late", "native"):
+            step(late=("python" if args.scenario == "late" else "native") if odd else None)
+        elif args.scenario == "mismatch":
             tensor = torch.ones(10)
             if odd:
                 dist.broadcast(tensor, src=0)
             else:
                 dist.all_reduce(tensor)
+        elif args.scenario == "size":
+            dist.all_reduce(torch.ones(2, 5) if odd else torch.ones(10))
+            dist.all_reduce(torch.ones(10, dtype=torch.int32 if odd else torch.float32), group=everyone)
+            hold(args.late_sec)
+        elif args.scenario == "subgroup" and odd:
+            skip_the_group(args.late_sec)
+        elif args.scenario == "subgroup" and rank != 0:  # rank 0 is no member: it goes on to the barrier
+            dist.all_reduce(torch.ones(10), group=subgroup)
         dist.barrier()
     except Exception as exc:  # the group's timeout: the hang ends the job
         print(f"hang worker rank={rank}: {type(exc).__name__}", flush=True)
