@@ -144,13 +144,71 @@ def select_ranks(plan: "Plan", engine: "Engine", tags_rows: Sequence[Mapping[str
         return [], []  # root-only: nothing to send
     if plan.prune is None or not ranks:
         return ranks, []
-    got = engine.run(plan.prune, {"_tags": _tags_table(tags_rows)},
-                     params=_params_for(plan.prune, params), deadline=deadline)
-    keep = {int(v) for v in got.column(0).to_pylist() if v is not None}
+    keep = _matching_tags(plan.prune_filters, tags_rows) if plan.prune_filters is not None else None
+    if keep is None:
+        got = engine.run(plan.prune, {"_tags": _tags_table(tags_rows)},
+                         params=_params_for(plan.prune, params), deadline=deadline)
+        keep = {int(v) for v in got.column(0).to_pylist() if v is not None}
     targeted = [r for r in ranks if r in keep]
     if not targeted:
         targeted = ranks[:1]
     return targeted, [r for r in ranks if r not in targeted]
+
+
+def _compares(value: object, literal: object) -> bool:
+    """Whether DuckDB compares this tag value with this literal as Python does: a number with
+    a number, text with text (code point order is UTF-8's byte order); never a boolean."""
+    if isinstance(literal, bool) or isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return isinstance(literal, (int, float))
+    return isinstance(value, str) and isinstance(literal, str)
+
+
+_PY_COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
+               "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
+
+
+def _matching_tags(filters: Sequence[Sequence[Any]], tags_rows: Sequence[Mapping[str, object]]) -> set[int] | None:
+    """The ranks among `tags_rows` whose tags pass every filter (``Plan.prune_filters``), as
+    the prune SQL selects them over ``_tags``: a NULL drops the row. None where a filter's
+    types would make DuckDB cast (then the SQL prunes)."""
+    keep = set()
+    for row in tags_rows:
+        passed = True
+        for col, op, literal in filters:
+            if col not in TAG_TYPES:
+                return None
+            raw = row.get(col)
+            value = None if raw is None else (str(raw) if TAG_TYPES[col] == "string" else raw)
+            if value is not None and TAG_TYPES[col] != "string" and (type(value) is not int):
+                return None
+            if op == "is_null":
+                ok = value is None
+            elif op == "not_null":
+                ok = value is not None
+            elif value is None:
+                ok = False
+            elif op in _PY_COMPARE:
+                if not _compares(value, literal):
+                    return None
+                ok = _PY_COMPARE[op](value, literal)
+            elif op == "in":
+                if not all(_compares(value, v) for v in literal):
+                    return None
+                ok = value in literal
+            elif op in ("divisible", "not_divisible"):
+                if type(value) is not int or type(literal) is not int or literal == 0:
+                    return None
+                ok = (value % literal == 0) == (op == "divisible")
+            else:  # true / false: no tag is a boolean
+                return None
+            if not ok:
+                passed = False
+                break
+        if passed:
+            keep.add(int(row["_rank"]))  # type: ignore[call-overload]
+    return keep
 
 
 def lookup(tables: Mapping[str, "pa.Table"], name: str) -> "pa.Table":
@@ -239,6 +297,23 @@ def _final_with_arrow(plan: "Plan", regs: Mapping[str, "pa.Table"]) -> "pa.Table
         log.debug("final: SQL instead of Arrow (types %s, not %s)", result.schema.types, shape.schema.types)
         return None
     return result
+
+
+def _final_with_rows(plan: "Plan", regs: Mapping[str, "pa.Table"]) -> "pa.Table | None":
+    """``Plan.final_rows`` over the one scan's concatenated rows, or None (the final SQL runs)
+    where it does not apply: a column it does not find by its exact name, a type DuckDB
+    would hand back otherwise, names DuckDB would tell apart (equal but for case)."""
+    if len(regs) != 1:
+        return None
+    (table,) = regs.values()
+    if len({n.lower() for n in table.column_names}) != table.num_columns:
+        return None
+    try:
+        result = fast_paths.arrow_rows(plan.final_rows, table)  # type: ignore[arg-type]
+    except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
+        log.debug("final: SQL instead of Arrow (%s)", exc)
+        return None
+    return result.replace_schema_metadata(None)
 
 
 def _within_cap(result: "pa.Table", row_cap: int | None) -> "pa.Table":
@@ -500,6 +575,10 @@ def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None
         regs[scan.name] = table if scan.name != plan.shape else _shape(scan, engine, table, params, deadline, shapes)
     if plan.final_arrow is not None and plan.shape is not None:
         result = _final_with_arrow(plan, regs)
+        if result is not None:
+            return _within_cap(result, row_cap)
+    if plan.final_rows is not None:
+        result = _final_with_rows(plan, regs)
         if result is not None:
             return _within_cap(result, row_cap)
     if plan.final_union:  # the final SQL would select the same rows and columns again
