@@ -75,11 +75,7 @@ def questions(client: Any, view: Any) -> list[tuple[str, Callable[[], Any], Call
         return merged.assign(avg=merged["s"] / merged["n"])
 
     def ours(sql: str) -> Callable[[], Any]:
-        def ask():
-            r = client.query(sql)
-            r.df  # the user gets a DataFrame, as from ipyparallel
-            return r
-        return ask
+        return _asking(client, sql)
 
     return [
         ("count of rows over all ranks", ours("SELECT count(*) AS n FROM big"),
@@ -132,11 +128,7 @@ def training_questions(client: Any, rc: Any) -> list[tuple[str, Callable[[], Any
         return merged.assign(avg=merged["s"] / merged["n"])
 
     def ours(sql: str) -> Callable[[], Any]:
-        def ask():
-            r = client.query(sql)
-            r.df
-            return r
-        return ask
+        return _asking(client, sql)
 
     return [
         ("count(*) over all ranks", ours("SELECT count(*) AS n FROM frame"),
@@ -151,14 +143,35 @@ def training_questions(client: Any, rc: Any) -> list[tuple[str, Callable[[], Any
     ]
 
 
-def _where(profile: dict) -> str:
-    """One line of a median run's per-hop profile: where our time goes."""
+def _asking(client: Any, sql: str) -> Callable[[], Any]:
+    """Ask ``sql`` and make the DataFrame the user gets (as from ipyparallel); the result keeps
+    the client's clock (when it asked, had the answer decoded, had the DataFrame)."""
+    def ask():
+        t0 = time.time()
+        r = client.query(sql)
+        t1 = time.time()
+        r.df
+        r.asked = (t0, t1, time.time())
+        return r
+    return ask
+
+
+def _where(result: Any) -> str:
+    """Two lines of a median run's per-hop profile: where our time goes, by the clocks of the
+    client, the root and each hop (one machine: one clock)."""
+    profile = result.coverage["profile"]
     scan = profile["scan"]
     hops = profile["hops"]
     merges = " + ".join(f"{m['ms']:.1f}" for m in profile["merges"]) or "-"
+    split = ", ".join(f"{h['parent']}->{h['child']} {h.get('down_ms', 0):.1f}/{h.get('up_ms', 0):.1f}" for h in hops)
+    t0, t1, t2 = result.asked
+    client = (f"client->root {(profile['received_at'] - t0) * 1000:.1f} · root->client and decode "
+              f"{(t1 - profile['answered_at']) * 1000:.1f} · DataFrame {(t2 - t1) * 1000:.1f}") \
+        if "received_at" in profile else "client split: a root without wall-clock stamps"
     return (f"plan {profile['plan_ms']:.1f} · scans {scan['median_ms']:.1f}/{scan['slowest_ms']:.1f} (median/slowest) · "
             f"merges {merges} · {len(hops)} hops, transfer max {max(h['transfer_ms'] for h in hops):.1f} · "
-            f"finish {profile['finish_ms']:.1f} · {profile['elapsed_ms']:.1f} at the root")
+            f"finish {profile['finish_ms']:.1f} · {profile['elapsed_ms']:.1f} at the root\n"
+            f"        {client} · hops down/up {split}")
 
 
 def _p(values: list[float], q: float) -> float:
@@ -224,7 +237,7 @@ def side_by_side(client: Any, rc: Any, qs: list, reps: int) -> None:
         print(f"  {title:42s} {statistics.median(a):9.1f} {_p(a, .9):7.1f} {statistics.median(b):9.1f} "
               f"{_p(b, .9):7.1f} {ratio:9.2f}")
         median_run = runs[sorted(range(reps), key=a.__getitem__)[reps // 2]]
-        print(f"      ours, median run: {_where(median_run.coverage['profile'])}")
+        print(f"      ours, median run: {_where(median_run)}")
 
     def timed(fn):
         t0 = time.perf_counter()

@@ -280,8 +280,9 @@ def format_profile(coverage: dict) -> str:
     for m in p.get("merges") or []:
         lines.append(f"  merge        at rank {m['rank']}: {ms(m['ms'])} over {m['parts']} parts")
     for h in p.get("hops") or []:
+        split = f" (down {ms(h['down_ms'])}, up {ms(h['up_ms'])})" if "down_ms" in h and "up_ms" in h else ""
         lines.append(f"  hop          rank {h['parent']} -> {h['child']}: round trip {ms(h['rtt_ms'])}, "
-                     f"transfer {ms(h['transfer_ms'])}")
+                     f"transfer {ms(h['transfer_ms'])}{split}")
     lines.append(f"  finish       {ms(p.get('finish_ms'))}")
     lines.append(f"  shipped      {p.get('bytes_shipped', coverage.get('bytes_shipped', 0))} bytes up the tree")
     return "\n".join(lines)
