@@ -155,60 +155,24 @@ def select_ranks(plan: "Plan", engine: "Engine", tags_rows: Sequence[Mapping[str
     return targeted, [r for r in ranks if r not in targeted]
 
 
-def _compares(value: object, literal: object) -> bool:
-    """Whether DuckDB compares this tag value with this literal as Python does: a number with
-    a number, text with text (code point order is UTF-8's byte order); never a boolean."""
-    if isinstance(literal, bool) or isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return isinstance(literal, (int, float))
-    return isinstance(value, str) and isinstance(literal, str)
-
-
-_PY_COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
-               "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
-
-
 def _matching_tags(filters: Sequence[Sequence[Any]], tags_rows: Sequence[Mapping[str, object]]) -> set[int] | None:
     """The ranks among `tags_rows` whose tags pass every filter (``Plan.prune_filters``), as
-    the prune SQL selects them over ``_tags``: a NULL drops the row. None where a filter's
-    types would make DuckDB cast (then the SQL prunes)."""
+    the prune SQL selects them over ``_tags``; None where a filter's types would make DuckDB
+    cast (then the SQL prunes)."""
     keep = set()
     for row in tags_rows:
-        passed = True
-        for col, op, literal in filters:
-            if col not in TAG_TYPES:
-                return None
-            raw = row.get(col)
-            value = None if raw is None else (str(raw) if TAG_TYPES[col] == "string" else raw)
-            if value is not None and TAG_TYPES[col] != "string" and (type(value) is not int):
-                return None
-            if op == "is_null":
-                ok = value is None
-            elif op == "not_null":
-                ok = value is not None
-            elif value is None:
-                ok = False
-            elif op in _PY_COMPARE:
-                if not _compares(value, literal):
-                    return None
-                ok = _PY_COMPARE[op](value, literal)
-            elif op == "in":
-                if not all(_compares(value, v) for v in literal):
-                    return None
-                ok = value in literal
-            elif op in ("divisible", "not_divisible"):
-                if type(value) is not int or type(literal) is not int or literal == 0:
-                    return None
-                ok = (value % literal == 0) == (op == "divisible")
-            else:  # true / false: no tag is a boolean
-                return None
-            if not ok:
-                passed = False
-                break
+        passed = fast_paths.tags_pass(filters, _typed_tags(row))
+        if passed is None:
+            return None
         if passed:
             keep.add(int(row["_rank"]))  # type: ignore[call-overload]
     return keep
+
+
+def _typed_tags(row: Mapping[str, object]) -> dict[str, object]:
+    """A rank's tag values as its tag columns hold them (``_tags_table``, ``tagged``)."""
+    return {name: None if row.get(name) is None else str(row[name]) if alias == "string" else row[name]
+            for name, alias in TAG_TYPES.items()}
 
 
 def lookup(tables: Mapping[str, "pa.Table"], name: str) -> "pa.Table":
@@ -393,10 +357,12 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
         result = None
         if arrow and scan.arrow and not per_rank and len(regs) == 1 and not lacking:
             try:
-                run_arrow = fast_paths.arrow_partials if "aggs" in scan.arrow else fast_paths.arrow_rows
                 (table,) = regs.values()
                 read = _tags_read(scan.arrow)
-                result = run_arrow(scan.arrow, tagged(table, tags, read) if read else table)
+                if "aggs" in scan.arrow:
+                    result = fast_paths.arrow_partials(scan.arrow, tagged(table, tags, read) if read else table)
+                else:
+                    result = _rows_then_tags(scan.arrow, table, tags, read)
             except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
             if result is not None:
@@ -410,6 +376,31 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
             result = _narrow(result)
         out[scan.name] = _with_padded(result, [c for cols in lacking.values() for c in cols])
     return out
+
+
+def _rows_then_tags(spec: Mapping[str, Any], table: "pa.Table", tags: Mapping[str, object],
+                    read: Collection[str]) -> "pa.Table":
+    """``arrow_rows(spec, tagged(table, tags, read))``, tagging only the rows kept: a tag is one
+    value on the whole rank, so a filter on it keeps every row or none (decided on the value),
+    and ordering by it orders nothing. NotPlain where that does not hold as simply (a filter
+    the values cannot decide, a table with a tag's name twice, no column but tags)."""
+    if not read:
+        return fast_paths.arrow_rows(spec, table)
+    filters = spec.get("filters") or ()
+    passed = fast_paths.tags_pass([f for f in filters if f[0] in TAG_TYPES], _typed_tags(tags))
+    names = table.column_names
+    if passed is None or any(names.count(t) > 1 for t in TAG_TYPES):
+        raise fast_paths.NotPlain("tags")
+    columns = spec.get("columns")
+    own = None if columns is None else [c for c in columns if c not in TAG_TYPES]
+    if own == []:
+        raise fast_paths.NotPlain("only tags")
+    base = table.drop_columns([t for t in TAG_TYPES if t in names])  # tagged() replaces a column so named
+    rows = fast_paths.arrow_rows(dict(spec, columns=own, filters=[f for f in filters if f[0] not in TAG_TYPES],
+                                      order=[o for o in spec.get("order") or () if o[0] not in TAG_TYPES]),
+                                 base if passed else base.slice(0, 0))
+    out = tagged(rows, tags, read)
+    return out if columns is None else out.select(list(columns))
 
 
 def _lacking(regs: Mapping[str, "pa.Table"], needs: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:

@@ -47,7 +47,7 @@ from ..tables.convert import array, scalar
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["NotPlain", "arrow_rows", "arrow_partials", "arrow_final", "as_duckdb_returns", "const"]
+__all__ = ["NotPlain", "arrow_rows", "arrow_partials", "arrow_final", "as_duckdb_returns", "const", "tags_pass"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -120,6 +120,55 @@ def _arrow_filter(table: "pa.Table", filters: Sequence[Sequence[Any]]) -> "pa.Ta
             m = getattr(pc, _COMPARE[op])(arr, scalar(value, _comparable(arr.type, [value])))
         mask = m if mask is None else pc.and_kleene(mask, m)
     return table.filter(mask, null_selection_behavior="drop")
+
+
+def _compares(value: Any, literal: Any) -> bool:
+    """Whether DuckDB compares a tag value with a literal as Python does (``_comparable``'s
+    rule): a number with a number, text with text (code point order is UTF-8's byte order)."""
+    if isinstance(literal, bool) or isinstance(value, bool):
+        return False
+    if type(value) is int:
+        return isinstance(literal, (int, float))
+    return isinstance(value, str) and isinstance(literal, str)
+
+
+_PY_COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
+               "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
+
+
+def tags_pass(filters: Sequence[Sequence[Any]], values: Mapping[str, Any]) -> bool | None:
+    """Whether one rank's tag ``values`` (ints, text, None for NULL) pass every filter, as
+    WHERE over its tag columns keeps its rows (a NULL fails); None where a filter is not
+    over a tag or its types would make DuckDB cast."""
+    for col, op, literal in filters:
+        if col not in values:
+            return None
+        value = values[col]
+        if value is not None and type(value) not in (int, str):
+            return None
+        if op == "is_null":
+            ok = value is None
+        elif op == "not_null":
+            ok = value is not None
+        elif op in ("true", "false"):
+            return None  # no tag is a boolean
+        elif op in ("divisible", "not_divisible"):
+            if type(literal) is not int or literal == 0 or (value is not None and type(value) is not int):
+                return None
+            ok = value is not None and (value % literal == 0) == (op == "divisible")
+        elif op == "in":
+            if value is not None and not all(_compares(value, v) for v in literal):
+                return None
+            ok = value is not None and value in literal
+        elif op in _PY_COMPARE:
+            if value is not None and not _compares(value, literal):
+                return None
+            ok = value is not None and _PY_COMPARE[op](value, literal)
+        else:
+            return None
+        if not ok:
+            return False
+    return True
 
 
 def arrow_rows(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
