@@ -279,8 +279,10 @@ TOP_K = [  # ORDER BY plain columns ... LIMIT: a rank keeps its first rows with 
 
 def test_top_k_with_arrow_matches_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
     used = _calls(monkeypatch, "arrow_rows", lambda args, result: bool(args[0].get("order")) and result is not None)
+    merged = _calls(monkeypatch, "_top_k_with_arrow", lambda args, result: result is not None)
     _check_on_both(cluster, reducing, TOP_K, "top-k")
     assert len(used) >= 10 * 5, len(used)  # the first ten with Arrow on every rank with rows
+    assert len(merged) >= 8 * 2, len(merged)  # and merged with Arrow at the reducing job's brokers
 
 
 def test_a_top_k_keeps_the_rows_a_full_sort_keeps_first() -> None:

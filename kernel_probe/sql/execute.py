@@ -471,7 +471,11 @@ def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table
                              f"{str(e).splitlines()[0]}", code="error") from None
         if scan.merge and (scan.merge_at_root if at_root else
                            reduce_above is not None and table.num_rows > reduce_above):
-            table = engine.run(scan.merge, {scan.name: table}, deadline=deadline, row_cap=row_cap)
+            kept = _top_k_with_arrow(plan, scan, table)
+            if kept is not None:
+                table = kept
+            else:
+                table = engine.run(scan.merge, {scan.name: table}, deadline=deadline, row_cap=row_cap)
             if _partial_scan(plan, scan.name):
                 table = _narrow(table)
         # a column is lacking below only where every part lacked it
@@ -479,6 +483,23 @@ def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table
         lacking = set(first).intersection(*map(_padded, got[1:]))
         out[scan.name] = _with_padded(table, [c for c in first if c in lacking])
     return out
+
+
+def _top_k_with_arrow(plan: "Plan", scan: "Scan", table: "pa.Table") -> "pa.Table | None":
+    """A top-k's merge (its first rows in the query's order, over the partials) with Arrow,
+    where the rank scan's own Arrow spec says that order and limit; None: the merge SQL."""
+    spec = scan.arrow
+    if plan.mode != "top-k" or not spec or spec.get("order") is None or spec.get("limit") is None:
+        return None
+    if len({n.lower() for n in table.column_names}) != table.num_columns:
+        return None
+    try:
+        kept = fast_paths.arrow_rows({"columns": None, "filters": [], "order": spec["order"],
+                                      "limit": spec["limit"]}, table)
+    except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
+        log.debug("merge %s: SQL instead of Arrow (%s)", scan.name, exc)
+        return None
+    return kept.replace_schema_metadata(table.schema.metadata)
 
 
 def _concat(tables: Sequence["pa.Table"]) -> "pa.Table":
