@@ -387,12 +387,16 @@ def user_table(data: Any):
     raise TypeError(f"expected a pandas DataFrame, a list of dicts or a pyarrow Table, got {type(data).__name__}")
 
 
-def _plain_frame(df: Any) -> bool:
-    """A DataFrame whose Arrow table is its columns under their own names: a RangeIndex
-    (``from_pandas`` drops it), unique string column names."""
+def _plain_frame(df: Any) -> list[str] | None:
+    """The column names of a DataFrame whose Arrow table is its columns under their own names:
+    a RangeIndex (``from_pandas`` drops it), unique string column names; else None."""
     pd = sys.modules["pandas"]
-    return type(df.index) is pd.RangeIndex and df.index.name is None and type(df.columns) is pd.Index \
-        and all(type(c) is str for c in df.columns) and df.columns.is_unique
+    if type(df.index) is not pd.RangeIndex or df.index.name is not None or type(df.columns) is not pd.Index:
+        return None
+    names = df.columns.tolist()  # (iterating the Index itself goes value by value through Arrow)
+    if not all(type(c) is str for c in names) or len(set(names)) != len(names):
+        return None
+    return names
 
 
 def frame_table(df: Any):
@@ -402,11 +406,12 @@ def frame_table(df: Any):
     checks), a leaf's whole scan. The same types and values (a float NaN is NULL, as there);
     None for any other frame, which ``from_pandas`` converts."""
     pd = sys.modules["pandas"]
-    if not _plain_frame(df):
+    names = _plain_frame(df)
+    if names is None:
         return None
     pa = _pa()
     arrays = []
-    for name in df.columns:
+    for name in names:
         values = df[name].array
         dtype = values.dtype
         if isinstance(dtype, (pd.StringDtype, pd.ArrowDtype)):
@@ -415,7 +420,7 @@ def frame_table(df: Any):
             arrays.append(pa.array(values.to_numpy(), from_pandas=True))
         else:
             return None
-    return pa.Table.from_arrays(arrays, names=list(df.columns))
+    return pa.Table.from_arrays(arrays, names=names)
 
 
 def column_names(name: str, data: Any, metric_rows: list[tuple[float, dict]]) -> list[str] | None:
@@ -431,8 +436,10 @@ def column_names(name: str, data: Any, metric_rows: list[tuple[float, dict]]) ->
     pa, pd = sys.modules.get("pyarrow"), sys.modules.get("pandas")
     if pa is not None and isinstance(data, (pa.Table, pa.RecordBatch)):
         return list(data.schema.names)
-    if pd is not None and isinstance(data, pd.DataFrame) and _plain_frame(data):
-        return list(data.columns)
+    if pd is not None and isinstance(data, pd.DataFrame):
+        names = _plain_frame(data)
+        if names is not None:
+            return names
     if isinstance(data, dict):
         return [str(k) for k in data]
     if isinstance(data, (list, tuple)) and all(isinstance(row, dict) for row in data):
