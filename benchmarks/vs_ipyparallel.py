@@ -1,9 +1,15 @@
 """Ours vs. ipyparallel, side by side in one run, on the same data (issue: fast enough to
-beat ipyparallel). N ranks of a plain job (each with a ``big`` table of ROWS rows) beside N
-idle ipyparallel engines holding the same rows as a DataFrame; the same questions asked
-of both, interleaved, REPS times each; p50 and p90 in ms and the ratio ours / theirs.
+beat ipyparallel). The same questions asked of both, interleaved, REPS times each; p50 and
+p90 in ms and the ratio ours / theirs.
 
-    .venv/bin/python benchmarks/vs_ipyparallel.py [--ranks 4 8] [--reps 60]
+- ``arrow``: N ranks of a plain job (each with a ``big`` Arrow table of ROWS rows) beside N
+  idle ipyparallel engines holding the same rows as a DataFrame.
+- ``training``: a 2x2 torchrun job (gloo, the demo's tiny model stepping every 50 ms) whose
+  ranks each register a FRAME_ROWS-row pandas DataFrame ``frame`` (id, kind, value), as
+  users do, beside 4 engines holding the same DataFrames: count, per-kind count and avg,
+  one rank's top 1000 rows, ~1100 filtered rows from every rank, membership as a DataFrame.
+
+    .venv/bin/python benchmarks/vs_ipyparallel.py [--ranks 4 8] [--reps 60] [--jobs arrow training]
 
 ipyparallel is a benchmark dependency only (`pip install '.[bench]'`, done by `make bench`).
 """
@@ -20,13 +26,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after PYTHONPATH: PYTHONPATH=<a checkout> benchmarks that checkout's code
 
 import kernel_probe  # noqa: E402
 from tests.support.harness import LocalJob  # noqa: E402
 
 TABLES = str(ROOT / "tests" / "workers" / "tables_worker.py")
+FRAMES = str(ROOT / "tests" / "workers" / "frames_ddp_worker.py")
 ROWS = 10_000
+FRAME_ROWS = 5_000
 
 
 def _engine_setup(n: int, rank: int) -> None:
@@ -67,11 +75,7 @@ def questions(client: Any, view: Any) -> list[tuple[str, Callable[[], Any], Call
         return merged.assign(avg=merged["s"] / merged["n"])
 
     def ours(sql: str) -> Callable[[], Any]:
-        def ask():
-            r = client.query(sql)
-            r.df  # the user gets a DataFrame, as from ipyparallel
-            return r
-        return ask
+        return _asking(client, sql)
 
     return [
         ("count of rows over all ranks", ours("SELECT count(*) AS n FROM big"),
@@ -85,14 +89,89 @@ def questions(client: Any, view: Any) -> list[tuple[str, Callable[[], Any], Call
     ]
 
 
-def _where(profile: dict) -> str:
-    """One line of a median run's per-hop profile: where our time goes."""
+def _frame_setup(worker: str, rows: int, rank: int) -> None:
+    """On engine ``rank``: the DataFrame rank ``rank`` of the training job registers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("frames_ddp_worker", worker)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    globals()["frame"] = module.frame(rank, rows)
+
+
+def _frame_count() -> int:
+    return len(frame)  # noqa: F821 (defined on the engine)
+
+
+def _frame_kinds() -> Any:
+    return frame.groupby("kind").agg(n=("value", "size"), s=("value", "sum"))  # noqa: F821
+
+
+def _frame_top() -> Any:
+    top = frame[frame["value"] > 0.5]  # noqa: F821
+    return top.sort_values("id").head(1000)
+
+
+def _frame_filtered() -> Any:
+    return frame[frame["value"] > 0.945]  # noqa: F821
+
+
+def training_questions(client: Any, rc: Any) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
+    import pandas as pd
+
+    view = rc[:]
+    view.block = True
+    one = rc[1]
+
+    def theirs_kinds():
+        merged = pd.concat(view.apply_sync(_frame_kinds)).groupby(level=0).sum()
+        return merged.assign(avg=merged["s"] / merged["n"])
+
+    def ours(sql: str) -> Callable[[], Any]:
+        return _asking(client, sql)
+
+    return [
+        ("count(*) over all ranks", ours("SELECT count(*) AS n FROM frame"),
+         lambda: sum(view.apply_sync(_frame_count))),
+        ("per-kind count and avg", ours("SELECT kind, count(*) AS n, avg(value) AS a FROM frame GROUP BY kind "
+                                        "ORDER BY kind"), theirs_kinds),
+        ("1000 rows of rank 1, ORDER BY id LIMIT", ours("SELECT * FROM frame WHERE _rank = 1 AND value > 0.5 "
+                                                        "ORDER BY id LIMIT 1000"),
+         lambda: one.apply_sync(_frame_top)),
+        ("~1100 rows from all ranks: value > 0.945", ours("SELECT * FROM frame WHERE value > 0.945"),
+         lambda: pd.concat(view.apply_sync(_frame_filtered))),
+    ]
+
+
+def _asking(client: Any, sql: str) -> Callable[[], Any]:
+    """Ask ``sql`` and make the DataFrame the user gets (as from ipyparallel); the result keeps
+    the client's clock (when it asked, had the answer decoded, had the DataFrame)."""
+    def ask():
+        t0 = time.time()
+        r = client.query(sql)
+        t1 = time.time()
+        r.df
+        r.asked = (t0, t1, time.time())
+        return r
+    return ask
+
+
+def _where(result: Any) -> str:
+    """Two lines of a median run's per-hop profile: where our time goes, by the clocks of the
+    client, the root and each hop (one machine: one clock)."""
+    profile = result.coverage["profile"]
     scan = profile["scan"]
     hops = profile["hops"]
     merges = " + ".join(f"{m['ms']:.1f}" for m in profile["merges"]) or "-"
+    split = ", ".join(f"{h['parent']}->{h['child']} {h.get('down_ms', 0):.1f}/{h.get('up_ms', 0):.1f}" for h in hops)
+    t0, t1, t2 = result.asked
+    client = (f"client->root {(profile['received_at'] - t0) * 1000:.1f} · root->client and decode "
+              f"{(t1 - profile['answered_at']) * 1000:.1f} · DataFrame {(t2 - t1) * 1000:.1f}") \
+        if "received_at" in profile else "client split: a root without wall-clock stamps"
     return (f"plan {profile['plan_ms']:.1f} · scans {scan['median_ms']:.1f}/{scan['slowest_ms']:.1f} (median/slowest) · "
             f"merges {merges} · {len(hops)} hops, transfer max {max(h['transfer_ms'] for h in hops):.1f} · "
-            f"finish {profile['finish_ms']:.1f} · {profile['elapsed_ms']:.1f} at the root")
+            f"finish {profile['finish_ms']:.1f} · {profile['elapsed_ms']:.1f} at the root\n"
+            f"        {client} · hops down/up {split}")
 
 
 def _p(values: list[float], q: float) -> float:
@@ -132,38 +211,87 @@ def run(n: int, reps: int) -> None:
                     ours()
                     theirs()
             print(f"{n} ranks / engines, {ROWS} rows each, {reps} interleaved repetitions (ms):")
-            print(f"  {'question':42s} {'ours p50':>9s} {'p90':>7s} {'ipp p50':>9s} {'p90':>7s} {'ours/ipp':>9s}")
-            for title, ours, theirs in qs:
-                a, b, runs = [], [], []
-                for i in range(reps):
-                    # each side goes first every other round: whatever one side still does
-                    # after answering (ipyparallel's hub records every task) lands on both clocks
-                    for side in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
-                        t = time.perf_counter()
-                        if side is ours:
-                            runs.append(ours())
-                            a.append((time.perf_counter() - t) * 1000)
-                        else:
-                            theirs()
-                            b.append((time.perf_counter() - t) * 1000)
-                ratio = statistics.median(a) / statistics.median(b)
-                print(f"  {title:42s} {statistics.median(a):9.1f} {_p(a, .9):7.1f} {statistics.median(b):9.1f} "
-                      f"{_p(b, .9):7.1f} {ratio:9.2f}")
-                median_run = runs[sorted(range(reps), key=a.__getitem__)[reps // 2]]
-                print(f"      ours, median run: {_where(median_run.coverage['profile'])}")
+            side_by_side(client, rc, qs, reps)
+            client.close()
+        finally:
+            cluster.stop_cluster_sync()
 
-            def timed(fn):
-                t0 = time.perf_counter()
-                fn()
-                return (time.perf_counter() - t0) * 1000
 
-            members = statistics.median(timed(client.nodes) for _ in range(reps))
-            raw = statistics.median(timed(client.nodes_raw) for _ in range(reps))
-            status = statistics.median(timed(rc.queue_status) for _ in range(reps))
-            print(f"  {'membership: nodes() vs queue_status()':42s} {members:9.1f} {'':7s} {status:9.1f} {'':7s} "
-                  f"{members / status:9.2f}")
-            print(f"  {'  nodes_raw() (dicts, as queue_status)':42s} {raw:9.1f} {'':7s} {status:9.1f} {'':7s} "
-                  f"{raw / status:9.2f}")
+def side_by_side(client: Any, rc: Any, qs: list, reps: int) -> None:
+    """Each question asked of both sides REPS times, interleaved; then membership."""
+    print(f"  {'question':42s} {'ours p50':>9s} {'p90':>7s} {'ipp p50':>9s} {'p90':>7s} {'ours/ipp':>9s}")
+    for title, ours, theirs in qs:
+        a, b, runs = [], [], []
+        for i in range(reps):
+            # each side goes first every other round: whatever one side still does
+            # after answering (ipyparallel's hub records every task) lands on both clocks
+            for side in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
+                t = time.perf_counter()
+                if side is ours:
+                    runs.append(ours())
+                    a.append((time.perf_counter() - t) * 1000)
+                else:
+                    theirs()
+                    b.append((time.perf_counter() - t) * 1000)
+        ratio = statistics.median(a) / statistics.median(b)
+        print(f"  {title:42s} {statistics.median(a):9.1f} {_p(a, .9):7.1f} {statistics.median(b):9.1f} "
+              f"{_p(b, .9):7.1f} {ratio:9.2f}")
+        median_run = runs[sorted(range(reps), key=a.__getitem__)[reps // 2]]
+        print(f"      ours, median run: {_where(median_run)}")
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000
+
+    from kernel_probe.client.results import members_frame
+
+    a, b = [], []
+    for i in range(reps):
+        for side in ((client.nodes, rc.queue_status) if i % 2 == 0 else (rc.queue_status, client.nodes)):
+            (a if side == client.nodes else b).append(timed(side))
+    raw = client.nodes_raw()["members"]
+    frame_ms = statistics.median(timed(lambda: members_frame(raw)) for _ in range(reps))
+    members, status = statistics.median(a), statistics.median(b)
+    print(f"  {'membership: nodes() vs queue_status()':42s} {members:9.1f} {_p(a, .9):7.1f} {status:9.1f} "
+          f"{_p(b, .9):7.1f} {members / status:9.2f}")
+    print(f"      of which building the DataFrame of {len(raw)} ranks: {frame_ms:.3f} ms")
+
+
+def run_training(reps: int) -> None:
+    """The training job of DataFrames (2x2 torchrun, gloo) beside 4 engines."""
+    import ipyparallel as ipp
+
+    runtime = tempfile.mkdtemp(prefix="kp-vs-ipp-")
+    os.environ["PROBING_RUNTIME_DIR"] = runtime
+    job = LocalJob([FRAMES, "--rows", str(FRAME_ROWS), "--step-sleep", "0.05"], nodes=2, ranks_per_node=2,
+                   mode="torchrun", env={"PROBING": "1", "PROBING_RUNTIME_DIR": runtime})
+    cluster = ipp.Cluster(n=4, log_level=40)
+    with job:
+        job.wait_ready(120)
+        rc = cluster.start_and_connect_sync()
+        try:
+            for i, engine in enumerate(rc):
+                engine.apply_sync(_frame_setup, FRAMES, FRAME_ROWS, i)
+            client = None
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    client = kernel_probe.connect(timeout=2)
+                    if client.query("SELECT count(*) AS n FROM frame").df["n"][0] == 4 * FRAME_ROWS:
+                        break
+                except kernel_probe.ProbeError:
+                    pass
+                time.sleep(0.3)
+            qs = training_questions(client, rc)
+            for title, ours, theirs in qs:  # warm both sides; the same rows on both
+                for _ in range(3):
+                    got, want = ours().df, theirs()
+                n = len(want) if hasattr(want, "__len__") else want
+                print(f"  warm: {title}: ours {len(got) if len(got) > 1 else got.iloc[0, 0]} vs ipp {n}")
+            print(f"training job 2x2 (torchrun, gloo, a step every 50 ms), a {FRAME_ROWS}-row DataFrame per rank, "
+                  f"4 engines, {reps} interleaved repetitions (ms):")
+            side_by_side(client, rc, qs, reps)
             client.close()
         finally:
             cluster.stop_cluster_sync()
@@ -173,14 +301,18 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--jobs", nargs="+", choices=("arrow", "training"), default=["arrow", "training"])
     args = ap.parse_args()
     try:
         import ipyparallel  # noqa: F401
     except ImportError:
         print("vs_ipyparallel: ipyparallel is not installed (pip install '.[bench]')")
         return 1
-    for n in args.ranks:
-        run(n, args.reps)
+    if "training" in args.jobs:
+        run_training(args.reps)
+    if "arrow" in args.jobs:
+        for n in args.ranks:
+            run(n, args.reps)
     return 0
 
 

@@ -118,13 +118,30 @@ class HopTiming:
     sent: dict[int, float] = field(default_factory=dict)  # child hop -> when its subquery left
     task_started: dict[str, float] = field(default_factory=dict)  # task kind -> when it was handed out
 
-    def to_body(self, elapsed_ms: float) -> dict:
-        return {"elapsed_ms": round(elapsed_ms, 3), "scans": {str(r): ms for r, ms in self.scans.items()},
+    def to_body(self, elapsed_ms: float, at: tuple[float, float] | None = None) -> dict:
+        """What a subresult carries up; ``at``: when this hop got its subquery and answered, by
+        its clock (the parent splits the hop's transfer into down and up by them)."""
+        body = {"elapsed_ms": round(elapsed_ms, 3), "scans": {str(r): ms for r, ms in self.scans.items()},
                 "merges": self.merges[-MAX_PROFILE_ROWS:], "hops": self.hops[-MAX_PROFILE_ROWS:],
                 "scanned_by": {str(r): b for r, b in self.scanned_by.items()}}
+        if at is not None:
+            body["at"] = [at[0], at[1]]
+        return body
 
-    def absorb(self, parent: int, child: int, body: Any, rtt_ms: float) -> None:
-        """Take a child's profile in; a malformed one costs its details, never the answer."""
+    def absorb(self, parent: int, child: int, body: Any, rtt_ms: float, now: float | None = None) -> None:
+        """Take a child's profile in; a malformed one costs its details, never the answer. With
+        ``now`` (when it arrived) and the child's ``at``, the hop's transfer is split into the way
+        down (sent to received there) and the way up (answered there to received here): on one
+        machine as they were; across machines the clocks' offset moves time from one to the
+        other, never their sum."""
+        split = None
+        try:
+            got, answered = body["at"]
+            sent = self.sent.get(child)
+            if sent is not None and now is not None:
+                split = ((float(got) - sent) * 1000.0, (now - float(answered)) * 1000.0)
+        except (TypeError, ValueError, KeyError):
+            pass
         try:
             if not isinstance(body, dict):
                 raise TypeError("no profile")
@@ -135,14 +152,19 @@ class HopTiming:
             self.merges += [{"rank": int(m["rank"]), "ms": float(m["ms"]), "parts": int(m["parts"])}
                             for m in (body.get("merges") or [])[:MAX_PROFILE_ROWS]]
             self.hops += [{"parent": int(h["parent"]), "child": int(h["child"]), "rtt_ms": float(h["rtt_ms"]),
-                           "transfer_ms": float(h["transfer_ms"])} for h in (body.get("hops") or [])[:MAX_PROFILE_ROWS]]
+                           "transfer_ms": float(h["transfer_ms"]),
+                           **{k: float(h[k]) for k in ("down_ms", "up_ms") if k in h}}
+                          for h in (body.get("hops") or [])[:MAX_PROFILE_ROWS]]
             child_ms = float(body.get("elapsed_ms") or 0.0)
         except (TypeError, ValueError, KeyError, AttributeError):
             child_ms = 0.0
-        self.hops.append({"parent": parent, "child": child, "rtt_ms": round(rtt_ms, 3),
-                          "transfer_ms": round(max(0.0, rtt_ms - child_ms), 3)})
+        hop = {"parent": parent, "child": child, "rtt_ms": round(rtt_ms, 3),
+               "transfer_ms": round(max(0.0, rtt_ms - child_ms), 3)}
+        if split is not None:
+            hop["down_ms"], hop["up_ms"] = round(split[0], 3), round(split[1], 3)
+        self.hops.append(hop)
 
-    def summary(self, elapsed_ms: float, bytes_shipped: int) -> dict:
+    def summary(self, elapsed_ms: float, bytes_shipped: int, at: tuple[float, float] | None = None) -> dict:
         scans = sorted(self.scans.items(), key=lambda kv: kv[1])
         slowest = scans[-1] if scans else (None, None)
         transfers = [h["transfer_ms"] for h in self.hops]
@@ -154,6 +176,9 @@ class HopTiming:
             "merges": self.merges[-MAX_PROFILE_ROWS:], "finish_ms": self.finish_ms,
             "hops": self.hops[-MAX_PROFILE_ROWS:], "transfer_ms_max": max(transfers, default=None),
             "bytes_shipped": bytes_shipped,
+            # the root's clock when the query came and when it answered: a client splits its own
+            # round trip by them (the way to the root, the way back)
+            **({"received_at": at[0], "answered_at": at[1]} if at is not None else {}),
         }
 
 
@@ -307,7 +332,7 @@ class QueryFanOut:
         s.answered.update(r for r in body["answered"] if isinstance(r, int) and r in ranks)
         if body.get("error"):
             s.errors.append(body["error"])
-        s.timing.absorb(self.rank, child, body.get("profile"), (now - s.timing.sent.get(child, now)) * 1000.0)
+        s.timing.absorb(self.rank, child, body.get("profile"), (now - s.timing.sent.get(child, now)) * 1000.0, now)
         names = [n for n in body["scans"] if isinstance(n, str)]
         buffers = list(env.msg.buffers)
         s.bytes_in += sum(len(b) for b in buffers) + int(body.get("bytes_below") or 0)
@@ -498,7 +523,7 @@ class QueryFanOut:
             "targeted": sorted(s.targeted), "answered": sorted(s.answered), "pruned": sorted(s.pruned),
             "failed": failed, "partial": bool(failed), "elapsed_ms": round(elapsed_ms, 3),
             "bytes_shipped": s.bytes_in, "plan": plan.get("mode", "?"), "explain": plan.get("explain", ""),
-            "profile": s.timing.summary(elapsed_ms, s.bytes_in),
+            "profile": s.timing.summary(elapsed_ms, s.bytes_in, (s.started, now)),
         }
 
     def _answer_parent(self, s: HopQuery, names: list[str], buffers: list[bytes], error: dict | None = None,
@@ -508,7 +533,7 @@ class QueryFanOut:
         s.stage = "done"
         body = {"qid": s.qid, "status": "ok" if names or not error else "error", "answered": sorted(s.answered),
                 "failed": {str(r): v for r, v in s.failed.items()}, "scans": names, "bytes_below": s.bytes_in,
-                "profile": s.timing.to_body((now - s.started) * 1000.0)}
+                "profile": s.timing.to_body((now - s.started) * 1000.0, (s.started, now))}
         if rows is not None and len(rows) == len(names):
             body["rows"] = rows
         if sizes is not None:

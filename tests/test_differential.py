@@ -279,8 +279,10 @@ TOP_K = [  # ORDER BY plain columns ... LIMIT: a rank keeps its first rows with 
 
 def test_top_k_with_arrow_matches_duckdb(cluster: Job, reducing: Job, monkeypatch) -> None:
     used = _calls(monkeypatch, "arrow_rows", lambda args, result: bool(args[0].get("order")) and result is not None)
+    merged = _calls(monkeypatch, "_top_k_with_arrow", lambda args, result: result is not None)
     _check_on_both(cluster, reducing, TOP_K, "top-k")
     assert len(used) >= 10 * 5, len(used)  # the first ten with Arrow on every rank with rows
+    assert len(merged) >= 8 * 2, len(merged)  # and merged with Arrow at the reducing job's brokers
 
 
 def test_a_top_k_keeps_the_rows_a_full_sort_keeps_first() -> None:
@@ -628,3 +630,62 @@ def test_a_refused_statement_sends_nothing_down_the_tree(engine: Engine) -> None
     with pytest.raises(SimQueryError):
         job.sim.query("DROP TABLE t")
     assert job.sim.sim.messages_sent["subquery"] == before
+
+
+FRAMES = [  # user tables registered as pandas DataFrames (text as large_string): the issue's shapes and kin
+    "SELECT count(*) AS n FROM frame",
+    "SELECT kind, count(*) AS n, avg(value) AS a FROM frame GROUP BY kind ORDER BY kind",
+    "SELECT * FROM frame WHERE _rank = 1 AND value > 0.5 ORDER BY id LIMIT 30",
+    "SELECT id, kind, value FROM frame WHERE _rank IN (1, 4) AND value > 0.5 ORDER BY id DESC LIMIT 12",
+    "SELECT * FROM frame WHERE value > 0.9",
+    "SELECT kind, id FROM frame WHERE kind = 'beta' AND value < 0.2",
+    "SELECT * FROM frame WHERE kind IN ('alpha', 'delta') AND n IS NOT NULL ORDER BY kind, id LIMIT 9",
+    "SELECT id, note FROM frame WHERE note IS NOT NULL AND id % 3 = 0",
+    "SELECT * FROM frame WHERE _host = 'h1' AND flag",
+    "SELECT kind, value FROM frame WHERE _node >= 1 AND _local_rank = 0 ORDER BY kind DESC, value LIMIT 5",
+    "SELECT * FROM frame WHERE value > 2",  # no rows anywhere: the schema still answers
+    "SELECT id FROM frame WHERE _rank = 99",  # pruned to nothing: one rank asked, its WHERE filters all
+    "SELECT * FROM frame WHERE _rank = '3'",  # a number tag against text: DuckDB casts, the SQL prunes
+]
+
+
+def _frame_ranks() -> list[VRank]:
+    """Ranks whose `frame` is a DataFrame, converted as a rank converts one (LocalTables)."""
+    pd = pytest.importorskip("pandas")
+    import numpy as np
+
+    from kernel_probe.tables.convert import user_table
+
+    ranks = make_ranks(seed=23)
+    kinds = np.asarray(["alpha", "beta", "gamma", "delta"], dtype=object)
+    for v in ranks:
+        rng = np.random.default_rng(v.rank)
+        n = 0 if v.rank == 2 else 40 + 30 * v.rank
+        frame = pd.DataFrame({"id": np.arange(v.rank * 1000, v.rank * 1000 + n, dtype="int64"),
+                              "kind": kinds[rng.integers(0, 4, n)].astype(str),
+                              "value": rng.random(n),
+                              "n": pd.array([None if i % 7 == 0 else i for i in range(n)], dtype="Int64"),
+                              "note": pd.array([None if i % 5 else f"n{i}" for i in range(n)], dtype="str"),
+                              "flag": rng.random(n) < 0.5})
+        v.tables["frame"] = user_table(frame)
+    assert ranks[1].tables["frame"].schema.field("kind").type == pa.large_string()
+    return ranks
+
+
+def test_dataframe_tables_answer_as_duckdb_with_arrow_at_the_ranks_and_the_root(engine: Engine, monkeypatch) -> None:
+    ranks = _frame_ranks()
+    rows_at_ranks = _calls(monkeypatch, "arrow_rows", lambda args, result: result is not None)
+    finals = _calls(monkeypatch, "_final_with_rows", lambda args, result: result is not None)
+    pruned = _calls(monkeypatch, "_matching_tags", lambda args, result: result is not None)
+    cluster, reducing = Job(ranks, engine), Job(ranks, engine, merge_above_rows=0, arrow_scans=False)
+    for sql in FRAMES:
+        for job in (cluster, reducing):
+            job.check(GenQuery(sql))
+            _, ours = job.sim.query(sql)
+            want = job.oracle.run(sql)
+            assert ours.schema.types == want.schema.types, (sql, ours.schema, want.schema)
+    assert len(rows_at_ranks) >= 6 * 5, len(rows_at_ranks)  # filters, top-k: no DuckDB pass at the ranks
+    assert len(finals) >= 2 * 8, len(finals)  # the root selects the answer's rows with Arrow
+    assert len(pruned) >= 2 * 5, len(pruned)  # and prunes by the tags in Python
+    coverage, _ = cluster.sim.query(FRAMES[2])
+    assert coverage["targeted"] == [1] and coverage["plan"] == "top-k"  # one rank's rows: only that rank is asked

@@ -21,6 +21,25 @@ def test_profile_covers_every_rank_hop_and_merge() -> None:
     assert all(h["transfer_ms"] <= h["rtt_ms"] for h in p["hops"])
 
 
+def test_each_hop_splits_its_transfer_into_the_way_down_and_the_way_up() -> None:
+    t = HopTiming()
+    t.sent[3] = 100.0
+    t.absorb(0, 3, {"elapsed_ms": 2.0, "at": [100.001, 100.003],
+                    "hops": [{"parent": 3, "child": 5, "rtt_ms": 1.0, "transfer_ms": 0.5, "down_ms": 0.2,
+                              "up_ms": 0.3}]}, rtt_ms=5.0, now=100.005)
+    grandchild, hop = t.hops
+    assert grandchild["down_ms"] == 0.2 and grandchild["up_ms"] == 0.3  # kept as the child measured it
+    assert hop["transfer_ms"] == 3.0 and hop["down_ms"] == 1.0 and hop["up_ms"] == 2.0
+    t.absorb(0, 4, {"elapsed_ms": 1.0}, rtt_ms=2.0, now=100.0)  # a child that does not say when
+    assert "down_ms" not in t.hops[-1]
+    summary = t.summary(9.0, 0, (99.0, 99.009))
+    assert summary["received_at"] == 99.0 and summary["answered_at"] == 99.009
+    sim = SimCluster(make_ranks(seed=7), 2)
+    coverage, _ = sim.query("SELECT count(*) AS n FROM t")
+    hops = coverage["profile"]["hops"]
+    assert hops and all(abs(h["down_ms"] + h["up_ms"] - h["transfer_ms"]) < 0.01 for h in hops), hops
+
+
 def test_a_malformed_child_profile_costs_only_its_details() -> None:
     t = HopTiming()
     for garbage in (None, "x", [1], {"scans": {"a": "b"}}, {"merges": [{"rank": "?"}]}, {"hops": 5},

@@ -116,15 +116,23 @@ def test_a_plan_is_quick_once_made_for_the_same_columns_unless_it_prunes_in_duck
     runner.tables.table("t", pa.table({"id": [1], "other": [2]}))  # new columns: plan again
     assert runner.quick(count) is None
     pruned = _plan_args("SELECT count(*) AS n FROM t WHERE _rank = 1")
-    runner.run(pruned)
-    assert runner.quick(pruned) is None  # the tag filter runs in DuckDB
+    made = runner.run(pruned)
+    again = runner.quick(pruned)  # the tag filter runs over the registry's rows, in Python
+    assert again is not None and again["targets"] == made["targets"] == [1] and again["pruned"] == [0, 2, 3]
+    for sql in ("SELECT count(*) AS n FROM t WHERE _host = 1",  # DuckDB casts: the prune SQL runs
+                "SELECT count(*) AS n FROM t WHERE _rank + 1 = 2"):  # not a plain filter
+        runner.run(_plan_args(sql))
+        assert runner.quick(_plan_args(sql)) is None, sql
     runner.tables.table("frame", [{"a": 1}, {"a": 2}])
     runner.run(count)
     assert runner.quick(count) is not None  # rows of dicts tell their columns unconverted
     import pandas as pd
     runner.tables.table("frame", pd.DataFrame({"a": [1, 2]}))
     runner.run(count)
-    assert runner.quick(count) is None  # a DataFrame is converted to tell its columns
+    assert runner.quick(count) is not None  # a DataFrame's columns are its own (a RangeIndex is dropped)
+    runner.tables.table("frame", pd.DataFrame({"a": [1, 2]}, index=[7, 8]))
+    runner.run(count)
+    assert runner.quick(count) is None  # another index becomes columns: converted to tell them
 
 
 def test_an_error_in_a_quick_task_is_the_task_s_error() -> None:

@@ -16,6 +16,10 @@ from kernel_probe.shell.sql_tasks.routing import QUICK_MAX_BYTES, Executor, Fact
 PLAN = {"mode": "partial-aggregate", "final": "SELECT sum(n) AS n FROM s0", "final_arrow": {"sum": "n"},
         "scans": [{"name": "s0", "sql": "SELECT count(*) AS n FROM t", "where": "ranks", "tables": ["t"]}]}
 SQL_FINISH = dict(PLAN, final_arrow=None)  # the final SQL runs in DuckDB
+TOP_K = {"mode": "top-k", "final": "SELECT * FROM s0 ORDER BY id LIMIT 5", "final_arrow": None,
+         "final_rows": {"columns": None, "filters": [], "order": [["id", False, False]], "limit": 5},
+         "scans": [{"name": "s0", "sql": "SELECT * FROM t ORDER BY id LIMIT 5", "where": "ranks", "tables": ["t"],
+                    "merge": "SELECT * FROM s0 ORDER BY id LIMIT 5"}]}
 TAGS = {"_rank": 3, "_node": 1, "_host": "h1", "_local_rank": 1, "_role": ""}
 PARTS = [{"scans": ["s0"], "buffers": [b"x" * 10]}]
 
@@ -71,6 +75,9 @@ def test_what_may_be_quick(arrow_scans: bool, ships_plain: bool) -> None:
     assert quick(TASKS["shipped"]) is arrow_scans
     assert quick(TASKS["merge"]) and quick(TASKS["finish"])
     assert not quick(Finish(SQL_FINISH, PARTS)), "a final SQL pass: merging here first would be done twice"
+    assert quick(Finish(TOP_K, PARTS)), "a top-k's final merge: Arrow selects the answer's rows"
+    assert quick(Finish(dict(TOP_K, mode="ship-rows", final_rows={"columns": None, "filters": []}), PARTS))
+    assert not quick(Finish(dict(TOP_K, final_rows=None), PARTS)), "an OFFSET, an expression: the final SQL"
     assert not quick(Finish(dict(PLAN, scans=[dict(PLAN["scans"][0], where="root")]), PARTS)), "a root-only scan"
     huge = [{"scans": ["s0"], "buffers": [bytes(QUICK_MAX_BYTES // 2)]}, {"scans": ["s0"], "buffers": [b"xx"]},
             {"scans": ["s0"], "buffers": [bytes(QUICK_MAX_BYTES // 2)]}]

@@ -144,13 +144,35 @@ def select_ranks(plan: "Plan", engine: "Engine", tags_rows: Sequence[Mapping[str
         return [], []  # root-only: nothing to send
     if plan.prune is None or not ranks:
         return ranks, []
-    got = engine.run(plan.prune, {"_tags": _tags_table(tags_rows)},
-                     params=_params_for(plan.prune, params), deadline=deadline)
-    keep = {int(v) for v in got.column(0).to_pylist() if v is not None}
+    keep = _matching_tags(plan.prune_filters, tags_rows) if plan.prune_filters is not None else None
+    if keep is None:
+        got = engine.run(plan.prune, {"_tags": _tags_table(tags_rows)},
+                         params=_params_for(plan.prune, params), deadline=deadline)
+        keep = {int(v) for v in got.column(0).to_pylist() if v is not None}
     targeted = [r for r in ranks if r in keep]
     if not targeted:
         targeted = ranks[:1]
     return targeted, [r for r in ranks if r not in targeted]
+
+
+def _matching_tags(filters: Sequence[Sequence[Any]], tags_rows: Sequence[Mapping[str, object]]) -> set[int] | None:
+    """The ranks among `tags_rows` whose tags pass every filter (``Plan.prune_filters``), as
+    the prune SQL selects them over ``_tags``; None where a filter's types would make DuckDB
+    cast (then the SQL prunes)."""
+    keep = set()
+    for row in tags_rows:
+        passed = fast_paths.tags_pass(filters, _typed_tags(row))
+        if passed is None:
+            return None
+        if passed:
+            keep.add(int(row["_rank"]))  # type: ignore[call-overload]
+    return keep
+
+
+def _typed_tags(row: Mapping[str, object]) -> dict[str, object]:
+    """A rank's tag values as its tag columns hold them (``_tags_table``, ``tagged``)."""
+    return {name: None if row.get(name) is None else str(row[name]) if alias == "string" else row[name]
+            for name, alias in TAG_TYPES.items()}
 
 
 def lookup(tables: Mapping[str, "pa.Table"], name: str) -> "pa.Table":
@@ -241,6 +263,23 @@ def _final_with_arrow(plan: "Plan", regs: Mapping[str, "pa.Table"]) -> "pa.Table
     return result
 
 
+def _final_with_rows(plan: "Plan", regs: Mapping[str, "pa.Table"]) -> "pa.Table | None":
+    """``Plan.final_rows`` over the one scan's concatenated rows, or None (the final SQL runs)
+    where it does not apply: a column it does not find by its exact name, a type DuckDB
+    would hand back otherwise, names DuckDB would tell apart (equal but for case)."""
+    if len(regs) != 1:
+        return None
+    (table,) = regs.values()
+    if len({n.lower() for n in table.column_names}) != table.num_columns:
+        return None
+    try:
+        result = fast_paths.arrow_rows(plan.final_rows, table)  # type: ignore[arg-type]
+    except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
+        log.debug("final: SQL instead of Arrow (%s)", exc)
+        return None
+    return result.replace_schema_metadata(None)
+
+
 def _within_cap(result: "pa.Table", row_cap: int | None) -> "pa.Table":
     if row_cap is not None and result.num_rows > row_cap:
         from .engine import row_cap_exceeded
@@ -318,10 +357,12 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
         result = None
         if arrow and scan.arrow and not per_rank and len(regs) == 1 and not lacking:
             try:
-                run_arrow = fast_paths.arrow_partials if "aggs" in scan.arrow else fast_paths.arrow_rows
                 (table,) = regs.values()
                 read = _tags_read(scan.arrow)
-                result = run_arrow(scan.arrow, tagged(table, tags, read) if read else table)
+                if "aggs" in scan.arrow:
+                    result = fast_paths.arrow_partials(scan.arrow, tagged(table, tags, read) if read else table)
+                else:
+                    result = _rows_then_tags(scan.arrow, table, tags, read)
             except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
             if result is not None:
@@ -335,6 +376,31 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
             result = _narrow(result)
         out[scan.name] = _with_padded(result, [c for cols in lacking.values() for c in cols])
     return out
+
+
+def _rows_then_tags(spec: Mapping[str, Any], table: "pa.Table", tags: Mapping[str, object],
+                    read: Collection[str]) -> "pa.Table":
+    """``arrow_rows(spec, tagged(table, tags, read))``, tagging only the rows kept: a tag is one
+    value on the whole rank, so a filter on it keeps every row or none (decided on the value),
+    and ordering by it orders nothing. NotPlain where that does not hold as simply (a filter
+    the values cannot decide, a table with a tag's name twice, no column but tags)."""
+    if not read:
+        return fast_paths.arrow_rows(spec, table)
+    filters = spec.get("filters") or ()
+    passed = fast_paths.tags_pass([f for f in filters if f[0] in TAG_TYPES], _typed_tags(tags))
+    names = table.column_names
+    if passed is None or any(names.count(t) > 1 for t in TAG_TYPES):
+        raise fast_paths.NotPlain("tags")
+    columns = spec.get("columns")
+    own = None if columns is None else [c for c in columns if c not in TAG_TYPES]
+    if own == []:
+        raise fast_paths.NotPlain("only tags")
+    base = table.drop_columns([t for t in TAG_TYPES if t in names])  # tagged() replaces a column so named
+    rows = fast_paths.arrow_rows(dict(spec, columns=own, filters=[f for f in filters if f[0] not in TAG_TYPES],
+                                      order=[o for o in spec.get("order") or () if o[0] not in TAG_TYPES]),
+                                 base if passed else base.slice(0, 0))
+    out = tagged(rows, tags, read)
+    return out if columns is None else out.select(list(columns))
 
 
 def _lacking(regs: Mapping[str, "pa.Table"], needs: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
@@ -405,7 +471,11 @@ def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table
                              f"{str(e).splitlines()[0]}", code="error") from None
         if scan.merge and (scan.merge_at_root if at_root else
                            reduce_above is not None and table.num_rows > reduce_above):
-            table = engine.run(scan.merge, {scan.name: table}, deadline=deadline, row_cap=row_cap)
+            kept = _top_k_with_arrow(plan, scan, table)
+            if kept is not None:
+                table = kept
+            else:
+                table = engine.run(scan.merge, {scan.name: table}, deadline=deadline, row_cap=row_cap)
             if _partial_scan(plan, scan.name):
                 table = _narrow(table)
         # a column is lacking below only where every part lacked it
@@ -413,6 +483,23 @@ def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table
         lacking = set(first).intersection(*map(_padded, got[1:]))
         out[scan.name] = _with_padded(table, [c for c in first if c in lacking])
     return out
+
+
+def _top_k_with_arrow(plan: "Plan", scan: "Scan", table: "pa.Table") -> "pa.Table | None":
+    """A top-k's merge (its first rows in the query's order, over the partials) with Arrow,
+    where the rank scan's own Arrow spec says that order and limit; None: the merge SQL."""
+    spec = scan.arrow
+    if plan.mode != "top-k" or not spec or spec.get("order") is None or spec.get("limit") is None:
+        return None
+    if len({n.lower() for n in table.column_names}) != table.num_columns:
+        return None
+    try:
+        kept = fast_paths.arrow_rows({"columns": None, "filters": [], "order": spec["order"],
+                                      "limit": spec["limit"]}, table)
+    except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
+        log.debug("merge %s: SQL instead of Arrow (%s)", scan.name, exc)
+        return None
+    return kept.replace_schema_metadata(table.schema.metadata)
 
 
 def _concat(tables: Sequence["pa.Table"]) -> "pa.Table":
@@ -500,6 +587,10 @@ def finish(plan: "Plan", engine: "Engine", merged: Mapping[str, "pa.Table | None
         regs[scan.name] = table if scan.name != plan.shape else _shape(scan, engine, table, params, deadline, shapes)
     if plan.final_arrow is not None and plan.shape is not None:
         result = _final_with_arrow(plan, regs)
+        if result is not None:
+            return _within_cap(result, row_cap)
+    if plan.final_rows is not None:
+        result = _final_with_rows(plan, regs)
         if result is not None:
             return _within_cap(result, row_cap)
     if plan.final_union:  # the final SQL would select the same rows and columns again

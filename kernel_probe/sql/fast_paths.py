@@ -47,7 +47,7 @@ from ..tables.convert import array, scalar
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["NotPlain", "arrow_rows", "arrow_partials", "arrow_final", "const"]
+__all__ = ["NotPlain", "arrow_rows", "arrow_partials", "arrow_final", "as_duckdb_returns", "const", "tags_pass"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -78,7 +78,7 @@ def _comparable(typ: "pa.DataType", values: Sequence[Any]) -> "pa.DataType":
         if pa.types.is_boolean(typ):
             return typ
     elif kinds == {str}:
-        if typ == pa.string():
+        if typ == pa.string() or typ == pa.large_string():
             return typ
     elif kinds <= {int, float}:
         if pa.types.is_signed_integer(typ):
@@ -122,6 +122,55 @@ def _arrow_filter(table: "pa.Table", filters: Sequence[Sequence[Any]]) -> "pa.Ta
     return table.filter(mask, null_selection_behavior="drop")
 
 
+def _compares(value: Any, literal: Any) -> bool:
+    """Whether DuckDB compares a tag value with a literal as Python does (``_comparable``'s
+    rule): a number with a number, text with text (code point order is UTF-8's byte order)."""
+    if isinstance(literal, bool) or isinstance(value, bool):
+        return False
+    if type(value) is int:
+        return isinstance(literal, (int, float))
+    return isinstance(value, str) and isinstance(literal, str)
+
+
+_PY_COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
+               "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
+
+
+def tags_pass(filters: Sequence[Sequence[Any]], values: Mapping[str, Any]) -> bool | None:
+    """Whether one rank's tag ``values`` (ints, text, None for NULL) pass every filter, as
+    WHERE over its tag columns keeps its rows (a NULL fails); None where a filter is not
+    over a tag or its types would make DuckDB cast."""
+    for col, op, literal in filters:
+        if col not in values:
+            return None
+        value = values[col]
+        if value is not None and type(value) not in (int, str):
+            return None
+        if op == "is_null":
+            ok = value is None
+        elif op == "not_null":
+            ok = value is not None
+        elif op in ("true", "false"):
+            return None  # no tag is a boolean
+        elif op in ("divisible", "not_divisible"):
+            if type(literal) is not int or literal == 0 or (value is not None and type(value) is not int):
+                return None
+            ok = value is not None and (value % literal == 0) == (op == "divisible")
+        elif op == "in":
+            if value is not None and not all(_compares(value, v) for v in literal):
+                return None
+            ok = value is not None and value in literal
+        elif op in _PY_COMPARE:
+            if value is not None and not _compares(value, literal):
+                return None
+            ok = value is not None and _PY_COMPARE[op](value, literal)
+        else:
+            return None
+        if not ok:
+            return False
+    return True
+
+
 def arrow_rows(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
     """A rows scan (``Scan.arrow``: columns, filters, and for a top-k order and limit) over
     one tagged table, with Arrow: the same columns, types and rows as its SQL in DuckDB.
@@ -138,7 +187,7 @@ def arrow_rows(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
     if order:
         for col, _, _ in order:
             typ = out.schema.field(col).type
-            if not (pa.types.is_integer(typ) or pa.types.is_boolean(typ) or typ == pa.string()):
+            if not (pa.types.is_integer(typ) or pa.types.is_boolean(typ) or typ in (pa.string(), pa.large_string())):
                 raise NotPlain(f"sort key {col}: {typ}")  # a float's NaN goes elsewhere in DuckDB
         keys = [(col, "descending" if desc else "ascending", "at_start" if first else "at_end")
                 for col, desc, first in order]
@@ -147,10 +196,20 @@ def arrow_rows(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
         out = out.slice(0, spec["limit"])
     if columns is not None:
         out = out.select(list(columns))
-    for f in out.schema:
-        if str(f.type) not in _SAME_IN_DUCKDB:
+    return as_duckdb_returns(out)
+
+
+def as_duckdb_returns(table: "pa.Table") -> "pa.Table":
+    """``table`` with the Arrow types DuckDB hands back for its columns: the same, but a
+    ``large_string`` (a pandas string column) as ``string``; NotPlain for any other type."""
+    import pyarrow as pa
+
+    for i, f in enumerate(table.schema):
+        if f.type == pa.large_string():  # ArrowInvalid (a ValueError) past 2 GiB of text: the SQL's job
+            table = table.set_column(i, pa.field(f.name, pa.string(), f.nullable), table.column(i).cast(pa.string()))
+        elif str(f.type) not in _SAME_IN_DUCKDB:
             raise NotPlain(f"{f.name}: {f.type}")
-    return out
+    return table
 
 
 def _first_rows(table: "pa.Table", keys: list, limit: int | None) -> "pa.Array":
@@ -199,7 +258,8 @@ def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
         aggs.append((alias, f"__in{i}", func))
     keys = [(alias, f"__key{j}") for j, (alias, _) in enumerate(spec["keys"])]
     for (_, name), (_, col) in zip(keys, spec["keys"]):
-        work[name] = table.column(col)
+        key = table.column(col)
+        work[name] = key.cast(pa.string()) if key.type == pa.large_string() else key  # DuckDB's VARCHAR
     if not keys:
         out = {}
         for alias, src, func in aggs:

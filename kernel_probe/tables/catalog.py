@@ -210,15 +210,21 @@ class LocalTables:
 
     def at_once(self, name: str, max_rows: int):
         """The table now if serving it runs no user code and converts no recorded rows: a
-        user table given as Arrow (of at most ``max_rows`` rows) or the live stacks; else
+        user table given as Arrow, or as a DataFrame that converts column by column
+        (``convert.frame_table``), of at most ``max_rows`` rows, or the live stacks; else
         None. The probe's I/O thread may serve these itself (``SqlTaskRunner.quick``)."""
         if name == "stacks":
             return self.arrow(name)
         with self._lock:
             data = None if name in self._providers else self._user.get(name)
-        pa = sys.modules.get("pyarrow")
+        pa, pd = sys.modules.get("pyarrow"), sys.modules.get("pandas")
         if pa is not None and isinstance(data, pa.Table) and data.num_rows <= max_rows:
             return data
+        if pa is not None and pd is not None and isinstance(data, pd.DataFrame) and len(data) <= max_rows:
+            try:
+                return convert.frame_table(data)
+            except Exception:  # its own conversion (arrow()) says what is wrong
+                return None
         return None
 
     def schema(self, name: str):

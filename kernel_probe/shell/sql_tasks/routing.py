@@ -77,8 +77,10 @@ def may_be_quick(task: SqlTask, *, arrow_scans: bool, ships_plain: bool) -> bool
 
 def finishes_in_arrow(plan: dict[str, Any]) -> bool:
     """Whether the root may finish ``plan`` (a plan dict) without DuckDB: the ranks ship the
-    answer or Arrow finishes their partials, with no root-only scan and no re-aggregation at
+    answer, Arrow finishes their partials or selects the answer's rows from theirs (a filter,
+    a projection, a top-k), with no root-only scan and no re-aggregation at
     the root (a shape not yet bound still needs DuckDB: then the quick work gives way)."""
     scans = plan.get("scans") or ()
-    return (bool(plan.get("final_union")) or plan.get("final_arrow") is not None) and not any(
+    arrow = plan.get("final_union") or plan.get("final_arrow") is not None or plan.get("final_rows") is not None
+    return bool(arrow) and not any(
         sc.get("where") == "root" or sc.get("merge_at_root") for sc in scans)

@@ -64,7 +64,7 @@ __all__ = ["TAGS", "NODES", "MODES", "PlanError", "Scan", "Plan", "Declined", "p
 def plan(sql: str, *, per_rank: bool = False,
          catalog: Mapping[str, Sequence[str]] | None = None) -> Plan:
     """Plan one cluster query (DuckDB dialect); raise PlanError if it cannot run."""
-    return _with_needs(_plan(sql, per_rank, catalog))
+    return _with_prune_filters(_with_needs(_plan(sql, per_rank, catalog)))
 
 
 def _plan(sql: str, per_rank: bool, catalog: Mapping[str, Sequence[str]] | None) -> Plan:
@@ -91,3 +91,19 @@ def _with_needs(p: Plan) -> Plan:
     scans = tuple(dataclasses.replace(s, needs=needed_columns(s.sql, s.tables, tagged=tagged))
                   if s.where == "ranks" and s.name != p.shape else s for s in p.scans)
     return dataclasses.replace(p, scans=scans)
+
+
+def _with_prune_filters(p: Plan) -> Plan:
+    """`p` with its prune as filters over the tag values, where each of its conjuncts is one
+    (``arrow.filters``): the root then prunes without a SQL pass."""
+    if p.prune is None:
+        return p
+    from ._sqlglot import exp, sqlglot
+    from .arrow import filters
+    from .syntax import _conjuncts
+
+    where = sqlglot.parse_one(p.prune, dialect="duckdb").args.get("where")
+    got = filters(_conjuncts(where.this), "_tags") if isinstance(where, exp.Where) else None
+    if got is None or not all(f[0] in TAGS for f in got):
+        return p
+    return dataclasses.replace(p, prune_filters=tuple((c, op, v) for c, op, v in got))

@@ -76,6 +76,13 @@ def _needs(value: Any) -> dict[str, tuple[str, ...]]:
     return {str(t): tuple(str(c) for c in cols) for t, cols in value.items() if isinstance(cols, (list, tuple))}
 
 
+def _filters(value: Any) -> tuple[tuple[str, str, Any], ...] | None:
+    """Filters as a plan dict carries them (lists), or None for anything else."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(f, (list, tuple)) and len(f) == 3 for f in value):
+        return None
+    return tuple((str(c), str(op), v) for c, op, v in value)
+
+
 @dataclass(frozen=True)
 class Plan:
     """How a cluster query runs; see the planner package's docstring for what each mode keeps.
@@ -87,7 +94,11 @@ class Plan:
     they come (the final SQL would only select them again), so the root runs no pass.
     ``final_arrow``: the final as Arrow compute over the merged partials
     (``planner.arrow.final_spec``), which the root uses where the types allow.
-    ``notes``: why pushdown stopped where it did.
+    ``final_rows``: the final as an Arrow rows spec (``Scan.arrow``'s form: columns, filters,
+    order, limit) over the one "ranks" scan's concatenated rows, which the root uses where
+    the types allow. ``prune_filters``: ``prune`` as filters over the tag values
+    (``planner.arrow.filters``' form), which the root applies to its registry's rows in Python
+    where the types allow. ``notes``: why pushdown stopped where it did.
     """
 
     mode: str
@@ -99,11 +110,15 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     final_union: bool = False
     final_arrow: Mapping[str, Any] | None = None
+    final_rows: Mapping[str, Any] | None = None
+    prune_filters: tuple[tuple[str, str, Any], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "scans": [s.to_dict() for s in self.scans], "final": self.final,
                 "prune": self.prune, "order_matters": self.order_matters, "shape": self.shape,
-                "notes": list(self.notes), "final_union": self.final_union, "final_arrow": self.final_arrow}
+                "notes": list(self.notes), "final_union": self.final_union, "final_arrow": self.final_arrow,
+                "final_rows": self.final_rows,
+                "prune_filters": None if self.prune_filters is None else [list(f) for f in self.prune_filters]}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
@@ -121,7 +136,9 @@ class Plan:
                    shape=None if shape is None else str(shape),
                    notes=tuple(str(n) for n in d.get("notes", ())),
                    final_union=bool(d.get("final_union", False)),
-                   final_arrow=d.get("final_arrow") if isinstance(d.get("final_arrow"), Mapping) else None)
+                   final_arrow=d.get("final_arrow") if isinstance(d.get("final_arrow"), Mapping) else None,
+                   final_rows=d.get("final_rows") if isinstance(d.get("final_rows"), Mapping) else None,
+                   prune_filters=_filters(d.get("prune_filters")))
 
     def explain(self) -> str:
         lines = [f"mode: {self.mode}"]
@@ -129,6 +146,8 @@ class Plan:
             lines.append("ranks: none contacted (answered at the root)")
         elif self.prune:
             lines.append(f"prune: only ranks returned by  {self.prune}")
+            if self.prune_filters is not None:
+                lines.append("  (the root applies it to its registry's tag values: no DuckDB pass)")
         else:
             lines.append("prune: none (every live rank is targeted)")
         if self.mode == "per-rank":
@@ -156,7 +175,7 @@ class Plan:
                          f"(the same as {self.final})")
         else:
             lines.append(f"final SQL (at the root): {self.final}")
-        if self.final_arrow:
+        if self.final_arrow or self.final_rows:
             lines.append("  (the root runs this with Arrow where the column types allow: no DuckDB pass)")
         if self.shape:
             lines.append(f"output names and types: those of scan {self.shape}")

@@ -215,11 +215,52 @@ def top_k(q: Query) -> Plan | Declined:
     final = q.repointed(lambda r: _ident(name))
     if final is None:
         return Declined("top-k: table position unknown in the text")
-    spec = arrow.top_k_spec(_conjuncts(where.this) if where is not None else [], order_exprs, ref.alias,
-                            cols or None, n + o)
+    conjuncts = _conjuncts(where.this) if where is not None else []
+    spec = arrow.top_k_spec(conjuncts, order_exprs, ref.alias, cols or None, n + o)
+    plain, selected = _plain_select(s, ref)
     scan = Scan(name=name, sql=_sql(rank), where="ranks", merge=_sql(merge), tables=(ref.name,), arrow=spec)
     return Plan(mode="top-k", scans=(scan,), final=final, prune=q.prune_for(q.pushable(ref)),
-                order_matters=q.order_matters)
+                order_matters=q.order_matters,
+                final_rows=arrow.top_k_spec(conjuncts, order_exprs, ref.alias, selected, n) if plain and not o else None)
+
+
+def _plain_select(s: Any, ref: _Ref) -> tuple[bool, list[str] | None]:
+    """(True, the names) when `s`'s select list is plain columns of `ref` as written (no
+    expressions, aliases or repeats: DuckDB names each as written), (True, None) for a lone
+    ``*``, else (False, None): whether the final is those columns of the rows it selects."""
+    items = s.expressions
+    if len(items) == 1 and isinstance(items[0], exp.Star) and not any(items[0].args.values()):
+        return True, None
+    names = []
+    for e in items:
+        if not isinstance(e, exp.Column) or isinstance(e.this, exp.Star):
+            return False, None
+        parts = _col_parts(e)
+        if len(parts) > 2 or (len(parts) == 2 and parts[0] != ref.alias):
+            return False, None
+        names.append(e.name)
+    if len({n.lower() for n in names}) != len(names):
+        return False, None
+    return True, names
+
+
+def _final_rows_of_shipped(q: Query) -> dict | None:
+    """The final of a one-table ship-rows plan as an Arrow rows spec: a plain select list
+    (``_plain_select``), every WHERE conjunct pushed to the ranks and an Arrow filter, and
+    nothing after (GROUP BY, HAVING, DISTINCT, ORDER BY, LIMIT, OFFSET); else None."""
+    got = q.single()
+    if not isinstance(got, tuple) or _has_agg(got[0]):
+        return None
+    s, ref = got
+    if any(s.args.get(k) is not None for k in ("group", "having", "distinct", "order", "limit", "offset")):
+        return None
+    plain, selected = _plain_select(s, ref)
+    where = s.args.get("where")
+    conjuncts = _conjuncts(where.this) if where is not None else []
+    conditions = arrow.filters(conjuncts, ref.alias)
+    if not plain or conditions is None or len(q.pushable(ref)) != len(conjuncts):
+        return None
+    return {"columns": selected, "filters": conditions}
 
 def _selected_as_shipped(q: Query) -> list[str] | None:
     """The select list's columns when the answer is exactly the rows a rank scan ships
@@ -283,7 +324,8 @@ def ship_rows(q: Query, notes: Sequence[str] = ()) -> Plan:
         extra.append("final SQL regenerated (table positions unknown)")
     return Plan(mode="ship-rows", scans=tuple(scans), final=final,
                 prune=q.prune_for(pushed_one) if pushed_one else None,
-                order_matters=q.order_matters, notes=tuple(extra), final_union=as_shipped is not None)
+                order_matters=q.order_matters, notes=tuple(extra), final_union=as_shipped is not None,
+                final_rows=None if as_shipped is not None else _final_rows_of_shipped(q))
 
 
 def _plain_limit(limit: Any) -> bool:
