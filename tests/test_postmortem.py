@@ -227,3 +227,111 @@ def test_a_threads_exception_dumps_once_and_a_fatal_signal_leaves_its_traceback(
     assert [k["kind"] for k in kinds] == ["thread_exception", "fatal"], "the dump, then how it ended"
     assert "Segmentation fault" in kinds[1]["message"]
     assert c.info_["ranks_dumped"] == [0]
+
+
+# --- the verdict over dumps: who failed first and why ----------------------------------------
+
+T0 = 1_800_000_000.0
+
+
+def _reason(rank: int, when: float, kind: str = "signal", **kw) -> dict:
+    return {"_rank": rank, "when": when, "kind": kind, "exception_type": kw.get("exception_type"),
+            "message": kw.get("message"), "signal": kw.get("signal", "SIGTERM" if kind == "signal" else None)}
+
+
+def _in_all_reduce(ranks, behind=(), seq=312):
+    groups = [{"_rank": r, "group_id": 0, "group_name": "0", "last_enqueued": seq - 1 if r in behind else seq,
+               "last_completed": seq - 1} for r in ranks]
+    entries = [{"_rank": r, "source": "flight_recorder", "ts": T0 - 1, "op": "all_reduce", "group_id": 0,
+                "group_name": "0", "collective_seq_id": seq, "op_id": seq, "is_p2p": False}
+               for r in ranks if r not in behind]
+    return groups, entries
+
+
+def test_the_first_failure_is_named_with_its_step_and_the_others_with_their_collective():
+    from kernel_probe.diagnosis.failure import analyse
+
+    reasons = [_reason(2, T0, "exception", exception_type="RuntimeError", message="loss went NaN\nmore"),
+               *(_reason(r, T0 + 0.4 + r * 0.01) for r in (3, 0, 1))]
+    groups, entries = _in_all_reduce(range(4), behind=(2,))
+    steps = [{"_rank": r, "step": s} for r in range(4) for s in (148, 150 if r == 2 else 151)]
+    f = analyse(reasons, steps=steps, process_groups=groups, collectives=entries, world_size=4)
+    assert f.ended and f.summary == ("Rank 2 raised RuntimeError: loss went NaN at step 150; ranks 0-1,3 were "
+                                     "stopped by SIGTERM 0.4 s later, waiting in all_reduce #312 on group 0, "
+                                     "which rank 2 never entered.")
+    assert [(x.kind, x.ranks, x.group, x.seq) for x in f.findings] == [("failed", (2,), None, None),
+                                                                       ("stopped", (0, 1, 3), "0", 312)]
+
+
+def test_a_collective_timeout_names_the_collective_and_the_rank_that_never_entered_it():
+    from kernel_probe.diagnosis.failure import analyse
+
+    message = "[../gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv operation to complete"
+    reasons = [_reason(0, T0 + 0.02, "exception", exception_type="DistBackendError", message=message),
+               _reason(2, T0, "exception", exception_type="DistBackendError", message=message),
+               _reason(1, T0 + 0.9)]
+    groups, entries = _in_all_reduce((0, 1, 2), behind=(1,), seq=7)
+    f = analyse(reasons, process_groups=groups, collectives=entries, world_size=3)
+    failed = f.findings[0]
+    assert (failed.kind, failed.ranks, failed.group, failed.seq) == ("failed", (0, 2), "0", 7)
+    assert failed.detail == f"ranks 0,2 raised DistBackendError: {message}, in all_reduce #7 on group 0 that " \
+                            f"rank 1 never entered"
+    assert f.findings[1].detail == "rank 1 was stopped by SIGTERM 0.9 s later"
+
+
+def test_a_job_stopped_from_outside_has_no_culprit_and_a_rank_without_dump_is_only_said():
+    from kernel_probe.diagnosis.failure import analyse
+
+    everyone = [_reason(r, T0 + r * 0.01) for r in range(3)]
+    f = analyse(everyone, world_size=3)
+    assert f.summary == "Ranks 0-2 were stopped by SIGTERM within 0.1 s; no rank failed before that: the job was " \
+                        "ended from outside."
+    assert [(x.kind, x.ranks) for x in f.findings] == [("stopped", (0, 1, 2))]
+    f = analyse(everyone[:2], world_size=3, missing={2: "left no dump (killed by SIGKILL, or ended before it "
+                                                        "could write one)"})
+    assert f.summary.startswith("Rank 2 left no dump (killed by SIGKILL") and "ended from outside" not in f.summary
+    assert [x.kind for x in f.findings] == ["stopped", "no_dump"]
+    # a live snapshot: nothing ended
+    assert not analyse([_reason(0, T0, "snapshot")]).ended
+
+
+def _schema_table(name: str, rows: list[dict]):
+    """A built-in table's rows (``_rank`` dropped) with the table's own columns."""
+    import pyarrow as pa
+
+    from kernel_probe.tables.convert import SCHEMAS
+
+    schema = pa.schema([(col, getattr(pa, "bool_" if t == "bool" else t)()) for col, t in SCHEMAS[name]])
+    return pa.Table.from_pylist([{c: r.get(c) for c in schema.names} for r in rows], schema=schema)
+
+
+def test_diagnose_over_dumps(tmp_path):
+    import pyarrow as pa
+
+    from kernel_probe.postmortem.dump import reason_row, write_dump
+
+    for rank in range(3):
+        tags = {"_rank": rank, "_node": 0, "_host": "h0", "_local_rank": rank, "_role": ""}
+        if rank == 1:
+            try:
+                raise FloatingPointError("loss went NaN")
+            except FloatingPointError as exc:
+                reason = reason_row(rank, T0, "exception", exc=exc)
+        else:
+            reason = reason_row(rank, T0 + 0.5, "signal", signal_name="SIGTERM")
+        groups, entries = _in_all_reduce([rank], behind=(1,))
+        tables = {"metrics": pa.table({"ts": [T0 - 2, T0 - 1], "step": [9, 10 + rank]}),
+                  "process_groups": _schema_table("process_groups", groups),
+                  "collectives": _schema_table("collectives", entries)}
+        nodes = {"members": [_member(r, 3) for r in range(3)], "departures": [], "epoch": 1}
+        write_dump(tmp_path, run_id="job/r0", tags=tags, identity={"rank": rank, "world_size": 3},
+                   reasons=[reason], tables=FakeTables(tables), nodes=nodes, deadline=time.monotonic() + 30,
+                   max_bytes=1 << 22)
+    c = kernel_probe.connect(f"dump://{tmp_path}")
+    result = c.diagnose()
+    assert result.summary == ("Rank 1 raised FloatingPointError: loss went NaN at step 11; ranks 0,2 were stopped "
+                              "by SIGTERM 0.5 s later, waiting in all_reduce #312 on group 0, which rank 1 never "
+                              "entered.")
+    assert list(result.findings["kind"])[:2] == ["failed", "stopped"]
+    assert any("reasons of 3 ranks' dumps (of 3)" in line for line in result.checked)
+    c.close()
