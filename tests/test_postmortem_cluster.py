@@ -109,6 +109,14 @@ def test_a_rank_raising_leaves_every_ranks_dump(launch, tmp_path):
     # the dying main thread's stack is where it was, not the dump's own frames
     frames = c.query("SELECT file FROM stacks WHERE is_main AND _rank = 0").table.column("file").to_pylist()
     assert frames and not any("kernel_probe/postmortem" in f for f in frames) and any("dying_worker" in f for f in frames)
+
+    # the verdict: who failed first and why, the others after it
+    verdict = c.diagnose()
+    assert verdict.summary.startswith("Rank 1 raised RuntimeError: rank 1 gives up at step 49; ranks 0,2 were "
+                                      "stopped by SIGTERM "), verdict.summary
+    assert "s later" in verdict.summary and "dying_worker.py" in verdict.summary
+    assert [(k, list(r)) for k, r in zip(verdict.findings["kind"], verdict.findings["ranks"])][:2] == \
+        [("failed", [1]), ("stopped", [0, 2])]
     c.close()
 
 
@@ -130,6 +138,26 @@ def test_a_rank_killed_leaves_no_dump_and_coverage_says_so(launch, tmp_path):
     with pytest.raises(kernel_probe.QueryFailed, match="partial"):
         c.query("SELECT * FROM reason", strict=True)
     assert sorted(c.nodes()["rank"]) == [0, 1, 2]
+    verdict = c.diagnose()
+    assert verdict.summary.startswith("Rank 2 left no dump (killed by SIGKILL"), verdict.summary
+    assert "ranks 0-1 were stopped by SIGTERM" in verdict.summary and "from outside" not in verdict.summary
+    c.close()
+
+
+def test_sigterm_to_the_whole_job_leaves_every_dump_and_no_culprit(launch, tmp_path):
+    import signal
+
+    job, dumps, _ = _start(launch, tmp_path)
+    for rank in range(3):  # as Slurm ends a job step: every task at once
+        job.kill(rank, signal.SIGTERM)
+    job.wait(90)
+    c = kernel_probe.connect(f"dump://{dumps}")
+    r = c.query("SELECT _rank, kind, signal FROM reason ORDER BY _rank")
+    assert r.table.to_pylist() == [{"_rank": k, "kind": "signal", "signal": "SIGTERM"} for k in range(3)]
+    verdict = c.diagnose()
+    assert verdict.summary.startswith("Ranks 0-2 were stopped by SIGTERM within "), verdict.summary
+    assert verdict.summary.endswith("no rank failed before that: the job was ended from outside.")
+    assert list(verdict.findings["kind"]) == ["stopped"]
     c.close()
 
 

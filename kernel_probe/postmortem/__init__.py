@@ -54,6 +54,7 @@ class DumpHooks:
         self.reasons: list[dict] = []
         self.last_dump: Path | None = None
         self._busy = threading.Lock()
+        self._dumping: int | None = None  # the thread writing a dump
         self._thread_dumped = False
         self._prev_excepthook: Any = None
         self._prev_thread_hook: Any = None
@@ -144,6 +145,9 @@ class DumpHooks:
         prev = self._prev.get(signum, signal.SIG_DFL)
         if prev is signal.SIG_IGN:
             return
+        if self._busy.locked() and self._dumping == threading.get_ident():
+            # a second signal (torchrun's after Slurm's) inside this thread's dump: the end under way goes on
+            return
         # SIGTERM is an end whatever its handler does next; SIGINT only when nothing handles it
         # (a handler, or KeyboardInterrupt, may well carry on: Jupyter's interrupt, a caught ^C)
         if os.getpid() == self.pid and (signum != signal.SIGINT or not callable(prev)):
@@ -164,6 +168,7 @@ class DumpHooks:
 
         if not self._busy.acquire(blocking=False):
             return None  # a signal during a dump: the dump under way says enough
+        self._dumping = threading.get_ident()
         try:
             deadline = time.monotonic() + self.settings.dump_budget_sec
             self.reasons.append(reason_row(self.identity.rank, time.time(), kind, exc=exc, signal_name=signal_name))
