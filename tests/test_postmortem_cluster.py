@@ -198,3 +198,54 @@ def test_a_live_jobs_snapshot_answers_as_the_job(launch, tmp_path, capsys):
         assert frame["n"].tolist() == [3, 3, 3]
     finally:
         ip.run_line_magic("unload_ext", "probing_magics")
+
+
+LATE = str(Path(__file__).parent / "workers" / "late_rank_worker.py")
+
+
+@pytest.mark.parametrize("task_of_many,thread", [(True, False), (False, True), (True, True)],
+                         ids=["task_joins_on_main_thread", "by_hand_joins_on_a_thread", "task_joins_on_a_thread"])
+def test_a_rank_that_joins_late_dumps_on_sigterm(runtime_dir, tmp_path, task_of_many, thread):
+    """Scripts started by hand with PROBING=1 become ranks when init_process_group returns, and
+    their probe then starts on a thread of its own. One task of several (PMI_SIZE, as mpirun
+    sets it) starts no probe before: SIGTERM writes the rank's dump when init_process_group
+    ran on the main thread; when it did not, the log says once that signals cannot dump.
+    A script alone is a job of one until then, whose probe took the signals at start."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.support.harness import free_port
+
+    from .conftest import PY
+
+    flags, dumps, port = tmp_path / "flags", tmp_path / "dumps", free_port()
+    flags.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env.update(ENV, PROBING="1", PROBING_RUNTIME_DIR=str(runtime_dir), PROBING_DUMP_DIR=str(dumps))
+    if task_of_many:
+        env["PMI_SIZE"] = "2"
+    procs = [subprocess.Popen([PY, LATE, "--rank", str(r), "--world-size", "2", "--port", str(port), "--dir",
+                               str(flags), *(["--thread"] if thread else [])], env=env, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for r in (0, 1)]
+    try:
+        wait_for(lambda: all((flags / f"ready-{r}").exists() for r in (0, 1)), 120, what="2 ranks hooked")
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(60) == -signal.SIGTERM
+        err = procs[1].stderr.read()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    run = dumps / f"127.0.0.1_{port}_r0"
+    if task_of_many and thread:
+        assert not (run / "rank1").exists(), "no signal handler could be set"
+        assert err.count("neither the probe nor init_process_group started on the main thread") == 1, err
+        return
+    assert (run / "rank1" / "dump.json").exists(), sorted(p.name for p in dumps.rglob("*"))
+    c = kernel_probe.connect(f"dump://{run}")
+    r = c.query("SELECT _rank, kind, signal FROM reason")
+    assert r.table.to_pylist() == [{"_rank": 1, "kind": "signal", "signal": "SIGTERM"}]
+    assert c.query("SELECT max(step) AS s FROM metrics").table.to_pylist() == [{"s": 4}]
+    c.close()
