@@ -41,10 +41,11 @@ def _member(rank: int, world: int) -> dict:
     return m
 
 
-def _dump(root: Path, rank: int, tables: dict, *, world: int = 3, max_bytes: int = 1 << 22, run: str = "job/r0"):
+def _dump(root: Path, rank: int, tables: dict, *, world: int = 3, max_bytes: int = 1 << 22, run: str = "job/r0",
+          host: str = "h0"):
     from kernel_probe.postmortem.dump import reason_row, write_dump
 
-    tags = {"_rank": rank, "_node": 0, "_host": "h0", "_local_rank": rank, "_role": "trainer"}
+    tags = {"_rank": rank, "_node": 0, "_host": host, "_local_rank": rank, "_role": "trainer"}
     nodes = {"members": [_member(r, world) for r in range(world)], "departures": [], "epoch": 3}
     try:
         raise ValueError(f"rank {rank} failed")
@@ -145,6 +146,15 @@ def _env(tmp_path: Path, **extra: str) -> dict:
             "PROBING_DUMP_DIR": str(tmp_path / "dumps"), "PROBING_DUMP_BUDGET_SEC": "15", **extra}
 
 
+def _job_of_one(tmp_path: Path) -> Path:
+    """The run a job of one dumped to: its own, named by its host and pid."""
+    import socket
+
+    (run,) = (tmp_path / "dumps").iterdir()
+    assert run.name.startswith(f"local-{socket.gethostname()}-"), run.name
+    return run
+
+
 def test_sigterm_runs_the_applications_own_handler_after_the_dump(tmp_path):
     script = _script(tmp_path, f"""
         def mine(signum, frame):
@@ -159,7 +169,7 @@ def test_sigterm_runs_the_applications_own_handler_after_the_dump(tmp_path):
     assert p.stdout.readline().strip() == "ready"
     p.send_signal(signal.SIGTERM)
     assert p.wait(60) == 3 and (tmp_path / "handled").read_text() == "yes"
-    reason = json.loads((tmp_path / "dumps" / "local" / "rank0" / "dump.json").read_text())["reasons"]
+    reason = json.loads((_job_of_one(tmp_path) / "rank0" / "dump.json").read_text())["reasons"]
     assert [(r["kind"], r["signal"]) for r in reason] == [("signal", "SIGTERM")]
 
 
@@ -172,7 +182,7 @@ def test_sigterm_by_default_still_kills_and_sigint_dumps_only_an_uncaught_interr
     assert p.stdout.readline().strip() == "ready"
     p.send_signal(signal.SIGTERM)
     assert p.wait(60) == -signal.SIGTERM, "the process ends as SIGTERM would have ended it"
-    assert (tmp_path / "dumps" / "local" / "rank0" / "reason.parquet").exists()
+    assert (_job_of_one(tmp_path) / "rank0" / "reason.parquet").exists()
 
     caught = tmp_path / "caught"
     caught.mkdir()
@@ -217,7 +227,7 @@ def test_a_threads_exception_dumps_once_and_a_fatal_signal_leaves_its_traceback(
     """)
     p = subprocess.run([PY, str(script)], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert p.returncode == -signal.SIGSEGV, p.stderr
-    run = tmp_path / "dumps" / "local"
+    run = _job_of_one(tmp_path)
     manifest = json.loads((run / "rank0" / "dump.json").read_text())
     assert [(r["kind"], r["exception_type"]) for r in manifest["reasons"]] == [("thread_exception", "KeyError")]
     fatal = (run / "rank0.fatal.txt").read_text()
@@ -335,3 +345,46 @@ def test_diagnose_over_dumps(tmp_path):
     assert list(result.findings["kind"])[:2] == ["failed", "stopped"]
     assert any("reasons of 3 ranks' dumps (of 3)" in line for line in result.checked)
     c.close()
+
+
+def test_dumps_of_several_hosts_in_one_directory_or_several(tmp_path):
+    import shutil
+
+    import pyarrow as pa
+
+    host_dirs = {"h0": tmp_path / "h0" / "dumps", "h1": tmp_path / "h1" / "dumps"}  # each host's PROBING_DUMP_DIR
+    for rank in range(4):
+        host = "h0" if rank < 2 else "h1"
+        _dump(host_dirs[host], rank, {"mine": pa.table({"x": [rank]})}, world=4, host=host)
+    _dump(host_dirs["h0"], 0, {"mine": pa.table({"x": [99]})}, world=1, run="older/r0")
+    os.utime(host_dirs["h0"] / "older_r0", (1, 1))
+    sql = "SELECT _host, count(*) AS n, sum(x) AS x FROM mine GROUP BY _host ORDER BY _host"
+    want = [{"_host": "h0", "n": 2, "x": 1}, {"_host": "h1", "n": 2, "x": 5}]
+
+    # several directories, comma-separated; and as they were copied: one folder per host; one folder for all
+    gathered, merged = tmp_path / "gathered", tmp_path / "merged"
+    for host, d in host_dirs.items():
+        shutil.copytree(d, gathered / host)
+        shutil.copytree(d, merged, dirs_exist_ok=True)  # rsync -a HOST:DIR/ merged/
+    os.utime(gathered / "h0" / "older_r0", (1, 1))
+    os.utime(merged / "older_r0", (1, 1))
+    for target in (f"{host_dirs['h0']},{host_dirs['h1']}", f"{host_dirs['h0'] / 'job_r0'},{host_dirs['h1']}",
+                   str(gathered), str(merged)):
+        c = kernel_probe.connect(f"dump://{target}")
+        r = c.query(sql)
+        assert r.table.to_pylist() == want and r.coverage["answered"] == [0, 1, 2, 3], target
+        assert c.info_["ranks_missing"] == [] and c.info_["problems"] == [], (target, c.info_)
+        c.close()
+
+    # the same rank in two directories: the newer is read, and a note says so
+    shutil.copytree(host_dirs["h1"] / "job_r0" / "rank2", host_dirs["h0"] / "job_r0" / "rank2")
+    manifest = host_dirs["h0"] / "job_r0" / "rank2" / "dump.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "written_at": 1.0}))
+    c = kernel_probe.connect(f"dump://{host_dirs['h0']},{host_dirs['h1']}")
+    r = c.query(sql)
+    assert r.table.to_pylist() == want
+    (note,) = c.info_["problems"]
+    assert note.startswith("rank 2: dumps in ") and note.endswith(f"read the newer, {host_dirs['h1'] / 'job_r0' / 'rank2'}")
+    c.close()
+    with pytest.raises(kernel_probe.ConnectError, match="not a directory"):
+        kernel_probe.connect(f"dump://{host_dirs['h0']},{tmp_path / 'nowhere'}")

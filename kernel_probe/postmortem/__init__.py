@@ -76,7 +76,8 @@ class DumpHooks:
             try:
                 from .dump import fatal_path
 
-                path = fatal_path(self.settings.dump_dir, self.identity.run_id, self.identity.rank)
+                path = fatal_path(self.settings.dump_dir, self.identity.run_id, self.identity.rank,
+                                  self.identity.host, self.pid)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 f = open(path, "w")
                 faulthandler.enable(file=f, all_threads=True)
@@ -181,7 +182,7 @@ class DumpHooks:
                     "_local_rank": ident.local_rank, "_role": role}
             identity = {"rank": ident.rank, "world_size": ident.world_size, "local_rank": ident.local_rank,
                         "local_world_size": ident.local_world_size, "node": ident.node,
-                        "node_count": ident.node_count, "host": ident.host, "run_id": ident.run_id}
+                        "node_count": ident.node_count, "host": ident.host, "run_id": ident.run_id, "pid": self.pid}
             s = self.settings
             done.append(write_dump(s.dump_dir, run_id=ident.run_id, tags=tags, identity=identity,
                                    reasons=list(self.reasons), tables=self._tables(), nodes=nodes,

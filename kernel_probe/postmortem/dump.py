@@ -11,7 +11,10 @@ Layout, under ``PROBING_DUMP_DIR`` (default: ``dumps`` under the runtime dir)::
                                      message, traceback, signal
     <run>/rank<k>.fatal.txt          faulthandler's traceback of a fatal signal (no dump then)
 
-``<run>`` is the run id with anything but ``[A-Za-z0-9._-]`` replaced by ``_``. A rank's
+``<run>`` is the run id with anything but ``[A-Za-z0-9._-]`` replaced by ``_``: the same on
+every host of a job, whose ranks are numbered across hosts, so hosts writing to one shared
+directory never write the same path. A job of one (run id ``local``) is
+``local-<host>-<pid>``: two of them, on one host or several, never share a run. A rank's
 dump is a directory, written under a temporary name and renamed when complete, so a
 reader never sees half a dump.
 
@@ -53,16 +56,19 @@ FIRST = ("reason", "stacks", "collectives", "process_groups", "process")
 REASON_COLUMNS = ("rank", "when", "kind", "exception_type", "message", "traceback", "signal")
 
 
-def run_dir_name(run_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id or "local")
+def run_dir_name(run_id: str, host: str | None = None, pid: int | None = None) -> str:
+    name = run_id or "local"
+    if name == "local" and host:  # a job of one: its own run
+        name = f"local-{host}-{pid}" if pid else f"local-{host}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
-def rank_dir(root: Path, run_id: str, rank: int) -> Path:
-    return Path(root) / run_dir_name(run_id) / f"rank{rank}"
+def rank_dir(root: Path, run_id: str, rank: int, host: str | None = None, pid: int | None = None) -> Path:
+    return Path(root) / run_dir_name(run_id, host, pid) / f"rank{rank}"
 
 
-def fatal_path(root: Path, run_id: str, rank: int) -> Path:
-    return Path(root) / run_dir_name(run_id) / f"rank{rank}.fatal.txt"
+def fatal_path(root: Path, run_id: str, rank: int, host: str | None = None, pid: int | None = None) -> Path:
+    return Path(root) / run_dir_name(run_id, host, pid) / f"rank{rank}.fatal.txt"
 
 
 def reason_row(rank: int, when: float, kind: str, *, exc: BaseException | None = None,
@@ -130,7 +136,7 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
     import pyarrow.parquet as pq
 
     rank = int(tags["_rank"])
-    final = rank_dir(root, run_id, rank)
+    final = rank_dir(root, run_id, rank, tags.get("_host"), identity.get("pid") or os.getpid())
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".rank{rank}.{os.getpid()}.{time.time_ns()}.tmp"
     tmp.mkdir(parents=True)  # parents again: another rank may have just removed an empty run dir
