@@ -249,3 +249,38 @@ def test_a_rank_that_joins_late_dumps_on_sigterm(runtime_dir, tmp_path, task_of_
     assert r.table.to_pylist() == [{"_rank": 1, "kind": "signal", "signal": "SIGTERM"}]
     assert c.query("SELECT max(step) AS s FROM metrics").table.to_pylist() == [{"s": 4}]
     c.close()
+
+
+def test_two_hosts_dumps_read_together(launch, tmp_path):
+    """A job on two "hosts" (two torchrun agents, each with its own host name and dump
+    directory): rank 3 raises, its agent stops rank 2, then the others are stopped as a
+    scheduler ends a failed job; ``dump://DIR_A,DIR_B`` is the whole job."""
+    import signal
+
+    flags, dirs = tmp_path / "flags", [tmp_path / f"host{i}" for i in range(2)]
+    flags.mkdir()
+    job = launch([DYING, "--dir", str(flags), "--raise-rank", "3"], nodes=2, ranks_per_node=2, env=ENV,
+                 node_env=lambda i: {"PROBING_NODE_HOST": f"h{i}", "PROBING_DUMP_DIR": str(dirs[i])})
+    job.wait_ready(120)
+    wait_for(lambda: all((flags / f"ready-{r}").exists() for r in range(4)), 60, what="4 ranks ready")
+    root = wait_for(lambda: kernel_probe.connect(timeout=3, warm=False), 60, interval=0.2, what="the root")
+    wait_for(lambda: root.query("SELECT count(*) AS n FROM steps").coverage["answered"] == [0, 1, 2, 3], 90,
+             interval=0.3, what="4 ranks answering")
+    root.close()
+    (flags / "go").write_text("go")
+    wait_for(lambda: len(list(dirs[1].glob("*/rank[23]/dump.json"))) == 2, 90, what="host 1's ranks dumped")
+    for rank in (0, 1):
+        job.kill(rank, signal.SIGTERM)
+    job.wait(90)
+    (run0,), (run1,) = [[p for p in d.iterdir() if p.is_dir()] for d in dirs]
+    assert run0.name == run1.name, "one run, each host with its own ranks"
+    assert sorted(p.name for p in run0.iterdir()) == ["rank0", "rank1"]
+    assert sorted(p.name for p in run1.iterdir()) == ["rank2", "rank3"]
+    c = kernel_probe.connect(f"dump://{dirs[0]},{dirs[1]}")
+    r = c.query("SELECT _rank, _host, kind FROM reason ORDER BY _rank")
+    assert r.table.to_pylist() == [{"_rank": 0, "_host": "h0", "kind": "signal"},
+                                   {"_rank": 1, "_host": "h0", "kind": "signal"},
+                                   {"_rank": 2, "_host": "h1", "kind": "signal"},
+                                   {"_rank": 3, "_host": "h1", "kind": "exception"}]
+    assert c.diagnose().summary.startswith("Rank 3 raised RuntimeError: rank 3 gives up at step 49; ")
+    c.close()
