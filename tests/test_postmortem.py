@@ -276,16 +276,19 @@ def test_the_first_failure_is_named_with_its_step_and_the_others_with_their_coll
 def test_a_collective_timeout_names_the_collective_and_the_rank_that_never_entered_it():
     from kernel_probe.diagnosis.failure import analyse
 
-    message = "[../gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv operation to complete"
-    reasons = [_reason(0, T0 + 0.02, "exception", exception_type="DistBackendError", message=message),
-               _reason(2, T0, "exception", exception_type="DistBackendError", message=message),
+    # each waiting rank times out on its own send or recv, and gloo counts the collective completed then
+    message = "[../gloo/transport/tcp/unbound_buffer.cc:{}] Timed out waiting 5000ms for {} operation to complete"
+    reasons = [_reason(0, T0 + 0.02, "exception", exception_type="RuntimeError", message=message.format(78, "recv")),
+               _reason(2, T0, "exception", exception_type="RuntimeError", message=message.format(129, "send")),
                _reason(1, T0 + 0.9)]
     groups, entries = _in_all_reduce((0, 1, 2), behind=(1,), seq=7)
+    for g in groups:
+        g["last_completed"] = g["last_enqueued"]
     f = analyse(reasons, process_groups=groups, collectives=entries, world_size=3)
     failed = f.findings[0]
     assert (failed.kind, failed.ranks, failed.group, failed.seq) == ("failed", (0, 2), "0", 7)
-    assert failed.detail == f"ranks 0,2 raised DistBackendError: {message}, in all_reduce #7 on group 0 that " \
-                            f"rank 1 never entered"
+    assert failed.detail == "ranks 0,2 raised RuntimeError: Timed out waiting 5000ms for send operation to " \
+                            "complete, in all_reduce #7 on group 0 that rank 1 never entered"
     assert f.findings[1].detail == "rank 1 was stopped by SIGTERM 0.9 s later"
 
 

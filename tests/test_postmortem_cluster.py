@@ -284,3 +284,39 @@ def test_two_hosts_dumps_read_together(launch, tmp_path):
                                    {"_rank": 3, "_host": "h1", "kind": "exception"}]
     assert c.diagnose().summary.startswith("Rank 3 raised RuntimeError: rank 3 gives up at step 49; ")
     c.close()
+
+
+TIMEOUT = str(Path(__file__).parent / "workers" / "timeout_worker.py")
+
+
+def test_a_collective_timeout_names_the_collective_and_the_rank_that_never_entered_it(launch, tmp_path):
+    flags, dumps = tmp_path / "flags", tmp_path / "dumps"
+    flags.mkdir()
+    job = launch([TIMEOUT, "--ready-dir", str(flags), "--late-rank", "1", "--timeout", "3"], nodes=1,
+                 ranks_per_node=3, env={**ENV, "PROBING_DUMP_DIR": str(dumps)})
+    job.wait_ready(90)
+    wait_for(lambda: all((flags / f"ready-{r}").exists() for r in range(3)), 90, what="3 ranks ready")
+    root = wait_for(lambda: kernel_probe.connect(timeout=3, warm=False), 60, interval=0.2, what="the root")
+    wait_for(lambda: root.query("SELECT count(*) AS n FROM steps").coverage["answered"] == [0, 1, 2], 60,
+             interval=0.3, what="3 ranks answering")
+    root.close()
+    (flags / "go").write_text("go")
+    job.wait(120)
+    c = kernel_probe.connect(f"dump://{dumps}")
+    reasons = {r["_rank"]: r for r in c.query("SELECT _rank, kind, exception_type, message, signal FROM reason")
+               .table.to_pylist()}
+    assert sorted(reasons) == [0, 1, 2], reasons
+    for rank in (0, 2):  # the ranks that waited: the collective's timeout, as torch raised it
+        assert reasons[rank]["kind"] == "exception", reasons[rank]
+        assert reasons[rank]["exception_type"] in ("RuntimeError", "DistBackendError"), reasons[rank]
+        assert "timed out" in reasons[rank]["message"].lower(), reasons[rank]
+    assert (reasons[1]["kind"], reasons[1]["signal"]) == ("signal", "SIGTERM")
+    verdict = c.diagnose()
+    first = verdict.findings.iloc[0]
+    assert first["kind"] == "failed" and list(first["ranks"]) == [0, 2], verdict.text()
+    assert "all_reduce #" in first["detail"] and "on group 0 that rank 1 never entered" in first["detail"], \
+        verdict.text()
+    assert first["group"] == "0" and first["seq"] == 6, verdict.text()  # the 6th all_reduce of the group
+    assert verdict.summary.startswith("Ranks 0,2 raised "), verdict.summary
+    assert "rank 1 was stopped by SIGTERM" in verdict.summary and "never_enters" in verdict.summary, verdict.summary
+    c.close()

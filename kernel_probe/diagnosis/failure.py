@@ -103,9 +103,20 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+_SOURCE = re.compile(r"^\[[^\]\s]+:\d+\]\s*")  # "[.../unbound_buffer.cc:78] " before a C++ error's text
+
+
 def _first_line(text: Any) -> str:
+    """The message's first line, without the C++ source location torch's errors start with."""
     text = _text(text)
-    return text.strip().splitlines()[0].strip() if text and text.strip() else ""
+    return _SOURCE.sub("", text.strip().splitlines()[0].strip()) if text and text.strip() else ""
+
+
+def _failure_key(e: End) -> tuple:
+    """Ends that are the same failure: one exception type and text, or a timeout of one type
+    (the ranks of a collective time out on their own send or recv)."""
+    timeout = bool(_TIMEOUT.search(e.message or ""))
+    return (e.kind, e.exception_type, "timeout" if timeout else _first_line(e.message))
 
 
 def seconds(value: Any) -> float | None:
@@ -151,17 +162,27 @@ def in_flight(process_groups: Iterable[Mapping[str, Any]], collectives: Iterable
         rank, group = _int(row.get("_rank")), _group(row)
         if rank is not None and group is not None:
             entries.setdefault((rank, group), []).append(row)
+    process_groups = list(process_groups)
+    lowest: dict[str, int] = {}  # per group, the lowest last_enqueued of its ranks
+    for g in process_groups:
+        group, enq = _group(g), _int(g.get("last_enqueued"))
+        if group is not None and enq is not None:
+            lowest[group] = min(enq, lowest.get(group, enq))
     found: dict[int, tuple[float, Collective]] = {}
     for g in process_groups:
         rank, group = _int(g.get("_rank")), _group(g)
         enq, done = _int(g.get("last_enqueued")), _int(g.get("last_completed"))
-        if rank is None or group is None or enq is None or (done is not None and done >= enq):
+        if rank is None or group is None or enq is None:
             continue
         rows = entries.get((rank, group), [])
         entry = (next((e for e in rows if _int(e.get("op_id")) == enq), None)
                  or next((e for e in rows if _int(e.get("collective_seq_id")) == enq and not _true(e.get("is_p2p"))),
                          None))
         if entry is None:
+            continue
+        # pending: not completed here, or a collective a rank of the group never entered (one that
+        # timed out counts as completed on the ranks it failed on)
+        if done is not None and done >= enq and (_true(entry.get("is_p2p")) or lowest[group] >= enq):
             continue
         c = Collective(group, str(entry.get("op") or "unknown op"), _int(entry.get("collective_seq_id")), enq)
         ts = _float(entry.get("ts")) or 0.0
@@ -236,8 +257,7 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
     first_ranks: list[int] = []
     if first is not None:
         # ranks that failed the same way within a moment of the first (a timeout seen by several) are one finding
-        same = [e for e in inside if (e.kind, e.exception_type, _first_line(e.message)) ==
-                (first.kind, first.exception_type, _first_line(first.message))
+        same = [e for e in inside if _failure_key(e) == _failure_key(first)
                 and (e.when is None or first.when is None or e.when - first.when < 0.5)]
         first_ranks = sorted(e.rank for e in same)
         detail = f"{ranks_text(first_ranks)} {first.what}"
@@ -256,11 +276,11 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
         findings.append(Finding("failed", tuple(first_ranks), group, seq, detail, evidence))
         sentences.append(detail)
         later = [e for e in inside if e.rank not in first_ranks]
-        for key, group_ends in _grouped(later, lambda e: (e.kind, e.exception_type, _first_line(e.message))).items():
+        for key, group_ends in _grouped(later, _failure_key).items():
             rs = sorted(e.rank for e in group_ends)
             delays = [e.when - first.when for e in group_ends if e.when is not None and first.when is not None]
             text = f"{ranks_text(rs)} {'then ' if delays else ''}{group_ends[0].what.replace('was ', '')}"
-            text += _delay_text(delays) + _about(rs, colls, at)
+            text += _delay_text(delays) + _about(rs, colls, {})
             findings.append(Finding("ended", tuple(rs), None, None, text, f"reason {key[0]}"))
             sentences.append(text)
 
