@@ -16,6 +16,7 @@ end too abrupt to write one), never guessed at.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -279,8 +280,8 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
         for key, group_ends in _grouped(later, _failure_key).items():
             rs = sorted(e.rank for e in group_ends)
             delays = [e.when - first.when for e in group_ends if e.when is not None and first.when is not None]
-            text = f"{ranks_text(rs)} {'then ' if delays else ''}{group_ends[0].what.replace('was ', '')}"
-            text += _delay_text(delays) + _about(rs, colls, {})
+            then = "then " if delays and max(delays) >= 0.05 else ""
+            text = f"{ranks_text(rs)} {then}{group_ends[0].what}" + _delay_text(delays) + _about(rs, colls, {})
             findings.append(Finding("ended", tuple(rs), None, None, text, f"reason {key[0]}"))
             sentences.append(text)
 
@@ -320,7 +321,7 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
         sentences.insert(0 if first is None else len(sentences), text)
 
     dumped = sorted(by_rank)
-    checked = [f"reasons of {len(dumped)} rank{'s' if len(dumped) != 1 else ''}' dumps"
+    checked = [(f"reasons of {len(dumped)} ranks' dumps" if len(dumped) != 1 else "reason of 1 rank's dump")
                + (f" (of {world_size})" if world_size else "")]
     if step:
         checked.append(f"last steps of {ranks_text(step)}")
@@ -347,8 +348,6 @@ def _grouped(items: Iterable[End], key) -> dict[Any, list[End]]:
 def _clock(when: float | None) -> str:
     if when is None:
         return "an unknown time"
-    import time
-
     return time.strftime("%H:%M:%S", time.gmtime(when)) + f".{int(when * 1000) % 1000:03d} UTC"
 
 
