@@ -82,7 +82,7 @@ def one(dump: bool, args: argparse.Namespace, tmp: Path) -> dict:
         (rank_dir,) = (out / "dumps").glob("*/rank0")
         manifest = json.loads((rank_dir / "dump.json").read_text())
         files = list(rank_dir.iterdir())
-        result.update(writer_ms=manifest["elapsed_ms"], bytes=sum(f.stat().st_size for f in files),
+        result.update(writer_ms=manifest["elapsed_ms"], import_ms=manifest["import_ms"], bytes=sum(f.stat().st_size for f in files),
                       reason_to_exit_ms=(ended - manifest["reasons"][0]["when"]) * 1000,
                       tables=manifest["tables"], skipped=manifest["skipped"])
     return result
@@ -102,7 +102,8 @@ def main() -> int:
                 r = one(dump, args, Path(tmp))
                 (with_dump if dump else without).append(r)
                 print(f"round {i + 1} {'dump   ' if dump else 'no dump'}: SIGTERM -> exit {r['exit_ms']:.0f} ms"
-                      + (f", writer {r['writer_ms']:.0f} ms, {r['bytes'] / 1e6:.2f} MB" if dump else ""), flush=True)
+                      + (f", writer {r['writer_ms']:.0f} ms (import {r['import_ms']:.0f}), {r['bytes'] / 1e6:.2f} MB"
+                         if dump else ""), flush=True)
     last = with_dump[-1]
     med = statistics.median
     print(f"\nload average {os.getloadavg()[0]:.1f}; {args.steps} steps, user table {args.rows} rows, "
@@ -111,7 +112,8 @@ def main() -> int:
     if last["skipped"]:
         print(f"left out: {last['skipped']}")
     print(f"dump per rank: writer median {med(r['writer_ms'] for r in with_dump):.0f} ms "
-          f"(min {min(r['writer_ms'] for r in with_dump):.0f}, max {max(r['writer_ms'] for r in with_dump):.0f}), "
+          f"(min {min(r['writer_ms'] for r in with_dump):.0f}, max {max(r['writer_ms'] for r in with_dump):.0f}; "
+          f"of which importing pyarrow.parquet {med(r['import_ms'] for r in with_dump):.0f}), "
           f"{med(r['bytes'] for r in with_dump) / 1e6:.2f} MB on disk")
     print(f"dying rank, SIGTERM -> exit: with the dump median {med(r['exit_ms'] for r in with_dump):.0f} ms, "
           f"without {med(r['exit_ms'] for r in without):.0f} ms "

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..diagnosis.verdict import MIN_WAIT_SEC
 from ..postmortem.dump import FORMAT, MANIFEST
 from . import results
 from .errors import ConnectError, QueryFailed
@@ -380,7 +381,7 @@ class DumpClient:
                               code="partial", coverage=coverage)
         return results.QueryResult(table, coverage, explain=coverage.get("explain", ""))
 
-    def diagnose(self, timeout: float = 10.0, min_wait: float = 5.0) -> Any:
+    def diagnose(self, timeout: float = 10.0, min_wait: float = MIN_WAIT_SEC) -> Any:
         """Who failed first and why (``diagnosis.failure``: each dump's reason, last step and the
         collective it was in), then the hang verdict a live job gets, taken at the moment the
         last rank ended (``min_wait`` counts back from then). A ``DiagnoseResult``."""

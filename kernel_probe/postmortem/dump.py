@@ -135,6 +135,8 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
     started = clock()
     import pyarrow.parquet as pq
 
+    imported = clock()
+
     rank = int(tags["_rank"])
     final = rank_dir(root, run_id, rank, tags.get("_host"), identity.get("pid") or os.getpid())
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +175,7 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
         "format": FORMAT, "run_id": run_id, "tags": dict(tags), "identity": dict(identity),
         "pid": os.getpid(), "written_at": time.time(), "reasons": reasons,
         "nodes": dict(nodes) if nodes else None, "tables": written, "skipped": skipped,
-        "elapsed_ms": round((clock() - started) * 1000, 1),
+        "elapsed_ms": round((clock() - started) * 1000, 1), "import_ms": round((imported - started) * 1000, 1),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, default=str, indent=1))
     if final.exists():  # an earlier dump of this rank (a thread's exception, then the end)
