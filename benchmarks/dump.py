@@ -4,13 +4,14 @@ and without it, side by side in one run.
 Each case is a fresh rank (a process group of one, gloo) that trains a small MLP for
 --steps optimizer steps with one all_reduce and one ``log`` each (full ``steps``,
 ``metrics`` and flight-recorder rings), samples ``memory``, holds a user table of --rows
-rows, then gets SIGTERM. Measured: SIGTERM to the process's exit (seen by its parent),
+rows (a dict of lists; --arrow-table: a pyarrow Table, so pyarrow is loaded before the
+end), then gets SIGTERM. Measured: SIGTERM to the process's exit (seen by its parent),
 with the dump (``PROBING_DUMP=1``, the default) and without (``PROBING_DUMP=0``),
 alternating; the dump's own figures (the writer's time, from its manifest; the files'
 bytes; rows per table). --max-mb sets ``PROBING_DUMP_MAX_MB`` (default 4, the setting's
 default): a larger user table is cut to its newest rows.
 
-    .venv/bin/python benchmarks/dump.py [--rounds 3] [--rows 100000] [--steps 2000] [--max-mb 4]
+    .venv/bin/python benchmarks/dump.py [--rounds 3] [--rows 100000] [--steps 2000] [--max-mb 4] [--arrow-table]
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ import os, socket, sys, time
 import kernel_probe
 kernel_probe.start(wait=10)
 import torch, torch.distributed as dist
-import pyarrow as pa
 
-steps, rows = int(sys.argv[1]), int(sys.argv[2])
+steps, rows, arrow = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "arrow"
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -50,11 +50,13 @@ for step in range(steps):
     dist.all_reduce(model[0].weight.grad)
     opt.step()
     kernel_probe.log(step=step, loss=float(loss))
-kernel_probe.table("samples", pa.table({"i": pa.array(range(rows), pa.int64()),
-                                        "x": pa.array([i * 0.5 for i in range(rows)], pa.float64()),
-                                        "tag": pa.array([f"s{i % 97}" for i in range(rows)])}))
+columns = {"i": list(range(rows)), "x": [i * 0.5 for i in range(rows)], "tag": [f"s{i % 97}" for i in range(rows)]}
+if arrow:  # the application's own Arrow table: pyarrow is loaded before the end
+    import pyarrow as pa
+    columns = pa.table(columns)
+kernel_probe.table("samples", columns)
 time.sleep(1.5)  # a memory sample or two
-print("ready", flush=True)
+print("ready", "pyarrow" in sys.modules, flush=True)
 time.sleep(600)
 """
 
@@ -67,17 +69,18 @@ def one(dump: bool, args: argparse.Namespace, tmp: Path) -> dict:
            "PROBING_MEMORY_SAMPLE_SEC": "0.5", "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PROBING"):
         env.pop(name, None)
-    p = subprocess.Popen([sys.executable, "-c", RANK, str(args.steps), str(args.rows)], env=env,
+    p = subprocess.Popen([sys.executable, "-c", RANK, str(args.steps), str(args.rows),
+                          "arrow" if args.arrow_table else "columns"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = p.stdout.readline().strip()
-    if line != "ready":
+    if line not in ("ready False", "ready True"):
         p.kill()
         raise SystemExit(f"the rank did not start: {line!r}\n{p.stderr.read()[-3000:]}")
     sent = time.time()
     p.send_signal(signal.SIGTERM)
     code = p.wait(120)
     ended = time.time()
-    result = {"exit_ms": (ended - sent) * 1000, "code": code}
+    result = {"exit_ms": (ended - sent) * 1000, "code": code, "pyarrow_before": line == "ready True"}
     if dump:
         (rank_dir,) = (out / "dumps").glob("*/rank0")
         manifest = json.loads((rank_dir / "dump.json").read_text())
@@ -94,6 +97,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=100_000, help="rows of the user table")
     ap.add_argument("--steps", type=int, default=2000, help="optimizer steps (each one all_reduce and one log)")
     ap.add_argument("--max-mb", type=float, default=4.0, help="PROBING_DUMP_MAX_MB")
+    ap.add_argument("--arrow-table", action="store_true",
+                    help="the user table as a pyarrow Table (pyarrow loaded before the end; default: a dict of lists)")
     args = ap.parse_args()
     with_dump, without = [], []
     with tempfile.TemporaryDirectory(prefix="kp-dump-bench-") as tmp:
@@ -107,7 +112,8 @@ def main() -> int:
     last = with_dump[-1]
     med = statistics.median
     print(f"\nload average {os.getloadavg()[0]:.1f}; {args.steps} steps, user table {args.rows} rows, "
-          f"PROBING_DUMP_MAX_MB={args.max_mb:g}")
+          f"PROBING_DUMP_MAX_MB={args.max_mb:g}; pyarrow loaded in the rank before its end: "
+          f"{'yes' if last['pyarrow_before'] else 'no'}")
     print("tables written (rows): " + ", ".join(f"{k} {v}" for k, v in last["tables"].items()))
     if last["skipped"]:
         print(f"left out: {last['skipped']}")

@@ -2,8 +2,12 @@
 
 A rank raising: torchrun stops the others with SIGTERM, every rank leaves a dump, SQL over
 ``dump://`` equals DuckDB over the union of the same rows, the raising rank's reason is its
-exception, the others' SIGTERM, and a rank's own SIGTERM handler still ran. A rank killed
-with SIGKILL leaves no dump and coverage names it. A healthy end leaves nothing.
+exception, the others' SIGTERM, a rank's own SIGTERM handler still ran, and the verdict
+names the raising rank first. A rank killed with SIGKILL leaves no dump and coverage names
+it. SIGTERM to every rank: every dump, no culprit. A healthy end leaves nothing. A
+collective timeout: the verdict names the collective and the rank that never entered it.
+Ranks that join late (init_process_group) still dump on SIGTERM; two hosts' directories
+read as one job.
 """
 
 from __future__ import annotations
