@@ -151,12 +151,18 @@ class DumpHooks:
             deadline = time.monotonic() + self.settings.dump_budget_sec
             self.reasons.append(reason_row(self.identity.rank, time.time(), kind, exc=exc, signal_name=signal_name))
             done: list[Path] = []
+            published: list[Path] = []
             # the table about to be written when the deadline passes may still need a moment
-            writer = threading.Thread(target=self._write, args=(done, deadline - 0.25),
+            writer = threading.Thread(target=self._write, args=(done, published, deadline - 0.25),
                                       name="kernel-probe-dump", daemon=True)
             writer.start()
             writer.join(max(0.0, deadline + 0.25 - time.monotonic()))
             if not done:
+                if published:
+                    sys.stderr.write(f"probing: the post-mortem dump did not finish in time; exiting with its "
+                                     f"first tables in {published[0]}\n")
+                    self.last_dump = published[0]
+                    return published[0]
                 sys.stderr.write("probing: the post-mortem dump did not finish in time; exiting without it\n")
                 return None
             self.last_dump = done[0]
@@ -164,7 +170,7 @@ class DumpHooks:
         finally:
             self._busy.release()
 
-    def _write(self, done: list, deadline: float) -> None:
+    def _write(self, done: list, published: list, deadline: float) -> None:
         try:
             from .dump import write_dump
 
@@ -186,7 +192,8 @@ class DumpHooks:
             s = self.settings
             done.append(write_dump(s.dump_dir, run_id=ident.run_id, tags=tags, identity=identity,
                                    reasons=list(self.reasons), tables=self._tables(), nodes=nodes,
-                                   deadline=deadline, max_bytes=int(s.dump_max_mb * 1024 * 1024)))
+                                   deadline=deadline, max_bytes=int(s.dump_max_mb * 1024 * 1024),
+                                   on_published=published.append))
         except Exception as exc:
             sys.stderr.write(f"probing: post-mortem dump failed: {type(exc).__name__}: {exc}\n")
 

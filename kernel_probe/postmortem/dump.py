@@ -36,7 +36,10 @@ Bounded: at most ``PROBING_DUMP_MAX_MB`` of Arrow data (each table keeps its new
 when cut), and the writer starts no table past ``PROBING_DUMP_BUDGET_SEC`` (2 s: the
 import alone took ~1 s on these machines under load) after the hook began, and
 publishes what it has; the hooks wait for it no longer than the budget plus a quarter
-second, so a dump never delays an exit beyond that and never turns it into a hang.
+second, so a dump never delays an exit beyond that and never turns it into a hang. The
+dump is published as soon as the reason, the stacks and the flight recorder are written
+(the manifest then names the tables still to come): an exit that cannot wait for a long
+ring still leaves them.
 """
 
 from __future__ import annotations
@@ -125,13 +128,25 @@ def _newest(table: Any, max_bytes: int):
     return table.slice(table.num_rows - keep, keep)
 
 
+def _publish(tmp: Path, final: Path) -> Path:
+    if final.exists():  # an earlier dump of this rank (a thread's exception, then the end)
+        import shutil
+
+        shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
 def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Mapping[str, Any],
                reasons: list[dict], tables: Any, nodes: Mapping[str, Any] | None,
-               deadline: float, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> Path:
+               deadline: float, max_bytes: int, clock: Callable[[], float] = time.monotonic,
+               on_published: Callable[[Path], None] | None = None) -> Path:
     """Write one rank's dump and return its directory. ``tables``: the rank's ``LocalTables``
     (or anything with ``names()`` and ``arrow(name)``); ``nodes``: its last membership
     (``members``, ``departures``, ``epoch``). Starts no table past ``deadline`` (on
-    ``clock``) and says in the manifest which were left out and why."""
+    ``clock``) and says in the manifest which were left out and why. The dump is published
+    (``on_published``) once the reason, the stacks and the flight recorder are written; the
+    other tables then appear one by one, and the manifest is written again at the end."""
     started = clock()
     import pyarrow.parquet as pq
 
@@ -159,7 +174,24 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
         names, skipped["*"] = [], f"{type(exc).__name__}: {exc}"
     order = [n for n in FIRST if n in names or n == "reason"]
     order += [n for n in names if n not in order]
-    for name in order:
+    def manifest(pending: list[str]) -> str:
+        left_out = {**skipped, **{n: "not written before the exit" for n in pending}}
+        return json.dumps({
+            "format": FORMAT, "run_id": run_id, "tags": dict(tags), "identity": dict(identity),
+            "pid": os.getpid(), "written_at": time.time(), "reasons": reasons,
+            "nodes": dict(nodes) if nodes else None, "tables": dict(written), "skipped": left_out,
+            "elapsed_ms": round((clock() - started) * 1000, 1), "import_ms": round((imported - started) * 1000, 1),
+        }, default=str, indent=1)
+
+    where = tmp
+    for i, name in enumerate(order):
+        if where is tmp and name not in FIRST:
+            # what says why and where it ended is published before the long rings: an exit that
+            # cannot wait for them still leaves a dump
+            (tmp / MANIFEST).write_text(manifest(order[i:]))
+            where = _publish(tmp, final)
+            if on_published is not None:
+                on_published(final)
         if clock() > deadline:
             skipped[name] = "out of time"
             continue
@@ -167,20 +199,18 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
             table = produce(name)
             table = _newest(table, max(0, left))
             left -= table.nbytes
-            pq.write_table(table, tmp / f"{name}.parquet")
+            part = where / f".{name}.parquet.tmp"  # a reader's *.parquet never sees half a table
+            pq.write_table(table, part)
+            os.replace(part, where / f"{name}.parquet")
             written[name] = table.num_rows
         except Exception as exc:  # one table that cannot be made does not lose the others
             skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-    manifest = {
-        "format": FORMAT, "run_id": run_id, "tags": dict(tags), "identity": dict(identity),
-        "pid": os.getpid(), "written_at": time.time(), "reasons": reasons,
-        "nodes": dict(nodes) if nodes else None, "tables": written, "skipped": skipped,
-        "elapsed_ms": round((clock() - started) * 1000, 1), "import_ms": round((imported - started) * 1000, 1),
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, default=str, indent=1))
-    if final.exists():  # an earlier dump of this rank (a thread's exception, then the end)
-        import shutil
-
-        shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    text = manifest([])
+    if where is tmp:
+        (tmp / MANIFEST).write_text(text)
+        _publish(tmp, final)
+    else:
+        part = final / f".{MANIFEST}.tmp"
+        part.write_text(text)
+        os.replace(part, final / MANIFEST)
     return final
