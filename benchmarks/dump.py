@@ -85,7 +85,8 @@ def one(dump: bool, args: argparse.Namespace, tmp: Path) -> dict:
         (rank_dir,) = (out / "dumps").glob("*/rank0")
         manifest = json.loads((rank_dir / "dump.json").read_text())
         files = list(rank_dir.iterdir())
-        result.update(writer_ms=manifest["elapsed_ms"], import_ms=manifest["import_ms"], bytes=sum(f.stat().st_size for f in files),
+        result.update(writer_ms=manifest["elapsed_ms"], import_ms=manifest["import_ms"],
+                      table_ms=manifest["table_ms"], bytes=sum(f.stat().st_size for f in files),
                       reason_to_exit_ms=(ended - manifest["reasons"][0]["when"]) * 1000,
                       tables=manifest["tables"], skipped=manifest["skipped"])
     return result
@@ -115,6 +116,8 @@ def main() -> int:
           f"PROBING_DUMP_MAX_MB={args.max_mb:g}; pyarrow loaded in the rank before its end: "
           f"{'yes' if last['pyarrow_before'] else 'no'}")
     print("tables written (rows): " + ", ".join(f"{k} {v}" for k, v in last["tables"].items()))
+    slowest = sorted(last["table_ms"].items(), key=lambda kv: -kv[1])[:4]
+    print("slowest tables of the last dump (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in slowest))
     if last["skipped"]:
         print(f"left out: {last['skipped']}")
     print(f"dump per rank: writer median {med(r['writer_ms'] for r in with_dump):.0f} ms "

@@ -158,6 +158,7 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
     tmp = final.parent / f".rank{rank}.{os.getpid()}.{time.time_ns()}.tmp"
     tmp.mkdir(parents=True)  # parents again: another rank may have just removed an empty run dir
     written: dict[str, int] = {}
+    took: dict[str, float] = {}  # ms per table written
     skipped: dict[str, str] = {}
     left = max_bytes
     package_dir = str(Path(__file__).resolve().parent)
@@ -181,6 +182,7 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
             "pid": os.getpid(), "written_at": time.time(), "reasons": reasons,
             "nodes": dict(nodes) if nodes else None, "tables": dict(written), "skipped": left_out,
             "elapsed_ms": round((clock() - started) * 1000, 1), "import_ms": round((imported - started) * 1000, 1),
+            "table_ms": dict(took),
         }, default=str, indent=1)
 
     where = tmp
@@ -195,6 +197,7 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
         if clock() > deadline:
             skipped[name] = "out of time"
             continue
+        began = clock()
         try:
             table = produce(name)
             table = _newest(table, max(0, left))
@@ -203,6 +206,7 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
             pq.write_table(table, part)
             os.replace(part, where / f"{name}.parquet")
             written[name] = table.num_rows
+            took[name] = round((clock() - began) * 1000, 1)
         except Exception as exc:  # one table that cannot be made does not lose the others
             skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
     text = manifest([])
