@@ -128,11 +128,6 @@ def find_run_dirs(spec: str, default_root: Path) -> list[Path]:
     return [d for d in found if d.name == newest]
 
 
-def find_run_dir(spec: str, default_root: Path) -> Path:
-    """The first run directory of ``find_run_dirs``."""
-    return find_run_dirs(spec, default_root)[0]
-
-
 def _subdirs(d: Path) -> list[Path]:
     try:
         return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
