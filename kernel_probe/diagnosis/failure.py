@@ -81,6 +81,7 @@ class Failure:
     ended: bool
 
 
+# readers of plain or pandas values (NaN is NULL), as the verdict has its own
 def _float(value: Any) -> float | None:
     if value is None or isinstance(value, bool):
         return None
