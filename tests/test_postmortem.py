@@ -154,8 +154,10 @@ def _job_of_one(tmp_path: Path) -> Path:
     """The run a job of one dumped to: its own, named by its host and pid."""
     import socket
 
+    from kernel_probe.postmortem.dump import run_dir_name
+
     (run,) = (tmp_path / "dumps").iterdir()
-    assert run.name.startswith(f"local-{socket.gethostname()}-"), run.name
+    assert run.name.startswith(run_dir_name("local", socket.gethostname()) + "-"), run.name
     return run
 
 
