@@ -408,3 +408,15 @@ def test_dumps_of_several_hosts_in_one_directory_or_several(tmp_path):
     c.close()
     with pytest.raises(kernel_probe.ConnectError, match="not a directory"):
         kernel_probe.connect(f"dump://{host_dirs['h0']},{tmp_path / 'nowhere'}")
+
+
+def test_a_fatal_signal_is_a_failure_from_inside():
+    from kernel_probe.diagnosis.failure import analyse
+
+    reasons = [_reason(1, T0 + 2.0, "thread_exception", exception_type="KeyError", message="'x'"),
+               _reason(1, T0 + 5.0, "fatal", message="Fatal Python error: Segmentation fault\n\nThread 0x1"),
+               _reason(0, T0 + 1.0, "fatal", message="Fatal Python error: Aborted")]
+    f = analyse([*reasons, _reason(2, T0 + 1.5)], world_size=3)
+    assert f.summary == ("Rank 0 died of a fatal signal (Fatal Python error: Aborted); rank 1 then raised KeyError in "
+                         "a thread: 'x' 1.0 s later; rank 2 was stopped by SIGTERM 0.5 s later.")
+    assert [x.kind for x in f.findings] == ["failed", "ended", "stopped"]
