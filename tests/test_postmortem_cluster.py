@@ -2,8 +2,12 @@
 
 A rank raising: torchrun stops the others with SIGTERM, every rank leaves a dump, SQL over
 ``dump://`` equals DuckDB over the union of the same rows, the raising rank's reason is its
-exception, the others' SIGTERM, and a rank's own SIGTERM handler still ran. A rank killed
-with SIGKILL leaves no dump and coverage names it. A healthy end leaves nothing.
+exception, the others' SIGTERM, a rank's own SIGTERM handler still ran, and the verdict
+names the raising rank first. A rank killed with SIGKILL leaves no dump and coverage names
+it. SIGTERM to every rank: every dump, no culprit. A healthy end leaves nothing. A
+collective timeout: the verdict names the collective and the rank that never entered it.
+Ranks that join late (init_process_group) still dump on SIGTERM; two hosts' directories
+read as one job.
 """
 
 from __future__ import annotations
@@ -109,6 +113,14 @@ def test_a_rank_raising_leaves_every_ranks_dump(launch, tmp_path):
     # the dying main thread's stack is where it was, not the dump's own frames
     frames = c.query("SELECT file FROM stacks WHERE is_main AND _rank = 0").table.column("file").to_pylist()
     assert frames and not any("kernel_probe/postmortem" in f for f in frames) and any("dying_worker" in f for f in frames)
+
+    # the verdict: who failed first and why, the others after it
+    verdict = c.diagnose()
+    assert verdict.summary.startswith("Rank 1 raised RuntimeError: rank 1 gives up at step 49; ranks 0,2 were "
+                                      "stopped by SIGTERM "), verdict.summary
+    assert "s later" in verdict.summary and "dying_worker.py" in verdict.summary
+    assert [(k, list(r)) for k, r in zip(verdict.findings["kind"], verdict.findings["ranks"])][:2] == \
+        [("failed", [1]), ("stopped", [0, 2])]
     c.close()
 
 
@@ -130,6 +142,26 @@ def test_a_rank_killed_leaves_no_dump_and_coverage_says_so(launch, tmp_path):
     with pytest.raises(kernel_probe.QueryFailed, match="partial"):
         c.query("SELECT * FROM reason", strict=True)
     assert sorted(c.nodes()["rank"]) == [0, 1, 2]
+    verdict = c.diagnose()
+    assert verdict.summary.startswith("Rank 2 left no dump (killed by SIGKILL"), verdict.summary
+    assert "ranks 0-1 were stopped by SIGTERM" in verdict.summary and "from outside" not in verdict.summary
+    c.close()
+
+
+def test_sigterm_to_the_whole_job_leaves_every_dump_and_no_culprit(launch, tmp_path):
+    import signal
+
+    job, dumps, _ = _start(launch, tmp_path)
+    for rank in range(3):  # as Slurm ends a job step: every task at once
+        job.kill(rank, signal.SIGTERM)
+    job.wait(90)
+    c = kernel_probe.connect(f"dump://{dumps}")
+    r = c.query("SELECT _rank, kind, signal FROM reason ORDER BY _rank")
+    assert r.table.to_pylist() == [{"_rank": k, "kind": "signal", "signal": "SIGTERM"} for k in range(3)]
+    verdict = c.diagnose()
+    assert verdict.summary.startswith("Ranks 0-2 were stopped by SIGTERM within "), verdict.summary
+    assert verdict.summary.endswith("no rank failed before that: the job was ended from outside.")
+    assert list(verdict.findings["kind"]) == ["stopped"]
     c.close()
 
 
@@ -170,3 +202,125 @@ def test_a_live_jobs_snapshot_answers_as_the_job(launch, tmp_path, capsys):
         assert frame["n"].tolist() == [3, 3, 3]
     finally:
         ip.run_line_magic("unload_ext", "probing_magics")
+
+
+LATE = str(Path(__file__).parent / "workers" / "late_rank_worker.py")
+
+
+@pytest.mark.parametrize("task_of_many,thread", [(True, False), (False, True), (True, True)],
+                         ids=["task_joins_on_main_thread", "by_hand_joins_on_a_thread", "task_joins_on_a_thread"])
+def test_a_rank_that_joins_late_dumps_on_sigterm(runtime_dir, tmp_path, task_of_many, thread):
+    """Scripts started by hand with PROBING=1 become ranks when init_process_group returns, and
+    their probe then starts on a thread of its own. One task of several (PMI_SIZE, as mpirun
+    sets it) starts no probe before: SIGTERM writes the rank's dump when init_process_group
+    ran on the main thread; when it did not, the log says once that signals cannot dump.
+    A script alone is a job of one until then, whose probe took the signals at start."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.support.harness import free_port
+
+    from .conftest import PY
+
+    flags, dumps, port = tmp_path / "flags", tmp_path / "dumps", free_port()
+    flags.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env.update(ENV, PROBING="1", PROBING_RUNTIME_DIR=str(runtime_dir), PROBING_DUMP_DIR=str(dumps))
+    if task_of_many:
+        env["PMI_SIZE"] = "2"
+    procs = [subprocess.Popen([PY, LATE, "--rank", str(r), "--world-size", "2", "--port", str(port), "--dir",
+                               str(flags), *(["--thread"] if thread else [])], env=env, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for r in (0, 1)]
+    try:
+        wait_for(lambda: all((flags / f"ready-{r}").exists() for r in (0, 1)), 120, what="2 ranks hooked")
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(60) == -signal.SIGTERM
+        err = procs[1].stderr.read()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    run = dumps / f"127.0.0.1_{port}_r0"
+    if task_of_many and thread:
+        assert not (run / "rank1").exists(), "no signal handler could be set"
+        assert err.count("neither the probe nor init_process_group started on the main thread") == 1, err
+        return
+    assert (run / "rank1" / "dump.json").exists(), sorted(p.name for p in dumps.rglob("*"))
+    c = kernel_probe.connect(f"dump://{run}")
+    r = c.query("SELECT _rank, kind, signal FROM reason")
+    assert r.table.to_pylist() == [{"_rank": 1, "kind": "signal", "signal": "SIGTERM"}]
+    assert c.query("SELECT max(step) AS s FROM metrics").table.to_pylist() == [{"s": 4}]
+    c.close()
+
+
+def test_two_hosts_dumps_read_together(launch, tmp_path):
+    """A job on two "hosts" (two torchrun agents, each with its own host name and dump
+    directory): rank 3 raises, its agent stops rank 2, then the others are stopped as a
+    scheduler ends a failed job; ``dump://DIR_A,DIR_B`` is the whole job."""
+    import signal
+
+    flags, dirs = tmp_path / "flags", [tmp_path / f"host{i}" for i in range(2)]
+    flags.mkdir()
+    job = launch([DYING, "--dir", str(flags), "--raise-rank", "3"], nodes=2, ranks_per_node=2, env=ENV,
+                 node_env=lambda i: {"PROBING_NODE_HOST": f"h{i}", "PROBING_DUMP_DIR": str(dirs[i])})
+    job.wait_ready(120)
+    wait_for(lambda: all((flags / f"ready-{r}").exists() for r in range(4)), 60, what="4 ranks ready")
+    root = wait_for(lambda: kernel_probe.connect(timeout=3, warm=False), 60, interval=0.2, what="the root")
+    wait_for(lambda: root.query("SELECT count(*) AS n FROM steps").coverage["answered"] == [0, 1, 2, 3], 90,
+             interval=0.3, what="4 ranks answering")
+    root.close()
+    (flags / "go").write_text("go")
+    wait_for(lambda: len(list(dirs[1].glob("*/rank[23]/dump.json"))) == 2, 90, what="host 1's ranks dumped")
+    for rank in (0, 1):
+        job.kill(rank, signal.SIGTERM)
+    job.wait(90)
+    (run0,), (run1,) = [[p for p in d.iterdir() if p.is_dir()] for d in dirs]
+    assert run0.name == run1.name, "one run, each host with its own ranks"
+    assert sorted(p.name for p in run0.iterdir()) == ["rank0", "rank1"]
+    assert sorted(p.name for p in run1.iterdir()) == ["rank2", "rank3"]
+    c = kernel_probe.connect(f"dump://{dirs[0]},{dirs[1]}")
+    r = c.query("SELECT _rank, _host, kind FROM reason ORDER BY _rank")
+    assert r.table.to_pylist() == [{"_rank": 0, "_host": "h0", "kind": "signal"},
+                                   {"_rank": 1, "_host": "h0", "kind": "signal"},
+                                   {"_rank": 2, "_host": "h1", "kind": "signal"},
+                                   {"_rank": 3, "_host": "h1", "kind": "exception"}]
+    assert c.diagnose().summary.startswith("Rank 3 raised RuntimeError: rank 3 gives up at step 49; ")
+    c.close()
+
+
+TIMEOUT = str(Path(__file__).parent / "workers" / "timeout_worker.py")
+
+
+def test_a_collective_timeout_names_the_collective_and_the_rank_that_never_entered_it(launch, tmp_path):
+    flags, dumps = tmp_path / "flags", tmp_path / "dumps"
+    flags.mkdir()
+    job = launch([TIMEOUT, "--ready-dir", str(flags), "--late-rank", "1", "--timeout", "3"], nodes=1,
+                 ranks_per_node=3, env={**ENV, "PROBING_DUMP_DIR": str(dumps)})
+    job.wait_ready(90)
+    wait_for(lambda: all((flags / f"ready-{r}").exists() for r in range(3)), 90, what="3 ranks ready")
+    root = wait_for(lambda: kernel_probe.connect(timeout=3, warm=False), 60, interval=0.2, what="the root")
+    wait_for(lambda: root.query("SELECT count(*) AS n FROM steps").coverage["answered"] == [0, 1, 2], 60,
+             interval=0.3, what="3 ranks answering")
+    root.close()
+    (flags / "go").write_text("go")
+    job.wait(120)
+    c = kernel_probe.connect(f"dump://{dumps}")
+    reasons = {r["_rank"]: r for r in c.query("SELECT _rank, kind, exception_type, message, signal FROM reason")
+               .table.to_pylist()}
+    assert sorted(reasons) == [0, 1, 2], reasons
+    for rank in (0, 2):  # the ranks that waited: the collective's timeout, as torch raised it
+        assert reasons[rank]["kind"] == "exception", reasons[rank]
+        assert reasons[rank]["exception_type"] in ("RuntimeError", "DistBackendError"), reasons[rank]
+        assert "timed out" in reasons[rank]["message"].lower(), reasons[rank]
+    assert (reasons[1]["kind"], reasons[1]["signal"]) == ("signal", "SIGTERM")
+    verdict = c.diagnose()
+    first = verdict.findings.iloc[0]
+    assert first["kind"] == "failed" and list(first["ranks"]) == [0, 2], verdict.text()
+    assert "all_reduce #" in first["detail"] and "on group 0 that rank 1 never entered" in first["detail"], \
+        verdict.text()
+    assert first["group"] == "0" and first["seq"] == 6, verdict.text()  # the 6th all_reduce of the group
+    assert verdict.summary.startswith("Ranks 0,2 raised "), verdict.summary
+    assert "rank 1 was stopped by SIGTERM" in verdict.summary and "never_enters" in verdict.summary, verdict.summary
+    c.close()

@@ -154,6 +154,7 @@ def became_rank(c10d: Any) -> None:
 
     host, port = store_address(c10d._get_default_store())
     facts = GroupFacts(rank=c10d.get_rank(), world_size=c10d.get_world_size(), store_host=host, store_port=port)
+    from ..postmortem import hold_signals; hold_signals()  # noqa: E702 (here: the main thread, where signals are set)
     threading.Thread(target=_start_rank, args=(facts, dict(os.environ)), name="kernel-probe-start",
                      daemon=True).start()
 

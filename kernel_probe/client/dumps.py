@@ -1,9 +1,11 @@
 """A job that has ended, read from its ranks' dumps (``connect("dump://DIR")``).
 
-``DIR`` is a run's directory (``<PROBING_DUMP_DIR>/<run>``, holding ``rank<k>/``) or the
-dump directory itself (its newest run is opened); ``dump://`` alone: the newest run under
-this machine's ``PROBING_DUMP_DIR``. A ``DumpClient`` answers what a ``Client`` answers
-of a live job, in this process:
+``DIR`` is a run's directory (``<PROBING_DUMP_DIR>/<run>``, holding ``rank<k>/``), the
+dump directory itself (its newest run is opened), or a directory holding one such directory
+per host (every host's part of the newest run is opened); ``dump://DIR1,DIR2`` reads
+several directories as one job (each host's dumps, copied apart); ``dump://`` alone: the
+newest run under this machine's ``PROBING_DUMP_DIR``. A ``DumpClient`` answers what a
+``Client`` answers of a live job, in this process:
 
 - ``query``: the same planner and executor as the live tree (``kernel_probe.sql``), every
   dump as one rank (``run_rank`` over its tables with its tags), merged and finished here,
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..diagnosis.verdict import MIN_WAIT_SEC
 from ..postmortem.dump import FORMAT, MANIFEST
 from . import results
 from .errors import ConnectError, QueryFailed
@@ -38,6 +41,9 @@ if TYPE_CHECKING:
 SCHEME = "dump://"
 _RANK_DIR = re.compile(r"rank(\d+)\Z")
 _FATAL = re.compile(r"rank(\d+)\.fatal\.txt\Z")
+# how far each rank got: the optimizer's steps, else the step it logged (``log(step=...)``)
+STEPS_SQL = "SELECT _rank, max(step) AS step FROM steps GROUP BY _rank"
+LOGGED_STEPS_SQL = "SELECT _rank, max(step) AS step FROM metrics WHERE step IS NOT NULL GROUP BY _rank"
 
 
 @dataclass
@@ -50,6 +56,7 @@ class RankDump:
     paths: dict[str, Path] = field(default_factory=dict)
     made: dict[str, Any] = field(default_factory=dict)  # tables not read from a file
     fatal: Path | None = None  # faulthandler's traceback, when the rank died of a fatal signal after its dump
+    path: Path | None = None  # its directory
 
     def table(self, name: str) -> pa.Table:
         if name in self.made:
@@ -91,18 +98,41 @@ def parse_target(target: str) -> str:
     return target[len(SCHEME):]
 
 
-def find_run_dir(spec: str, default_root: Path) -> Path:
-    """The run directory ``dump://spec`` names; ``ConnectError`` when there is none."""
-    base = Path(spec).expanduser() if spec else default_root
-    if not base.is_dir():
-        raise ConnectError(f"no dumps at {base}: not a directory")
-    if _is_run_dir(base):
-        return base
-    runs = [d for d in base.iterdir() if d.is_dir() and _is_run_dir(d)]
-    if not runs:
-        raise ConnectError(f"no dumps in {base}: expected rank<k>/ directories (a run's dumps) or a "
-                           f"directory of runs (PROBING_DUMP_DIR)")
-    return max(runs, key=lambda d: d.stat().st_mtime)
+def find_run_dirs(spec: str, default_root: Path) -> list[Path]:
+    """The run directories ``dump://spec`` names; ``ConnectError`` when there is none.
+
+    ``spec``: directories separated by commas (nothing: ``default_root``). Each is a run's
+    directory (``rank<k>/`` in it), a directory of runs (``PROBING_DUMP_DIR``, or a shared
+    one every host writes to), or a directory of such directories (one per host, as gathered
+    with rsync). Runs named in ``spec`` are read together; otherwise every directory of the
+    newest run's name is (a run's hosts each hold some of its ranks)."""
+    bases = [Path(part).expanduser() for part in spec.split(",") if part] if spec else [Path(default_root)]
+    named: list[Path] = []
+    found: list[Path] = []
+    for base in bases:
+        if not base.is_dir():
+            raise ConnectError(f"no dumps at {base}: not a directory")
+        if _is_run_dir(base):
+            named.append(base)
+            continue
+        runs = [d for d in _subdirs(base) if _is_run_dir(d)]
+        runs += [d for sub in _subdirs(base) if not _is_run_dir(sub) for d in _subdirs(sub) if _is_run_dir(d)]
+        if not runs:
+            raise ConnectError(f"no dumps in {base}: expected rank<k>/ directories (a run's dumps), a directory "
+                               f"of runs (PROBING_DUMP_DIR) or one directory of runs per host")
+        found += runs
+    if named:
+        names = {d.name for d in named}
+        return named + [d for d in found if d.name in names]
+    newest = max(found, key=lambda d: d.stat().st_mtime).name
+    return [d for d in found if d.name == newest]
+
+
+def _subdirs(d: Path) -> list[Path]:
+    try:
+        return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
 
 
 def _is_run_dir(d: Path) -> bool:
@@ -128,7 +158,7 @@ def load_rank(path: Path) -> RankDump:
                          f"read it with a newer probing-magics")
     tags = manifest["tags"]
     paths = {p.stem: p for p in path.glob("*.parquet")}
-    return RankDump(int(tags["_rank"]), tags, manifest, paths)
+    return RankDump(int(tags["_rank"]), tags, manifest, paths, path=path)
 
 
 def _fatal_reason(rank: int, path: Path) -> pa.Table:
@@ -146,9 +176,10 @@ def _fatal_reason(rank: int, path: Path) -> pa.Table:
 class DumpClient:
     """The dumps of one run, answering as a ``Client`` of that job would (see the module)."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = Path(run_dir)
-        self.endpoint = f"{SCHEME}{self.run_dir}"
+    def __init__(self, run_dir: Path | Iterable[Path]) -> None:
+        self.run_dirs = [Path(run_dir)] if isinstance(run_dir, (str, Path)) else [Path(d) for d in run_dir]
+        self.run_dir = self.run_dirs[0]
+        self.endpoint = SCHEME + ",".join(str(d) for d in self.run_dirs)
         self.store = None
         self.dumps: dict[int, RankDump] = {}
         self.problems: dict[str, str] = {}  # a rank (or file) -> why it could not be read
@@ -160,27 +191,30 @@ class DumpClient:
 
     @classmethod
     def open(cls, spec: str, default_root: Path) -> DumpClient:
-        return cls(find_run_dir(spec, default_root))
+        return cls(find_run_dirs(spec, default_root))
 
     def _load(self) -> None:
         fatal: dict[int, Path] = {}
-        for p in sorted(self.run_dir.iterdir()):
-            if p.name.startswith("."):
-                continue  # a dump still being written (or abandoned half way)
-            m, f = _RANK_DIR.match(p.name), _FATAL.match(p.name)
-            if f:
-                if p.stat().st_size:
-                    fatal[int(f.group(1))] = p
-                continue
-            if not m or not p.is_dir():
-                self.problems[p.name] = f"{p.name}: not a probing dump"
-                continue
-            try:
-                d = load_rank(p)
-            except (ValueError, KeyError, TypeError) as exc:
-                self.problems[f"rank {m.group(1)}"] = str(exc)
-                continue
-            self.dumps[d.rank] = d
+        where = len(self.run_dirs) > 1
+        for run_dir in self.run_dirs:
+            for p in sorted(run_dir.iterdir()):
+                name = str(p) if where else p.name
+                if p.name.startswith("."):
+                    continue  # a dump still being written (or abandoned half way)
+                m, f = _RANK_DIR.match(p.name), _FATAL.match(p.name)
+                if f:
+                    if p.stat().st_size:
+                        fatal[int(f.group(1))] = p
+                    continue
+                if not m or not p.is_dir():
+                    self.problems[name] = f"{name}: not a probing dump"
+                    continue
+                try:
+                    d = load_rank(p)
+                except (ValueError, KeyError, TypeError) as exc:
+                    self.problems.setdefault(f"rank {m.group(1)}", str(exc))
+                    continue
+                self._keep(d)
         members = {int(r["rank"]): r for r in self.nodes_raw()["members"] if isinstance(r.get("rank"), int)}
         for rank, path in fatal.items():
             if rank in self.dumps:
@@ -190,6 +224,19 @@ class DumpClient:
             tags = {"_rank": rank, "_node": seen.get("node"), "_host": seen.get("host"),
                     "_local_rank": seen.get("local_rank"), "_role": seen.get("role")}
             self.dumps[rank] = RankDump(rank, tags, {"fatal": str(path)}, made={"reason": _fatal_reason(rank, path)})
+
+    def _keep(self, d: RankDump) -> None:
+        """A rank's dump; when two directories hold one (copies, or two runs that share a name),
+        the one written last, and a note."""
+        old = self.dumps.get(d.rank)
+        self.problems.pop(f"rank {d.rank}", None)
+        if old is not None:
+            newer, other = (d, old) if (d.manifest.get("written_at") or 0) >= (old.manifest.get("written_at") or 0) \
+                else (old, d)
+            self.problems[f"rank {d.rank} twice"] = (f"rank {d.rank}: dumps in {other.path} and {newer.path}; "
+                                                     f"read the newer, {newer.path}")
+            d = newer
+        self.dumps[d.rank] = d
 
     # --- what the job was ----------------------------------------------------------------------
     def _manifests(self) -> list[dict]:
@@ -216,7 +263,7 @@ class DumpClient:
         return out
 
     def info(self, timeout: float = 5.0) -> dict:
-        return {"run_id": self.run_id, "world_size": self.world_size, "dumps": str(self.run_dir),
+        return {"run_id": self.run_id, "world_size": self.world_size, "dumps": ",".join(map(str, self.run_dirs)),
                 "ranks_dumped": sorted(r for r, d in self.dumps.items() if "format" in d.manifest),
                 "ranks_fatal": sorted(r for r, d in self.dumps.items() if "fatal" in d.manifest),
                 "ranks_missing": sorted(self.missing()), "problems": list(self.problems.values()),
@@ -286,7 +333,7 @@ class DumpClient:
         failed: dict[str, str] = {str(r): why for r, why in self.missing().items() if wanted is None or r in wanted}
         coverage: dict[str, Any] = {"targeted": [], "answered": [], "pruned": [], "failed": failed,
                                     "partial": False, "notes": list(self.problems.values()),
-                                    "dumps": str(self.run_dir)}
+                                    "dumps": ",".join(map(str, self.run_dirs))}
         if native:
             coverage["notes"].append("native frames come only from running ranks: these are the stacks the "
                                      "dumps hold")
@@ -329,6 +376,40 @@ class DumpClient:
                               code="partial", coverage=coverage)
         return results.QueryResult(table, coverage, explain=coverage.get("explain", ""))
 
+    def diagnose(self, timeout: float = 10.0, min_wait: float = MIN_WAIT_SEC) -> Any:
+        """Who failed first and why (``diagnosis.failure``: each dump's reason, last step and the
+        collective it was in), then the hang verdict a live job gets, taken at the moment the
+        last rank ended (``min_wait`` counts back from then). A ``DiagnoseResult``."""
+        from ..diagnosis import failure
+        from ..diagnosis import verdict as core
+        from . import diagnose as diagnosis
+
+        answers: list[results.QueryResult] = []
+
+        def rows(sql: str, params: Mapping[str, Any] | None = None) -> list[dict]:
+            try:  # a table no dump holds (a fatal signal's rank alone, a rank with no torch) answers nothing
+                answer = self.query(sql, timeout=timeout, params=params)
+            except QueryFailed:
+                return []
+            answers.append(answer)
+            return answer.table.to_pylist()
+
+        reasons = rows("SELECT * FROM reason")
+        steps = rows(STEPS_SQL) or rows(LOGGED_STEPS_SQL)
+        groups = rows(diagnosis.GROUPS_SQL)
+        asked = diagnosis.entries_query(groups)
+        entries = rows(*asked) if asked is not None else []
+        stacks = rows(diagnosis.STACKS_SQL)
+        raw = self.nodes_raw()
+        now = failure.ended_at(reasons) or self.seen_at or time.time()
+        hang = core.diagnose(raw["members"], groups, entries, stacks, now, departures=raw["departures"],
+                             min_wait=min_wait)
+        found = failure.analyse(reasons, steps=steps, process_groups=groups, collectives=entries, stacks=stacks,
+                                world_size=self.world_size, missing=self.missing())
+        coverage = diagnosis.merged_coverage(answers)
+        coverage["failed"] = {**{str(r): why for r, why in self.missing().items()}, **coverage["failed"]}
+        return diagnosis.DiagnoseResult(failure.with_hang(found, hang), coverage)
+
     def warm(self, timeout: float = 0.0) -> int:
         return len(self.dumps)
 
@@ -348,4 +429,4 @@ class DumpClient:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<DumpClient {self.run_dir}: {len(self.dumps)} ranks, {len(self.missing())} missing>"
+        return f"<DumpClient {','.join(map(str, self.run_dirs))}: {len(self.dumps)} ranks, {len(self.missing())} missing>"

@@ -11,7 +11,10 @@ Layout, under ``PROBING_DUMP_DIR`` (default: ``dumps`` under the runtime dir)::
                                      message, traceback, signal
     <run>/rank<k>.fatal.txt          faulthandler's traceback of a fatal signal (no dump then)
 
-``<run>`` is the run id with anything but ``[A-Za-z0-9._-]`` replaced by ``_``. A rank's
+``<run>`` is the run id with anything but ``[A-Za-z0-9._-]`` replaced by ``_``: the same on
+every host of a job, whose ranks are numbered across hosts, so hosts writing to one shared
+directory never write the same path. A job of one (run id ``local``) is
+``local-<host>-<pid>``: two of them, on one host or several, never share a run. A rank's
 dump is a directory, written under a temporary name and renamed when complete, so a
 reader never sees half a dump.
 
@@ -33,7 +36,10 @@ Bounded: at most ``PROBING_DUMP_MAX_MB`` of Arrow data (each table keeps its new
 when cut), and the writer starts no table past ``PROBING_DUMP_BUDGET_SEC`` (2 s: the
 import alone took ~1 s on these machines under load) after the hook began, and
 publishes what it has; the hooks wait for it no longer than the budget plus a quarter
-second, so a dump never delays an exit beyond that and never turns it into a hang.
+second, so a dump never delays an exit beyond that and never turns it into a hang. The
+dump is published as soon as the reason, the stacks and the flight recorder are written
+(the manifest then names the tables still to come): an exit that cannot wait for a long
+ring still leaves them.
 """
 
 from __future__ import annotations
@@ -53,16 +59,19 @@ FIRST = ("reason", "stacks", "collectives", "process_groups", "process")
 REASON_COLUMNS = ("rank", "when", "kind", "exception_type", "message", "traceback", "signal")
 
 
-def run_dir_name(run_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id or "local")
+def run_dir_name(run_id: str, host: str | None = None, pid: int | None = None) -> str:
+    name = run_id or "local"
+    if name == "local" and host:  # a job of one: its own run
+        name = f"local-{host}-{pid}" if pid else f"local-{host}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
-def rank_dir(root: Path, run_id: str, rank: int) -> Path:
-    return Path(root) / run_dir_name(run_id) / f"rank{rank}"
+def rank_dir(root: Path, run_id: str, rank: int, host: str | None = None, pid: int | None = None) -> Path:
+    return Path(root) / run_dir_name(run_id, host, pid) / f"rank{rank}"
 
 
-def fatal_path(root: Path, run_id: str, rank: int) -> Path:
-    return Path(root) / run_dir_name(run_id) / f"rank{rank}.fatal.txt"
+def fatal_path(root: Path, run_id: str, rank: int, host: str | None = None, pid: int | None = None) -> Path:
+    return Path(root) / run_dir_name(run_id, host, pid) / f"rank{rank}.fatal.txt"
 
 
 def reason_row(rank: int, when: float, kind: str, *, exc: BaseException | None = None,
@@ -82,33 +91,46 @@ def reason_row(rank: int, when: float, kind: str, *, exc: BaseException | None =
 
 
 def _reason_table(rows: list[dict]):
+    """The ``reason`` rows as Arrow, built from buffers (``pa.array`` would import pandas:
+    0.4 s more for a dying rank)."""
     import pyarrow as pa
 
-    types = {"rank": pa.int64(), "when": pa.timestamp("us", tz="UTC"), "signal": pa.string()}
+    from ..tables.convert import array
+
     cols = {}
     for c in REASON_COLUMNS:
         values = [r.get(c) for r in rows]
         if c == "when":
-            values = [None if v is None else int(v * 1e6) for v in values]
-            cols[c] = pa.array(values, pa.int64()).cast(types[c])
+            micros = array([None if v is None else int(v * 1e6) for v in values], pa.int64())
+            cols[c] = micros.view(pa.timestamp("us", tz="UTC"))
         else:
-            cols[c] = pa.array(values, types.get(c, pa.string()))
-    return pa.table(cols)
+            cols[c] = array(values, pa.int64() if c == "rank" else pa.string())
+    return pa.Table.from_arrays(list(cols.values()), names=list(cols))
 
 
 def _stacks_without(table: Any, package_dir: str):
     """The stacks table without the main thread's frames of the dump itself (the hook that
-    is writing it, and what it calls), depths renumbered from the frame that was running."""
+    is writing it, and what it calls), depths renumbered from the frame that was running.
+    Column by column, from buffers (``from_pylist`` would import pandas: 0.4 s)."""
     import pyarrow as pa
 
-    rows = table.to_pylist()
-    ours = [r["depth"] for r in rows if r["is_main"] and r["file"].startswith(package_dir)]
+    from ..tables.convert import array
+
+    is_main = table.column("is_main").to_pylist()
+    depth = table.column("depth").to_pylist()
+    files = table.column("file").to_pylist()
+    ours = [d for m, f, d in zip(is_main, files, depth) if m and (f or "").startswith(package_dir)]
     if not ours:
         return table
     top = max(ours)  # the outermost of our frames: everything inside it is the dump's
-    kept = [r if not r["is_main"] else {**r, "depth": r["depth"] - top - 1}
-            for r in rows if not r["is_main"] or r["depth"] > top]
-    return pa.Table.from_pylist(kept, schema=table.schema)
+    kept = [i for i, (m, d) in enumerate(zip(is_main, depth)) if not m or d > top]
+    columns = []
+    for field in table.schema:
+        values = table.column(field.name).to_pylist()
+        if field.name == "depth":
+            values = [d - top - 1 if m else d for m, d in zip(is_main, values)]
+        columns.append(array([values[i] for i in kept], field.type))
+    return pa.Table.from_arrays(columns, schema=table.schema)
 
 
 def _newest(table: Any, max_bytes: int):
@@ -119,22 +141,37 @@ def _newest(table: Any, max_bytes: int):
     return table.slice(table.num_rows - keep, keep)
 
 
+def _publish(tmp: Path, final: Path) -> Path:
+    if final.exists():  # an earlier dump of this rank (a thread's exception, then the end)
+        import shutil
+
+        shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
 def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Mapping[str, Any],
                reasons: list[dict], tables: Any, nodes: Mapping[str, Any] | None,
-               deadline: float, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> Path:
+               deadline: float, max_bytes: int, clock: Callable[[], float] = time.monotonic,
+               on_published: Callable[[Path], None] | None = None) -> Path:
     """Write one rank's dump and return its directory. ``tables``: the rank's ``LocalTables``
     (or anything with ``names()`` and ``arrow(name)``); ``nodes``: its last membership
     (``members``, ``departures``, ``epoch``). Starts no table past ``deadline`` (on
-    ``clock``) and says in the manifest which were left out and why."""
+    ``clock``) and says in the manifest which were left out and why. The dump is published
+    (``on_published``) once the reason, the stacks and the flight recorder are written; the
+    other tables then appear one by one, and the manifest is written again at the end."""
     started = clock()
     import pyarrow.parquet as pq
 
+    imported = clock()
+
     rank = int(tags["_rank"])
-    final = rank_dir(root, run_id, rank)
+    final = rank_dir(root, run_id, rank, tags.get("_host"), identity.get("pid") or os.getpid())
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".rank{rank}.{os.getpid()}.{time.time_ns()}.tmp"
     tmp.mkdir(parents=True)  # parents again: another rank may have just removed an empty run dir
     written: dict[str, int] = {}
+    took: dict[str, float] = {}  # ms per table written
     skipped: dict[str, str] = {}
     left = max_bytes
     package_dir = str(Path(__file__).resolve().parent)
@@ -151,28 +188,46 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
         names, skipped["*"] = [], f"{type(exc).__name__}: {exc}"
     order = [n for n in FIRST if n in names or n == "reason"]
     order += [n for n in names if n not in order]
-    for name in order:
+    def manifest(pending: list[str]) -> str:
+        left_out = {**skipped, **{n: "not written before the exit" for n in pending}}
+        return json.dumps({
+            "format": FORMAT, "run_id": run_id, "tags": dict(tags), "identity": dict(identity),
+            "pid": os.getpid(), "written_at": time.time(), "reasons": reasons,
+            "nodes": dict(nodes) if nodes else None, "tables": dict(written), "skipped": left_out,
+            "elapsed_ms": round((clock() - started) * 1000, 1), "import_ms": round((imported - started) * 1000, 1),
+            "table_ms": dict(took),
+        }, default=str, indent=1)
+
+    where = tmp
+    for i, name in enumerate(order):
+        if where is tmp and name not in FIRST:
+            # what says why and where it ended is published before the long rings: an exit that
+            # cannot wait for them still leaves a dump
+            (tmp / MANIFEST).write_text(manifest(order[i:]))
+            where = _publish(tmp, final)
+            if on_published is not None:
+                on_published(final)
         if clock() > deadline:
             skipped[name] = "out of time"
             continue
+        began = clock()
         try:
             table = produce(name)
             table = _newest(table, max(0, left))
             left -= table.nbytes
-            pq.write_table(table, tmp / f"{name}.parquet")
+            part = where / f".{name}.parquet.tmp"  # a reader's *.parquet never sees half a table
+            pq.write_table(table, part)
+            os.replace(part, where / f"{name}.parquet")
             written[name] = table.num_rows
+            took[name] = round((clock() - began) * 1000, 1)
         except Exception as exc:  # one table that cannot be made does not lose the others
             skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-    manifest = {
-        "format": FORMAT, "run_id": run_id, "tags": dict(tags), "identity": dict(identity),
-        "pid": os.getpid(), "written_at": time.time(), "reasons": reasons,
-        "nodes": dict(nodes) if nodes else None, "tables": written, "skipped": skipped,
-        "elapsed_ms": round((clock() - started) * 1000, 1),
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, default=str, indent=1))
-    if final.exists():  # an earlier dump of this rank (a thread's exception, then the end)
-        import shutil
-
-        shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    text = manifest([])
+    if where is tmp:
+        (tmp / MANIFEST).write_text(text)
+        _publish(tmp, final)
+    else:
+        part = final / f".{MANIFEST}.tmp"
+        part.write_text(text)
+        os.replace(part, final / MANIFEST)
     return final

@@ -61,7 +61,8 @@ def snapshot(client: Any, root: Path, *, timeout: float = 10.0,
         tags = {"_rank": rank, "_node": m.get("node"), "_host": m.get("host"), "_local_rank": m.get("local_rank"),
                 "_role": m.get("role")}
         identity = {"rank": rank, "world_size": world, "local_rank": m.get("local_rank"), "node": m.get("node"),
-                    "host": m.get("host"), "run_id": run_id}
+                    "host": m.get("host"), "run_id": run_id, "pid": m.get("pid")}
         write_dump(root, run_id=run_id, tags=tags, identity=identity, reasons=[reason_row(rank, when, "snapshot")],
                    tables=_Tables(tables), nodes=raw, deadline=float("inf"), max_bytes=max_bytes)
-    return Path(root) / run_dir_name(run_id), sorted(by_rank), failed
+    first = members.get(min(by_rank), {}) if by_rank else {}
+    return Path(root) / run_dir_name(run_id, first.get("host"), first.get("pid")), sorted(by_rank), failed
