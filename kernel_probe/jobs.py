@@ -61,6 +61,17 @@ class Job:
         """JSON-ready, without the token."""
         return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
+    def root_alive(self) -> bool:
+        """Whether the job's root process runs now: by its connection file while that still
+        names the root, else by its pid (True where it cannot be told from here)."""
+        try:
+            conn: connfile.ConnectionInfo | None = connfile.read(Path(self.target))
+        except (OSError, ValueError):
+            conn = None  # removed meanwhile, or not a file: the pid alone says
+        if conn is not None and conn.pid != self.pid:
+            conn = None
+        return root_alive(conn, self.pid)
+
 
 def _url_safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "job"

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from kernel_probe.summaries import parse_ranks
+from kernel_probe.frontend import parse_ranks
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
 _FLAGS = {"--strict": "strict", "--per-rank": "per_rank", "--local": "local", "--explain": "explain",

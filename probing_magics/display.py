@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 import pandas as pd
 
-from kernel_probe.summaries import StackGroup, format_stacks
+from kernel_probe.frontend import StackGroup, format_stacks
 
 WARN = "var(--jp-warn-color0, #b35c00)"
 ERROR = "var(--jp-error-color1, #c62828)"

@@ -18,7 +18,7 @@ from IPython.core.error import StdinNotImplementedError, UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 
 import kernel_probe
-from kernel_probe.summaries import NATIVE_NOTES_SQL, group_stacks, native_notes, stacks_sql
+from kernel_probe.frontend import NATIVE_NOTES_SQL, group_stacks, native_notes, stacks_sql
 
 from .command import parse_options, parse_profile_command, parse_sql_command, ranks_option, seconds_option
 from .display import ClusterError, ClusterFrame, ExplainText, StacksView
@@ -269,7 +269,7 @@ class ClusterMagics(Magics):
         Why the job is stuck: one sentence, then the findings (dead and stalled ranks, a
         collective some ranks never entered, a mismatched collective, where the odd ranks
         are). ``.findings`` of the answer is a DataFrame."""
-        from kernel_probe.diagnosis.verdict import MIN_WAIT_SEC
+        from kernel_probe.frontend import MIN_WAIT_SEC
 
         from .verdict_view import VerdictView
 
@@ -294,7 +294,7 @@ class ClusterMagics(Magics):
         (default 2); prints the slowest rank's top ops next to the median rank's; --out writes
         one Chrome/Perfetto trace of every profiled rank; -o NAME keeps the ProfileResult
         (its .ops: every rank's profile_ops rows). Interrupt to cancel the capture."""
-        from kernel_probe.client.profiles import format_profile
+        from kernel_probe.frontend import format_profile
 
         cmd = parse_profile_command(line)
         client = self.connected()
@@ -341,7 +341,7 @@ class ClusterMagics(Magics):
 
     def _show_dumped_nodes(self, client: Any) -> bool:
         """An ended job's dumps (dump://): its membership as last seen, once (nothing to refresh)."""
-        from kernel_probe.client.targets import is_dump
+        from kernel_probe.frontend import is_dump
 
         if not is_dump(self.target):
             return False
@@ -364,7 +364,7 @@ class ClusterMagics(Magics):
         directory per rank); read them back with %cluster_connect dump://DIR."""
         from pathlib import Path
 
-        from kernel_probe.postmortem.snapshot import snapshot
+        from kernel_probe.frontend import snapshot
 
         cmd = parse_options(line, {"--timeout"}, DUMP_USAGE, max_positional=1)
         if not cmd.positional:

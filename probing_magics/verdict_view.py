@@ -11,7 +11,7 @@ from .display import ERROR, MUTED, WARN
 if TYPE_CHECKING:
     import pandas as pd
 
-    from kernel_probe.client.diagnose import DiagnoseResult
+    from kernel_probe.frontend import DiagnoseResult
 
 OK = "var(--jp-success-color1, #2e7d32)"
 

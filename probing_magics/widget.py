@@ -31,8 +31,7 @@ from typing import Any
 import ipywidgets as widgets
 
 import kernel_probe
-from kernel_probe.client.lifecycle import RELAUNCHED, Ended, JobLifecycle, Seen
-from kernel_probe.membership.view import membership_view
+from kernel_probe.frontend import RELAUNCHED, Ended, JobLifecycle, Seen, membership_view
 
 from .display import ERROR, MUTED, WARN
 

@@ -138,6 +138,16 @@ def test_query_fanout_sees_the_tree_only_through_its_interface() -> None:
     assert "kernel_probe.membership" not in graph["kernel_probe.query_fanout"]
 
 
+FRONT_END_API = {"kernel_probe", "kernel_probe.client", "kernel_probe.frontend"}
+
+
+def test_the_front_ends_use_only_kernel_probes_public_api() -> None:
+    graph = _graph()
+    reached = {f"{name} -> {mod}" for name, edges in graph.items() if name.startswith("probing_magics")
+               for mod in edges if mod.startswith("kernel_probe") and mod not in FRONT_END_API}
+    assert not reached, "front ends reaching into kernel_probe's modules: " + ", ".join(sorted(reached))
+
+
 def _loaded_after(code: str) -> set[str]:
     out = subprocess.run([sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sorted(sys.modules)))"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT,
@@ -153,6 +163,7 @@ def _loaded_after(code: str) -> set[str]:
     ("from kernel_probe import cli; import contextlib, io\n"
      "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()): cli.main(['--version'])", ()),
     ("import kernel_probe.client", ()),  # a client: zmq, no data libraries until a result arrives
+    ("import kernel_probe.frontend", ()),  # what the front ends share: no data libraries either
     ("from kernel_probe.sql.planner import Plan", ()),  # a rank decoding a plan: no sqlglot
 ])
 def test_entry_points_import_only_what_they_need(code: str, allowed: tuple[str, ...]) -> None:

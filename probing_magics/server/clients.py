@@ -37,9 +37,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import kernel_probe
 from kernel_probe import AsyncClient, AuthError, ConnectError, Job, JobEndedError, JobRegistry, UnknownJob
-from kernel_probe.client.alive import root_alive
-from kernel_probe.client.lifecycle import GONE, Asked, Ended, JobLifecycle, Seen, Tick
-from kernel_probe.shell import connfile
+from kernel_probe.frontend import GONE, Asked, Ended, JobLifecycle, Seen, Tick
 
 from .captures import ProfileCaptures
 from .dump_jobs import DumpJobs, is_dump_target
@@ -239,13 +237,7 @@ class ClusterClients:
 
     @staticmethod
     async def _root_exit(job: Job) -> None:
-        try:
-            conn: connfile.ConnectionInfo | None = connfile.read(Path(job.target))
-        except (OSError, ValueError):
-            conn = None  # removed meanwhile: the pid alone says
-        if conn is not None and conn.pid != job.pid:
-            conn = None
-        while root_alive(conn, job.pid):
+        while job.root_alive():
             await asyncio.sleep(ROOT_WATCH_SEC)
 
     def drop(self, job_id: str) -> None:

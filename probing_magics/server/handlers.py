@@ -22,9 +22,7 @@ from jupyter_server.utils import url_path_join
 
 import kernel_probe
 from kernel_probe.client import ANSWER_GRACE, ProfileBusy
-from kernel_probe.diagnosis.verdict import MIN_WAIT_SEC
-from kernel_probe.membership.view import membership_view
-from kernel_probe.summaries import group_stacks, parse_ranks, ranks_label, stacks_sql
+from kernel_probe.frontend import MIN_WAIT_SEC, group_stacks, membership_view, parse_ranks, ranks_label, stacks_sql
 
 from .. import __version__
 from .captures import FAILED, Capture

@@ -10,9 +10,7 @@ Each schema maps a field name to the JSON types its value can have: "number", "s
 
 from __future__ import annotations
 
-from kernel_probe.jobs import Job
-from kernel_probe.membership.record import DEPARTURE_TABLE, MEMBER_RECORD, Column, columns_of
-from kernel_probe.membership.view import VIEW_FIELDS
+from kernel_probe.frontend import DEPARTURE_TABLE, MEMBER_RECORD, VIEW_FIELDS, Column, Job, columns_of
 
 Schema = dict[str, tuple[str, ...]]
 
