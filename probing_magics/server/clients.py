@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 import kernel_probe

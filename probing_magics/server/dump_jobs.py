@@ -20,6 +20,7 @@ from typing import Any, Callable, TypeVar
 
 import kernel_probe
 from kernel_probe import Job, JobEndedError
+from kernel_probe.frontend import MIN_WAIT_SEC
 
 T = TypeVar("T")
 
@@ -29,16 +30,6 @@ SOURCE = "dump"
 
 def is_dump_target(target: str) -> bool:
     return target.startswith(SCHEME)
-
-
-class _NoRows:
-    """The answer over a table no dump holds: no rows, with the coverage of the other queries."""
-
-    def __init__(self, coverage: dict) -> None:
-        import pandas as pd
-
-        self.df = pd.DataFrame()
-        self.coverage = coverage
 
 
 class DumpJobClient:
@@ -76,25 +67,9 @@ class DumpJobClient:
         return await self._run(self._diagnose, timeout, min_wait)
 
     def _diagnose(self, timeout: float, min_wait: float | None) -> Any:
-        from kernel_probe.client import diagnose as diagnosis
-
-        min_wait = diagnosis.MIN_WAIT_SEC if min_wait is None else min_wait
-        own = getattr(self._dumps, "diagnose", None)
-        if own is not None:  # the dump reader's own verdict (it also reads why each rank ended)
-            return own(timeout=timeout, min_wait=min_wait)
-        # the verdict's queries as a live client asks them, over the dumps, at the time they were written
-        members = self._dumps.nodes_raw(timeout)
-        stacks = self._dumps.query(diagnosis.STACKS_SQL, timeout=timeout)
-        try:
-            groups = self._dumps.query(diagnosis.GROUPS_SQL, timeout=timeout)
-        except kernel_probe.QueryFailed as exc:
-            if not str(exc).startswith("no rank has a table named"):
-                raise
-            groups = _NoRows(stacks.coverage)  # a job without process groups: its dumps hold none
-        asked = diagnosis.entries_query(groups.df.to_dict("records"))
-        entries = None if asked is None else self._dumps.query(asked[0], timeout=timeout, params=asked[1])
-        now = self._dumps.seen_at or time.time()
-        return diagnosis.build(members, groups, entries, stacks, now, min_wait)
+        # the dump reader's own verdict: who failed first and why, then the hang verdict at the
+        # moment the last rank ended
+        return self._dumps.diagnose(timeout=timeout, min_wait=MIN_WAIT_SEC if min_wait is None else min_wait)
 
     async def profile(self, *args: Any, **kw: Any) -> Any:
         raise JobEndedError(f"job {self.job.run_id or self.job.id} has ended (read from its dumps): "
