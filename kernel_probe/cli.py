@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     dg.add_argument("--min-wait", type=float, default=None, metavar="SECONDS",
                     help="how long a collective must be pending before a rank missing from it counts (default 5)")
     dg.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
+    dg.add_argument("--native", action="store_true",
+                    help="read every rank's native (C/C++) stack too, with py-spy: a rank stuck in C, and what "
+                         "the waiting ranks wait in, are then named (a few seconds more)")
     _add_profile_parser(sub)
     return p
 
@@ -283,7 +286,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     try:
         with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args),
                                   warm=False) as client:
-            result = client.diagnose(timeout=_query_timeout(args), min_wait=min_wait)
+            result = client.diagnose(timeout=_query_timeout(args), min_wait=min_wait, native=args.native)
     except ProbeError as exc:  # 2, as argparse's errors: 1 means the verdict found something
         print(f"kernel-probe: {exc}", file=sys.stderr)
         return DIAGNOSE_ERROR

@@ -28,7 +28,7 @@ CONNECT_USAGE = "usage: %cluster_connect [TARGET] [--token-env VAR] [--timeout S
 STACKS_USAGE = "usage: %cluster_stacks [--ranks SPEC] [--timeout S] [--native]"
 NODES_USAGE = "usage: %cluster_nodes [--interval S]"
 DUMP_USAGE = "usage: %cluster_dump DIR [--timeout S]"
-DIAGNOSE_USAGE = "usage: %cluster_diagnose [--min-wait S] [--timeout S]"
+DIAGNOSE_USAGE = "usage: %cluster_diagnose [--min-wait S] [--timeout S] [--native]"
 NOT_CONNECTED = "not connected — run %cluster_connect"
 INTERRUPTED = "query interrupted; the connection is still usable"
 
@@ -264,21 +264,22 @@ class ClusterMagics(Magics):
     # ------------------------------------------------------------------ the verdict
     @line_magic
     def cluster_diagnose(self, line: str) -> Any:
-        """%cluster_diagnose [--min-wait S] [--timeout S]
+        """%cluster_diagnose [--min-wait S] [--timeout S] [--native]
 
         Why the job is stuck: one sentence, then the findings (dead and stalled ranks, a
         collective some ranks never entered, a mismatched collective, where the odd ranks
-        are). ``.findings`` of the answer is a DataFrame."""
+        are). ``.findings`` of the answer is a DataFrame. ``--native``: every rank's C/C++ stack
+        too (py-spy), so a rank stuck in C, and what the others wait in, are named."""
         from kernel_probe.frontend import MIN_WAIT_SEC
 
         from .verdict_view import VerdictView
 
-        cmd = parse_options(line, {"--min-wait", "--timeout"}, DIAGNOSE_USAGE)
+        cmd = parse_options(line, {"--min-wait", "--timeout"}, DIAGNOSE_USAGE, flags=frozenset({"--native"}))
         timeout = seconds_option(cmd, "--timeout", self.settings.timeout)
         min_wait = seconds_option(cmd, "--min-wait", MIN_WAIT_SEC)
         client = self.connected()
         try:
-            return VerdictView(client.diagnose(timeout=timeout, min_wait=min_wait))
+            return VerdictView(client.diagnose(timeout=timeout, min_wait=min_wait, native="--native" in cmd.options))
         except KeyboardInterrupt:
             print(INTERRUPTED)
             return None

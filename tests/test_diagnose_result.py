@@ -100,3 +100,25 @@ def test_the_magic_refuses_bad_options_before_connecting():
             shell.run_line_magic("cluster_diagnose", "--min-wait x")
     finally:
         shell.run_line_magic("unload_ext", "probing_magics")
+
+
+def test_the_magics_native_flag_reaches_the_call(monkeypatch):
+    from IPython.testing.globalipapp import get_ipython
+
+    asked = []
+
+    class Fake:
+        def diagnose(self, timeout, min_wait, native=False):
+            asked.append(native)
+            return d.build(*late_answers(), now=T0)
+
+    shell = get_ipython()
+    shell.run_line_magic("reload_ext", "probing_magics")
+    try:
+        magics = shell.magics_manager.registry["ClusterMagics"]
+        monkeypatch.setattr(magics, "connected", lambda: Fake())
+        assert "Collective #9" in shell.run_line_magic("cluster_diagnose", "")._repr_html_()
+        shell.run_line_magic("cluster_diagnose", "--native")
+        assert asked == [False, True]
+    finally:
+        shell.run_line_magic("unload_ext", "probing_magics")

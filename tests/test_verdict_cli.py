@@ -18,6 +18,7 @@ from .test_verdict import T0, alive, late_job
 class FakeClient:
     def __init__(self, verdict: v.Verdict) -> None:
         self.verdict = verdict
+        self.native: list[bool] = []
 
     def __enter__(self):
         return self
@@ -25,7 +26,8 @@ class FakeClient:
     def __exit__(self, *exc):
         return None
 
-    def diagnose(self, timeout: float, min_wait: float) -> DiagnoseResult:
+    def diagnose(self, timeout: float, min_wait: float, native: bool = False) -> DiagnoseResult:
+        self.native.append(native)
         return DiagnoseResult(self.verdict, {"targeted": [0, 1], "answered": [0, 1], "failed": {}, "partial": False})
 
 
@@ -56,3 +58,10 @@ def test_the_help_says_the_exit_status(capsys):
         cli.main(["diagnose", "--help"])
     assert "exit status: 0 when no hang or failure is found, 1 when the verdict has findings, 2 when" \
         in " ".join(capsys.readouterr().out.split())
+
+
+def test_native_asks_for_the_native_stacks(monkeypatch, capsys):
+    client = FakeClient(v.diagnose(*late_job(), T0))
+    monkeypatch.setattr(kernel_probe, "connect", lambda *a, **kw: client)
+    assert cli.main(["diagnose"]) == 1 and cli.main(["diagnose", "--native"]) == 1
+    assert client.native == [False, True]

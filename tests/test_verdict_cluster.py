@@ -92,6 +92,9 @@ async def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mism
         resp = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "1"},
                               method="GET", request_timeout=60)
         body = json.loads(resp.body)
+        resp = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "1", "native": "1"},
+                              method="GET", request_timeout=60)
+        native_body = json.loads(resp.body)
         bad = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "x"},
                              method="GET", raise_error=False)
         unknown = await jp_fetch("probing", "api", "jobs", "nosuchjob", "diagnose", method="GET", raise_error=False)
@@ -105,6 +108,8 @@ async def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mism
     (found,) = [f for f in body["findings"] if f["kind"] == "mismatch"]
     assert (found["ranks"], found["group"], found["seq"]) == ([3], "0", int(row["seq"]))
     assert set(body) >= {"summary", "findings", "checked", "coverage", "now"}
+    (found,) = [f for f in native_body["findings"] if f["kind"] == "mismatch"]  # ?native=1: C/C++ frames too
+    assert "[native: " in found["detail"] + found["evidence"], found
     assert (bad.code, unknown.code, refused.code) == (400, 404, 403)
 
     # the magic: HTML with the sentence on top, then the findings table; text in a terminal

@@ -376,10 +376,11 @@ class DumpClient:
                               code="partial", coverage=coverage)
         return results.QueryResult(table, coverage, explain=coverage.get("explain", ""))
 
-    def diagnose(self, timeout: float = 10.0, min_wait: float = MIN_WAIT_SEC) -> Any:
+    def diagnose(self, timeout: float = 10.0, min_wait: float = MIN_WAIT_SEC, native: bool = False) -> Any:
         """Who failed first and why (``diagnosis.failure``: each dump's reason, last step and the
         collective it was in), then the hang verdict a live job gets, taken at the moment the
-        last rank ended (``min_wait`` counts back from then). A ``DiagnoseResult``."""
+        last rank ended (``min_wait`` counts back from then). A ``DiagnoseResult``. ``native``:
+        as a live job's call takes it; the dumps hold the stacks they were written with."""
         from ..diagnosis import failure
         from ..diagnosis import verdict as core
         from . import diagnose as diagnosis

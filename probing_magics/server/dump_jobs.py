@@ -63,13 +63,14 @@ class DumpJobClient:
     async def query(self, sql: str, **kw: Any) -> Any:
         return await self._run(self._dumps.query, sql, **kw)
 
-    async def diagnose(self, timeout: float = 10.0, min_wait: float | None = None) -> Any:
-        return await self._run(self._diagnose, timeout, min_wait)
+    async def diagnose(self, timeout: float = 10.0, min_wait: float | None = None, native: bool = False) -> Any:
+        return await self._run(self._diagnose, timeout, min_wait, native)
 
-    def _diagnose(self, timeout: float, min_wait: float | None) -> Any:
+    def _diagnose(self, timeout: float, min_wait: float | None, native: bool) -> Any:
         # the dump reader's own verdict: who failed first and why, then the hang verdict at the
         # moment the last rank ended
-        return self._dumps.diagnose(timeout=timeout, min_wait=MIN_WAIT_SEC if min_wait is None else min_wait)
+        return self._dumps.diagnose(timeout=timeout, min_wait=MIN_WAIT_SEC if min_wait is None else min_wait,
+                                    native=native)
 
     async def profile(self, *args: Any, **kw: Any) -> Any:
         raise JobEndedError(f"job {self.job.run_id or self.job.id} has ended (read from its dumps): "

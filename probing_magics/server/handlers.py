@@ -285,8 +285,10 @@ class DiagnoseHandler(ProbingHandler):
         if not 0 <= min_wait_sec <= MAX_TIMEOUT * 12:
             raise ApiError(400, "bad_request", "min_wait must be seconds, not negative")
 
+        native = self.get_query_argument("native", "") in ("1", "true")
+
         async def diagnose(client: kernel_probe.AsyncClient) -> Any:
-            return await client.diagnose(timeout=timeout, min_wait=min_wait_sec)
+            return await client.diagnose(timeout=timeout, min_wait=min_wait_sec, native=native)
 
         # two rounds: membership, groups and stacks at once, then the groups' recorder entries
         result = await self.clients.call(job_id, diagnose, 2 * (timeout + ANSWER_GRACE))
