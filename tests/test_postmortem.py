@@ -135,7 +135,8 @@ def test_dump_targets_from_the_command_line(tmp_path):
     assert cli.main(["-t", f"dump://{tmp_path / 'nowhere'}", "nodes"]) == 1
     verdict = subprocess.run([PY, "-m", "kernel_probe.cli", "-t", f"dump://{tmp_path}", "diagnose"],
                              capture_output=True, text=True, env=env, timeout=120)
-    assert verdict.returncode == 0 and verdict.stdout.startswith("Rank 0 raised ValueError: rank 0 failed."), \
+    # 1: the verdict has findings
+    assert verdict.returncode == 1 and verdict.stdout.startswith("Rank 0 raised ValueError: rank 0 failed."), \
         verdict.stdout + verdict.stderr
 
 

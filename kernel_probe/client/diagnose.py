@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from ..diagnosis import verdict as core
+from ..diagnosis.values import as_int
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -36,11 +37,11 @@ def entries_query(groups: Iterable[Mapping[str, Any]]) -> tuple[str, dict[str, A
     has not completed. None when no group is known."""
     floor: dict[tuple[str, Any], int] = {}
     for g in groups:
-        name, gid = g.get("group_name"), core._int(g.get("group_id"))
+        name, gid = g.get("group_name"), as_int(g.get("group_id"))
         key = ("group_name", name) if isinstance(name, str) and name else ("group_id", gid)
         if key[1] is None:
             continue
-        done = core._int(g.get("last_completed"))
+        done = as_int(g.get("last_completed"))
         start = max(0, (done if done is not None else 0) - CONTEXT_ENTRIES + 1)
         floor[key] = min(floor.get(key, start), start)
     if not floor:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from .values import as_float, as_int, as_text, is_true
 from .verdict import Finding, Place, places, ranks_text, seconds_text
 
 # the kinds of the findings this module makes, in the order they are listed
@@ -81,36 +82,12 @@ class Failure:
     ended: bool
 
 
-# readers of plain or pandas values (NaN is NULL), as the verdict has its own
-def _float(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if number == number else None  # NaN (pandas' NULL) is no number
-
-
-def _int(value: Any) -> int | None:
-    number = _float(value)
-    return None if number is None else int(number)
-
-
-def _true(value: Any) -> bool:
-    return value is not None and value == value and bool(value)
-
-
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
-
-
 _SOURCE = re.compile(r"^\[[^\]\s]+:\d+\]\s*")  # "[.../unbound_buffer.cc:78] " before a C++ error's text
 
 
 def _first_line(text: Any) -> str:
     """The message's first line, without the C++ source location torch's errors start with."""
-    text = _text(text)
+    text = as_text(text)
     return _SOURCE.sub("", text.strip().splitlines()[0].strip()) if text and text.strip() else ""
 
 
@@ -128,18 +105,18 @@ def seconds(value: Any) -> float | None:
             return float(value.timestamp())
         except (TypeError, ValueError, OverflowError):  # NaT
             return None
-    return _float(value)
+    return as_float(value)
 
 
 def ends(reasons: Iterable[Mapping[str, Any]]) -> dict[int, End]:
     """Each rank's first reason that is an end (snapshots are not)."""
     out: dict[int, End] = {}
-    rows = [r for r in reasons if r.get("kind") != SNAPSHOT and _int(r.get("_rank", r.get("rank"))) is not None]
+    rows = [r for r in reasons if r.get("kind") != SNAPSHOT and as_int(r.get("_rank", r.get("rank"))) is not None]
     for r in sorted(rows, key=lambda r: (seconds(r.get("when")) is None, seconds(r.get("when")) or 0.0)):
-        rank = _int(r.get("_rank", r.get("rank")))
+        rank = as_int(r.get("_rank", r.get("rank")))
         if rank not in out:
-            out[rank] = End(rank, seconds(r.get("when")), str(r.get("kind") or "?"), _text(r.get("exception_type")),
-                            _text(r.get("message")), _text(r.get("signal")))
+            out[rank] = End(rank, seconds(r.get("when")), str(r.get("kind") or "?"), as_text(r.get("exception_type")),
+                            as_text(r.get("message")), as_text(r.get("signal")))
     return out
 
 
@@ -147,7 +124,7 @@ def last_steps(rows: Iterable[Mapping[str, Any]]) -> dict[int, int]:
     """Each rank's highest ``step``."""
     out: dict[int, int] = {}
     for r in rows:
-        rank, step = _int(r.get("_rank")), _int(r.get("step"))
+        rank, step = as_int(r.get("_rank")), as_int(r.get("step"))
         if rank is not None and step is not None:
             out[rank] = max(step, out.get(rank, step))
     return out
@@ -161,51 +138,51 @@ def in_flight(process_groups: Iterable[Mapping[str, Any]], collectives: Iterable
     for row in collectives:
         if row.get("source") not in (None, "flight_recorder"):
             continue
-        rank, group = _int(row.get("_rank")), _group(row)
+        rank, group = as_int(row.get("_rank")), _group(row)
         if rank is not None and group is not None:
             entries.setdefault((rank, group), []).append(row)
     process_groups = list(process_groups)
     lowest: dict[str, int] = {}  # per group, the lowest last_enqueued of its ranks
     for g in process_groups:
-        group, enq = _group(g), _int(g.get("last_enqueued"))
+        group, enq = _group(g), as_int(g.get("last_enqueued"))
         if group is not None and enq is not None:
             lowest[group] = min(enq, lowest.get(group, enq))
     found: dict[int, tuple[float, Collective]] = {}
     for g in process_groups:
-        rank, group = _int(g.get("_rank")), _group(g)
-        enq, done = _int(g.get("last_enqueued")), _int(g.get("last_completed"))
+        rank, group = as_int(g.get("_rank")), _group(g)
+        enq, done = as_int(g.get("last_enqueued")), as_int(g.get("last_completed"))
         if rank is None or group is None or enq is None:
             continue
         rows = entries.get((rank, group), [])
-        entry = (next((e for e in rows if _int(e.get("op_id")) == enq), None)
-                 or next((e for e in rows if _int(e.get("collective_seq_id")) == enq and not _true(e.get("is_p2p"))),
+        entry = (next((e for e in rows if as_int(e.get("op_id")) == enq), None)
+                 or next((e for e in rows if as_int(e.get("collective_seq_id")) == enq and not is_true(e.get("is_p2p"))),
                          None))
         if entry is None:
             continue
         # pending: not completed here, or a collective a rank of the group never entered (one that
         # timed out counts as completed on the ranks it failed on)
-        if done is not None and done >= enq and (_true(entry.get("is_p2p")) or lowest[group] >= enq):
+        if done is not None and done >= enq and (is_true(entry.get("is_p2p")) or lowest[group] >= enq):
             continue
-        c = Collective(group, str(entry.get("op") or "unknown op"), _int(entry.get("collective_seq_id")), enq)
-        ts = _float(entry.get("ts")) or 0.0
+        c = Collective(group, str(entry.get("op") or "unknown op"), as_int(entry.get("collective_seq_id")), enq)
+        ts = as_float(entry.get("ts")) or 0.0
         if rank not in found or ts < found[rank][0]:
             found[rank] = (ts, c)
     return {rank: c for rank, (_ts, c) in found.items()}
 
 
 def _group(row: Mapping[str, Any]) -> str | None:
-    name = _text(row.get("group_name"))
+    name = as_text(row.get("group_name"))
     if name is not None:
         return name
-    gid = _int(row.get("group_id"))
+    gid = as_int(row.get("group_id"))
     return None if gid is None else str(gid)
 
 
 def never_entered(c: Collective, process_groups: Iterable[Mapping[str, Any]]) -> list[int]:
     """The ranks of ``c``'s group whose recorder never enqueued it."""
     return sorted({r for g in process_groups
-                   if _group(g) == c.group and (r := _int(g.get("_rank"))) is not None
-                   and (enq := _int(g.get("last_enqueued"))) is not None and enq < c.op_id})
+                   if _group(g) == c.group and (r := as_int(g.get("_rank"))) is not None
+                   and (enq := as_int(g.get("last_enqueued"))) is not None and enq < c.op_id})
 
 
 def _delay_text(delays: Sequence[float]) -> str:

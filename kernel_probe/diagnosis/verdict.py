@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..rank_lists import rank_span
+from .values import as_float, as_int, as_text, is_true
 
 KINDS = ("missing", "mismatch", "dead", "waiting", "stalled")  # the order findings are listed in
 FINDING_COLUMNS = ("kind", "ranks", "group", "seq", "detail", "evidence")
@@ -104,30 +105,6 @@ class Verdict:
 
 
 # ---------------------------------------------------------------- small readers
-
-
-def _float(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if number == number else None  # NaN (pandas' NULL) is no number
-
-
-def _int(value: Any) -> int | None:
-    number = _float(value)
-    return None if number is None else int(number)
-
-
-def _true(value: Any) -> bool:
-    """A flag from a bool, numpy's bool or pandas' NULL (NaN, None: not set)."""
-    return value is not None and value == value and bool(value)
-
-
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
 
 
 def _json(value: Any) -> Any:
@@ -199,7 +176,7 @@ class Place:
 
 def _frame_text(function: Any, file: Any, line: Any) -> str:
     name = str(file or "?").replace("\\", "/").rsplit("/", 1)[-1]
-    line = _int(line)
+    line = as_int(line)
     return f"{function or '?'} ({name}:{line})" if line is not None else f"{function or '?'} ({name})"
 
 
@@ -214,12 +191,12 @@ def places(stacks: Iterable[Mapping[str, Any]]) -> dict[int, Place]:
     python: dict[int, list[tuple[int, Mapping]]] = {}
     native: dict[int, list[tuple[int, Mapping]]] = {}
     for row in stacks:
-        rank = _int(row.get("_rank"))
-        if rank is None or (row.get("is_main") is not None and not _true(row.get("is_main"))):
+        rank = as_int(row.get("_rank"))
+        if rank is None or (row.get("is_main") is not None and not is_true(row.get("is_main"))):
             continue
         kind = row.get("frame_type")
         into = native if kind == "native" else python
-        into.setdefault(rank, []).append((_int(row.get("depth")) or 0, row))
+        into.setdefault(rank, []).append((as_int(row.get("depth")) or 0, row))
     out: dict[int, Place] = {}
     for rank in sorted(set(python) | set(native)):
         frames = [r for _d, r in sorted(python.get(rank, []), key=lambda item: item[0])]
@@ -239,13 +216,13 @@ def places(stacks: Iterable[Mapping[str, Any]]) -> dict[int, Place]:
 def _native_text(frames: Sequence[Mapping]) -> str:
     """'c10d::Reducer::finalize_backward (libtorch_cpu.so)' from native frames, innermost first:
     the innermost of torch's collective layer, else the innermost with a name (an address is none)."""
-    named = [r for r in frames if _text(r.get("function")) and not str(r["function"]).startswith("0x")]
+    named = [r for r in frames if as_text(r.get("function")) and not str(r["function"]).startswith("0x")]
     pick = next((r for r in named if any(m in str(r["function"]) for m in _COLLECTIVE_MARKS)), None)
     pick = pick or (named[0] if named else (frames[0] if frames else None))
     if pick is None:
         return ""
     lib = str(pick.get("file") or "").replace("\\", "/").rsplit("/", 1)[-1]
-    line = _int(pick.get("line"))
+    line = as_int(pick.get("line"))
     where = f"{lib}:{line}" if lib and line else lib
     return f"{pick.get('function') or '?'}" + (f" ({where})" if where else "")
 
@@ -275,12 +252,12 @@ def _membership(nodes: Sequence[Mapping[str, Any]], departures: Sequence[Mapping
     dead_rows: dict[str, list[tuple[int, float | None]]] = {}
     stalled_rows: dict[str, list[tuple[int, float | None]]] = {}
     for m in nodes:
-        rank = _int(m.get("rank"))
+        rank = as_int(m.get("rank"))
         if rank is None:
             continue
         state = m.get("state")
         reason = str(m.get("reason") or "")
-        since = _float(m.get("since"))
+        since = as_float(m.get("since"))
         age = None if since is None else max(0.0, now - since)
         if state == "dead":
             dead[rank] = reason or "no heartbeat"
@@ -290,11 +267,11 @@ def _membership(nodes: Sequence[Mapping[str, Any]], departures: Sequence[Mapping
             if state == "stalled":
                 stalled_rows.setdefault(reason, []).append((rank, age))
     for d in departures:
-        rank = _int(d.get("rank"))
+        rank = as_int(d.get("rank"))
         if rank is None or rank in live_ranks or rank in dead:
             continue
         why = str(d.get("why") or "") or "left"
-        when = _float(d.get("when"))
+        when = as_float(d.get("when"))
         dead[rank] = why
         dead_rows.setdefault(why, []).append((rank, None if when is None else max(0.0, now - when)))
     for why, items in sorted(dead_rows.items(), key=lambda kv: min(r for r, _ in kv[1])):
@@ -326,10 +303,10 @@ class _Group:
 
 
 def _group_key(row: Mapping[str, Any]) -> str | None:
-    name = _text(row.get("group_name"))
+    name = as_text(row.get("group_name"))
     if name is not None:
         return name
-    gid = _int(row.get("group_id"))
+    gid = as_int(row.get("group_id"))
     return None if gid is None else str(gid)
 
 
@@ -337,20 +314,20 @@ def _groups(process_groups: Iterable[Mapping[str, Any]], collectives: Iterable[M
             ) -> dict[str, _Group]:
     groups: dict[str, _Group] = {}
     for row in process_groups:
-        key, rank = _group_key(row), _int(row.get("_rank"))
+        key, rank = _group_key(row), as_int(row.get("_rank"))
         if key is None or rank is None:
             continue
         g = groups.setdefault(key, _Group(key))
         ranks = _json(row.get("ranks"))
-        if g.members is None and isinstance(ranks, list) and ranks and all(_int(r) is not None for r in ranks):
-            g.members = tuple(sorted(_int(r) for r in ranks))
-        enqueued, completed = _int(row.get("last_enqueued")), _int(row.get("last_completed"))
+        if g.members is None and isinstance(ranks, list) and ranks and all(as_int(r) is not None for r in ranks):
+            g.members = tuple(sorted(as_int(r) for r in ranks))
+        enqueued, completed = as_int(row.get("last_enqueued")), as_int(row.get("last_completed"))
         # the rank has the group but no status for it: it has enqueued nothing on it
         g.status[rank] = (enqueued, completed) if enqueued is not None else (0, 0)
     for row in collectives:
         if row.get("source") not in (None, "flight_recorder"):
             continue
-        key, rank = _group_key(row), _int(row.get("_rank"))
+        key, rank = _group_key(row), as_int(row.get("_rank"))
         if key is None or rank is None:
             continue
         groups.setdefault(key, _Group(key)).entries.setdefault(rank, []).append(row)
@@ -362,13 +339,13 @@ def _entry(rows: Iterable[Mapping], number: int | None) -> Mapping | None:
     if number is None:
         return None
     rows = list(rows)
-    return (next((r for r in rows if _int(r.get("op_id")) == number), None)
-            or next((r for r in rows if _int(r.get("collective_seq_id")) == number and not _true(r.get("is_p2p"))), None))
+    return (next((r for r in rows if as_int(r.get("op_id")) == number), None)
+            or next((r for r in rows if as_int(r.get("collective_seq_id")) == number and not is_true(r.get("is_p2p"))), None))
 
 
 def _group_text(g: _Group, entry: Mapping | None) -> str:
     """'group 0 [default_pg]'; another group with its ranks: 'group 1 (ranks 1-3)'."""
-    desc = _text(entry.get("group_desc")) if entry is not None else None
+    desc = as_text(entry.get("group_desc")) if entry is not None else None
     out = f"group {g.name}" + (f" [{desc}]" if desc and desc not in (g.name, "undefined") else "")
     return out + (f" ({ranks_text(g.members)})" if g.members and desc != "default_pg" else "")
 
@@ -385,7 +362,7 @@ class _Pending:
 
     @property
     def seq(self) -> int:
-        seq = _int(self.entry.get("collective_seq_id")) if self.entry is not None else None
+        seq = as_int(self.entry.get("collective_seq_id")) if self.entry is not None else None
         return self.top if seq is None else seq
 
     def call(self) -> str:
@@ -403,7 +380,7 @@ def _pending(g: _Group, now: float) -> _Pending | None:
         return None  # done where it was entered: nobody waits in it
     behind = tuple(sorted(r for r, (enq, _done) in known.items() if enq < top))
     entries = [e for r in ahead if (e := _entry(g.entries.get(r, ()), top)) is not None]
-    created = [t for e in entries if (t := _float(e.get("ts"))) is not None]
+    created = [t for e in entries if (t := as_float(e.get("ts"))) is not None]
     return _Pending(top, ahead, behind, entries[0] if entries else None, now - min(created) if created else None)
 
 
@@ -480,8 +457,8 @@ def _mismatch(g: _Group, at: Mapping[int, Place]) -> list[Finding]:
     by_seq: dict[int, dict[int, Mapping]] = {}
     for rank, rows in g.entries.items():
         for row in rows:
-            seq = _int(row.get("collective_seq_id"))
-            if seq is None or _true(row.get("is_p2p")) or seq <= 0:
+            seq = as_int(row.get("collective_seq_id"))
+            if seq is None or is_true(row.get("is_p2p")) or seq <= 0:
                 continue
             by_seq.setdefault(seq, {})[rank] = row
     for seq in sorted(by_seq, reverse=True):
@@ -521,7 +498,7 @@ def _completed(g: _Group, calls: Mapping[int, Mapping]) -> str:
     (the same byte count on every rank, say) gave a wrong answer instead of a hang."""
     done, pending = [], []
     for rank, row in calls.items():
-        number, (_enq, completed) = _int(row.get("op_id")), g.status.get(rank, (None, None))
+        number, (_enq, completed) = as_int(row.get("op_id")), g.status.get(rank, (None, None))
         if number is not None and completed is not None:
             (done if completed >= number else pending).append(rank)
     parts = ([f"completed on {ranks_text(done)}"] if done else []) + ([f"pending on {ranks_text(pending)}"] if pending else [])
@@ -542,11 +519,11 @@ def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], st
     if any(done is None or done >= top for _enq, done in known.values()):
         return []
     entries = [e for r in known if (e := _entry(g.entries.get(r, ()), top)) is not None]
-    created = [t for e in entries if (t := _float(e.get("ts"))) is not None]
+    created = [t for e in entries if (t := as_float(e.get("ts"))) is not None]
     if not created or now - min(created) < min_wait:
         return []
     first = entries[0]
-    seq = _int(first.get("collective_seq_id"))
+    seq = as_int(first.get("collective_seq_id"))
     ranks = tuple(sorted(known))
     detail = (f"collective #{seq} on {_group_text(g, first)} "
               f"({call_text(first.get('op'), first.get('input_sizes'), first.get('input_dtypes'))}): "
@@ -594,7 +571,7 @@ def diagnose(nodes: Sequence[Mapping[str, Any]], process_groups: Sequence[Mappin
             findings = _dead_awaited(findings, *waited, g.name, p.seq)
     findings.sort(key=lambda f: (KINDS.index(f.kind), id(f) in consequences))
 
-    ranks_seen = sorted({_int(m.get("rank")) for m in nodes} - {None})
+    ranks_seen = sorted({as_int(m.get("rank")) for m in nodes} - {None})
     recorded = sorted({r for g in groups.values() for r in g.status})
     checked = [f"membership of {len(ranks_seen)} rank{'s' if len(ranks_seen) != 1 else ''}"
                + (f" ({sum(1 for m in nodes if m.get('state') == 'alive')} alive)" if nodes else "")]
