@@ -244,16 +244,26 @@ def _plain_select(s: Any, ref: _Ref) -> tuple[bool, list[str] | None]:
     return True, names
 
 
+def _rows_as_read(q: Query) -> tuple[Any, Any] | None:
+    """(select, table) of a query over one table that answers rows as read: no aggregate and
+    nothing after the WHERE (GROUP BY, HAVING, DISTINCT, ORDER BY, LIMIT, OFFSET); else None."""
+    got = q.single()
+    if not isinstance(got, tuple) or _has_agg(got[0]):
+        return None
+    s, _ = got
+    if any(s.args.get(k) is not None for k in ("group", "having", "distinct", "order", "limit", "offset")):
+        return None
+    return got
+
+
 def _final_rows_of_shipped(q: Query) -> dict | None:
     """The final of a one-table ship-rows plan as an Arrow rows spec: a plain select list
     (``_plain_select``), every WHERE conjunct pushed to the ranks and an Arrow filter, and
     nothing after (GROUP BY, HAVING, DISTINCT, ORDER BY, LIMIT, OFFSET); else None."""
-    got = q.single()
-    if not isinstance(got, tuple) or _has_agg(got[0]):
+    got = _rows_as_read(q)
+    if got is None:
         return None
     s, ref = got
-    if any(s.args.get(k) is not None for k in ("group", "having", "distinct", "order", "limit", "offset")):
-        return None
     plain, selected = _plain_select(s, ref)
     where = s.args.get("where")
     conjuncts = _conjuncts(where.this) if where is not None else []
@@ -262,17 +272,16 @@ def _final_rows_of_shipped(q: Query) -> dict | None:
         return None
     return {"columns": selected, "filters": conditions}
 
+
 def _selected_as_shipped(q: Query) -> list[str] | None:
     """The select list's columns when the answer is exactly the rows a rank scan ships
     with that projection: one table read directly, plain columns of it under their own
     catalog names (no star, no expressions, no repeats), every WHERE conjunct pushed to
     the ranks, and nothing after (GROUP BY, HAVING, DISTINCT, ORDER BY, LIMIT, OFFSET)."""
-    got = q.single()
-    if not isinstance(got, tuple) or _has_agg(got[0]):
+    got = _rows_as_read(q)
+    if got is None:
         return None
     s, ref = got
-    if any(s.args.get(k) is not None for k in ("group", "having", "distinct", "order", "limit", "offset")):
-        return None
     known = set(q.columns_of(ref.name) or ()) | set(TAGS)
     names = []
     for e in s.expressions:
