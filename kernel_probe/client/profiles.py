@@ -40,6 +40,9 @@ class ProfileBusy(ProbeError):
     """Another capture is armed or running in this job."""
 
 
+NO_ANSWER = "no answer during the capture"
+
+
 class ProfileFailed(ProbeError):
     """The capture could not be armed or did not finish."""
 
@@ -239,13 +242,15 @@ class ProfileRun:
                 rank = int(row["_rank"])
                 if row["capture_id"] == self.capture_id:
                     status[rank] = row
+                    if failed.get(rank, "").startswith(NO_ANSWER):  # a loaded rank thought dead answers again
+                        del failed[rank]
                 elif row["state"] in ("armed", "running") and rank not in failed:
                     failed[rank] = f"busy with capture {row['capture_id']}"
             for rank, why in (coverage.get("failed") or {}).items():
                 rank = int(rank)
                 # a slow answer is asked again; a rank that died or cannot be reached is named
                 if rank not in failed and status.get(rank, {}).get("state") not in TERMINAL and why != "timeout":
-                    failed[rank] = f"no answer during the capture: {why}"
+                    failed[rank] = f"{NO_ANSWER}: {why}"
             for rank, row in status.items():
                 if row["state"] in ("failed", "cancelled") and rank not in failed:
                     failed[rank] = f"capture {row['state']}" + (f": {row['error']}" if row.get("error") else "")
