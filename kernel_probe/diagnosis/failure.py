@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from .values import as_float, as_int, as_text, is_true
-from .verdict import Finding, Place, places, ranks_text, seconds_text
+from .verdict import Finding, Place, group_key, places, ranks_text, seconds_text
 
 # the kinds of the findings this module makes, in the order they are listed
 KINDS = ("failed", "ended", "stopped", "no_dump")
@@ -138,18 +138,18 @@ def in_flight(process_groups: Iterable[Mapping[str, Any]], collectives: Iterable
     for row in collectives:
         if row.get("source") not in (None, "flight_recorder"):
             continue
-        rank, group = as_int(row.get("_rank")), _group(row)
+        rank, group = as_int(row.get("_rank")), group_key(row)
         if rank is not None and group is not None:
             entries.setdefault((rank, group), []).append(row)
     process_groups = list(process_groups)
     lowest: dict[str, int] = {}  # per group, the lowest last_enqueued of its ranks
     for g in process_groups:
-        group, enq = _group(g), as_int(g.get("last_enqueued"))
+        group, enq = group_key(g), as_int(g.get("last_enqueued"))
         if group is not None and enq is not None:
             lowest[group] = min(enq, lowest.get(group, enq))
     found: dict[int, tuple[float, Collective]] = {}
     for g in process_groups:
-        rank, group = as_int(g.get("_rank")), _group(g)
+        rank, group = as_int(g.get("_rank")), group_key(g)
         enq, done = as_int(g.get("last_enqueued")), as_int(g.get("last_completed"))
         if rank is None or group is None or enq is None:
             continue
@@ -170,18 +170,10 @@ def in_flight(process_groups: Iterable[Mapping[str, Any]], collectives: Iterable
     return {rank: c for rank, (_ts, c) in found.items()}
 
 
-def _group(row: Mapping[str, Any]) -> str | None:
-    name = as_text(row.get("group_name"))
-    if name is not None:
-        return name
-    gid = as_int(row.get("group_id"))
-    return None if gid is None else str(gid)
-
-
 def never_entered(c: Collective, process_groups: Iterable[Mapping[str, Any]]) -> list[int]:
     """The ranks of ``c``'s group whose recorder never enqueued it."""
     return sorted({r for g in process_groups
-                   if _group(g) == c.group and (r := as_int(g.get("_rank"))) is not None
+                   if group_key(g) == c.group and (r := as_int(g.get("_rank"))) is not None
                    and (enq := as_int(g.get("last_enqueued"))) is not None and enq < c.op_id})
 
 

@@ -302,7 +302,8 @@ class _Group:
     entries: dict[int, list[Mapping]] = field(default_factory=dict)  # rank -> its recorder rows
 
 
-def _group_key(row: Mapping[str, Any]) -> str | None:
+def group_key(row: Mapping[str, Any]) -> str | None:
+    """The group a row of `process_groups` or `collectives` names: its name, else its id."""
     name = as_text(row.get("group_name"))
     if name is not None:
         return name
@@ -314,7 +315,7 @@ def _groups(process_groups: Iterable[Mapping[str, Any]], collectives: Iterable[M
             ) -> dict[str, _Group]:
     groups: dict[str, _Group] = {}
     for row in process_groups:
-        key, rank = _group_key(row), as_int(row.get("_rank"))
+        key, rank = group_key(row), as_int(row.get("_rank"))
         if key is None or rank is None:
             continue
         g = groups.setdefault(key, _Group(key))
@@ -327,7 +328,7 @@ def _groups(process_groups: Iterable[Mapping[str, Any]], collectives: Iterable[M
     for row in collectives:
         if row.get("source") not in (None, "flight_recorder"):
             continue
-        key, rank = _group_key(row), as_int(row.get("_rank"))
+        key, rank = group_key(row), as_int(row.get("_rank"))
         if key is None or rank is None:
             continue
         groups.setdefault(key, _Group(key)).entries.setdefault(rank, []).append(row)
