@@ -1,4 +1,4 @@
-"""Scale with real sockets: 1024 ranks as virtual probes in a few processes (issue 9 point 6).
+"""Scale with real sockets: 1024 ranks as virtual probes in a few processes.
 
 8 host processes x 128 virtual ranks (``kernel_probe.testing.vhost``): every rank a real
 RankCore behind its own ROUTER and DEALER on 127.0.0.1, one I/O thread per process,

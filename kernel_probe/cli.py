@@ -204,7 +204,7 @@ def _connect_timeout(args: argparse.Namespace) -> float:
 
 
 def _query_timeout(args: argparse.Namespace) -> float:
-    return args.timeout or 10.0  # DESIGN's default query deadline
+    return args.timeout or 10.0  # the default query deadline
 
 
 def cmd_query(args: argparse.Namespace) -> int:

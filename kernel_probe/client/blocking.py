@@ -269,7 +269,7 @@ class Client(ClientState):
               ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
               local: bool = False, explain: bool = False, native: bool = False,
               on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
-        """Run one read-only SELECT over the job (DESIGN section 5).
+        """Run one read-only SELECT over the job (docs/sql.md).
 
         ``ranks`` restricts the ranks asked; ``params`` bind as ``$name``; ``local`` asks
         only the probe connected to; ``explain`` returns the plan without running it;
@@ -304,7 +304,7 @@ class Client(ClientState):
         return self._call("nodes_request", {}, timeout).msg.body
 
     def nodes(self, timeout: float = 5.0) -> "pd.DataFrame":
-        """One row per rank: the membership as the root sees it (DESIGN section 3 columns)."""
+        """One row per rank: the membership as the root sees it (the `nodes` columns)."""
         return results.members_frame(self.nodes_raw(timeout)["members"])
 
     def departures(self, timeout: float = 5.0) -> "pd.DataFrame":
