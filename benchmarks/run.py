@@ -1,4 +1,4 @@
-"""`make bench`: every benchmark, one after the other (numbers go in the README)."""
+"""`make bench`: every benchmark, one after the other (figures go in docs/benchmarks.md)."""
 
 import subprocess
 import sys

@@ -1,6 +1,6 @@
 """kernel_probe: a ZeroMQ probe inside every rank of a distributed PyTorch job.
 
-Public API (the README shows each call in use)::
+Public API (docs/python-and-cli.md shows each call in use)::
 
     kernel_probe.start()                  # idempotent; PROBING=1 does it at interpreter start
     kernel_probe.set_role("trainer")      # or a dict / keyword args -> "k=v,..."
