@@ -27,6 +27,7 @@ from .verdict import Finding, Place, group_key, places, ranks_text, seconds_text
 KINDS = ("failed", "ended", "stopped", "no_dump")
 RAISED = frozenset({"exception", "thread_exception"})
 SNAPSHOT = "snapshot"
+MESSAGE_CHARS = 160  # of an exception's first line in a sentence (the `reason` table keeps it whole)
 _TIMEOUT = re.compile(r"time[ds]?[ _-]?out", re.IGNORECASE)
 
 
@@ -48,13 +49,27 @@ class End:
     @property
     def what(self) -> str:
         """'raised RuntimeError: loss went NaN', 'was stopped by SIGTERM', 'died of a fatal signal (...)'."""
+        return self.said(_first_line(self.message))
+
+    def said(self, text: str) -> str:
+        """``what``, with ``text`` for the message (its shape, where ranks' texts differ)."""
+        if len(text) > MESSAGE_CHARS:
+            text = text[:MESSAGE_CHARS - 1].rstrip() + "…"
         if self.kind in RAISED:
             where = " in a thread" if self.kind == "thread_exception" else ""
-            text = _first_line(self.message)
             return f"raised {self.exception_type or 'an exception'}{where}" + (f": {text}" if text else "")
         if self.kind == "fatal":
-            return f"died of a fatal signal ({_first_line(self.message) or 'no traceback'})"
+            return f"died of a fatal signal ({text or 'no traceback'})"
         return f"was stopped by {self.signal or 'a signal'}"
+
+
+def what_all(group: Sequence[End]) -> str:
+    """What a group of ranks that failed the same way did: one rank's text when they all say the
+    same, else the text's shape, so the sentence stays one line at any number of ranks."""
+    texts = {_first_line(e.message) for e in group}
+    if len(texts) <= 1:
+        return group[0].what
+    return group[0].said(message_shape(group[0].message)) + " (addresses and numbers differ)"
 
 
 @dataclass(frozen=True)
@@ -91,11 +106,21 @@ def _first_line(text: Any) -> str:
     return _SOURCE.sub("", text.strip().splitlines()[0].strip()) if text and text.strip() else ""
 
 
+# what differs between ranks that failed the same way: addresses, ports, pids, sizes, ids
+_VARYING = re.compile(r"\[[0-9a-fA-F:.]+\](?::\d+)?|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\b0x[0-9a-fA-F]+\b|\d+")
+
+
+def message_shape(text: Any) -> str:
+    """A message's first line with its addresses and numbers set aside, so ranks that failed
+    the same way ("Connection closed by peer [10.0.0.7]:36494") read as one failure."""
+    return _VARYING.sub("…", _first_line(text))
+
+
 def _failure_key(e: End) -> tuple:
-    """Ends that are the same failure: one exception type and text, or a timeout of one type
-    (the ranks of a collective time out on their own send or recv)."""
+    """Ends that are the same failure: one exception type and text (its addresses and numbers
+    aside), or a timeout of one type (the ranks of a collective time out on their own send or recv)."""
     timeout = bool(_TIMEOUT.search(e.message or ""))
-    return (e.kind, e.exception_type, "timeout" if timeout else _first_line(e.message))
+    return (e.kind, e.exception_type, "timeout" if timeout else message_shape(e.message))
 
 
 def seconds(value: Any) -> float | None:
@@ -231,7 +256,7 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
         same = [e for e in inside if _failure_key(e) == _failure_key(first)
                 and (e.when is None or first.when is None or e.when - first.when < 0.5)]
         first_ranks = sorted(e.rank for e in same)
-        detail = f"{ranks_text(first_ranks)} {first.what}"
+        detail = f"{ranks_text(first_ranks)} {what_all(same)}"
         if first.rank in step:
             detail += f" at step {step[first.rank]}"
         evidence = f"reason {first.kind} at {_clock(first.when)}, the earliest end from inside a rank"
@@ -251,7 +276,7 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
             rs = sorted(e.rank for e in group_ends)
             delays = [e.when - first.when for e in group_ends if e.when is not None and first.when is not None]
             then = "then " if delays and max(delays) >= 0.05 else ""
-            text = f"{ranks_text(rs)} {then}{group_ends[0].what}" + _delay_text(delays) + _about(rs, colls, {})
+            text = f"{ranks_text(rs)} {then}{what_all(group_ends)}" + _delay_text(delays) + _about(rs, colls, {})
             findings.append(Finding("ended", tuple(rs), None, None, text, f"reason {key[0]}"))
             sentences.append(text)
 
