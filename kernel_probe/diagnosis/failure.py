@@ -66,9 +66,8 @@ class End:
 def what_all(group: Sequence[End]) -> str:
     """What a group of ranks that failed the same way did: one rank's text when they all say the
     same, else the text's shape, so the sentence stays one line at any number of ranks."""
-    texts = {_first_line(e.message) for e in group}
-    if len(texts) <= 1:
-        return group[0].what
+    if len({_first_line(e.message) for e in group}) <= 1 or len({message_shape(e.message) for e in group}) > 1:
+        return group[0].what  # one text; or texts alike in kind only (a timeout on send, on recv): the first's
     return group[0].said(message_shape(group[0].message)) + " (addresses and numbers differ)"
 
 
