@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_probe.diagnosis import flight_recorder as fr
+from kernel_probe.tables.readers import flight_recorder as fr
 from kernel_probe.diagnosis import verdict as v
 from kernel_probe.tables.convert import SCHEMAS
 

@@ -18,7 +18,7 @@ SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH|COOK
 def stack_rows() -> list[tuple]:
     """(thread_id, thread_name, is_main, depth, frame_type, function, file, line) for every
     Python frame of every thread (frame_type 'python'), depth 0 = innermost; the main
-    thread first, then by thread id. Native frames: ``diagnosis.native_stacks``."""
+    thread first, then by thread id. Native frames: ``tables.readers.native_stacks``."""
     frames = sys._current_frames()
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident

@@ -24,8 +24,8 @@ import os
 import sys
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from ..progress import loaded_torch_module, torch_initialized
-from ..tables.convert import SCHEMAS
+from ...progress import loaded_torch_module, torch_initialized
+from ..convert import SCHEMAS
 
 # (dump name, function of torch._C._distributed_c10d that returns it as JSON)
 DUMPS = (("fr", "_dump_fr_trace_json"), ("nccl", "_dump_nccl_trace_json"))
