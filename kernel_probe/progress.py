@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable
 
-from .tables.ring import Ring
+from .ring import Ring
 
 _OPTIMIZER_FILE_PART = "torch/optim/"
 

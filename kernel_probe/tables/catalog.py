@@ -41,7 +41,7 @@ from ..config import Settings
 from ..progress import StepClock
 from . import convert, live
 from .recorders import Collectives, MemorySampler
-from .ring import Ring
+from ..ring import Ring
 
 log = logging.getLogger("kernel_probe")
 

@@ -57,7 +57,7 @@ def process_row(host: str | None = None) -> tuple:
 def _start_and_threads() -> tuple[float, int]:
     """This process's start time (epoch seconds) and OS thread count: from /proc on Linux,
     since psutil would stay loaded in every rank once queried (~1.3 MB), else psutil."""
-    from ..shell.pidwatch import create_time
+    from ..procfs import create_time
 
     try:
         return float(create_time(os.getpid())), len(os.listdir("/proc/self/task"))

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 from ..progress import loaded_torch_module
-from .ring import Ring
+from ..ring import Ring
 
 log = logging.getLogger("kernel_probe")
 
