@@ -30,7 +30,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data: rings, tables and their readers", ("tables",)),
     ("training-thread recording", ("progress",)),
     ("pure analysis", ("diagnosis",)),
-    ("foundations", ("config", "wire", "rank_lists", "ring", "procfs")),
+    ("foundations", ("config", "wire", "rank_lists", "durations", "dtypes", "tags", "ring", "procfs")),
 )
 
 # never imported by pure analysis, even lazily
