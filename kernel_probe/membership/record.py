@@ -2,8 +2,8 @@
 membership or telemetry, whether a report carries it, and its place in the ``nodes`` table.
 
 Everything else derives from this declaration: the field tuples the registry and the rank
-core use, the ``nodes`` table's column order and Arrow types, the DataFrame of
-``Client.nodes()``, and the JSON types of the REST routes. Pure: no pyarrow, no pandas
+core use, what ``from_dict`` accepts, the ``nodes`` table's column order and Arrow types, the
+DataFrame of ``Client.nodes()``, and the JSON types of the REST routes. Pure: no pyarrow, no pandas
 (a rank imports this); the type mappings are names their users turn into types.
 """
 
