@@ -3,28 +3,24 @@ _role``, in that order, with their Arrow types.
 
 A rank appends them to each table it scans, the planner prunes ranks on them, a dump
 stores them, a simulator makes them up: all build them with ``Tags``. Pure, imports nothing
-of ours (a rank loads it at start).
+of ours (a rank loads it at start). A named tuple, not a dataclass: the root builds one per
+rank for every query it plans.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+import typing
+from typing import Any, Mapping, NamedTuple
 
 
-def _tag(arrow_type: str) -> Any:
-    return field(metadata={"arrow": arrow_type})
-
-
-@dataclass(frozen=True)
-class Tags:
+class Tags(NamedTuple):
     """One rank's tag values. None where unknown (a dump of a rank the client never heard)."""
 
-    rank: int = _tag("int64")
-    node: int | None = _tag("int64")
-    host: str | None = _tag("string")
-    local_rank: int | None = _tag("int64")
-    role: str | None = _tag("string")
+    rank: int
+    node: int | None
+    host: str | None
+    local_rank: int | None
+    role: str | None
 
     @classmethod
     def from_member(cls, member: Mapping[str, Any], rank: int | None = None) -> Tags:
@@ -40,11 +36,16 @@ class Tags:
 
     def to_dict(self) -> dict[str, Any]:
         """The tag columns by name: {'_rank': 3, '_node': 0, ...}."""
-        return {tag: getattr(self, tag[1:]) for tag in TAGS}
+        return dict(zip(TAGS, self))
+
+
+def _arrow_type(hint: Any) -> str:
+    base = next(a for a in typing.get_args(hint) if a is not type(None)) if typing.get_args(hint) else hint
+    return {int: "int64", str: "string"}[base]
 
 
 # the tag columns' Arrow types, in order (fixed, so every rank's tables concatenate as they are)
-TAG_TYPES: dict[str, str] = {f"_{f.name}": f.metadata["arrow"] for f in fields(Tags)}
+TAG_TYPES: dict[str, str] = {f"_{name}": _arrow_type(hint) for name, hint in typing.get_type_hints(Tags).items()}
 TAGS: tuple[str, ...] = tuple(TAG_TYPES)
 
 __all__ = ["TAGS", "TAG_TYPES", "Tags"]

@@ -41,19 +41,18 @@ CLOCKS = {"time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_
 
 
 def _floor_of(module: str) -> int:
-    """The floor index of a dotted module name (0 = top)."""
-    best, floor = -1, None
+    """The floor index of a dotted module name (0 = top): that of the longest name containing it."""
+    matches = []
     for index, (_, names) in enumerate(FLOORS):
         for name in names:
-            full = "kernel_probe" if name == "kernel_probe" else f"kernel_probe.{name}"
-            if name == "kernel_probe":
-                if module == full and len(full) > best:
-                    best, floor = len(full), index
-            elif (module == full or module.startswith(full + ".")) and len(full) > best:
-                best, floor = len(full), index
-    if floor is None:
+            if name == "kernel_probe":  # the package's __init__ only, not everything under it
+                if module == name:
+                    matches.append((len(name), index))
+            elif module == f"kernel_probe.{name}" or module.startswith(f"kernel_probe.{name}."):
+                matches.append((len(name), index))
+    if not matches:
         raise LookupError(f"{module} is on no floor: add it to FLOORS in tests/test_layers.py")
-    return floor
+    return max(matches)[1]
 
 
 def _modules() -> dict[str, Path]:
