@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable
 
-from .tables.ring import Ring
+from .ring import Ring
 
 _OPTIMIZER_FILE_PART = "torch/optim/"
 
@@ -72,7 +72,7 @@ class StepClock:
         self.device_side = False
         self.rows = Ring(rows)
         self._append = self.rows.append
-        self.capture: Any = None  # an armed diagnosis.profile.ProfileCapture, driven from on_step
+        self.capture: Any = None  # an armed tables.readers.profile.ProfileCapture, driven from on_step
         self._reset_phases()
 
     def _reset_phases(self) -> None:

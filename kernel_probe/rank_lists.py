@@ -1,4 +1,4 @@
-"""Rank lists as people type and read them: '0-3,8' <-> [0, 1, 2, 3, 8], 'ranks 0-2,4-7 (7)'.
+"""Rank lists as people type and read them, everywhere: '0-3,8' <-> [0, 1, 2, 3, 8], 'ranks 0-2,4-7 (7)'.
 Pure, no imports: every front end and the membership view use these."""
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ def rank_span(ranks: Iterable[int]) -> str:
     return ",".join(parts)
 
 
-def ranks_label(ranks: Iterable[int]) -> str:
-    """'rank 3' or 'ranks 0-2,4-7 (7)'."""
+def ranks_label(ranks: Iterable[int], count: bool = True) -> str:
+    """'rank 3' or 'ranks 0-2,4-7 (7)'; without ``count``, 'ranks 0-2,4-7' (a sentence that reads on)."""
     ordered = sorted(set(ranks))
-    return f"rank {ordered[0]}" if len(ordered) == 1 else f"ranks {rank_span(ordered)} ({len(ordered)})"
+    if len(ordered) == 1:
+        return f"rank {ordered[0]}"
+    return f"ranks {rank_span(ordered)}" + (f" ({len(ordered)})" if count else "")
 
 
 __all__ = ["parse_ranks", "rank_span", "ranks_label"]

@@ -11,7 +11,7 @@ import types
 from pathlib import Path
 
 
-from kernel_probe.diagnosis import flight_recorder as fr
+from kernel_probe.tables.readers import flight_recorder as fr
 from kernel_probe.tables.convert import SCHEMAS
 
 DATA = Path(__file__).parent / "data" / "flight_recorder"
@@ -246,7 +246,7 @@ dist.destroy_process_group()
 
 def test_this_process_recorder_is_read_only_when_torch_is_loaded():
     """A rank that never loaded torch reads nothing and imports nothing of it."""
-    code = ("import sys\nfrom kernel_probe.diagnosis import flight_recorder as fr\n"
+    code = ("import sys\nfrom kernel_probe.tables.readers import flight_recorder as fr\n"
             "print(fr.read(10).note, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})

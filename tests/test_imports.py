@@ -180,6 +180,6 @@ def test_a_started_probe_loads_no_query_code_until_asked(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     loaded = set(out.stdout.split())
     assert "kernel_probe.shell.probe_thread" in loaded  # the probe did start
-    early = {m for m in loaded if m.startswith(("kernel_probe.sql", "kernel_probe.diagnosis"))} | (loaded & {
+    early = {m for m in loaded if m.startswith(("kernel_probe.sql", "kernel_probe.diagnosis", "kernel_probe.tables.readers"))} | (loaded & {
         "ctypes", "uuid", "shlex", "pyarrow", "duckdb", "sqlglot", "numpy", "pandas", "psutil"})
     assert not early, f"a probe nobody asked loaded {sorted(early)}"

@@ -20,7 +20,8 @@ from kernel_probe.membership import (
     Member,
 )
 from kernel_probe.membership.record import DEPARTURE_TABLE, NODE_COLUMNS, Column
-from kernel_probe.membership.view import (SLOW_RATIO, VIEW_FIELDS, age_text, membership_view, stall_suspects,
+from kernel_probe.durations import duration_text
+from kernel_probe.membership.view import (SLOW_RATIO, VIEW_FIELDS, membership_view, stall_suspects,
                                           suspect_ranks)
 
 NOW = 1_700_000_000.0
@@ -56,6 +57,27 @@ def test_columns_carry_types_and_nullability():
     assert by["last_seen"].unit == by["since"].unit == "s" and by["rank"].arrow_type == "int64"
     assert [c.name for c in DEPARTURE_TABLE if c.unit] == ["when"]
 
+
+
+@pytest.mark.parametrize("name", MEMBER_FIELDS)
+def test_from_dict_checks_every_declared_field(name):
+    """from_dict is read off the declaration: a field added to Member is checked without a
+    second list of fields."""
+    with pytest.raises(ValueError, match=repr(name)):
+        Member.from_dict(member(3) | {name: object()})
+
+
+def test_from_dict_takes_limits_and_missing_values_from_the_declaration():
+    for bad in ({"world_size": 0}, {"local_rank": -1}, {"node_count": 0}, {"incarnation": ""}, {"tier": "king"},
+                {"rank": 8}):
+        with pytest.raises(ValueError):
+            Member.from_dict(member(3) | bad)
+    assert Member.from_dict(member(3) | {"step": -1, "via": -2}).step == -1  # a number that may be None: any int
+    d = {k: v for k, v in member(3).items() if k not in ("role", "tier", "reason", "step", "via")}
+    m = Member.from_dict(d)
+    assert (m.role, m.tier, m.reason, m.step, m.via) == ("", "leaf", "", None, None)
+    assert Departure.from_dict({"rank": 1, "incarnation": "", "when": NOW, "why": "exited"}) == \
+        Departure(1, "", "", 0, NOW, "exited")
 
 def test_the_rank_core_reports_the_declared_fields():
     from kernel_probe import rank_core
@@ -125,8 +147,8 @@ def test_a_viewed_member_matches_the_rest_schema():
     (None, ""), (-3.0, "0.0 s"), (0.42, "0.4 s"), (9.9, "9.9 s"), (12.3, "12 s"), (59.4, "59 s"),
     (61.0, "1 min"), (180.0, "3 min"), (3599.0, "1.0 h"), (9000.0, "2.5 h"),
 ])
-def test_age_text(seconds, text):
-    assert age_text(seconds) == text
+def test_duration_text(seconds, text):
+    assert duration_text(seconds) == text
 
 
 def test_ratio_bar_and_slow_are_relative_to_the_median():

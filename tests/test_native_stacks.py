@@ -16,7 +16,7 @@ import pytest
 
 from kernel_probe import summaries
 from kernel_probe.config import load_settings
-from kernel_probe.diagnosis import native_stacks
+from kernel_probe.tables.readers import native_stacks
 from kernel_probe.query_tasks import RankScan, task_from_dict
 from kernel_probe.tables import live
 from kernel_probe.tables.catalog import LocalTables, NativeStacks, with_native_stacks

@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 
+from kernel_probe import procfs
 from kernel_probe.shell import pidwatch
 from kernel_probe.shell.pidwatch import PidWatch
 
@@ -163,7 +164,7 @@ def test_create_time_is_psutils_without_psutil(procs, monkeypatch: pytest.Monkey
     child = procs()
     for pid in (os.getpid(), child.pid):
         assert pidwatch.create_time(pid) == pytest.approx(psutil.Process(pid).create_time(), abs=0.01)
-    monkeypatch.setattr(pidwatch, "USE_PROC", False)
+    monkeypatch.setattr(procfs, "USE_PROC", False)
     assert pidwatch.create_time(child.pid) == psutil.Process(child.pid).create_time()
     code = ("import sys, kernel_probe.shell.probe_thread, kernel_probe.shell.connfile, kernel_probe.tables\n"
             "print('psutil' in sys.modules)")

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from kernel_probe.config import load_settings
-from kernel_probe.diagnosis.profile import CaptureBusy, ProfileCapture, trace_rows
+from kernel_probe.tables.readers.profile import CaptureBusy, ProfileCapture, trace_rows
 from kernel_probe.tables import LocalTables
 
 torch = pytest.importorskip("torch")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_probe.diagnosis import flight_recorder as fr
+from kernel_probe.tables.readers import flight_recorder as fr
 from kernel_probe.diagnosis import verdict as v
 from kernel_probe.tables.convert import SCHEMAS
 
@@ -141,7 +141,7 @@ def test_dead_and_stalled_ranks_and_departures():
     verdict = v.diagnose(nodes, [], [], frames(1, ("fetch", "/job/data.py", 3)), T0, departures=departures)
     got = [(f.kind, f.ranks, f.detail) for f in verdict.findings]
     assert got == [("dead", (3,), "rank 3 dead (exited) for 5.0 s"), ("dead", (5,), "rank 5 dead (left) for 30 s"),
-                   ("stalled", (1, 2), "ranks 1-2 stalled for 70 s: rank 1 is in fetch (data.py:3); "
+                   ("stalled", (1, 2), "ranks 1-2 stalled for 1 min: rank 1 is in fetch (data.py:3); "
                                        "no stack from rank 2")]
     assert verdict.summary == "Rank 3 dead (exited) for 5.0 s (and 2 more findings)."
 
@@ -150,7 +150,7 @@ def test_stalled_ranks_without_stacks_say_the_reason():
     nodes = alive(0, 1)
     nodes[0].update(state="stalled", reason="in step (t.py:1)", since=T0 - 61)
     (f,) = v.diagnose(nodes, [], [], [], T0).findings
-    assert f.detail == "rank 0 stalled for 61 s: rank 0 in step (t.py:1)"
+    assert f.detail == "rank 0 stalled for 1 min: rank 0 in step (t.py:1)"
 
 
 def test_every_rank_in_one_old_collective_is_waiting_but_a_lagging_sender_is_not():

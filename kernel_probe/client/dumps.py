@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..diagnosis.verdict import MIN_WAIT_SEC
 from ..postmortem.dump import FORMAT, MANIFEST
+from ..tags import Tags
 from . import results
 from .errors import ConnectError, QueryFailed
 
@@ -221,8 +222,7 @@ class DumpClient:
                 self.dumps[rank].fatal = path
                 continue
             seen = members.get(rank, {})
-            tags = {"_rank": rank, "_node": seen.get("node"), "_host": seen.get("host"),
-                    "_local_rank": seen.get("local_rank"), "_role": seen.get("role")}
+            tags = Tags.from_member(seen, rank).to_dict()
             self.dumps[rank] = RankDump(rank, tags, {"fatal": str(path)}, made={"reason": _fatal_reason(rank, path)})
 
     def _keep(self, d: RankDump) -> None:

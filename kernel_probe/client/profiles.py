@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, NamedTuple
 
 from ..rank_lists import parse_ranks as _parse_rank_text
+from ..rank_lists import ranks_label
 from .errors import ProbeError, QueryFailed
 
 if TYPE_CHECKING:
@@ -411,7 +412,7 @@ def clock_lines(clock: dict[int, ClockOffset]) -> list[str]:
                                            if c.bound_ms is not None else "not measured, not shifted"))
     same = sorted(r for r in clock if r not in off_host)
     if same:
-        lines.append(f"  rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))}: the root's host (one clock)")
+        lines.append(f"  {ranks_label(same, count=False)}: the root's host (one clock)")
     return lines
 
 

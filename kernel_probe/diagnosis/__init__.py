@@ -1,9 +1,9 @@
-"""Why a job is stuck, slow or dead: readers of what torch and the process already know.
+"""Why a job is stuck, slow or dead: pure analysis of rows a query or a dump already holds.
 
-``flight_recorder``: torch's record of the collectives each process group enqueued, as
-rows of the ``collectives`` and ``process_groups`` tables.
+``verdict``: why a running job is stuck, from membership, the collectives' rows and the
+main threads' stacks. ``failure``: who failed first and why, from the post-mortem dumps.
+``values``: the readers of row values both share.
 
-``verdict``: why a job is stuck, from membership, those rows and the main threads' stacks.
-``profile``: a torch.profiler capture on demand, started and stopped at step boundaries,
-as rows of ``profile_ops``, ``profile_status`` and ``profile_trace``.
+Nothing here reads torch, runs a process or reads the clock (the time now comes in as an
+argument): the rank-side readers that produce these rows live in ``tables.readers``.
 """

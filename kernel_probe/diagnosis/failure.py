@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from .values import as_float, as_int, as_text, is_true
-from .verdict import Finding, Place, group_key, places, ranks_text, seconds_text
+from ..durations import duration_text
+from .verdict import Finding, Place, group_key, places, ranks_text
 
 # the kinds of the findings this module makes, in the order they are listed
 KINDS = ("failed", "ended", "stopped", "no_dump")
@@ -208,8 +209,8 @@ def _delay_text(delays: Sequence[float]) -> str:
     if hi < 0.05:
         return " at the same time"
     if hi - lo < 0.1 or hi < 1:
-        return f" {seconds_text(hi)} later"
-    return f" {seconds_text(lo)}-{seconds_text(hi)} later"
+        return f" {duration_text(hi)} later"
+    return f" {duration_text(lo)}-{duration_text(hi)} later"
 
 
 def _about(ranks: Sequence[int], colls: Mapping[int, Collective], at: Mapping[int, Place]) -> str:
@@ -291,7 +292,7 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
         else:
             spread = max(times) - min(times) if times else 0.0
             were = "was" if len(rs) == 1 else "were"
-            within = f" within {seconds_text(max(spread, 0.1))}" if len(times) > 1 else ""
+            within = f" within {duration_text(max(spread, 0.1))}" if len(times) > 1 else ""
             text = f"{ranks_text(rs)} {were} stopped by {sig}{within}" + _about(rs, colls, at)
             evidence = f"reason signal {sig}; no rank raised or crashed before it"
         same = {colls.get(r) for r in rs}

@@ -35,7 +35,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..rank_lists import rank_span
+from ..dtypes import dtype_name
+from ..durations import duration_text
+from ..rank_lists import ranks_label
 from .values import as_float, as_int, as_text, is_true
 
 KINDS = ("missing", "mismatch", "dead", "waiting", "stalled")  # the order findings are listed in
@@ -48,13 +50,6 @@ SAME_INPUT_OPS = frozenset({
     "all_gather", "allgather", "_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced",
     "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
 })
-# c10::ScalarType names as people write them
-DTYPE_NAMES = {
-    "Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
-    "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool",
-    "ComplexFloat": "complex64", "ComplexDouble": "complex128", "ComplexHalf": "complex32",
-    "UInt16": "uint16", "UInt32": "uint32", "UInt64": "uint64",
-}
 # where a frame is library code, not the user's: the place of a rank is its innermost other frame
 _LIBRARY_MARKS = ("/site-packages/", "/dist-packages/", "<frozen ", "/lib/python3", "/torch/", "/kernel_probe/")
 # native frames of torch's collective layer: where a rank waiting in a collective waits
@@ -116,16 +111,9 @@ def _json(value: Any) -> Any:
     return value
 
 
-def seconds_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "? s"
-    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
-
-
 def ranks_text(ranks: Iterable[int]) -> str:
-    """'rank 3' or 'ranks 0-2' (no count: the sentence reads on)."""
-    ordered = sorted(set(ranks))
-    return f"rank {ordered[0]}" if len(ordered) == 1 else f"ranks {rank_span(ordered)}"
+    """'rank 3' or 'ranks 0-2': the rank label without its count (the sentence reads on)."""
+    return ranks_label(ranks, count=False)
 
 
 def tensors_text(sizes: Any, dtypes: Any) -> str:
@@ -140,7 +128,7 @@ def tensors_text(sizes: Any, dtypes: Any) -> str:
         shape = sizes[i] if i < len(sizes) else None
         dtype = dtypes[i] if i < len(dtypes) else None
         shape_text = "[" + ", ".join(str(d) for d in shape) + "]" if isinstance(shape, list) else ""
-        dtype_text = DTYPE_NAMES.get(dtype, str(dtype).lower()) if isinstance(dtype, str) else ""
+        dtype_text = dtype_name(dtype) if isinstance(dtype, str) else ""
         parts.append(" ".join(p for p in (shape_text, dtype_text) if p))
     return ", ".join(p for p in parts if p)
 
@@ -277,13 +265,13 @@ def _membership(nodes: Sequence[Mapping[str, Any]], departures: Sequence[Mapping
     for why, items in sorted(dead_rows.items(), key=lambda kv: min(r for r, _ in kv[1])):
         ranks = tuple(sorted(r for r, _ in items))
         ages = [a for _, a in items if a is not None]
-        since = f" for {seconds_text(max(ages))}" if ages else ""
+        since = f" for {duration_text(max(ages))}" if ages else ""
         findings.append(Finding("dead", ranks, None, None, f"{ranks_text(ranks)} dead ({why}){since}",
                                 f"membership: state dead, reason {why!r}"))
     for where, items in sorted(stalled_rows.items(), key=lambda kv: min(r for r, _ in kv[1])):
         ranks = tuple(sorted(r for r, _ in items))
         ages = [a for _, a in items if a is not None]
-        since = f" for {seconds_text(max(ages))}" if ages else ""
+        since = f" for {duration_text(max(ages))}" if ages else ""
         place = _where(ranks, at) if any(r in at for r in ranks) else f"{ranks_text(ranks)} {where or 'place unknown'}"
         findings.append(Finding("stalled", ranks, None, None,
                                 f"{ranks_text(ranks)} stalled{since}: {place}",
@@ -407,7 +395,7 @@ def _missing(g: _Group, p: _Pending | None, min_wait: float, at: Mapping[int, Pl
     waiting in another group's collective, with that collective's text."""
     if p is None or not p.behind or (p.waited is not None and p.waited < min_wait):
         return []
-    waiting = f"{ranks_text(p.ahead)} waiting" + (f" {seconds_text(p.waited)}" if p.waited is not None else "")
+    waiting = f"{ranks_text(p.ahead)} waiting" + (f" {duration_text(p.waited)}" if p.waited is not None else "")
     why = [f"rank {r} is dead ({dead[r]})" for r in p.behind if r in dead]
     busy: dict[str, list[int]] = {}
     for r in p.behind:
@@ -439,7 +427,7 @@ def _waited_for(g: _Group, p: _Pending | None, min_wait: float, at: Mapping[int,
     if not gone:
         return None
     text = (f"{ranks_text(p.ahead)} wait for {'it' if len(gone) == 1 else 'them'} in {_in_text(g, p)}"
-            + (f" for {seconds_text(p.waited)}" if p.waited is not None else ""))
+            + (f" for {duration_text(p.waited)}" if p.waited is not None else ""))
     evidence = (f"no recorder status from {ranks_text(gone)}; {ranks_text(p.ahead)} enqueued op_id {p.top} "
                 f"of group {g.name} and have not completed it")
     if native := _native_waits(p.ahead, at):
@@ -528,7 +516,7 @@ def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], st
     ranks = tuple(sorted(known))
     detail = (f"collective #{seq} on {_group_text(g, first)} "
               f"({call_text(first.get('op'), first.get('input_sizes'), first.get('input_dtypes'))}): "
-              f"{ranks_text(ranks)} entered it {seconds_text(now - min(created))} ago and none completed it — "
+              f"{ranks_text(ranks)} entered it {duration_text(now - min(created))} ago and none completed it — "
               f"{_where(ranks, at)}")
     evidence = f"last enqueued {top}, last completed below it on every rank of group {g.name}"
     if native := _native_waits(ranks, at):

@@ -2,8 +2,8 @@
 membership or telemetry, whether a report carries it, and its place in the ``nodes`` table.
 
 Everything else derives from this declaration: the field tuples the registry and the rank
-core use, the ``nodes`` table's column order and Arrow types, the DataFrame of
-``Client.nodes()``, and the JSON types of the REST routes. Pure: no pyarrow, no pandas
+core use, what ``from_dict`` accepts, the ``nodes`` table's column order and Arrow types, the
+DataFrame of ``Client.nodes()``, and the JSON types of the REST routes. Pure: no pyarrow, no pandas
 (a rank imports this); the type mappings are names their users turn into types.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, NamedTuple
 
 from .liveness import STATES
 
@@ -43,12 +43,19 @@ EPOCH_SECONDS = "s"  # a float of wall-clock seconds, shown to users as a UTC ti
 
 
 def _f(kind: str = MEMBERSHIP, *, identity: bool = False, reported: bool = False, column: bool = True,
-       unit: str | None = None, **default: Any) -> Any:
+       unit: str | None = None, minimum: int | None = 0, choices: tuple[str, ...] = (), nonempty: bool = False,
+       missing: Any = MISSING, **default: Any) -> Any:
     """A declared field. ``kind``: a change of a membership field moves the registry's epoch
     (pushed down the tree), a telemetry one does not. ``identity``: a report may change it
     (who the rank is). ``reported``: a rank's report carries it. ``column``: a column of the
-    ``nodes`` table (in declaration order). ``unit``: ``EPOCH_SECONDS`` for times."""
-    meta = {"kind": kind, "identity": identity, "reported": reported or identity, "column": column, "unit": unit}
+    ``nodes`` table (in declaration order). ``unit``: ``EPOCH_SECONDS`` for times.
+
+    What ``from_dict`` accepts: ``minimum`` of an int (not checked where None may come),
+    ``choices`` or ``nonempty`` of a str; a key left out takes ``missing``, else the field's
+    default, else it is an error."""
+    meta = {"kind": kind, "identity": identity, "reported": reported or identity, "column": column, "unit": unit,
+            "minimum": minimum, "choices": choices, "nonempty": nonempty,
+            "missing": default.get("default", MISSING) if missing is MISSING else missing}
     return field(metadata=meta, **default)
 
 
@@ -77,7 +84,7 @@ def _float(key: str, v: Any) -> float:
     return float(v)
 
 
-def _str(key: str, v: Any, *, nonempty: bool = False, choices: tuple[str, ...] = ()) -> str:
+def _str(key: str, v: Any, nonempty: bool = False, choices: tuple[str, ...] = ()) -> str:
     if not isinstance(v, str):
         raise ValueError(f"{key!r} must be a str, got {v!r}")
     if nonempty and not v:
@@ -101,23 +108,64 @@ def _mapping(what: str, d: Any) -> Mapping[str, Any]:
     return d
 
 
-def _identity(d: Mapping[str, Any]) -> dict[str, Any]:
-    """The identity keys shared by reports and member dicts, checked."""
-    out: dict[str, Any] = {
-        "rank": _int("rank", _need(d, "rank")),
-        "world_size": _int("world_size", _need(d, "world_size"), 1),
-        "local_rank": _int("local_rank", _need(d, "local_rank")),
-        "local_world_size": _int("local_world_size", _need(d, "local_world_size"), 1),
-        "node": _int("node", _need(d, "node")),
-        "node_count": _int("node_count", _need(d, "node_count"), 1),
-        "host": _str("host", _need(d, "host")),
-        "endpoint": _str("endpoint", _need(d, "endpoint")),
-        "pid": _int("pid", _need(d, "pid")),
-        "incarnation": _str("incarnation", _need(d, "incarnation"), nonempty=True),
-    }
+class _Readers(NamedTuple):
+    """How ``from_dict`` reads a record's fields: (name, check, its args) of those a dict must
+    carry, (name, value when missing, nullable, check, its args) of the others."""
+
+    required: tuple[tuple[str, Callable[..., Any], tuple], ...]
+    optional: tuple[tuple[str, Any, bool, Callable[..., Any], tuple], ...]
+
+
+def _readers(record: type, only: Callable[[Any], bool] = lambda f: True) -> _Readers:
+    """The readers of ``record``'s declared fields (those ``only`` keeps), from each field's type
+    and the metadata ``_f`` gave it: a check per type, no closure (this runs per member per push)."""
+    hints = typing.get_type_hints(record)
+    required, optional = [], []
+    for f in fields(record):
+        if not only(f):
+            continue
+        args = typing.get_args(hints[f.name])
+        nullable = type(None) in args
+        base = next(a for a in args if a is not type(None)) if args else hints[f.name]
+        meta = f.metadata
+        if base is int:
+            check, extra = _int, (None if nullable else meta.get("minimum", 0),)
+        elif base is float:
+            check, extra = _float, ()
+        else:
+            check, extra = _str, (meta.get("nonempty", False), meta.get("choices", ()))
+        missing = meta.get("missing", f.default)
+        if missing is MISSING and not nullable:
+            required.append((f.name, check, extra))
+        else:
+            optional.append((f.name, None if missing is MISSING else missing, nullable, check, extra))
+    return _Readers(tuple(required), tuple(optional))
+
+
+def _read(d: Mapping[str, Any], readers: _Readers) -> dict[str, Any]:
+    out = {}
+    for name, check, extra in readers.required:
+        try:
+            value = d[name]
+        except KeyError:
+            raise ValueError(f"missing required key {name!r}") from None
+        out[name] = check(name, value, *extra)
+    for name, missing, nullable, check, extra in readers.optional:
+        value = d.get(name, missing)
+        out[name] = None if nullable and value is None else check(name, value, *extra)
+    return out
+
+
+def _rank_in_world(out: dict[str, Any]) -> dict[str, Any]:
     if out["rank"] >= out["world_size"]:
         raise ValueError(f"rank {out['rank']} outside world_size {out['world_size']}")
     return out
+
+
+def _identity(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The identity keys shared by reports and member dicts (the rank and the identity
+    fields every dict must carry), checked."""
+    return _rank_in_world(_read(d, _IDENTITY_READERS))
 
 
 # ---------------------------------------------------------------- records
@@ -128,17 +176,17 @@ class Member:
     """One rank as the membership sees it. Field names are the ``nodes`` table's columns."""
 
     rank: int = _f(reported=True)
-    world_size: int = _f(identity=True)
+    world_size: int = _f(identity=True, minimum=1)
     local_rank: int = _f(identity=True)
-    local_world_size: int = _f(identity=True)
+    local_world_size: int = _f(identity=True, minimum=1)
     node: int = _f(identity=True)
-    node_count: int = _f(identity=True)
+    node_count: int = _f(identity=True, minimum=1)
     host: str = _f(identity=True)
     endpoint: str = _f(identity=True)
     pid: int = _f(identity=True)
-    role: str = _f(identity=True)
-    incarnation: str = _f(identity=True)  # hex, new for every start of the probe
-    state: str = _f()  # liveness.STATES
+    role: str = _f(identity=True, missing="")
+    incarnation: str = _f(identity=True, nonempty=True)  # hex, new for every start of the probe
+    state: str = _f(choices=STATES)
     last_seen: float = _f(TELEMETRY, unit=EPOCH_SECONDS)
     since: float = _f(unit=EPOCH_SECONDS)  # when it entered its state
     step: int | None = _f(TELEMETRY, reported=True, default=None)
@@ -147,7 +195,7 @@ class Member:
     compute_ms: float | None = _f(TELEMETRY, reported=True, default=None)
     # blocked on gradient all-reduce in the latest step
     comm_wait_ms: float | None = _f(TELEMETRY, reported=True, default=None)
-    tier: str = _f(identity=True, default="leaf")  # TIERS
+    tier: str = _f(identity=True, choices=TIERS, default="leaf")
     reason: str = _f(default="")  # "" while live; why it died: "exited", "left", "stale", free text
     via: int | None = _f(column=False, default=None)  # broker that vouched for it; None = heard directly
 
@@ -158,20 +206,7 @@ class Member:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Member:
         """Build from a dict; optional keys may be missing, bad required ones raise ValueError."""
-        d = _mapping("member", d)
-        kw = _identity(d)
-        kw["role"] = _str("role", d.get("role", ""))
-        kw["state"] = _str("state", _need(d, "state"), choices=STATES)
-        kw["last_seen"] = _float("last_seen", _need(d, "last_seen"))
-        kw["since"] = _float("since", _need(d, "since"))
-        kw["step"] = _opt_int("step", d.get("step"))
-        kw["step_time_ms"] = _opt_float("step_time_ms", d.get("step_time_ms"))
-        kw["compute_ms"] = _opt_float("compute_ms", d.get("compute_ms"))
-        kw["comm_wait_ms"] = _opt_float("comm_wait_ms", d.get("comm_wait_ms"))
-        kw["tier"] = _str("tier", d.get("tier", "leaf"), choices=TIERS)
-        kw["reason"] = _str("reason", d.get("reason", ""))
-        kw["via"] = _opt_int("via", d.get("via"))
-        return cls(**kw)
+        return cls(**_rank_in_world(_read(_mapping("member", d), _MEMBER_READERS)))
 
 
 @dataclass(frozen=True)
@@ -180,8 +215,8 @@ class Departure:
 
     rank: int = _f()
     incarnation: str = _f()
-    host: str = _f()
-    pid: int = _f()
+    host: str = _f(missing="")
+    pid: int = _f(missing=0)
     when: float = _f(unit=EPOCH_SECONDS)
     why: str = _f()
 
@@ -191,15 +226,14 @@ class Departure:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Departure:
-        d = _mapping("departure", d)
-        return cls(
-            rank=_int("rank", _need(d, "rank")),
-            incarnation=_str("incarnation", _need(d, "incarnation")),
-            host=_str("host", d.get("host", "")),
-            pid=_int("pid", d.get("pid", 0)),
-            when=_float("when", _need(d, "when")),
-            why=_str("why", _need(d, "why")),
-        )
+        return cls(**_read(_mapping("departure", d), _DEPARTURE_READERS))
+
+
+_MEMBER_READERS = _readers(Member)
+_DEPARTURE_READERS = _readers(Departure)
+# what a report and a member dict must both carry about who a rank is (role and tier differ)
+_IDENTITY_READERS = _readers(Member, lambda f: f.name == "rank" or (f.metadata["identity"]
+                                                                    and f.metadata["missing"] is MISSING))
 
 
 # ---------------------------------------------------------------- the declaration, read

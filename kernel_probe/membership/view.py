@@ -10,7 +10,7 @@ the view out. Each member gains the fields in ``VIEW_FIELDS``:
 - ``bar``: the width of its step-time bar, 0..1, ``min(1, ratio / 2)``: the median
   fills half the bar (None with ``ratio``),
 - ``slow``: ``ratio >= SLOW_RATIO``,
-- ``age``: how long ago it was last seen, as text (``age_text``).
+- ``age``: how long ago it was last seen, as text (``durations.duration_text``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from ..durations import duration_text
 from ..rank_lists import ranks_label
 from .record import Column
 
@@ -29,20 +30,6 @@ VIEW_FIELDS: tuple[Column, ...] = tuple(
     for name, type_, nullable in (("ratio", float, True), ("bar", float, True), ("slow", bool, False),
                                   ("age", str, False))
 )
-
-
-def age_text(seconds: float | None) -> str:
-    """'0.4 s', '12 s', '3 min', '2.5 h'; '' when unknown. A negative age (clocks apart) is 0."""
-    if seconds is None or seconds != seconds:
-        return ""
-    seconds = max(0.0, float(seconds))
-    if seconds < 9.95:
-        return f"{seconds:.1f} s"
-    if seconds < 59.5:
-        return f"{seconds:.0f} s"
-    if seconds < 3570:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def _number(value: Any) -> float | None:
@@ -70,7 +57,7 @@ def viewed(member: Mapping[str, Any], median: float | None, now: float) -> dict[
     last_seen = _number(member.get("last_seen"))
     return {**member, "ratio": ratio, "bar": None if ratio is None else min(1.0, ratio / 2),
             "slow": ratio is not None and ratio >= SLOW_RATIO,
-            "age": "" if last_seen is None else age_text(now - last_seen)}
+            "age": "" if last_seen is None else duration_text(now - last_seen)}
 
 
 # ---------------------------------------------------------------- stall suspects
@@ -172,5 +159,5 @@ def membership_view(members: Iterable[Mapping[str, Any]], now: float,
     return MembershipView(shown, groups, tuple(stall_suspects(raw)), counts, median, gone)
 
 
-__all__ = ["SLOW_RATIO", "VIEW_FIELDS", "age_text", "median_step_ms", "step_ratio", "viewed", "Suspect",
+__all__ = ["SLOW_RATIO", "VIEW_FIELDS", "median_step_ms", "step_ratio", "viewed", "Suspect",
            "stall_suspects", "suspect_ranks", "NodeGroup", "MembershipView", "membership_view"]

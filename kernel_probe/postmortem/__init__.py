@@ -172,6 +172,7 @@ class DumpHooks:
 
     def _write(self, done: list, published: list, deadline: float) -> None:
         try:
+            from ..tags import Tags
             from .dump import write_dump
 
             ident = self.identity
@@ -184,8 +185,7 @@ class DumpHooks:
                     nodes = core.nodes_body()
                 except Exception:  # the probe thread changed it under us: no view rather than none at all
                     nodes = None
-            tags = {"_rank": ident.rank, "_node": ident.node, "_host": ident.host,
-                    "_local_rank": ident.local_rank, "_role": role}
+            tags = Tags.of(ident, role).to_dict()
             identity = {"rank": ident.rank, "world_size": ident.world_size, "local_rank": ident.local_rank,
                         "local_world_size": ident.local_world_size, "node": ident.node,
                         "node_count": ident.node_count, "host": ident.host, "run_id": ident.run_id, "pid": self.pid}

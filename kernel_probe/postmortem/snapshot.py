@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..sql.execute import TAG_TYPES
+from ..tags import Tags
 from .dump import reason_row, run_dir_name, write_dump
 
 NOT_DUMPED = frozenset({"nodes"})  # the root's own view: in the manifest already
@@ -58,8 +59,7 @@ def snapshot(client: Any, root: Path, *, timeout: float = 10.0,
     world = int(client.info_.get("world_size") or len(members))
     for rank, tables in sorted(by_rank.items()):
         m = members.get(rank, {})
-        tags = {"_rank": rank, "_node": m.get("node"), "_host": m.get("host"), "_local_rank": m.get("local_rank"),
-                "_role": m.get("role")}
+        tags = Tags.from_member(m, rank).to_dict()
         identity = {"rank": rank, "world_size": world, "local_rank": m.get("local_rank"), "node": m.get("node"),
                     "host": m.get("host"), "run_id": run_id, "pid": m.get("pid")}
         write_dump(root, run_id=run_id, tags=tags, identity=identity, reasons=[reason_row(rank, when, "snapshot")],

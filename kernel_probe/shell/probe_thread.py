@@ -29,6 +29,7 @@ from ..interpreter import EffectInterpreter
 from ..placement import curve_material, encrypts, signing_key
 from ..progress import StallDetector, main_stack_signature, stuck_where
 from ..rank_core import RankCore
+from ..tags import Tags
 from . import connfile
 from .endpoint import RankEndpoint, WakePipe, probe_context
 from .pidwatch import PidWatch
@@ -199,8 +200,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
     def _tags(self) -> dict:
         """This rank's tag columns (read from worker threads: plain attribute reads)."""
         ident = self.identity
-        return {"_rank": ident.rank, "_node": ident.node, "_host": ident.host, "_local_rank": ident.local_rank,
-                "_role": self.core.role}
+        return Tags.of(ident, self.core.role).to_dict()
 
     def _write_connection_file(self) -> None:
         try:

@@ -9,8 +9,8 @@ Rules of this file:
   (root).
 - Importing this module imports neither DuckDB nor sqlglot (the engine and the planner
   load them when a query actually runs); pyarrow is loaded inside the functions.
-- The executor adds the tag columns: each rank's local table gets ``_rank, _node, _host,
-  _local_rank, _role`` as constant columns before any rank SQL sees it (per-rank mode:
+- The executor adds the tag columns (``tags.TAGS``): each rank's local table gets
+  ``_rank, _node, _host, _local_rank, _role`` as constant columns before any rank SQL sees it (per-rank mode:
   the statement sees the untagged tables and the tags are appended to its result).
 - A rank that has no table of that name contributes ``None`` (no rows, no schema) to
   that scan, not an error; only when no answering rank had it does the root fail.
@@ -48,6 +48,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 from ..tables.convert import array
+from ..tags import TAG_TYPES
 from . import fast_paths
 from .fast_paths import const
 
@@ -63,12 +64,6 @@ log = logging.getLogger(__name__)
 
 PADDED_KEY = b"probing.padded"  # a scan result's schema metadata: the columns its ranks lacked
 SHAPE_CACHE_SIZE = 64
-
-# Arrow types of the tag columns (planner.TAGS, in that order: a test checks), fixed so every
-# rank's tables concatenate as they are. Not imported from the planner: a probe loads this
-# module at start, and the planner only when it is first asked a query.
-TAG_TYPES = {"_rank": "int64", "_node": "int64", "_host": "string", "_local_rank": "int64",
-             "_role": "string"}
 
 
 @functools.lru_cache(maxsize=1024)  # one entry per table in a rank; a virtual host holds many ranks

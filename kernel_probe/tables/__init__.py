@@ -48,7 +48,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(catalog, name)
     if name == "Ring":
-        from .ring import Ring
+        from ..ring import Ring
 
         return Ring
     raise AttributeError(name)

@@ -22,7 +22,7 @@ Built-in tables (columns in ``convert.SCHEMAS``):
 - ``process``      one row: pid, host, python, torch, argv, start_time, threads
 - ``env``          the environment, secret-looking names redacted
 - ``profile_ops``, ``profile_status``, ``profile_trace``  the last torch.profiler capture asked
-                   of this rank (``diagnosis.profile``): per op, where it is, its trace events
+                   of this rank (``tables.readers.profile``): per op, where it is, its trace events
 - ``tables``       the catalog: table_name, column_name, column_type (Arrow type), and a note
                    where a table is empty for a reason (no flight recorder to read)
 """
@@ -41,7 +41,7 @@ from ..config import Settings
 from ..progress import StepClock
 from . import convert, live
 from .recorders import Collectives, MemorySampler
-from .ring import Ring
+from ..ring import Ring
 
 log = logging.getLogger("kernel_probe")
 
@@ -81,11 +81,11 @@ class LocalTables:
         self._metrics_append = self._metrics.append
         self._memory = MemorySampler(settings.memory_rows, settings.memory_sample_sec)
         self._collectives = Collectives(settings.collectives_rows, enabled=settings.collectives)
-        self._profile: Any = None  # diagnosis.profile.ProfileCapture, made when a capture is first asked
+        self._profile: Any = None  # readers.profile.ProfileCapture, made when a capture is first asked
         self._user: dict[str, Any] = {}
         self._providers: dict[str, Callable[[], Any]] = {}
         self._last_stacks: tuple[list, Any] | None = None  # (rows, their table)
-        self._recorder: Any = None  # diagnosis.flight_recorder.Reader, made by the first query that reads it
+        self._recorder: Any = None  # readers.flight_recorder.Reader, made by the first query that reads it
         self._recorder_failed: str | None = None  # the last read of torch's flight recorder: why it gave nothing
         self._native_failed: str | None = None  # the last py-spy dump: why it gave no native frames
         # schemas of user callables as of their last call: the catalog never calls one (a slow
@@ -279,7 +279,7 @@ class LocalTables:
         Python frames (only when a query asks, on its worker thread; bounded by
         PROBING_NATIVE_STACKS_TIMEOUT_SEC). A dump that cannot be had leaves the Python
         frames, and its reason in the catalog's note of ``stacks``."""
-        from ..diagnosis import native_stacks
+        from .readers import native_stacks
 
         python_rows = live.stack_rows()
         dump = native_stacks.take_dump(self.settings.native_stacks_timeout_sec, self.settings.native_stacks_pyspy)
@@ -321,7 +321,7 @@ class LocalTables:
 
     def _flight_recorder(self):
         """torch's flight recorder now (only when a query reads it: never on a training thread)."""
-        from ..diagnosis import flight_recorder
+        from .readers import flight_recorder
 
         if self._recorder is None:
             self._recorder = flight_recorder.Reader()
@@ -332,7 +332,7 @@ class LocalTables:
     def _notes(self) -> dict[str, str]:
         """The catalog's note per table: why the flight recorder's tables hold nothing of it,
         why the last query asking for native stacks got none."""
-        from ..diagnosis import flight_recorder
+        from .readers import flight_recorder
 
         note = flight_recorder.availability() or self._recorder_failed
         notes = {} if note is None else {"collectives": note, "process_groups": note}
@@ -345,12 +345,12 @@ class LocalTables:
 
     @property
     def profile(self):
-        """This rank's profile capture (``diagnosis.profile``), made on first use: a job
+        """This rank's profile capture (``tables.readers.profile``), made on first use: a job
         never profiled never loads it."""
         if self._profile is None:
             with self._lock:
                 if self._profile is None:
-                    from ..diagnosis.profile import ProfileCapture
+                    from .readers.profile import ProfileCapture
 
                     capture = ProfileCapture(host=self.settings.node_host or socket.gethostname())
                     capture.attach(self.steps)

@@ -30,7 +30,7 @@ SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
                ("allocated_bytes", "int64"), ("reserved_bytes", "int64")),
     "metrics": (("ts", "float64"),),
     # the first PYTHON_COLLECTIVE_COLUMNS are the wrappers' rows (source 'python'); torch's flight
-    # recorder fills the rest too (source 'flight_recorder', diagnosis.flight_recorder)
+    # recorder fills the rest too (source 'flight_recorder', readers.flight_recorder)
     "collectives": (("ts", "float64"), ("op", "string"), ("bytes", "int64"), ("duration_ms", "float64"),
                     ("async_op", "bool"), ("source", "string"), ("group_id", "int64"), ("group_name", "string"),
                     ("group_desc", "string"), ("collective_seq_id", "int64"), ("p2p_seq_id", "int64"),
@@ -45,7 +45,7 @@ SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
     "env": (("name", "string"), ("value", "string")),
     "tables": (("table_name", "string"), ("column_name", "string"), ("column_type", "string"), ("note", "string")),
 }
-# the last profile capture asked of this rank (diagnosis.profile fills them)
+# the last profile capture asked of this rank (readers.profile fills them)
 SCHEMAS.update({
     "profile_ops": (("capture_id", "string"), ("step_first", "int64"), ("step_last", "int64"), ("op", "string"),
                     ("calls", "int64"), ("self_cpu_ms", "float64"), ("cpu_ms", "float64"),

@@ -18,7 +18,7 @@ SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH|COOK
 def stack_rows() -> list[tuple]:
     """(thread_id, thread_name, is_main, depth, frame_type, function, file, line) for every
     Python frame of every thread (frame_type 'python'), depth 0 = innermost; the main
-    thread first, then by thread id. Native frames: ``diagnosis.native_stacks``."""
+    thread first, then by thread id. Native frames: ``tables.readers.native_stacks``."""
     frames = sys._current_frames()
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
@@ -57,7 +57,7 @@ def process_row(host: str | None = None) -> tuple:
 def _start_and_threads() -> tuple[float, int]:
     """This process's start time (epoch seconds) and OS thread count: from /proc on Linux,
     since psutil would stay loaded in every rank once queried (~1.3 MB), else psutil."""
-    from ..shell.pidwatch import create_time
+    from ..procfs import create_time
 
     try:
         return float(create_time(os.getpid())), len(os.listdir("/proc/self/task"))

@@ -17,13 +17,13 @@ import time
 from typing import Any, Callable
 
 from ..progress import loaded_torch_module
-from .ring import Ring
+from ..ring import Ring
 
 log = logging.getLogger("kernel_probe")
 
 # The Python-level functions of torch.distributed that get wrapped. DDP's gradient
 # all-reduce runs in C++ (the reducer) and never passes through these: only torch's flight
-# recorder sees it (diagnosis.flight_recorder, read at query time).
+# recorder sees it (readers.flight_recorder, read at query time).
 COLLECTIVE_OPS = (
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_tensor", "reduce", "all_to_all", "all_to_all_single", "barrier", "gather",

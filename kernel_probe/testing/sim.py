@@ -78,6 +78,7 @@ from ..interpreter import EffectInterpreter
 from ..membership import Member
 from ..query_tasks import Finish
 from ..rank_core import RankCore
+from ..tags import Tags
 
 __all__ = ["T0", "Simulation", "Sent", "VirtualRank"]
 
@@ -579,8 +580,7 @@ class Simulation:
     def tags_of(self, rank: int) -> dict:
         """A rank's tag columns, as its probe gives them."""
         ident, core = self.ranks[rank].identity, self.ranks[rank].core
-        return {"_rank": rank, "_node": ident.node, "_host": ident.host, "_local_rank": ident.local_rank,
-                "_role": core.role if core is not None else ""}
+        return Tags.of(ident, core.role if core is not None else "").to_dict()
 
     def request(self, type_: str, body: dict, rank: int = 0, timeout: float = 30.0) -> wire.Envelope:
         """A client's request to ``rank`` (default: the root), through the wire; runs the

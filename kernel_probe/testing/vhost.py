@@ -66,6 +66,7 @@ from ..shell.endpoint import MemoryTrim, RankEndpoint, RefusalLimit, WakePipe, h
 from ..shell.pidwatch import PidWatch
 from ..shell.sql_tasks import SqlTaskRunner
 from ..summaries import parse_ranks
+from ..tags import Tags
 from .sim import SimTables
 
 __all__ = ["VirtualHost", "VirtualJob", "rows_of", "table_of", "endpoint_of", "rank_task_ms"]
@@ -161,10 +162,9 @@ class VirtualProbe(EffectInterpreter):
         self.core = RankCore(identity=identity, settings=host.settings, endpoint=endpoint, pid=os.getpid(),
                              incarnation=self.incarnation, now=time.time())
         self.core.info_extras = lambda: {"rejected": self.net.rejected(), "store": ""}
-        tags = {"_rank": rank, "_node": identity.node, "_host": identity.host,
-                "_local_rank": identity.local_rank}
         s = host.settings
-        self.sql = SqlTaskRunner(SimTables({"t": table_of(rank, host.rows)}), lambda: {**tags, "_role": self.core.role},
+        self.sql = SqlTaskRunner(SimTables({"t": table_of(rank, host.rows)}),
+                                 lambda: Tags.of(identity, self.core.role).to_dict(),
                                  row_cap=s.query_row_cap, threads=s.query_threads, memory_limit=s.query_memory,
                                  engine=host.engine)  # the process's one DuckDB engine
         self.armed: float | None = None  # the deadline this rank has in the host's heap
@@ -442,7 +442,7 @@ def rank_task_ms(sql: str, rows: int = 300, n: int = 128) -> float:
 
     engine = Engine(threads=1, memory_limit="1GB")
     runners = [SqlTaskRunner(SimTables({"t": table_of(r, rows)}),
-                             lambda r=r: {"_rank": r, "_node": r // 8, "_host": "h", "_local_rank": r % 8, "_role": ""},
+                             lambda r=r: Tags(r, r // 8, "h", r % 8, "").to_dict(),
                              row_cap=10**6, engine=engine) for r in range(n)]
     p = make_plan(sql, per_rank=False, catalog={"t": ["id", "g", "x"]})
     task = RankScan(dict(p.to_dict(), explain=p.explain()))

@@ -23,6 +23,7 @@ from jupyter_server.utils import url_path_join
 import kernel_probe
 from kernel_probe.client import ANSWER_GRACE, ProfileBusy
 from kernel_probe.frontend import MIN_WAIT_SEC, group_stacks, membership_view, parse_ranks, ranks_label, stacks_sql
+from kernel_probe.frontend import duration_text
 
 from .. import __version__
 from .captures import FAILED, Capture
@@ -368,7 +369,7 @@ class ProfileHandler(ProbingHandler):
             on = "every rank" if running.ranks is None else ranks_label(running.ranks)
             raise ApiError(409, "busy", f"a capture is already running in job {job.run_id or job_id} "
                                         f"({running.steps} step(s) on {on}, started "
-                                        f"{time.time() - running.started:.0f} s ago): one capture per job at a "
+                                        f"{duration_text(time.time() - running.started)} ago): one capture per job at a "
                                         "time; wait for it to finish or cancel it")
 
         async def run(capture: Capture) -> Any:

@@ -80,7 +80,7 @@ def start_torch_tools(rank: int) -> None:
 
 def dump_when_asked(root: Path, rank: int) -> None:
     """A hung main thread runs no Python: a thread of the rank writes its dumps when asked."""
-    from kernel_probe.diagnosis.flight_recorder import world_groups
+    from kernel_probe.tables.readers.flight_recorder import world_groups
 
     n = 0
     while True:

@@ -39,7 +39,7 @@ def recorder_dump() -> dict:
 
 
 def write_dump(dump_dir: Path, scenario: str, rank: int, dump: dict) -> None:
-    from kernel_probe.diagnosis.flight_recorder import world_groups
+    from kernel_probe.tables.readers.flight_recorder import world_groups
 
     record = {"scenario": scenario, "rank": rank, "world_size": dist.get_world_size(), "torch": torch.__version__,
               "dump": dump, "groups": world_groups()}

@@ -30,6 +30,7 @@ from ...query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlT
 from ...tables.arrow_ipc import ipc_to_table, table_to_ipc
 from ...tables.catalog import with_native_stacks
 from ...tables.convert import array, scalar
+from ...tags import Tags
 from .routing import QUICK_MAX_ROWS, Facts
 
 LIVE = (ALIVE, STALLED)  # ranks a query asks
@@ -337,8 +338,7 @@ class SqlWork:
         if task.ranks is not None:
             wanted = set(task.ranks)
             members = [m for m in members if m["rank"] in wanted]
-        tags = [{"_rank": m["rank"], "_node": m["node"], "_host": m["host"], "_local_rank": m["local_rank"],
-                 "_role": m["role"]} for m in members]
+        tags = [Tags.from_member(m).to_dict() for m in members]
         chosen, pruned = select_ranks(p, engine or self.engine, tags, params=task.params)
         state = {m["rank"]: m["state"] for m in members}
         live = [r for r in chosen if state[r] in LIVE]

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ...tags import TAGS
 from ..engine import QueryError
 
-TAGS = ("_rank", "_node", "_host", "_local_rank", "_role")
 NODES = "nodes"
 MODES = ("per-rank", "rank-local", "partial-aggregate", "top-k", "ship-rows", "root-only")
 _WHERES = ("ranks", "root")
@@ -151,7 +151,7 @@ class Plan:
         else:
             lines.append("prune: none (every live rank is targeted)")
         if self.mode == "per-rank":
-            lines.append("tags: _rank, _node, _host, _local_rank, _role appended to each rank's result")
+            lines.append(f"tags: {', '.join(TAGS)} appended to each rank's result")
         for s in self.scans:
             if s.where == "root":
                 lines.append(f"scan {s.name} (at the root over {', '.join(s.tables) or 'no tables'}):")

@@ -24,23 +24,15 @@ import os
 import sys
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from ..progress import loaded_torch_module, torch_initialized
-from ..tables.convert import SCHEMAS
+from ...dtypes import dtype_bytes
+from ...progress import loaded_torch_module, torch_initialized
+from ..convert import SCHEMAS
 
 # (dump name, function of torch._C._distributed_c10d that returns it as JSON)
 DUMPS = (("fr", "_dump_fr_trace_json"), ("nccl", "_dump_nccl_trace_json"))
 # the size of torch's ring: the first of these that is set (torch's own order)
 BUFFER_SIZE_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 SOURCE = "flight_recorder"
-
-# bytes per element of the dtypes the recorder names (c10::ScalarType's names)
-DTYPE_BYTES = {
-    "Bool": 1, "Byte": 1, "Char": 1, "QInt8": 1, "QUInt8": 1, "QUInt4x2": 1, "QUInt2x4": 1,
-    "Float8_e5m2": 1, "Float8_e4m3fn": 1, "Float8_e5m2fnuz": 1, "Float8_e4m3fnuz": 1, "Float8_e8m0fnu": 1,
-    "Short": 2, "Half": 2, "BFloat16": 2, "UInt16": 2, "ComplexHalf": 4,
-    "Int": 4, "Float": 4, "QInt32": 4, "UInt32": 4,
-    "Long": 8, "Double": 8, "ComplexFloat": 8, "UInt64": 8, "ComplexDouble": 16,
-}
 
 _COLLECTIVE_COLUMNS = tuple(col for col, _ in SCHEMAS["collectives"])
 _GROUP_COLUMNS = tuple(col for col, _ in SCHEMAS["process_groups"])
@@ -93,7 +85,7 @@ def tensor_bytes(sizes: Any, dtypes: Any) -> int | None:
         return None
     total = 0
     for shape, dtype in zip(sizes, dtypes):
-        width = DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
+        width = dtype_bytes(dtype) if isinstance(dtype, str) else None
         if width is None or not isinstance(shape, list):
             return None
         numel = 1

@@ -2,8 +2,8 @@
 
 Recording is ``ring.append(row)``: ``collections.deque(maxlen=N).append`` of one tuple,
 atomic under the GIL, O(1), no lock; the oldest row falls off when the ring is full.
-Readers (the probe thread, at query time) take ``snapshot()``. This module imports
-nothing from the package so that ``progress`` can use it without a cycle.
+Readers (the probe thread, at query time) take ``snapshot()``. It sits on the bottom floor,
+below ``progress`` (the steps' recorder) and ``tables`` (every other recorder), so both use it.
 """
 
 from __future__ import annotations
