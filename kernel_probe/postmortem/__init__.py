@@ -178,12 +178,7 @@ class DumpHooks:
             probe = self._probe()
             core = getattr(probe, "core", None)
             role = getattr(core, "role", None) or ident.role
-            nodes = None
-            if core is not None:
-                try:
-                    nodes = core.nodes_body()
-                except Exception:  # the probe thread changed it under us: no view rather than none at all
-                    nodes = None
+            nodes = getattr(probe, "membership", None)  # the snapshot the probe thread publishes
             tags = {"_rank": ident.rank, "_node": ident.node, "_host": ident.host,
                     "_local_rank": ident.local_rank, "_role": role}
             identity = {"rank": ident.rank, "world_size": ident.world_size, "local_rank": ident.local_rank,
