@@ -10,9 +10,12 @@ from __future__ import annotations
 import time
 
 import pytest
+import zmq
 
 import kernel_probe
-from kernel_probe.testing.vhost import VirtualJob, rows_of
+from kernel_probe import wire
+from kernel_probe.placement import curve_material
+from kernel_probe.testing.vhost import VirtualJob, endpoint_of, rows_of
 
 from .conftest import wait_for
 
@@ -80,3 +83,39 @@ def test_virtual_hosts_converge_answer_exactly_and_lose_a_dead_host(vjob):
         assert c.run_id == vjob.run_id
         r = c.query("SELECT count(*) AS n FROM t WHERE _rank < 8", timeout=30, strict=True)
         assert int(r.df["n"][0]) == sum(rows_of(k, ROWS) for k in range(8))
+
+
+def _asks_info(sock, codec) -> bool:
+    """Whether a signed info request on ``sock`` is answered within a second."""
+    sock.send_multipart(codec.encode(wire.Message("info_request", {})))
+    return bool(sock.poll(1000))
+
+
+def test_virtual_hosts_encrypt_every_rank_as_a_probe_does(runtime_dir):
+    """PROBING_CURVE=1: each virtual rank's sockets are under the job's CURVE keypair, derived as
+    a probe derives it, and the connection file tells clients so."""
+    env = {"PROBING_RUNTIME_DIR": str(runtime_dir), "PROBING_CURVE": "1", **FAST}
+    with VirtualJob(16, 2, 8, rows=ROWS, env=env) as job:
+        job.start().wait_ready(60)
+        assert job.wait_converged(30)["world"] == 16  # the tree itself talks under CURVE
+        curve = curve_material(job.token, job.key)
+        with kernel_probe.connect(job.connection_file, timeout=10) as c:
+            assert c.connection.curve == curve.hex()
+            r = c.query("SELECT count(*) AS n FROM t", timeout=30, strict=True)
+            assert int(r.df["n"][0]) == sum(rows_of(k, ROWS) for k in range(16))
+        ctx = zmq.Context()
+        try:
+            codec = wire.Codec(job.key, "test", "itest")
+            leaf = endpoint_of(9, job.base_port)  # a leaf on the second host
+            good, plain = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+            for sock, options in ((good, wire.curve_options(curve, server=False)), (plain, [])):
+                sock.setsockopt(zmq.LINGER, 0)
+                for option, value in options:
+                    sock.setsockopt(option, value)
+                sock.connect(leaf)
+            assert _asks_info(good, codec)
+            assert not _asks_info(plain, codec)  # a peer without the keypair is never heard
+            good.close()
+            plain.close()
+        finally:
+            ctx.term()

@@ -55,6 +55,11 @@ What is modelled, and how:
   1 ms later (the shell's next turn). A timer wake-up that does nothing and still
   leaves a due deadline is counted in ``spins``: the real shell would busy-loop there,
   and a core should never ask to be woken for nothing.
+- Profile captures: each rank has one (``diagnosis.profile.ProfileCapture``, made when
+  first asked, on the simulated clock), armed and cancelled through the core's effects
+  as in a probe; ``set_step`` plays the optimizer hook that starts and stops it, and a
+  ``SimProfiler`` stands in for torch.profiler (one op per step). With tables, the
+  ``profile_status``/``profile_ops``/``profile_trace`` tables read it, as a probe's do.
 - ``freeze``: the process is stopped (SIGSTOP). It handles nothing, its timers do not
   fire, messages to it queue, its pid stays alive. ``thaw`` handles the queue in
   order, then its timers. ``kill``: it exits; everything queued or in flight to it is
@@ -81,9 +86,10 @@ from ..query_tasks import Finish
 from ..rank_core import RankCore
 from ..stimuli import MessageIn, Placed, ProcessExited, SelfChanged, SendFailed, SqlTaskDone, Start, Stimulus, Tick
 
-__all__ = ["T0", "Simulation", "Sent", "VirtualRank"]
+__all__ = ["T0", "SimProfiler", "Simulation", "Sent", "VirtualRank"]
 
 T0 = 1_000_000.0  # the fake clock starts here (wall-clock-like, far from 0)
+PROFILE_TABLES = ("profile_ops", "profile_status", "profile_trace")
 PID_BASE = 10000
 MIN_WAIT = 0.001  # the shell's poll waits at least 1 ms for a deadline that is due
 
@@ -124,6 +130,8 @@ class VirtualRank:
     sent: int = 0
     shell: "_SimShell | None" = None
     sql: Any = None  # its SqlTaskRunner, when the simulation holds tables
+    capture: Any = None  # its profile capture, made when first asked (a new process: a new one)
+    step_hook: Any = None  # what the optimizer hook would call: ``.capture`` while one is armed
 
     @property
     def rid(self) -> bytes:
@@ -280,6 +288,8 @@ class Simulation:
         if self._tables is not None and v.sql is None:
             tag_of = self._tags or self.tags_of
             v.sql = _sim_sql_runner(self._tables(rank), lambda r=rank: tag_of(r), self.settings, self._sql_options)
+            v.sql.tables.profile = lambda v=v: v.capture
+        v.capture, v.step_hook = None, _StepHook()
         v.parent, v.conn, v.watches, v.pending, v.timer_at = None, 0, {}, deque(), None
         if self.discovery == "store":
             v.shell.feed(Start(use_store=True), self.now)
@@ -349,9 +359,24 @@ class Simulation:
         self._input(self.ranks[rank], lambda: SelfChanged(role=role), timer=False)
 
     def set_step(self, rank: int, step: int, ms: float | None = None) -> None:
+        """Step ``step`` ended on ``rank``'s training thread (which a frozen process does not run)."""
         v = self.ranks[rank]
+        if v.state == "up" and not v.frozen and v.step_hook.capture is not None:
+            v.step_hook.capture.on_step(step)  # the optimizer post hook, while a capture is armed
         v.step, v.step_time_ms = step, ms
         self._input(v, lambda: SelfChanged(step=step, step_time_ms=ms), timer=False)
+
+    def capture(self, rank: int) -> Any:
+        """``rank``'s profile capture (made on first use, as ``LocalTables.profile`` is)."""
+        v = self.ranks[rank]
+        if v.capture is None:
+            from ..diagnosis.profile import ProfileCapture
+
+            capture = ProfileCapture(wall=lambda: self.now, host=v.identity.host,
+                                     make_profiler=lambda: SimProfiler(lambda: self.now))
+            capture.attach(v.step_hook)
+            v.capture = capture
+        return v.capture
 
     def set_stalled(self, rank: int, stalled: bool = True) -> None:
         v = self.ranks[rank]
@@ -695,6 +720,45 @@ class _SimShell(RankShell):
     def run_store_op(self, op: StoreOp) -> object:
         return self.sim._store_op(op)
 
+    def profile_capture(self) -> Any:
+        return self.sim.capture(self.v.rank)
+
+
+class _StepHook:
+    """A simulated rank's step clock, as ``ProfileCapture.attach`` sees it."""
+
+    capture: Any = None
+
+
+class SimProfiler:
+    """torch.profiler's part in a simulated capture: one op, ``sim_step``, per step it ran."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.started = self.stopped = None
+
+    def start(self) -> None:
+        self.started = self.clock()
+
+    def stop(self) -> None:
+        self.stopped = self.clock()
+
+    def _us(self) -> float:
+        return max(0.0, (self.stopped or 0.0) - (self.started or 0.0)) * 1e6
+
+    def key_averages(self) -> list:
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(key="sim_step", count=1, self_cpu_time_total=self._us(), cpu_time_total=self._us())]
+
+    def export_chrome_trace(self, path: str) -> None:
+        import json
+
+        event = {"ph": "X", "name": "sim_step", "cat": "cpu_op", "ts": (self.started or 0.0) * 1e6,
+                 "dur": self._us(), "pid": 1, "tid": 1}
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"traceEvents": [event]}, fh)
+
 
 class SimTables:
     """A virtual rank's tables as the SQL runner reads a probe's: names(), arrow(name),
@@ -705,11 +769,20 @@ class SimTables:
         self._tables = dict(tables)
         self.listed = listed
         self.plain_served = 0  # tables served by ``plain``
+        self.profile: Callable[[], Any] | None = None  # the rank's profile capture (or None), when it has one
+
+    def _profile_tables(self) -> tuple[str, ...]:
+        return PROFILE_TABLES if self.profile is not None else ()
 
     def names(self) -> list[str]:
-        return sorted(set(self._tables if self.listed else ()) | {"tables"})
+        return sorted(set(self._tables if self.listed else ()) | {"tables"} | set(self._profile_tables()))
 
     def arrow(self, name: str):
+        if name in self._profile_tables():
+            from ..tables import convert
+
+            capture = self.profile()
+            return convert.rows_table(name, [] if capture is None else getattr(capture, name[len("profile_"):] + "_rows")())
         if name == "tables":
             if not self.listed:
                 import pyarrow as pa
@@ -726,7 +799,10 @@ class SimTables:
         return self._tables[name]
 
     def columns(self, at_once: bool = False) -> dict[str, list[str]]:
-        return {t: list(tab.column_names) for t, tab in self._tables.items()} if self.listed else {}
+        from ..tables.convert import SCHEMAS
+
+        listed = {t: list(tab.column_names) for t, tab in self._tables.items()} if self.listed else {}
+        return {**listed, **{t: [c for c, _ in SCHEMAS[t]] for t in self._profile_tables()}}
 
     def at_once(self, name: str, max_rows: int):
         table = self._tables.get(name)
