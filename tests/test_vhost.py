@@ -91,9 +91,10 @@ def _asks_info(sock, codec) -> bool:
     return bool(sock.poll(1000))
 
 
-def test_virtual_hosts_encrypt_every_rank_as_a_probe_does(runtime_dir):
+def test_virtual_hosts_encrypt_every_rank_as_a_probe_does_and_run_captures(runtime_dir):
     """PROBING_CURVE=1: each virtual rank's sockets are under the job's CURVE keypair, derived as
-    a probe derives it, and the connection file tells clients so."""
+    a probe derives it, and the connection file tells clients so; a client's profile() runs
+    over the encrypted virtual job."""
     env = {"PROBING_RUNTIME_DIR": str(runtime_dir), "PROBING_CURVE": "1", **FAST}
     with VirtualJob(16, 2, 8, rows=ROWS, env=env) as job:
         job.start().wait_ready(60)
@@ -103,6 +104,21 @@ def test_virtual_hosts_encrypt_every_rank_as_a_probe_does(runtime_dir):
             assert c.connection.curve == curve.hex()
             r = c.query("SELECT count(*) AS n FROM t", timeout=30, strict=True)
             assert int(r.df["n"][0]) == sum(rows_of(k, ROWS) for k in range(16))
+            # a capture armed through the tree, run at the virtual ranks' steps, read back by SQL
+            arm = {"action": "arm", "id": "c1", "ranks": [0, 9, 12], "steps": 2}
+            accepted = c.request("profile", arm, timeout=10).msg.body
+            assert accepted["ranks"] == [0, 9, 12] and accepted["refused"] == {}, accepted
+
+            def states() -> dict:
+                df = c.query("SELECT _rank, state FROM profile_status WHERE capture_id = 'c1'", timeout=10).df
+                return dict(zip(df["_rank"], df["state"]))
+
+            wait_for(lambda: states() == {0: "done", 9: "done", 12: "done"}, 20, interval=0.3, what="3 captures done")
+            ops = c.query("SELECT _rank, op FROM profile_ops ORDER BY _rank", timeout=10).df
+            assert list(ops["_rank"]) == [0, 9, 12] and set(ops["op"]) == {"sim_step"}
+            before = time.time()
+            clock = c.request("profile", {"action": "clock", "id": "k"}, timeout=10).msg.body
+            assert before <= clock["now"] <= time.time()  # the root's capture clock, read by its shell
         ctx = zmq.Context()
         try:
             codec = wire.Codec(job.key, "test", "itest")

@@ -86,7 +86,7 @@ from ..query_tasks import Finish
 from ..rank_core import RankCore
 from ..stimuli import MessageIn, Placed, ProcessExited, SelfChanged, SendFailed, SqlTaskDone, Start, Stimulus, Tick
 
-__all__ = ["T0", "SimProfiler", "Simulation", "Sent", "VirtualRank"]
+__all__ = ["T0", "SimProfiler", "Simulation", "Sent", "StepHook", "VirtualRank"]
 
 T0 = 1_000_000.0  # the fake clock starts here (wall-clock-like, far from 0)
 PROFILE_TABLES = ("profile_ops", "profile_status", "profile_trace")
@@ -289,7 +289,7 @@ class Simulation:
             tag_of = self._tags or self.tags_of
             v.sql = _sim_sql_runner(self._tables(rank), lambda r=rank: tag_of(r), self.settings, self._sql_options)
             v.sql.tables.profile = lambda v=v: v.capture
-        v.capture, v.step_hook = None, _StepHook()
+        v.capture, v.step_hook = None, StepHook()
         v.parent, v.conn, v.watches, v.pending, v.timer_at = None, 0, {}, deque(), None
         if self.discovery == "store":
             v.shell.feed(Start(use_store=True), self.now)
@@ -724,7 +724,7 @@ class _SimShell(RankShell):
         return self.sim.capture(self.v.rank)
 
 
-class _StepHook:
+class StepHook:
     """A simulated rank's step clock, as ``ProfileCapture.attach`` sees it."""
 
     capture: Any = None

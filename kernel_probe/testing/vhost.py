@@ -21,7 +21,11 @@ small table ``t`` (id, g, x); they differ from real probes only in what they sha
   that dies: all of its ranks are reported ``exited``.
 - The tree is fixed (no store): rank 0 is the root, rank ``per_node * n`` is node n's
   broker, the rest are leaves; rank r listens on ``base_port + r``.
-- No sampling of a main thread: virtual ranks make no steps and never stall.
+- No sampling of a main thread: virtual ranks make no steps and never stall, except for
+  a profile capture: each rank has one (made when first asked, as a probe's is), armed
+  through the core's effects, and while it is armed the rank ends a virtual step at every
+  sample tick (``testing.sim.SimProfiler`` stands in for torch.profiler), so a client's
+  ``profile()`` runs end to end over the virtual job.
 
 Launch one host per range of ranks (a range must hold whole nodes)::
 
@@ -71,7 +75,7 @@ from ..shell.pidwatch import PidWatch
 from ..shell.sql_tasks import SqlTaskRunner
 from ..stimuli import Placed, ProcessExited
 from ..summaries import parse_ranks
-from .sim import SimTables
+from .sim import SimProfiler, SimTables, StepHook
 
 __all__ = ["VirtualHost", "VirtualJob", "rows_of", "table_of", "endpoint_of", "rank_task_ms"]
 
@@ -171,7 +175,12 @@ class VirtualProbe(SocketShell):
         tags = {"_rank": rank, "_node": identity.node, "_host": identity.host,
                 "_local_rank": identity.local_rank}
         s = host.settings
-        self.sql = SqlTaskRunner(SimTables({"t": table_of(rank, host.rows)}), lambda: {**tags, "_role": self.core.role},
+        tables = SimTables({"t": table_of(rank, host.rows)})
+        tables.profile = lambda: self.capture
+        self.capture: Any = None  # diagnosis.profile.ProfileCapture, made when first asked
+        self.step_hook = StepHook()  # ``.capture`` while one is armed: the host's sample tick steps it
+        self.steps = 0
+        self.sql = SqlTaskRunner(tables, lambda: {**tags, "_role": self.core.role},
                                  row_cap=s.query_row_cap, threads=s.query_threads, memory_limit=s.query_memory,
                                  engine=host.engine)  # the process's one DuckDB engine
         self.armed: float | None = None  # the deadline this rank has in the host's heap
@@ -206,6 +215,21 @@ class VirtualProbe(SocketShell):
 
     def run_store_op(self, op: StoreOp) -> object:
         return {"error": "a virtual host has a fixed tree and no store"}
+
+    def profile_capture(self) -> Any:
+        if self.capture is None:
+            from ..diagnosis.profile import ProfileCapture
+
+            self.capture = ProfileCapture(host=self.host.hostname, make_profiler=lambda: SimProfiler(time.time))
+            self.capture.attach(self.step_hook)
+        return self.capture
+
+    def virtual_step(self) -> None:
+        """A step end, while a capture is armed (the optimizer hook's call)."""
+        capture = self.step_hook.capture
+        if capture is not None:
+            self.steps += 1
+            capture.on_step(self.steps)
 
 
 class VirtualHost:
@@ -375,6 +399,8 @@ class VirtualHost:
                 probe.settle()
             if now >= next_sample:
                 next_sample = now + sample_every
+                for probe in self.probes.values():
+                    probe.virtual_step()
                 for rank, key in self.pids.poll():
                     probe = self.probes[rank]
                     probe.feed(ProcessExited(key), now)
