@@ -169,3 +169,40 @@ def test_a_capture_on_a_frozen_rank_waits_and_a_cancel_reaches_it(sim):
     assert sim.ranks[2].capture.state == sim.ranks[3].capture.state == "cancelled"
     notes = [text for _, rank, text in sim.notes if "profile" in text]
     assert notes == []  # nothing refused
+
+
+class _RootShell(RankShell):
+    """A real root core in the shared shell, with a transport that only keeps what it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.core, self.t, self.sent = _core(rank=0), 10.0, []
+
+    def now(self) -> float:
+        return self.t
+
+    def send(self, effect: Send) -> None:
+        self.sent.append(effect)
+
+    def note(self, text: str) -> None:
+        pass
+
+    def watch_pid(self, key: object, pid: int) -> None:
+        pass
+
+    def unwatch_pid(self, key: object) -> None:
+        pass
+
+
+def test_the_shell_publishes_the_membership_for_other_threads_only_when_it_changed():
+    shell = _RootShell()
+    assert shell.membership is None
+    shell.feed(stimuli.Placed("root", None, None))
+    shell.sample(10.0, stimuli.SelfChanged(step=1))
+    first = shell.membership
+    assert [m["rank"] for m in first["members"]] == [0] and first == shell.core.nodes_body()
+    shell.sample(10.5, None)
+    assert shell.membership is first  # nothing changed: not rebuilt
+    shell.sample(11.0, stimuli.SelfChanged(role="trainer"))
+    assert shell.membership is not first and shell.membership["members"][0]["role"] == "trainer"
+    assert first["members"][0]["role"] == ""  # what was handed over stays as it was

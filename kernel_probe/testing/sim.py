@@ -394,7 +394,8 @@ class Simulation:
             if v.starts == starts:
                 v.sampling = False
             return
-        v.shell.sample(self.now, SelfChanged(step=v.step, step_time_ms=v.step_time_ms, stalled=v.stalled))
+        # (fed, not ``sample``d: nobody reads a simulated rank's published membership)
+        v.shell.feed(SelfChanged(step=v.step, step_time_ms=v.step_time_ms, stalled=v.stalled), self.now)
         self._arm(v)
         self._at(self.now + self.sample_sec, lambda: self._sample(v, starts))
 
