@@ -108,11 +108,11 @@ class RankCore:
         self._report_seq = 0
         self.fanout = QueryFanOut(self)  # the query plane rides the same tree
         self.profile = ProfilePlane(self)  # and so does arming profile captures
-        self.placement: Placement | None = None  # set by start(); tests may call set_topology directly
+        self.placement: Placement | None = None  # set by Start; a fixed tree (Placed) has none
         self._watched: dict[int, int] = {}  # rank -> pid under the pid watch
         self._watched_epoch = -1
         self._losses_epoch = 0  # membership changes up to here were shown to queries in flight
-        self._self_seen: float | None = None  # when on_timer last put our own report in the registry
+        self._self_seen: float | None = None  # when a Tick last put our own report in the registry
 
     # --- the one entry -------------------------------------------------------------
     def handle(self, stimulus: st.Stimulus, now: float) -> list[Effect]:
@@ -134,7 +134,6 @@ class RankCore:
 
     def _on_store_result(self, op: str, result: object, now: float) -> list[Effect]:
         """The outcome of a ``StoreOp`` (see ``placement``)."""
-        self.now = now
         if self.placement is None:
             return []
         return self._placed(self.placement.on_store_result(op, result, now), now)
@@ -190,7 +189,6 @@ class RankCore:
         return self._on_timer(now)
 
     def _on_timer(self, now: float) -> list[Effect]:
-        self.now = now
         effects: list[Effect] = []
         if self.placement is not None and not self.placement.done:
             effects += self.placement.on_timer(now)
@@ -256,7 +254,6 @@ class RankCore:
 
     def _on_message(self, env: Envelope, sender: bytes | None, now: float) -> list[Effect]:
         """A verified message; ``sender`` is the routing id, or PARENT for the parent link."""
-        self.now = now
         kind, body = env.msg.type, env.msg.body
         if sender is PARENT:
             if kind == "heartbeat_ack" and self._outstanding and env.msg.corr_id == self._outstanding[0]:
@@ -330,7 +327,6 @@ class RankCore:
 
     def _on_sql_task_done(self, task_id: str, result: dict, now: float) -> list[Effect]:
         """SQL work a ``RunSqlTask`` asked for has finished (on a worker thread)."""
-        self.now = now
         return self.fanout.on_sql_task_done(task_id, result, now)
 
     # --- the narrow view the query fan-out has of the tree (query_fanout.Tree) ---------
