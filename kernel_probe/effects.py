@@ -1,8 +1,10 @@
 """What the sans-IO cores ask their shell to do: one small immutable class per effect.
 
-The rank core (membership) and the query fan-out return lists of these; exactly one
-interpreter (``interpreter.EffectInterpreter``) carries them out, shared by the real
-probe thread and the simulator, so a simulated job does everything a real one does.
+The rank core (membership, the query fan-out, the profile plane) answers every stimulus
+(``stimuli``) with a list of these; exactly one interpreter (``interpreter.RankShell``)
+carries them out, shared by the real probe thread and both simulators, so a simulated job
+does everything a real one does. An effect whose outcome the core needs (SQL work, a store
+step, a capture armed, a clock read) names a ticket; the outcome comes back as a stimulus.
 Nothing here knows sockets, threads or clocks.
 """
 
@@ -56,7 +58,7 @@ class Note:
 class RunSqlTask:
     """Run SQL work (``query_tasks``: plan, a rank's scans, a shipped scan, merge, finish,
     warm-up) off the I/O thread, unless it is quick. Its outcome comes back through
-    ``RankCore.on_sql_task_done(task_id, result, now)``."""
+    ``stimuli.SqlTaskDone(task_id, result)``."""
 
     task_id: str
     task: SqlTask
@@ -66,11 +68,31 @@ class RunSqlTask:
 class StoreOp:
     """One step of discovery through the job's TCPStore (see ``placement``): ``op`` is
     publish_master | elect_local0 | read_local0 | read_master. Its outcome comes back
-    through ``RankCore.on_store_result(op, result, now)`` (``None``: not there yet; an
-    exception text under ``"error"``: the store failed)."""
+    as ``stimuli.StoreResult(op, result)`` (``None``: not there yet; an exception text
+    under ``"error"``: the store failed)."""
 
     op: str
     args: dict
 
 
-Effect = Union[Send, ConnectParent, WatchPid, UnwatchPid, Note, RunSqlTask, StoreOp]
+@dataclass(frozen=True)
+class CaptureAction:
+    """Arm (``action`` "arm", for ``steps`` steps) or cancel (``capture_id`` None: whatever
+    runs) this rank's profile capture. The outcome comes back as
+    ``stimuli.CaptureActed(ticket, refused)``."""
+
+    ticket: str
+    action: str
+    capture_id: str | None
+    steps: int = 1
+
+
+@dataclass(frozen=True)
+class ReadClock:
+    """Read this rank's capture clock (the wall clock its trace timestamps are on); it comes
+    back as ``stimuli.ClockRead(ticket, now)``."""
+
+    ticket: str
+
+
+Effect = Union[Send, ConnectParent, WatchPid, UnwatchPid, Note, RunSqlTask, StoreOp, CaptureAction, ReadClock]

@@ -11,79 +11,116 @@ done (the query's coverage names the ranks that died or cannot be reached), then
 ``profile_ops`` and ``profile_trace``. One capture per job: the client checks
 ``profile_status`` first, and a rank refuses to arm while another capture is active.
 
-Sans-IO: the rank's capture is reached through ``Tree.profile_capture`` (a callable
-returning ``diagnosis.profile.ProfileCapture``; None where the probe cannot profile).
-Only the root answers, to the client that asked: which ranks the request was passed on
-to, which it could not reach, and its own refusal if any.
+Sans-IO: arming or cancelling the rank's capture is a ``CaptureAction`` effect and the clock
+ping a ``ReadClock`` effect, carried out by the shell (``interpreter.RankShell``: the probe
+thread's capture is ``LocalTables.profile``, a simulated rank's is its own); their outcomes
+come back as ``stimuli.CaptureActed`` and ``stimuli.ClockRead``, and only then does the root
+answer. Only the root answers, to the client that asked: which ranks the request was
+passed on to, which it could not reach, and its own refusal if any.
 
-``clock`` is a ping of the root alone: it answers its wall clock (``now``), which the client
-brackets with its own send and receive times to put every rank's trace on the root's clock
-(``client.profiles.ClockOffsets``).
+``clock`` is a ping of the root alone: it answers its capture's wall clock (``now``), which
+the client brackets with its own send and receive times to put every rank's trace on the
+root's clock (``client.profiles.ClockOffsets``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+from dataclasses import dataclass
 from typing import Any
 
-from .effects import PARENT, Effect, Note, Send
+from .effects import PARENT, CaptureAction, Effect, Note, ReadClock, Send
 from .wire import Envelope, Message
 
 ACTIONS = ("arm", "cancel")
 CLOCK = "clock"
 
 
-def on_profile(core: Any, sender: bytes | None, env: Envelope, now: float) -> list[Effect]:
-    """A ``profile`` request from a client (``sender`` its routing id) or from the parent."""
-    body = env.msg.body
-    action, capture_id = body.get("action"), body.get("id")
-    ranks = [r for r in body.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool)]
-    if action == CLOCK and sender is not PARENT:
-        return [_clock(core, sender, env)]
-    if action not in ACTIONS:
-        return [] if sender is PARENT else [_error(sender, env, f"unknown profile action {action!r}")]
-    out: list[Effect] = []
-    refused: dict[str, str] = {}
-    if core.rank in ranks:
-        why = _act_here(core, action, capture_id, body.get("steps"))
-        if why is not None:
-            refused[str(core.rank)] = why
-            out.append(Note(f"profile {capture_id}: {why}"))
-    hops = core.hops([r for r in ranks if r != core.rank])
-    by_child: dict[bytes, list[int]] = {}
-    for rank, (_hop, rid) in hops.items():
-        by_child.setdefault(rid, []).append(rank)
-    for rid, below in by_child.items():
-        out.append(Send(rid, Message("profile", {**body, "ranks": below})))
-    if sender is not PARENT:
-        reached = sorted(hops) + ([core.rank] if core.rank in ranks and not refused else [])
-        unreachable = sorted(set(ranks) - set(hops) - {core.rank})
-        out.append(Send(sender, Message("profile", {"action": "accepted", "id": capture_id, "ranks": sorted(reached),
-                                                    "unreachable": unreachable, "refused": refused},
-                                        corr_id=env.header.msg_id)))
-    return out
+MAX_PENDING = 64  # answers waiting for their capture's outcome (each shell answers at once)
 
 
-def _act_here(core: Any, action: str, capture_id: Any, steps: Any) -> str | None:
-    get = getattr(core, "profile_capture", None)
-    if get is None:
-        return "this probe cannot profile"
-    try:
-        capture = get()
-        if action == "arm":
-            capture.arm(str(capture_id), int(steps) if isinstance(steps, int) else 1)
-        else:
-            capture.cancel(None if capture_id in (None, "") else str(capture_id))
-    except Exception as exc:  # CaptureBusy, or a capture that cannot be made here
-        return str(exc) or type(exc).__name__
-    return None
+@dataclass(frozen=True)
+class _Answer:
+    """What the root answers once its own capture has acted (``to`` None: asked by the parent)."""
+
+    to: bytes | None
+    corr_id: str | None
+    capture_id: Any
+    reached: list[int]
+    unreachable: list[int]
 
 
-def _clock(core: Any, sender: bytes | None, env: Envelope) -> Send:
-    get = getattr(core, "profile_capture", None)
-    if get is None:
-        return _error(sender, env, "this probe cannot profile")
-    body = {"action": CLOCK, "id": str(env.msg.body.get("id") or ""), "now": float(get().now())}
-    return Send(sender, Message("profile", body, corr_id=env.header.msg_id))
+class ProfilePlane:
+    """One rank's part in arming captures: pass the request on, act here, answer the client."""
+
+    def __init__(self, tree: Any) -> None:
+        self.tree = tree  # rank, hops(ranks): as the query fan-out sees the tree
+        self._tickets = itertools.count(1)
+        self._pending: dict[str, _Answer | tuple[bytes | None, str | None, str]] = {}
+
+    def _ticket(self, pending: Any) -> str:
+        ticket = f"profile-{next(self._tickets)}"
+        if len(self._pending) >= MAX_PENDING:  # a shell that never answers: forget the oldest
+            del self._pending[next(iter(self._pending))]
+        self._pending[ticket] = pending
+        return ticket
+
+    def on_profile(self, sender: bytes | None, env: Envelope, now: float) -> list[Effect]:
+        """A ``profile`` request from a client (``sender`` its routing id) or from the parent."""
+        tree, body = self.tree, env.msg.body
+        action, capture_id = body.get("action"), body.get("id")
+        ranks = [r for r in body.get("ranks") or () if isinstance(r, int) and not isinstance(r, bool)]
+        if action == CLOCK and sender is not PARENT:
+            return [ReadClock(self._ticket((sender, env.header.msg_id, str(body.get("id") or ""))))]
+        if action not in ACTIONS:
+            return [] if sender is PARENT else [_error(sender, env, f"unknown profile action {action!r}")]
+        hops = tree.hops([r for r in ranks if r != tree.rank])
+        answer = _Answer(sender, env.header.msg_id, capture_id, sorted(hops),
+                         sorted(set(ranks) - set(hops) - {tree.rank}))
+        out: list[Effect] = []
+        if tree.rank in ranks:  # acted on here first; the answer waits for the outcome
+            steps = body.get("steps")
+            cid = None if action == "cancel" and capture_id in (None, "") else str(capture_id)
+            out.append(CaptureAction(self._ticket(answer), action, cid, int(steps) if isinstance(steps, int) else 1))
+        by_child: dict[bytes, list[int]] = {}
+        for rank, (_hop, rid) in hops.items():
+            by_child.setdefault(rid, []).append(rank)
+        for rid, below in by_child.items():
+            out.append(Send(rid, Message("profile", {**body, "ranks": below})))
+        if tree.rank not in ranks and sender is not PARENT:
+            out.append(_accepted(answer, {}))
+        return out
+
+    def on_capture_acted(self, ticket: str, refused: str | None) -> list[Effect]:
+        answer = self._pending.pop(ticket, None)
+        if not isinstance(answer, _Answer):
+            return []
+        out: list[Effect] = []
+        why: dict[str, str] = {}
+        if refused is not None:
+            why[str(self.tree.rank)] = refused
+            out.append(Note(f"profile {answer.capture_id}: {refused}"))
+        if answer.to is not PARENT:
+            reached = answer.reached if refused is not None else sorted(answer.reached + [self.tree.rank])
+            out.append(_accepted(dataclasses.replace(answer, reached=reached), why))
+        return out
+
+    def on_clock_read(self, ticket: str, now: float | None) -> list[Effect]:
+        asked = self._pending.pop(ticket, None)
+        if not isinstance(asked, tuple):
+            return []
+        to, corr_id, clock_id = asked
+        if now is None:
+            return [Send(to, Message("error", {"code": "bad_request", "message": "this probe cannot profile"},
+                                     corr_id=corr_id))]
+        return [Send(to, Message("profile", {"action": CLOCK, "id": clock_id, "now": float(now)}, corr_id=corr_id))]
+
+
+def _accepted(answer: _Answer, refused: dict[str, str]) -> Send:
+    return Send(answer.to, Message("profile", {"action": "accepted", "id": answer.capture_id, "ranks": answer.reached,
+                                               "unreachable": answer.unreachable, "refused": refused},
+                                   corr_id=answer.corr_id))
 
 
 def _error(sender: bytes | None, env: Envelope, message: str) -> Send:

@@ -1,10 +1,12 @@
 """The sans-IO core of one rank's probe: its place in the tree and its heartbeats.
 
 Rules of this file:
-- No sockets, no threads, no clock. Every input carries ``now``; every output is an
-  *effect* (send this message, connect the parent socket there, watch that pid) that
-  the I/O shell carries out. That is why many cores can run in one process (scale
-  simulation) and why every decision is tested without a network.
+- No sockets, no threads, no clock. One entry, ``handle(stimulus, now)``: every input
+  is a ``stimuli`` object with the time now, every output an *effect* (send this
+  message, connect the parent socket there, watch that pid, arm the capture) that the
+  one interpreter (``interpreter.RankShell``) carries out. That is why many cores can
+  run in one process (scale simulation) and why every decision is tested without a
+  network.
 - Tiers: the root (global rank 0) owns the job's registry; a broker (its node's
   elected local0) owns its node's registry and reports it up as one batch; a leaf
   reports itself. Children dial up; replies and pushes travel back on the same pair.
@@ -17,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import profile_plane
+from . import stimuli as st
 from .config import Identity, Settings
 from .effects import PARENT, ConnectParent, Effect, Note, Send, UnwatchPid, WatchPid
 from .membership import REPORT_FIELDS, Backoff, Registry
 from .placement import Place, Placement
+from .profile_plane import ProfilePlane
 from .query_fanout import QueryFanOut
 from .wire import PROTOCOL_VERSION, Envelope, Message
 
@@ -72,7 +75,6 @@ class RankCore:
     stalled: bool = False
     stalled_where: str = ""  # where the main thread is stuck while stalled (its innermost frame)
     info_extras: Callable[[], dict] | None = None  # facts only the shell has (rejected counts, store://)
-    profile_capture: Callable[[], Any] | None = None  # this rank's profile capture (profile_plane); None: cannot
 
     registry: Registry = field(init=False)  # authoritative: the job (root) or the node (broker)
     mirror: Registry = field(init=False)  # the job's membership as pushed down by the parent
@@ -105,23 +107,33 @@ class RankCore:
         self._push_at: float | None = None
         self._report_seq = 0
         self.fanout = QueryFanOut(self)  # the query plane rides the same tree
-        self.placement: Placement | None = None  # set by start(); tests may call set_topology directly
+        self.profile = ProfilePlane(self)  # and so does arming profile captures
+        self.placement: Placement | None = None  # set by Start; a fixed tree (Placed) has none
         self._watched: dict[int, int] = {}  # rank -> pid under the pid watch
         self._watched_epoch = -1
         self._losses_epoch = 0  # membership changes up to here were shown to queries in flight
-        self._self_seen: float | None = None  # when on_timer last put our own report in the registry
+        self._self_seen: float | None = None  # when a Tick last put our own report in the registry
+
+    # --- the one entry -------------------------------------------------------------
+    def handle(self, stimulus: st.Stimulus, now: float) -> list[Effect]:
+        """Everything the shell hears goes in here, with the time now; what the core wants
+        done comes out. Raises TypeError on a stimulus no handler takes."""
+        handler = _HANDLERS.get(type(stimulus))
+        if handler is None:
+            raise TypeError(f"the rank core does not take {stimulus!r}")
+        self.now = now
+        return handler(self, stimulus, now)
 
     # --- inputs ---------------------------------------------------------------------
-    def start(self, now: float, *, use_store: bool) -> list[Effect]:
+    def _start(self, now: float, *, use_store: bool) -> list[Effect]:
         """Begin: find this rank's place (through the job's store when ``use_store``)."""
         record = {"endpoint": self.endpoint, "rank": self.identity.rank, "incarnation": self.incarnation,
                   "pid": self.pid, "host": self.identity.host}
         self.placement = Placement(self.identity, self.settings, record, use_store=use_store)
         return self._placed(self.placement.start(now), now)
 
-    def on_store_result(self, op: str, result: object, now: float) -> list[Effect]:
+    def _on_store_result(self, op: str, result: object, now: float) -> list[Effect]:
         """The outcome of a ``StoreOp`` (see ``placement``)."""
-        self.now = now
         if self.placement is None:
             return []
         return self._placed(self.placement.on_store_result(op, result, now), now)
@@ -130,12 +142,12 @@ class RankCore:
         effects: list[Effect] = []
         for out in outputs:
             if isinstance(out, Place):
-                effects += self.set_topology(out.tier, out.parent, out.root, now)
+                effects += self._set_topology(out.tier, out.parent, out.root, now)
             else:
                 effects.append(out)
         return effects
 
-    def set_topology(self, tier: str, parent: str | None, root: str | None, now: float) -> list[Effect]:
+    def _set_topology(self, tier: str, parent: str | None, root: str | None, now: float) -> list[Effect]:
         """Discovery resolved where this rank sits (a broker may learn its parent later:
         it serves its leaves meanwhile); start reporting at once."""
         effects: list[Effect] = [Note(f"tier {tier}, parent {parent or '-'}")]
@@ -147,9 +159,9 @@ class RankCore:
             self.registry.observe(self.report(), now)
         if parent != (self.parent.endpoint if self.parent else None):
             effects += self._set_parent(parent, now)
-        return effects + self.on_timer(now)
+        return effects + self._on_timer(now)
 
-    def update_self(self, now: float, *, role: str | None = None, step: int | None = None,
+    def _update_self(self, now: float, *, role: str | None = None, step: int | None = None,
                     step_time_ms: float | None = None, stalled: bool | None = None,
                     stalled_where: str = "", compute_ms: float | None = None,
                     comm_wait_ms: float | None = None) -> list[Effect]:
@@ -174,10 +186,9 @@ class RankCore:
         if urgent and self.parent is not None:
             self.backoff.reset()
             self._report_at = now
-        return self.on_timer(now)
+        return self._on_timer(now)
 
-    def on_timer(self, now: float) -> list[Effect]:
-        self.now = now
+    def _on_timer(self, now: float) -> list[Effect]:
         effects: list[Effect] = []
         if self.placement is not None and not self.placement.done:
             effects += self.placement.on_timer(now)
@@ -241,9 +252,8 @@ class RankCore:
                 effects.append(UnwatchPid(r))
         return effects
 
-    def on_message(self, env: Envelope, sender: bytes | None, now: float) -> list[Effect]:
+    def _on_message(self, env: Envelope, sender: bytes | None, now: float) -> list[Effect]:
         """A verified message; ``sender`` is the routing id, or PARENT for the parent link."""
-        self.now = now
         kind, body = env.msg.type, env.msg.body
         if sender is PARENT:
             if kind == "heartbeat_ack" and self._outstanding and env.msg.corr_id == self._outstanding[0]:
@@ -255,7 +265,7 @@ class RankCore:
             if kind == "warm":
                 return self.fanout.on_warm(now)
             if kind == "profile":
-                return profile_plane.on_profile(self, PARENT, env, now)
+                return self.profile.on_profile(PARENT, env, now)
             if kind == "error" and self._outstanding and env.msg.corr_id == self._outstanding[0]:
                 return self._report_failed(now, f"parent answered {body.get('code')}")
             return []
@@ -271,18 +281,18 @@ class RankCore:
             warm = self.fanout.on_client_hello(now) if body.get("warm") is True else []
             return [Send(sender, Message("info", self.info(), corr_id=env.header.msg_id))] + warm
         if kind == "profile":
-            return profile_plane.on_profile(self, sender, env, now)
+            return self.profile.on_profile(sender, env, now)
         if kind == "nodes_request":
             return [Send(sender, Message("nodes", self.nodes_body(), corr_id=env.header.msg_id))]
         return [Send(sender, Message("error", {"code": "unsupported", "message": f"this probe does not serve {kind!r}"},
                                       corr_id=env.header.msg_id))]
 
-    def on_send_failed(self, now: float) -> list[Effect]:
+    def _on_send_failed(self, now: float) -> list[Effect]:
         """The parent link could not take the report (not connected yet, or gone)."""
         self._outstanding = None
         return self._report_failed(now, "parent not reachable")
 
-    def on_process_exit(self, key: object, now: float) -> list[Effect]:
+    def _on_process_exit(self, key: object, now: float) -> list[Effect]:
         """The pid watch saw a process end: a child rank, or our own parent."""
         if key == "parent":
             return self._parent_lost(now, "parent process exited")
@@ -291,10 +301,10 @@ class RankCore:
             if member is not None:
                 self.registry.mark_dead(key, member.incarnation, "exited", now)
                 self._drop_child_rank(key)
-            return self.on_timer(now)
+            return self._on_timer(now)
         return []
 
-    def goodbye(self) -> list[Effect]:
+    def _goodbye(self) -> list[Effect]:
         """Clean shutdown: tell the parent at once instead of letting it wait a TTL."""
         if self.parent is None:
             return []
@@ -315,9 +325,8 @@ class RankCore:
             times.append(self.placement.next_deadline())
         return min((t for t in times if t is not None), default=None)
 
-    def on_sql_task_done(self, task_id: str, result: dict, now: float) -> list[Effect]:
+    def _on_sql_task_done(self, task_id: str, result: dict, now: float) -> list[Effect]:
         """SQL work a ``RunSqlTask`` asked for has finished (on a worker thread)."""
-        self.now = now
         return self.fanout.on_sql_task_done(task_id, result, now)
 
     # --- the narrow view the query fan-out has of the tree (query_fanout.Tree) ---------
@@ -586,7 +595,7 @@ class RankCore:
         }
         child.known_epoch = view.epoch
         effects.append(Send(rid, Message("heartbeat_ack", ack, corr_id=env.header.msg_id)))
-        return effects + self.on_timer(now)
+        return effects + self._on_timer(now)
 
     def _vouch_ignored(self, report: dict, broker: int) -> bool:
         """A broker's word that a rank is dead counts only while that broker is the rank's path."""
@@ -601,11 +610,29 @@ class RankCore:
         if member is not None and member.incarnation == body.get("incarnation"):
             self.registry.mark_dead(rank, member.incarnation, "left", now)
             self._drop_child_rank(rank)
-        return self.on_timer(now)
+        return self._on_timer(now)
 
     def _drop_child_rank(self, rank: int) -> None:
         for rid in [rid for rid, c in self.children.items() if c.rank == rank]:
             del self.children[rid]
+
+
+_HANDLERS: dict[type, Callable[[RankCore, Any, float], list[Effect]]] = {
+    st.Start: lambda core, s, now: core._start(now, use_store=s.use_store),
+    st.Placed: lambda core, s, now: core._set_topology(s.tier, s.parent, s.root, now),
+    st.StoreResult: lambda core, s, now: core._on_store_result(s.op, s.result, now),
+    st.Tick: lambda core, s, now: core._on_timer(now),
+    st.MessageIn: lambda core, s, now: core._on_message(s.env, s.sender, now),
+    st.SendFailed: lambda core, s, now: core._on_send_failed(now),
+    st.SelfChanged: lambda core, s, now: core._update_self(
+        now, role=s.role, step=s.step, step_time_ms=s.step_time_ms, stalled=s.stalled,
+        stalled_where=s.stalled_where, compute_ms=s.compute_ms, comm_wait_ms=s.comm_wait_ms),
+    st.ProcessExited: lambda core, s, now: core._on_process_exit(s.key, now),
+    st.SqlTaskDone: lambda core, s, now: core._on_sql_task_done(s.task_id, s.result, now),
+    st.CaptureActed: lambda core, s, now: core.profile.on_capture_acted(s.ticket, s.refused),
+    st.ClockRead: lambda core, s, now: core.profile.on_clock_read(s.ticket, s.now),
+    st.Leaving: lambda core, s, now: core._goodbye(),
+}
 
 
 def _node_of(report: dict) -> int:

@@ -26,9 +26,10 @@ import zmq
 import kernel_probe
 from kernel_probe import wire
 from kernel_probe.effects import PARENT, Send
-from kernel_probe.interpreter import EffectInterpreter
+from kernel_probe.interpreter import RankShell
 from kernel_probe.shell import endpoint
 from kernel_probe.shell.endpoint import MAX_BATCH, REFUSALS_PER_SEC, MemoryTrim, RankEndpoint, RefusalLimit
+from kernel_probe.stimuli import MessageIn, SendFailed
 from tests.support.hostile import HostilePeer, bursts, root_and_leaf
 
 from .conftest import wait_for
@@ -79,16 +80,15 @@ class _Core:
         self.heard: list[tuple[str, object]] = []
         self.send_failed = 0
 
-    def on_message(self, env: wire.Envelope, rid: object, now: float) -> list:
-        self.heard.append((env.msg.type, rid))
+    def handle(self, stimulus: object, now: float) -> list:
+        if isinstance(stimulus, MessageIn):
+            self.heard.append((stimulus.env.msg.type, stimulus.sender))
+        elif isinstance(stimulus, SendFailed):
+            self.send_failed += 1
         return []
 
-    def on_send_failed(self, now: float) -> list:
-        self.send_failed += 1
-        return []
 
-
-class _Shell(EffectInterpreter):
+class _Shell(RankShell):
     def __init__(self) -> None:
         self.core = _Core()
 

@@ -26,7 +26,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rank side: the I/O shell", ("shell", "postmortem")),
     ("shown the same by every front end", ("summaries",)),
     ("sans-IO cores", ("rank_core", "query_fanout", "profile_plane", "placement", "interpreter", "membership", "sql")),
-    ("effects and SQL tasks", ("effects", "query_tasks")),
+    ("effects, stimuli and SQL tasks", ("effects", "stimuli", "query_tasks")),
     ("data: rings, tables and their readers", ("tables",)),
     ("training-thread recording", ("progress",)),
     ("pure analysis", ("diagnosis",)),

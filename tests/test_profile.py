@@ -139,26 +139,12 @@ def test_nothing_runs_while_no_capture_is_asked():
 # --- asking the job: the profile message, and merging what comes back ---------------------------
 
 def test_the_profile_message_arms_here_and_passes_on_through_the_children():
-    from kernel_probe.effects import PARENT, Send
-    from kernel_probe.profile_plane import on_profile
+    from kernel_probe.effects import PARENT, CaptureAction, Note, ReadClock, Send
+    from kernel_probe.profile_plane import ProfilePlane
     from kernel_probe.wire import Envelope, Header, Message, _schema_problem
 
-    class Capture:
-        def __init__(self):
-            self.armed = []
-
-        def arm(self, capture_id, steps):
-            if self.armed:
-                raise CaptureBusy(f"capture {self.armed[0][0]} is running on this rank")
-            self.armed.append((capture_id, steps))
-
-        def now(self):
-            return 1234.5
-
-    class Core:
+    class Tree:
         rank = 0
-        capture = Capture()
-        profile_capture = staticmethod(lambda: Core.capture)
 
         def hops(self, ranks):  # ranks 1 and 2 through child b"a", 3 through b"b"; 7 unknown
             return {r: {1: (1, b"a"), 2: (1, b"a"), 3: (3, b"b")}[r] for r in ranks if r in (1, 2, 3)}
@@ -167,21 +153,29 @@ def test_the_profile_message_arms_here_and_passes_on_through_the_children():
         header = Header(type="profile", sender="client", incarnation="x", seq=1, ts=0.0, msg_id="m1", corr_id=None)
         return Envelope(header=header, msg=Message("profile", body))
 
-    out = on_profile(Core(), b"client", env({"action": "arm", "id": "c1", "ranks": [0, 1, 2, 3, 7], "steps": 2}), 0.0)
+    plane = ProfilePlane(Tree())
+    out = plane.on_profile(b"client", env({"action": "arm", "id": "c1", "ranks": [0, 1, 2, 3, 7], "steps": 2}), 0.0)
+    (arm,) = [e for e in out if isinstance(e, CaptureAction)]
+    assert (arm.action, arm.capture_id, arm.steps) == ("arm", "c1", 2)  # armed by the shell, not here
     sends = {s.to: s.msg for s in out if isinstance(s, Send)}
-    assert Core.capture.armed == [("c1", 2)]
     assert sends[b"a"].body["ranks"] == [1, 2] and sends[b"b"].body["ranks"] == [3]
-    assert sends[b"client"].body == {"action": "accepted", "id": "c1", "ranks": [0, 1, 2, 3], "unreachable": [7],
-                                     "refused": {}}
-    again = on_profile(Core(), PARENT, env({"action": "arm", "id": "c2", "ranks": [0], "steps": 1}), 0.0)
-    assert not [s for s in again if isinstance(s, Send)]  # from the parent: no answer, a note of the refusal
-    refused = on_profile(Core(), b"client", env({"action": "arm", "id": "c2", "ranks": [0], "steps": 1}), 0.0)
-    assert refused[-1].msg.body["refused"] == {"0": "capture c1 is running on this rank"}
-    assert on_profile(Core(), b"c", env({"action": "explode", "id": "c"}), 0.0)[0].msg.type == "error"
-    clock = on_profile(Core(), b"c", env({"action": "clock", "id": "c1", "ranks": [1]}), 0.0)
+    assert b"client" not in sends  # the answer waits for the capture's outcome
+    (answer,) = plane.on_capture_acted(arm.ticket, None)
+    assert answer.to == b"client" and answer.msg.body == {"action": "accepted", "id": "c1", "ranks": [0, 1, 2, 3],
+                                                          "unreachable": [7], "refused": {}}
+    (again,) = plane.on_profile(PARENT, env({"action": "arm", "id": "c2", "ranks": [0], "steps": 1}), 0.0)
+    busy = "capture c1 is running on this rank"
+    assert [type(e) for e in plane.on_capture_acted(again.ticket, busy)] == [Note]  # from the parent: no answer
+    (refused,) = plane.on_profile(b"client", env({"action": "arm", "id": "c2", "ranks": [0], "steps": 1}), 0.0)
+    assert plane.on_capture_acted(refused.ticket, busy)[-1].msg.body["refused"] == {"0": busy}
+    assert plane.on_capture_acted(refused.ticket, None) == []  # one outcome per ticket
+    assert plane.on_profile(b"c", env({"action": "explode", "id": "c"}), 0.0)[0].msg.type == "error"
+    (read,) = plane.on_profile(b"c", env({"action": "clock", "id": "c1", "ranks": [1]}), 0.0)
+    assert isinstance(read, ReadClock)  # the clock is read by the shell
+    clock = plane.on_clock_read(read.ticket, 1234.5)
     assert [(s.to, s.msg.body) for s in clock] == [(b"c", {"action": "clock", "id": "c1", "now": 1234.5})]  # root only
     assert _schema_problem("profile", clock[0].msg.body) is None  # a body the wire carries
-    assert on_profile(Core(), PARENT, env({"action": "clock", "id": "c1"}), 0.0) == []
+    assert plane.on_profile(PARENT, env({"action": "clock", "id": "c1"}), 0.0) == []
 
 
 def test_parse_ranks():

@@ -10,9 +10,12 @@ from __future__ import annotations
 import time
 
 import pytest
+import zmq
 
 import kernel_probe
-from kernel_probe.testing.vhost import VirtualJob, rows_of
+from kernel_probe import wire
+from kernel_probe.placement import curve_material
+from kernel_probe.testing.vhost import VirtualJob, endpoint_of, rows_of
 
 from .conftest import wait_for
 
@@ -80,3 +83,55 @@ def test_virtual_hosts_converge_answer_exactly_and_lose_a_dead_host(vjob):
         assert c.run_id == vjob.run_id
         r = c.query("SELECT count(*) AS n FROM t WHERE _rank < 8", timeout=30, strict=True)
         assert int(r.df["n"][0]) == sum(rows_of(k, ROWS) for k in range(8))
+
+
+def _asks_info(sock, codec) -> bool:
+    """Whether a signed info request on ``sock`` is answered within a second."""
+    sock.send_multipart(codec.encode(wire.Message("info_request", {})))
+    return bool(sock.poll(1000))
+
+
+def test_virtual_hosts_encrypt_every_rank_as_a_probe_does_and_run_captures(runtime_dir):
+    """PROBING_CURVE=1: each virtual rank's sockets are under the job's CURVE keypair, derived as
+    a probe derives it, and the connection file tells clients so; a client's profile() runs
+    over the encrypted virtual job."""
+    env = {"PROBING_RUNTIME_DIR": str(runtime_dir), "PROBING_CURVE": "1", **FAST}
+    with VirtualJob(16, 2, 8, rows=ROWS, env=env) as job:
+        job.start().wait_ready(60)
+        assert job.wait_converged(30)["world"] == 16  # the tree itself talks under CURVE
+        curve = curve_material(job.token, job.key)
+        with kernel_probe.connect(job.connection_file, timeout=10) as c:
+            assert c.connection.curve == curve.hex()
+            r = c.query("SELECT count(*) AS n FROM t", timeout=30, strict=True)
+            assert int(r.df["n"][0]) == sum(rows_of(k, ROWS) for k in range(16))
+            # a capture armed through the tree, run at the virtual ranks' steps, read back by SQL
+            arm = {"action": "arm", "id": "c1", "ranks": [0, 9, 12], "steps": 2}
+            accepted = c.request("profile", arm, timeout=10).msg.body
+            assert accepted["ranks"] == [0, 9, 12] and accepted["refused"] == {}, accepted
+
+            def states() -> dict:
+                df = c.query("SELECT _rank, state FROM profile_status WHERE capture_id = 'c1'", timeout=10).df
+                return dict(zip(df["_rank"], df["state"]))
+
+            wait_for(lambda: states() == {0: "done", 9: "done", 12: "done"}, 20, interval=0.3, what="3 captures done")
+            ops = c.query("SELECT _rank, op FROM profile_ops ORDER BY _rank", timeout=10).df
+            assert list(ops["_rank"]) == [0, 9, 12] and set(ops["op"]) == {"sim_step"}
+            before = time.time()
+            clock = c.request("profile", {"action": "clock", "id": "k"}, timeout=10).msg.body
+            assert before <= clock["now"] <= time.time()  # the root's capture clock, read by its shell
+        ctx = zmq.Context()
+        try:
+            codec = wire.Codec(job.key, "test", "itest")
+            leaf = endpoint_of(9, job.base_port)  # a leaf on the second host
+            good, plain = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+            for sock, options in ((good, wire.curve_options(curve, server=False)), (plain, [])):
+                sock.setsockopt(zmq.LINGER, 0)
+                for option, value in options:
+                    sock.setsockopt(option, value)
+                sock.connect(leaf)
+            assert _asks_info(good, codec)
+            assert not _asks_info(plain, codec)  # a peer without the keypair is never heard
+            good.close()
+            plain.close()
+        finally:
+            ctx.term()

@@ -179,12 +179,7 @@ class DumpHooks:
             probe = self._probe()
             core = getattr(probe, "core", None)
             role = getattr(core, "role", None) or ident.role
-            nodes = None
-            if core is not None:
-                try:
-                    nodes = core.nodes_body()
-                except Exception:  # the probe thread changed it under us: no view rather than none at all
-                    nodes = None
+            nodes = getattr(probe, "membership", None)  # the snapshot the probe thread publishes
             tags = Tags.of(ident, role).to_dict()
             identity = {"rank": ident.rank, "world_size": ident.world_size, "local_rank": ident.local_rank,
                         "local_world_size": ident.local_world_size, "node": ident.node,

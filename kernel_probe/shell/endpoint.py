@@ -4,11 +4,12 @@ A ``RankEndpoint`` is the ROUTER a rank binds (children and clients dial it) and
 DEALER it dials its parent with, the ``wire.Codec`` that signs and checks what crosses
 them, and the rules of a hostile network: at most ``MAX_BATCH`` messages per socket per
 wake-up, every bad message counted (and its bytes, for ``MemoryTrim``), unsigned refusals
-rate-limited. Its shell (an ``EffectInterpreter`` driving a ``RankCore``) polls the
-sockets and calls ``drain_router``/``drain_parent``; the endpoint feeds each good message
-to the core and carries out what the core answers. The probe thread has one endpoint;
-a virtual host (``testing.vhost``) has one per virtual rank, sharing one ``RefusalLimit``
-and one ``MemoryTrim`` per process. ``WakePipe`` is how other threads wake either loop.
+rate-limited. Its shell (a ``SocketShell``: the ``interpreter.RankShell`` of a rank whose
+bytes cross real sockets) polls the sockets and calls ``drain_router``/``drain_parent``;
+the endpoint feeds each good message to its shell (``stimuli.MessageIn``). The probe thread
+is one socket shell; a virtual host (``testing.vhost``) runs one per virtual rank, sharing
+one ``RefusalLimit`` and one ``MemoryTrim`` per process; the two differ only in how they
+poll. ``WakePipe`` is how other threads wake either loop.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import zmq
 
 from .. import wire
 from ..effects import PARENT, Send
-from ..interpreter import EffectInterpreter
+from ..interpreter import RankShell
+from ..stimuli import MessageIn, SendFailed
 from . import connfile
 from .pidwatch import create_time, proc_stat
 
@@ -187,7 +189,7 @@ class RankEndpoint:
     """One rank's ROUTER (bound by the caller), its parent DEALER and its codec; with
     ``curve_key`` (the job's signing key) both sockets are under CURVE."""
 
-    def __init__(self, shell: EffectInterpreter, ctx: zmq.Context, codec: wire.Codec, run_id: str, *,
+    def __init__(self, shell: RankShell, ctx: zmq.Context, codec: wire.Codec, run_id: str, *,
                  refusals: RefusalLimit | None = None, trim: MemoryTrim | None = None,
                  curve_key: bytes | None = None) -> None:
         self.shell = shell
@@ -204,7 +206,7 @@ class RankEndpoint:
     # --- inputs ---------------------------------------------------------------------------
     def drain_router(self, now: float) -> None:
         """Feed the core what children and clients sent; refuse what does not authenticate."""
-        core, carry_out, router = self.shell.core, self.shell.carry_out, self.router
+        feed, router = self.shell.feed, self.router
         for _ in range(MAX_BATCH):
             frames = recv_frames(router)
             if frames is None:
@@ -220,7 +222,7 @@ class RankEndpoint:
                 self.trim.rejected(sum(map(len, payload)), now)
                 self.refuse(rid, exc.reason, now)
                 continue
-            carry_out(core.on_message(env, rid, now))
+            feed(MessageIn(env, rid), now)
 
     def drain_parent(self, now: float) -> None:
         """Feed the core what the parent sent."""
@@ -239,7 +241,7 @@ class RankEndpoint:
                 env = self.codec.decode(frames)
             except wire.WireError:
                 continue
-            self.shell.carry_out(self.shell.core.on_message(env, PARENT, now))
+            self.shell.feed(MessageIn(env, PARENT), now)
 
     def refuse(self, rid: bytes, reason: str, now: float) -> None:
         """Tell a peer with the wrong key why it gets no answer (never a replay: that peer has the key)."""
@@ -272,8 +274,7 @@ class RankEndpoint:
                 send_frames(self.parent, frames)
             except zmq.ZMQError:
                 if effect.msg.type == "heartbeat":
-                    shell = self.shell
-                    shell.carry_out(shell.core.on_send_failed(shell.now()))
+                    self.shell.feed(SendFailed())
             return
         try:
             send_frames(self.router, [effect.to, *frames])
@@ -309,6 +310,39 @@ class RankEndpoint:
             pid_start_ticks=(proc_stat(pid) or (None, None))[1],
         )
         return str(connfile.write(runtime_dir, info))
+
+
+class SocketShell(RankShell):
+    """A ``RankShell`` whose bytes cross a ``RankEndpoint`` (``self.net``): the probe thread
+    and a virtual host's ranks. They differ only in how they poll (``poll_add``/``poll_remove``)
+    and where SQL work runs off the loop."""
+
+    net: RankEndpoint
+
+    def poll_add(self, sock: zmq.Socket) -> None:
+        raise NotImplementedError
+
+    def poll_remove(self, sock: zmq.Socket) -> None:
+        raise NotImplementedError
+
+    def send(self, effect: Send) -> None:
+        self.net.send(effect)
+
+    def connect_parent(self, endpoint: str | None) -> None:
+        """Re-dial the parent: the old DEALER leaves the poll before it is closed."""
+        net = self.net
+        if net.parent is not None:
+            self.poll_remove(net.parent)
+        net.connect_parent(endpoint)
+        if net.parent is not None:
+            self.poll_add(net.parent)
+
+    def say_goodbye(self) -> bool:
+        """The goodbye up the parent DEALER, if there is one; whether it went (flush it before closing)."""
+        if self.net.parent is None:
+            return False
+        self.leave()
+        return True
 
 
 class WakePipe:

@@ -3,14 +3,14 @@
 It binds its endpoint's ROUTER (``endpoint.RankEndpoint``: the sockets, the codec and
 the limits on what peers send), discovers its place through the job's TCPStore, and
 feeds what it hears (messages, pid exits, main-thread progress, the time) to the
-sans-IO ``RankCore``, carrying out the effects the core returns. Other threads never
+sans-IO ``RankCore`` (``interpreter.RankShell``: the loop logic every rank shell shares;
+this file says only how this one waits, polls and runs SQL). Other threads never
 touch a socket: they put a command on a queue and wake the loop through a pipe.
 Nothing a peer sends can raise out of this loop.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
@@ -24,14 +24,14 @@ import zmq
 
 from .. import wire
 from ..config import Identity, Settings, split_run_id
-from ..effects import RunSqlTask, Send, StoreOp
-from ..interpreter import EffectInterpreter
+from ..effects import RunSqlTask, StoreOp
 from ..placement import curve_material, encrypts, signing_key
 from ..progress import StallDetector, main_stack_signature, stuck_where
 from ..rank_core import RankCore
+from ..stimuli import SelfChanged, Start
 from ..tags import Tags
 from . import connfile
-from .endpoint import RankEndpoint, WakePipe, probe_context
+from .endpoint import RankEndpoint, SocketShell, WakePipe, probe_context
 from .pidwatch import PidWatch
 from .sql_tasks import SqlTaskRunner
 
@@ -62,9 +62,10 @@ def bind_host(settings: Settings, identity: Identity) -> str:
     return "0.0.0.0"
 
 
-class ProbeThread(threading.Thread, EffectInterpreter):
+class ProbeThread(threading.Thread, SocketShell):
     def __init__(self, settings: Settings, identity: Identity, clock: Callable[[], float] = time.time) -> None:
-        super().__init__(name="kernel-probe", daemon=True)
+        threading.Thread.__init__(self, name="kernel-probe", daemon=True)
+        SocketShell.__init__(self)
         self.settings = settings
         self.identity = identity
         self.clock = clock
@@ -79,7 +80,6 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self.error: str | None = None
         self.core: RankCore | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._quick_done: collections.deque = collections.deque()  # (task_id, result) of tasks run here
         self._wake = WakePipe()
         self._stop = threading.Event()
         self._stopped = threading.Event()
@@ -141,8 +141,7 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         self.poller.register(router, zmq.POLLIN)
         self.poller.register(self._wake.fd, zmq.POLLIN)
         self.core.info_extras = self._info_extras
-        self.core.profile_capture = lambda: self.tables.profile
-        self.carry_out(self.core.start(now, use_store=self._use_store))
+        self.feed(Start(self._use_store), now)
         if self.core.tier == "root" and ident.rank == 0:  # a rank cut off from its store runs alone, but is not the job
             self._write_connection_file()
         self.ready.set()
@@ -160,12 +159,11 @@ class ProbeThread(threading.Thread, EffectInterpreter):
                     net.drain_parent(now)
                 if self._wake.fd in events:
                     self._drain_commands(now)
-                self._settle()
+                self.settle()
                 if now >= next_sample:
                     self._sample(now)
                     next_sample = now + s.sample_interval_sec
-                self.carry_out(self.core.on_timer(now))
-                self._settle()
+                self.turn(now)
                 if net.trim.due(now):
                     net.trim.release(now)
         finally:
@@ -253,28 +251,20 @@ class ProbeThread(threading.Thread, EffectInterpreter):
             except queue.Empty:
                 return
             if cmd[0] == "role":
-                self.carry_out(self.core.update_self(now, role=cmd[1]))
+                self.feed(SelfChanged(role=cmd[1]), now)
             elif cmd[0] == "sql_done":
                 self.sql_task_done(cmd[1], cmd[2])
-
-    def _settle(self) -> None:
-        """Tell the core how the SQL tasks run on this thread went, once the effects that
-        started them are carried out (and without another trip through the poller)."""
-        while self._quick_done:
-            self.sql_task_done(*self._quick_done.popleft())
 
     def _sample(self, now: float) -> None:
         self.tables.sample(now)
         stack = main_stack_signature()
         stalled = self._stall.observe(now, self.steps.step, stack)
         steps = self.steps
-        self.carry_out(self.core.update_self(now, step=steps.step, step_time_ms=steps.step_time_ms,
-                                             compute_ms=steps.compute_ms, comm_wait_ms=steps.comm_wait_ms,
-                                             stalled=stalled, stalled_where=stuck_where(stack) if stalled else ""))
-        for key in self._pids.poll():
-            self.carry_out(self.core.on_process_exit(key, now))
+        self.sample(now, SelfChanged(step=steps.step, step_time_ms=steps.step_time_ms, compute_ms=steps.compute_ms,
+                                     comm_wait_ms=steps.comm_wait_ms, stalled=stalled,
+                                     stalled_where=stuck_where(stack) if stalled else ""), self._pids.poll())
 
-    # --- effects (EffectInterpreter) ----------------------------------------------------------
+    # --- how (the transport of interpreter.RankShell) -------------------------------------------
     def now(self) -> float:
         return self.clock()
 
@@ -287,20 +277,20 @@ class ProbeThread(threading.Thread, EffectInterpreter):
     def unwatch_pid(self, key: object) -> None:
         self._pids.unwatch(key)
 
-    def connect_parent(self, endpoint: str | None) -> None:
-        net = self.net
-        if net.parent is not None:
-            self.poller.unregister(net.parent)
-        net.connect_parent(endpoint)
-        if net.parent is not None:
-            self.poller.register(net.parent, zmq.POLLIN)
+    def poll_add(self, sock: zmq.Socket) -> None:
+        self.poller.register(sock, zmq.POLLIN)
 
-    def run_sql_task(self, task: RunSqlTask) -> None:
-        result = self.sql.quick(task.task)  # small Arrow work: no hand-off either way
-        if result is not None:
-            self._quick_done.append((task.task_id, result))  # see _settle
-            return
+    def poll_remove(self, sock: zmq.Socket) -> None:
+        self.poller.unregister(sock)
+
+    def quick_sql(self, task: Any) -> dict | None:
+        return self.sql.quick(task)
+
+    def start_sql_task(self, task: RunSqlTask) -> None:
         self.sql.start(task.task, lambda result, t=task.task_id: self.submit(("sql_done", t, result)))
+
+    def profile_capture(self) -> Any:
+        return self.tables.profile  # made on first use
 
     def run_store_op(self, op: StoreOp) -> object:
         # on this thread, like every store call: each is bounded by the discovery timeout
@@ -325,15 +315,10 @@ class ProbeThread(threading.Thread, EffectInterpreter):
         """What the core's info answer cannot know: the endpoint's counts and the store address."""
         return {"rejected": self.net.rejected(), "store": self.store_address()}
 
-    def send(self, effect: Send) -> None:
-        self.net.send(effect)
-
     def _shutdown(self) -> None:
         net = self.net
         try:
-            if self.core is not None and net is not None and net.parent is not None:
-                for effect in self.core.goodbye():
-                    self.send(effect)
+            if self.core is not None and net is not None and self.say_goodbye():
                 time.sleep(0.05)  # let libzmq flush the goodbye (linger is 0)
         except Exception:
             pass

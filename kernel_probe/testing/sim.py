@@ -3,9 +3,10 @@
 Rules of this file:
 
 - It plays the part of ``shell/probe_thread.py`` for every virtual rank, and nothing
-  more: the cores decide, the simulation only carries out their effects the way the
-  real shell and ZeroMQ would, through the same ``EffectInterpreter`` the probe thread
-  uses (one dispatch table: an effect the simulation cannot carry out raises). Where the
+  more: the cores decide, the simulation only carries bytes and time the way ZeroMQ and
+  the real loop would. Each virtual rank is an ``interpreter.RankShell`` as the probe
+  thread is: the same stimuli, the same one dispatch table of effects (one the
+  simulation cannot carry out raises), the same wake-up turn and goodbye. Where the
   two could differ, the shell's behaviour wins (and the difference is written down here).
 - Time is a float that only ``run_until`` moves. Nothing here reads a real clock, and
   nothing is random unless a seed asks for it, so a run is a pure function of its
@@ -32,7 +33,7 @@ What is modelled, and how:
   cores, messages and SQL steps as a real job.
 - ``Send(to=PARENT)`` goes to the rank of the endpoint of the last ``ConnectParent``.
   Like a DEALER with ``IMMEDIATE``, a send to a parent that is not running (not
-  started yet, or exited) fails at once; the shell then calls ``on_send_failed`` for a
+  started yet, or exited) fails at once; the shell then feeds ``SendFailed`` for a
   heartbeat (other types are dropped silently, as there). A *frozen* parent still
   accepts: its kernel buffers the bytes, nobody answers.
 - ``Send(to=routing_id)`` goes back over that child's connection. A routing id is the
@@ -47,17 +48,22 @@ What is modelled, and how:
   poll. Each report is delivered once and forgets the watch, like ``PidWatch.poll``.
   (Difference: the shell polls pids in its sample tick, every ``sample_interval_sec``
   = 1 s by default; pass ``pid_poll_sec=1.0`` to model that exactly.)
-- Each live rank gets ``on_timer`` at its ``next_deadline()`` and a sample tick every
-  ``sample_sec`` that calls ``update_self`` with its step, step time and stall flag,
-  like the shell's ``_sample``. Every wake-up that handled an input ends with
-  ``on_timer``, as the shell's loop does. A deadline that is already due is honoured
+- Each live rank gets a ``Tick`` at its ``next_deadline()`` and a sample tick every
+  ``sample_sec`` that feeds ``SelfChanged`` with its step, step time and stall flag,
+  like the shell's ``_sample``. Every wake-up that handled an input ends with the
+  shell's ``turn`` (a ``Tick``), as the real loop does. A deadline that is already due is honoured
   1 ms later (the shell's next turn). A timer wake-up that does nothing and still
   leaves a due deadline is counted in ``spins``: the real shell would busy-loop there,
   and a core should never ask to be woken for nothing.
+- Profile captures: each rank has one (``tables.readers.profile.ProfileCapture``, made when
+  first asked, on the simulated clock), armed and cancelled through the core's effects
+  as in a probe; ``set_step`` plays the optimizer hook that starts and stops it, and a
+  ``SimProfiler`` stands in for torch.profiler (one op per step). With tables, the
+  ``profile_status``/``profile_ops``/``profile_trace`` tables read it, as a probe's do.
 - ``freeze``: the process is stopped (SIGSTOP). It handles nothing, its timers do not
   fire, messages to it queue, its pid stays alive. ``thaw`` handles the queue in
   order, then its timers. ``kill``: it exits; everything queued or in flight to it is
-  lost. ``leave``: a clean exit: ``goodbye()`` is sent, then it exits.
+  lost. ``leave``: a clean exit: the shell says goodbye (``stimuli.Leaving``), then it exits.
 """
 
 from __future__ import annotations
@@ -74,15 +80,17 @@ from typing import Any, Callable
 from .. import wire
 from ..config import Identity, Settings
 from ..effects import PARENT, RunSqlTask, Send, StoreOp
-from ..interpreter import EffectInterpreter
+from ..interpreter import RankShell
 from ..membership import Member
 from ..query_tasks import Finish
 from ..rank_core import RankCore
+from ..stimuli import MessageIn, Placed, ProcessExited, SelfChanged, SendFailed, SqlTaskDone, Start, Stimulus, Tick
 from ..tags import Tags
 
-__all__ = ["T0", "Simulation", "Sent", "VirtualRank"]
+__all__ = ["T0", "SimProfiler", "Simulation", "Sent", "StepHook", "VirtualRank"]
 
 T0 = 1_000_000.0  # the fake clock starts here (wall-clock-like, far from 0)
+PROFILE_TABLES = ("profile_ops", "profile_status", "profile_trace")
 PID_BASE = 10000
 MIN_WAIT = 0.001  # the shell's poll waits at least 1 ms for a deadline that is due
 
@@ -123,6 +131,8 @@ class VirtualRank:
     sent: int = 0
     shell: "_SimShell | None" = None
     sql: Any = None  # its SqlTaskRunner, when the simulation holds tables
+    capture: Any = None  # its profile capture, made when first asked (a new process: a new one)
+    step_hook: Any = None  # what the optimizer hook would call: ``.capture`` while one is armed
 
     @property
     def rid(self) -> bytes:
@@ -279,18 +289,19 @@ class Simulation:
         if self._tables is not None and v.sql is None:
             tag_of = self._tags or self.tags_of
             v.sql = _sim_sql_runner(self._tables(rank), lambda r=rank: tag_of(r), self.settings, self._sql_options)
+            v.sql.tables.profile = lambda v=v: v.capture
+        v.capture, v.step_hook = None, StepHook()
         v.parent, v.conn, v.watches, v.pending, v.timer_at = None, 0, {}, deque(), None
         if self.discovery == "store":
-            effects = v.core.start(self.now, use_store=True)
+            v.shell.feed(Start(use_store=True), self.now)
         else:
             tier, root = self.tier_of(rank), self.endpoint(0)
             if tier == "root":
-                effects = v.core.set_topology("root", None, None, self.now)
+                v.shell.feed(Placed("root", None, None), self.now)
             elif tier == "broker":
-                effects = v.core.set_topology("broker", root, root, self.now)
+                v.shell.feed(Placed("broker", root, root), self.now)
             else:
-                effects = v.core.set_topology("leaf", self.endpoint(self.broker_of(rank)), root, self.now)
-        self._do(v, effects)
+                v.shell.feed(Placed("leaf", self.endpoint(self.broker_of(rank)), root), self.now)
         self._arm(v)
         self._start_sampling(v)
 
@@ -317,14 +328,12 @@ class Simulation:
                         self._pid_gone(w, key, pid)
 
     def leave(self, rank: int) -> None:
-        """Clean exit: the shell sends ``goodbye()``, then the process exits."""
+        """Clean exit: the shell says goodbye, then the process exits."""
         v = self.ranks[rank]
         if v.state != "up":
             return
         if not v.frozen:
-            for effect in v.core.goodbye():
-                if isinstance(effect, Send):
-                    self._send(v, effect, feed_failure=False)
+            v.shell.leave()
         self.kill(rank)
 
     def freeze(self, rank: int) -> None:
@@ -340,26 +349,40 @@ class Simulation:
             return
         v.frozen = False
         while v.pending and v.state == "up" and not v.frozen:
-            fn = v.pending.popleft()
-            self._do(v, fn(v.core))
+            self._handle(v, v.pending.popleft())
         if v.state == "up" and not v.frozen:
-            self._do(v, v.core.on_timer(self.now))
+            v.shell.turn(self.now)
             self._arm(v)
             self._start_sampling(v)
 
     # --- local facts -------------------------------------------------------------------------
     def set_role(self, rank: int, role: str) -> None:
-        self._input(self.ranks[rank], lambda core: core.update_self(self.now, role=role), timer=False)
+        self._input(self.ranks[rank], lambda: SelfChanged(role=role), timer=False)
 
     def set_step(self, rank: int, step: int, ms: float | None = None) -> None:
+        """Step ``step`` ended on ``rank``'s training thread (which a frozen process does not run)."""
         v = self.ranks[rank]
+        if v.state == "up" and not v.frozen and v.step_hook.capture is not None:
+            v.step_hook.capture.on_step(step)  # the optimizer post hook, while a capture is armed
         v.step, v.step_time_ms = step, ms
-        self._input(v, lambda core: core.update_self(self.now, step=step, step_time_ms=ms), timer=False)
+        self._input(v, lambda: SelfChanged(step=step, step_time_ms=ms), timer=False)
+
+    def capture(self, rank: int) -> Any:
+        """``rank``'s profile capture (made on first use, as ``LocalTables.profile`` is)."""
+        v = self.ranks[rank]
+        if v.capture is None:
+            from ..tables.readers.profile import ProfileCapture
+
+            capture = ProfileCapture(wall=lambda: self.now, host=v.identity.host,
+                                     make_profiler=lambda: SimProfiler(lambda: self.now))
+            capture.attach(v.step_hook)
+            v.capture = capture
+        return v.capture
 
     def set_stalled(self, rank: int, stalled: bool = True) -> None:
         v = self.ranks[rank]
         v.stalled = stalled
-        self._input(v, lambda core: core.update_self(self.now, stalled=stalled), timer=False)
+        self._input(v, lambda: SelfChanged(stalled=stalled), timer=False)
 
     def _start_sampling(self, v: VirtualRank) -> None:
         if not v.sampling:
@@ -372,25 +395,32 @@ class Simulation:
             if v.starts == starts:
                 v.sampling = False
             return
-        self._do(v, v.core.update_self(self.now, step=v.step, step_time_ms=v.step_time_ms, stalled=v.stalled))
+        # (fed, not ``sample``d: nobody reads a simulated rank's published membership)
+        v.shell.feed(SelfChanged(step=v.step, step_time_ms=v.step_time_ms, stalled=v.stalled), self.now)
         self._arm(v)
         self._at(self.now + self.sample_sec, lambda: self._sample(v, starts))
 
     # --- feeding a core -------------------------------------------------------------------------
-    def _input(self, v: VirtualRank, fn: Callable[[RankCore], list], timer: bool = True) -> None:
-        """Hand ``fn(core)`` to the rank's I/O thread: now, or after a thaw if it is frozen."""
+    def _input(self, v: VirtualRank, make: Callable[[], Stimulus | None], timer: bool = True) -> None:
+        """Hand the stimulus ``make()`` (made when the rank's I/O thread takes it; None:
+        nothing after all) to the rank: now, or after a thaw if it is frozen."""
         if v.state != "up":
             return
         if v.frozen:
-            v.pending.append(fn)
+            v.pending.append(make)
             return
-        self._do(v, fn(v.core))
+        self._handle(v, make)
         if timer and v.state == "up":
-            self._do(v, v.core.on_timer(self.now))  # the shell's loop ends every wake-up so
+            v.shell.turn(self.now)  # the shell's loop ends every wake-up so
         self._arm(v)
 
+    def _handle(self, v: VirtualRank, make: Callable[[], Stimulus | None]) -> None:
+        stimulus = make()
+        if stimulus is not None and v.state == "up":
+            v.shell.feed(stimulus, self.now)
+
     def _arm(self, v: VirtualRank) -> None:
-        """Schedule the rank's next ``on_timer`` at its core's deadline."""
+        """Schedule the rank's next ``Tick`` at its core's deadline."""
         if v.state != "up" or v.frozen:
             return
         deadline = v.core.next_deadline()
@@ -410,8 +440,7 @@ class Simulation:
         v.timer_at = None
         if v.frozen:
             return  # thaw() runs the timers
-        effects = v.core.on_timer(self.now)
-        self._do(v, effects)
+        effects = v.shell.feed(Tick(), self.now)
         if not effects and v.state == "up":
             deadline = v.core.next_deadline()
             if deadline is not None and deadline <= self.now:
@@ -419,10 +448,6 @@ class Simulation:
         self._arm(v)
 
     # --- effects, as the shell carries them out ---------------------------------------------------
-    def _do(self, v: VirtualRank, effects: list) -> None:
-        if v.state == "up":
-            v.shell.carry_out(effects)
-
     def _store_op(self, op: StoreOp) -> object:
         """The job's store as discovery uses it: set, compare-and-set, get."""
         self.store_ops[op.op] += 1
@@ -452,8 +477,7 @@ class Simulation:
             if getattr(work, "deadline", None) is not None:  # DuckDB really runs: give it the time left, on its clock
                 work = dataclasses.replace(work, deadline=time.time() + max(0.0, work.deadline - self.now))
             result = v.sql.quick(work) or v.sql.run(work)  # as a probe does
-        self._at(self.now + self.sql_latency,
-                 lambda: self._input(v, lambda core: core.on_sql_task_done(task.task_id, result, self.now)))
+        self._at(self.now + self.sql_latency, lambda: self._input(v, lambda: SqlTaskDone(task.task_id, result)))
 
     def _connect(self, v: VirtualRank, endpoint: str | None) -> None:
         v.parent = self._rank_of(endpoint)
@@ -483,13 +507,13 @@ class Simulation:
             if watcher.starts != starts:
                 return
 
-            def fn(core: RankCore) -> list:
+            def exited() -> Stimulus | None:
                 if watcher.watches.get(key) != pid:
-                    return []  # unwatched or re-pointed meanwhile
+                    return None  # unwatched or re-pointed meanwhile
                 del watcher.watches[key]
-                return core.on_process_exit(key, self.now)
+                return ProcessExited(key)
 
-            self._input(watcher, fn)
+            self._input(watcher, exited)
 
         self._at(self.now + self.pid_poll_sec, report)
 
@@ -499,7 +523,7 @@ class Simulation:
         self._link_free[(src, dst)] = t
         return t
 
-    def _send(self, v: VirtualRank, effect: Send, feed_failure: bool = True) -> None:
+    def _send(self, v: VirtualRank, effect: Send) -> None:
         msg = effect.msg
         try:
             frames = v.codec.encode(msg)
@@ -513,8 +537,8 @@ class Simulation:
                 self.send_failures[msg.type] += 1
                 if self.record:
                     self.failed.append((self.now, v.rank, msg.type))
-                if feed_failure and msg.type == "heartbeat":
-                    self._do(v, v.core.on_send_failed(self.now))
+                if msg.type == "heartbeat" and v.state == "up":
+                    v.shell.feed(SendFailed(), self.now)
                 return
             dst, rid, conn = parent, v.rid, v.conn
             self._count(v, dst, msg.type, frames)
@@ -555,11 +579,11 @@ class Simulation:
             self.dropped["to a dead rank"] += 1
             return
 
-        def fn(core: RankCore) -> list:
+        def message() -> Stimulus | None:
             env = self._decode(dst, frames)
-            return [] if env is None else core.on_message(env, rid, self.now)
+            return None if env is None else MessageIn(env, rid)
 
-        self._input(dst, fn)
+        self._input(dst, message)
 
     def _arrive_down(self, dst: VirtualRank, frames: list[bytes], conn: int) -> None:
         """A parent's message reaches this rank's DEALER (if that connection still exists)."""
@@ -567,14 +591,14 @@ class Simulation:
             self.dropped["to a dead rank"] += 1
             return
 
-        def fn(core: RankCore) -> list:
+        def message() -> Stimulus | None:
             if dst.conn != conn:
                 self.dropped["to a closed connection"] += 1
-                return []
+                return None
             env = self._decode(dst, frames)
-            return [] if env is None else core.on_message(env, PARENT, self.now)
+            return None if env is None else MessageIn(env, PARENT)
 
-        self._input(dst, fn)
+        self._input(dst, message)
 
     # --- a client -------------------------------------------------------------------------------
     def tags_of(self, rank: int) -> dict:
@@ -592,11 +616,11 @@ class Simulation:
         frames = self._client_codec.encode(wire.Message(type_, body, msg_id=msg_id))
 
         def arrive() -> None:
-            def fn(core: RankCore) -> list:
+            def message() -> Stimulus | None:
                 env = self._decode(v, frames)
-                return [] if env is None else core.on_message(env, rid, self.now)
+                return None if env is None else MessageIn(env, rid)
 
-            self._input(v, fn)
+            self._input(v, message)
 
         self._at(self.now + self.latency, arrive)
 
@@ -661,10 +685,12 @@ class Simulation:
         return [v.rank for v in self.ranks if v.state == "up"]
 
 
-class _SimShell(EffectInterpreter):
-    """One virtual rank's shell: the shared interpreter, carried out by the simulation."""
+class _SimShell(RankShell):
+    """One virtual rank's shell: the shared rank shell, its bytes carried by the simulation.
+    (No quick SQL: every task's outcome comes back ``sql_latency`` later.)"""
 
     def __init__(self, sim: Simulation, v: VirtualRank) -> None:
+        super().__init__()
         self.sim, self.v, self.core = sim, v, v.core
 
     def halted(self) -> bool:
@@ -689,11 +715,50 @@ class _SimShell(EffectInterpreter):
         if self.sim.record:
             self.sim.notes.append((self.sim.now, self.v.rank, text))
 
-    def run_sql_task(self, task: RunSqlTask) -> None:
+    def start_sql_task(self, task: RunSqlTask) -> None:
         self.sim._run_sql(self.v, task)
 
     def run_store_op(self, op: StoreOp) -> object:
         return self.sim._store_op(op)
+
+    def profile_capture(self) -> Any:
+        return self.sim.capture(self.v.rank)
+
+
+class StepHook:
+    """A simulated rank's step clock, as ``ProfileCapture.attach`` sees it."""
+
+    capture: Any = None
+
+
+class SimProfiler:
+    """torch.profiler's part in a simulated capture: one op, ``sim_step``, per step it ran."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.started = self.stopped = None
+
+    def start(self) -> None:
+        self.started = self.clock()
+
+    def stop(self) -> None:
+        self.stopped = self.clock()
+
+    def _us(self) -> float:
+        return max(0.0, (self.stopped or 0.0) - (self.started or 0.0)) * 1e6
+
+    def key_averages(self) -> list:
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(key="sim_step", count=1, self_cpu_time_total=self._us(), cpu_time_total=self._us())]
+
+    def export_chrome_trace(self, path: str) -> None:
+        import json
+
+        event = {"ph": "X", "name": "sim_step", "cat": "cpu_op", "ts": (self.started or 0.0) * 1e6,
+                 "dur": self._us(), "pid": 1, "tid": 1}
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"traceEvents": [event]}, fh)
 
 
 class SimTables:
@@ -705,11 +770,20 @@ class SimTables:
         self._tables = dict(tables)
         self.listed = listed
         self.plain_served = 0  # tables served by ``plain``
+        self.profile: Callable[[], Any] | None = None  # the rank's profile capture (or None), when it has one
+
+    def _profile_tables(self) -> tuple[str, ...]:
+        return PROFILE_TABLES if self.profile is not None else ()
 
     def names(self) -> list[str]:
-        return sorted(set(self._tables if self.listed else ()) | {"tables"})
+        return sorted(set(self._tables if self.listed else ()) | {"tables"} | set(self._profile_tables()))
 
     def arrow(self, name: str):
+        if name in self._profile_tables():
+            from ..tables import convert
+
+            capture = self.profile()
+            return convert.rows_table(name, [] if capture is None else getattr(capture, name[len("profile_"):] + "_rows")())
         if name == "tables":
             if not self.listed:
                 import pyarrow as pa
@@ -726,7 +800,10 @@ class SimTables:
         return self._tables[name]
 
     def columns(self, at_once: bool = False) -> dict[str, list[str]]:
-        return {t: list(tab.column_names) for t, tab in self._tables.items()} if self.listed else {}
+        from ..tables.convert import SCHEMAS
+
+        listed = {t: list(tab.column_names) for t, tab in self._tables.items()} if self.listed else {}
+        return {**listed, **{t: [c for c, _ in SCHEMAS[t]] for t in self._profile_tables()}}
 
     def at_once(self, name: str, max_rows: int):
         table = self._tables.get(name)

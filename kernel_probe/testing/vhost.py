@@ -6,10 +6,14 @@ own DEALER to its parent, its own ``wire.Codec`` and its own ``SqlTaskRunner`` o
 small table ``t`` (id, g, x); they differ from real probes only in what they share:
 
 - ONE I/O thread per process: one epoll selector over every socket and one timer heap
-  over every core's ``next_deadline()``. Effects go through the same
-  ``EffectInterpreter`` (one per virtual rank), and each rank's sockets, codec and limits
-  are the probe thread's ``shell.endpoint.RankEndpoint``; the ranks of a process share
-  one refusal rate limit and one memory trim, as the ranks of a real process would.
+  over every core's ``next_deadline()``. Each virtual rank is a ``SocketShell`` as the
+  probe thread is (``interpreter.RankShell``: the same stimuli, effects, quick SQL
+  settling, wake-up turn and goodbye; ``shell.endpoint.RankEndpoint``: the same sockets,
+  codec and limits); only the polling differs. The ranks of a process share one refusal
+  rate limit and one memory trim, as the ranks of a real process would.
+- CURVE as in a real job: the sockets are encrypted when the settings say so
+  (``PROBING_CURVE``; a virtual host binds loopback, so it is off by default), with the
+  keypair derived from the job's token, and the connection file says so to clients.
 - SQL tasks run on a small worker pool of the process, over one DuckDB engine of the
   process (a DuckDB database per rank costs ~4 MB and 8 threads: 128 of them would be
   the benchmark's whole footprint). Every rank still runs its own scans.
@@ -17,7 +21,11 @@ small table ``t`` (id, g, x); they differ from real probes only in what they sha
   that dies: all of its ranks are reported ``exited``.
 - The tree is fixed (no store): rank 0 is the root, rank ``per_node * n`` is node n's
   broker, the rest are leaves; rank r listens on ``base_port + r``.
-- No sampling of a main thread: virtual ranks make no steps and never stall.
+- No sampling of a main thread: virtual ranks make no steps and never stall, except for
+  a profile capture: each rank has one (made when first asked, as a probe's is), armed
+  through the core's effects, and while it is armed the rank ends a virtual step at every
+  sample tick (``testing.sim.SimProfiler`` stands in for torch.profiler), so a client's
+  ``profile()`` runs end to end over the virtual job.
 
 Launch one host per range of ranks (a range must hold whole nodes)::
 
@@ -33,7 +41,6 @@ and stops a set of such hosts (tests, benchmarks/scale_sockets.py).
 from __future__ import annotations
 
 import argparse
-import collections
 import heapq
 import itertools
 import json
@@ -57,17 +64,19 @@ import zmq
 
 from .. import wire
 from ..config import Identity, Settings, load_settings
-from ..effects import RunSqlTask, Send, StoreOp
-from ..interpreter import EffectInterpreter
+from ..effects import RunSqlTask, StoreOp
+from ..placement import curve_material, encrypts
 from ..query_tasks import RankScan
 from ..rank_core import RankCore
 from ..shell import connfile
-from ..shell.endpoint import MemoryTrim, RankEndpoint, RefusalLimit, WakePipe, has_message, probe_context
+from ..shell.endpoint import (MemoryTrim, RankEndpoint, RefusalLimit, SocketShell, WakePipe, has_message,
+                              probe_context)
 from ..shell.pidwatch import PidWatch
 from ..shell.sql_tasks import SqlTaskRunner
+from ..stimuli import Placed, ProcessExited
 from ..summaries import parse_ranks
 from ..tags import Tags
-from .sim import SimTables
+from .sim import SimProfiler, SimTables, StepHook
 
 __all__ = ["VirtualHost", "VirtualJob", "rows_of", "table_of", "endpoint_of", "rank_task_ms"]
 
@@ -150,42 +159,43 @@ class _HostPids:
         return gone
 
 
-class VirtualProbe(EffectInterpreter):
+class VirtualProbe(SocketShell):
     """One virtual rank: its core, endpoint and SQL runner; the host's thread runs it."""
 
     def __init__(self, host: "VirtualHost", rank: int, identity: Identity, endpoint: str) -> None:
+        super().__init__()
         self.host, self.rank = host, rank
         self.incarnation = f"v{rank}-{uuid.uuid4().hex[:12]}"
         codec = wire.Codec(host.key, sender=f"rank{rank}", incarnation=self.incarnation)
-        self.net = RankEndpoint(self, host.ctx, codec, host.run_id, refusals=host.refusals, trim=host.trim)
+        self.net = RankEndpoint(self, host.ctx, codec, host.run_id, refusals=host.refusals, trim=host.trim,
+                                curve_key=host.curve_key)
         self.net.router.bind(endpoint)
         self.core = RankCore(identity=identity, settings=host.settings, endpoint=endpoint, pid=os.getpid(),
                              incarnation=self.incarnation, now=time.time())
         self.core.info_extras = lambda: {"rejected": self.net.rejected(), "store": ""}
         s = host.settings
-        self.sql = SqlTaskRunner(SimTables({"t": table_of(rank, host.rows)}),
-                                 lambda: Tags.of(identity, self.core.role).to_dict(),
+        tables = SimTables({"t": table_of(rank, host.rows)})
+        tables.profile = lambda: self.capture
+        self.capture: Any = None  # tables.readers.profile.ProfileCapture, made when first asked
+        self.step_hook = StepHook()  # ``.capture`` while one is armed: the host's sample tick steps it
+        self.steps = 0
+        self.sql = SqlTaskRunner(tables, lambda: Tags.of(identity, self.core.role).to_dict(),
                                  row_cap=s.query_row_cap, threads=s.query_threads, memory_limit=s.query_memory,
                                  engine=host.engine)  # the process's one DuckDB engine
         self.armed: float | None = None  # the deadline this rank has in the host's heap
 
-    # --- effects ----------------------------------------------------------------------
+    # --- how (the transport of interpreter.RankShell) ----------------------------------
     def now(self) -> float:
         return time.time()
 
     def halted(self) -> bool:
         return self.host.stopping
 
-    def send(self, effect: Send) -> None:
-        self.net.send(effect)
+    def poll_add(self, sock: zmq.Socket) -> None:
+        self.host.add_socket(sock, self, "parent")
 
-    def connect_parent(self, endpoint: str | None) -> None:
-        net = self.net
-        if net.parent is not None:
-            self.host.forget_socket(net.parent)
-        net.connect_parent(endpoint)
-        if net.parent is not None:
-            self.host.add_socket(net.parent, self, "parent")
+    def poll_remove(self, sock: zmq.Socket) -> None:
+        self.host.forget_socket(sock)
 
     def watch_pid(self, key: object, pid: int) -> None:
         self.host.pids.watch(self.rank, key, pid)
@@ -196,11 +206,29 @@ class VirtualProbe(EffectInterpreter):
     def note(self, text: str) -> None:
         log.debug("rank %d: %s", self.rank, text)
 
-    def run_sql_task(self, task: RunSqlTask) -> None:
-        self.host.run_sql(self, task)
+    def quick_sql(self, task: Any) -> dict | None:
+        return self.sql.quick(task)  # small Arrow work here, as a probe does
+
+    def start_sql_task(self, task: RunSqlTask) -> None:
+        self.host.start_sql(self, task)
 
     def run_store_op(self, op: StoreOp) -> object:
         return {"error": "a virtual host has a fixed tree and no store"}
+
+    def profile_capture(self) -> Any:
+        if self.capture is None:
+            from ..tables.readers.profile import ProfileCapture
+
+            self.capture = ProfileCapture(host=self.host.hostname, make_profiler=lambda: SimProfiler(time.time))
+            self.capture.attach(self.step_hook)
+        return self.capture
+
+    def virtual_step(self) -> None:
+        """A step end, while a capture is armed (the optimizer hook's call)."""
+        capture = self.step_hook.capture
+        if capture is not None:
+            self.steps += 1
+            capture.on_step(self.steps)
 
 
 class VirtualHost:
@@ -208,12 +236,14 @@ class VirtualHost:
 
     def __init__(self, ranks: list[int], world: int, per_node: int, base_port: int, *, key: bytes,
                  run_id: str, settings: Settings | None = None, rows: int = 300, sql_workers: int = 2,
-                 host: str | None = None, profile_dir: str | None = None) -> None:
+                 host: str | None = None, profile_dir: str | None = None, token: str | None = None) -> None:
         if world % per_node or any(not 0 <= r < world for r in ranks):
             raise ValueError(f"ranks must lie in 0..{world - 1} and per_node must divide world={world}")
         self.ranks, self.world, self.per_node, self.base_port = ranks, world, per_node, base_port
         self.key, self.run_id, self.rows = key, run_id, rows
         self.settings = settings or load_settings()
+        # the job's CURVE keypair, by the probe's rule (every rank binds 127.0.0.1 here)
+        self.curve_key = curve_material(token, key) if encrypts(self.settings, "127.0.0.1") else None
         self.hostname = host or socket.gethostname()
         self.stopping = False
         self.ctx = probe_context()
@@ -230,7 +260,6 @@ class VirtualHost:
         self._heap: list[tuple[float, int, int]] = []
         self._seq = itertools.count()
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (probe, task_id, result) from SQL workers
-        self._quick_done: collections.deque = collections.deque()  # the same, of tasks run on the loop
         self._wake = WakePipe()
         self.add_socket(self._wake.fd, None, "wake")
         self._pool = ThreadPoolExecutor(max_workers=max(1, sql_workers), thread_name_prefix="vhost-sql",
@@ -280,11 +309,8 @@ class VirtualHost:
             if deadline is not None:
                 heapq.heappush(self._heap, (deadline, next(self._seq), probe.rank))
 
-    def run_sql(self, probe: VirtualProbe, task: RunSqlTask) -> None:
-        result = probe.sql.quick(task.task)  # small Arrow work here, as a probe does
-        if result is not None:
-            self._quick_done.append((probe, task.task_id, result))  # settled in this wake-up, as a probe does
-            return
+    def start_sql(self, probe: VirtualProbe, task: RunSqlTask) -> None:
+        """A task that is not quick, on the process's worker pool."""
 
         def work() -> None:
             prof = None
@@ -322,7 +348,7 @@ class VirtualHost:
             tier = tier_of(r, self.per_node)
             parent = None if tier == "root" else root if tier == "broker" else \
                 endpoint_of(r - r % self.per_node, self.base_port)
-            probe.carry_out(probe.core.set_topology(tier, parent, None if tier == "root" else root, now))
+            probe.feed(Placed(tier, parent, None if tier == "root" else root), now)
             self._arm(probe)
         if 0 in self.probes:
             self._write_connection_file()
@@ -368,12 +394,15 @@ class VirtualHost:
                 elif kind == "parent":
                     probe.net.drain_parent(now)
                     touched[probe.rank] = probe
-            self._settle(touched)
+            for probe in list(touched.values()):
+                probe.settle()
             if now >= next_sample:
                 next_sample = now + sample_every
+                for probe in self.probes.values():
+                    probe.virtual_step()
                 for rank, key in self.pids.poll():
                     probe = self.probes[rank]
-                    probe.carry_out(probe.core.on_process_exit(key, now))
+                    probe.feed(ProcessExited(key), now)
                     touched[rank] = probe
             while self._heap and self._heap[0][0] <= now:
                 deadline, _, rank = heapq.heappop(self._heap)
@@ -381,9 +410,8 @@ class VirtualHost:
                 if probe.armed == deadline:
                     probe.armed = None
                     touched[rank] = probe
-            for probe in list(touched.values()):  # every wake-up ends with on_timer, as in the probe thread
-                probe.carry_out(probe.core.on_timer(now))
-                self._settle(touched)
+            for probe in list(touched.values()):  # every wake-up ends the same way, as in the probe thread
+                probe.turn(now)
                 self._arm(probe)
             # A socket's FD signals only new activity, and a send on a socket can take in what
             # arrived meanwhile without a signal: ask every socket used in this wake-up (a send
@@ -398,12 +426,6 @@ class VirtualHost:
                 if on_converged is not None:
                     on_converged(self.converged_at)
 
-    def _settle(self, touched: dict[int, VirtualProbe]) -> None:
-        while self._quick_done:
-            probe, task_id, result = self._quick_done.popleft()
-            probe.sql_task_done(task_id, result)
-            touched[probe.rank] = probe
-
     def _drain_done(self, now: float, touched: dict[int, VirtualProbe]) -> None:
         self._wake.clear()
         while True:
@@ -417,9 +439,7 @@ class VirtualHost:
     def close(self) -> None:
         """Say goodbye upwards, remove the connection file, close every socket."""
         for probe in self.probes.values():
-            if probe.net.parent is not None:
-                for effect in probe.core.goodbye():
-                    probe.send(effect)
+            probe.say_goodbye()
         self.stopping = True
         time.sleep(0.05)  # let libzmq flush the goodbyes (linger is 0)
         if self.connection_file:
@@ -640,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host = VirtualHost(ranks, args.world, args.per_node, args.base_port, key=wire.derive_key(token, args.run_id),
                            run_id=args.run_id, settings=settings, rows=args.rows, sql_workers=args.sql_workers,
-                           profile_dir=args.profile)
+                           profile_dir=args.profile, token=token)
         host.start()
     except (zmq.ZMQError, ValueError, OSError) as exc:
         print(f"error: {exc}", flush=True)
