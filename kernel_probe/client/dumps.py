@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..diagnosis.verdict import MIN_WAIT_SEC
 from ..postmortem.dump import FORMAT, MANIFEST
-from . import results
+from . import calls, results
+from .diagnose import DiagnoseResult, Diagnosis, EndedJob
 from .errors import ConnectError, QueryFailed
 
 if TYPE_CHECKING:
@@ -41,9 +42,6 @@ if TYPE_CHECKING:
 SCHEME = "dump://"
 _RANK_DIR = re.compile(r"rank(\d+)\Z")
 _FATAL = re.compile(r"rank(\d+)\.fatal\.txt\Z")
-# how far each rank got: the optimizer's steps, else the step it logged (``log(step=...)``)
-STEPS_SQL = "SELECT _rank, max(step) AS step FROM steps GROUP BY _rank"
-LOGGED_STEPS_SQL = "SELECT _rank, max(step) AS step FROM metrics WHERE step IS NOT NULL GROUP BY _rank"
 
 
 @dataclass
@@ -376,40 +374,15 @@ class DumpClient:
                               code="partial", coverage=coverage)
         return results.QueryResult(table, coverage, explain=coverage.get("explain", ""))
 
-    def diagnose(self, timeout: float = 10.0, min_wait: float = MIN_WAIT_SEC, native: bool = False) -> Any:
+    def diagnose(self, timeout: float = 10.0, min_wait: float = MIN_WAIT_SEC, native: bool = False
+                 ) -> DiagnoseResult:
         """Who failed first and why (``diagnosis.failure``: each dump's reason, last step and the
         collective it was in), then the hang verdict a live job gets, taken at the moment the
-        last rank ended (``min_wait`` counts back from then). A ``DiagnoseResult``. ``native``:
-        as a live job's call takes it; the dumps hold the stacks they were written with."""
-        from ..diagnosis import failure
-        from ..diagnosis import verdict as core
-        from . import diagnose as diagnosis
-
-        answers: list[results.QueryResult] = []
-
-        def rows(sql: str, params: Mapping[str, Any] | None = None) -> list[dict]:
-            try:  # a table no dump holds (a fatal signal's rank alone, a rank with no torch) answers nothing
-                answer = self.query(sql, timeout=timeout, params=params)
-            except QueryFailed:
-                return []
-            answers.append(answer)
-            return answer.table.to_pylist()
-
-        reasons = rows("SELECT * FROM reason")
-        steps = rows(STEPS_SQL) or rows(LOGGED_STEPS_SQL)
-        groups = rows(diagnosis.GROUPS_SQL)
-        asked = diagnosis.entries_query(groups)
-        entries = rows(*asked) if asked is not None else []
-        stacks = rows(diagnosis.STACKS_SQL)
-        raw = self.nodes_raw()
-        now = failure.ended_at(reasons) or self.seen_at or time.time()
-        hang = core.diagnose(raw["members"], groups, entries, stacks, now, departures=raw["departures"],
-                             min_wait=min_wait)
-        found = failure.analyse(reasons, steps=steps, process_groups=groups, collectives=entries, stacks=stacks,
-                                world_size=self.world_size, missing=self.missing())
-        coverage = diagnosis.merged_coverage(answers)
-        coverage["failed"] = {**{str(r): why for r, why in self.missing().items()}, **coverage["failed"]}
-        return diagnosis.DiagnoseResult(failure.with_hang(found, hang), coverage)
+        last rank ended (``min_wait`` counts back from then): the live job's flow
+        (``diagnose.Diagnosis``) over the dumps. ``native``: as a live job's call takes it; the
+        dumps hold the stacks they were written with."""
+        ended = EndedJob(self.world_size, self.missing(), self.seen_at)
+        return calls.drive(Diagnosis(timeout, min_wait, native, time.time(), ended).run(), self)
 
     def warm(self, timeout: float = 0.0) -> int:
         return len(self.dumps)
