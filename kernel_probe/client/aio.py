@@ -29,6 +29,8 @@ from .targets import Target
 if TYPE_CHECKING:
     import pandas as pd
 
+    from .protocol import AsyncJobClient
+
 log = logging.getLogger(__name__)
 
 
@@ -272,12 +274,17 @@ class AsyncClient(ClientState):
 
 
 async def connect_async(target: str | None = None, token: str | None = None, timeout: float = 5.0,
-                        warm: bool = False) -> AsyncClient:
+                        warm: bool = False) -> "AsyncJobClient":
     """``connect()`` for asyncio code. Resolving a ``store://`` target talks to a TCPStore
     (blocking), so it runs on a worker thread. ``warm`` as for ``connect()`` (off by default:
-    a server that only watches membership leaves the ranks without their query engines)."""
-    from .targets import resolve
+    a server that only watches membership leaves the ranks without their query engines).
+    ``dump://DIR``: the ``DumpClient``, its calls run on worker threads (``protocol.InThreads``)."""
+    from .protocol import InThreads
+    from .dumps import open_dumps
+    from .targets import is_dump, resolve
 
+    if is_dump(target):
+        return InThreads(await asyncio.get_running_loop().run_in_executor(None, open_dumps, target))
     resolved = await asyncio.get_running_loop().run_in_executor(None, lambda: resolve(target, token))
     return await AsyncClient.open(resolved, timeout, warm=warm)
 

@@ -33,13 +33,14 @@ from ..diagnosis.verdict import MIN_WAIT_SEC
 from ..postmortem.dump import FORMAT, MANIFEST
 from . import calls, results
 from .diagnose import DiagnoseResult, Diagnosis, EndedJob
-from .errors import ConnectError, QueryFailed
+from .errors import ConnectError, JobEndedError, QueryFailed
+from .lifecycle import Launch
+from .targets import DUMP_SCHEME, dump_spec
 
 if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
-SCHEME = "dump://"
 _RANK_DIR = re.compile(r"rank(\d+)\Z")
 _FATAL = re.compile(r"rank(\d+)\.fatal\.txt\Z")
 
@@ -90,10 +91,6 @@ class _Tables(Mapping):
 
     def __len__(self) -> int:
         return len(self.dump.names())
-
-
-def parse_target(target: str) -> str:
-    return target[len(SCHEME):]
 
 
 def find_run_dirs(spec: str, default_root: Path) -> list[Path]:
@@ -159,6 +156,16 @@ def load_rank(path: Path) -> RankDump:
     return RankDump(int(tags["_rank"]), tags, manifest, paths, path=path)
 
 
+def open_dumps(target: str, settings: Any = None) -> DumpClient:
+    """The ``DumpClient`` of ``dump://DIR`` (``dump://``: the newest run under PROBING_DUMP_DIR)."""
+    from ..config import load_settings
+
+    spec = dump_spec(target)
+    if spec is None:
+        raise ConnectError(f"{target!r} is not an ended job's dumps: expected dump://DIR")
+    return DumpClient.open(spec, (settings or load_settings()).dump_dir)
+
+
 def _fatal_reason(rank: int, path: Path) -> pa.Table:
     import pyarrow as pa
 
@@ -177,7 +184,7 @@ class DumpClient:
     def __init__(self, run_dir: Path | Iterable[Path]) -> None:
         self.run_dirs = [Path(run_dir)] if isinstance(run_dir, (str, Path)) else [Path(d) for d in run_dir]
         self.run_dir = self.run_dirs[0]
-        self.endpoint = SCHEME + ",".join(str(d) for d in self.run_dirs)
+        self.endpoint = DUMP_SCHEME + ",".join(str(d) for d in self.run_dirs)
         self.store = None
         self.dumps: dict[int, RankDump] = {}
         self.problems: dict[str, str] = {}  # a rank (or file) -> why it could not be read
@@ -185,6 +192,9 @@ class DumpClient:
         self._engine: Any = None
         self._catalog_cache: dict[str, list[str]] | None = None
         self._load()
+        if self.seen_at is None:  # no membership view in any dump: the job was last seen when it dumped
+            self.seen_at = max((m.get("written_at") or 0.0 for m in self._manifests()), default=0.0) or \
+                self.run_dir.stat().st_mtime
         self.info_ = self.info()
 
     @classmethod
@@ -387,7 +397,17 @@ class DumpClient:
     def warm(self, timeout: float = 0.0) -> int:
         return len(self.dumps)
 
+    def profile(self, *args: Any, **kw: Any) -> Any:
+        """Refused: a profile needs a running job (``JobEndedError``)."""
+        raise JobEndedError(f"job {self.run_id or self.endpoint} has ended (read from its dumps): "
+                            "a profile needs a running job")
+
     # --- what a live client also offers --------------------------------------------------------------
+    @property
+    def launch(self) -> Launch:
+        """The one launch the dumps are of (no process to follow)."""
+        return Launch(self.run_id, self.endpoint, None)
+
     def take_notice(self) -> str | None:
         return None
 

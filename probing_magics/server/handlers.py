@@ -21,8 +21,9 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
 import kernel_probe
-from kernel_probe.client import ANSWER_GRACE, ProfileBusy
-from kernel_probe.frontend import MIN_WAIT_SEC, group_stacks, membership_view, parse_ranks, ranks_label, stacks_sql
+from kernel_probe.client import ANSWER_GRACE, AsyncJobClient, ProfileBusy
+from kernel_probe.frontend import (MIN_WAIT_SEC, group_stacks, is_address, membership_view, parse_ranks, ranks_label,
+                                   stacks_sql)
 
 from .. import __version__
 from .captures import FAILED, Capture
@@ -172,7 +173,7 @@ class JobsHandler(ProbingHandler):
     async def post(self) -> None:
         body = self.body()
         target, token = body.get("target"), body.get("token")
-        if not isinstance(target, str) or not target.strip().startswith(("tcp://", "store://", "dump://")):
+        if not isinstance(target, str) or not is_address(target):
             raise ApiError(400, "bad_request", "target must be an address: tcp://host:port or "
                                                "store://host:port[/run_id], or an ended job's dumps: dump://DIR")
         if token is not None and not isinstance(token, str):
@@ -208,9 +209,9 @@ class NodesHandler(ProbingHandler):
     async def get(self, job_id: str) -> None:
         timeout = _timeout(self.get_query_argument("timeout", None), 5.0)
 
-        async def nodes(client: kernel_probe.AsyncClient) -> tuple[dict, dict, float | None]:
+        async def nodes(client: AsyncJobClient) -> tuple[dict, dict, float | None]:
             # an ended job's dumps: ages as of its last view (seen_at), not now
-            return await client.nodes_raw(timeout), dict(client.info_), getattr(client, "seen_at", None)
+            return await client.nodes_raw(timeout), dict(client.info_), client.seen_at
 
         raw, info, seen_at = await self.clients.call(job_id, nodes, timeout)
         now = seen_at or time.time()
@@ -239,7 +240,7 @@ class QueryHandler(ProbingHandler):
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise ApiError(400, "bad_request", "limit must be a non-negative integer")
 
-        async def query(client: kernel_probe.AsyncClient) -> Any:
+        async def query(client: AsyncJobClient) -> Any:
             return await client.query(sql, timeout=timeout, strict=strict, per_rank=per_rank, ranks=ranks)
 
         result = await self.clients.call(job_id, query, timeout + ANSWER_GRACE)
@@ -256,7 +257,7 @@ class StacksHandler(ProbingHandler):
         ranks = _ranks(self.get_query_argument("ranks", None))
         timeout = _timeout(self.get_query_argument("timeout", None), 10.0)
 
-        async def stacks(client: kernel_probe.AsyncClient) -> Any:
+        async def stacks(client: AsyncJobClient) -> Any:
             return await client.query(stacks_sql(), timeout=timeout, ranks=ranks)
 
         result = await self.clients.call(job_id, stacks, timeout + ANSWER_GRACE)
@@ -287,7 +288,7 @@ class DiagnoseHandler(ProbingHandler):
 
         native = self.get_query_argument("native", "") in ("1", "true")
 
-        async def diagnose(client: kernel_probe.AsyncClient) -> Any:
+        async def diagnose(client: AsyncJobClient) -> Any:
             return await client.diagnose(timeout=timeout, min_wait=min_wait_sec, native=native)
 
         # two rounds: membership, groups and stacks at once, then the groups' recorder entries
@@ -376,7 +377,7 @@ class ProfileHandler(ProbingHandler):
                 capture.progress = dict(p)
                 capture.armed.set()
 
-            async def profile(client: kernel_probe.AsyncClient) -> Any:
+            async def profile(client: AsyncJobClient) -> Any:
                 return await client.profile(ranks=ranks, steps=steps, out=str(capture.trace_path), timeout=timeout,
                                             on_progress=progress)
 
