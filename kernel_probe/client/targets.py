@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import wire
 from ..config import Settings, load_settings, run_id_from, split_run_id
-from ..placement import curve_material, is_loopback
+from ..placement import curve_material, listening
 from ..shell import connfile
 from .alive import root_alive
 from .errors import AuthError, ConnectError, JobEndedError
@@ -125,7 +125,7 @@ def resolve(target: str | os.PathLike | None = None, token: str | None = None,
     store = target_s if target_s and target_s.startswith("store://") else (conn.store if conn else None)
     guessed = curve is None and settings.curve is None
     if curve is None:  # a tcp:// target off this machine: the job's own rule, from here
-        curve = settings.curve if settings.curve is not None else not is_loopback(endpoint_host(endpoint))
+        curve = listening(settings, dialled=endpoint_host(endpoint)).curve
     if curve is True:
         curve = curve_material(token, key)
     return Target(endpoint, key, run_id=run_id, token=token, connection=conn, spec=target_s or None,
