@@ -1,5 +1,10 @@
 """The routes under ``<base_url>/probing/api/`` (the README's route table).
 
+The handlers only translate HTTP: they read the request, call the job's client
+(``kernel_probe.client.AsyncJobClient``, whatever kind of job) and answer the ``to_dict()``
+of a typed payload (``kernel_probe.frontend``: ``NodesAnswer``, ``QueryAnswer``, ...), whose
+schema ``schema.py`` derives from the same record.
+
 Every handler is a jupyter_server ``APIHandler``: authenticated (token, cookie + XSRF)
 and authorized (resource ``probing``; GET is "read", the rest "write"). Answers are
 JSON; errors are JSON ``{"message", "code"}`` (plus ``line``/``col`` for SQL) with
@@ -22,13 +27,12 @@ from jupyter_server.utils import url_path_join
 
 import kernel_probe
 from kernel_probe.client import ANSWER_GRACE, AsyncJobClient, ProfileBusy
-from kernel_probe.frontend import (MIN_WAIT_SEC, group_stacks, is_address, membership_view, parse_ranks, ranks_label,
-                                   stacks_sql)
+from kernel_probe.frontend import (MIN_WAIT_SEC, JobsAnswer, NodesAnswer, QueryAnswer, StacksAnswer, VerdictAnswer,
+                                   VersionAnswer, is_address, json_safe, parse_ranks, ranks_label, stacks_sql)
 
 from .. import __version__
 from .captures import FAILED, Capture
 from .clients import ClusterClients, TimedOut
-from .jsonsafe import json_safe, table_rows
 
 API_VERSION = 2  # bump when a route's shape changes; the panel checks it at start
 AUTH_RESOURCE = "probing"
@@ -156,7 +160,7 @@ class VersionHandler(ProbingHandler):
     @authorized
     @json_errors
     async def get(self) -> None:
-        self.reply({"api": API_VERSION, "package": __version__, "protocol": kernel_probe.PROTOCOL_VERSION})
+        self.reply(VersionAnswer(API_VERSION, __version__, kernel_probe.PROTOCOL_VERSION).to_dict())
 
 
 class JobsHandler(ProbingHandler):
@@ -165,7 +169,7 @@ class JobsHandler(ProbingHandler):
     @json_errors
     async def get(self) -> None:
         jobs = await self.clients.jobs()
-        self.reply({"jobs": [self.job_dict(j) for j in jobs], "now": time.time()})
+        self.reply(JobsAnswer([self.job_dict(j) for j in jobs], time.time()).to_dict())
 
     @tornado.web.authenticated
     @authorized
@@ -214,15 +218,8 @@ class NodesHandler(ProbingHandler):
             return await client.nodes_raw(timeout), dict(client.info_), client.seen_at
 
         raw, info, seen_at = await self.clients.call(job_id, nodes, timeout)
-        now = seen_at or time.time()
-        view = membership_view(raw.get("members") or [], now)  # the members with ratio, bar, slow, age
         restarts, notice = self.clients.restarts(job_id)  # relaunches the server saw (same job id)
-        self.reply(json_safe({
-            "job_id": job_id, "run_id": info.get("run_id"), "world_size": info.get("world_size"), "info": info,
-            "epoch": raw.get("epoch"), "members": list(view.members), "departures": raw.get("departures") or [],
-            "suspects": [s.to_dict() for s in view.suspects], "now": now,
-            "restarts": restarts, "restart_notice": notice,
-        }))
+        self.reply(NodesAnswer.of(job_id, raw, info, seen_at or time.time(), restarts, notice).to_dict())
 
 
 class QueryHandler(ProbingHandler):
@@ -244,9 +241,7 @@ class QueryHandler(ProbingHandler):
             return await client.query(sql, timeout=timeout, strict=strict, per_rank=per_rank, ranks=ranks)
 
         result = await self.clients.call(job_id, query, timeout + ANSWER_GRACE)
-        columns, rows, truncated = table_rows(result.table, limit)
-        self.reply({"columns": columns, "rows": rows, "row_count": result.table.num_rows, "truncated": truncated,
-                    "coverage": json_safe(result.coverage), "footer": result.footer()})
+        self.reply(QueryAnswer.of(result, limit).to_dict())
 
 
 class StacksHandler(ProbingHandler):
@@ -261,15 +256,7 @@ class StacksHandler(ProbingHandler):
             return await client.query(stacks_sql(), timeout=timeout, ranks=ranks)
 
         result = await self.clients.call(job_id, stacks, timeout + ANSWER_GRACE)
-        rows = result.table.to_pylist()
-        per_rank: dict[int, list[dict]] = {}
-        for row in rows:
-            per_rank.setdefault(int(row["_rank"]), []).append(row)
-        self.reply(json_safe({
-            "groups": [g.to_dict() for g in group_stacks(rows)],
-            "ranks": {str(r): group_stacks(rs)[0].to_dict() for r, rs in sorted(per_rank.items())},
-            "coverage": result.coverage, "footer": result.footer(),
-        }))
+        self.reply(StacksAnswer.of(result).to_dict())
 
 
 class DiagnoseHandler(ProbingHandler):
@@ -293,7 +280,7 @@ class DiagnoseHandler(ProbingHandler):
 
         # two rounds: membership, groups and stacks at once, then the groups' recorder entries
         result = await self.clients.call(job_id, diagnose, 2 * (timeout + ANSWER_GRACE))
-        self.reply(json_safe({**result.to_dict(), "healthy": result.healthy, "now": time.time()}))
+        self.reply(VerdictAnswer.of(result, time.time()).to_dict())
 
 
 ARM_WAIT_SEC = 15.0  # a capture's start waits this long for its ranks' first answer (a refusal comes then)
