@@ -25,8 +25,9 @@ from typing import Any
 
 from .client.diagnose import DiagnoseResult
 from .client.payloads import (FINDING, FRAME, FRAME_OPTIONAL, STACK_GROUP, SUSPECT, JobsAnswer, NodesAnswer, Payload,
-                              QueryAnswer, Schema, StacksAnswer, VerdictAnswer, VersionAnswer, json_safe, json_types,
-                              schema_of, table_rows)
+                              ProfileComparison, ProfileError, ProfileProgress, ProfileResultAnswer,
+                              ProfileStateAnswer, ProfileTrace, QueryAnswer, Schema, StacksAnswer, VerdictAnswer,
+                              VersionAnswer, json_safe, json_types, schema_of, table_rows)
 from .client.lifecycle import GONE, RELAUNCHED, Asked, Ended, JobLifecycle, Seen, Tick
 from .client.profiles import format_profile
 from .client.targets import is_address, is_dump
@@ -42,7 +43,8 @@ __all__ = ["DiagnoseResult", "GONE", "RELAUNCHED", "Asked", "Ended", "JobLifecyc
            "columns_of", "VIEW_FIELDS", "membership_view", "NATIVE_NOTES_SQL", "StackGroup", "format_stacks",
            "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "ranks_label", "snapshot",
            "Payload", "VersionAnswer", "JobsAnswer", "NodesAnswer", "QueryAnswer", "StacksAnswer", "VerdictAnswer",
-           "Schema", "schema_of", "json_types", "json_safe", "table_rows", "FINDING", "FRAME", "FRAME_OPTIONAL",
+           "ProfileProgress", "ProfileTrace", "ProfileComparison", "ProfileError", "ProfileResultAnswer",
+           "ProfileStateAnswer", "Schema", "schema_of", "json_types", "json_safe", "table_rows", "FINDING", "FRAME", "FRAME_OPTIONAL",
            "STACK_GROUP", "SUSPECT"]
 
 

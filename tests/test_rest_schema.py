@@ -150,7 +150,26 @@ def _samples() -> list[tuple[dict, schema.Schema]]:
         (stacks_answer, schema.STACKS), (group, schema.STACK_GROUP),
         (VerdictAnswer.of(verdict, 100.0).to_dict(), schema.VERDICT),
         (VerdictAnswer.of(verdict, 100.0).to_dict()["findings"][0], schema.FINDING),
-    ] + [(frame, schema.FRAME) for frame in group["frames"]]
+    ] + [(frame, schema.FRAME) for frame in group["frames"]] + _profile_samples()
+
+
+def _profile_samples() -> list[tuple[dict, schema.Schema]]:
+    import pandas as pd
+
+    from kernel_probe.client import ProfileResult
+    from kernel_probe.frontend import ProfileError, ProfileProgress, ProfileResultAnswer, ProfileStateAnswer
+
+    comparison = pd.DataFrame({"op": ["aten::mm"], "slowest_ms": [3.0], "median_ms": [1.0], "extra_ms": [2.0]})
+    result = ProfileResult("c1", [0, 1], 2, {0: {"state": "done", "steps": 2}, 1: {"state": "failed"}},
+                           {1: "died"}, pd.DataFrame({"_rank": [0], "op": ["aten::mm"]}), comparison, 0, 0,
+                           offsets_ms={0: 0.0})
+    done = ProfileStateAnswer("done", "j", [0, 1], 2, 1.0, 2.0, ProfileProgress(1, 2, 0),
+                              ProfileResultAnswer.of(result, 10), ProfileError(502, "job_ended", "ended"), 3.0)
+    payload = done.to_dict()
+    return [(payload, schema.PROFILE_STATE), (payload["progress"], schema.PROFILE_PROGRESS),
+            (payload["result"], schema.PROFILE_RESULT), (payload["result"]["comparison"], schema.PROFILE_COMPARISON),
+            (payload["error"], schema.PROFILE_ERROR), (ProfileStateAnswer.none("j", 3.0).to_dict(),
+                                                       schema.PROFILE_STATE)]
 
 
 def test_each_payload_is_what_its_derived_schema_says():

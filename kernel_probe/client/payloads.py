@@ -224,6 +224,94 @@ class VerdictAnswer(Payload):
                    result.healthy, now)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProfileProgress(Payload):
+    """A running capture's last poll of its ranks."""
+
+    finished: int
+    ranks: int
+    running: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileTrace(Payload):
+    """The merged Chrome/Perfetto trace of a capture, downloaded from ``profile/trace``."""
+
+    name: str
+    bytes: int
+    note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileComparison(Payload):
+    """The slowest rank's top ops next to the median rank's."""
+
+    columns: list[str]
+    rows: list[dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileError(Payload):
+    """Why a capture failed: what its start would have answered (HTTP status, code, one line)."""
+
+    status: int
+    code: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileResultAnswer(Payload):
+    """A finished capture (``ProfileResult``): who was profiled (status per rank), who failed
+    why, the slowest rank's top ``top`` ops next to the median rank's, the merged trace."""
+
+    capture_id: str
+    ranks: list[int]
+    steps: int
+    status: dict[str, dict]
+    failed: dict[str, str]
+    slowest_rank: int | None
+    median_rank: int | None
+    comparison: ProfileComparison | None
+    op_rows: int
+    summary: str
+    trace: ProfileTrace | None
+    offsets_ms: dict[str, float]
+
+    @classmethod
+    def of(cls, result: Any, top: int, trace_file: Any = None) -> "ProfileResultAnswer":
+        head = result.comparison.head(top) if result.comparison is not None else None
+        return cls(result.capture_id, list(result.ranks), result.steps,
+                   {str(r): s for r, s in sorted(result.status.items())},
+                   {str(r): why for r, why in sorted(result.failed.items())}, result.slowest_rank,
+                   result.median_rank,
+                   None if head is None else ProfileComparison(list(head.columns), head.to_dict(orient="records")),
+                   len(result.ops), result.summary(),
+                   None if trace_file is None else ProfileTrace(f"probing-profile-{result.capture_id}.json",
+                                                                trace_file.stat().st_size, result.trace_note),
+                   {str(r): ms for r, ms in sorted(result.offsets_ms.items())})
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileStateAnswer(Payload):
+    """GET/POST/DELETE jobs/<id>/profile: the job's running or last capture (state "none"
+    before the first), its progress, then its answer or why it failed."""
+
+    state: str
+    job_id: str
+    ranks: list[int] | None
+    steps: int | None
+    started: float | None
+    ended: float | None
+    progress: ProfileProgress | None
+    result: ProfileResultAnswer | None
+    error: ProfileError | None
+    now: float
+
+    @classmethod
+    def none(cls, job_id: str, now: float) -> "ProfileStateAnswer":
+        return cls("none", job_id, None, None, None, None, None, None, None, now)
+
+
 # each record a payload carries, derived from its dataclass (its computed properties by name)
 FINDING: Schema = schema_of(Finding)
 SUSPECT: Schema = schema_of(Suspect, computed=("text",))
@@ -233,5 +321,6 @@ FRAME: Schema = {**schema_of(Frame, omit=("native",)), "frame_type": ("string",)
 FRAME_OPTIONAL: tuple[str, ...] = ("frame_type",)
 
 __all__ = ["Schema", "json_safe", "table_rows", "json_types", "schema_of", "Payload", "VersionAnswer",
-           "JobsAnswer", "NodesAnswer", "QueryAnswer", "StacksAnswer", "VerdictAnswer", "FINDING", "SUSPECT", "STACK_GROUP",
+           "JobsAnswer", "NodesAnswer", "QueryAnswer", "StacksAnswer", "VerdictAnswer", "ProfileProgress",
+           "ProfileTrace", "ProfileComparison", "ProfileError", "ProfileResultAnswer", "ProfileStateAnswer", "FINDING", "SUSPECT", "STACK_GROUP",
            "FRAME", "FRAME_OPTIONAL"]

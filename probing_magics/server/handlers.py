@@ -27,7 +27,8 @@ from jupyter_server.utils import url_path_join
 
 import kernel_probe
 from kernel_probe.client import ANSWER_GRACE, AsyncJobClient, ProfileBusy
-from kernel_probe.frontend import (MIN_WAIT_SEC, JobsAnswer, NodesAnswer, QueryAnswer, StacksAnswer, VerdictAnswer,
+from kernel_probe.frontend import (MIN_WAIT_SEC, JobsAnswer, NodesAnswer, ProfileError, ProfileProgress,
+                                   ProfileResultAnswer, ProfileStateAnswer, QueryAnswer, StacksAnswer, VerdictAnswer,
                                    VersionAnswer, is_address, json_safe, parse_ranks, ranks_label, stacks_sql)
 
 from .. import __version__
@@ -288,41 +289,23 @@ TRACE_CHUNK = 1 << 20
 
 
 def capture_dict(capture: Capture | None, job_id: str) -> dict:
-    """A capture as GET jobs/<id>/profile answers it (schema.PROFILE_STATE); state "none"
+    """A capture as GET jobs/<id>/profile answers it (``ProfileStateAnswer``); state "none"
     before the first one."""
     if capture is None:
-        return {"state": "none", "job_id": job_id, "ranks": None, "steps": None, "started": None, "ended": None,
-                "progress": None, "result": None, "error": None, "now": time.time()}
+        return ProfileStateAnswer.none(job_id, time.time()).to_dict()
     error = None
     if capture.error is not None:
         try:
             err = api_error(capture.error)
-            error = {"status": err.status, "code": err.code, "message": str(err)}
+            error = ProfileError(err.status, err.code, str(err))
         except Exception:  # not a failure the routes know: said as it is, in one line
             text = str(capture.error).splitlines()[0] if str(capture.error) else ""
-            error = {"status": 500, "code": "internal", "message": f"{type(capture.error).__name__}: {text}"}
-    return json_safe({
-        "state": capture.state, "job_id": capture.job_id, "ranks": capture.ranks, "steps": capture.steps,
-        "started": capture.started, "ended": capture.ended, "progress": capture.progress,
-        "result": None if capture.result is None else _result_dict(capture), "error": error, "now": time.time()})
-
-
-def _result_dict(capture: Capture) -> dict:
-    result = capture.result
-    comparison = result.comparison.head(capture.top) if result.comparison is not None else None
-    trace = capture.trace_file()
-    return {
-        "capture_id": result.capture_id, "ranks": result.ranks, "steps": result.steps,
-        "status": {str(r): s for r, s in sorted(result.status.items())},
-        "failed": {str(r): why for r, why in sorted(result.failed.items())},
-        "slowest_rank": result.slowest_rank, "median_rank": result.median_rank,
-        "comparison": None if comparison is None else {
-            "columns": list(comparison.columns), "rows": comparison.to_dict(orient="records")},
-        "op_rows": len(result.ops), "summary": result.summary(),
-        "trace": None if trace is None else {"name": f"probing-profile-{result.capture_id}.json",
-                                             "bytes": trace.stat().st_size, "note": result.trace_note},
-        "offsets_ms": {str(r): ms for r, ms in sorted(result.offsets_ms.items())},
-    }
+            error = ProfileError(500, "internal", f"{type(capture.error).__name__}: {text}")
+    progress = None if capture.progress is None else ProfileProgress(**capture.progress)
+    result = None if capture.result is None else ProfileResultAnswer.of(capture.result, capture.top,
+                                                                          capture.trace_file())
+    return ProfileStateAnswer(capture.state, capture.job_id, capture.ranks, capture.steps, capture.started,
+                              capture.ended, progress, result, error, time.time()).to_dict()
 
 
 class ProfileHandler(ProbingHandler):

@@ -14,8 +14,9 @@ Each schema maps a field name to the JSON types its value can have: "number", "s
 from __future__ import annotations
 
 from kernel_probe.frontend import (DEPARTURE_TABLE, FINDING, FRAME, MEMBER_RECORD, STACK_GROUP, SUSPECT, VIEW_FIELDS,
-                                   Column, Job, JobsAnswer, NodesAnswer, QueryAnswer, Schema, StacksAnswer,
-                                   VerdictAnswer, VersionAnswer, columns_of, schema_of)
+                                   Column, Job, JobsAnswer, NodesAnswer, ProfileComparison, ProfileError,
+                                   ProfileProgress, ProfileResultAnswer, ProfileStateAnswer, ProfileTrace, QueryAnswer,
+                                   Schema, StacksAnswer, VerdictAnswer, VersionAnswer, columns_of, schema_of)
 
 
 def _schema(columns: tuple[Column, ...]) -> Schema:
@@ -42,29 +43,15 @@ STACKS: Schema = schema_of(StacksAnswer)
 # GET jobs/<id>/diagnose: findings (each a FINDING)
 VERDICT: Schema = schema_of(VerdictAnswer)
 # GET/POST/DELETE jobs/<id>/profile: the job's running or last capture ("none" before the first);
-# its progress, then its answer (PROFILE_RESULT) or why it failed (PROFILE_ERROR)
-PROFILE_STATE: Schema = {
-    "state": ("string",), "job_id": ("string",), "ranks": ("array", "null"), "steps": ("number", "null"),
-    "started": ("number", "null"), "ended": ("number", "null"), "progress": ("object", "null"),
-    "result": ("object", "null"), "error": ("object", "null"), "now": ("number",),
-}
-# the capture's last poll of its ranks
-PROFILE_PROGRESS: Schema = {"finished": ("number",), "ranks": ("number",), "running": ("number",)}
-# a finished capture: who was profiled (status per rank), who failed why, the slowest rank's top
-# ops next to the median rank's (comparison: columns, rows), the merged trace (PROFILE_TRACE)
-PROFILE_RESULT: Schema = {
-    "capture_id": ("string",), "ranks": ("array",), "steps": ("number",), "status": ("object",),
-    "failed": ("object",), "slowest_rank": ("number", "null"), "median_rank": ("number", "null"),
-    "comparison": ("object", "null"), "op_rows": ("number",), "summary": ("string",),
-    "trace": ("object", "null"), "offsets_ms": ("object",),
-}
-# the slowest rank's top ops next to the median rank's
-PROFILE_COMPARISON: Schema = {"columns": ("array",), "rows": ("array",)}
-# the merged trace, downloaded from GET jobs/<id>/profile/trace?capture=<capture_id>
-PROFILE_TRACE: Schema = {"name": ("string",), "bytes": ("number",), "note": ("string",)}
-# why a capture failed: what its start would have answered (status, code, one line)
-PROFILE_ERROR: Schema = {"status": ("number",), "code": ("string",), "message": ("string",)}
-
+# its progress (PROFILE_PROGRESS), then its answer (PROFILE_RESULT) or why it failed (PROFILE_ERROR)
+PROFILE_STATE: Schema = schema_of(ProfileStateAnswer)
+PROFILE_PROGRESS: Schema = schema_of(ProfileProgress)
+# a finished capture: the slowest rank's top ops next to the median rank's (PROFILE_COMPARISON),
+# the merged trace (PROFILE_TRACE), downloaded from GET jobs/<id>/profile/trace?capture=<capture_id>
+PROFILE_RESULT: Schema = schema_of(ProfileResultAnswer)
+PROFILE_COMPARISON: Schema = schema_of(ProfileComparison)
+PROFILE_TRACE: Schema = schema_of(ProfileTrace)
+PROFILE_ERROR: Schema = schema_of(ProfileError)
 
 
 def json_type(value: object) -> str:
