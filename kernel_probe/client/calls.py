@@ -35,15 +35,22 @@ def query(sql: str, params: Mapping[str, Any] | None = None, *, optional: bool =
     return Call("query", (sql,), kwargs, optional)
 
 
+def _resume(flow: Flow, answers: dict[str, Any] | None, error: BaseException | None) -> tuple[Batch | None, Any]:
+    """The flow's next batch (given the last one's answers, or its error), or (None, what it returned)."""
+    try:
+        return (flow.throw(error) if error is not None else flow.send(answers)), None  # type: ignore[arg-type]
+    except StopIteration as stop:
+        return None, stop.value
+
+
 def drive(flow: Flow, client: Any) -> Any:
     """Run ``flow`` on a blocking client; what it returns."""
     answers: dict[str, Any] | None = None
     error: BaseException | None = None
     while True:
-        try:
-            batch = flow.throw(error) if error is not None else flow.send(answers)
-        except StopIteration as stop:
-            return stop.value
+        batch, returned = _resume(flow, answers, error)
+        if batch is None:
+            return returned
         try:
             answers, error = {name: _call(client, call) for name, call in batch.items()}, None
         except BaseException as exc:  # noqa: B036 - an interrupt too: the flow may clean up
@@ -74,10 +81,9 @@ async def drive_async(flow: Flow, client: Any) -> Any:
     answers: dict[str, Any] | None = None
     error: BaseException | None = None
     while True:
-        try:
-            batch = flow.throw(error) if error is not None else flow.send(answers)
-        except StopIteration as stop:
-            return stop.value
+        batch, returned = _resume(flow, answers, error)
+        if batch is None:
+            return returned
         try:
             got = await asyncio.gather(*(one(call) for call in batch.values()))
             answers, error = dict(zip(batch, got)), None
