@@ -145,7 +145,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         if args.watch is None:
             raw = client.nodes_raw(_connect_timeout(args))
             # an ended job's dumps: ages as of its last view, not now
-            print(format_nodes(raw, client.info_, departures=args.departures, now=getattr(client, "seen_at", None)))
+            print(format_nodes(raw, client.info_, departures=args.departures, now=client.seen_at))
             return 0
         return _watch_nodes(client, args)
 

@@ -9,8 +9,12 @@ modules (a test checks that ``probing_magics`` imports only ``kernel_probe``,
 - the membership view (``membership_view``, ``VIEW_FIELDS``) and the member record's declared
   columns (``MEMBER_RECORD``, ``DEPARTURE_TABLE``, ``Column``, ``columns_of``);
 - a job's life as a client sees it (``JobLifecycle`` and its events and states);
+- the REST payloads, typed (``NodesAnswer``, ``QueryAnswer``, ``StacksAnswer``,
+  ``VerdictAnswer``, ...: ``to_dict()`` is the JSON) and their schemas (``schema_of``), and
+  strict JSON (``json_safe``, ``table_rows``);
 - the verdict's default wait (``MIN_WAIT_SEC``), its answer type (``DiagnoseResult``), a
-  profile's text (``format_profile``), ``is_dump`` and ``snapshot`` (a live job's dumps).
+  profile's text (``format_profile``), ``is_dump``, ``is_address`` (a target a user adds:
+  ``tcp://``, ``store://``, ``dump://``) and ``snapshot`` (a live job's dumps).
 
 Everything here is light to import: no pandas, pyarrow or DuckDB until a function needs them.
 """
@@ -21,9 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from .client.diagnose import DiagnoseResult
+from .client.payloads import (FINDING, FRAME, FRAME_OPTIONAL, STACK_GROUP, SUSPECT, JobsAnswer, NodesAnswer, Payload,
+                              ProfileComparison, ProfileError, ProfileProgress, ProfileResultAnswer,
+                              ProfileStateAnswer, ProfileTrace, QueryAnswer, Schema, StacksAnswer, VerdictAnswer,
+                              VersionAnswer, json_safe, json_types, schema_of, table_rows)
 from .client.lifecycle import GONE, RELAUNCHED, Asked, Ended, JobLifecycle, Seen, Tick
 from .client.profiles import format_profile
-from .client.targets import is_dump
+from .client.targets import is_address, is_dump
 from .diagnosis.verdict import MIN_WAIT_SEC
 from .jobs import Job
 from .membership.record import DEPARTURE_TABLE, MEMBER_RECORD, Column, columns_of
@@ -33,9 +41,13 @@ from .rank_lists import parse_ranks, ranks_label
 from .durations import duration_text
 
 __all__ = ["DiagnoseResult", "GONE", "RELAUNCHED", "Asked", "Ended", "JobLifecycle", "Seen", "Tick",
-           "format_profile", "is_dump", "MIN_WAIT_SEC", "Job", "DEPARTURE_TABLE", "MEMBER_RECORD", "Column",
+           "format_profile", "is_address", "is_dump", "MIN_WAIT_SEC", "Job", "DEPARTURE_TABLE", "MEMBER_RECORD", "Column",
            "columns_of", "VIEW_FIELDS", "membership_view", "NATIVE_NOTES_SQL", "StackGroup", "format_stacks",
-           "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "ranks_label", "duration_text", "snapshot"]
+           "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "ranks_label", "duration_text", "snapshot",
+           "Payload", "VersionAnswer", "JobsAnswer", "NodesAnswer", "QueryAnswer", "StacksAnswer", "VerdictAnswer",
+           "ProfileProgress", "ProfileTrace", "ProfileComparison", "ProfileError", "ProfileResultAnswer",
+           "ProfileStateAnswer", "Schema", "schema_of", "json_types", "json_safe", "table_rows", "FINDING", "FRAME", "FRAME_OPTIONAL",
+           "STACK_GROUP", "SUSPECT"]
 
 
 def snapshot(client: Any, root: Path, *, timeout: float = 10.0) -> tuple[Path, list[int], dict[str, str]]:

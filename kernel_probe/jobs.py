@@ -1,5 +1,6 @@
 """The jobs this process knows: those running on this machine (their roots' connection
-files) and those a user added by address (``tcp://`` or ``store://``, with a token).
+files), those a user added by address (``tcp://`` or ``store://``, with a token), and ended
+jobs a user added by their dumps (``dump://DIR``: never alive, answered from the files).
 
 One ``JobRegistry`` per process (``kernel_probe.job_registry()``); the CLI, the
 notebook magics and the Jupyter server extension all ask it. Tokens of added jobs stay
@@ -8,7 +9,8 @@ in this process's memory: never written, never returned by ``to_dict``.
 A job's ``id`` is safe in a URL and stays the same when the job is stopped and launched
 again with the same run id (``client.follow``: a relaunch is the same job): its name
 (``follow.job_name``: the run id without torchrun's ``/r<n>``) for a job found here,
-``addr-<digest>`` for one added by address. Two roots here with the same name: the
+``addr-<digest>`` for one added by address, ``dump-<digest>`` for one added by its dumps
+(the same run added again is the same job). Two roots here with the same name: the
 running (else the newest) one has the name, the others the name and their pid.
 """
 
@@ -23,13 +25,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .client import AsyncClient, Client, ConnectError, ProbeError, Target, resolve
+from .client import Client, ConnectError, ProbeError, Target, connect, connect_async, resolve
 from .client.alive import root_alive
 from .client.follow import job_name
+from .client.protocol import AsyncJobClient, JobClient
+from .client.dumps import open_dumps
+from .client.targets import DUMP_SCHEME, is_dump
 from .config import load_settings
 from .shell import connfile
 
-LOCAL, ADDED = "local", "added"
+LOCAL, ADDED, DUMP = "local", "added", "dump"
 
 
 class UnknownJob(ProbeError, KeyError):
@@ -44,7 +49,7 @@ class Job:
     """One job as this process knows it. ``alive`` is None where it cannot be told from here."""
 
     id: str
-    source: str  # LOCAL or ADDED
+    source: str  # LOCAL, ADDED or DUMP
     target: str  # what connect() takes for it
     run_id: str | None
     endpoint: str | None
@@ -56,6 +61,12 @@ class Job:
     added: float | None = None
     store: str | None = None  # the store:// address to copy (rendezvous endpoint and id), when known
     _token: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def reachable(self) -> bool:
+        """Whether a new client can talk to it: a job not known to have ended, or an ended
+        job's dumps (read from files: nothing runs, so nothing to watch or follow)."""
+        return self.alive is not False or self.source == DUMP
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the token."""
@@ -128,8 +139,11 @@ class JobRegistry:
 
     def add(self, target: str, token: str | None = None, timeout: float = 5.0) -> Job:
         """Add a job by address; checked with a handshake first (``ProbeError`` if it fails).
-        Adding the same address again replaces its token."""
+        Adding the same address again replaces its token. ``dump://DIR``: an ended job by its
+        dumps (``ValueError``, one line, when DIR holds none this reader can read)."""
         target = target.strip()
+        if is_dump(target):
+            return self._keep(self._dump_job(target))
         if not (target.startswith("tcp://") or target.startswith("store://")):
             raise ConnectError(f"bad address {target!r}: expected tcp://host:port or store://host:port[/run_id]")
         with Client.open(resolve(target, token), timeout) as client:
@@ -139,9 +153,27 @@ class JobRegistry:
                   world_size=info.get("world_size"), pid=info.get("pid"), host=None, started=None, alive=None,
                   added=time.time(), store=target if target.startswith("store://") else client.store,
                   _token=token)
+        return self._keep(job)
+
+    def _keep(self, job: Job) -> Job:
         with self._lock:
-            self._added[job_id] = job
+            self._added[job.id] = job
         return job
+
+    @staticmethod
+    def _dump_job(target: str) -> Job:
+        try:
+            client = open_dumps(target)
+        except ConnectError as exc:
+            raise ValueError(str(exc).splitlines()[0]) from None
+        with client:
+            if not client.dumps:
+                problems = client.info_.get("problems") or []
+                raise ValueError(f"no readable dump in {client.run_dir}" + (f": {problems[0]}" if problems else ""))
+            dirs = ",".join(str(d.resolve()) for d in client.run_dirs)
+            return Job(id="dump-" + hashlib.sha256(dirs.encode()).hexdigest()[:12], source=DUMP,
+                       target=DUMP_SCHEME + dirs, run_id=client.run_id, endpoint=None,
+                       world_size=client.world_size, alive=False, added=time.time())
 
     def remove(self, job_id: str) -> None:
         """Forget an added job (and its token). A job running here cannot be removed."""
@@ -154,6 +186,10 @@ class JobRegistry:
 
     def target(self, job_id: str | None = None) -> Target:
         """Where job ``job_id`` (default: the newest job here) is and which key signs for it."""
+        job = self._job(job_id)
+        return resolve(job.target, job._token)
+
+    def _job(self, job_id: str | None) -> Job:
         if job_id is None:
             newest = self.newest()
             if newest is None:
@@ -162,19 +198,20 @@ class JobRegistry:
             job = newest
         else:
             job = self.get(job_id)
-        return resolve(job.target, job._token)
+        return job
 
-    def connect(self, job_id: str | None = None, timeout: float = 5.0, warm: bool = True) -> Client:
+    def connect(self, job_id: str | None = None, timeout: float = 5.0, warm: bool = True) -> JobClient:
         """A new blocking client of the job, checked with a handshake (and warm, as ``connect()``)."""
-        return Client.open(self.target(job_id), timeout, warm=warm)
+        job = self._job(job_id)
+        return connect(job.target, job._token, timeout, warm=warm)
 
     async def connect_async(self, job_id: str | None = None, timeout: float = 5.0,
-                            warm: bool = False) -> AsyncClient:
+                            warm: bool = False) -> AsyncJobClient:
         """A new asyncio client of the job, checked with a handshake (and warm if asked)."""
         import asyncio
 
-        target = await asyncio.get_running_loop().run_in_executor(None, self.target, job_id)
-        return await AsyncClient.open(target, timeout, warm=warm)
+        job = await asyncio.get_running_loop().run_in_executor(None, self._job, job_id)
+        return await connect_async(job.target, job._token, timeout, warm=warm)
 
 
 _registry: JobRegistry | None = None
@@ -190,4 +227,4 @@ def job_registry() -> JobRegistry:
         return _registry
 
 
-__all__ = ["Job", "JobRegistry", "UnknownJob", "job_registry", "LOCAL", "ADDED"]
+__all__ = ["Job", "JobRegistry", "UnknownJob", "job_registry", "LOCAL", "ADDED", "DUMP"]

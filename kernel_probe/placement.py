@@ -1,5 +1,6 @@
-"""Sans-IO: where a rank sits in the tree, decided through the job's store, and which
-key signs its messages.
+"""Sans-IO: where a rank sits in the tree, decided through the job's store, which key
+signs its messages, and where it listens and whether it encrypts (``listening``: the one
+rule, read by the rank's shell and by a client guessing how a job it dials listens).
 
 Rules of this file:
 - No store, socket or clock: the store's answers come in as inputs
@@ -143,10 +144,44 @@ def is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("localhost", "::1", "[::1]")
 
 
+@dataclass(frozen=True)
+class Listening:
+    """Where a job's ranks listen and whether their sockets are under CURVE. ``advertise``:
+    the address peers dial; None where the rule leaves it to the machine (the address of the
+    interface that routes to the job's store, which only the shell can ask the OS for)."""
+
+    bind: str
+    advertise: str | None
+    curve: bool
+
+
+def listening(settings: Settings, *, single_host: bool = False, dialled: str | None = None) -> Listening:
+    """The job's rule: without a token a single-host job binds loopback, else every interface
+    (``PROBING_BIND_ADDR`` wins); a loopback bind advertises loopback (``PROBING_ADVERTISE_ADDR``
+    wins); the sockets are under CURVE as ``PROBING_CURVE`` says, else when the bind is off
+    loopback. Every rank of a job shares the settings, so a job decides as one.
+
+    ``dialled``: a client's view of a job it reaches at that host (the job advertises it): a job
+    binds loopback exactly when it advertises loopback, so that decides the guess of whether it
+    encrypts (a connection file or the store's record says for sure)."""
+    if dialled is not None:
+        bind = "127.0.0.1" if is_loopback(dialled) else "0.0.0.0"
+        return Listening(bind, dialled, encrypts(settings, bind))
+    if settings.bind_addr:
+        bind = settings.bind_addr
+    else:
+        bind = "127.0.0.1" if not settings.auth_token and single_host else "0.0.0.0"
+    advertise = settings.advertise_addr or (_loopback_of(bind) if is_loopback(bind) else None)
+    return Listening(bind, advertise, encrypts(settings, bind))
+
+
+def _loopback_of(bind: str) -> str:
+    return "[::1]" if bind in ("::1", "[::1]") else "127.0.0.1"
+
+
 def encrypts(settings: Settings, bind_host: str) -> bool:
     """Whether a rank's sockets are under CURVE: as PROBING_CURVE says, else when it listens
-    beyond loopback. Every rank of a job shares the settings and the bind rule, so a job
-    decides as one; a client finds the answer in the connection file or the store's record."""
+    beyond loopback (``listening`` applies it)."""
     if settings.curve is not None:
         return settings.curve
     return not is_loopback(bind_host)

@@ -341,17 +341,15 @@ class ClusterMagics(Magics):
         return None
 
     def _show_dumped_nodes(self, client: Any) -> bool:
-        """An ended job's dumps (dump://): its membership as last seen, once (nothing to refresh)."""
-        from kernel_probe.frontend import is_dump
-
-        if not is_dump(self.target):
+        """An ended job (its dumps): its membership as last seen, once (nothing to refresh)."""
+        seen = client.seen_at
+        if seen is None:  # a running job: its membership is as of now
             return False
         from datetime import datetime, timezone
 
         from IPython.display import display
 
-        seen = getattr(client, "seen_at", None)
-        when = datetime.fromtimestamp(seen, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if seen else "?"
+        when = datetime.fromtimestamp(seen, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
         print(f"the job has ended: its ranks as last seen ({when}) · {client.endpoint}")
         display(client.nodes())
         return True

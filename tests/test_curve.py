@@ -20,7 +20,7 @@ from kernel_probe import wire
 from kernel_probe.client.errors import AuthError, NoAnswerError
 from kernel_probe.client.targets import resolve
 from kernel_probe.config import Settings
-from kernel_probe.placement import curve_material, encrypts
+from kernel_probe.placement import Listening, curve_material, encrypts, listening
 from kernel_probe.shell import endpoint
 from tests.support import IDLE_WORKER
 from tests.support.hostile import unfinished_message
@@ -55,6 +55,24 @@ def test_one_keypair_per_job_key():
     (True, "127.0.0.1", True), (False, "0.0.0.0", False)])
 def test_a_job_encrypts_when_told_else_off_loopback(setting, bind, expected):
     assert encrypts(Settings(curve=setting), bind) is expected
+
+
+@pytest.mark.parametrize("settings, single_host, expected", [
+    (Settings(), True, Listening("127.0.0.1", "127.0.0.1", False)),  # no token, one host: loopback, plain
+    (Settings(auth_token="t"), True, Listening("0.0.0.0", None, True)),  # a token: every interface, CURVE
+    (Settings(), False, Listening("0.0.0.0", None, True)),  # several hosts
+    (Settings(auth_token="t", curve=False), True, Listening("0.0.0.0", None, False)),
+    (Settings(bind_addr="127.0.0.2", curve=True), False, Listening("127.0.0.2", "127.0.0.1", True)),
+    (Settings(bind_addr="::1"), False, Listening("::1", "[::1]", False)),
+    (Settings(auth_token="t", advertise_addr="10.9.8.7"), True, Listening("0.0.0.0", "10.9.8.7", True))])
+def test_where_a_job_listens_and_whether_it_encrypts_is_one_rule(settings, single_host, expected):
+    job = listening(settings, single_host=single_host)
+    assert job == expected
+    # a client that dials the address the job advertises guesses the job's own answer
+    if job.advertise is not None and settings.advertise_addr is None:
+        client_settings = Settings(curve=settings.curve)
+        assert listening(client_settings, dialled=job.advertise).curve is job.curve
+    assert listening(Settings(), dialled="192.0.2.7").curve and not listening(Settings(), dialled="localhost").curve
 
 
 def _router(curve_key: bytes | None) -> tuple[zmq.Context, zmq.Socket, str]:

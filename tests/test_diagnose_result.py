@@ -1,22 +1,82 @@
 """What ``diagnose()`` asks and returns, without a job: the recorder entries it asks for,
-the coverage of its queries, the findings DataFrame, and the verdict view's HTML and text."""
+the coverage of its queries, the calls its one flow makes (on a blocking and an asyncio
+client alike), the findings DataFrame, and the verdict view's HTML and text."""
 
 from __future__ import annotations
 
-import pandas as pd
+import asyncio
 
+import pyarrow as pa
+import pytest
+
+from kernel_probe.client import calls
 from kernel_probe.client import diagnose as d
+from kernel_probe.client.errors import QueryFailed
 from probing_magics.verdict_view import VerdictView
 
 T0 = 1_800_000_000.0
 
 
 class Answer:
-    """A stand-in for a QueryResult: a DataFrame and its coverage."""
+    """A stand-in for a QueryResult: an Arrow table and its coverage."""
 
     def __init__(self, rows: list[dict], answered=(0, 1), targeted=(0, 1), failed=None) -> None:
-        self.df = pd.DataFrame(rows)
+        self.table = pa.Table.from_pylist(rows)
         self.coverage = {"answered": list(answered), "targeted": list(targeted), "failed": failed or {}}
+
+
+class Canned:
+    """A blocking client whose answers are given: which calls the flow makes, in order."""
+
+    def __init__(self, members, groups, entries, stacks, fail: str | None = None) -> None:
+        self.members, self.fail = members, fail
+        self.answers = {d.GROUPS_SQL: groups, d.STACKS_SQL: stacks, "entries": entries}
+        self.asked: list[str] = []
+
+    def nodes_raw(self, timeout):
+        self.asked.append("nodes")
+        return self.members
+
+    def query(self, sql, timeout, params=None, native=False):
+        name = sql if sql in self.answers else "entries" if "flight_recorder" in sql else sql
+        self.asked.append(name)
+        if name == self.fail or name not in self.answers:
+            raise QueryFailed(f"no table for {sql}", code="sql_error")
+        return self.answers[name]
+
+
+class AsyncCanned(Canned):
+    async def nodes_raw(self, timeout):
+        return Canned.nodes_raw(self, timeout)
+
+    async def query(self, sql, timeout, params=None, native=False):
+        await asyncio.sleep(0)
+        return Canned.query(self, sql, timeout, params, native)
+
+
+def diagnosed(members, groups, entries, stacks, now=T0):
+    return calls.drive(d.Diagnosis(10.0, d.MIN_WAIT_SEC, False, now).run(), Canned(members, groups, entries, stacks))
+
+
+def test_one_flow_asks_the_same_of_a_blocking_and_an_asyncio_client():
+    blocking, aio = Canned(*late_answers()), AsyncCanned(*late_answers())
+    flow = d.Diagnosis(10.0, d.MIN_WAIT_SEC, False, T0)
+    one = calls.drive(flow.run(), blocking)
+    other = asyncio.run(calls.drive_async(flow.run(), aio))
+    assert blocking.asked == aio.asked == ["nodes", d.GROUPS_SQL, d.STACKS_SQL, "entries"]
+    assert one.to_dict() == other.to_dict() and one.summary.startswith("Collective #9")
+
+
+def test_a_live_jobs_failed_query_fails_the_call_an_ended_jobs_is_an_absent_answer():
+    with pytest.raises(QueryFailed):
+        calls.drive(d.Diagnosis(10.0, d.MIN_WAIT_SEC, False, T0).run(), Canned(*late_answers(), fail=d.STACKS_SQL))
+    ended = d.EndedJob(world_size=3, missing={2: "left no dump (killed by SIGKILL)"})
+    client = Canned(*late_answers(), fail=d.STACKS_SQL)  # no reason/steps tables either
+    result = calls.drive(d.Diagnosis(10.0, d.MIN_WAIT_SEC, False, T0, ended).run(), client)
+    assert client.asked == ["nodes", d.GROUPS_SQL, d.STACKS_SQL, d.REASONS_SQL, d.STEPS_SQL, "entries",
+                            d.LOGGED_STEPS_SQL]
+    assert result.coverage["failed"]["2"].startswith("left no dump")
+    assert "no_dump" in list(result.findings["kind"]) and "no stack from rank 1" in result.summary
 
 
 def test_entries_are_asked_per_group_from_a_little_before_its_oldest_unfinished_one():
@@ -35,20 +95,20 @@ def test_coverage_is_the_ranks_every_query_reached():
     assert not d.merged_coverage([Answer([])])["partial"]
 
 
-def late_answers(answered=(0, 1)):
+def late_answers(answered=(0, 1), function="fetch_next_batch"):
     groups = Answer([{"_rank": r, "group_id": 0, "group_name": "0", "group_desc": "default_pg", "ranks": "[0, 1]",
                       "last_enqueued": 9 - r, "last_completed": 8} for r in (0, 1)], answered)
     entries = Answer([{"_rank": 0, "source": "flight_recorder", "ts": T0 - 20, "op": "all_reduce", "group_id": 0,
                        "group_name": "0", "group_desc": "default_pg", "collective_seq_id": 9, "op_id": 9,
                        "is_p2p": False, "input_sizes": "[[136]]", "input_dtypes": '["Float"]'}], answered)
-    stacks = Answer([{"_rank": 1, "is_main": True, "depth": 0, "function": "fetch_next_batch", "file": "/j/train.py",
+    stacks = Answer([{"_rank": 1, "is_main": True, "depth": 0, "function": function, "file": "/j/train.py",
                       "line": 42}], answered)
     members = {"members": [{"rank": r, "state": "alive", "since": T0 - 60} for r in (0, 1)], "departures": []}
     return members, groups, entries, stacks
 
 
 def test_the_result_has_the_sentence_the_findings_frame_and_the_coverage():
-    result = d.build(*late_answers(), now=T0)
+    result = diagnosed(*late_answers())
     assert result.summary.startswith("Collective #9 on group 0 [default_pg] (all_reduce, [136] float32): rank 0 "
                                      "waiting 20 s; rank 1 never entered it — rank 1 is in fetch_next_batch")
     df = result.findings
@@ -62,7 +122,7 @@ def test_the_result_has_the_sentence_the_findings_frame_and_the_coverage():
 def test_a_partial_answer_is_said_in_what_was_checked():
     members, groups, entries, stacks = late_answers()
     stacks = Answer([], answered=[0])  # rank 1's stack did not come
-    result = d.build(members, groups, entries, stacks, now=T0)
+    result = diagnosed(members, groups, entries, stacks)
     assert result.coverage["partial"] and result.checked[-1] == "not every rank answered: rank 1 missing"
     assert "no stack from rank 1" in result.summary
 
@@ -70,7 +130,7 @@ def test_a_partial_answer_is_said_in_what_was_checked():
 def test_a_healthy_job_and_no_recorder():
     members, groups, _entries, stacks = late_answers()
     empty = Answer([])
-    result = d.build(members, empty, None, stacks, now=T0)
+    result = diagnosed(members, empty, None, stacks)
     assert result.healthy and len(result.findings) == 0 and list(result.findings.columns)[0] == "kind"
     view = VerdictView(result)
     assert "No hang found" in view._repr_html_() and "probing-findings" not in view._repr_html_()
@@ -78,9 +138,8 @@ def test_a_healthy_job_and_no_recorder():
 
 
 def test_the_view_puts_the_sentence_above_the_table_and_escapes():
-    members, groups, entries, stacks = late_answers()
-    stacks.df.loc[0, "function"] = "<lambda>"
-    page = VerdictView(d.build(members, groups, entries, stacks, now=T0))._repr_html_()
+    members, groups, entries, stacks = late_answers(function="<lambda>")
+    page = VerdictView(diagnosed(members, groups, entries, stacks))._repr_html_()
     assert page.index("Collective #9") < page.index("<table class='probing-findings'>")
     assert "&lt;lambda&gt;" in page and "<lambda>" not in page
 
@@ -110,7 +169,7 @@ def test_the_magics_native_flag_reaches_the_call(monkeypatch):
     class Fake:
         def diagnose(self, timeout, min_wait, native=False):
             asked.append(native)
-            return d.build(*late_answers(), now=T0)
+            return diagnosed(*late_answers())
 
     shell = get_ipython()
     shell.run_line_magic("reload_ext", "probing_magics")

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from .. import wire
 from . import diagnose as diagnosis
-from . import profiles, results
+from . import calls, profiles, results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
 from .errors import AuthError, ConnectError, JobEndedError, NoAnswerError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
@@ -28,6 +28,8 @@ from .targets import Target
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from .protocol import AsyncJobClient
 
 log = logging.getLogger(__name__)
 
@@ -242,13 +244,9 @@ class AsyncClient(ClientState):
     async def diagnose(self, timeout: float = 10.0, min_wait: float = diagnosis.MIN_WAIT_SEC,
                        native: bool = False) -> diagnosis.DiagnoseResult:
         """As ``Client.diagnose``; membership, the groups and the stacks are asked at once."""
-        now = time.time()
-        members, groups, stacks = await asyncio.gather(
-            self.nodes_raw(min(timeout, 5.0)), self.query(diagnosis.GROUPS_SQL, timeout=timeout),
-            self.query(diagnosis.STACKS_SQL, timeout=timeout, native=native))
-        asked = diagnosis.entries_query(groups.df.to_dict("records"))
-        entries = None if asked is None else await self.query(asked[0], timeout=timeout, params=asked[1])
-        return diagnosis.build(members, groups, entries, stacks, now, min_wait)
+        flow = diagnosis.Diagnosis(timeout, min_wait, native, time.time()).run()
+        return await calls.drive_async(flow, self)
+
     async def profile(self, ranks: "Iterable[int] | str | None" = None, steps: int = 2, out: str | None = None,
                       timeout: float = 120.0, max_trace_mb: float = profiles.DEFAULT_TRACE_MAX_MB,
                       on_progress: Callable[[dict], None] | None = None) -> profiles.ProfileResult:
@@ -276,12 +274,17 @@ class AsyncClient(ClientState):
 
 
 async def connect_async(target: str | None = None, token: str | None = None, timeout: float = 5.0,
-                        warm: bool = False) -> AsyncClient:
+                        warm: bool = False) -> "AsyncJobClient":
     """``connect()`` for asyncio code. Resolving a ``store://`` target talks to a TCPStore
     (blocking), so it runs on a worker thread. ``warm`` as for ``connect()`` (off by default:
-    a server that only watches membership leaves the ranks without their query engines)."""
-    from .targets import resolve
+    a server that only watches membership leaves the ranks without their query engines).
+    ``dump://DIR``: the ``DumpClient``, its calls run on worker threads (``protocol.InThreads``)."""
+    from .protocol import InThreads
+    from .dumps import open_dumps
+    from .targets import is_dump, resolve
 
+    if is_dump(target):
+        return InThreads(await asyncio.get_running_loop().run_in_executor(None, open_dumps, target))
     resolved = await asyncio.get_running_loop().run_in_executor(None, lambda: resolve(target, token))
     return await AsyncClient.open(resolved, timeout, warm=warm)
 

@@ -37,6 +37,7 @@ class ClientState:
         self.connection = target.connection
         self.store = target.store  # the job's store:// address to show people, when known
         self.info_: dict[str, Any] = {}
+        self.seen_at: float | None = None  # a running job's membership is as of now (``protocol.JobClient``)
         self._target = target
         self._token = target.token
         self._generation = 0  # bumped when the client switches to a new launch

@@ -25,7 +25,7 @@ import zmq
 from .. import wire
 from ..shell import connfile
 from . import diagnose as diagnosis
-from . import profiles, results
+from . import calls, profiles, results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
 from .errors import AuthError, JobEndedError, NoAnswerError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
@@ -320,13 +320,9 @@ class Client(ClientState):
         seconds a collective must be pending before a rank missing from it is a finding.
         ``native``: the stacks with native (C/C++) frames too, taken by py-spy on each rank (a
         rank stuck in C, and what the waiting ranks wait in, are then named)."""
-        now = time.time()
-        members = self.nodes_raw(min(timeout, 5.0))
-        groups = self.query(diagnosis.GROUPS_SQL, timeout=timeout)
-        asked = diagnosis.entries_query(groups.df.to_dict("records"))
-        entries = None if asked is None else self.query(asked[0], timeout=timeout, params=asked[1])
-        stacks = self.query(diagnosis.STACKS_SQL, timeout=timeout, native=native)
-        return diagnosis.build(members, groups, entries, stacks, now, min_wait)
+        flow = diagnosis.Diagnosis(timeout, min_wait, native, time.time()).run()
+        return calls.drive(flow, self)
+
     def profile(self, ranks: "Iterable[int] | str | None" = None, steps: int = 2, out: str | None = None,
                 timeout: float = 120.0, max_trace_mb: float = profiles.DEFAULT_TRACE_MAX_MB,
                 on_progress: Callable[[dict], None] | None = None) -> profiles.ProfileResult:

@@ -1,16 +1,25 @@
-"""``diagnose()``: the few cluster queries the verdict needs, and its result.
+"""``diagnose()``, written once for every client: which queries the verdict needs, in what
+order, and the one pure analysis of their answers.
 
-Shared by the blocking and the asyncio client: they run the same queries in the same
-order (membership, the process groups, the flight recorder's entries from each group's
-oldest unfinished collective on, the main threads' stacks) and hand the answers here.
+``Diagnosis.run`` is a flow (``calls``): it yields batches of client calls and gets their
+answers, so the blocking ``Client`` and the ``DumpClient`` (``calls.drive``) and the
+``AsyncClient`` (``calls.drive_async``, each batch at once) run the same queries in the
+same order: membership, the process groups and the main threads' stacks; then the flight
+recorder's entries from each group's oldest unfinished collective on. An ended job's dumps
+(``EndedJob``) are asked their ends (``reason``) and last steps too, and the verdict puts
+who failed first and why before what hung. ``analyse`` turns the answers into a
+``DiagnoseResult`` without I/O: a new check is one more query in a batch and one more
+call there.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generator, Iterable, Mapping
 
 from ..diagnosis import verdict as core
 from ..diagnosis.values import as_int
+from .calls import Batch, Call, query
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -27,8 +36,16 @@ CONTEXT_ENTRIES = 2
 MIN_WAIT_SEC = core.MIN_WAIT_SEC
 
 
-def records(df: "pd.DataFrame | None") -> list[dict[str, Any]]:
-    return [] if df is None else df.to_dict("records")
+# an ended job: how far each rank got (the optimizer's steps, else the step it logged)
+REASONS_SQL = "SELECT * FROM reason"
+STEPS_SQL = "SELECT _rank, max(step) AS step FROM steps GROUP BY _rank"
+LOGGED_STEPS_SQL = "SELECT _rank, max(step) AS step FROM metrics WHERE step IS NOT NULL GROUP BY _rank"
+
+
+def rows(answer: "QueryResult | None") -> list[dict[str, Any]]:
+    """A query's rows as Arrow gives them (None: a query that had no answer)."""
+    table = None if answer is None else answer.table
+    return [] if table is None else table.to_pylist()
 
 
 def entries_query(groups: Iterable[Mapping[str, Any]]) -> tuple[str, dict[str, Any]] | None:
@@ -126,10 +143,71 @@ class DiagnoseResult:
         return f"<DiagnoseResult {len(self.verdict.findings)} findings · {self.summary}>"
 
 
-def build(nodes_raw: Mapping[str, Any], groups: "QueryResult", entries: "QueryResult | None",
-          stacks: "QueryResult", now: float, min_wait: float = core.MIN_WAIT_SEC) -> DiagnoseResult:
-    answers = [a for a in (groups, entries, stacks) if a is not None]
-    verdict = core.diagnose(list(nodes_raw.get("members") or ()), records(groups.df),
-                            records(entries.df) if entries is not None else [], records(stacks.df), now,
-                            departures=list(nodes_raw.get("departures") or ()), min_wait=min_wait)
-    return DiagnoseResult(verdict, merged_coverage(answers))
+@dataclass(frozen=True)
+class EndedJob:
+    """What an ended job's dumps say besides their tables: how many ranks it had, which left no
+    dump (and why), and when its membership was last seen."""
+
+    world_size: int
+    missing: Mapping[int, str] = field(default_factory=dict)
+    seen_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One ``diagnose()`` call: its options, the time it was asked (``now``), and, for an
+    ended job, what its dumps say (``ended``)."""
+
+    timeout: float
+    min_wait: float
+    native: bool
+    now: float
+    ended: EndedJob | None = None
+
+    def _query(self, sql: str, params: Mapping[str, Any] | None = None, **kw: Any) -> Call:
+        # a table no dump holds (a fatal signal's rank alone, a rank with no torch) answers nothing
+        return query(sql, params, timeout=self.timeout, optional=self.ended is not None, **kw)
+
+    def run(self) -> Generator[Batch, dict[str, Any], "DiagnoseResult"]:
+        first = {"nodes": Call("nodes_raw", (min(self.timeout, 5.0),)), "groups": self._query(GROUPS_SQL),
+                 "stacks": self._query(STACKS_SQL, native=self.native)}
+        if self.ended is not None:
+            first.update(reasons=self._query(REASONS_SQL), steps=self._query(STEPS_SQL))
+        answers = yield first
+        then: dict[str, Call] = {}
+        asked = entries_query(rows(answers["groups"]))
+        if asked is not None:
+            then["entries"] = self._query(*asked)
+        if self.ended is not None and not rows(answers["steps"]):
+            then["logged_steps"] = self._query(LOGGED_STEPS_SQL)
+        if then:
+            answers = {**answers, **(yield then)}
+        return analyse(answers, self.now, self.min_wait, self.ended)
+
+
+# the query answers whose coverage is the verdict's, in the order they are merged
+_COVERED = ("reasons", "steps", "logged_steps", "groups", "entries", "stacks")
+
+
+def analyse(answers: Mapping[str, Any], now: float, min_wait: float = core.MIN_WAIT_SEC,
+            ended: EndedJob | None = None) -> "DiagnoseResult":
+    """The verdict from ``Diagnosis.run``'s answers (``nodes``: the membership as sent; the
+    rest: ``QueryResult``s, None where a query had no answer). Pure."""
+    nodes = answers.get("nodes") or {}
+    members, departures = list(nodes.get("members") or ()), list(nodes.get("departures") or ())
+    groups, entries, stacks = rows(answers.get("groups")), rows(answers.get("entries")), rows(answers.get("stacks"))
+    coverage = merged_coverage(a for name in _COVERED if (a := answers.get(name)) is not None)
+    if ended is None:
+        verdict = core.diagnose(members, groups, entries, stacks, now, departures=departures, min_wait=min_wait)
+        return DiagnoseResult(verdict, coverage)
+    from ..diagnosis import failure
+
+    reasons = rows(answers.get("reasons"))
+    steps = rows(answers.get("steps")) or rows(answers.get("logged_steps"))
+    # the hang verdict is taken at the moment the last rank ended (min_wait counts back from then)
+    at = failure.ended_at(reasons) or ended.seen_at or now
+    hang = core.diagnose(members, groups, entries, stacks, at, departures=departures, min_wait=min_wait)
+    found = failure.analyse(reasons, steps=steps, process_groups=groups, collectives=entries, stacks=stacks,
+                            world_size=ended.world_size, missing=ended.missing)
+    coverage["failed"] = {**{str(r): why for r, why in ended.missing.items()}, **coverage["failed"]}
+    return DiagnoseResult(failure.with_hang(found, hang), coverage)

@@ -32,19 +32,18 @@ from typing import TYPE_CHECKING, Any
 from ..diagnosis.verdict import MIN_WAIT_SEC
 from ..postmortem.dump import FORMAT, MANIFEST
 from ..tags import Tags
-from . import results
-from .errors import ConnectError, QueryFailed
+from . import calls, results
+from .diagnose import DiagnoseResult, Diagnosis, EndedJob
+from .errors import ConnectError, JobEndedError, QueryFailed
+from .lifecycle import Launch
+from .targets import DUMP_SCHEME, dump_spec
 
 if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
-SCHEME = "dump://"
 _RANK_DIR = re.compile(r"rank(\d+)\Z")
 _FATAL = re.compile(r"rank(\d+)\.fatal\.txt\Z")
-# how far each rank got: the optimizer's steps, else the step it logged (``log(step=...)``)
-STEPS_SQL = "SELECT _rank, max(step) AS step FROM steps GROUP BY _rank"
-LOGGED_STEPS_SQL = "SELECT _rank, max(step) AS step FROM metrics WHERE step IS NOT NULL GROUP BY _rank"
 
 
 @dataclass
@@ -93,10 +92,6 @@ class _Tables(Mapping):
 
     def __len__(self) -> int:
         return len(self.dump.names())
-
-
-def parse_target(target: str) -> str:
-    return target[len(SCHEME):]
 
 
 def find_run_dirs(spec: str, default_root: Path) -> list[Path]:
@@ -162,6 +157,16 @@ def load_rank(path: Path) -> RankDump:
     return RankDump(int(tags["_rank"]), tags, manifest, paths, path=path)
 
 
+def open_dumps(target: str, settings: Any = None) -> DumpClient:
+    """The ``DumpClient`` of ``dump://DIR`` (``dump://``: the newest run under PROBING_DUMP_DIR)."""
+    from ..config import load_settings
+
+    spec = dump_spec(target)
+    if spec is None:
+        raise ConnectError(f"{target!r} is not an ended job's dumps: expected dump://DIR")
+    return DumpClient.open(spec, (settings or load_settings()).dump_dir)
+
+
 def _fatal_reason(rank: int, path: Path) -> pa.Table:
     import pyarrow as pa
 
@@ -180,7 +185,7 @@ class DumpClient:
     def __init__(self, run_dir: Path | Iterable[Path]) -> None:
         self.run_dirs = [Path(run_dir)] if isinstance(run_dir, (str, Path)) else [Path(d) for d in run_dir]
         self.run_dir = self.run_dirs[0]
-        self.endpoint = SCHEME + ",".join(str(d) for d in self.run_dirs)
+        self.endpoint = DUMP_SCHEME + ",".join(str(d) for d in self.run_dirs)
         self.store = None
         self.dumps: dict[int, RankDump] = {}
         self.problems: dict[str, str] = {}  # a rank (or file) -> why it could not be read
@@ -188,6 +193,9 @@ class DumpClient:
         self._engine: Any = None
         self._catalog_cache: dict[str, list[str]] | None = None
         self._load()
+        if self.seen_at is None:  # no membership view in any dump: the job was last seen when it dumped
+            self.seen_at = max((m.get("written_at") or 0.0 for m in self._manifests()), default=0.0) or \
+                self.run_dir.stat().st_mtime
         self.info_ = self.info()
 
     @classmethod
@@ -376,45 +384,30 @@ class DumpClient:
                               code="partial", coverage=coverage)
         return results.QueryResult(table, coverage, explain=coverage.get("explain", ""))
 
-    def diagnose(self, timeout: float = 10.0, min_wait: float = MIN_WAIT_SEC, native: bool = False) -> Any:
+    def diagnose(self, timeout: float = 10.0, min_wait: float = MIN_WAIT_SEC, native: bool = False
+                 ) -> DiagnoseResult:
         """Who failed first and why (``diagnosis.failure``: each dump's reason, last step and the
         collective it was in), then the hang verdict a live job gets, taken at the moment the
-        last rank ended (``min_wait`` counts back from then). A ``DiagnoseResult``. ``native``:
-        as a live job's call takes it; the dumps hold the stacks they were written with."""
-        from ..diagnosis import failure
-        from ..diagnosis import verdict as core
-        from . import diagnose as diagnosis
-
-        answers: list[results.QueryResult] = []
-
-        def rows(sql: str, params: Mapping[str, Any] | None = None) -> list[dict]:
-            try:  # a table no dump holds (a fatal signal's rank alone, a rank with no torch) answers nothing
-                answer = self.query(sql, timeout=timeout, params=params)
-            except QueryFailed:
-                return []
-            answers.append(answer)
-            return answer.table.to_pylist()
-
-        reasons = rows("SELECT * FROM reason")
-        steps = rows(STEPS_SQL) or rows(LOGGED_STEPS_SQL)
-        groups = rows(diagnosis.GROUPS_SQL)
-        asked = diagnosis.entries_query(groups)
-        entries = rows(*asked) if asked is not None else []
-        stacks = rows(diagnosis.STACKS_SQL)
-        raw = self.nodes_raw()
-        now = failure.ended_at(reasons) or self.seen_at or time.time()
-        hang = core.diagnose(raw["members"], groups, entries, stacks, now, departures=raw["departures"],
-                             min_wait=min_wait)
-        found = failure.analyse(reasons, steps=steps, process_groups=groups, collectives=entries, stacks=stacks,
-                                world_size=self.world_size, missing=self.missing())
-        coverage = diagnosis.merged_coverage(answers)
-        coverage["failed"] = {**{str(r): why for r, why in self.missing().items()}, **coverage["failed"]}
-        return diagnosis.DiagnoseResult(failure.with_hang(found, hang), coverage)
+        last rank ended (``min_wait`` counts back from then): the live job's flow
+        (``diagnose.Diagnosis``) over the dumps. ``native``: as a live job's call takes it; the
+        dumps hold the stacks they were written with."""
+        ended = EndedJob(self.world_size, self.missing(), self.seen_at)
+        return calls.drive(Diagnosis(timeout, min_wait, native, time.time(), ended).run(), self)
 
     def warm(self, timeout: float = 0.0) -> int:
         return len(self.dumps)
 
+    def profile(self, *args: Any, **kw: Any) -> Any:
+        """Refused: a profile needs a running job (``JobEndedError``)."""
+        raise JobEndedError(f"job {self.run_id or self.endpoint} has ended (read from its dumps): "
+                            "a profile needs a running job")
+
     # --- what a live client also offers --------------------------------------------------------------
+    @property
+    def launch(self) -> Launch:
+        """The one launch the dumps are of (no process to follow)."""
+        return Launch(self.run_id, self.endpoint, None)
+
     def take_notice(self) -> str | None:
         return None
 

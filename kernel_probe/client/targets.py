@@ -4,7 +4,7 @@ Targets: ``tcp://host:port``; a connection-file path; ``store://host:port[/run_i
 (the root's endpoint read from the job's TCPStore); nothing (the newest live
 connection file on this machine). Resolving never talks to the probe itself; the
 client's handshake does that. ``dump://DIR`` names an ended job's dumps: no endpoint
-to resolve, ``open_dumps`` reads them (``client.dumps``).
+to resolve, ``dumps.open_dumps`` reads them; ``dump_spec`` is the one reader of the scheme.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import wire
 from ..config import Settings, load_settings, run_id_from, split_run_id
-from ..placement import curve_material, is_loopback
+from ..placement import curve_material, listening
 from ..shell import connfile
 from .alive import root_alive
 from .errors import AuthError, ConnectError, JobEndedError
@@ -52,16 +52,26 @@ def find_token(token: str | None = None, token_env: str | None = None,
     return (settings or load_settings()).auth_token
 
 
+DUMP_SCHEME = "dump://"
+ADDRESS_SCHEMES = ("tcp://", "store://", DUMP_SCHEME)  # what a user types for a job not found here
+
+
+def dump_spec(target: str | os.PathLike | None) -> str | None:
+    """``dump://DIR[,DIR2]`` -> ``DIR[,DIR2]`` ("" for ``dump://`` alone: the newest run under
+    PROBING_DUMP_DIR); None when ``target`` names a running job. The one reader of ``dump://``."""
+    if isinstance(target, str) and target.strip().startswith(DUMP_SCHEME):
+        return target.strip()[len(DUMP_SCHEME):]
+    return None
+
+
 def is_dump(target: str | os.PathLike | None) -> bool:
     """``dump://DIR``: an ended job's dumps, not a running job."""
-    return isinstance(target, str) and target.startswith("dump://")
+    return dump_spec(target) is not None
 
 
-def open_dumps(target: str, settings: Settings | None = None):
-    """The ``DumpClient`` of ``dump://DIR`` (``dump://``: the newest run under PROBING_DUMP_DIR)."""
-    from .dumps import DumpClient, parse_target
-
-    return DumpClient.open(parse_target(target), (settings or load_settings()).dump_dir)
+def is_address(target: str) -> bool:
+    """``tcp://``, ``store://`` or ``dump://``: a job a user adds by what it is reached at."""
+    return target.strip().startswith(ADDRESS_SCHEMES)
 
 
 def resolve(target: str | os.PathLike | None = None, token: str | None = None,
@@ -115,7 +125,7 @@ def resolve(target: str | os.PathLike | None = None, token: str | None = None,
     store = target_s if target_s and target_s.startswith("store://") else (conn.store if conn else None)
     guessed = curve is None and settings.curve is None
     if curve is None:  # a tcp:// target off this machine: the job's own rule, from here
-        curve = settings.curve if settings.curve is not None else not is_loopback(endpoint_host(endpoint))
+        curve = listening(settings, dialled=endpoint_host(endpoint)).curve
     if curve is True:
         curve = curve_material(token, key)
     return Target(endpoint, key, run_id=run_id, token=token, connection=conn, spec=target_s or None,

@@ -25,7 +25,7 @@ import zmq
 from .. import wire
 from ..config import Identity, Settings, split_run_id
 from ..effects import RunSqlTask, StoreOp
-from ..placement import curve_material, encrypts, signing_key
+from ..placement import curve_material, listening, signing_key
 from ..progress import StallDetector, main_stack_signature, stuck_where
 from ..rank_core import RankCore
 from ..stimuli import SelfChanged, Start
@@ -38,28 +38,15 @@ from .sql_tasks import SqlTaskRunner
 log = logging.getLogger("kernel_probe")
 
 
-def advertise_host(settings: Settings, identity: Identity, bind: str) -> str:
-    """The address peers dial: explicit, else loopback for a loopback bind, else the
-    address of the interface that routes to the store (no packet is sent)."""
-    if settings.advertise_addr:
-        return settings.advertise_addr
-    if bind.startswith("127.") or bind == "localhost":
-        return "127.0.0.1"
+def routed_address(identity: Identity) -> str:
+    """The address of the interface that routes to the job's store (no packet is sent): what
+    peers dial where the listening rule leaves it to the machine."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((identity.master_addr or "192.0.2.1", identity.master_port or 9))
             return s.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
-
-
-def bind_host(settings: Settings, identity: Identity) -> str:
-    """Without a token a single-host job stays on loopback; otherwise peers must reach us."""
-    if settings.bind_addr:
-        return settings.bind_addr
-    if not settings.auth_token and identity.single_host:
-        return "127.0.0.1"
-    return "0.0.0.0"
 
 
 class ProbeThread(threading.Thread, SocketShell):
@@ -121,16 +108,17 @@ class ProbeThread(threading.Thread, SocketShell):
         self._use_store = s.torchrun_cluster and ident.in_job and ident.has_store and not s.parent_endpoint
         key = self.key = self._key()
         codec = wire.Codec(key, sender=f"rank{ident.rank}", incarnation=self.incarnation, clock=self.clock)
-        host = bind_host(s, ident)
+        listen = listening(s, single_host=ident.single_host)
+        host = listen.bind
         net = self.net = RankEndpoint(self, self.ctx, codec, ident.run_id,
-                                      curve_key=curve_material(s.auth_token, key) if encrypts(s, host) else None)
+                                      curve_key=curve_material(s.auth_token, key) if listen.curve else None)
         router = net.router
         if s.port:
             router.bind(f"tcp://{host}:{s.port}")
             port = s.port
         else:
             port = router.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{advertise_host(s, ident, host)}:{port}"
+        self.endpoint = f"tcp://{listen.advertise or routed_address(ident)}:{port}"
         now = self.clock()
         self.core = RankCore(identity=ident, settings=s, endpoint=self.endpoint, pid=os.getpid(),
                              incarnation=self.incarnation, now=now)

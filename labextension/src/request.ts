@@ -38,6 +38,12 @@ export interface IJob {
   store: string | null;
 }
 
+/** GET jobs: the jobs the server knows and its clock. */
+export interface IJobs {
+  jobs: IJob[];
+  now: number;
+}
+
 export interface IMember {
   rank: number;
   world_size: number;
@@ -94,6 +100,10 @@ export interface INodes {
   job_id: string;
   run_id: string | null;
   world_size: number | null;
+  /** What the answering probe (or the dumps) said of the job: run id, world size, pid, counts, ... */
+  info: { [field: string]: unknown };
+  /** The membership's epoch: it moves when a rank joins, leaves or changes who it is. */
+  epoch: number | null;
   members: IMember[];
   departures: IDeparture[];
   suspects: ISuspect[];
@@ -108,6 +118,8 @@ export interface IFrame {
   function: string;
   file: string;
   line: number | null;
+  /** Only on a native (C/C++) frame: its file is then the shared object. */
+  frame_type?: 'native';
 }
 
 export interface IStackGroup {
@@ -120,6 +132,8 @@ export interface IStackGroup {
 export interface IStacks {
   groups: IStackGroup[];
   ranks: { [rank: string]: IStackGroup };
+  /** Which ranks were asked, answered, failed (and why). */
+  coverage: { [key: string]: unknown };
   footer: string;
 }
 
@@ -139,6 +153,8 @@ export interface IVerdict {
   summary: string;
   findings: IFinding[];
   checked: string[];
+  /** Which ranks answered every query of the verdict. */
+  coverage: { [key: string]: unknown };
   healthy: boolean;
   now: number;
 }
@@ -284,7 +300,7 @@ export type ProbingApi = typeof api;
 
 export const api = {
   version: (): Promise<IVersion> => request<IVersion>('version'),
-  jobs: (): Promise<{ jobs: IJob[]; now: number }> => request('jobs'),
+  jobs: (): Promise<IJobs> => request<IJobs>('jobs'),
   addJob: (target: string, token: string): Promise<IJob> =>
     request<IJob>('jobs', jsonPost({ target, token: token || null })),
   removeJob: (id: string): Promise<void> => request<void>(`jobs/${encodeURIComponent(id)}`, { method: 'DELETE' }),

@@ -1,4 +1,5 @@
-"""The server extension's side of the jobs: one ``AsyncClient`` per job, reused.
+"""The server extension's side of the jobs: one client per job (``kernel_probe.client.AsyncJobClient``:
+a running job's ``AsyncClient``, or an ended job's dumps read on worker threads), reused.
 
 Everything here runs on the Jupyter server's event loop and never blocks it: registry
 calls that read connection files, check pids or handshake (``jobs()``, ``get()``,
@@ -9,7 +10,7 @@ request within a fraction of a second instead of at its deadline.
 
 A client is closed and dropped when its job is removed, and on errors that mean its
 connection is bad (refused credentials, an unreachable address); a mere timeout keeps it
-(other requests may be in flight on it). A job that ended stays known while someone
+(other requests may be in flight on it). A running job that ended stays known while someone
 still asks for it (``WAIT_FOR_RELAUNCH_SEC`` since the last request): it stays listed,
 not alive, its requests say it ended, and when the job is launched again with the same
 run id (same job id, ``kernel_probe.jobs``) its client follows it there by itself
@@ -21,8 +22,9 @@ of the job the server last talked to (run id, root endpoint and pid) and counts 
 relaunch whenever a call answers from another launch, so the count and its one-line
 notice (``restarts``) survive the client being replaced in between.
 
-Ended jobs given as ``dump://DIR`` (their ranks' dumps) are the server's too
-(``dump_jobs``): listed after the others, never alive, answered from the files.
+Ended jobs given as ``dump://DIR`` (their ranks' dumps) are the registry's like any added
+job (``kernel_probe.jobs``): listed, never alive, always reachable (``Job.reachable``),
+answered from the files by the same calls.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, TypeVar
 
 import kernel_probe
-from kernel_probe import AsyncClient, AuthError, ConnectError, Job, JobEndedError, JobRegistry, UnknownJob
+from kernel_probe import AuthError, ConnectError, Job, JobEndedError, JobRegistry, UnknownJob
+from kernel_probe.client import AsyncJobClient
 from kernel_probe.frontend import GONE, Asked, Ended, JobLifecycle, Seen, Tick
 
 from .captures import ProfileCaptures
-from .dump_jobs import DumpJobs, is_dump_target
 
 T = TypeVar("T")
 
@@ -59,11 +61,10 @@ class ClusterClients:
     def __init__(self, registry: JobRegistry | None = None, workers: int = 4) -> None:
         self._registry = registry
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="probing-server")
-        self._clients: dict[str, AsyncClient] = {}
+        self._clients: dict[str, AsyncJobClient] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._known: dict[str, Job] = {}  # each job asked for, as last seen running
         self._lives: dict[str, JobLifecycle] = {}  # per job asked for: its launch, relaunches, when last asked
-        self.dumps = DumpJobs(self._pool)
         self.captures = ProfileCaptures()  # each job's running or last profile capture
 
     @property
@@ -84,7 +85,7 @@ class ClusterClients:
                 waiting.append(dataclasses.replace(self._known[job_id], alive=False))
             else:
                 self.forget(job_id)
-        return jobs + waiting + self.dumps.jobs()
+        return jobs + waiting
 
     def _life(self, job_id: str) -> JobLifecycle:
         life = self._lives.get(job_id)
@@ -104,9 +105,6 @@ class ClusterClients:
     async def job(self, job_id: str) -> Job:
         """The job ``job_id`` (``kernel_probe.UnknownJob`` if there is none, nor one that ended
         and is still waited for)."""
-        dump = self.dumps.get(job_id)
-        if dump is not None:
-            return dump.job
         try:
             return await self._blocking(self.registry.get, job_id)
         except UnknownJob:
@@ -122,8 +120,6 @@ class ClusterClients:
     async def add(self, target: str, token: str | None, timeout: float) -> Job:
         """Add a job by address (handshake on the pool; its token stays in this process), or an
         ended job by its dumps (``dump://DIR``: ``ValueError`` when DIR holds none)."""
-        if is_dump_target(target):
-            return await self.dumps.add(target)
         try:
             job = await asyncio.wait_for(self._blocking(self.registry.add, target, token, timeout),
                                          timeout + SLACK_SEC)
@@ -136,12 +132,10 @@ class ClusterClients:
 
     async def remove(self, job_id: str) -> None:
         self.captures.forget(job_id)
-        if self.dumps.remove(job_id):
-            return
         await self._blocking(self.registry.remove, job_id)
         self.forget(job_id)
 
-    async def _client(self, job: Job, timeout: float) -> AsyncClient:
+    async def _client(self, job: Job, timeout: float) -> AsyncJobClient:
         client = self._clients.get(job.id)
         if client is not None:
             return client
@@ -153,17 +147,10 @@ class ClusterClients:
                 self._clients[job.id] = client
             return client
 
-    async def call(self, job_id: str, fn: Callable[[AsyncClient], Awaitable[T]], timeout: float) -> T:
+    async def call(self, job_id: str, fn: Callable[[AsyncJobClient], Awaitable[T]], timeout: float) -> T:
         """``await fn(client)`` for job ``job_id``; ``timeout`` is the deadline ``fn`` gives its request.
         Raises ``UnknownJob``, ``JobEndedError``, ``TimedOut``, ``ConnectError``, ``AuthError``,
         ``QueryFailed`` (all ``ProbeError``)."""
-        dump = self.dumps.get(job_id)
-        if dump is not None:  # read from files: nothing to watch, nothing that relaunches
-            try:
-                return await asyncio.wait_for(fn(dump), timeout + SLACK_SEC)  # type: ignore[arg-type]
-            except asyncio.TimeoutError:
-                raise TimedOut(f"the dumps of job {dump.job.run_id or job_id} did not answer within "
-                               f"{timeout + SLACK_SEC:g} s") from None
         job = await self.job(job_id)
         life = self._life(job.id)
         life.observe(Asked())
@@ -171,7 +158,7 @@ class ClusterClients:
             self._known[job.id] = job
 
         async def run() -> T:
-            if job.alive is False and job.id not in self._clients:  # no root to connect to until a relaunch
+            if not job.reachable and job.id not in self._clients:  # no root to connect to until a relaunch
                 raise self._ended(job)
             client = await self._client(job, timeout)
             result = await fn(client)
@@ -194,7 +181,7 @@ class ClusterClients:
                 self.drop(job.id)
             raise classified from None
 
-    def _saw(self, job_id: str, client: AsyncClient) -> None:
+    def _saw(self, job_id: str, client: AsyncJobClient) -> None:
         """``client`` answered: note its launch, counting a relaunch when it is another one."""
         followed = 0
         while client.take_notice() is not None:  # it followed the job to a new launch
@@ -260,6 +247,5 @@ class ClusterClients:
     def close(self) -> None:
         for job_id in list(self._clients):
             self.forget(job_id)
-        self.dumps.close()
         self.captures.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

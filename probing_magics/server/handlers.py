@@ -1,5 +1,10 @@
 """The routes under ``<base_url>/probing/api/`` (the README's route table).
 
+The handlers only translate HTTP: they read the request, call the job's client
+(``kernel_probe.client.AsyncJobClient``, whatever kind of job) and answer the ``to_dict()``
+of a typed payload (``kernel_probe.frontend``: ``NodesAnswer``, ``QueryAnswer``, ...), whose
+schema ``schema.py`` derives from the same record.
+
 Every handler is a jupyter_server ``APIHandler``: authenticated (token, cookie + XSRF)
 and authorized (resource ``probing``; GET is "read", the rest "write"). Answers are
 JSON; errors are JSON ``{"message", "code"}`` (plus ``line``/``col`` for SQL) with
@@ -21,14 +26,15 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
 import kernel_probe
-from kernel_probe.client import ANSWER_GRACE, ProfileBusy
-from kernel_probe.frontend import MIN_WAIT_SEC, group_stacks, membership_view, parse_ranks, ranks_label, stacks_sql
+from kernel_probe.client import ANSWER_GRACE, AsyncJobClient, ProfileBusy
+from kernel_probe.frontend import (MIN_WAIT_SEC, JobsAnswer, NodesAnswer, ProfileError, ProfileProgress,
+                                   ProfileResultAnswer, ProfileStateAnswer, QueryAnswer, StacksAnswer, VerdictAnswer,
+                                   VersionAnswer, is_address, json_safe, parse_ranks, ranks_label, stacks_sql)
 from kernel_probe.frontend import duration_text
 
 from .. import __version__
 from .captures import FAILED, Capture
 from .clients import ClusterClients, TimedOut
-from .jsonsafe import json_safe, table_rows
 
 API_VERSION = 2  # bump when a route's shape changes; the panel checks it at start
 AUTH_RESOURCE = "probing"
@@ -156,7 +162,7 @@ class VersionHandler(ProbingHandler):
     @authorized
     @json_errors
     async def get(self) -> None:
-        self.reply({"api": API_VERSION, "package": __version__, "protocol": kernel_probe.PROTOCOL_VERSION})
+        self.reply(VersionAnswer(API_VERSION, __version__, kernel_probe.PROTOCOL_VERSION).to_dict())
 
 
 class JobsHandler(ProbingHandler):
@@ -165,7 +171,7 @@ class JobsHandler(ProbingHandler):
     @json_errors
     async def get(self) -> None:
         jobs = await self.clients.jobs()
-        self.reply({"jobs": [self.job_dict(j) for j in jobs], "now": time.time()})
+        self.reply(JobsAnswer([self.job_dict(j) for j in jobs], time.time()).to_dict())
 
     @tornado.web.authenticated
     @authorized
@@ -173,7 +179,7 @@ class JobsHandler(ProbingHandler):
     async def post(self) -> None:
         body = self.body()
         target, token = body.get("target"), body.get("token")
-        if not isinstance(target, str) or not target.strip().startswith(("tcp://", "store://", "dump://")):
+        if not isinstance(target, str) or not is_address(target):
             raise ApiError(400, "bad_request", "target must be an address: tcp://host:port or "
                                                "store://host:port[/run_id], or an ended job's dumps: dump://DIR")
         if token is not None and not isinstance(token, str):
@@ -209,20 +215,13 @@ class NodesHandler(ProbingHandler):
     async def get(self, job_id: str) -> None:
         timeout = _timeout(self.get_query_argument("timeout", None), 5.0)
 
-        async def nodes(client: kernel_probe.AsyncClient) -> tuple[dict, dict, float | None]:
+        async def nodes(client: AsyncJobClient) -> tuple[dict, dict, float | None]:
             # an ended job's dumps: ages as of its last view (seen_at), not now
-            return await client.nodes_raw(timeout), dict(client.info_), getattr(client, "seen_at", None)
+            return await client.nodes_raw(timeout), dict(client.info_), client.seen_at
 
         raw, info, seen_at = await self.clients.call(job_id, nodes, timeout)
-        now = seen_at or time.time()
-        view = membership_view(raw.get("members") or [], now)  # the members with ratio, bar, slow, age
         restarts, notice = self.clients.restarts(job_id)  # relaunches the server saw (same job id)
-        self.reply(json_safe({
-            "job_id": job_id, "run_id": info.get("run_id"), "world_size": info.get("world_size"), "info": info,
-            "epoch": raw.get("epoch"), "members": list(view.members), "departures": raw.get("departures") or [],
-            "suspects": [s.to_dict() for s in view.suspects], "now": now,
-            "restarts": restarts, "restart_notice": notice,
-        }))
+        self.reply(NodesAnswer.of(job_id, raw, info, seen_at or time.time(), restarts, notice).to_dict())
 
 
 class QueryHandler(ProbingHandler):
@@ -240,13 +239,11 @@ class QueryHandler(ProbingHandler):
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise ApiError(400, "bad_request", "limit must be a non-negative integer")
 
-        async def query(client: kernel_probe.AsyncClient) -> Any:
+        async def query(client: AsyncJobClient) -> Any:
             return await client.query(sql, timeout=timeout, strict=strict, per_rank=per_rank, ranks=ranks)
 
         result = await self.clients.call(job_id, query, timeout + ANSWER_GRACE)
-        columns, rows, truncated = table_rows(result.table, limit)
-        self.reply({"columns": columns, "rows": rows, "row_count": result.table.num_rows, "truncated": truncated,
-                    "coverage": json_safe(result.coverage), "footer": result.footer()})
+        self.reply(QueryAnswer.of(result, limit).to_dict())
 
 
 class StacksHandler(ProbingHandler):
@@ -257,19 +254,11 @@ class StacksHandler(ProbingHandler):
         ranks = _ranks(self.get_query_argument("ranks", None))
         timeout = _timeout(self.get_query_argument("timeout", None), 10.0)
 
-        async def stacks(client: kernel_probe.AsyncClient) -> Any:
+        async def stacks(client: AsyncJobClient) -> Any:
             return await client.query(stacks_sql(), timeout=timeout, ranks=ranks)
 
         result = await self.clients.call(job_id, stacks, timeout + ANSWER_GRACE)
-        rows = result.table.to_pylist()
-        per_rank: dict[int, list[dict]] = {}
-        for row in rows:
-            per_rank.setdefault(int(row["_rank"]), []).append(row)
-        self.reply(json_safe({
-            "groups": [g.to_dict() for g in group_stacks(rows)],
-            "ranks": {str(r): group_stacks(rs)[0].to_dict() for r, rs in sorted(per_rank.items())},
-            "coverage": result.coverage, "footer": result.footer(),
-        }))
+        self.reply(StacksAnswer.of(result).to_dict())
 
 
 class DiagnoseHandler(ProbingHandler):
@@ -288,12 +277,12 @@ class DiagnoseHandler(ProbingHandler):
 
         native = self.get_query_argument("native", "") in ("1", "true")
 
-        async def diagnose(client: kernel_probe.AsyncClient) -> Any:
+        async def diagnose(client: AsyncJobClient) -> Any:
             return await client.diagnose(timeout=timeout, min_wait=min_wait_sec, native=native)
 
         # two rounds: membership, groups and stacks at once, then the groups' recorder entries
         result = await self.clients.call(job_id, diagnose, 2 * (timeout + ANSWER_GRACE))
-        self.reply(json_safe({**result.to_dict(), "healthy": result.healthy, "now": time.time()}))
+        self.reply(VerdictAnswer.of(result, time.time()).to_dict())
 
 
 ARM_WAIT_SEC = 15.0  # a capture's start waits this long for its ranks' first answer (a refusal comes then)
@@ -301,41 +290,23 @@ TRACE_CHUNK = 1 << 20
 
 
 def capture_dict(capture: Capture | None, job_id: str) -> dict:
-    """A capture as GET jobs/<id>/profile answers it (schema.PROFILE_STATE); state "none"
+    """A capture as GET jobs/<id>/profile answers it (``ProfileStateAnswer``); state "none"
     before the first one."""
     if capture is None:
-        return {"state": "none", "job_id": job_id, "ranks": None, "steps": None, "started": None, "ended": None,
-                "progress": None, "result": None, "error": None, "now": time.time()}
+        return ProfileStateAnswer.none(job_id, time.time()).to_dict()
     error = None
     if capture.error is not None:
         try:
             err = api_error(capture.error)
-            error = {"status": err.status, "code": err.code, "message": str(err)}
+            error = ProfileError(err.status, err.code, str(err))
         except Exception:  # not a failure the routes know: said as it is, in one line
             text = str(capture.error).splitlines()[0] if str(capture.error) else ""
-            error = {"status": 500, "code": "internal", "message": f"{type(capture.error).__name__}: {text}"}
-    return json_safe({
-        "state": capture.state, "job_id": capture.job_id, "ranks": capture.ranks, "steps": capture.steps,
-        "started": capture.started, "ended": capture.ended, "progress": capture.progress,
-        "result": None if capture.result is None else _result_dict(capture), "error": error, "now": time.time()})
-
-
-def _result_dict(capture: Capture) -> dict:
-    result = capture.result
-    comparison = result.comparison.head(capture.top) if result.comparison is not None else None
-    trace = capture.trace_file()
-    return {
-        "capture_id": result.capture_id, "ranks": result.ranks, "steps": result.steps,
-        "status": {str(r): s for r, s in sorted(result.status.items())},
-        "failed": {str(r): why for r, why in sorted(result.failed.items())},
-        "slowest_rank": result.slowest_rank, "median_rank": result.median_rank,
-        "comparison": None if comparison is None else {
-            "columns": list(comparison.columns), "rows": comparison.to_dict(orient="records")},
-        "op_rows": len(result.ops), "summary": result.summary(),
-        "trace": None if trace is None else {"name": f"probing-profile-{result.capture_id}.json",
-                                             "bytes": trace.stat().st_size, "note": result.trace_note},
-        "offsets_ms": {str(r): ms for r, ms in sorted(result.offsets_ms.items())},
-    }
+            error = ProfileError(500, "internal", f"{type(capture.error).__name__}: {text}")
+    progress = None if capture.progress is None else ProfileProgress(**capture.progress)
+    result = None if capture.result is None else ProfileResultAnswer.of(capture.result, capture.top,
+                                                                          capture.trace_file())
+    return ProfileStateAnswer(capture.state, capture.job_id, capture.ranks, capture.steps, capture.started,
+                              capture.ended, progress, result, error, time.time()).to_dict()
 
 
 class ProfileHandler(ProbingHandler):
@@ -377,7 +348,7 @@ class ProfileHandler(ProbingHandler):
                 capture.progress = dict(p)
                 capture.armed.set()
 
-            async def profile(client: kernel_probe.AsyncClient) -> Any:
+            async def profile(client: AsyncJobClient) -> Any:
                 return await client.profile(ranks=ranks, steps=steps, out=str(capture.trace_path), timeout=timeout,
                                             on_progress=progress)
 

@@ -1,8 +1,11 @@
-"""The JSON payloads of the ``jobs`` and ``nodes`` routes, field by field, derived from
-the records they carry: a member as the membership declares it plus the membership
-view's fields, a departure, a job (``kernel_probe.Job``) plus the relaunches the server
-saw, a profile capture as the server follows it. The panel's TypeScript interfaces are
-checked against these (tests/test_rest_schema.py).
+"""The JSON payloads of the routes, field by field, derived from the typed records the
+server sends (``kernel_probe.frontend``'s payloads: ``VersionAnswer``, ``JobsAnswer``,
+``NodesAnswer``, ``QueryAnswer``, ``StacksAnswer``, ``VerdictAnswer``, whose ``to_dict()``
+the routes answer) and the records they carry: a member as the membership declares it plus
+the membership view's fields, a departure, a job (``kernel_probe.Job``) plus the relaunches
+the server saw, a suspect, a stack group and its frames, a finding; and a profile capture
+as the server follows it. The panel's TypeScript interfaces are checked against these
+(tests/test_rest_schema.py).
 
 Each schema maps a field name to the JSON types its value can have: "number", "string",
 "boolean", "null", "array", "object".
@@ -10,9 +13,10 @@ Each schema maps a field name to the JSON types its value can have: "number", "s
 
 from __future__ import annotations
 
-from kernel_probe.frontend import DEPARTURE_TABLE, MEMBER_RECORD, VIEW_FIELDS, Column, Job, columns_of
-
-Schema = dict[str, tuple[str, ...]]
+from kernel_probe.frontend import (DEPARTURE_TABLE, FINDING, FRAME, MEMBER_RECORD, STACK_GROUP, SUSPECT, VIEW_FIELDS,
+                                   Column, Job, JobsAnswer, NodesAnswer, ProfileComparison, ProfileError,
+                                   ProfileProgress, ProfileResultAnswer, ProfileStateAnswer, ProfileTrace, QueryAnswer,
+                                   Schema, StacksAnswer, VerdictAnswer, VersionAnswer, columns_of, schema_of)
 
 
 def _schema(columns: tuple[Column, ...]) -> Schema:
@@ -25,37 +29,29 @@ DEPARTURE: Schema = _schema(DEPARTURE_TABLE)
 # a job of GET jobs and GET jobs/<id>: Job.to_dict(), and how many relaunches the server saw
 JOB: Schema = {**_schema(tuple(c for c in columns_of(Job) if not c.name.startswith("_"))),
                "restarts": ("number",)}
+# GET version
+VERSION: Schema = schema_of(VersionAnswer)
 # GET jobs: the jobs (each a JOB) and the server's clock
-JOBS: Schema = {"jobs": ("array",), "now": ("number",)}
+JOBS: Schema = schema_of(JobsAnswer)
 # GET jobs/<id>/nodes: members (each a MEMBER), departures (each a DEPARTURE), the stall
-# suspects, the server's clock (ages are computed at it) and the relaunches it saw
-NODES: Schema = {
-    "job_id": ("string",), "run_id": ("string", "null"), "world_size": ("number", "null"), "info": ("object",),
-    "epoch": ("number", "null"), "members": ("array",), "departures": ("array",), "suspects": ("array",),
-    "now": ("number",), "restarts": ("number",), "restart_notice": ("string", "null"),
-}
+# suspects (each a SUSPECT), the server's clock (ages are computed at it) and the relaunches it saw
+NODES: Schema = schema_of(NodesAnswer)
+# POST jobs/<id>/query
+QUERY: Schema = schema_of(QueryAnswer)
+# GET jobs/<id>/stacks: groups (each a STACK_GROUP, whose frames are each a FRAME), and each rank's
+STACKS: Schema = schema_of(StacksAnswer)
+# GET jobs/<id>/diagnose: findings (each a FINDING)
+VERDICT: Schema = schema_of(VerdictAnswer)
 # GET/POST/DELETE jobs/<id>/profile: the job's running or last capture ("none" before the first);
-# its progress, then its answer (PROFILE_RESULT) or why it failed (PROFILE_ERROR)
-PROFILE_STATE: Schema = {
-    "state": ("string",), "job_id": ("string",), "ranks": ("array", "null"), "steps": ("number", "null"),
-    "started": ("number", "null"), "ended": ("number", "null"), "progress": ("object", "null"),
-    "result": ("object", "null"), "error": ("object", "null"), "now": ("number",),
-}
-# the capture's last poll of its ranks
-PROFILE_PROGRESS: Schema = {"finished": ("number",), "ranks": ("number",), "running": ("number",)}
-# a finished capture: who was profiled (status per rank), who failed why, the slowest rank's top
-# ops next to the median rank's (comparison: columns, rows), the merged trace (PROFILE_TRACE)
-PROFILE_RESULT: Schema = {
-    "capture_id": ("string",), "ranks": ("array",), "steps": ("number",), "status": ("object",),
-    "failed": ("object",), "slowest_rank": ("number", "null"), "median_rank": ("number", "null"),
-    "comparison": ("object", "null"), "op_rows": ("number",), "summary": ("string",),
-    "trace": ("object", "null"), "offsets_ms": ("object",),
-}
-# the merged trace, downloaded from GET jobs/<id>/profile/trace?capture=<capture_id>
-PROFILE_TRACE: Schema = {"name": ("string",), "bytes": ("number",), "note": ("string",)}
-# why a capture failed: what its start would have answered (status, code, one line)
-PROFILE_ERROR: Schema = {"status": ("number",), "code": ("string",), "message": ("string",)}
-
+# its progress (PROFILE_PROGRESS), then its answer (PROFILE_RESULT) or why it failed (PROFILE_ERROR)
+PROFILE_STATE: Schema = schema_of(ProfileStateAnswer)
+PROFILE_PROGRESS: Schema = schema_of(ProfileProgress)
+# a finished capture: the slowest rank's top ops next to the median rank's (PROFILE_COMPARISON),
+# the merged trace (PROFILE_TRACE), downloaded from GET jobs/<id>/profile/trace?capture=<capture_id>
+PROFILE_RESULT: Schema = schema_of(ProfileResultAnswer)
+PROFILE_COMPARISON: Schema = schema_of(ProfileComparison)
+PROFILE_TRACE: Schema = schema_of(ProfileTrace)
+PROFILE_ERROR: Schema = schema_of(ProfileError)
 
 
 def json_type(value: object) -> str:
@@ -69,5 +65,6 @@ def json_type(value: object) -> str:
     return "string" if isinstance(value, str) else "array" if isinstance(value, (list, tuple)) else "object"
 
 
-__all__ = ["Schema", "MEMBER", "DEPARTURE", "JOB", "JOBS", "NODES", "PROFILE_STATE", "PROFILE_PROGRESS",
-           "PROFILE_RESULT", "PROFILE_TRACE", "PROFILE_ERROR", "json_type"]
+__all__ = ["Schema", "MEMBER", "DEPARTURE", "JOB", "VERSION", "JOBS", "NODES", "QUERY", "STACKS", "VERDICT",
+           "SUSPECT", "STACK_GROUP", "FRAME", "FINDING", "PROFILE_STATE", "PROFILE_PROGRESS",
+           "PROFILE_RESULT", "PROFILE_COMPARISON", "PROFILE_TRACE", "PROFILE_ERROR", "json_type"]

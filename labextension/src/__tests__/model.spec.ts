@@ -21,6 +21,7 @@ const VERDICT: IVerdict = {
     { kind: 'missing', ranks: [3], group: '0', seq: 9, detail: 'collective #9 …', evidence: 'last enqueued …' }
   ],
   checked: ['membership of 4 ranks (4 alive)'],
+  coverage: { targeted: [0, 1, 2, 3], answered: [0, 1, 2, 3], failed: {}, partial: false },
   healthy: false,
   now: 2000
 };
@@ -93,6 +94,8 @@ function nodes(jobId: string, extra: Partial<INodes> = {}): INodes {
     job_id: jobId,
     run_id: jobId,
     world_size: 4,
+    info: { run_id: jobId, world_size: 4 },
+    epoch: 1,
     members: [member(0, 0), member(1, 0), member(2, 1), member(3, 1)],
     departures: [],
     suspects: [],
@@ -110,7 +113,8 @@ function stacks(rank: number, file: string): IStacks {
     thread: 'MainThread',
     frames: [{ function: 'f', file, line: 1 }]
   };
-  return { groups: [group], ranks: { [String(rank)]: group }, footer: '1 of 1 ranks' };
+  const coverage = { targeted: [rank], answered: [rank], failed: {}, partial: false };
+  return { groups: [group], ranks: { [String(rank)]: group }, coverage, footer: '1 of 1 ranks' };
 }
 
 /** A promise the test settles when it wants: a reply still on its way. */
