@@ -78,8 +78,10 @@ class DumpHooks:
 
                 path = fatal_path(self.settings.dump_dir, self.identity.run_id, self.identity.rank,
                                   self.identity.host, self.pid)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                f = open(path, "w")
+                from ..private_paths import open_private, private_dir
+
+                private_dir(path.parent)
+                f = os.fdopen(open_private(path, exclusive=False), "w")
                 faulthandler.enable(file=f, all_threads=True)
                 self._fatal = (path, f)
             except OSError as exc:
