@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from ..private_paths import open_private, private_dir, write_private
+from ..redaction import redact_text
 
 FORMAT = 1  # a reader refuses a dump of a newer format
 MANIFEST = "dump.json"
@@ -87,9 +88,11 @@ def reason_row(rank: int, when: float, kind: str, *, exc: BaseException | None =
 
         text = str(exc)
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = tb if traceback_text is None else traceback_text
+    # an exception's text often quotes the URL it failed on, credentials and all
     return {"rank": rank, "when": when, "kind": kind,
             "exception_type": None if exc is None else type(exc).__qualname__,
-            "message": text, "traceback": tb if traceback_text is None else traceback_text,
+            "message": None if text is None else redact_text(text), "traceback": None if tb is None else redact_text(tb),
             "signal": signal_name}
 
 
