@@ -371,6 +371,26 @@ async def test_an_ended_job_added_by_its_dumps(api, job, tmp_path):
     assert await _listed(api) == before
 
 
+async def test_dump_dirs_of_fifos_never_reach_the_live_jobs(api, job, tmp_path):
+    """Four dump directories whose manifests are FIFOs (a read of one would wait forever for
+    a writer): each is refused in one line, and the live job's routes still answer."""
+    import os
+
+    from tests.test_postmortem import _dump
+
+    job_id = await _local_job_id(api)
+    for i in range(4):
+        run = _dump(tmp_path / f"d{i}", 0, {}, world=1).parent
+        (run / "rank0" / "dump.json").unlink()
+        os.mkfifo(run / "rank0" / "dump.json")
+        status, err = await asyncio.wait_for(api("POST", "jobs", body={"target": f"dump://{run}"}), 30)
+        assert status == 400 and "not a regular file" in err["message"] and "\n" not in err["message"], err
+    status, listing = await asyncio.wait_for(api("GET", "jobs"), 30)
+    assert status == 200 and job_id in [j["id"] for j in listing["jobs"]]
+    status, nodes = await asyncio.wait_for(api("GET", "jobs", job_id, "nodes"), 30)
+    assert status == 200 and len(nodes["members"]) == 4
+
+
 async def test_unknown_job_is_404(api, job):
     for method, path in [("GET", ("jobs", "nope")), ("GET", ("jobs", "nope", "nodes")),
                          ("GET", ("jobs", "nope", "stacks")), ("DELETE", ("jobs", "nope"))]:

@@ -63,7 +63,7 @@ class ClusterClients:
         self._connecting: dict[str, asyncio.Lock] = {}
         self._known: dict[str, Job] = {}  # each job asked for, as last seen running
         self._lives: dict[str, JobLifecycle] = {}  # per job asked for: its launch, relaunches, when last asked
-        self.dumps = DumpJobs(self._pool)
+        self.dumps = DumpJobs()  # on a thread pool of its own: a stuck dump read never reaches a live job
         self.captures = ProfileCaptures()  # each job's running or last profile capture
 
     @property

@@ -3,9 +3,14 @@
 ``kernel_probe.connect("dump://DIR")`` reads the dumps in this process (a blocking client
 that answers the same SQL as the live job would have). Here each such job gets a
 ``Job`` record (source ``dump``, never alive) and a ``DumpJobClient``: the dump client's
-calls, awaited the way the routes await a live job's ``AsyncClient``, each run on the
-server's thread pool (Parquet reads and DuckDB must not block the event loop), one at a
-time per job.
+calls, awaited the way the routes await a live job's ``AsyncClient``, one at a time per
+job.
+
+A dump directory is untrusted (``kernel_probe``'s dump reader reads it as such), and its
+files may sit on a file system that stops answering: the dump jobs' reads run on a thread
+pool of their own (``DUMP_THREADS``), never the one the live jobs' calls use, and every
+one is awaited under a deadline (the call's own, ``OPEN_TIMEOUT_SEC`` to open a dump), so
+a stuck read costs a dump job its answer and never reaches a live job.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import functools
 import hashlib
 import threading
 import time
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 import kernel_probe
@@ -26,6 +31,8 @@ T = TypeVar("T")
 
 SCHEME = "dump://"
 SOURCE = "dump"
+DUMP_THREADS = 2
+OPEN_TIMEOUT_SEC = 60.0  # reading every rank's manifest (its tables are read when a query asks)
 
 
 def is_dump_target(target: str) -> bool:
@@ -81,20 +88,27 @@ class DumpJobClient:
 
 
 class DumpJobs:
-    """The dump jobs added to this server, by job id (``dump-<digest of the run directory>``)."""
+    """The dump jobs added to this server, by job id (``dump-<digest of the run directory>``),
+    and the thread pool their reads run on."""
 
-    def __init__(self, pool: Executor) -> None:
-        self._pool = pool
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=DUMP_THREADS, thread_name_prefix="probing-dumps")
         self._clients: dict[str, DumpJobClient] = {}
 
     async def add(self, target: str) -> Job:
         """Open ``dump://DIR``; ``ValueError`` (one line) when DIR holds no dump this reader can read.
         Adding the same run again reads it anew."""
         loop = asyncio.get_running_loop()
+        opening = loop.run_in_executor(self._pool, functools.partial(kernel_probe.connect, target))
         try:
-            dumps = await loop.run_in_executor(self._pool, functools.partial(kernel_probe.connect, target))
+            dumps = await asyncio.wait_for(opening, OPEN_TIMEOUT_SEC)
         except kernel_probe.ConnectError as exc:
             raise ValueError(str(exc).splitlines()[0]) from None
+        except asyncio.TimeoutError:
+            from .clients import TimedOut  # the server's timeout (clients imports this module)
+
+            raise TimedOut(f"the dumps at {target[len(SCHEME):]} were not read within {OPEN_TIMEOUT_SEC:g} s "
+                           "(a file system that does not answer?)") from None
         if not dumps.dumps:
             problems = dumps.info_.get("problems") or []
             dumps.close()
@@ -125,3 +139,4 @@ class DumpJobs:
     def close(self) -> None:
         for job_id in list(self._clients):
             self.remove(job_id)
+        self._pool.shutdown(wait=False, cancel_futures=True)
