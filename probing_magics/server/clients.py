@@ -39,7 +39,7 @@ from kernel_probe import AsyncClient, AuthError, ConnectError, Job, JobEndedErro
 from kernel_probe.frontend import GONE, Asked, Ended, JobLifecycle, Seen, Tick
 
 from .captures import ProfileCaptures
-from .dump_jobs import DumpJobs, is_dump_target
+from .dump_jobs import OPEN_TIMEOUT_SEC, DumpJobs, is_dump_target
 
 T = TypeVar("T")
 
@@ -123,7 +123,10 @@ class ClusterClients:
         """Add a job by address (handshake on the pool; its token stays in this process), or an
         ended job by its dumps (``dump://DIR``: ``ValueError`` when DIR holds none)."""
         if is_dump_target(target):
-            return await self.dumps.add(target)
+            try:
+                return await self.dumps.add(target)
+            except asyncio.TimeoutError:
+                raise TimedOut(f"the dumps at {target} were not read within {OPEN_TIMEOUT_SEC:g} s") from None
         try:
             job = await asyncio.wait_for(self._blocking(self.registry.add, target, token, timeout),
                                          timeout + SLACK_SEC)

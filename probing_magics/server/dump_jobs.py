@@ -96,19 +96,15 @@ class DumpJobs:
         self._clients: dict[str, DumpJobClient] = {}
 
     async def add(self, target: str) -> Job:
-        """Open ``dump://DIR``; ``ValueError`` (one line) when DIR holds no dump this reader can read.
-        Adding the same run again reads it anew."""
+        """Open ``dump://DIR``; ``ValueError`` (one line) when DIR holds no dump this reader can read,
+        ``asyncio.TimeoutError`` past ``OPEN_TIMEOUT_SEC``. Adding the same run again reads it anew."""
         loop = asyncio.get_running_loop()
         opening = loop.run_in_executor(self._pool, functools.partial(kernel_probe.connect, target))
         try:
             dumps = await asyncio.wait_for(opening, OPEN_TIMEOUT_SEC)
         except kernel_probe.ConnectError as exc:
             raise ValueError(str(exc).splitlines()[0]) from None
-        except asyncio.TimeoutError:
-            from .clients import TimedOut  # the server's timeout (clients imports this module)
 
-            raise TimedOut(f"the dumps at {target[len(SCHEME):]} were not read within {OPEN_TIMEOUT_SEC:g} s "
-                           "(a file system that does not answer?)") from None
         if not dumps.dumps:
             problems = dumps.info_.get("problems") or []
             dumps.close()
