@@ -11,6 +11,12 @@ done (the query's coverage names the ranks that died or cannot be reached), then
 ``profile_ops`` and ``profile_trace``. One capture per job: the client checks
 ``profile_status`` first, and a rank refuses to arm while another capture is active.
 
+A capture ends with its client: ``arm`` carries the caller's timeout (``timeout_sec``: the
+rank's deadline for it) and a lease (``lease_sec``), which the client renews (``renew``)
+while it waits. Each rank checks both on its own timer (``on_timer``), so a capture whose
+client was killed ends within its lease even where no step ever ends. ``cancel`` without
+an id cancels whatever capture is active: anyone the job lets in may stop one.
+
 Sans-IO: the rank's capture is reached through ``Tree.profile_capture`` (a callable
 returning ``diagnosis.profile.ProfileCapture``; None where the probe cannot profile).
 Only the root answers, to the client that asked: which ranks the request was passed on
@@ -25,10 +31,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from .diagnosis.profile import ACTIVE
 from .effects import PARENT, Effect, Note, Send
 from .wire import Envelope, Message
 
-ACTIONS = ("arm", "cancel")
+ACTIONS = ("arm", "cancel", "renew")
 CLOCK = "clock"
 
 
@@ -44,7 +51,7 @@ def on_profile(core: Any, sender: bytes | None, env: Envelope, now: float) -> li
     out: list[Effect] = []
     refused: dict[str, str] = {}
     if core.rank in ranks:
-        why = _act_here(core, action, capture_id, body.get("steps"))
+        why = _act_here(core, action, capture_id, body, now)
         if why is not None:
             refused[str(core.rank)] = why
             out.append(Note(f"profile {capture_id}: {why}"))
@@ -63,19 +70,41 @@ def on_profile(core: Any, sender: bytes | None, env: Envelope, now: float) -> li
     return out
 
 
-def _act_here(core: Any, action: str, capture_id: Any, steps: Any) -> str | None:
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def _act_here(core: Any, action: str, capture_id: Any, body: dict, now: float) -> str | None:
     get = getattr(core, "profile_capture", None)
     if get is None:
         return "this probe cannot profile"
     try:
         capture = get()
         if action == "arm":
-            capture.arm(str(capture_id), int(steps) if isinstance(steps, int) else 1)
+            steps = body.get("steps")
+            capture.arm(str(capture_id), int(steps) if isinstance(steps, int) else 1, now=now,
+                        timeout=_seconds(body.get("timeout_sec")), lease=_seconds(body.get("lease_sec")))
+            core.profile_watched = capture  # its deadline and lease are checked on the timer
+        elif action == "renew":
+            if not capture.renew(str(capture_id), now):
+                return f"capture {capture_id} is not active here (it ended)"
         else:
             capture.cancel(None if capture_id in (None, "") else str(capture_id))
     except Exception as exc:  # CaptureBusy, or a capture that cannot be made here
         return str(exc) or type(exc).__name__
     return None
+
+
+def on_timer(core: Any, now: float) -> list[Effect]:
+    """The armed capture's deadline and lease, checked on the probe's timer: a capture whose
+    client is gone ends here even where no step ever ends."""
+    capture = getattr(core, "profile_watched", None)
+    if capture is None:
+        return []
+    why = capture.expire(now)
+    if capture.state not in ACTIVE:
+        core.profile_watched = None
+    return [] if why is None else [Note(f"profile {capture.capture_id}: ended, {why}")]
 
 
 def _clock(core: Any, sender: bytes | None, env: Envelope) -> Send:

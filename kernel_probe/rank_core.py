@@ -73,6 +73,7 @@ class RankCore:
     stalled_where: str = ""  # where the main thread is stuck while stalled (its innermost frame)
     info_extras: Callable[[], dict] | None = None  # facts only the shell has (rejected counts, store://)
     profile_capture: Callable[[], Any] | None = None  # this rank's profile capture (profile_plane); None: cannot
+    profile_watched: Any = None  # the capture armed here, whose deadline and lease the timer checks
 
     registry: Registry = field(init=False)  # authoritative: the job (root) or the node (broker)
     mirror: Registry = field(init=False)  # the job's membership as pushed down by the parent
@@ -178,7 +179,7 @@ class RankCore:
 
     def on_timer(self, now: float) -> list[Effect]:
         self.now = now
-        effects: list[Effect] = []
+        effects: list[Effect] = profile_plane.on_timer(self, now)
         if self.placement is not None and not self.placement.done:
             effects += self.placement.on_timer(now)
         if self.tier is None:
