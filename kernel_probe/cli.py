@@ -346,9 +346,9 @@ def _profile_progress(started: float, out=None) -> tuple[Callable[[dict], None],
 
 
 def _cancel_profiles(client: Any) -> int:
-    from .client.profiles import CancelRun, drive
+    from .client.profiles import cancel_captures
 
-    cancelled = drive(CancelRun().run(), client)
+    cancelled = cancel_captures(client)
     if not cancelled:
         print("no capture is running in this job")
         return 0

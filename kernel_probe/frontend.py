@@ -9,7 +9,9 @@ modules (a test checks that ``probing_magics`` imports only ``kernel_probe``,
   columns (``MEMBER_RECORD``, ``DEPARTURE_TABLE``, ``Column``, ``columns_of``);
 - a job's life as a client sees it (``JobLifecycle`` and its events and states);
 - the verdict's default wait (``MIN_WAIT_SEC``), its answer type (``DiagnoseResult``), a
-  profile's text (``format_profile``), ``is_dump`` and ``snapshot`` (a live job's dumps).
+  profile's text (``format_profile``), a capture's states (``CaptureState``) and the cancel
+  of anyone's capture (``cancel_captures_async``), ``is_dump`` and ``snapshot`` (a live
+  job's dumps).
 
 Everything here is light to import: no pandas, pyarrow or DuckDB until a function needs them.
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 from .client.diagnose import DiagnoseResult
 from .client.lifecycle import GONE, RELAUNCHED, Asked, Ended, JobLifecycle, Seen, Tick
-from .client.profiles import format_profile
+from .client.profiles import CaptureState, cancel_captures_async, format_profile
 from .client.targets import is_dump
 from .diagnosis.verdict import MIN_WAIT_SEC
 from .jobs import Job
@@ -31,7 +33,7 @@ from .summaries import NATIVE_NOTES_SQL, StackGroup, format_stacks, group_stacks
 from .rank_lists import parse_ranks, ranks_label
 
 __all__ = ["DiagnoseResult", "GONE", "RELAUNCHED", "Asked", "Ended", "JobLifecycle", "Seen", "Tick",
-           "format_profile", "is_dump", "MIN_WAIT_SEC", "Job", "DEPARTURE_TABLE", "MEMBER_RECORD", "Column",
+           "CaptureState", "cancel_captures_async", "format_profile", "is_dump", "MIN_WAIT_SEC", "Job", "DEPARTURE_TABLE", "MEMBER_RECORD", "Column",
            "columns_of", "VIEW_FIELDS", "membership_view", "NATIVE_NOTES_SQL", "StackGroup", "format_stacks",
            "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "ranks_label", "snapshot"]
 

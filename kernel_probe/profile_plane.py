@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .diagnosis.profile import ACTIVE
 from .effects import PARENT, Effect, Note, Send
 from .wire import Envelope, Message
 
@@ -102,7 +101,7 @@ def on_timer(core: Any, now: float) -> list[Effect]:
     if capture is None:
         return []
     why = capture.expire(now)
-    if capture.state not in ACTIVE:
+    if not capture.active:
         core.profile_watched = None
     return [] if why is None else [Note(f"profile {capture.capture_id}: ended, {why}")]
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, NamedTuple
 
-from ..diagnosis.profile import ACTIVE, LEASE_SEC, TERMINAL, CaptureState
+from ..diagnosis.profile import ACTIVE, LEASE_SEC, PAST_DEADLINE, TERMINAL, CaptureState
 from ..rank_lists import parse_ranks as _parse_rank_text
 from .errors import ProbeError, QueryFailed
 
@@ -38,7 +38,8 @@ POLL_SEC = 0.25
 RENEW_SEC = 1.0  # the lease is renewed this often while the run waits
 STATUS_TIMEOUT_SEC = LEASE_SEC / 2  # a poll that takes longer is asked again: the lease is renewed between
 DEFAULT_TRACE_MAX_MB = 100.0
-__all__ = ["ACTIVE", "TERMINAL", "CaptureState", "CancelRun", "ProfileRun", "ProfileResult", "drive", "drive_async"]
+__all__ = ["ACTIVE", "TERMINAL", "CaptureState", "CancelRun", "ProfileRun", "ProfileResult", "cancel_captures",
+           "cancel_captures_async", "drive", "drive_async"]
 TRACE_SQL = "SELECT _rank, ph, name, cat, ts_us, dur_us, thread, args FROM profile_trace WHERE capture_id = $id"
 STATUS_SQL = ("SELECT _rank, _node, _host, capture_id, state, steps, step_first, step_last, events, "
               "events_dropped, error, now FROM profile_status")
@@ -271,7 +272,11 @@ class ProfileRun:
                 if rank not in failed and status.get(rank, {}).get("state") not in TERMINAL and why != "timeout":
                     failed[rank] = f"{NO_ANSWER}: {why}"
             for rank, row in status.items():
-                if row["state"] in ("failed", "cancelled") and rank not in failed:
+                if rank in failed or row["state"] not in (CaptureState.FAILED, CaptureState.CANCELLED):
+                    continue
+                if (row.get("error") or "").startswith(PAST_DEADLINE):  # the rank kept our deadline first
+                    failed[rank] = self._late()
+                else:
                     failed[rank] = f"capture {row['state']}" + (f": {row['error']}" if row.get("error") else "")
             finished = [r for r in ranks if r in failed or status.get(r, {}).get("state") in TERMINAL]
             if self.on_progress is not None:
@@ -284,11 +289,14 @@ class ProfileRun:
             if self.clock() >= deadline:  # the late ranks fail; the others' profiles are still read
                 late = [r for r in ranks if r not in finished]
                 for rank in late:
-                    failed[rank] = f"did not finish {self.steps} step(s) within {self.timeout:g} s (is it stepping?); " \
-                                   "its capture was cancelled"
+                    failed[rank] = self._late()
                 yield from self._send("cancel", late)
                 return status
             yield Call("sleep", (POLL_SEC,))
+
+    def _late(self) -> str:
+        return f"did not finish {self.steps} step(s) within {self.timeout:g} s (is it stepping?); its capture was " \
+               "cancelled"
 
     def _collect(self, ranks: list[int], members: dict[int, dict], status: dict[int, dict],
                  failed: dict[int, str]) -> Generator[Call, Any, ProfileResult]:
@@ -362,6 +370,16 @@ class CancelRun:
             if env.msg.type == "error":
                 raise ProfileFailed(f"the probe refused the cancel: {env.msg.body.get('message')}")
         return {cid: sorted(rs) for cid, rs in sorted(active.items())}
+
+
+def cancel_captures(client: Any) -> dict[str, list[int]]:
+    """Cancel the captures active in the job ``client`` talks to (a blocking ``Client``)."""
+    return drive(CancelRun().run(), client)
+
+
+async def cancel_captures_async(client: Any) -> dict[str, list[int]]:
+    """``cancel_captures`` for an ``AsyncClient``."""
+    return await drive_async(CancelRun().run(), client)
 
 
 def slowest_and_median(compute_ms: dict[int, float]) -> tuple[int | None, int | None]:

@@ -44,6 +44,7 @@ MAX_ARGS_CHARS = 512  # an event's args, as JSON, are cut to this
 MAX_STEPS = 1000
 
 LEASE_SEC = 8.0  # a capture whose client has not renewed it for this long ends
+PAST_DEADLINE = "past its deadline"  # how the error of a capture ended at its deadline begins
 
 
 class CaptureState(str, enum.Enum):
@@ -104,6 +105,11 @@ class ProfileCapture:
     def attach(self, clock: Any) -> None:
         self._clock = clock
 
+    @property
+    def active(self) -> bool:
+        """Armed or running."""
+        return self.state in ACTIVE
+
     def now(self) -> float:
         """This rank's wall clock, as its ``profile_trace`` timestamps and ``profile_status.now`` read it."""
         return self._wall()
@@ -150,7 +156,7 @@ class ProfileCapture:
             if self.state not in ACTIVE:
                 return None
             if self._deadline is not None and now >= self._deadline:
-                why = f"past its deadline ({self._timeout:g} s after it was armed)"
+                why = f"{PAST_DEADLINE} ({self._timeout:g} s after it was armed)"
             elif self._lease is not None and self._renewed is not None and now - self._renewed >= self._lease:
                 why = f"its client stopped waiting for it (no renewal for {self._lease:g} s)"
             else:

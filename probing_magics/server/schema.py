@@ -10,7 +10,7 @@ Each schema maps a field name to the JSON types its value can have: "number", "s
 
 from __future__ import annotations
 
-from kernel_probe.frontend import DEPARTURE_TABLE, MEMBER_RECORD, VIEW_FIELDS, Column, Job, columns_of
+from kernel_probe.frontend import DEPARTURE_TABLE, MEMBER_RECORD, VIEW_FIELDS, CaptureState, Column, Job, columns_of
 
 Schema = dict[str, tuple[str, ...]]
 
@@ -34,7 +34,11 @@ NODES: Schema = {
     "epoch": ("number", "null"), "members": ("array",), "departures": ("array",), "suspects": ("array",),
     "now": ("number",), "restarts": ("number",), "restart_notice": ("string", "null"),
 }
-# GET/POST/DELETE jobs/<id>/profile: the job's running or last capture ("none" before the first);
+# the states of a capture the server runs: "none" before the first, then the job's capture states
+# (kernel_probe's CaptureState) but "armed", which the server shows as running; the panel's
+# CaptureState type (request.ts) is checked against this tuple
+PROFILE_STATES: tuple[str, ...] = ("none", *(s.value for s in CaptureState if s is not CaptureState.ARMED))
+# GET/POST/DELETE jobs/<id>/profile: the job's running or last capture (state: PROFILE_STATES);
 # its progress, then its answer (PROFILE_RESULT) or why it failed (PROFILE_ERROR)
 PROFILE_STATE: Schema = {
     "state": ("string",), "job_id": ("string",), "ranks": ("array", "null"), "steps": ("number", "null"),
@@ -42,7 +46,8 @@ PROFILE_STATE: Schema = {
     "result": ("object", "null"), "error": ("object", "null"), "now": ("number",),
 }
 # the capture's last poll of its ranks
-PROFILE_PROGRESS: Schema = {"finished": ("number",), "ranks": ("number",), "running": ("number",)}
+PROFILE_PROGRESS: Schema = {"finished": ("number",), "ranks": ("number",), "running": ("number",),
+                            "armed": ("number",), "waited": ("number",)}
 # a finished capture: who was profiled (status per rank), who failed why, the slowest rank's top
 # ops next to the median rank's (comparison: columns, rows), the merged trace (PROFILE_TRACE)
 PROFILE_RESULT: Schema = {
@@ -69,5 +74,5 @@ def json_type(value: object) -> str:
     return "string" if isinstance(value, str) else "array" if isinstance(value, (list, tuple)) else "object"
 
 
-__all__ = ["Schema", "MEMBER", "DEPARTURE", "JOB", "JOBS", "NODES", "PROFILE_STATE", "PROFILE_PROGRESS",
+__all__ = ["Schema", "MEMBER", "DEPARTURE", "JOB", "JOBS", "NODES", "PROFILE_STATES", "PROFILE_STATE", "PROFILE_PROGRESS",
            "PROFILE_RESULT", "PROFILE_TRACE", "PROFILE_ERROR", "json_type"]
