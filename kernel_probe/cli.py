@@ -10,6 +10,7 @@
     kernel-probe -t TARGET diagnose [--json] why the job is stuck: one sentence, then the findings
                                              (exit 0: no hang found, 1: findings, 2: no answer)
     kernel-probe -t TARGET profile [--ranks 0-3] [--steps N] [--out FILE]   torch.profiler on chosen ranks
+    kernel-probe -t TARGET profile --cancel                                 cancel the capture running in the job
 
 Errors are one line on stderr and a non-zero exit, never a traceback.
 """
@@ -21,6 +22,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any, Callable
 
 from . import __version__
 
@@ -306,35 +308,88 @@ def _add_profile_parser(sub) -> None:
     pr.add_argument("--top", type=int, default=10, help="ops shown for the slowest and the median rank")
     pr.add_argument("--timeout", type=float, default=argparse.SUPPRESS,
                     help="seconds the ranks have to finish their steps (default 120)")
+    pr.add_argument("--cancel", action="store_true",
+                    help="cancel the capture running in the job (whoever started it), then exit")
+
+
+def _profile_progress(started: float, out=None) -> tuple[Callable[[dict], None], Callable[[], None]]:
+    """A capture's progress on stderr once it takes more than a second: one line rewritten on a
+    terminal; plain lines in a pipe (each change, and at least every 10 s while nothing changes),
+    saying what it waits for when no step comes. Returns (on_progress, end of the line)."""
+    out = out or sys.stderr
+    tty = out.isatty()
+    state = {"shown": False, "last": "", "at": 0.0}
+
+    def on_progress(p: dict) -> None:
+        now = time.monotonic()
+        if now - started < 1.0:
+            return
+        text = f"profiling: {p['finished']}/{p['ranks']} ranks finished, {p['running']} running"
+        if p.get("armed"):
+            text += (f"; waiting for {p['armed']} rank(s) to end a step (armed {p.get('waited', 0):.0f} s ago: "
+                     "is the job stepping?)")
+        if tty:
+            state["shown"] = True
+            print(f"\r{text}\033[K", end="", file=out, flush=True)
+            return
+        what = text.split(" (armed")[0]  # the seconds alone changing is not news
+        if what != state["last"] or now - state["at"] >= 10.0:
+            print(text, file=out, flush=True)
+            state["last"], state["at"] = what, now
+
+    def end_line() -> None:
+        if state["shown"]:
+            state["shown"] = False
+            print(file=out)
+
+    return on_progress, end_line
+
+
+def _cancel_profiles(client: Any) -> int:
+    from .client.profiles import cancel_captures
+
+    cancelled = cancel_captures(client)
+    if not cancelled:
+        print("no capture is running in this job")
+        return 0
+    for capture_id, ranks in cancelled.items():
+        print(f"cancelled capture {capture_id} on ranks {ranks}")
+    return 0
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during a capture: handled as an interrupt, so the run cancels its capture."""
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    import signal
+
     import kernel_probe
     from .client.profiles import DEFAULT_TRACE_MAX_MB, format_profile
 
-    started = time.monotonic()
-    shown = [False]
-
-    def progress(p: dict) -> None:  # a line on stderr once the call takes more than a second
-        if time.monotonic() - started >= 1.0 and sys.stderr.isatty():
-            shown[0] = True
-            print(f"\rprofiling: {p['finished']}/{p['ranks']} ranks finished, {p['running']} running",
-                  end="", file=sys.stderr, flush=True)
+    def terminated(signum: int, frame: Any) -> None:
+        raise _Terminated()
 
     ranks = parse_ranks(args.ranks)
-    with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
-        try:
-            result = client.profile(ranks=ranks, steps=args.steps, out=args.out, timeout=args.timeout or 120.0,
-                                    max_trace_mb=args.max_trace_mb or DEFAULT_TRACE_MAX_MB, on_progress=progress)
-        except KeyboardInterrupt:  # the run sent the ranks a cancel before this
-            if shown[0]:
-                shown[0] = False
-                print(file=sys.stderr)  # off the progress line
-            print("kernel-probe: profile interrupted and cancelled on its ranks", file=sys.stderr)
-            return 130
-        finally:
-            if shown[0]:
-                print(file=sys.stderr)
+    progress, end_line = _profile_progress(time.monotonic())
+    previous = signal.signal(signal.SIGTERM, terminated)  # the CLI is the main thread: SIGINT is KeyboardInterrupt
+    try:
+        with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args),
+                                  warm=False) as client:
+            if args.cancel:
+                return _cancel_profiles(client)
+            try:
+                result = client.profile(ranks=ranks, steps=args.steps, out=args.out, timeout=args.timeout or 120.0,
+                                        max_trace_mb=args.max_trace_mb or DEFAULT_TRACE_MAX_MB, on_progress=progress)
+            except KeyboardInterrupt as exc:  # the run sent the ranks a cancel before this
+                end_line()
+                how = "terminated" if isinstance(exc, _Terminated) else "interrupted"
+                print(f"kernel-probe: profile {how} and cancelled on its ranks", file=sys.stderr)
+                return 143 if isinstance(exc, _Terminated) else 130
+            finally:
+                end_line()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(format_profile(result, top=args.top))
     return 0 if len(result.failed) < len(result.ranks) else 1
 

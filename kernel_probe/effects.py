@@ -77,14 +77,16 @@ class StoreOp:
 
 @dataclass(frozen=True)
 class CaptureAction:
-    """Arm (``action`` "arm", for ``steps`` steps) or cancel (``capture_id`` None: whatever
-    runs) this rank's profile capture. The outcome comes back as
-    ``stimuli.CaptureActed(ticket, refused)``."""
+    """Arm (``action`` "arm", for ``steps`` steps, ending at ``timeout`` seconds or when not
+    renewed for ``lease`` seconds), renew or cancel (``capture_id`` None: whatever runs) this
+    rank's profile capture. The outcome comes back as ``stimuli.CaptureActed(ticket, refused)``."""
 
     ticket: str
     action: str
     capture_id: str | None
     steps: int = 1
+    timeout: float | None = None
+    lease: float | None = None
 
 
 @dataclass(frozen=True)

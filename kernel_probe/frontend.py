@@ -13,8 +13,9 @@ modules (a test checks that ``probing_magics`` imports only ``kernel_probe``,
   ``VerdictAnswer``, ...: ``to_dict()`` is the JSON) and their schemas (``schema_of``), and
   strict JSON (``json_safe``, ``table_rows``);
 - the verdict's default wait (``MIN_WAIT_SEC``), its answer type (``DiagnoseResult``), a
-  profile's text (``format_profile``), ``is_dump``, ``is_address`` (a target a user adds:
-  ``tcp://``, ``store://``, ``dump://``) and ``snapshot`` (a live job's dumps).
+  profile's text (``format_profile``), a capture's states (``CaptureState``) and the cancel
+  of anyone's capture (``cancel_captures_async``), ``is_dump``, ``is_address`` (a target a
+  user adds: ``tcp://``, ``store://``, ``dump://``) and ``snapshot`` (a live job's dumps).
 
 Everything here is light to import: no pandas, pyarrow or DuckDB until a function needs them.
 """
@@ -30,7 +31,7 @@ from .client.payloads import (FINDING, FRAME, FRAME_OPTIONAL, STACK_GROUP, SUSPE
                               ProfileStateAnswer, ProfileTrace, QueryAnswer, Schema, StacksAnswer, VerdictAnswer,
                               VersionAnswer, json_safe, json_types, schema_of, table_rows)
 from .client.lifecycle import GONE, RELAUNCHED, Asked, Ended, JobLifecycle, Seen, Tick
-from .client.profiles import format_profile
+from .client.profiles import CaptureState, cancel_captures_async, format_profile
 from .client.targets import is_address, is_dump
 from .diagnosis.verdict import MIN_WAIT_SEC
 from .jobs import Job
@@ -41,7 +42,7 @@ from .rank_lists import parse_ranks, ranks_label
 from .durations import duration_text
 
 __all__ = ["DiagnoseResult", "GONE", "RELAUNCHED", "Asked", "Ended", "JobLifecycle", "Seen", "Tick",
-           "format_profile", "is_address", "is_dump", "MIN_WAIT_SEC", "Job", "DEPARTURE_TABLE", "MEMBER_RECORD", "Column",
+           "CaptureState", "cancel_captures_async", "format_profile", "is_address", "is_dump", "MIN_WAIT_SEC", "Job", "DEPARTURE_TABLE", "MEMBER_RECORD", "Column",
            "columns_of", "VIEW_FIELDS", "membership_view", "NATIVE_NOTES_SQL", "StackGroup", "format_stacks",
            "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "ranks_label", "duration_text", "snapshot",
            "Payload", "VersionAnswer", "JobsAnswer", "NodesAnswer", "QueryAnswer", "StacksAnswer", "VerdictAnswer",

@@ -37,6 +37,7 @@ class RankShell:
 
     core: Any  # the RankCore this shell drives
     membership: dict | None = None  # the core's last published ``nodes_body()``; never mutated once published
+    _watched_capture: Any = None  # the capture armed here, whose deadline and lease each wake-up checks
 
     def __init__(self) -> None:
         self._quick_done: deque[tuple[str, dict]] = deque()  # (task_id, result) of SQL run on this thread
@@ -101,10 +102,24 @@ class RankShell:
             handler(self, effect)
 
     def turn(self, now: float) -> None:
-        """The end of every wake-up: quick SQL settled, then the core's timers, settled again."""
+        """The end of every wake-up: quick SQL settled, then the core's timers, settled again;
+        an armed capture past its deadline or lease ended."""
         self.settle()
         self.feed(Tick(), now)
         self.settle()
+        self.expire_capture(now)
+
+    def expire_capture(self, now: float) -> None:
+        """The armed capture's deadline and lease: a capture whose client is gone ends here,
+        even where no step ever ends."""
+        capture = self._watched_capture
+        if capture is None:
+            return
+        why = capture.expire(now)
+        if not capture.active:
+            self._watched_capture = None
+        if why is not None:
+            self.note(f"profile {capture.capture_id}: ended, {why}")
 
     def settle(self) -> None:
         """Tell the core how the SQL tasks run on this thread went, once the effects that
@@ -155,7 +170,12 @@ class RankShell:
             if capture is None:
                 refused = "this probe cannot profile"
             elif effect.action == "arm":
-                capture.arm(str(effect.capture_id), effect.steps)
+                capture.arm(str(effect.capture_id), effect.steps, now=self.now(), timeout=effect.timeout,
+                            lease=effect.lease)
+                self._watched_capture = capture  # its deadline and lease: see expire_capture
+            elif effect.action == "renew":
+                if not capture.renew(str(effect.capture_id), self.now()):
+                    refused = f"capture {effect.capture_id} is not active here (it ended)"
             else:
                 capture.cancel(effect.capture_id)
         except Exception as exc:  # CaptureBusy, or a capture that cannot be made here

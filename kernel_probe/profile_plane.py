@@ -11,6 +11,13 @@ done (the query's coverage names the ranks that died or cannot be reached), then
 ``profile_ops`` and ``profile_trace``. One capture per job: the client checks
 ``profile_status`` first, and a rank refuses to arm while another capture is active.
 
+A capture ends with its client: ``arm`` carries the caller's timeout (``timeout_sec``: the
+rank's deadline for it) and a lease (``lease_sec``), which the client renews (``renew``)
+while it waits. The shell that holds the capture checks both at every wake-up
+(``RankShell.turn``), so a capture whose client was killed ends within its lease even where
+no step ever ends. ``cancel`` without an id cancels whatever capture is active: anyone the
+job lets in may stop one.
+
 Sans-IO: arming or cancelling the rank's capture is a ``CaptureAction`` effect and the clock
 ping a ``ReadClock`` effect, carried out by the shell (``interpreter.RankShell``: the probe
 thread's capture is ``LocalTables.profile``, a simulated rank's is its own); their outcomes
@@ -33,7 +40,7 @@ from typing import Any
 from .effects import PARENT, CaptureAction, Effect, Note, ReadClock, Send
 from .wire import Envelope, Message
 
-ACTIONS = ("arm", "cancel")
+ACTIONS = ("arm", "cancel", "renew")
 CLOCK = "clock"
 
 
@@ -82,7 +89,8 @@ class ProfilePlane:
         if tree.rank in ranks:  # acted on here first; the answer waits for the outcome
             steps = body.get("steps")
             cid = None if action == "cancel" and capture_id in (None, "") else str(capture_id)
-            out.append(CaptureAction(self._ticket(answer), action, cid, int(steps) if isinstance(steps, int) else 1))
+            out.append(CaptureAction(self._ticket(answer), action, cid, int(steps) if isinstance(steps, int) else 1,
+                                     timeout=_seconds(body.get("timeout_sec")), lease=_seconds(body.get("lease_sec"))))
         by_child: dict[bytes, list[int]] = {}
         for rank, (_hop, rid) in hops.items():
             by_child.setdefault(rid, []).append(rank)
@@ -115,6 +123,10 @@ class ProfilePlane:
             return [Send(to, Message("error", {"code": "bad_request", "message": "this probe cannot profile"},
                                      corr_id=corr_id))]
         return [Send(to, Message("profile", {"action": CLOCK, "id": clock_id, "now": float(now)}, corr_id=corr_id))]
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
 def _accepted(answer: _Answer, refused: dict[str, str]) -> Send:

@@ -204,13 +204,15 @@ class SubresultBody(_SubresultFields, total=False):  # child -> parent
 
 
 class _ProfileFields(TypedDict):
-    action: str  # "arm" | "cancel" (client -> root -> the ranks' parents); "accepted" (root -> client);
+    action: str  # "arm" | "renew" | "cancel" (client -> root -> the ranks' parents); "accepted" (root -> client);
     id: str  # "clock" (client -> root -> client: the root's wall clock)
 
 
 class ProfileBody(_ProfileFields, total=False):  # see profile_plane
     ranks: list  # arm / cancel: the ranks asked; accepted: those the request was passed on to
     steps: int
+    timeout_sec: float  # arm: the caller's timeout, each rank's deadline for the capture
+    lease_sec: float  # arm: the capture ends when its client has not renewed it for this long
     unreachable: list  # accepted: asked ranks the root has no way to
     refused: dict  # accepted: rank -> why it did not arm (the root's own answer only)
     now: float  # clock: the root's wall clock when it answered

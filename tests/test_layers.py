@@ -30,7 +30,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data: rings, tables and their readers", ("tables",)),
     ("training-thread recording", ("progress",)),
     ("pure analysis", ("diagnosis",)),
-    ("foundations", ("config", "wire", "rank_lists", "durations", "dtypes", "tags", "ring", "procfs")),
+    ("foundations", ("config", "wire", "rank_lists", "durations", "dtypes", "tags", "ring", "procfs", "private_paths",
+                     "redaction")),
 )
 
 # never imported by pure analysis, even lazily

@@ -178,6 +178,42 @@ def test_the_profile_message_arms_here_and_passes_on_through_the_children():
     assert plane.on_profile(PARENT, env({"action": "clock", "id": "c1"}), 0.0) == []
 
 
+def test_a_capture_ends_at_its_deadline_or_when_its_lease_lapses():
+    from kernel_probe.tables.readers.profile import ProfileCapture
+
+    class Profiler:
+        started = stopped = 0
+
+        def start(self):
+            Profiler.started += 1
+
+        def stop(self):
+            Profiler.stopped += 1
+
+    capture = ProfileCapture(make_profiler=Profiler)
+    capture.arm("a", 2, now=100.0, timeout=30.0, lease=8.0)
+    for t in (101.0, 105.0, 109.0, 113.0):  # renewed every 4 s: alive past two leases
+        assert capture.renew("a", t) and capture.state == "armed"
+    assert capture.expire(120.9) is None and capture.state == "armed"
+    assert "no renewal for 8 s" in capture.expire(121.0) and capture.state == "cancelled"
+    assert not capture.renew("a", 121.5)
+    capture.arm("b", 2, now=200.0)  # not in the way: the next capture goes
+    capture.on_step(10)  # running: its profiler started on the training thread
+    assert capture.state == "running" and Profiler.started == 1
+    capture.cancel("b")
+    capture.on_step(11)
+    assert capture.state == "cancelled" and Profiler.stopped == 1
+    capture.arm("d", 5, now=300.0, timeout=10.0, lease=60.0)
+    capture.on_step(20)
+    assert "past its deadline (10 s" in capture.expire(310.0)  # running, and no step end comes
+    assert capture.state == "cancelled" and Profiler.stopped == 1  # stopped at the next step end only
+    capture.arm("e", 1, now=311.0)  # the next capture is accepted at once
+    capture.on_step(21)  # the expired capture's profiler stops, then the new one starts
+    assert Profiler.stopped == 2 and Profiler.started == 3 and capture.state == "running"
+    capture.on_step(22)
+    assert capture.state == "done" and Profiler.stopped == 3
+
+
 def test_parse_ranks():
     from kernel_probe.client.profiles import parse_ranks
 
@@ -311,13 +347,17 @@ def test_a_run_waits_for_every_rank_then_compares_and_cancels_when_late(monkeypa
     events = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
     assert [(e["pid"], e["name"], e["ts"]) for e in events] == [(0, "op0", 0.0), (1, "op1", 1.0)]
     assert result.trace_note == "rank 1 kept its first events only (3 dropped there)"
-    assert seen[-1] == {"finished": 2, "ranks": 2, "running": 0} and job.sent[0]["action"] == "arm"
+    assert {k: seen[-1][k] for k in ("finished", "ranks", "running", "armed")} == \
+        {"finished": 2, "ranks": 2, "running": 0, "armed": 0} and job.sent[0]["action"] == "arm"
+    assert job.sent[0]["timeout_sec"] == 120.0 and job.sent[0]["lease_sec"] == profiles.LEASE_SEC
     with pytest.raises(profiles.ProfileBusy, match="old on ranks \\[1\\]"):
         profiles.drive(profiles.ProfileRun().run(), _FakeJob(busy=True))
     late = _FakeJob(stuck=True)
     result = profiles.drive(profiles.ProfileRun(timeout=5.0, clock=lambda: late.polls).run(), late)  # a poll a second
     assert list(result.failed) == [1] and "did not finish 2 step(s) within 5 s" in result.failed[1]
-    assert [(b["action"], b["ranks"]) for b in late.sent] == [("arm", [0, 1]), ("cancel", [1])]  # none left running
+    assert [(b["action"], b["ranks"]) for b in late.sent if b["action"] != "renew"] == \
+        [("arm", [0, 1]), ("cancel", [1])]  # none left running
+    assert ("renew", [1]) in [(b["action"], b["ranks"]) for b in late.sent]  # while it waited, for the rank not done
     assert sorted(result.status) == [0, 1] and set(result.ops["_rank"]) == {0}  # rank 0's profile is still read
     dying = _FakeJob(stuck=True, dies=True)
     result = profiles.drive(profiles.ProfileRun(timeout=50.0).run(), dying)

@@ -45,7 +45,7 @@ class _Capture:
     def __init__(self) -> None:
         self.armed: list[tuple[str, int]] = []
 
-    def arm(self, capture_id: str, steps: int) -> None:
+    def arm(self, capture_id: str, steps: int, **deadline_and_lease) -> None:
         if self.armed:
             raise RuntimeError(f"capture {self.armed[0][0]} is armed on this rank")
         self.armed.append((capture_id, steps))
@@ -77,6 +77,9 @@ class _Shell(RankShell):
 
     def send(self, effect: Send) -> None:
         self.sent.append(effect)
+
+    def note(self, text: str) -> None:
+        self.sent.append(text)
 
     def profile_capture(self):
         return self.capture
@@ -206,3 +209,22 @@ def test_the_shell_publishes_the_membership_for_other_threads_only_when_it_chang
     shell.sample(11.0, stimuli.SelfChanged(role="trainer"))
     assert shell.membership is not first and shell.membership["members"][0]["role"] == "trainer"
     assert first["members"][0]["role"] == ""  # what was handed over stays as it was
+
+
+def test_a_capture_whose_client_stopped_renewing_it_ends_at_a_wake_up_without_any_step():
+    """The lease is checked by the shell that holds the capture, at every wake-up."""
+    from kernel_probe.tables.readers.profile import ProfileCapture
+
+    capture = ProfileCapture()
+    shell = _Shell(capture)
+    shell.carry_out([CaptureAction("t1", "arm", "c1", 2, timeout=60.0, lease=5.0)])
+    assert shell.fed == [stimuli.CaptureActed("t1", None)] and capture.active
+    shell.carry_out([CaptureAction("t2", "renew", "c1")])
+    assert shell.fed[-1] == stimuli.CaptureActed("t2", None)
+    shell.turn(4.0)
+    assert capture.active  # renewed at 1.0: the lease runs to 6.0
+    shell.turn(6.5)
+    assert not capture.active and shell._watched_capture is None
+    assert "profile c1: ended, its client stopped waiting for it" in shell.sent[-1]
+    shell.carry_out([CaptureAction("t3", "renew", "c1")])
+    assert shell.fed[-1] == stimuli.CaptureActed("t3", "capture c1 is not active here (it ended)")

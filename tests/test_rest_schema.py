@@ -24,10 +24,13 @@ def interface_fields(source: str, name: str) -> dict[str, set[str]]:
     assert match, f"no interface {name} in {REQUEST_TS}"
     body = re.sub(r"/\*.*?\*/", "", match.group(1), flags=re.S)
     body = re.sub(r"//[^\n]*", "", body)
+    aliases = dict(re.findall(r"export type (\w+)\s*=\s*([^;]+);", source))  # a union of literals, named once
     out: dict[str, set[str]] = {}
     for decl in filter(None, (d.strip() for d in body.split(";"))):
         field, _, ts_type = decl.partition(":")
-        out[field.strip().rstrip("?")] = {json_type(t.strip()) for t in ts_type.split("|")}
+        parts = [t.strip() for t in ts_type.split("|")]
+        parts = [p for t in parts for p in ([a.strip() for a in aliases[t].split("|")] if t in aliases else [t])]
+        out[field.strip().rstrip("?")] = {json_type(t) for t in parts}
     return out
 
 

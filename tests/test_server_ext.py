@@ -275,7 +275,10 @@ async def test_a_second_capture_while_one_runs_is_409_and_a_capture_can_be_cance
     assert status == 200 and _profile_state_drift(state) == [], state
     status, started = await api("POST", "jobs", job_id, "profile", body={"steps": 2, "timeout": 30})
     assert status == 202 and started["state"] == "running", started
-    assert started["progress"] == {"finished": 0, "ranks": 4, "running": 0}, started  # armed, never stepping
+    progress = started["progress"]
+    assert {k: progress[k] for k in ("finished", "ranks", "running")} == {"finished": 0, "ranks": 4, "running": 0} \
+        and progress["armed"] == 4, started  # armed, never stepping
+    assert _schema_drift(progress, schema.PROFILE_PROGRESS) == [], progress
     status, err = await api("POST", "jobs", job_id, "profile", body={"steps": 1})
     assert status == 409 and err["code"] == "busy", err
     assert err["message"].startswith("a capture is already running in job ") and "one capture per job" in err["message"]
@@ -298,7 +301,7 @@ async def test_a_second_capture_while_one_runs_is_409_and_a_capture_can_be_cance
     # one line, and the job's last capture stays what GET shows
     loop = asyncio.get_running_loop()
     with kernel_probe.connect(token=TOKEN, timeout=5) as other:
-        elsewhere = loop.run_in_executor(None, lambda: other.profile(steps=1, timeout=4))
+        elsewhere = loop.run_in_executor(None, lambda: other.profile(steps=1, timeout=60))
 
         async def refused() -> dict | None:
             status, err = await api("POST", "jobs", job_id, "profile", body={"steps": 1, "timeout": 2})
@@ -312,7 +315,11 @@ async def test_a_second_capture_while_one_runs_is_409_and_a_capture_can_be_cance
         assert err["code"] == "busy" and err["message"].startswith("a capture is already running in this job"), err
         status, state = await api("GET", "jobs", job_id, "profile")
         assert status == 200 and state["state"] in ("cancelled", "done") and state["error"] is None, state
-        await elsewhere
+        # the panel's cancel stops a capture the server did not start: on its ranks
+        status, state = await api("DELETE", "jobs", job_id, "profile")
+        assert status == 200, state
+        result = await asyncio.wait_for(elsewhere, 30)
+        assert sorted(result.failed) == [0, 1, 2, 3] and "capture cancelled" in result.failed[0], result.summary()
 
 
 async def test_an_ended_job_added_by_its_dumps(api, job, tmp_path):
@@ -369,6 +376,26 @@ async def test_an_ended_job_added_by_its_dumps(api, job, tmp_path):
     assert (await api("DELETE", "jobs", dump_id))[0] == 204
     assert (await api("GET", "jobs", dump_id, "nodes"))[0] == 404
     assert await _listed(api) == before
+
+
+async def test_dump_dirs_of_fifos_never_reach_the_live_jobs(api, job, tmp_path):
+    """Four dump directories whose manifests are FIFOs (a read of one would wait forever for
+    a writer): each is refused in one line, and the live job's routes still answer."""
+    import os
+
+    from tests.test_postmortem import _dump
+
+    job_id = await _local_job_id(api)
+    for i in range(4):
+        run = _dump(tmp_path / f"d{i}", 0, {}, world=1).parent
+        (run / "rank0" / "dump.json").unlink()
+        os.mkfifo(run / "rank0" / "dump.json")
+        status, err = await asyncio.wait_for(api("POST", "jobs", body={"target": f"dump://{run}"}), 30)
+        assert status == 400 and "not a regular file" in err["message"] and "\n" not in err["message"], err
+    status, listing = await asyncio.wait_for(api("GET", "jobs"), 30)
+    assert status == 200 and job_id in [j["id"] for j in listing["jobs"]]
+    status, nodes = await asyncio.wait_for(api("GET", "jobs", job_id, "nodes"), 30)
+    assert status == 200 and len(nodes["members"]) == 4
 
 
 async def test_unknown_job_is_404(api, job):

@@ -17,12 +17,14 @@ newest run under this machine's ``PROBING_DUMP_DIR``. A ``DumpClient`` answers w
 - a rank that died of a fatal signal leaves faulthandler's ``rank<k>.fatal.txt``: its
   ``reason`` has a row of kind 'fatal' (the traceback); it answers nothing else unless it
   had dumped before (a thread's exception).
+
+Every file is read through ``dump_files``, which treats the directory as untrusted input
+(regular files inside it only, capped reads, a schema for the manifest): a file it refuses
+is one line among the problems, and the other ranks still load.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -32,18 +34,18 @@ from typing import TYPE_CHECKING, Any
 from ..diagnosis.verdict import MIN_WAIT_SEC
 from ..postmortem.dump import FORMAT, MANIFEST
 from ..tags import Tags
-from . import calls, results
+from . import calls, dump_files, results
 from .diagnose import DiagnoseResult, Diagnosis, EndedJob
 from .errors import ConnectError, JobEndedError, QueryFailed
 from .lifecycle import Launch
 from .targets import DUMP_SCHEME, dump_spec
+from .dump_files import FATAL as _FATAL
+from .dump_files import RANK_DIR as _RANK_DIR
 
 if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
-_RANK_DIR = re.compile(r"rank(\d+)\Z")
-_FATAL = re.compile(r"rank(\d+)\.fatal\.txt\Z")
 
 
 @dataclass
@@ -55,18 +57,18 @@ class RankDump:
     manifest: dict
     paths: dict[str, Path] = field(default_factory=dict)
     made: dict[str, Any] = field(default_factory=dict)  # tables not read from a file
-    fatal: Path | None = None  # faulthandler's traceback, when the rank died of a fatal signal after its dump
+    fatal: tuple[str, float] | None = None  # faulthandler's traceback and when, when the rank died of a fatal
+    # signal after its dump
     path: Path | None = None  # its directory
 
     def table(self, name: str) -> pa.Table:
         if name in self.made:
             return self.made[name]
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        table = pq.read_table(self.paths[name])
+        table = dump_files.read_table(self.paths[name], self.paths[name].parent.parent)
         if name == "reason" and self.fatal is not None:  # the end came after the dump
-            table = pa.concat_tables([table, _fatal_reason(self.rank, self.fatal)], promote_options="permissive")
+            table = pa.concat_tables([table, _fatal_reason(self.rank, *self.fatal)], promote_options="permissive")
         return table
 
     def names(self) -> list[str]:
@@ -125,36 +127,37 @@ def find_run_dirs(spec: str, default_root: Path) -> list[Path]:
 
 
 def _subdirs(d: Path) -> list[Path]:
+    """``d``'s directories (symlinks to directories left out: a dump is read where it is)."""
     try:
-        return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return [Path(e.path) for e in dump_files.entries(d) if dump_files.is_real_dir(e) and not e.name.startswith(".")]
     except OSError:
         return []
 
 
 def _is_run_dir(d: Path) -> bool:
     try:
-        return any(_RANK_DIR.match(p.name) or _FATAL.match(p.name) for p in d.iterdir())
+        return any(_RANK_DIR.match(e.name) or _FATAL.match(e.name) for e in dump_files.entries(d))
     except OSError:
         return False
 
 
 def load_rank(path: Path) -> RankDump:
     """One ``rank<k>/`` directory; ``ValueError`` (one line) when it is not a dump we can read."""
+    m = _RANK_DIR.match(path.name)
+    rank = dump_files.rank_of(m) if m else None
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = dump_files.read_manifest(path / MANIFEST, path.parent, rank)
     except FileNotFoundError:
         raise ValueError(f"{path.name}: no {MANIFEST} (not a probing dump, or a dump cut short)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path.name}: unreadable {MANIFEST}: {str(exc).splitlines()[0]}") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("format"), int) \
-            or not isinstance(manifest.get("tags"), dict):
-        raise ValueError(f"{path.name}: {MANIFEST} is not a probing dump's manifest")
+    except OSError as exc:
+        raise ValueError(f"{path.name}: unreadable {MANIFEST}: {exc.strerror or type(exc).__name__}") from None
     if manifest["format"] > FORMAT:
         raise ValueError(f"{path.name}: dump format {manifest['format']} is newer than this reader's ({FORMAT}): "
                          f"read it with a newer probing-magics")
     tags = manifest["tags"]
-    paths = {p.stem: p for p in path.glob("*.parquet")}
-    return RankDump(int(tags["_rank"]), tags, manifest, paths, path=path)
+    paths = {e.name[:-len(".parquet")]: Path(e.path) for e in dump_files.entries(path)
+             if e.name.endswith(".parquet") and not e.name.startswith(".")}
+    return RankDump(tags["_rank"], tags, manifest, paths, path=path)
 
 
 def open_dumps(target: str, settings: Any = None) -> DumpClient:
@@ -167,11 +170,9 @@ def open_dumps(target: str, settings: Any = None) -> DumpClient:
     return DumpClient.open(spec, (settings or load_settings()).dump_dir)
 
 
-def _fatal_reason(rank: int, path: Path) -> pa.Table:
+def _fatal_reason(rank: int, text: str, when: float) -> pa.Table:
     import pyarrow as pa
 
-    text = path.read_text(errors="replace")
-    when = path.stat().st_mtime
     return pa.table({"rank": pa.array([rank], pa.int64()),
                      "when": pa.array([int(when * 1e6)], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
                      "kind": ["fatal"], "exception_type": pa.array([None], pa.string()),
@@ -203,35 +204,50 @@ class DumpClient:
         return cls(find_run_dirs(spec, default_root))
 
     def _load(self) -> None:
-        fatal: dict[int, Path] = {}
+        fatal: dict[int, tuple[Path, tuple[str, float]]] = {}
         where = len(self.run_dirs) > 1
         for run_dir in self.run_dirs:
-            for p in sorted(run_dir.iterdir()):
+            try:
+                found = dump_files.entries(run_dir)
+            except OSError as exc:
+                self.problems[str(run_dir)] = f"{run_dir}: {exc.strerror or type(exc).__name__}"
+                continue
+            for e in found:
+                p = Path(e.path)
                 name = str(p) if where else p.name
                 if p.name.startswith("."):
                     continue  # a dump still being written (or abandoned half way)
                 m, f = _RANK_DIR.match(p.name), _FATAL.match(p.name)
-                if f:
-                    if p.stat().st_size:
-                        fatal[int(f.group(1))] = p
+                rank = dump_files.rank_of(m or f) if (m or f) else None
+                if f and rank is not None:
+                    try:
+                        text, when = dump_files.read_fatal(p, run_dir)
+                    except (OSError, ValueError) as exc:
+                        self.problems.setdefault(f"rank {rank}", str(exc) if isinstance(exc, ValueError)
+                                                 else f"{name}: {exc.strerror or type(exc).__name__}")
+                        continue
+                    if text:
+                        fatal[rank] = (p, (text, when))
                     continue
-                if not m or not p.is_dir():
+                if rank is None or not dump_files.is_real_dir(e):
                     self.problems[name] = f"{name}: not a probing dump"
                     continue
                 try:
                     d = load_rank(p)
                 except (ValueError, KeyError, TypeError) as exc:
-                    self.problems.setdefault(f"rank {m.group(1)}", str(exc))
+                    self.problems.setdefault(f"rank {rank}", str(exc))
                     continue
                 self._keep(d)
+        for rank, why in dump_files.check_world_sizes({r: d.manifest for r, d in self.dumps.items()}).items():
+            self.problems[f"rank {rank} world_size"] = why
         members = {int(r["rank"]): r for r in self.nodes_raw()["members"] if isinstance(r.get("rank"), int)}
-        for rank, path in fatal.items():
+        for rank, (path, (text, when)) in fatal.items():
             if rank in self.dumps:
-                self.dumps[rank].fatal = path
+                self.dumps[rank].fatal = (text, when)
                 continue
             seen = members.get(rank, {})
             tags = Tags.from_member(seen, rank).to_dict()
-            self.dumps[rank] = RankDump(rank, tags, {"fatal": str(path)}, made={"reason": _fatal_reason(rank, path)})
+            self.dumps[rank] = RankDump(rank, tags, {"fatal": str(path)}, made={"reason": _fatal_reason(rank, text, when)})
 
     def _keep(self, d: RankDump) -> None:
         """A rank's dump; when two directories hold one (copies, or two runs that share a name),
@@ -307,15 +323,14 @@ class DumpClient:
         """Every table's columns over all dumps (the union), read from the files' footers once."""
         if self._catalog_cache is not None:
             return self._catalog_cache
-        import pyarrow.parquet as pq
-
         catalog: dict[str, list[str]] = {}
         for d in self.dumps.values():
             for name in d.names():
                 cols = catalog.setdefault(name, [])
                 try:
-                    names = d.made[name].column_names if name in d.made else pq.read_schema(d.paths[name]).names
-                except Exception:
+                    names = d.made[name].column_names if name in d.made else \
+                        dump_files.read_columns(d.paths[name], d.paths[name].parent.parent)
+                except Exception:  # refused or unreadable: the query that reads it says why
                     continue
                 cols.extend(c for c in names if c not in cols)
         self._catalog_cache = catalog

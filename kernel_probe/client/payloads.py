@@ -231,6 +231,8 @@ class ProfileProgress(Payload):
     finished: int
     ranks: int
     running: int
+    armed: int = 0  # armed, waiting for a step to end
+    waited: float = 0.0  # seconds the armed ranks have waited for one
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,11 @@ the root's as measured by ``ClockOffsets`` (the root's clock from ``clock`` ping
 rank's from the ``now`` of its status rows, each bracketed by the client's send and
 receive times), with the bound of its error; the trace's lane names and the answer say
 which offsets were applied.
+
+A capture ends with its client: the arm carries the client's timeout (each rank's deadline)
+and a lease the run renews while it waits (``RENEW_SEC``), so a client that is killed leaves
+no capture behind for longer than ``LEASE_SEC``. ``CancelRun`` cancels whatever capture is
+active in a job, whoever started it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, NamedTuple
 
+from ..tables.readers.profile import ACTIVE, LEASE_SEC, PAST_DEADLINE, TERMINAL, CaptureState
 from ..rank_lists import parse_ranks as _parse_rank_text
 from ..rank_lists import ranks_label
 from .errors import ProbeError, QueryFailed
@@ -30,8 +36,11 @@ if TYPE_CHECKING:
     import pandas as pd
 
 POLL_SEC = 0.25
+RENEW_SEC = 1.0  # the lease is renewed this often while the run waits
+STATUS_TIMEOUT_SEC = LEASE_SEC / 2  # a poll that takes longer is asked again: the lease is renewed between
 DEFAULT_TRACE_MAX_MB = 100.0
-TERMINAL = ("done", "failed", "cancelled")
+__all__ = ["ACTIVE", "TERMINAL", "CaptureState", "CancelRun", "ProfileRun", "ProfileResult", "cancel_captures",
+           "cancel_captures_async", "drive", "drive_async"]
 TRACE_SQL = "SELECT _rank, ph, name, cat, ts_us, dur_us, thread, args FROM profile_trace WHERE capture_id = $id"
 STATUS_SQL = ("SELECT _rank, _node, _host, capture_id, state, steps, step_first, step_last, events, "
               "events_dropped, error, now FROM profile_status")
@@ -192,23 +201,26 @@ class ProfileRun:
     # --- steps ------------------------------------------------------------------------------
     def _check_idle(self, everyone: list[int]) -> Generator[Call, Any, None]:
         rows = (yield from self._status(everyone))[0]
-        busy = [r for r in rows if r["state"] in ("armed", "running")]
+        busy = [r for r in rows if r["state"] in ACTIVE]
         if busy:
             ids = sorted({r["capture_id"] for r in busy})
             raise ProfileBusy(f"a capture is already running in this job ({', '.join(ids)} on ranks "
                               f"{sorted(int(r['_rank']) for r in busy)}); one capture per job at a time: "
-                              "wait for it to finish, or interrupt the call that started it")
+                              "wait for it to finish, or cancel it (kernel-probe profile --cancel); one whose "
+                              f"client is gone ends by itself within {LEASE_SEC:g} s")
 
     def _send(self, action: str, ranks: list[int]) -> Generator[Call, Any, dict]:
         body = {"action": action, "id": self.capture_id, "ranks": ranks, "steps": self.steps}
+        if action == "arm":
+            body.update(timeout_sec=self.timeout, lease_sec=LEASE_SEC)
         env = yield Call("request", ("profile", body), {"timeout": 10.0})
         if env.msg.type == "error":
             raise ProfileFailed(f"the probe refused the profile request: {env.msg.body.get('message')}")
         return env.msg.body
 
-    def _status(self, ranks: list[int]) -> Generator[Call, Any, tuple[list[dict], dict]]:
+    def _status(self, ranks: list[int], timeout: float = 10.0) -> Generator[Call, Any, tuple[list[dict], dict]]:
         t0 = self.clock()
-        result = yield Call("query", (STATUS_SQL,), {"timeout": 10.0, "ranks": ranks})
+        result = yield Call("query", (STATUS_SQL,), {"timeout": timeout, "ranks": ranks})
         t1 = self.clock()
         rows = [] if result.table is None else result.table.to_pylist()
         for row in rows:  # each rank's clock, read within [t0, t1]
@@ -234,9 +246,17 @@ class ProfileRun:
     def _wait(self, ranks: list[int], failed: dict[int, str], deadline: float
               ) -> Generator[Call, Any, dict[int, dict]]:
         status: dict[int, dict] = {}
+        renewed = self.clock()
         while True:
+            if self.clock() - renewed >= RENEW_SEC:  # we still wait: the ranks keep the capture
+                renewed = self.clock()
+                waiting = [r for r in ranks if r not in failed and status.get(r, {}).get("state") not in TERMINAL]
+                try:
+                    yield from self._send("renew", waiting)
+                except ProbeError:  # a root that does not answer now: the next renewal may reach it
+                    pass
             try:
-                rows, coverage = yield from self._status(ranks)
+                rows, coverage = yield from self._status(ranks, STATUS_TIMEOUT_SEC)
             except QueryFailed:  # a whole answer too slow (a loaded job): asked again until the deadline
                 rows, coverage = [], {}
             for row in rows:
@@ -245,7 +265,7 @@ class ProfileRun:
                     status[rank] = row
                     if failed.get(rank, "").startswith(NO_ANSWER):  # a loaded rank thought dead answers again
                         del failed[rank]
-                elif row["state"] in ("armed", "running") and rank not in failed:
+                elif row["state"] in ACTIVE and rank not in failed:
                     failed[rank] = f"busy with capture {row['capture_id']}"
             for rank, why in (coverage.get("failed") or {}).items():
                 rank = int(rank)
@@ -253,22 +273,31 @@ class ProfileRun:
                 if rank not in failed and status.get(rank, {}).get("state") not in TERMINAL and why != "timeout":
                     failed[rank] = f"{NO_ANSWER}: {why}"
             for rank, row in status.items():
-                if row["state"] in ("failed", "cancelled") and rank not in failed:
+                if rank in failed or row["state"] not in (CaptureState.FAILED, CaptureState.CANCELLED):
+                    continue
+                if (row.get("error") or "").startswith(PAST_DEADLINE):  # the rank kept our deadline first
+                    failed[rank] = self._late()
+                else:
                     failed[rank] = f"capture {row['state']}" + (f": {row['error']}" if row.get("error") else "")
             finished = [r for r in ranks if r in failed or status.get(r, {}).get("state") in TERMINAL]
             if self.on_progress is not None:
                 self.on_progress({"finished": len(finished), "ranks": len(ranks),
-                                  "running": sum(1 for r in status.values() if r["state"] == "running")})
+                                  "running": sum(1 for r in status.values() if r["state"] == CaptureState.RUNNING),
+                                  "armed": sum(1 for r in status.values() if r["state"] == CaptureState.ARMED),
+                                  "waited": round(self.clock() - (deadline - self.timeout), 1)})
             if len(finished) == len(ranks):
                 return status
             if self.clock() >= deadline:  # the late ranks fail; the others' profiles are still read
                 late = [r for r in ranks if r not in finished]
                 for rank in late:
-                    failed[rank] = f"did not finish {self.steps} step(s) within {self.timeout:g} s (is it stepping?); " \
-                                   "its capture was cancelled"
+                    failed[rank] = self._late()
                 yield from self._send("cancel", late)
                 return status
             yield Call("sleep", (POLL_SEC,))
+
+    def _late(self) -> str:
+        return f"did not finish {self.steps} step(s) within {self.timeout:g} s (is it stepping?); its capture was " \
+               "cancelled"
 
     def _collect(self, ranks: list[int], members: dict[int, dict], status: dict[int, dict],
                  failed: dict[int, str]) -> Generator[Call, Any, ProfileResult]:
@@ -322,6 +351,36 @@ class ProfileRun:
                     and row["backward_ms"] is not None:
                 out[rank] = out.get(rank, 0.0) + row["forward_ms"] + row["backward_ms"]
         return out
+
+
+class CancelRun:
+    """Cancel the captures active in a job, whoever started them (``run``, driven like a
+    ``ProfileRun``): returns capture id -> the ranks it was active on."""
+
+    def run(self) -> Generator[Call, Any, dict[str, list[int]]]:
+        everyone = sorted(int(m["rank"]) for m in (yield Call("nodes_raw"))["members"])
+        result = yield Call("query", (STATUS_SQL,), {"timeout": 10.0, "ranks": everyone})
+        rows = [] if result.table is None else result.table.to_pylist()
+        active: dict[str, list[int]] = {}
+        for row in rows:
+            if row["state"] in ACTIVE:
+                active.setdefault(row["capture_id"], []).append(int(row["_rank"]))
+        ranks = sorted({r for rs in active.values() for r in rs})
+        if ranks:  # no id: whatever capture is active there
+            env = yield Call("request", ("profile", {"action": "cancel", "id": "", "ranks": ranks}), {"timeout": 10.0})
+            if env.msg.type == "error":
+                raise ProfileFailed(f"the probe refused the cancel: {env.msg.body.get('message')}")
+        return {cid: sorted(rs) for cid, rs in sorted(active.items())}
+
+
+def cancel_captures(client: Any) -> dict[str, list[int]]:
+    """Cancel the captures active in the job ``client`` talks to (a blocking ``Client``)."""
+    return drive(CancelRun().run(), client)
+
+
+async def cancel_captures_async(client: Any) -> dict[str, list[int]]:
+    """``cancel_captures`` for an ``AsyncClient``."""
+    return await drive_async(CancelRun().run(), client)
 
 
 def slowest_and_median(compute_ms: dict[int, float]) -> tuple[int | None, int | None]:

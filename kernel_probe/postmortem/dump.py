@@ -1,4 +1,4 @@
-"""Writing one rank's dump: what it knew when it ended, as files anyone can read.
+"""Writing one rank's dump: what it knew when it ended, as files any tool can read.
 
 Layout, under ``PROBING_DUMP_DIR`` (default: ``dumps`` under the runtime dir)::
 
@@ -16,7 +16,8 @@ every host of a job, whose ranks are numbered across hosts, so hosts writing to 
 directory never write the same path. A job of one (run id ``local``) is
 ``local-<host>-<pid>``: two of them, on one host or several, never share a run. A rank's
 dump is a directory, written under a temporary name and renamed when complete, so a
-reader never sees half a dump.
+reader never sees half a dump. Files are 0600 and the directories made for them 0700
+(``private_paths``): a dump holds tracebacks, the environment and the command line.
 
 Why Parquet. The dump must be readable without this package by DuckDB, pandas and Spark.
 DuckDB reads Parquet natively (``read_parquet('DIR/*/rank*/steps.parquet')`` is the union
@@ -52,6 +53,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..private_paths import open_private, private_dir, write_private
+from ..redaction import redact_text
+
 FORMAT = 1  # a reader refuses a dump of a newer format
 MANIFEST = "dump.json"
 # tables written first: what says why and where it ended, before the long rings
@@ -84,9 +88,11 @@ def reason_row(rank: int, when: float, kind: str, *, exc: BaseException | None =
 
         text = str(exc)
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = tb if traceback_text is None else traceback_text
+    # an exception's text often quotes the URL it failed on, credentials and all
     return {"rank": rank, "when": when, "kind": kind,
             "exception_type": None if exc is None else type(exc).__qualname__,
-            "message": text, "traceback": tb if traceback_text is None else traceback_text,
+            "message": None if text is None else redact_text(text), "traceback": None if tb is None else redact_text(tb),
             "signal": signal_name}
 
 
@@ -167,9 +173,10 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
 
     rank = int(tags["_rank"])
     final = rank_dir(root, run_id, rank, tags.get("_host"), identity.get("pid") or os.getpid())
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".rank{rank}.{os.getpid()}.{time.time_ns()}.tmp"
-    tmp.mkdir(parents=True)  # parents again: another rank may have just removed an empty run dir
+    # the run dir and every directory above it that is missing, 0700; made in one go with the
+    # rank's: another rank may have just removed an empty run dir
+    private_dir(tmp)
     written: dict[str, int] = {}
     took: dict[str, float] = {}  # ms per table written
     skipped: dict[str, str] = {}
@@ -203,7 +210,7 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
         if where is tmp and name not in FIRST:
             # what says why and where it ended is published before the long rings: an exit that
             # cannot wait for them still leaves a dump
-            (tmp / MANIFEST).write_text(manifest(order[i:]))
+            write_private(tmp / MANIFEST, manifest(order[i:]))
             where = _publish(tmp, final)
             if on_published is not None:
                 on_published(final)
@@ -216,7 +223,8 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
             table = _newest(table, max(0, left))
             left -= table.nbytes
             part = where / f".{name}.parquet.tmp"  # a reader's *.parquet never sees half a table
-            pq.write_table(table, part)
+            with os.fdopen(open_private(part, exclusive=False), "wb") as fh:
+                pq.write_table(table, fh)
             os.replace(part, where / f"{name}.parquet")
             written[name] = table.num_rows
             took[name] = round((clock() - began) * 1000, 1)
@@ -224,10 +232,11 @@ def write_dump(root: Path, *, run_id: str, tags: Mapping[str, Any], identity: Ma
             skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
     text = manifest([])
     if where is tmp:
-        (tmp / MANIFEST).write_text(text)
+        write_private(tmp / MANIFEST, text)
         _publish(tmp, final)
     else:
         part = final / f".{MANIFEST}.tmp"
-        part.write_text(text)
+        with os.fdopen(open_private(part, exclusive=False), "w") as fh:
+            fh.write(text)
         os.replace(part, final / MANIFEST)
     return final

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..private_paths import open_private, private_dir
 from . import pidwatch
 
 __all__ = [
@@ -133,20 +134,17 @@ def filename(info: ConnectionInfo) -> str:
 
 def write(directory: Path, info: ConnectionInfo) -> Path:
     """Atomically write ``info`` into ``directory`` (created 0700); return the path (0600)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)  # mkdir's mode is filtered by the umask
+    # 0700 however it was made (a dump may have made it first, or an older version 0755)
+    directory = private_dir(directory, tighten=True)
     final = directory / filename(info)
     data = json.dumps(info.to_dict(), indent=1, sort_keys=True).encode() + b"\n"
     # Unique hidden temp name in the same directory (os.replace must not cross
     # filesystems); O_EXCL + 0600 so the secret is never readable by others, not even
     # for the instant before a chmod.
     tmp = directory / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    fd = open_private(tmp)
     try:
         try:
-            os.fchmod(fd, 0o600)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 import sys
 from types import FrameType
 import threading
 
 from ..progress import torch_initialized
-
-REDACTED = "<redacted>"
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE", re.IGNORECASE)
+from ..redaction import redact_argv, redact_env
 
 
 def stack_rows() -> list[tuple]:
@@ -39,12 +36,13 @@ def stack_rows() -> list[tuple]:
 
 def process_row(host: str | None = None) -> tuple:
     """(pid, host, python, torch, argv, start_time, threads); torch is NULL until the
-    application loaded it; threads counts OS threads (native ones included)."""
+    application loaded it; threads counts OS threads (native ones included); argv with its
+    secrets redacted (``redaction``)."""
     import platform  # here: a probe that is never queried does not load them
     import shlex
 
     torch_version = getattr(sys.modules.get("torch"), "__version__", None) if torch_initialized() else None
-    argv = getattr(sys, "argv", None) or []
+    argv = redact_argv(getattr(sys, "argv", None) or [])
     try:
         argv_text = shlex.join(str(a) for a in argv)
     except Exception:
@@ -69,12 +67,9 @@ def _start_and_threads() -> tuple[float, int]:
             return float(proc.create_time()), int(proc.num_threads())
 
 
-def is_secret(name: str) -> bool:
-    return SECRET_NAME.search(name) is not None
-
-
 def env_rows() -> list[tuple[str, str]]:
-    """(name, value) of this process's environment, sorted; secret-looking names redacted.
+    """(name, value) of this process's environment, sorted; secrets redacted (``redaction``:
+    by name, and credentials in values).
 
     (This displays the environment; configuration is still read only by config.py.)"""
-    return [(k, REDACTED if is_secret(k) else v) for k, v in sorted(os.environ.copy().items())]
+    return [(k, redact_env(k, v)) for k, v in sorted(os.environ.copy().items())]

@@ -289,7 +289,16 @@ function Profile({ profile }: { profile: ProfileModel }): JSX.Element {
           />
         </label>
       </form>
-      {profile.error && <div className="pm-Cluster-profileError">{profile.error}</div>}
+      {profile.error && (
+        <div className="pm-Cluster-profileError">
+          {profile.error}{' '}
+          {profile.canCancel && view.phase !== 'running' && (
+            <button className="pm-Cluster-linkButton" onClick={() => void profile.cancel()}>
+              cancel it
+            </button>
+          )}
+        </div>
+      )}
       {(view.phase === 'starting' || view.phase === 'running') && (
         <div className="pm-Cluster-profileProgress">
           <progress max={100} value={view.percent} /> <span>profiling {view.progress}</span>{' '}

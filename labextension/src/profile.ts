@@ -8,13 +8,13 @@
  */
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { IProfileAsk, IProfileState, ProbingApi } from './request';
+import { ApiError, CaptureState, IProfileAsk, IProfileState, ProbingApi } from './request';
 
 export const DEFAULT_STEPS = 2;
 export const PROFILE_POLL_MS = 500;
 
 /** What the Profile section shows: nothing asked yet, a start on its way, or the capture's state. */
-export type ProfilePhase = 'idle' | 'starting' | 'running' | 'done' | 'failed' | 'cancelled';
+export type ProfilePhase = 'idle' | 'starting' | Exclude<CaptureState, 'none'>;
 
 /** The Profile section's contents, worded from a capture's state. */
 export interface IProfileView {
@@ -78,7 +78,9 @@ export function profileView(state: IProfileState | null, starting = false): IPro
   const p = state.progress;
   if (state.state === 'running') {
     view.progress = p
-      ? `${asked} · ${p.finished}/${p.ranks} ranks finished` + (p.running ? `, ${p.running} profiling` : '')
+      ? `${asked} · ${p.finished}/${p.ranks} ranks finished` +
+        (p.running ? `, ${p.running} profiling` : '') +
+        (p.armed ? `, ${p.armed} waiting for a step to end (${Math.round(p.waited)} s)` : '')
       : `${asked} · waiting for the ranks`;
     view.percent = p && p.ranks > 0 ? (100 * p.finished) / p.ranks : 0;
     return view;
@@ -142,6 +144,11 @@ export class ProfileModel {
   get starting(): boolean {
     return this._starting;
   }
+  /** A capture can be cancelled: the shown one runs, or a start was refused because another
+   * capture (started elsewhere: a notebook, the command line) runs in the job. */
+  get canCancel(): boolean {
+    return this._running() || this._busy;
+  }
   get view(): IProfileView {
     return profileView(this._state, this._starting);
   }
@@ -163,6 +170,7 @@ export class ProfileModel {
     this._jobId = jobId;
     this._state = null;
     this._error = '';
+    this._busy = false;
     this._starting = false;
     this._changed.emit();
     if (jobId === null) {
@@ -186,6 +194,7 @@ export class ProfileModel {
     }
     const asked = this._asked;
     this._error = '';
+    this._busy = false;
     const first = !this._running(); // a second click while one runs: the server says why not
     this._starting = first;
     this._changed.emit();
@@ -199,21 +208,24 @@ export class ProfileModel {
       if (asked === this._asked) {
         this._starting = false;
         this._error = error instanceof Error ? error.message : String(error);
+        this._busy = error instanceof ApiError && error.code === 'busy';
         this._changed.emit();
       }
     }
   }
 
-  /** Cancel the running capture (its ranks stop profiling). */
+  /** Cancel the running capture, whoever started it (its ranks stop profiling). */
   async cancel(): Promise<void> {
     const jobId = this._jobId;
-    if (jobId === null || !this._running()) {
+    if (jobId === null || !this.canCancel) {
       return;
     }
     const asked = this._asked;
     try {
       const state = await this._api.cancelProfile(jobId);
       if (asked === this._asked) {
+        this._busy = false;
+        this._error = '';
         this._take(asked, state);
       }
     } catch (error) {
@@ -282,6 +294,7 @@ export class ProfileModel {
   private _state: IProfileState | null = null;
   private _error = '';
   private _starting = false;
+  private _busy = false; // the last start was refused: another capture runs in the job
   private _asked = 0;
   private _following = -1;
 }

@@ -170,7 +170,17 @@ export interface IProfileProgress {
   finished: number;
   ranks: number;
   running: number;
+  /** Ranks armed and waiting for their next step end. */
+  armed: number;
+  /** Seconds since the capture was asked. */
+  waited: number;
 }
+
+/**
+ * Where a capture the server runs is: the server's PROFILE_STATES, which are kernel_probe's
+ * capture states ("armed" shows as running) and "none" before the first (a test checks them).
+ */
+export type CaptureState = 'none' | 'running' | 'done' | 'failed' | 'cancelled';
 
 /** The merged Chrome/Perfetto trace of a capture, to download (`api.traceUrl`). */
 export interface IProfileTrace {
@@ -216,7 +226,7 @@ export interface IProfileError {
 
 /** GET/POST/DELETE jobs/<id>/profile: the job's running or last capture. */
 export interface IProfileState {
-  state: 'none' | 'running' | 'done' | 'failed' | 'cancelled';
+  state: CaptureState;
   job_id: string;
   ranks: number[] | null;
   steps: number | null;

@@ -2,9 +2,11 @@
 the next ones (a capture lasts as long as its ranks take to step N times, longer than a
 request should wait).
 
-One capture per job at a time (the job itself refuses a second one; the server refuses it
-before asking). Each job keeps its last capture: its state (running, done, failed,
-cancelled), progress, answer or error, and the merged trace it wrote. Trace files live in
+One capture per job at a time: ``ProfileCaptures.start`` refuses a second one while the
+job's runs (and the job itself refuses one it did not start here). Each job keeps its last
+capture: its state (``kernel_probe``'s capture states; "armed" shows as running), progress,
+answer or error, and the merged trace it wrote. The run renews the capture's lease on the
+ranks while it waits, so a server that stops leaves no capture running for long. Trace files live in
 one directory the server made for them (``probing-traces-*`` under the temp dir), named by
 the server (job id and a counter), one per job: a capture that ends with a trace removes
 the job's previous one, and the directory goes when the server exits. No caller ever names
@@ -22,7 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-RUNNING, DONE, FAILED, CANCELLED = "running", "done", "failed", "cancelled"
+from kernel_probe.client import ProfileBusy
+from kernel_probe.frontend import CaptureState, ranks_label
+
+RUNNING, DONE, FAILED, CANCELLED = (CaptureState.RUNNING.value, CaptureState.DONE.value, CaptureState.FAILED.value,
+                                    CaptureState.CANCELLED.value)
 
 
 @dataclass
@@ -81,9 +87,15 @@ class ProfileCaptures:
         return self._captures.get(job_id)
 
     def start(self, job_id: str, ranks: list[int] | None, steps: int, top: int,
-              run: Callable[[Capture], Awaitable[Any]]) -> Capture:
+              run: Callable[[Capture], Awaitable[Any]], job_name: str | None = None) -> Capture:
         """Start ``run(capture)`` (it writes the trace to ``capture.trace_path`` and returns the
-        result). The caller checked that no capture of the job runs."""
+        result). ``ProfileBusy`` while a capture of the job runs: one per job."""
+        running = self._captures.get(job_id)
+        if running is not None and running.running:
+            on = "every rank" if running.ranks is None else ranks_label(running.ranks)
+            raise ProfileBusy(f"a capture is already running in job {job_name or job_id} ({running.steps} step(s) "
+                              f"on {on}, started {time.time() - running.started:.0f} s ago): one capture per job "
+                              "at a time; wait for it to finish or cancel it")
         self._seq += 1
         capture = Capture(job_id, self._seq, ranks, steps, top,
                           self._trace_dir() / f"{job_id}-{self._seq}.trace.json")

@@ -38,8 +38,8 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import kernel_probe
 from kernel_probe import AuthError, ConnectError, Job, JobEndedError, JobRegistry, UnknownJob
-from kernel_probe.client import AsyncJobClient
-from kernel_probe.frontend import GONE, Asked, Ended, JobLifecycle, Seen, Tick
+from kernel_probe.client import AsyncJobClient, InThreads
+from kernel_probe.frontend import GONE, Asked, Ended, JobLifecycle, Seen, Tick, is_dump
 
 from .captures import ProfileCaptures
 
@@ -48,6 +48,8 @@ T = TypeVar("T")
 ROOT_WATCH_SEC = 0.25  # how often the root's pid is checked while a request waits
 SLACK_SEC = 2.0  # beyond a call's own deadline, before the server gives up on it regardless
 CANCEL_GRACE_SEC = 3.0  # a cancelled call's own clean-up may take this long
+DUMP_THREADS = 2  # the pool ended jobs' dumps are read on
+OPEN_TIMEOUT_SEC = 60.0  # reading every rank's manifest of a dump job (its tables are read when a query asks)
 WAIT_FOR_RELAUNCH_SEC = 60.0  # an ended job nobody asked for this long is forgotten (its client closed)
 
 
@@ -65,6 +67,8 @@ class ClusterClients:
         self._connecting: dict[str, asyncio.Lock] = {}
         self._known: dict[str, Job] = {}  # each job asked for, as last seen running
         self._lives: dict[str, JobLifecycle] = {}  # per job asked for: its launch, relaunches, when last asked
+        # ended jobs' dumps are read on a pool of their own: a stuck read never reaches a live job
+        self._dump_pool = ThreadPoolExecutor(max_workers=DUMP_THREADS, thread_name_prefix="probing-dumps")
         self.captures = ProfileCaptures()  # each job's running or last profile capture
 
     @property
@@ -120,6 +124,13 @@ class ClusterClients:
     async def add(self, target: str, token: str | None, timeout: float) -> Job:
         """Add a job by address (handshake on the pool; its token stays in this process), or an
         ended job by its dumps (``dump://DIR``: ``ValueError`` when DIR holds none)."""
+        if is_dump(target):  # untrusted files, maybe on a file system that stops answering
+            opening = asyncio.get_running_loop().run_in_executor(
+                self._dump_pool, functools.partial(self.registry.add, target, token, timeout))
+            try:
+                return await asyncio.wait_for(opening, OPEN_TIMEOUT_SEC)
+            except asyncio.TimeoutError:
+                raise TimedOut(f"the dumps at {target} were not read within {OPEN_TIMEOUT_SEC:g} s") from None
         try:
             job = await asyncio.wait_for(self._blocking(self.registry.add, target, token, timeout),
                                          timeout + SLACK_SEC)
@@ -143,7 +154,12 @@ class ClusterClients:
         async with lock:  # concurrent first requests share one handshake
             client = self._clients.get(job.id)
             if client is None:
-                client = await self.registry.connect_async(job.id, timeout)
+                if job.source == "dump":  # its reads on the dump pool, under the call's deadline
+                    dumps = await asyncio.get_running_loop().run_in_executor(
+                        self._dump_pool, functools.partial(self.registry.connect, job.id, timeout))
+                    client = InThreads(dumps, self._dump_pool)
+                else:
+                    client = await self.registry.connect_async(job.id, timeout)
                 self._clients[job.id] = client
             return client
 
@@ -249,3 +265,4 @@ class ClusterClients:
             self.forget(job_id)
         self.captures.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._dump_pool.shutdown(wait=False, cancel_futures=True)

@@ -29,8 +29,7 @@ import kernel_probe
 from kernel_probe.client import ANSWER_GRACE, AsyncJobClient, ProfileBusy
 from kernel_probe.frontend import (MIN_WAIT_SEC, JobsAnswer, NodesAnswer, ProfileError, ProfileProgress,
                                    ProfileResultAnswer, ProfileStateAnswer, QueryAnswer, StacksAnswer, VerdictAnswer,
-                                   VersionAnswer, is_address, json_safe, parse_ranks, ranks_label, stacks_sql)
-from kernel_probe.frontend import duration_text
+                                   VersionAnswer, cancel_captures_async, is_address, json_safe, parse_ranks, stacks_sql)
 
 from .. import __version__
 from .captures import FAILED, Capture
@@ -335,13 +334,6 @@ class ProfileHandler(ProbingHandler):
                 raise ApiError(400, "bad_request", f"{name} must be a whole number >= 1")
         job = await self.clients.job(job_id)
         clients, captures = self.clients, self.clients.captures
-        running = captures.current(job_id)
-        if running is not None and running.running:
-            on = "every rank" if running.ranks is None else ranks_label(running.ranks)
-            raise ApiError(409, "busy", f"a capture is already running in job {job.run_id or job_id} "
-                                        f"({running.steps} step(s) on {on}, started "
-                                        f"{duration_text(time.time() - running.started)} ago): one capture per job at a "
-                                        "time; wait for it to finish or cancel it")
 
         async def run(capture: Capture) -> Any:
             def progress(p: dict) -> None:
@@ -355,7 +347,7 @@ class ProfileHandler(ProbingHandler):
             # each poll and read is its own query: room for them past the capture's own deadline
             return await clients.call(job_id, profile, timeout + 30.0)
 
-        capture = captures.start(job_id, ranks, steps, top, run)
+        capture = captures.start(job_id, ranks, steps, top, run, job.run_id)  # ProfileBusy: 409
         try:  # a refusal (another capture, unknown ranks, an ended job) comes before the first poll
             await asyncio.wait_for(asyncio.shield(capture.armed.wait()), ARM_WAIT_SEC)
         except asyncio.TimeoutError:
@@ -372,8 +364,12 @@ class ProfileHandler(ProbingHandler):
     async def delete(self, job_id: str) -> None:
         await self.clients.job(job_id)
         capture = self.clients.captures.cancel(job_id)
-        if capture is None:
-            raise ApiError(409, "not_running", f"no capture is running in job {job_id}")
+        if capture is None:  # none of the server's: one another client started, cancelled on its ranks
+            cancelled = await self.clients.call(job_id, cancel_captures_async, 15.0)
+            if not cancelled:
+                raise ApiError(409, "not_running", f"no capture is running in job {job_id}")
+            self.reply(capture_dict(self.clients.captures.current(job_id), job_id))
+            return
         if capture.task is not None:  # its ranks are told to stop: a moment
             await asyncio.wait({capture.task}, timeout=10.0)
         self.reply(capture_dict(capture, job_id))

@@ -13,7 +13,7 @@ Each schema maps a field name to the JSON types its value can have: "number", "s
 
 from __future__ import annotations
 
-from kernel_probe.frontend import (DEPARTURE_TABLE, FINDING, FRAME, MEMBER_RECORD, STACK_GROUP, SUSPECT, VIEW_FIELDS,
+from kernel_probe.frontend import (CaptureState, DEPARTURE_TABLE, FINDING, FRAME, MEMBER_RECORD, STACK_GROUP, SUSPECT, VIEW_FIELDS,
                                    Column, Job, JobsAnswer, NodesAnswer, ProfileComparison, ProfileError,
                                    ProfileProgress, ProfileResultAnswer, ProfileStateAnswer, ProfileTrace, QueryAnswer,
                                    Schema, StacksAnswer, VerdictAnswer, VersionAnswer, columns_of, schema_of)
@@ -42,7 +42,11 @@ QUERY: Schema = schema_of(QueryAnswer)
 STACKS: Schema = schema_of(StacksAnswer)
 # GET jobs/<id>/diagnose: findings (each a FINDING)
 VERDICT: Schema = schema_of(VerdictAnswer)
-# GET/POST/DELETE jobs/<id>/profile: the job's running or last capture ("none" before the first);
+# the states of a capture the server runs: "none" before the first, then the job's capture states
+# (kernel_probe's CaptureState) but "armed", which the server shows as running; the panel's
+# CaptureState type (request.ts) is checked against this tuple
+PROFILE_STATES: tuple[str, ...] = ("none", *(s.value for s in CaptureState if s is not CaptureState.ARMED))
+# GET/POST/DELETE jobs/<id>/profile: the job's running or last capture (state: PROFILE_STATES);
 # its progress (PROFILE_PROGRESS), then its answer (PROFILE_RESULT) or why it failed (PROFILE_ERROR)
 PROFILE_STATE: Schema = schema_of(ProfileStateAnswer)
 PROFILE_PROGRESS: Schema = schema_of(ProfileProgress)
@@ -66,5 +70,5 @@ def json_type(value: object) -> str:
 
 
 __all__ = ["Schema", "MEMBER", "DEPARTURE", "JOB", "VERSION", "JOBS", "NODES", "QUERY", "STACKS", "VERDICT",
-           "SUSPECT", "STACK_GROUP", "FRAME", "FINDING", "PROFILE_STATE", "PROFILE_PROGRESS",
+           "SUSPECT", "STACK_GROUP", "FRAME", "FINDING", "PROFILE_STATES", "PROFILE_STATE", "PROFILE_PROGRESS",
            "PROFILE_RESULT", "PROFILE_COMPARISON", "PROFILE_TRACE", "PROFILE_ERROR", "json_type"]

@@ -18,10 +18,20 @@ Threads and rules:
   counts once a query has read the trace).
 - One capture at a time: arming while one is armed or running is refused with the id
   of the one in the way.
+- A capture ends on its own (``expire``, from the probe thread's timer and every arm,
+  renewal and status read): at its deadline (the caller's timeout, counted from arming),
+  or when its lease lapses (the client that started it renews it while it waits; one that
+  was killed stops renewing). An armed capture ends at once; a running one is marked
+  cancelled at once and its profiler is stopped at the next step end (only the training
+  thread can). So a capture whose client vanished never blocks the next one for long.
+
+The states a capture goes through are declared here once (``CaptureState``); the client,
+the server's REST schema and the panel's TypeScript take them from this declaration.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import tempfile
@@ -33,8 +43,24 @@ MAX_TRACE_EVENTS = 200_000  # events one rank keeps of its last capture (the res
 MAX_ARGS_CHARS = 512  # an event's args, as JSON, are cut to this
 MAX_STEPS = 1000
 
-ARMED, RUNNING, DONE, FAILED, CANCELLED = "armed", "running", "done", "failed", "cancelled"
+LEASE_SEC = 8.0  # a capture whose client has not renewed it for this long ends
+PAST_DEADLINE = "past its deadline"  # how the error of a capture ended at its deadline begins
+
+
+class CaptureState(str, enum.Enum):
+    """Where a capture is. Armed: waiting for its rank's next step end; running: profiling;
+    then done, failed or cancelled (by a caller, its deadline, or its lease lapsing)."""
+
+    ARMED = "armed"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+ARMED, RUNNING, DONE, FAILED, CANCELLED = (s.value for s in CaptureState)
 ACTIVE = (ARMED, RUNNING)
+TERMINAL = (DONE, FAILED, CANCELLED)
 # rows follow the columns of tables.convert.SCHEMAS: profile_status, profile_ops, profile_trace
 
 
@@ -66,6 +92,11 @@ class ProfileCapture:
         self.ended: float | None = None
         self.error: str | None = None
         self._cancel = False
+        self._deadline: float | None = None  # on the caller's clock of ``arm``/``renew``/``expire`` (the probe's)
+        self._lease: float | None = None
+        self._renewed: float | None = None
+        self._timeout: float | None = None
+        self._live: Any = None  # a profiler started and not yet stopped (the training thread's)
         self._prof: Any = None  # the running profiler, then the stopped one until its rows are made
         self._ops: list[tuple] = []
         self._trace: list[tuple] = []
@@ -74,14 +105,24 @@ class ProfileCapture:
     def attach(self, clock: Any) -> None:
         self._clock = clock
 
+    @property
+    def active(self) -> bool:
+        """Armed or running."""
+        return self.state in ACTIVE
+
     def now(self) -> float:
         """This rank's wall clock, as its ``profile_trace`` timestamps and ``profile_status.now`` read it."""
         return self._wall()
 
     # --- the probe thread ----------------------------------------------------------------
-    def arm(self, capture_id: str, steps: int) -> None:
-        """Profile the ``steps`` steps after the next step end. CaptureBusy if one is active."""
+    def arm(self, capture_id: str, steps: int, *, now: float | None = None, timeout: float | None = None,
+            lease: float | None = None) -> None:
+        """Profile the ``steps`` steps after the next step end. CaptureBusy if one is active.
+        ``timeout``: seconds from ``now`` after which it ends, done or not (its deadline);
+        ``lease``: seconds it lives without a ``renew``."""
         steps = max(1, min(int(steps), MAX_STEPS))
+        if now is not None:
+            self.expire(now)  # one whose client vanished is not in the way
         with self._lock:
             if self.state in ACTIVE:
                 if self.capture_id == capture_id:
@@ -91,8 +132,41 @@ class ProfileCapture:
             self.step_first = self.step_last = self.started = self.ended = None
             self.armed_at, self.error, self._cancel = self._wall(), None, False
             self._prof, self._ops, self._trace, self._dropped, self._collected = None, [], [], 0, False
+            has_clock = now is not None
+            self._timeout = timeout if has_clock and timeout and timeout > 0 else None
+            self._deadline = now + self._timeout if self._timeout else None
+            self._lease = lease if has_clock and lease and lease > 0 else None
+            self._renewed = now
         if self._clock is not None:
             self._clock.capture = self  # last: the hook starts calling us from the next step end
+
+    def renew(self, capture_id: str, now: float) -> bool:
+        """The client of ``capture_id`` still waits for it: its lease starts again. False when
+        it is not the active capture here (it ended, or another one runs)."""
+        self.expire(now)
+        with self._lock:
+            if self.state not in ACTIVE or capture_id != self.capture_id:
+                return False
+            self._renewed = now
+            return True
+
+    def expire(self, now: float) -> str | None:
+        """End the active capture if its deadline passed or its lease lapsed at ``now``; why, if so."""
+        with self._lock:
+            if self.state not in ACTIVE:
+                return None
+            if self._deadline is not None and now >= self._deadline:
+                why = f"{PAST_DEADLINE} ({self._timeout:g} s after it was armed)"
+            elif self._lease is not None and self._renewed is not None and now - self._renewed >= self._lease:
+                why = f"its client stopped waiting for it (no renewal for {self._lease:g} s)"
+            else:
+                return None
+            self._cancel = True  # first: a training thread starting it right now stops at the next step end
+            # a started profiler is stopped by the training thread at its next step end (``_live``);
+            # none of its records are read: the capture did not run its steps
+            self._prof = None
+            self.state, self.ended, self.error = CANCELLED, self._wall(), why
+            return why
 
     def cancel(self, capture_id: str | None = None) -> bool:
         """Stop the capture (``capture_id``: only that one) at the next step end; an armed
@@ -108,25 +182,33 @@ class ProfileCapture:
     # --- the training thread: the optimizer post hook, only while armed ----------------------
     def on_step(self, step: int) -> None:
         try:
+            if self._live is not None and self.state != RUNNING:  # it expired while profiling: stop it now
+                live, self._live = self._live, None
+                live.stop()
             if self.state == ARMED:
                 if self._cancel:
                     self._finish(CANCELLED)
                     return
                 prof = self._make_profiler()
                 prof.start()
+                self._live = prof
                 self._prof, self.step_first, self.started, self.state = prof, step + 1, self._wall(), RUNNING
             elif self.state == RUNNING:
                 done = step >= (self.step_first or 0) + self.steps - 1
                 if done or self._cancel:
+                    self._live = None
                     self._prof.stop()
                     self.step_last = step
                     self._finish(CANCELLED if self._cancel and not done else DONE)
             elif self._clock is not None:  # cancelled before it started: only let go of the hook
                 self._clock.capture = None
         except Exception as exc:  # a profiler that will not start or stop fails the capture, not the step
-            self.error = f"{type(exc).__name__}: {exc}"[:500]
-            self._prof = None
-            self._finish(FAILED)
+            self._live = self._prof = None
+            if self.state in ACTIVE:
+                self.error = f"{type(exc).__name__}: {exc}"[:500]
+                self._finish(FAILED)
+            elif self._clock is not None:
+                self._clock.capture = None
 
     def _finish(self, state: str | None) -> None:
         if self._clock is not None:

@@ -13,7 +13,7 @@ function state(extra: Partial<IProfileState> = {}): IProfileState {
     steps: 2,
     started: 1000,
     ended: null,
-    progress: { finished: 0, ranks: 4, running: 0 },
+    progress: { finished: 0, ranks: 4, running: 0, armed: 0, waited: 0 },
     result: null,
     error: null,
     now: 1001,
@@ -42,7 +42,12 @@ const RESULT: IProfileResult = {
   offsets_ms: { '0': 0, '1': 0, '2': 0 }
 };
 
-const DONE = state({ state: 'done', ended: 1005, progress: { finished: 4, ranks: 4, running: 0 }, result: RESULT });
+const DONE = state({
+  state: 'done',
+  ended: 1005,
+  progress: { finished: 4, ranks: 4, running: 0, armed: 0, waited: 3 },
+  result: RESULT
+});
 
 type Fake = { [K in keyof ProbingApi]: jest.Mock };
 
@@ -86,7 +91,7 @@ describe('profileView', () => {
     expect(profileView(null).phase).toBe('idle');
     expect(profileView(state({ state: 'none' })).phase).toBe('idle');
     expect(profileView(null, true)).toMatchObject({ phase: 'starting', progress: 'asking the ranks…' });
-    const running = profileView(state({ ranks: [0, 2], progress: { finished: 1, ranks: 2, running: 1 } }));
+    const running = profileView(state({ ranks: [0, 2], progress: { finished: 1, ranks: 2, running: 1, armed: 0, waited: 1 } }));
     expect(running).toMatchObject({ phase: 'running', percent: 50 });
     expect(running.progress).toBe('2 step(s) on ranks 0,2 · 1/2 ranks finished, 1 profiling');
     expect(profileView(state({ progress: null })).progress).toBe('2 step(s) on every rank · waiting for the ranks');
@@ -135,7 +140,7 @@ describe('ProfileModel', () => {
     expect(model.view.phase).toBe('running');
     expect(clock.waiting()).toBe(1);
 
-    api.profileState.mockResolvedValueOnce(state({ progress: { finished: 2, ranks: 4, running: 2 } }));
+    api.profileState.mockResolvedValueOnce(state({ progress: { finished: 2, ranks: 4, running: 2, armed: 0, waited: 2 } }));
     await clock.release();
     expect(model.view.percent).toBe(50);
     api.profileState.mockResolvedValueOnce(DONE);
@@ -181,6 +186,30 @@ describe('ProfileModel', () => {
     await clock.release();
     expect(api.profileState).toHaveBeenCalledTimes(1); // ended: not looked at again
     model.dispose();
+  });
+
+  it('cancels a capture it did not start once the server says one runs', async () => {
+    const api = fakeApi();
+    const model = new ProfileModel(api as unknown as ProbingApi, { sleep: manualSleep().sleep });
+    await model.show('A');
+    expect(model.canCancel).toBe(false);
+    api.profile.mockRejectedValueOnce(new ApiError(409, 'busy', 'a capture is already running in this job'));
+    await model.start({ steps: 2, ranks: null });
+    expect(model.view.phase).toBe('idle');
+    expect(model.canCancel).toBe(true); // started elsewhere: still ours to cancel
+    api.cancelProfile.mockResolvedValueOnce(state({ state: 'none', progress: null, steps: null }));
+    await model.cancel();
+    expect(api.cancelProfile).toHaveBeenCalledWith('A');
+    expect(model.error).toBe('');
+    expect(model.canCancel).toBe(false);
+    model.dispose();
+  });
+
+  it('says what a capture waits for when no step ends', () => {
+    const waiting = state({ progress: { finished: 0, ranks: 4, running: 0, armed: 4, waited: 12.4 } });
+    expect(profileView(waiting).progress).toBe(
+      '2 step(s) on every rank · 0/4 ranks finished, 4 waiting for a step to end (12 s)'
+    );
   });
 
   it('drops what arrives for a job no longer shown, and follows the capture of the new one', async () => {
