@@ -4,7 +4,7 @@ modules (a test checks that ``probing_magics`` imports only ``kernel_probe``,
 ``kernel_probe.client`` and this module).
 
 - stacks as people read them: ``stacks_sql``, ``group_stacks``, ``format_stacks``,
-  ``native_notes``; rank lists: ``parse_ranks``, ``ranks_label``;
+  ``native_notes``; rank lists: ``rank_ranges``, ``parse_ranks``, ``ranks_label``;
 - the membership view (``membership_view``, ``VIEW_FIELDS``) and the member record's declared
   columns (``MEMBER_RECORD``, ``DEPARTURE_TABLE``, ``Column``, ``columns_of``);
 - a job's life as a client sees it (``JobLifecycle`` and its events and states);
@@ -28,12 +28,13 @@ from .jobs import Job
 from .membership.record import DEPARTURE_TABLE, MEMBER_RECORD, Column, columns_of
 from .membership.view import VIEW_FIELDS, membership_view
 from .summaries import NATIVE_NOTES_SQL, StackGroup, format_stacks, group_stacks, native_notes, stacks_sql
-from .rank_lists import parse_ranks, ranks_label
+from .rank_lists import RankRanges, parse_ranks, rank_ranges, ranks_label
 
 __all__ = ["DiagnoseResult", "GONE", "RELAUNCHED", "Asked", "Ended", "JobLifecycle", "Seen", "Tick",
            "format_profile", "is_dump", "MIN_WAIT_SEC", "Job", "DEPARTURE_TABLE", "MEMBER_RECORD", "Column",
            "columns_of", "VIEW_FIELDS", "membership_view", "NATIVE_NOTES_SQL", "StackGroup", "format_stacks",
-           "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "ranks_label", "snapshot"]
+           "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "RankRanges", "rank_ranges", "ranks_label",
+           "snapshot"]
 
 
 def snapshot(client: Any, root: Path, *, timeout: float = 10.0) -> tuple[Path, list[int], dict[str, str]]:

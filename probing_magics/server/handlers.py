@@ -22,7 +22,7 @@ from jupyter_server.utils import url_path_join
 
 import kernel_probe
 from kernel_probe.client import ANSWER_GRACE, ProfileBusy
-from kernel_probe.frontend import MIN_WAIT_SEC, group_stacks, membership_view, parse_ranks, ranks_label, stacks_sql
+from kernel_probe.frontend import MIN_WAIT_SEC, RankRanges, group_stacks, membership_view, rank_ranges, ranks_label, stacks_sql
 
 from .. import __version__
 from .captures import FAILED, Capture
@@ -134,13 +134,15 @@ def _timeout(value: Any, default: float) -> float:
     return t
 
 
-def _ranks(value: Any) -> list[int] | None:
-    """'0-3,8', [0, 1] or None -> a rank list (None: every rank)."""
-    if value is None or isinstance(value, str):
-        return parse_ranks(value)
-    if isinstance(value, list) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value):
-        return value
-    raise ApiError(400, "bad_request", "ranks must be a list of ranks or a string like 0-3,8")
+def _ranks(value: Any) -> RankRanges | None:
+    """'0-3,8', [0, 1] or None -> ranges (None: every rank), never expanded here on the event
+    loop: the client checks them against the job's world size first."""
+    if value is not None and not isinstance(value, (str, list)):
+        raise ApiError(400, "bad_request", "ranks must be a list of ranks or a string like 0-3,8")
+    try:
+        return rank_ranges(value)
+    except ValueError as exc:
+        raise ApiError(400, "bad_request", str(exc)) from None
 
 
 def _flag(body: dict, name: str) -> bool:
