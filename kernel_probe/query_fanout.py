@@ -221,7 +221,8 @@ class QueryFanOut:
         s.stage = "plan"
         members = [] if local else self.tree.member_rows()
         task = PlanQuery(sql=body["sql"], per_rank=bool(body.get("per_rank")) or local, ranks=body.get("ranks"),
-                         members=members, local=local, self_rank=self.rank, params=body.get("params"))
+                         members=members, local=local, self_rank=self.rank, params=body.get("params"),
+                         deadline=s.deadline)
         return [self._task(s, task)]
 
     def _after_plan(self, s: HopQuery, result: dict, now: float) -> list[Effect]:

@@ -45,6 +45,7 @@ class PlanQuery(_Task):
     self_rank: int = 0
     params: Any = None
     catalog: dict[str, list[str]] | None = None
+    deadline: float | None = None  # the query's: an engine process still planning past it is stopped
 
 
 @dataclass(frozen=True)

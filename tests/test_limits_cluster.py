@@ -54,3 +54,74 @@ def test_an_answer_over_the_wire_limit_is_one_line_at_once(job, local):
     assert "LIMIT" in str(caught.value) and "\n" not in str(caught.value)
     assert took < 30  # well before its deadline, never "unreachable"
     assert root.query("SELECT 1 AS one", timeout=10).df["one"].tolist() == [1]
+
+
+class TreeMemory:
+    """The resident memory of a process and all its descendants, sampled every 20 ms: its
+    highest sum."""
+
+    def __init__(self, pid: int) -> None:
+        self.proc, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
+        self.base = self.now()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def now(self) -> int:
+        total = 0
+        for p in [self.proc, *self.proc.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                continue
+        return total
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self.now())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def test_a_hostile_query_is_stopped_and_the_rank_keeps_its_memory(job):
+    from kernel_probe.config import load_settings
+
+    _, root, pids = job
+    bound = load_settings({}).engine_memory_bytes
+    assert root.query("SELECT 1 AS one", timeout=10).df["one"].tolist() == [1]  # the root's engine runs
+    (engine,) = engine_processes(pids[0])
+    other = kernel_probe.connect(timeout=5)
+    answers: list = []
+    stop = threading.Event()
+
+    def meanwhile() -> None:  # another client's queries while the hostile ones run
+        while not stop.is_set():
+            answers.append(other.query("SELECT _rank FROM process ORDER BY _rank", timeout=10).df["_rank"].tolist())
+            time.sleep(0.2)
+
+    watch = TreeMemory(pids[0])
+    side = threading.Thread(target=meanwhile)
+    side.start()
+    try:
+        with pytest.raises(QueryFailed) as memory:
+            root.query("SELECT repeat('x', 2000000000) AS s", timeout=5)
+        with pytest.raises(QueryFailed) as deadline:  # one value DuckDB cannot interrupt: ~13 s of a core
+            root.query("SELECT length(md5(repeat('x', 200000000))) AS s", timeout=2)
+        wait_for(lambda: engine not in engine_processes(pids[0]), 15, what="the engine process past the deadline "
+                                                                             "to be stopped")
+    finally:
+        stop.set()
+        side.join(30)
+        peak = watch.stop()
+        other.close()
+    print(f"\nmemory: {memory.value}\ndeadline: {deadline.value}\nthe root's tree: {watch.base / 2**20:.0f} MB, "
+          f"peak {peak / 2**20:.0f} MB (bound {bound / 2**20:.0f} MB for its engine process)")
+    assert "out of memory" in str(memory.value)
+    assert deadline.value.code == "timeout"
+    assert peak - watch.base < bound
+    assert answers and all(a == [0, 1, 2, 3] for a in answers), answers
+    assert psutil.pid_exists(pids[0])
+    r = root.query("SELECT _rank FROM process ORDER BY _rank", timeout=10)
+    assert r.df["_rank"].tolist() == [0, 1, 2, 3] and engine_processes(pids[0]) not in ([], [engine])

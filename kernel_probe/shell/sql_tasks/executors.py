@@ -140,9 +140,11 @@ class EngineProcess:
     sender thread (``SqlWork.for_engine_process``); the plans it made and the answer shapes it
     bound are kept here too (``SqlWork.learn_plan``, ``learn_shape``)."""
 
-    def __init__(self, work: SqlWork, *, idle_sec: float, row_cap: int, threads: int, memory_limit: str) -> None:
+    def __init__(self, work: SqlWork, *, idle_sec: float, row_cap: int, threads: int, memory_limit: str,
+                 address_space: int = 0) -> None:
         self._work = work
-        self._args = {"idle_sec": idle_sec, "row_cap": row_cap, "threads": threads, "memory_limit": memory_limit}
+        self._args = {"idle_sec": idle_sec, "row_cap": row_cap, "threads": threads, "memory_limit": memory_limit,
+                      "address_space": address_space}
         self._disabled = idle_sec <= 0
         self._lock = threading.Lock()
         self.remote = None  # its RemoteTasks, made by the first task
