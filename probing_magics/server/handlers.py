@@ -22,7 +22,8 @@ from jupyter_server.utils import url_path_join
 
 import kernel_probe
 from kernel_probe.client import ANSWER_GRACE, ProfileBusy
-from kernel_probe.frontend import MIN_WAIT_SEC, RankRanges, group_stacks, membership_view, rank_ranges, ranks_label, stacks_sql
+from kernel_probe.frontend import (MIN_WAIT_SEC, RankRanges, group_stacks, membership_view, parse_ranks, rank_ranges,
+                                   ranks_label, stacks_sql)
 
 from .. import __version__
 from .captures import FAILED, Capture
@@ -364,6 +365,11 @@ class ProfileHandler(ProbingHandler):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ApiError(400, "bad_request", f"{name} must be a whole number >= 1")
         job = await self.clients.job(job_id)
+        if ranks is not None:  # checked against the job's size, then expanded
+            try:
+                ranks = parse_ranks(ranks, job.world_size or None)
+            except ValueError as exc:
+                raise ApiError(400, "bad_ranks", str(exc)) from None
         clients, captures = self.clients, self.clients.captures
         running = captures.current(job_id)
         if running is not None and running.running:
