@@ -33,7 +33,7 @@ Rules of this file:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from .effects import PARENT, Effect, RunSqlTask, Send
@@ -194,6 +194,8 @@ class QueryFanOut:
 
     # --- helpers ------------------------------------------------------------------------
     def _task(self, s: HopQuery, task: SqlTask) -> RunSqlTask:
+        if s.origin is not PARENT:  # a client's query: its tasks are admitted in that client's turn
+            task = replace(task, client=s.origin.hex() if isinstance(s.origin, bytes) else str(s.origin))
         self._seq += 1
         task_id = f"{s.qid}/{task.kind}/{self._seq}"
         self._tasks[task_id] = (s.qid, task.kind)

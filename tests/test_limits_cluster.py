@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -16,9 +17,11 @@ import pytest
 import kernel_probe
 from kernel_probe.client.errors import QueryFailed
 
-from .conftest import engine_processes, wait_for, worker_argv
+from .conftest import engine_processes, wait_for
 
 pytestmark = pytest.mark.cluster
+FAULTY = str(Path(__file__).parent / "workers" / "faulty_worker.py")  # `slow` sleeps on rank 0, `fast` does not
+SLOW_SEC = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def job(tmp_path_factory):
     runtime = tmp_path_factory.mktemp("runtime")
     mp = pytest.MonkeyPatch()
     mp.setenv("PROBING_RUNTIME_DIR", str(runtime))
-    j = LocalJob(worker_argv(), nodes=2, ranks_per_node=2, mode="plain",
+    j = LocalJob([FAULTY, "--slow-ranks", "0", "--slow-sec", str(SLOW_SEC)], nodes=2, ranks_per_node=2, mode="plain",
                  env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime)},
                  workdir=tmp_path_factory.mktemp("job")).start()
     try:
@@ -125,3 +128,32 @@ def test_a_hostile_query_is_stopped_and_the_rank_keeps_its_memory(job):
     assert psutil.pid_exists(pids[0])
     r = root.query("SELECT _rank FROM process ORDER BY _rank", timeout=10)
     assert r.df["_rank"].tolist() == [0, 1, 2, 3] and engine_processes(pids[0]) not in ([], [engine])
+
+
+def test_one_clients_burst_of_heavy_queries_never_refuses_another_clients_query(job):
+    # a heavy query holds one of the root rank's workers SLOW_SEC (its user table `slow`)
+    heavy = "SELECT sum(v) AS n FROM slow"
+    greedy, polite = kernel_probe.connect(timeout=5), kernel_probe.connect(timeout=5)
+    outcomes: list = []
+
+    def ask_heavy() -> None:
+        try:
+            outcomes.append(int(greedy.query(heavy, timeout=90).df["n"][0]))
+        except QueryFailed as exc:
+            outcomes.append(exc.code)
+
+    burst = [threading.Thread(target=ask_heavy) for _ in range(40)]
+    try:
+        for t in burst:
+            t.start()
+        time.sleep(1.0)  # the burst fills the root's workers
+        polite_answers = [polite.query("SELECT sum(v) AS s FROM fast", timeout=20).df["s"].tolist() for _ in range(3)]
+        for t in burst:
+            t.join(120)
+    finally:
+        greedy.close()
+        polite.close()
+    print(f"\nthe other client: {polite_answers}; the burst: {outcomes.count(4)} answered, "
+          f"{len(outcomes) - outcomes.count(4)} not: {sorted(set(map(str, outcomes)))}")
+    assert polite_answers == [[8]] * 3
+    assert outcomes.count("busy") == 0 and outcomes.count(4) == 40
