@@ -109,9 +109,9 @@ def test_a_hostile_query_is_stopped_and_the_rank_keeps_its_memory(job):
     side.start()
     try:
         with pytest.raises(QueryFailed) as memory:
-            root.query("SELECT repeat('x', 2000000000) AS s", timeout=5)
+            root.query("SELECT repeat('x', 1000000000 * 2) AS s", timeout=5)  # 2 GB in one call
         with pytest.raises(QueryFailed) as deadline:  # one value DuckDB cannot interrupt: ~13 s of a core
-            root.query("SELECT length(md5(repeat('x', 200000000))) AS s", timeout=2)
+            root.query("SELECT length(md5(repeat('x', 100000000 * 2))) AS s", timeout=2)
         wait_for(lambda: engine not in engine_processes(pids[0]), 15, what="the engine process past the deadline "
                                                                              "to be stopped")
     finally:

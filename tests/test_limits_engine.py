@@ -22,7 +22,9 @@ from kernel_probe.tables import LocalTables, arrow_ipc
 pytestmark = pytest.mark.processes
 TAGS = {"_rank": 0, "_node": 0, "_host": "h", "_local_rank": 0, "_role": "trainer"}
 # one value DuckDB builds in one call: it checks its interrupt only between vectors
-UNINTERRUPTIBLE = "SELECT length(md5(repeat('x', 200000000))) AS s"  # ~13 s of one core, ~0.5 GB
+# (its count computed, so the planner's check of literal sizes does not see it)
+UNINTERRUPTIBLE = "SELECT length(md5(repeat('x', 100000000 * 2))) AS s"  # ~13 s of one core, ~0.5 GB
+HUGE_VALUE = "SELECT repeat('x', 1000000000 * 2) AS s"  # 2 GB in one call
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +90,7 @@ def test_a_value_past_the_memory_bound_fails_and_the_engine_stays_within_it(runn
     bound = engine_memory_bound("256MB")
     child = runner.engine_process.remote.pid
     watch = PeakMemory(child)
-    got = ask(runner, "SELECT repeat('x', 2000000000) AS s", deadline=60)
+    got = ask(runner, HUGE_VALUE, deadline=60)
     peak = watch.stop()
     print(f"\n{got} -- child peak {peak / 2**20:.0f} MB, bound {bound / 2**20:.0f} MB")
     assert "out of memory" in got.get("message", ""), got
@@ -136,3 +138,13 @@ def test_sql_too_big_to_plan_is_refused_before_planning():
         plan("SELECT * FROM (VALUES " + ",".join(["(1)"] * (MAX_LIST_ITEMS + 1)) + ") t(v)", catalog=catalog)
     assert time.process_time() - started < 10  # ~40 s of CPU when the 2 MB list was planned
     plan("SELECT * FROM steps WHERE step IN (" + ",".join(["7"] * 1000) + ")", catalog=catalog)
+
+
+def test_a_value_literals_make_too_big_is_refused_before_it_runs():
+    # where a rank runs SQL itself (no engine process), DuckDB would build it outside its memory limit
+    for sql in ["SELECT repeat('x', 2000000000) AS s", "SELECT lpad('a', 100000000, 'x') AS s",
+                "SELECT rpad(step::VARCHAR, 3000000000) FROM steps"]:
+        with pytest.raises(PlanError, match="MiB one value may have") as caught:
+            plan(sql, catalog={"steps": ["step"]})
+        assert caught.value.code == "too_large"
+    plan("SELECT repeat('x', 1000) AS s, lpad('a', 10) AS p", catalog={})

@@ -25,6 +25,10 @@ _REFUSED_KINDS = ("Insert", "Update", "Delete", "Merge", "Create", "Drop", "Alte
 
 MAX_SQL_CHARS = 64 * 1024  # characters of one query's SQL text
 MAX_LIST_ITEMS = 10_000  # items of one literal list in it (IN, VALUES, an array)
+# bytes of one value built by repeat()/lpad()/rpad() from literals: DuckDB builds it in one call,
+# outside its memory limit and its interrupt (a rank running SQL itself has no engine process
+# to bound it)
+MAX_LITERAL_VALUE_BYTES = 64 * 2**20
 
 _quieted = False
 
@@ -36,12 +40,36 @@ def check_size(sql: str) -> None:
                         "filter on ranges (BETWEEN) instead of long lists", code="too_large")
 
 
+def _literal_int(node: Any) -> int | None:
+    if isinstance(node, exp.Literal) and not node.is_string:
+        try:
+            return int(float(node.this))
+        except (ValueError, OverflowError):
+            return None
+    return None
+
+
+def _built_bytes(node: Any) -> int | None:
+    """The size of the value ``repeat``/``lpad``/``rpad`` builds, where literals say it."""
+    if isinstance(node, exp.Repeat):
+        times = _literal_int(node.args.get("times"))
+        text = node.this
+        return None if times is None else times * (len(text.this) if isinstance(text, exp.Literal) else 1)
+    if isinstance(node, exp.Pad):
+        return _literal_int(node.expression)
+    return None
+
+
 def _check_lists(stmt: Any) -> None:
     for node in stmt.walk():
         items = node.args.get("expressions") if isinstance(node, exp.Expression) else None
         if isinstance(items, list) and len(items) > MAX_LIST_ITEMS:
             raise PlanError(f"a list of {len(items)} items in the query, over the {MAX_LIST_ITEMS} one list may "
                             "have: filter on ranges instead", code="too_large")
+        size = _built_bytes(node)
+        if size is not None and size > MAX_LITERAL_VALUE_BYTES:
+            raise PlanError(f"{node.sql(dialect='duckdb')[:60]} builds a value of {size / 2**20:.0f} MiB, over the "
+                            f"{MAX_LITERAL_VALUE_BYTES // 2**20} MiB one value may have", code="too_large")
 
 
 def _parse(sql: str) -> Any:
