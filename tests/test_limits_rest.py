@@ -5,15 +5,14 @@ event loop and memory never notice (a real jupyter_server in this process, a rea
 from __future__ import annotations
 
 import asyncio
-import json
 import resource
 
 import pytest
 
 import kernel_probe
-from probing_magics.server import STATE_KEY
 
 from .conftest import wait_for, worker_argv
+from .test_server_ext import api, jp_server_config  # noqa: F401 (the server with the extension, and its caller)
 
 pytestmark = pytest.mark.cluster
 HOSTILE = "0-999999999"
@@ -39,26 +38,6 @@ def job(tmp_path_factory):
     finally:
         j.close()
         mp.undo()
-
-
-@pytest.fixture
-def jp_server_config():
-    return {"ServerApp": {"jpserver_extensions": {"probing_magics": True}}}
-
-
-@pytest.fixture
-def api(jp_fetch, jp_web_app):
-    async def call(method: str, *path: str, body: object = None, params: dict | None = None) -> tuple[int, dict]:
-        kw: dict = {"method": method, "raise_error": False, "request_timeout": 60}
-        if body is not None:
-            kw["body"] = json.dumps(body)
-        resp = await jp_fetch("probing", "api", *path, params=params, **kw)
-        return resp.code, json.loads(resp.body.decode() or "null")
-
-    yield call
-    clients = jp_web_app.settings.get(STATE_KEY)
-    if clients is not None:
-        clients.close()
 
 
 async def test_a_huge_rank_list_is_refused_at_once_and_the_server_stays_up(api, job):

@@ -166,7 +166,7 @@ WARM_SQL = "SELECT _rank, count(*) AS tables FROM tables GROUP BY _rank"
 WARM_WAIT_MAX = 3.0  # seconds connect() waits for a cold job at most; a stuck rank is not waited for
 
 
-def query_body(sql: str, timeout: float, per_rank: bool, ranks: "Iterable[int] | str | RankRanges | None",
+def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | str | RankRanges | None,
                params: Mapping[str, Any] | None, local: bool, explain: bool, *,
                world_size: int | None = None) -> wire.QueryBody:
     """The ``query`` message's body; ``ranks`` is checked against the job's ``world_size``
