@@ -64,3 +64,17 @@ async def test_a_huge_rank_list_is_refused_at_once_and_the_server_stays_up(api, 
     grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
     print(f"server peak memory grew {grew:.0f} MB")
     assert grew < 200
+
+
+@pytest.mark.parametrize("command", [["query", "SELECT 1"], ["profile", "--steps", "1"]])
+def test_the_cli_says_so_in_one_line(job, command):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-m", "kernel_probe.cli", *command, "--ranks", HOSTILE],
+                          capture_output=True, text=True, timeout=60,
+                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    print(f"\nexit {done.returncode}: {done.stderr.strip()}")
+    assert done.returncode != 0 and "its ranks are 0-1" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
