@@ -192,12 +192,10 @@ class RemoteTasks:
             # a message is read whole once it begins: only the wait for one may time out
             if not select.select([link.sock], [], [], max(0.05, min(WATCH_EVERY_S, self.idle_sec / 4)))[0]:
                 with self._lock:
-                    if link.waiting or time.monotonic() - self._last_used < self.idle_sec:
-                        stay = True
-                    else:
-                        stay = False
-                        self._link = None  # idle: the next task starts a new child
-                if not stay:
+                    idle = not link.waiting and time.monotonic() - self._last_used >= self.idle_sec
+                    if idle:
+                        self._link = None  # the next task starts a new child
+                if idle:
                     break
                 self._overdue(link)
                 continue
