@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import __version__
+from .rank_lists import RankRanges, rank_ranges
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -191,12 +192,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_ranks(spec: str | None) -> list[int] | None:
-    """'0-3,8' -> [0, 1, 2, 3, 8]."""
-    from .summaries import parse_ranks as _parse
-
+def parse_ranks(spec: str | None) -> RankRanges | None:
+    """'0-3,8' as ranges; the client expands them once checked against the job's size."""
     try:
-        return _parse(spec)
+        return rank_ranges(spec)
     except ValueError as exc:
         raise SystemExit(f"kernel-probe: {exc}") from None
 

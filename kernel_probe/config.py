@@ -69,6 +69,9 @@ class Settings:
     # runs in a child process that ends after this long without a task (their memory cannot be
     # given back otherwise); 0: in the rank itself
     engine_idle_sec: float = 30.0
+    # PROBING_ENGINE_MEMORY_MB: the engine process's address space (RLIMIT_AS), so a query never
+    # takes more of the node's memory; 0: ENGINE_MEMORY_FACTOR x PROBING_QUERY_MEMORY + ENGINE_BASE_MB
+    engine_memory_mb: float = 0.0
     # Post-mortem dumps (kernel_probe.postmortem): what a rank writes when it ends abnormally
     dump: bool = True  # PROBING_DUMP: 0 installs no exit hooks
     dump_dir_given: Path | None = None  # PROBING_DUMP_DIR (see dump_dir)
@@ -90,10 +93,38 @@ class Settings:
         nor the tempfile, shutil, bz2 and lzma it imports: 0.8 MB)."""
         return self.runtime_dir_given or default_runtime_dir()
 
+    @property
+    def engine_memory_bytes(self) -> int:
+        """The engine process's address-space bound (``engine_memory_bound``)."""
+        return engine_memory_bound(self.query_memory, self.engine_memory_mb)
+
     def __repr__(self) -> str:  # the token must never reach a log line
         shown = {k: v for k, v in self.__dict__.items() if k != "auth_token"}
         shown["auth_token"] = "***" if self.auth_token else None
         return f"Settings({shown})"
+
+
+ENGINE_MEMORY_FACTOR = 4  # the engine process may map this many times the query memory...
+ENGINE_BASE_MB = 512  # ...plus this for Python, pyarrow and DuckDB themselves (measured: ~430 MB mapped)
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(?:([kmgt])(i?))?b?\s*", re.I)
+
+
+def size_bytes(text: str) -> int | None:
+    """A DuckDB memory size ('256MB', '1GiB', '2g') in bytes; None if it is none."""
+    m = _SIZE.fullmatch(text or "")
+    if m is None:
+        return None
+    power = " kmgt".index(m[2].lower()) if m[2] else 0
+    return int(float(m[1]) * (1024 if m[3] else 1000) ** power)
+
+
+def engine_memory_bound(query_memory: str, engine_memory_mb: float = 0.0) -> int:
+    """The bytes an engine process may map: ``engine_memory_mb`` if set, else
+    ENGINE_MEMORY_FACTOR x the query memory + ENGINE_BASE_MB."""
+    if engine_memory_mb > 0:
+        return int(engine_memory_mb * 2**20)
+    query = size_bytes(query_memory) or 256 * 10**6
+    return ENGINE_MEMORY_FACTOR * query + ENGINE_BASE_MB * 2**20
 
 
 @dataclass(frozen=True)
@@ -246,6 +277,7 @@ def _parse_settings(env: Mapping[str, str]) -> Settings:
         query_threads=int(_number(env, "PROBING_QUERY_THREADS", 1, 1)),
         query_memory=_text(env, "PROBING_QUERY_MEMORY") or "256MB",
         engine_idle_sec=_number(env, "PROBING_ENGINE_IDLE_SEC", 30.0, 0.0),
+        engine_memory_mb=_number(env, "PROBING_ENGINE_MEMORY_MB", 0.0, 0.0),
         dump=_flag(env, "PROBING_DUMP", True),
         dump_dir_given=Path(env["PROBING_DUMP_DIR"]).expanduser() if env.get("PROBING_DUMP_DIR") else None,
         dump_budget_sec=_number(env, "PROBING_DUMP_BUDGET_SEC", 2.0, 0.05),

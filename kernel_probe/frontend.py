@@ -4,7 +4,7 @@ modules (a test checks that ``probing_magics`` imports only ``kernel_probe``,
 ``kernel_probe.client`` and this module).
 
 - stacks as people read them: ``stacks_sql``, ``group_stacks``, ``format_stacks``,
-  ``native_notes``; rank lists: ``parse_ranks``, ``ranks_label``;
+  ``native_notes``; rank lists: ``rank_ranges``, ``parse_ranks``, ``ranks_label``;
   durations: ``duration_text``;
 - the membership view (``membership_view``, ``VIEW_FIELDS``) and the member record's declared
   columns (``MEMBER_RECORD``, ``DEPARTURE_TABLE``, ``Column``, ``columns_of``);
@@ -38,13 +38,13 @@ from .jobs import Job
 from .membership.record import DEPARTURE_TABLE, MEMBER_RECORD, Column, columns_of
 from .membership.view import VIEW_FIELDS, membership_view
 from .summaries import NATIVE_NOTES_SQL, StackGroup, format_stacks, group_stacks, native_notes, stacks_sql
-from .rank_lists import parse_ranks, ranks_label
+from .rank_lists import RankRanges, parse_ranks, rank_ranges, ranks_label
 from .durations import duration_text
 
 __all__ = ["DiagnoseResult", "GONE", "RELAUNCHED", "Asked", "Ended", "JobLifecycle", "Seen", "Tick",
            "CaptureState", "cancel_captures_async", "format_profile", "is_address", "is_dump", "MIN_WAIT_SEC", "Job", "DEPARTURE_TABLE", "MEMBER_RECORD", "Column",
            "columns_of", "VIEW_FIELDS", "membership_view", "NATIVE_NOTES_SQL", "StackGroup", "format_stacks",
-           "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "ranks_label", "duration_text", "snapshot",
+           "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "RankRanges", "rank_ranges", "ranks_label", "duration_text", "snapshot",
            "Payload", "VersionAnswer", "JobsAnswer", "NodesAnswer", "QueryAnswer", "StacksAnswer", "VerdictAnswer",
            "ProfileProgress", "ProfileTrace", "ProfileComparison", "ProfileError", "ProfileResultAnswer",
            "ProfileStateAnswer", "Schema", "schema_of", "json_types", "json_safe", "table_rows", "FINDING", "FRAME", "FRAME_OPTIONAL",

@@ -33,7 +33,7 @@ Rules of this file:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from .effects import PARENT, Effect, RunSqlTask, Send
@@ -194,6 +194,8 @@ class QueryFanOut:
 
     # --- helpers ------------------------------------------------------------------------
     def _task(self, s: HopQuery, task: SqlTask) -> RunSqlTask:
+        if s.origin is not PARENT:  # a client's query: its tasks are admitted in that client's turn
+            task = replace(task, client=s.origin.hex() if isinstance(s.origin, bytes) else str(s.origin))
         self._seq += 1
         task_id = f"{s.qid}/{task.kind}/{self._seq}"
         self._tasks[task_id] = (s.qid, task.kind)
@@ -221,7 +223,8 @@ class QueryFanOut:
         s.stage = "plan"
         members = [] if local else self.tree.member_rows()
         task = PlanQuery(sql=body["sql"], per_rank=bool(body.get("per_rank")) or local, ranks=body.get("ranks"),
-                         members=members, local=local, self_rank=self.rank, params=body.get("params"))
+                         members=members, local=local, self_rank=self.rank, params=body.get("params"),
+                         deadline=s.deadline)
         return [self._task(s, task)]
 
     def _after_plan(self, s: HopQuery, result: dict, now: float) -> list[Effect]:

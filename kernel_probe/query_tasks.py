@@ -14,8 +14,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Union
 
 
+@dataclass(frozen=True)
 class _Task:
     kind: ClassVar[str]
+    # who asked: the client's connection at the root ("" below it, and for the probe's own
+    # work); the workers admit tasks fairly between clients (shell/sql_tasks/admission.py)
+    client: str = field(default="", kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
         """The task as the engine pipe carries it: its fields (shared, not copied) and its kind."""
@@ -45,6 +49,7 @@ class PlanQuery(_Task):
     self_rank: int = 0
     params: Any = None
     catalog: dict[str, list[str]] | None = None
+    deadline: float | None = None  # the query's: an engine process still planning past it is stopped
 
 
 @dataclass(frozen=True)

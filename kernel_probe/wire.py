@@ -298,6 +298,31 @@ class Message:
             object.__setattr__(self, "buffers", tuple(self.buffers))
 
 
+class TooLarge(ValueError):
+    """A message of ours over the wire's limits (``Codec.encode``): ``size`` bytes, ``limit`` allowed."""
+
+    def __init__(self, message: str, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size, self.limit = size, limit
+
+
+def too_large_answer(msg: Message, exc: TooLarge) -> Message | None:
+    """The error answer that replaces an answer (``query_result``, ``subresult``) too big to
+    send, so its asker hears why at once instead of waiting for its deadline; None for any
+    other message."""
+    if msg.type not in ("query_result", "subresult"):
+        return None
+    error = {"code": "too_large",
+             "message": f"the answer is {exc.size / 2**20:.0f} MiB, over the {exc.limit / 2**20:.0f} MiB a message "
+                        f"may carry: add a LIMIT, select fewer columns or aggregate on the ranks"}
+    if msg.type == "query_result":
+        body = {"status": "error", "error": error, **{k: msg.body[k] for k in ("coverage",) if k in msg.body}}
+    else:
+        body = {k: msg.body[k] for k in ("qid", "answered", "failed", "bytes_below", "profile") if k in msg.body}
+        body.update(status="error", scans=[], error=error)
+    return Message(msg.type, body, corr_id=msg.corr_id)
+
+
 @dataclass(frozen=True)
 class Header:
     type: str
@@ -538,7 +563,7 @@ class Codec:
             or len(body) > lim.max_body_bytes
             or sum(map(len, parts)) + len(PROTOCOL) + SIGNATURE_BYTES > lim.max_message_bytes
         ):
-            raise ValueError(f"{msg.type} message exceeds wire limits")
+            raise TooLarge(f"{msg.type} message exceeds wire limits", sum(map(len, parts)), lim.max_message_bytes)
         return [PROTOCOL, _sign(self._key, parts), *parts]
 
     # ----------------------------------------------------------------- decode

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from kernel_probe.frontend import parse_ranks
+from kernel_probe.frontend import RankRanges, rank_ranges
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
 _FLAGS = {"--strict": "strict", "--per-rank": "per_rank", "--local": "local", "--explain": "explain",
@@ -30,7 +30,7 @@ SQL_USAGE = ("usage: %%cluster_sql [--timeout S] [--ranks SPEC] [--strict] [--pe
 class SQLCommand:
     sql: str
     timeout: float | None = None
-    ranks: list[int] | None = None
+    ranks: RankRanges | None = None
     strict: bool | None = None  # None: the ClusterSQL.strict setting
     per_rank: bool = False
     local: bool = False
@@ -115,7 +115,7 @@ def parse_sql_command(line: str, cell: str | None = None) -> SQLCommand:
         cmd.timeout = _positive(opts["--timeout"], "--timeout")
     if "--ranks" in opts:
         try:
-            cmd.ranks = parse_ranks(str(opts["--ranks"]))
+            cmd.ranks = rank_ranges(str(opts["--ranks"]))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     cmd.strict = True if opts.get("--strict") else None
@@ -198,9 +198,10 @@ def seconds_option(cmd: OptionsCommand, name: str, default: float) -> float:
     return _positive(cmd.options[name], name) if name in cmd.options else default
 
 
-def ranks_option(cmd: OptionsCommand) -> list[int] | None:
+def ranks_option(cmd: OptionsCommand) -> RankRanges | None:
+    """``--ranks`` as ranges; the client checks them against the job's size, then expands them."""
     try:
-        return parse_ranks(cmd.options.get("--ranks"))
+        return rank_ranges(cmd.options.get("--ranks"))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -212,7 +213,7 @@ PROFILE_USAGE = "usage: %cluster_profile [--ranks SPEC] [--steps N] [--out FILE]
 class ProfileCommand:
     """The options of ``%cluster_profile``."""
 
-    ranks: list[int] | None
+    ranks: RankRanges | None
     steps: int
     out: str | None
     timeout: float | None

@@ -55,3 +55,12 @@ def test_a_long_message_is_cut_in_the_sentence() -> None:
     long = "CUDA error: " + "x" * 600
     f = analyse([_reason(0, T0, exception_type="RuntimeError", message=long)], world_size=1)
     assert len(f.summary) < 260 and f.summary.endswith("….")
+
+
+def test_a_scattered_set_of_thousands_of_ranks_is_one_short_label() -> None:
+    from kernel_probe.rank_lists import ranks_label
+
+    label = ranks_label(range(0, 16384, 2), count=False)
+    assert label.startswith("ranks 0,2,4,") and label.endswith(",16380,16382 (8192 in 8192 ranges)")
+    assert len(label) < 120
+    assert ranks_label([0, 1, 2, 5]) == "ranks 0-2,5 (4)"

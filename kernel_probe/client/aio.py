@@ -223,7 +223,8 @@ class AsyncClient(ClientState):
                     local: bool = False, explain: bool = False, native: bool = False,
                     on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
         """As ``Client.query``; decoding the Arrow answer is cheap, so it stays on the loop."""
-        body = results.query_body(sql, timeout, per_rank, ranks, params, local, explain)
+        body = results.query_body(sql, timeout, per_rank, ranks, params, local, explain,
+                                  world_size=self.info_.get("world_size"))
         if native:  # `stacks` with native frames too: each rank asked runs py-spy on itself
             body["native"] = True
         try:

@@ -279,7 +279,8 @@ class Client(ClientState):
         Partial answers are allowed unless ``strict``; ``coverage`` says who answered.
         ``on_progress`` receives ``{"answered", "targeted"}`` reports on this thread.
         """
-        body = results.query_body(sql, timeout, per_rank, ranks, params, local, explain)
+        body = results.query_body(sql, timeout, per_rank, ranks, params, local, explain,
+                                  world_size=self.info_.get("world_size"))
         if native:  # `stacks` with native frames too: each rank asked runs py-spy on itself
             body["native"] = True
         try:

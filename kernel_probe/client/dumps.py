@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..diagnosis.verdict import MIN_WAIT_SEC
 from ..postmortem.dump import FORMAT, MANIFEST
+from ..rank_lists import parse_ranks
 from ..tags import Tags
 from . import calls, dump_files, results
 from .diagnose import DiagnoseResult, Diagnosis, EndedJob
@@ -351,7 +352,11 @@ class DumpClient:
             raise QueryFailed("a dump:// job has no probe to ask alone: query without local", code="refused")
         started = time.monotonic()
         deadline = time.time() + timeout  # the engine's deadlines are wall-clock times
-        wanted = None if ranks is None else {int(r) for r in ranks}
+        try:
+            listed = parse_ranks(ranks, self.world_size or None)
+        except ValueError as exc:
+            raise QueryFailed(str(exc), code="bad_ranks") from None
+        wanted = None if listed is None else set(listed)
         dumps = [d for r, d in sorted(self.dumps.items()) if wanted is None or r in wanted]
         failed: dict[str, str] = {str(r): why for r, why in self.missing().items() if wanted is None or r in wanted}
         coverage: dict[str, Any] = {"targeted": [], "answered": [], "pruned": [], "failed": failed,

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, NamedTuple
 
 from ..tables.readers.profile import ACTIVE, LEASE_SEC, PAST_DEADLINE, TERMINAL, CaptureState
-from ..rank_lists import parse_ranks as _parse_rank_text
-from ..rank_lists import ranks_label
+from ..rank_lists import parse_ranks, rank_ranges, ranks_label
 from .errors import ProbeError, QueryFailed
 
 if TYPE_CHECKING:
@@ -92,12 +91,6 @@ class ProfileResult:
         return "\n".join(lines)
 
 
-def parse_ranks(spec: str | Iterable[int] | None) -> list[int] | None:
-    """``"0,2-3"`` -> [0, 2, 3]; a list of ints, sorted; None or "" -> None (every rank)."""
-    if spec is None or isinstance(spec, str):
-        parsed = _parse_rank_text(spec)
-        return None if parsed is None else sorted(set(parsed))
-    return sorted({int(r) for r in spec})
 
 
 def format_profile(result: ProfileResult, top: int = 10) -> str:
@@ -165,7 +158,7 @@ class ProfileRun:
                  out: str | None = None, timeout: float = 120.0, max_trace_mb: float = DEFAULT_TRACE_MAX_MB,
                  on_progress: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic
                  ) -> None:
-        self.wanted = parse_ranks(ranks)
+        self.wanted = rank_ranges(ranks)  # expanded once the job's size is known
         self.steps = max(1, int(steps))
         self.out = out
         self.timeout = timeout
@@ -180,7 +173,10 @@ class ProfileRun:
         the ``ProfileResult``. ``drive`` / ``drive_async`` run it on a client."""
         deadline = self.clock() + self.timeout
         members = {int(m["rank"]): m for m in (yield Call("nodes_raw"))["members"]}
-        ranks = sorted(members) if self.wanted is None else self.wanted
+        try:
+            ranks = sorted(members) if self.wanted is None else parse_ranks(self.wanted, max(members, default=-1) + 1)
+        except ValueError as exc:  # the same error as a query's with these ranks
+            raise QueryFailed(str(exc), code="bad_ranks") from None
         unknown = [r for r in ranks if r not in members]
         if unknown:
             raise ProfileFailed(f"no such rank(s) in this job: {unknown}")

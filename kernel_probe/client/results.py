@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .. import wire
 from ..membership import record
+from ..rank_lists import RankRanges, parse_ranks
 from ..tables import arrow_ipc
 from .errors import AuthError, ProbeError, QueryFailed, Refused
 
@@ -165,11 +166,17 @@ WARM_SQL = "SELECT _rank, count(*) AS tables FROM tables GROUP BY _rank"
 WARM_WAIT_MAX = 3.0  # seconds connect() waits for a cold job at most; a stuck rank is not waited for
 
 
-def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | None,
-               params: Mapping[str, Any] | None, local: bool, explain: bool) -> wire.QueryBody:
+def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | str | RankRanges | None,
+               params: Mapping[str, Any] | None, local: bool, explain: bool, *,
+               world_size: int | None = None) -> wire.QueryBody:
+    """The ``query`` message's body; ``ranks`` is checked against the job's ``world_size``
+    before it is expanded (``QueryFailed`` "bad_ranks" past it)."""
+    try:
+        wanted = parse_ranks(ranks, world_size)
+    except ValueError as exc:
+        raise QueryFailed(str(exc), code="bad_ranks") from None
     return {"sql": sql, "timeout": float(timeout), "per_rank": per_rank, "local": local, "explain": explain,
-            "ranks": None if ranks is None else [int(r) for r in ranks],
-            "params": dict(params) if params else None}
+            "ranks": wanted, "params": dict(params) if params else None}
 
 
 def query_result(env: wire.Envelope, *, strict: bool, explain: bool) -> "QueryResult":

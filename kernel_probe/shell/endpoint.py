@@ -264,6 +264,12 @@ class RankEndpoint:
         """Carry out one Send: up the parent DEALER, or back through the ROUTER."""
         try:
             frames = self.codec.encode(effect.msg)
+        except wire.TooLarge as exc:  # an answer too big to send: its asker hears so at once
+            answer = wire.too_large_answer(effect.msg, exc)
+            log.warning("probing: not sending %s: %s", effect.msg.type, exc)
+            if answer is None:
+                return
+            frames = self.codec.encode(answer)
         except ValueError as exc:
             log.warning("probing: not sending %s: %s", effect.msg.type, exc)
             return

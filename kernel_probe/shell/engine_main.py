@@ -1,5 +1,6 @@
 """The engine process of a rank (``engine_process.py``): ``python -m kernel_probe.shell.engine_main FD
-THREADS MEMORY ROW_CAP``. It reads tasks from the socket FD its rank gave it and runs them with
+THREADS MEMORY ROW_CAP [ADDRESS_SPACE]``. It bounds its own address space first (RLIMIT_AS,
+ADDRESS_SPACE bytes; 0: no bound), before it loads pyarrow or DuckDB. It reads tasks from the socket FD its rank gave it and runs them with
 the rank's own ``SqlTaskRunner`` code, over the tables and catalog each task brings: a task it
 can do at once (``SqlTaskRunner.quick``) on this main thread, the others on its workers. It
 ends when the socket closes (its rank exited or went idle), whatever task still runs.
@@ -49,7 +50,19 @@ def _reply(sock: socket.socket, write: threading.Lock, call_id: Any, result: dic
             pass  # the rank is gone: the main thread sees EOF
 
 
+def bound_memory(address_space: int) -> None:
+    """At most ``address_space`` bytes mapped by this process from now on: an allocation past
+    it fails (DuckDB's "out of memory", Python's MemoryError) instead of taking the node's."""
+    if address_space > 0:
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        limit = address_space if hard == resource.RLIM_INFINITY else min(address_space, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
 def main(argv: list[str]) -> None:
+    bound_memory(int(argv[4]) if len(argv) > 4 else 0)
     sock = socket.socket(fileno=int(argv[0]))
     runner = SqlTaskRunner(_NoTables(), dict, row_cap=int(argv[3]), threads=int(argv[1]), memory_limit=argv[2])
     write = threading.Lock()

@@ -124,7 +124,7 @@ class ProbeThread(threading.Thread, SocketShell):
                              incarnation=self.incarnation, now=now)
         self.sql = SqlTaskRunner(self.tables, self._tags, row_cap=s.query_row_cap,
                                  threads=s.query_threads, memory_limit=s.query_memory,
-                                 engine_idle_sec=s.engine_idle_sec)
+                                 engine_idle_sec=s.engine_idle_sec, engine_memory=s.engine_memory_bytes)
         self.poller = zmq.Poller()
         self.poller.register(router, zmq.POLLIN)
         self.poller.register(self._wake.fd, zmq.POLLIN)

@@ -29,7 +29,8 @@ import kernel_probe
 from kernel_probe.client import ANSWER_GRACE, AsyncJobClient, ProfileBusy
 from kernel_probe.frontend import (MIN_WAIT_SEC, JobsAnswer, NodesAnswer, ProfileError, ProfileProgress,
                                    ProfileResultAnswer, ProfileStateAnswer, QueryAnswer, StacksAnswer, VerdictAnswer,
-                                   VersionAnswer, cancel_captures_async, is_address, json_safe, parse_ranks, stacks_sql)
+                                   VersionAnswer, cancel_captures_async, is_address, json_safe, parse_ranks, RankRanges,
+                                   rank_ranges, stacks_sql)
 
 from .. import __version__
 from .captures import FAILED, Capture
@@ -140,13 +141,15 @@ def _timeout(value: Any, default: float) -> float:
     return t
 
 
-def _ranks(value: Any) -> list[int] | None:
-    """'0-3,8', [0, 1] or None -> a rank list (None: every rank)."""
-    if value is None or isinstance(value, str):
-        return parse_ranks(value)
-    if isinstance(value, list) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value):
-        return value
-    raise ApiError(400, "bad_request", "ranks must be a list of ranks or a string like 0-3,8")
+def _ranks(value: Any) -> RankRanges | None:
+    """'0-3,8', [0, 1] or None -> ranges (None: every rank), never expanded here on the event
+    loop: the client checks them against the job's world size first."""
+    if value is not None and not isinstance(value, (str, list)):
+        raise ApiError(400, "bad_request", "ranks must be a list of ranks or a string like 0-3,8")
+    try:
+        return rank_ranges(value)
+    except ValueError as exc:
+        raise ApiError(400, "bad_request", str(exc)) from None
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -333,6 +336,11 @@ class ProfileHandler(ProbingHandler):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ApiError(400, "bad_request", f"{name} must be a whole number >= 1")
         job = await self.clients.job(job_id)
+        if ranks is not None:  # checked against the job's size, then expanded
+            try:
+                ranks = parse_ranks(ranks, job.world_size or None)
+            except ValueError as exc:
+                raise ApiError(400, "bad_ranks", str(exc)) from None
         clients, captures = self.clients, self.clients.captures
 
         async def run(capture: Capture) -> Any:

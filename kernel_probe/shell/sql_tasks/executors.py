@@ -12,11 +12,13 @@ import logging
 import queue
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import Any, Callable, Protocol
 
 from ...query_tasks import Finish, PlanQuery, ShippedScan, SqlTask
 from .routing import Facts
+from .admission import BUSY, RUN, FairAdmission
 from .work import SqlWork, busy, error_result
 
 log = logging.getLogger("kernel_probe")
@@ -24,6 +26,9 @@ log = logging.getLogger("kernel_probe")
 Done = Callable[[dict], None]
 
 MAX_RUNNING = 8  # a stuck user table holds a worker; never let them pile up without bound
+CLIENT_SHARE = 6  # of them, one client's at most: the others always find a worker
+CLIENT_QUEUE = 64  # one client's tasks waiting for its turn; past it, "busy" (for that client only)
+MAX_QUEUED = 256  # every client's waiting tasks
 WORKER_IDLE_SEC = 60.0  # a worker thread with nothing to do for this long ends
 SHIPPED_THREADS = 2  # threads scanning shipped tables (DuckDB releases the GIL: a few keep cores busy)
 SHIPPED_MAX_QUEUED = 256  # such scans waiting at a broker (8 leaves x 32 queries at once); past it, "busy"
@@ -50,51 +55,63 @@ class QuickWork:
 class WorkerThreads:
     """Daemon threads kept for a while after their task (starting a thread per task cost more
     than a small scan); a new one starts only when none is idle, so a task stuck in a user's
-    table never holds up the next. At most MAX_RUNNING tasks at once; past it, "busy"."""
+    table never holds up the next. Admission is fair between clients (``admission``): at most
+    MAX_RUNNING tasks at once, CLIENT_SHARE of them one client's; a client's tasks past its
+    share wait their turn (round robin between clients); past its queue, "busy"."""
 
     def __init__(self, work: SqlWork) -> None:
         self._work = work
-        self._running = 0
+        self._admission = FairAdmission(limit=MAX_RUNNING, share=CLIENT_SHARE, per_client=CLIENT_QUEUE,
+                                        total=MAX_QUEUED)
         self._idle = 0  # workers waiting for a task, not yet spoken for
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
 
     def submit(self, task: SqlTask, facts: Facts, done: Done) -> bool:
-        return self.call(lambda: self._work.run(task, facts), done)
+        return self.call(lambda: self._work.run(task, facts), done, client=task.client,
+                         deadline=getattr(task, "deadline", None))
 
-    def call(self, job: Callable[[], Any], done: Callable[[Any], None]) -> bool:
-        """``done(job())`` on a worker (an error result if it raised)."""
+    def call(self, job: Callable[[], Any], done: Callable[[Any], None], *, client: str = "",
+             deadline: float | None = None) -> bool:
+        """``done(job())`` on a worker (an error result if it raised), in ``client``'s turn; a
+        job still waiting at its ``deadline`` answers "timeout" without running."""
         with self._lock:
-            if self._running >= MAX_RUNNING:
-                done(busy("this probe is busy with earlier queries"))
-                return True
-            self._running += 1
-            spawn = self._idle == 0
-            if not spawn:
-                self._idle -= 1  # that idle worker is spoken for
-            self._jobs.put((job, done))  # under the lock: a worker timing out sees it
-        if spawn:
+            admitted = self._admission.offer(client, (_unless_late(job, deadline), done))
+            if admitted == RUN:
+                spawn = self._idle == 0
+                if not spawn:
+                    self._idle -= 1  # that idle worker is spoken for
+                self._jobs.put((client, job, done))  # under the lock: a worker timing out sees it
+        if admitted == BUSY:
+            done(busy("this probe is busy with your earlier queries" if client else
+                      "this probe is busy with earlier queries"))
+        elif admitted == RUN and spawn:
             threading.Thread(target=self._worker, name="kernel-probe-sql", daemon=True).start()
         return True
 
     def _worker(self) -> None:
         while True:
             try:
-                job, done = self._jobs.get(timeout=WORKER_IDLE_SEC)
+                client, job, done = self._jobs.get(timeout=WORKER_IDLE_SEC)
             except queue.Empty:
                 with self._lock:
                     if self._jobs.empty():
                         self._idle -= 1
                         return
                 continue  # a task came in as we timed out: it counted on us
-            try:
-                result = job()
-            except BaseException as exc:  # never let a task kill its thread silently
-                result = error_result(exc)
-            with self._lock:
-                self._running -= 1
-                self._idle += 1
-            done(result)
+            while job is not None:
+                try:
+                    result = job()
+                except BaseException as exc:  # never let a task kill its thread silently
+                    result = error_result(exc)
+                with self._lock:
+                    turn = self._admission.finished(client)
+                    if turn is None:
+                        self._idle += 1
+                done(result)
+                job = None
+                if turn is not None:  # the next client's waiting task, on this thread
+                    client, (job, done) = turn
 
 
 class ShippedQueue:
@@ -140,9 +157,11 @@ class EngineProcess:
     sender thread (``SqlWork.for_engine_process``); the plans it made and the answer shapes it
     bound are kept here too (``SqlWork.learn_plan``, ``learn_shape``)."""
 
-    def __init__(self, work: SqlWork, *, idle_sec: float, row_cap: int, threads: int, memory_limit: str) -> None:
+    def __init__(self, work: SqlWork, *, idle_sec: float, row_cap: int, threads: int, memory_limit: str,
+                 address_space: int = 0) -> None:
         self._work = work
-        self._args = {"idle_sec": idle_sec, "row_cap": row_cap, "threads": threads, "memory_limit": memory_limit}
+        self._args = {"idle_sec": idle_sec, "row_cap": row_cap, "threads": threads, "memory_limit": memory_limit,
+                      "address_space": address_space}
         self._disabled = idle_sec <= 0
         self._lock = threading.Lock()
         self.remote = None  # its RemoteTasks, made by the first task
@@ -188,6 +207,17 @@ class EngineProcess:
             self.remote.close()
 
 
+def _unless_late(job: Callable[[], Any], deadline: float | None) -> Callable[[], Any]:
+    def run() -> Any:
+        if deadline is not None and time.time() > deadline:
+            from ..engine_process import timed_out
+
+            return timed_out("the query's deadline passed while it waited for a worker")
+        return job()
+
+    return run
+
+
 def _learning(learn: Callable[[Any, dict], None], task: SqlTask, done: Done) -> Done:
     def then(result: dict) -> None:
         learn(task, result)
@@ -208,4 +238,5 @@ class OwnTablesThenEngine:
         def then(out: dict | ShippedScan) -> None:
             self._engine.submit(out, facts, done) if isinstance(out, ShippedScan) else done(out)
 
-        return self._workers.call(lambda: self._work.own_tables(task, facts), then)
+        return self._workers.call(lambda: self._work.own_tables(task, facts), then, client=task.client,
+                                  deadline=getattr(task, "deadline", None))

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from typing import Any, Callable
 
+from ...config import engine_memory_bound
 from ...query_tasks import SqlTask
 from .executors import Done, EngineProcess, OwnTablesThenEngine, QuickWork, ShippedQueue, TaskExecutor, WorkerThreads
 from .routing import Executor, Facts, may_be_quick, route
@@ -18,14 +19,15 @@ class SqlTaskRunner:
     """Runs SQL tasks for one probe. ``tables`` has ``names()``, ``arrow(name)``, ``plain(name)``,
     ``at_once(name, rows)`` and ``columns()``; ``tags()`` gives this rank's tag values.
     ``engine_idle_sec`` > 0: the root's and brokers' tasks go to an engine process that ends
-    after that long without one. ``engine``: a DuckDB engine to share (else one is opened on
+    after that long without one, mapping at most ``engine_memory`` bytes (None: the default
+    bound for ``memory_limit``, ``config.engine_memory_bound``). ``engine``: a DuckDB engine to share (else one is opened on
     the first SQL pass that needs it).
 
     ``quick`` runs small work at once on the caller's thread (None: it is not small), ``start``
     anywhere else routing says, ``run`` here, synchronously (a simulator's workers)."""
 
     def __init__(self, tables: Any, tags: Callable[[], dict], *, row_cap: int, threads: int = 1,
-                 memory_limit: str = "256MB", engine_idle_sec: float = 0.0,
+                 memory_limit: str = "256MB", engine_idle_sec: float = 0.0, engine_memory: int | None = None,
                  options: TaskOptions = TaskOptions(), engine: Any = None) -> None:
         self.options = options
         self.work = SqlWork(tables, tags, row_cap=row_cap, options=options, engine=engine,
@@ -33,7 +35,8 @@ class SqlTaskRunner:
         self.workers = WorkerThreads(self.work)
         self.shipped_queue = ShippedQueue(self.work)
         self.engine_process = EngineProcess(self.work, idle_sec=engine_idle_sec, row_cap=row_cap, threads=threads,
-                                            memory_limit=memory_limit)
+                                            memory_limit=memory_limit, address_space=engine_memory_bound(
+                                                memory_limit) if engine_memory is None else engine_memory)
         self._executors: dict[Executor, TaskExecutor] = {
             Executor.QUICK: QuickWork(self.work),
             Executor.WORKERS: self.workers,

@@ -441,7 +441,7 @@ class SqlWork:
         # a table only pyarrow can make is made by it
         found = _encode(_read(_scanned_tables(task.plan), tables, _LocalTables(own)))
         return ShippedScan(task.plan, found["scans"], found["buffers"], self.tags(), params=task.params,
-                           deadline=task.deadline)
+                           deadline=task.deadline, client=task.client)
 
     def _merge(self, task: Merge, facts: Facts, engine: Any = None) -> dict:
         from ...sql.execute import merge

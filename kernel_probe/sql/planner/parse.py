@@ -1,5 +1,10 @@
 """Parsing and refusals: one read-only SELECT (a WITH is fine) in DuckDB's dialect, or
-a one-line PlanError with line and column."""
+a one-line PlanError with line and column.
+
+Planning costs about 10 us of CPU per character of SQL (sqlglot, then the planner's passes over
+the tree): a 2 MB ``IN (...)`` list kept a root busy for ~40 s. So the text is capped before
+sqlglot sees it, and any one list (``IN``, ``VALUES``, an array) right after parsing, before any
+planning; past either the query is refused with one line (``code="too_large"``)."""
 
 from __future__ import annotations
 
@@ -18,7 +23,53 @@ _REFUSED_KINDS = ("Insert", "Update", "Delete", "Merge", "Create", "Drop", "Alte
                   "Uncache", "Refresh", "Export")
 
 
+MAX_SQL_CHARS = 64 * 1024  # characters of one query's SQL text
+MAX_LIST_ITEMS = 10_000  # items of one literal list in it (IN, VALUES, an array)
+# bytes of one value built by repeat()/lpad()/rpad() from literals: DuckDB builds it in one call,
+# outside its memory limit and its interrupt (a rank running SQL itself has no engine process
+# to bound it)
+MAX_LITERAL_VALUE_BYTES = 64 * 2**20
+
 _quieted = False
+
+
+def check_size(sql: str) -> None:
+    """``PlanError`` ("too_large") for SQL text too long to plan."""
+    if len(sql) > MAX_SQL_CHARS:
+        raise PlanError(f"the query is {len(sql)} characters, over the {MAX_SQL_CHARS} a query may have: "
+                        "filter on ranges (BETWEEN) instead of long lists", code="too_large")
+
+
+def _literal_int(node: Any) -> int | None:
+    if isinstance(node, exp.Literal) and not node.is_string:
+        try:
+            return int(float(node.this))
+        except (ValueError, OverflowError):
+            return None
+    return None
+
+
+def _built_bytes(node: Any) -> int | None:
+    """The size of the value ``repeat``/``lpad``/``rpad`` builds, where literals say it."""
+    if isinstance(node, exp.Repeat):
+        times = _literal_int(node.args.get("times"))
+        text = node.this
+        return None if times is None else times * (len(text.this) if isinstance(text, exp.Literal) else 1)
+    if isinstance(node, exp.Pad):
+        return _literal_int(node.expression)
+    return None
+
+
+def _check_lists(stmt: Any) -> None:
+    for node in stmt.walk():
+        items = node.args.get("expressions") if isinstance(node, exp.Expression) else None
+        if isinstance(items, list) and len(items) > MAX_LIST_ITEMS:
+            raise PlanError(f"a list of {len(items)} items in the query, over the {MAX_LIST_ITEMS} one list may "
+                            "have: filter on ranges instead", code="too_large")
+        size = _built_bytes(node)
+        if size is not None and size > MAX_LITERAL_VALUE_BYTES:
+            raise PlanError(f"{node.sql(dialect='duckdb')[:60]} builds a value of {size / 2**20:.0f} MiB, over the "
+                            f"{MAX_LITERAL_VALUE_BYTES // 2**20} MiB one value may have", code="too_large")
 
 
 def _parse(sql: str) -> Any:
@@ -30,6 +81,7 @@ def _parse(sql: str) -> Any:
         _quieted = True
     if not isinstance(sql, str):
         raise PlanError(f"a query is SQL text, got {type(sql).__name__}", code="refused")
+    check_size(sql)
     try:
         stmts = [s for s in sqlglot.parse(sql, read="duckdb") if s is not None]
     except ParseError as e:
@@ -52,6 +104,7 @@ def _parse(sql: str) -> Any:
     if len(stmts) > 1:
         raise PlanError(f"{len(stmts)} statements given: {tail}", code="refused")
     stmt = stmts[0]
+    _check_lists(stmt)
     refused = tuple(getattr(exp, k) for k in _REFUSED_KINDS if hasattr(exp, k))
     bad = stmt if isinstance(stmt, refused) else stmt.find(*refused)
     if bad is not None or not isinstance(stmt, (exp.Query, exp.Values)):
