@@ -9,7 +9,8 @@ modules (a test checks that ``probing_magics`` imports only ``kernel_probe``,
   columns (``MEMBER_RECORD``, ``DEPARTURE_TABLE``, ``Column``, ``columns_of``);
 - a job's life as a client sees it (``JobLifecycle`` and its events and states);
 - the verdict's default wait (``MIN_WAIT_SEC``), its answer type (``DiagnoseResult``), a
-  profile's text (``format_profile``), ``is_dump`` and ``snapshot`` (a live job's dumps).
+  profile's text (``format_profile``), ``is_dump`` and ``snapshot`` (a live job's dumps);
+- the MCP server over a front end's jobs (``mcp_server``; it imports the MCP SDK when called).
 
 Everything here is light to import: no pandas, pyarrow or DuckDB until a function needs them.
 """
@@ -33,7 +34,7 @@ from .rank_lists import parse_ranks, ranks_label
 __all__ = ["DiagnoseResult", "GONE", "RELAUNCHED", "Asked", "Ended", "JobLifecycle", "Seen", "Tick",
            "format_profile", "is_dump", "MIN_WAIT_SEC", "Job", "DEPARTURE_TABLE", "MEMBER_RECORD", "Column",
            "columns_of", "VIEW_FIELDS", "membership_view", "NATIVE_NOTES_SQL", "StackGroup", "format_stacks",
-           "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "ranks_label", "snapshot"]
+           "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "ranks_label", "snapshot", "mcp_server"]
 
 
 def snapshot(client: Any, root: Path, *, timeout: float = 10.0) -> tuple[Path, list[int], dict[str, str]]:
@@ -42,3 +43,12 @@ def snapshot(client: Any, root: Path, *, timeout: float = 10.0) -> tuple[Path, l
     from .postmortem.snapshot import snapshot as _snapshot
 
     return _snapshot(client, root, timeout=timeout)
+
+
+def mcp_server(jobs: Any) -> Any:
+    """The MCP server (``mcp.server.MCPServer``: tools, catalog, playbooks) over ``jobs``, a
+    ``kernel_probe.mcp.jobs.JobSource``: ``list()``, ``call(job, fn, timeout)``,
+    ``call_blocking(job, fn, timeout)``, ``trace_dir`` and ``dump_dir``."""
+    from .mcp.server import build_server
+
+    return build_server(jobs)

@@ -88,7 +88,7 @@ class _Awaited:
 
     async def profile(self, **kw: Any) -> Any:
         if not hasattr(self._client, "profile"):
-            from kernel_probe import JobEndedError
+            from ..client import JobEndedError
 
             raise JobEndedError("this job has ended (read from its dumps): a profile needs a running job")
         return await self._run("profile", **kw)
@@ -119,12 +119,12 @@ class OneTarget:
         return self._dump_dir
 
     def _connected(self) -> Any:
-        import kernel_probe
-        from kernel_probe.frontend import is_dump
+        from ..client import connect
+        from ..client.targets import is_dump
 
         with self._connecting:
             if self._client is None:
-                self._client = kernel_probe.connect(self.target, token=self._token, timeout=self._connect_timeout,
+                self._client = connect(self.target, token=self._token, timeout=self._connect_timeout,
                                                     warm=False)
                 self._dump_lock = threading.Lock() if is_dump(self.target) else None
             return self._client
@@ -138,7 +138,7 @@ class OneTarget:
                                      "(see the jobs tool)")
 
     async def list(self) -> list[dict[str, Any]]:
-        from kernel_probe.frontend import is_dump
+        from ..client.targets import is_dump
 
         client = await asyncio.to_thread(self._connected)
         info = client.info_
@@ -162,7 +162,7 @@ class OneTarget:
 
     def _drop_on(self, exc: BaseException) -> None:
         """A refused or broken connection is opened anew on the next call."""
-        from kernel_probe import AuthError, ConnectError, JobEndedError
+        from ..client import AuthError, ConnectError, JobEndedError
 
         if isinstance(exc, (AuthError, ConnectError)) and not isinstance(exc, JobEndedError):
             with self._connecting:

@@ -169,7 +169,7 @@ def build_server(jobs: JobSource, *, name: str = "probing") -> MCPServer:
 async def _catalog(box: Toolbox, job: str | None) -> str:
     from mcp.server.mcpserver.exceptions import ResourceError
 
-    from kernel_probe import ProbeError
+    from ..client import ProbeError
 
     try:
         return catalog_markdown(await box.catalog(job))

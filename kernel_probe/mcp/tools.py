@@ -51,7 +51,7 @@ def _check_timeout(timeout: float, name: str = "timeout", top: float = MAX_TIMEO
 
 
 def _check_ranks(ranks: str | None) -> list[int] | None:
-    from kernel_probe.frontend import parse_ranks
+    from ..rank_lists import parse_ranks
 
     if ranks in (None, ""):
         return None
@@ -63,7 +63,7 @@ def _check_ranks(ranks: str | None) -> list[int] | None:
 
 def coverage_text(coverage: dict[str, Any]) -> str:
     """Who answered, whether the answer is partial and why: one line."""
-    from kernel_probe.client import describe_failures
+    from ..client import describe_failures
 
     answered, targeted = coverage.get("answered") or [], coverage.get("targeted") or []
     text = f"coverage: {len(answered)}/{len(targeted)} ranks answered"
@@ -81,7 +81,7 @@ def _coverage_data(coverage: dict[str, Any]) -> dict[str, Any]:
 
 def error_text(exc: BaseException) -> str:
     """One line for a failure an agent can act on."""
-    from kernel_probe import QueryFailed
+    from ..client import QueryFailed
 
     text = (str(exc).splitlines() or [type(exc).__name__])[0]
     if isinstance(exc, QueryFailed) and exc.line is not None:
@@ -100,7 +100,8 @@ class Toolbox:
 
     async def run(self, name: str, **args: Any) -> Answer:
         """Call tool ``name``; every expected failure comes back as an error ``Answer``."""
-        from kernel_probe import ProbeError
+        from ..client import ProbeError
+        from ..jobs import UnknownJob
 
         fn: Callable[..., Awaitable[Answer]] | None = getattr(self, "tool_" + name, None)
         if fn is None:
@@ -111,8 +112,10 @@ class Toolbox:
             return _failed(f"busy: {MAX_CALLS} tool calls are already running on this server; try again shortly")
         try:
             return await fn(**args)
+        except UnknownJob as exc:  # a job id no longer (or never) known here
+            return _bad(BadArgument("job", f"{exc} (see the jobs tool)"))
         except BadArgument as exc:
-            return Answer(str(exc), {"error": {"argument": exc.argument, "message": str(exc)}}, error=True)
+            return _bad(exc)
         except (ProbeError, ValueError, OSError, asyncio.TimeoutError) as exc:
             return _failed(error_text(exc) if str(exc) else f"{type(exc).__name__}: no answer in time")
         finally:
@@ -128,7 +131,7 @@ class Toolbox:
         return Answer(head + "\n\n" + text if jobs else "no job is known here", {"jobs": jobs})
 
     async def tool_nodes(self, job: str | None = None) -> Answer:
-        from kernel_probe.frontend import membership_view
+        from ..membership.view import membership_view
 
         async def nodes(client: Any) -> tuple[dict, dict, float]:
             return await client.nodes_raw(5.0), dict(client.info_), client.seen_at or time.time()
@@ -179,7 +182,7 @@ class Toolbox:
 
     async def tool_stacks(self, job: str | None = None, ranks: str | None = None, native: bool = False,
                           all_threads: bool = False, timeout: float = 10.0) -> Answer:
-        from kernel_probe.frontend import NATIVE_NOTES_SQL, format_stacks, group_stacks, native_notes, stacks_sql
+        from ..summaries import NATIVE_NOTES_SQL, format_stacks, group_stacks, native_notes, stacks_sql
 
         timeout, rank_list = _check_timeout(timeout), _check_ranks(ranks)
 
@@ -206,7 +209,7 @@ class Toolbox:
 
     async def tool_diagnose(self, job: str | None = None, native: bool = False, min_wait: float | None = None,
                             timeout: float = 10.0) -> Answer:
-        from kernel_probe.frontend import MIN_WAIT_SEC
+        from ..diagnosis.verdict import MIN_WAIT_SEC
 
         timeout = _check_timeout(timeout)
         wait = MIN_WAIT_SEC if min_wait is None else min_wait
@@ -229,7 +232,7 @@ class Toolbox:
 
     async def tool_profile(self, job: str | None = None, ranks: str | None = None, steps: int = 2,
                            timeout: float = 60.0, top: int = 10) -> Answer:
-        from kernel_probe.frontend import format_profile
+        from ..client.profiles import format_profile
 
         if not 1 <= steps <= MAX_PROFILE_STEPS:
             raise BadArgument("steps", f"must be 1..{MAX_PROFILE_STEPS}, not {steps}")
@@ -255,7 +258,7 @@ class Toolbox:
         return Answer(format_profile(result, top=top), json_safe(data))
 
     async def tool_dump(self, job: str | None = None, timeout: float = 10.0) -> Answer:
-        from kernel_probe.frontend import snapshot
+        from ..postmortem.snapshot import snapshot
 
         timeout = _check_timeout(timeout)
         root = self.jobs.dump_dir
@@ -274,7 +277,7 @@ class Toolbox:
 
     async def catalog(self, job: str | None = None) -> dict[str, dict]:
         """Every table of the job with its columns, types and meanings."""
-        from kernel_probe.frontend import MEMBER_RECORD
+        from ..membership.record import MEMBER_RECORD
 
         from .catalog import CATALOG_SQL, catalog_rows
 
@@ -284,6 +287,10 @@ class Toolbox:
         result = await self.jobs.call(job, run, 15.0)
         node_columns = [(c.name, getattr(c.type, "__name__", str(c.type))) for c in MEMBER_RECORD if c.column]
         return catalog_rows(result.table.to_pylist(), node_columns)
+
+
+def _bad(exc: BadArgument) -> Answer:
+    return Answer(str(exc), {"error": {"argument": exc.argument, "message": str(exc)}}, error=True)
 
 
 def _failed(message: str) -> Answer:
