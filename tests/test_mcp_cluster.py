@@ -221,3 +221,27 @@ def test_an_agent_over_http_in_the_jupyter_server_behind_its_token(jupyter):
     assert right.status_code == 200 and '"name":"sql"' in right.text
     with pytest.raises(Exception):
         anyio.run(agent, None)
+
+
+def test_one_profile_capture_at_a_time_and_its_trace_stays_with_the_server(hung_job):
+    async def two_captures():
+        answers = {}
+        async with _stdio(hung_job) as client:
+            async def first():  # the ranks are stuck: no step ends, the capture runs to its deadline
+                answers["first"] = await client.call_tool("profile", {"steps": 1, "timeout": 6})
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(first)
+                await anyio.sleep(1.5)
+                answers["second"] = await client.call_tool("profile", {"steps": 1, "timeout": 6})
+            answers["schema"] = {t.name: t.input_schema for t in (await client.list_tools()).tools}["profile"]
+        return answers
+
+    answers = anyio.run(two_captures)
+    assert answers["second"].is_error
+    assert _text(answers["second"]).startswith("a profile capture is already running on this server")
+    first = answers["first"]
+    assert "rank" in _text(first) and "Traceback" not in _text(first)
+    trace = (first.structured_content or {}).get("trace")
+    assert trace is None or "probing-mcp-traces-" in trace
+    assert set(answers["schema"]["properties"]) == {"job", "ranks", "steps", "timeout", "top"}  # no path to name
