@@ -10,6 +10,7 @@ modules (a test checks that ``probing_magics`` imports only ``kernel_probe``,
 - a job's life as a client sees it (``JobLifecycle`` and its events and states);
 - the verdict's default wait (``MIN_WAIT_SEC``), its answer type (``DiagnoseResult``), a
   profile's text (``format_profile``), ``is_dump`` and ``snapshot`` (a live job's dumps);
+- answers as strict JSON (``json_safe``, ``table_rows``);
 - the MCP server over a front end's jobs (``mcp_server``; it imports the MCP SDK when called).
 
 Everything here is light to import: no pandas, pyarrow or DuckDB until a function needs them.
@@ -26,6 +27,7 @@ from .client.profiles import format_profile
 from .client.targets import is_dump
 from .diagnosis.verdict import MIN_WAIT_SEC
 from .jobs import Job
+from .mcp.render import json_safe, table_rows
 from .membership.record import DEPARTURE_TABLE, MEMBER_RECORD, Column, columns_of
 from .membership.view import VIEW_FIELDS, membership_view
 from .summaries import NATIVE_NOTES_SQL, StackGroup, format_stacks, group_stacks, native_notes, stacks_sql
@@ -34,7 +36,8 @@ from .rank_lists import parse_ranks, ranks_label
 __all__ = ["DiagnoseResult", "GONE", "RELAUNCHED", "Asked", "Ended", "JobLifecycle", "Seen", "Tick",
            "format_profile", "is_dump", "MIN_WAIT_SEC", "Job", "DEPARTURE_TABLE", "MEMBER_RECORD", "Column",
            "columns_of", "VIEW_FIELDS", "membership_view", "NATIVE_NOTES_SQL", "StackGroup", "format_stacks",
-           "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "ranks_label", "snapshot", "mcp_server"]
+           "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "ranks_label", "snapshot", "mcp_server",
+           "json_safe", "table_rows"]
 
 
 def snapshot(client: Any, root: Path, *, timeout: float = 10.0) -> tuple[Path, list[int], dict[str, str]]:

@@ -1,5 +1,7 @@
 """Rows as an agent reads them: a Markdown or CSV table within a byte cap that says what was
-cut, and the same rows as JSON-safe values for the structured answer. Pure functions."""
+cut, and the same rows as strict JSON values for the structured answer (the Jupyter server's
+REST routes answer with the same ``json_safe`` / ``table_rows``, through ``kernel_probe.frontend``).
+Pure functions."""
 
 from __future__ import annotations
 
@@ -8,13 +10,15 @@ import datetime as dt
 import decimal
 import io
 import math
+import uuid
 from typing import Any, Iterable, Sequence
 
 MAX_CELL_CHARS = 200  # one cell in the text; the structured rows keep the value whole
 
 
 def json_safe(value: Any) -> Any:
-    """``value`` as strict JSON accepts it (NaN -> None, timestamps ISO 8601, bytes hex)."""
+    """``value`` as ``json.dumps(..., allow_nan=False)`` and a browser's ``JSON.parse`` accept it:
+    NaN and infinities -> None, timestamps ISO 8601, decimals float, bytes hex, containers element by element."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -27,6 +31,8 @@ def json_safe(value: Any) -> Any:
         return json_safe(float(value))
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).hex()
+    if isinstance(value, uuid.UUID):
+        return str(value)
     if isinstance(value, dict):
         return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
@@ -36,11 +42,12 @@ def json_safe(value: Any) -> Any:
     return str(value)
 
 
-def arrow_rows(table: Any, limit: int) -> tuple[list[str], list[list[Any]]]:
-    """An Arrow table's column names and its first ``limit`` rows, JSON-safe."""
+def table_rows(table: Any, limit: int) -> tuple[list[str], list[list[Any]], bool]:
+    """An Arrow table as (column names, at most ``limit`` rows of JSON-safe values, truncated?)."""
     head = table.slice(0, limit)
-    values = [col.to_pylist() for col in head.columns]  # by position: names may repeat
-    return list(table.column_names), [[json_safe(col[i]) for col in values] for i in range(head.num_rows)]
+    values = [col.to_pylist() for col in head.columns]  # by position: column names may repeat
+    rows = [[json_safe(col[i]) for col in values] for i in range(head.num_rows)]
+    return list(table.column_names), rows, table.num_rows > limit
 
 
 def _cell(value: Any, markdown: bool) -> str:

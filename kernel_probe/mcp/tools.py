@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from .jobs import BadArgument, JobSource
-from .render import arrow_rows, json_safe, records, table_text
+from .render import json_safe, records, table_rows, table_text
 
 MAX_ROWS = 1000  # rows a sql answer may carry
 DEFAULT_ROWS = 100
@@ -172,7 +172,7 @@ class Toolbox:
 
         result = await self.jobs.call(job, run, timeout + ANSWER_GRACE_SEC)
         total = result.table.num_rows
-        columns, rows = arrow_rows(result.table, limit)
+        columns, rows, _ = table_rows(result.table, limit)
         text, shown = table_text(columns, rows, fmt=format, max_bytes=MAX_TEXT_BYTES, total_rows=total)
         footer = coverage_text(result.coverage)
         return Answer(f"{text}\n\n{footer}", {
