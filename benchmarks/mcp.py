@@ -7,10 +7,13 @@ A 2 x 2 plain job of idle ranks. Interleaved rounds, p50 and p90 of each, in ms:
 - ``Client.query`` / ``Client.nodes_raw`` in this process (warm client, the baseline);
 - the same through ``kernel-probe mcp`` over stdio (the SDK's ``Client``, a child process);
 - the same through the server in this process (the SDK's in-memory transport: no pipe, no
-  second process; the server's own rendering and dispatch).
+  second process; the server's own rendering and dispatch);
+- the same over Streamable HTTP at ``/probing/mcp`` of a real Jupyter server (its token in
+  the header), the REST route ``POST probing/api/jobs/<id>/query`` beside it.
 
 Memory: the resident set (VmRSS, VmHWM) of the ``kernel-probe mcp`` process after start-up,
-after listing the tools, and idle after the calls.
+after listing the tools, and idle after the calls; and the Jupyter server's before its first
+MCP request and idle after the calls (what serving MCP adds to it).
 
     .venv/bin/python benchmarks/mcp.py [--rounds 30]
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -58,12 +63,45 @@ def _server_pid() -> int:
     raise SystemExit("the kernel-probe mcp process was not found")
 
 
+TOKEN = "bench-token"
+
+
+def _jupyter(runtime: str) -> tuple[subprocess.Popen, str]:
+    import httpx2
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tempfile.mkdtemp(prefix="kp-mcp-bench-jupyter-")
+    env = {**os.environ, "PROBING_RUNTIME_DIR": runtime, "PYTHONPATH": str(ROOT),
+           "JUPYTER_RUNTIME_DIR": f"{home}/runtime", "JUPYTER_CONFIG_DIR": f"{home}/config"}
+    proc = subprocess.Popen([sys.executable, "-m", "jupyter_server", "--allow-root", "--no-browser", f"--port={port}",
+                             "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={TOKEN}",
+                             "--ServerApp.jpserver_extensions={'probing_magics': True}", f"--notebook-dir={home}"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if httpx2.get(f"{base}/probing/api/jobs", headers={"Authorization": f"token {TOKEN}"},
+                          timeout=5).json()["jobs"]:
+                return proc, base
+        except Exception:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the Jupyter server did not come up")
+
+
 def _p(values: list[float], q: float) -> float:
     return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
 
-async def measure(runtime: str, rounds: int) -> tuple[dict[str, list[float]], dict[str, dict]]:
+async def measure(runtime: str, rounds: int, jupyter: subprocess.Popen,
+                  base: str) -> tuple[dict[str, list[float]], dict[str, dict]]:
+    import httpx2
     from mcp import Client, StdioServerParameters
+    from mcp.client.streamable_http import streamable_http_client
 
     from kernel_probe.mcp.jobs import OneTarget
     from kernel_probe.mcp.server import build_server
@@ -74,11 +112,21 @@ async def measure(runtime: str, rounds: int) -> tuple[dict[str, list[float]], di
     times: dict[str, list[float]] = {}
     memory: dict[str, dict] = {}
     inproc_jobs = OneTarget(None)
-    async with Client(params) as stdio, Client(build_server(inproc_jobs)) as inproc:
+    memory["jupyter: before MCP"] = _rss(jupyter.pid)
+    http = httpx2.AsyncClient(headers={"Authorization": f"token {TOKEN}"}, timeout=60)
+    job_id = (await http.get(f"{base}/probing/api/jobs")).json()["jobs"][0]["id"]
+
+    async def rest(path: str, body: dict | None = None) -> None:
+        url = f"{base}/probing/api/jobs/{job_id}/{path}"
+        answer = await (http.post(url, json=body) if body is not None else http.get(url))
+        answer.raise_for_status()
+
+    async with Client(params) as stdio, Client(build_server(inproc_jobs)) as inproc, \
+            Client(streamable_http_client(f"{base}/probing/mcp", http_client=http)) as over_http:
         pid = _server_pid()
-        memory["started"] = _rss(pid)
+        memory["stdio: started"] = _rss(pid)
         await stdio.list_tools()
-        memory["tools listed"] = _rss(pid)
+        memory["stdio: tools listed"] = _rss(pid)
 
         async def via(client, tool: str, args: dict) -> None:
             result = await client.call_tool(tool, args)
@@ -89,9 +137,13 @@ async def measure(runtime: str, rounds: int) -> tuple[dict[str, list[float]], di
             "sql: Client.query": lambda: anyio.to_thread.run_sync(lambda: direct.query(SQL, timeout=10)),
             "sql: MCP stdio": lambda: via(stdio, "sql", {"query": SQL}),
             "sql: MCP in-process": lambda: via(inproc, "sql", {"query": SQL}),
+            "sql: REST (Jupyter)": lambda: rest("query", {"sql": SQL}),
+            "sql: MCP HTTP (Jupyter)": lambda: via(over_http, "sql", {"query": SQL}),
             "nodes: Client.nodes_raw": lambda: anyio.to_thread.run_sync(lambda: direct.nodes_raw(5)),
             "nodes: MCP stdio": lambda: via(stdio, "nodes", {}),
             "nodes: MCP in-process": lambda: via(inproc, "nodes", {}),
+            "nodes: REST (Jupyter)": lambda: rest("nodes"),
+            "nodes: MCP HTTP (Jupyter)": lambda: via(over_http, "nodes", {}),
         }
         for fn in cases.values():  # warm every path once (imports, connections, engines)
             await fn()
@@ -101,7 +153,9 @@ async def measure(runtime: str, rounds: int) -> tuple[dict[str, list[float]], di
                 await fn()
                 times.setdefault(name, []).append((time.perf_counter() - t0) * 1000)
         await anyio.sleep(2.0)
-        memory["idle after calls"] = _rss(pid)
+        memory["stdio: idle after calls"] = _rss(pid)
+        memory["jupyter: idle after calls"] = _rss(jupyter.pid)
+    await http.aclose()
     direct.close()
     inproc_jobs.close()
     return times, memory
@@ -125,18 +179,23 @@ def main() -> int:
             except kernel_probe.ProbeError:
                 pass
             time.sleep(0.2)
-        times, memory = anyio.run(measure, runtime, args.rounds)
+        jupyter, base = _jupyter(runtime)
+        try:
+            times, memory = anyio.run(measure, runtime, args.rounds, jupyter, base)
+        finally:
+            jupyter.terminate()
+            jupyter.wait(15)
     print(f"tool call latency on a 2x2 job, {args.rounds} interleaved rounds, ms (p50 / p90):")
     for tool in ("sql", "nodes"):
         base = statistics.median(times[f"{tool}: {'Client.query' if tool == 'sql' else 'Client.nodes_raw'}"])
         for name, values in times.items():
             if name.startswith(tool + ":"):
                 p50 = statistics.median(values)
-                print(f"  {name:26} {p50:7.2f} / {_p(values, 0.9):7.2f}   "
+                print(f"  {name:28} {p50:7.2f} / {_p(values, 0.9):7.2f}   "
                       f"(+{p50 - base:.2f} ms, x{p50 / base:.2f} the direct call)")
-    print("kernel-probe mcp (stdio) resident memory, MiB (VmRSS, peak VmHWM):")
+    print("resident memory of the kernel-probe mcp process (stdio) and of the Jupyter server, MiB (VmRSS, peak VmHWM):")
     for when, m in memory.items():
-        print(f"  {when:18} {m['VmRSS']:6.1f}  (peak {m['VmHWM']:.1f})")
+        print(f"  {when:26} {m['VmRSS']:6.1f}  (peak {m['VmHWM']:.1f})")
     return 0
 
 

@@ -201,15 +201,17 @@ def test_an_agent_over_http_in_the_jupyter_server_behind_its_token(jupyter):
                         await client.call_tool("jobs", {}), await client.call_tool("diagnose", {"min_wait": 1}),
                         await client.call_tool("sql", {"query": "SELECT count(DISTINCT _rank) AS n FROM steps"}),
                         await client.call_tool("sql", {"query": "COPY (SELECT 1) TO '/tmp/x.csv'"}),
-                        await client.call_tool("nodes", {"job": "no-such-job"}))
+                        await client.call_tool("nodes", {"job": "no-such-job"}),
+                        await client.call_tool("nodes", {}))
 
-    tools, jobs, verdict, count, copy, unknown = anyio.run(agent, TOKEN)
+    tools, jobs, verdict, count, copy, unknown, nodes = anyio.run(agent, TOKEN)
     assert tools == {"jobs", "nodes", "sql", "stacks", "diagnose", "profile", "dump"}
     assert jobs.structured_content["jobs"][0]["world_size"] == 4
     assert "rank 3 never entered it" in _text(verdict)
     assert count.structured_content["rows"] == [{"n": 4}]
     assert copy.is_error and "COPY is not allowed" in _text(copy)
     assert unknown.is_error and _text(unknown).startswith("argument 'job': ")
+    assert not nodes.is_error and [m["rank"] for m in nodes.structured_content["members"]] == [0, 1, 2, 3]
 
     # no token, or a wrong one: no answer (the server's own authentication, as for its REST routes)
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}

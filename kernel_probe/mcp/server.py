@@ -67,7 +67,9 @@ class ProbingServer(MCPServer):
 
 def build_server(jobs: JobSource, *, name: str = "probing") -> MCPServer:
     """The MCP server over ``jobs`` (tools, resources, prompts), ready for any transport."""
-    app = ProbingServer(name=name, title="probing-magics", version=__version__, instructions=INSTRUCTIONS)
+    # WARNING: the SDK configures logging at construction (a root handler when none is set); keep it quiet
+    app = ProbingServer(name=name, title="probing-magics", version=__version__, instructions=INSTRUCTIONS,
+                        log_level="WARNING")
     box = Toolbox(jobs)
 
     @app.tool(name="jobs", annotations=READ_ONLY)

@@ -134,7 +134,7 @@ class Toolbox:
         from ..membership.view import membership_view
 
         async def nodes(client: Any) -> tuple[dict, dict, float]:
-            return await client.nodes_raw(5.0), dict(client.info_), client.seen_at or time.time()
+            return await client.nodes_raw(5.0), dict(client.info_), getattr(client, "seen_at", None) or time.time()
 
         raw, info, now = await self.jobs.call(job, nodes, 5.0)
         view = membership_view(raw.get("members") or [], now, raw.get("departures") or [])
