@@ -138,6 +138,13 @@ def test_a_snapshot_is_read_back_over_stdio_as_a_dump_target(hung_job):
     assert profile.is_error and "a profile needs a running job" in _text(profile)
     assert "rank 3 · thread MainThread" in _text(stacks) and "fetch_next_batch" in _text(stacks)
 
+    # a person without an agent: the same playbook over the same dumps
+    died = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "-t", target, "playbook", "why-died"],
+                          capture_output=True, text=True, timeout=120)
+    assert died.returncode == 0, died.stderr + died.stdout
+    assert "| rank | when | kind | exception_type | message |" in died.stdout  # the dumps' reason table
+    assert "snapshot" in died.stdout and "error:" not in died.stdout
+
 
 def test_a_playbook_runs_end_to_end_from_the_cli(hung_job):
     out = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "playbook", "why-stuck"], capture_output=True,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 T = TypeVar("T")
+SLACK_SEC = 5.0  # beyond a call's own deadline before the wait for it ends
 
 
 class BadArgument(ValueError):
@@ -149,8 +150,10 @@ class OneTarget:
     async def call(self, job: str | None, fn: Callable[[Any], Awaitable[T]], timeout: float) -> T:
         client = await asyncio.to_thread(self._connected)
         self._check(job, client)
-        try:
-            return await fn(_Awaited(client, self._dump_lock))
+        try:  # the client's own deadlines end its requests; this one ends the wait regardless
+            return await asyncio.wait_for(fn(_Awaited(client, self._dump_lock)), timeout + SLACK_SEC)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the job did not answer within {timeout + SLACK_SEC:g} s") from None
         except Exception as exc:
             self._drop_on(exc)
             raise
@@ -158,7 +161,10 @@ class OneTarget:
     async def call_blocking(self, job: str | None, fn: Callable[[Any], T], timeout: float) -> T:
         client = await asyncio.to_thread(self._connected)
         self._check(job, client)
-        return await asyncio.to_thread(fn, client)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, client), timeout + SLACK_SEC)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the job did not answer within {timeout + SLACK_SEC:g} s") from None
 
     def _drop_on(self, exc: BaseException) -> None:
         """A refused or broken connection is opened anew on the next call."""

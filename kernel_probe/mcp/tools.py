@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from .jobs import BadArgument, JobSource
 from .render import json_safe, records, table_rows, table_text
+
+log = logging.getLogger("kernel_probe.mcp")
 
 MAX_ROWS = 1000  # rows a sql answer may carry
 DEFAULT_ROWS = 100
@@ -118,6 +121,9 @@ class Toolbox:
             return _bad(exc)
         except (ProbeError, ValueError, OSError, asyncio.TimeoutError) as exc:
             return _failed(error_text(exc) if str(exc) else f"{type(exc).__name__}: no answer in time")
+        except Exception as exc:  # a bug of ours: one line for the agent, the traceback in the server's log
+            log.exception("tool %s failed", name)
+            return _failed(f"internal error in tool {name}: {type(exc).__name__}: {error_text(exc)}")
         finally:
             self._calls.release()
 
