@@ -119,6 +119,7 @@ def test_config_prints_a_clients_json_without_a_token(monkeypatch):
     assert config["http"]["urls"][0].endswith("probing/mcp")
 
 
+@pytest.mark.processes
 def test_importing_kernel_probe_and_its_mcp_package_loads_no_sdk():
     out = subprocess.run([sys.executable, "-c", "import kernel_probe, kernel_probe.mcp, kernel_probe.mcp.tools, "
                           "kernel_probe.mcp.playbooks, sys; print(any(m == 'mcp' or m.startswith('mcp.') "

@@ -224,6 +224,7 @@ def test_an_agent_over_http_in_the_jupyter_server_behind_its_token(jupyter):
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
     headers = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-06-18"}
     assert httpx2.post(url, json=body, headers=headers, timeout=30).status_code == 403
+    assert httpx2.get(url, headers=headers, timeout=30).status_code == 403  # no XSRF check on GET: the login's
     wrong = httpx2.post(url, json=body, headers={**headers, "Authorization": "token nope"}, timeout=30)
     assert wrong.status_code == 403 and "tools" not in wrong.text
     right = httpx2.post(url, json=body, headers={**headers, "Authorization": f"token {TOKEN}"}, timeout=30)
