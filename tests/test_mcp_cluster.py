@@ -211,6 +211,13 @@ def test_an_agent_over_http_in_the_jupyter_server_behind_its_token(jupyter):
                         await client.call_tool("nodes", {"job": "no-such-job"}),
                         await client.call_tool("nodes", {}))
 
+    async def snapshot_then_ask_it():
+        async with httpx2.AsyncClient(headers={"Authorization": f"token {TOKEN}"}, timeout=60) as http:
+            async with Client(streamable_http_client(url, http_client=http)) as client:
+                dumped = await client.call_tool("dump", {})
+                job = dumped.structured_content["job"]
+                return dumped, await client.call_tool("jobs", {}), await client.call_tool("diagnose", {"job": job})
+
     tools, jobs, verdict, count, copy, unknown, nodes = anyio.run(agent, TOKEN)
     assert tools == {"jobs", "nodes", "sql", "stacks", "diagnose", "profile", "dump"}
     assert jobs.structured_content["jobs"][0]["world_size"] == 4
@@ -219,6 +226,14 @@ def test_an_agent_over_http_in_the_jupyter_server_behind_its_token(jupyter):
     assert copy.is_error and "COPY is not allowed" in _text(copy)
     assert unknown.is_error and _text(unknown).startswith("argument 'job': ")
     assert not nodes.is_error and [m["rank"] for m in nodes.structured_content["members"]] == [0, 1, 2, 3]
+
+    # a snapshot becomes one of the server's jobs (source dump), asked like the live one
+    dumped, listed, from_dump = anyio.run(snapshot_then_ask_it)
+    assert not dumped.is_error, _text(dumped)
+    dump_job = dumped.structured_content["job"]
+    assert dump_job.startswith("dump-") and f"ask them here as job '{dump_job}'" in _text(dumped)
+    assert {j["id"]: j["source"] for j in listed.structured_content["jobs"]}[dump_job] == "dump"
+    assert not from_dump.is_error and "fetch_next_batch" in _text(from_dump), _text(from_dump)
 
     # no token, or a wrong one: no answer (the server's own authentication, as for its REST routes)
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}

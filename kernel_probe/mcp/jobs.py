@@ -46,6 +46,10 @@ class JobSource(Protocol):
     async def call_blocking(self, job: str | None, fn: Callable[[Any], T], timeout: float) -> T:
         """``fn(client)`` with a blocking client, on a worker thread."""
 
+    async def add_dump(self, target: str) -> str | None:
+        """Serve the dumps at ``target`` (``dump://DIR``) too: the job id to ask them by, or None
+        where this source serves one target only."""
+
 
 def private_dir(prefix: str) -> Path:
     """A fresh directory only this user can read (mkdtemp makes it 0700)."""
@@ -165,6 +169,9 @@ class OneTarget:
             return await asyncio.wait_for(asyncio.to_thread(fn, client), timeout + SLACK_SEC)
         except asyncio.TimeoutError:
             raise TimeoutError(f"the job did not answer within {timeout + SLACK_SEC:g} s") from None
+
+    async def add_dump(self, target: str) -> str | None:
+        return None  # one target per stdio server: the dumps are read by another one
 
     def _drop_on(self, exc: BaseException) -> None:
         """A refused or broken connection is opened anew on the next call."""

@@ -275,11 +275,13 @@ class Toolbox:
 
         run_dir, ranks, failed, world = await self.jobs.call_blocking(job, run, 4 * timeout)
         target = f"dump://{run_dir}"
+        dump_job = await self.jobs.add_dump(target)
         lines = [f"wrote the dumps of {len(ranks)} of {world} ranks to {run_dir}",
+                 f"ask them here as job {dump_job!r} (the other tools' job argument)" if dump_job else
                  f"read them later with the target {target} (kernel-probe mcp -t {target})"]
         lines += [f"rank {r}: no dump ({why})" for r, why in sorted(failed.items())]
-        return Answer("\n".join(lines), json_safe({"run_dir": str(run_dir), "target": target, "ranks": ranks,
-                                                   "failed": {str(r): w for r, w in failed.items()}}))
+        return Answer("\n".join(lines), json_safe({"run_dir": str(run_dir), "target": target, "job": dump_job,
+                                                   "ranks": ranks, "failed": {str(r): w for r, w in failed.items()}}))
 
     async def catalog(self, job: str | None = None) -> dict[str, dict]:
         """Every table of the job with its columns, types and meanings."""

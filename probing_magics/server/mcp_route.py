@@ -84,6 +84,9 @@ class ServerJobs:
 
         return await asyncio.to_thread(run)
 
+    async def add_dump(self, target: str) -> str | None:
+        return (await self.clients.dumps.add(target)).id  # listed with the server's jobs, the panel's too
+
 
 @dataclasses.dataclass
 class McpBridge:
