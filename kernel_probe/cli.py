@@ -11,6 +11,8 @@
                                              (exit 0: no hang found, 1: findings, 2: no answer)
     kernel-probe -t TARGET profile [--ranks 0-3] [--steps N] [--out FILE]   torch.profiler on chosen ranks
     kernel-probe -t TARGET profile --cancel                                 cancel the capture running in the job
+    kernel-probe -t TARGET mcp [--config]    an MCP server over stdio for an agent (--config: a client's JSON)
+    kernel-probe -t TARGET playbook [NAME]   run a playbook's steps ("why is it stuck", ...); no NAME: list them
 
 Errors are one line on stderr and a non-zero exit, never a traceback.
 """
@@ -77,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="read every rank's native (C/C++) stack too, with py-spy: a rank stuck in C, and what "
                          "the waiting ranks wait in, are then named (a few seconds more)")
     _add_profile_parser(sub)
+    mc = sub.add_parser("mcp", help="serve an MCP server over stdio for TARGET (for an agent: Claude, an IDE)")
+    mc.add_argument("--config", action="store_true", help="print the JSON to paste into an MCP client, and exit")
+    mc.add_argument("--token-env", default=None, metavar="VAR",
+                    help="with --config: the variable the client passes the job's token in")
+    pb = sub.add_parser("playbook", help="run a playbook's steps against TARGET and print each answer")
+    pb.add_argument("name", nargs="?", default=None, help="the playbook (none: list them)")
+    pb.add_argument("--job", default=None, help="the job's id, where TARGET serves several")
+    pb.add_argument("--with-profile", action="store_true", help="also run profile steps (they take a while)")
     return p
 
 
@@ -393,8 +403,34 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0 if len(result.failed) < len(result.ranks) else 1
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    from .mcp import format_config, serve_stdio
+
+    if args.config:
+        print(format_config(args.target, args.token_env))
+        return 0
+    serve_stdio(args.target, args.token)
+    return 0
+
+
+def cmd_playbook(args: argparse.Namespace) -> int:
+    from .mcp import run_playbook
+    from .mcp.playbooks import PlaybookError, playbooks
+
+    try:
+        if args.name is None:
+            for name, book in playbooks().items():
+                print(f"{name:16} {book.title} — {book.description}")
+            return 0
+        return run_playbook(args.name, args.target, args.token, job=args.job, with_profile=args.with_profile)
+    except PlaybookError as exc:
+        print(f"kernel-probe: {exc}", file=sys.stderr)
+        return 2
+
+
 COMMANDS = {"list": cmd_list, "nodes": cmd_nodes, "info": cmd_info, "query": cmd_query, "stacks": cmd_stacks,
-            "diagnose": cmd_diagnose, "dump": cmd_dump, "profile": cmd_profile}
+            "diagnose": cmd_diagnose, "dump": cmd_dump, "profile": cmd_profile,
+            "mcp": cmd_mcp, "playbook": cmd_playbook}
 
 
 def main(argv: list[str] | None = None) -> int:

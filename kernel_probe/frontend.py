@@ -15,7 +15,8 @@ modules (a test checks that ``probing_magics`` imports only ``kernel_probe``,
 - the verdict's default wait (``MIN_WAIT_SEC``), its answer type (``DiagnoseResult``), a
   profile's text (``format_profile``), a capture's states (``CaptureState``) and the cancel
   of anyone's capture (``cancel_captures_async``), ``is_dump``, ``is_address`` (a target a
-  user adds: ``tcp://``, ``store://``, ``dump://``) and ``snapshot`` (a live job's dumps).
+  user adds: ``tcp://``, ``store://``, ``dump://``) and ``snapshot`` (a live job's dumps);
+- the MCP server over a front end's jobs (``mcp_server``; it imports the MCP SDK when called).
 
 Everything here is light to import: no pandas, pyarrow or DuckDB until a function needs them.
 """
@@ -48,7 +49,7 @@ __all__ = ["DiagnoseResult", "GONE", "RELAUNCHED", "Asked", "Ended", "JobLifecyc
            "Payload", "VersionAnswer", "JobsAnswer", "NodesAnswer", "QueryAnswer", "StacksAnswer", "VerdictAnswer",
            "ProfileProgress", "ProfileTrace", "ProfileComparison", "ProfileError", "ProfileResultAnswer",
            "ProfileStateAnswer", "Schema", "schema_of", "json_types", "json_safe", "table_rows", "FINDING", "FRAME", "FRAME_OPTIONAL",
-           "STACK_GROUP", "SUSPECT"]
+           "STACK_GROUP", "SUSPECT", "mcp_server"]
 
 
 def snapshot(client: Any, root: Path, *, timeout: float = 10.0) -> tuple[Path, list[int], dict[str, str]]:
@@ -57,3 +58,12 @@ def snapshot(client: Any, root: Path, *, timeout: float = 10.0) -> tuple[Path, l
     from .postmortem.snapshot import snapshot as _snapshot
 
     return _snapshot(client, root, timeout=timeout)
+
+
+def mcp_server(jobs: Any) -> Any:
+    """The MCP server (``mcp.server.MCPServer``: tools, catalog, playbooks) over ``jobs``, a
+    ``kernel_probe.mcp.jobs.JobSource``: ``list()``, ``call(job, fn, timeout)``,
+    ``call_blocking(job, fn, timeout)``, ``trace_dir`` and ``dump_dir``."""
+    from .mcp.server import build_server
+
+    return build_server(jobs)

@@ -20,7 +20,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "kernel_probe"
 
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("entry points and simulators", ("kernel_probe", "_activate", "cli", "frontend", "testing")),
+    ("entry points and simulators", ("kernel_probe", "_activate", "cli", "frontend", "testing", "mcp")),
     ("the jobs this process knows", ("jobs",)),
     ("client side", ("client",)),
     ("rank side: the I/O shell", ("shell", "postmortem")),
@@ -30,7 +30,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data: rings, tables and their readers", ("tables",)),
     ("training-thread recording", ("progress",)),
     ("pure analysis", ("diagnosis",)),
-    ("foundations", ("config", "wire", "rank_lists", "durations", "dtypes", "tags", "ring", "procfs", "private_paths",
+    ("foundations", ("playbooks", "config", "wire", "rank_lists", "durations", "dtypes", "tags", "ring", "procfs", "private_paths",
                      "redaction")),
 )
 
