@@ -25,7 +25,7 @@ OWNER_VAR = "_PROBING_OWNER_PID"  # the pid that owns this environment's probe; 
 
 @dataclass(frozen=True)
 class Settings:
-    """``PROBING_*`` variables; the README's configuration table lists them."""
+    """``PROBING_*`` variables; docs/configuration.md lists them."""
 
     enabled: bool = False  # PROBING=1: start a probe at interpreter start
     torchrun_cluster: bool = True

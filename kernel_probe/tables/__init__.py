@@ -1,4 +1,4 @@
-"""Rank-local telemetry tables (the README's "Tables and federated SQL" lists them).
+"""Rank-local telemetry tables (docs/sql.md lists them).
 
 ``LocalTables`` keeps this rank's tables: recording is an O(1) append into a bounded
 ring (``ring.Ring``), conversion to Arrow happens only when a query asks

@@ -1,4 +1,4 @@
-"""The routes under ``<base_url>/probing/api/`` (the README's route table).
+"""The routes under ``<base_url>/probing/api/`` (docs/panel.md's route table).
 
 The handlers only translate HTTP: they read the request, call the job's client
 (``kernel_probe.client.AsyncJobClient``, whatever kind of job) and answer the ``to_dict()``
