@@ -55,13 +55,15 @@ slurm:
 	  else echo "make test needs slurmd and munged: install the Debian packages slurm-wlm and munge" >&2; \
 	    exit 1; fi; }
 
-# No processes: the sans-IO cores, the planner, differential SQL through the simulator (~2 min).
+# No processes at all (tests/support/process_guard.py holds every test to its marker): the sans-IO
+# cores, the planner, differential SQL through the simulator, the wire (under 90 s).
 test-fast: install
-	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not processes and not cluster" $(PYTEST_ARGS)
 
-# The 10-minute soak (make test runs its 60-second version): busy ranks, GIL holds, queries, polls.
+# The long versions of what make test runs short: a 10-minute soak (make test: 30 s) and a minute
+# of hostile peers, then 90 s of bursts (make test: 20 s, then 30 s of bursts).
 soak: install
-	KP_SOAK_SEC=600 $(PY) -m pytest tests/test_soak.py -s $(PYTEST_ARGS)
+	KP_SOAK_SEC=600 KP_HOSTILE_SEC=60 $(PY) -m pytest tests/test_soak.py tests/test_hostile.py -m cluster -s $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,bench]'

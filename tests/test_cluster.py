@@ -248,8 +248,8 @@ def _losses(job) -> dict[tuple[int, int], str]:
 
 def test_probe_does_not_change_training(launch, runtime_dir):
     argv = [TINY_DDP, "--steps", "6", "--step-sleep", "0.3"]
+    # both at once: the losses do not depend on timing, and each job's waits overlap the other's work
     plain = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "0"})
-    assert plain.wait(180) == [0, 0]
     probed = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "1"})
     root = root_client(120)
     m = wait_for(lambda: converged(root, 4), 60, what="convergence")
@@ -258,6 +258,7 @@ def test_probe_does_not_change_training(launch, runtime_dir):
                      what="optimizer steps seen by the probes")
     assert steps
     assert probed.wait(180) == [0, 0]
+    assert plain.wait(180) == [0, 0]
     a, b = _losses(plain), _losses(probed)
     assert len(a) == 4 * 6
     assert a == b

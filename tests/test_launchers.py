@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 import kernel_probe
+from kernel_probe._activate.solo import SOLO_DELAY_SEC
 from kernel_probe.client import Client
 from kernel_probe.shell import connfile
 from tests.support.harness import free_port
@@ -234,13 +235,16 @@ def test_processes_that_never_become_ranks_start_no_probe(start, runtime_dir, tm
     proc = start([PY, str(script), method], stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=180)
     assert out.split("\n")[:2] == ["self True", "child None"]
-    # one task of mpirun or srun that never calls init_process_group: no probe, no job
-    for env in ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
-                {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}):
-        proc = start([PY, "-c", "import sys, time; time.sleep(1.0); kp = sys.modules.get('kernel_probe');"
-                      "print(kp is not None and kp.probe() is not None)"], env=env, stdout=subprocess.PIPE, text=True)
-        out, _ = proc.communicate(timeout=60)
-        assert out.strip() == "False"
+    # one task of mpirun or srun that never calls init_process_group: no probe, no job, even well past
+    # the moment a script alone becomes a job of one (the same script without them does, the control)
+    watch = (f"import sys, time; end = time.monotonic() + {3 * SOLO_DELAY_SEC + 2}; kp = sys.modules.get('kernel_probe')\n"
+             "while time.monotonic() < end and not (kp is not None and kp.probe() is not None): time.sleep(0.05)\n"
+             "print(kp is not None and kp.probe() is not None)")
+    tasks = {"alone": {}, "mpirun": {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
+             "srun": {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}}
+    procs = {name: start([PY, "-c", watch], env=env, stdout=subprocess.PIPE, text=True) for name, env in tasks.items()}
+    outs = {name: proc.communicate(timeout=60)[0].strip() for name, proc in procs.items()}
+    assert outs == {"alone": "True", "mpirun": "False", "srun": "False"}, outs
     assert kernel_probe.job_registry().jobs() == []  # the job of one ended with its process
 
 
