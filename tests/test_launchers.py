@@ -22,7 +22,7 @@ from tests.support.harness import free_port
 
 from .conftest import PY, wait_for
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.processes  # single processes; the launches of several ranks are marked cluster
 
 WORKER = str(Path(__file__).parent / "workers" / "launch_worker.py")
 FAST = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
@@ -160,6 +160,7 @@ class JobsSeen:
         return self.pids
 
 
+@pytest.mark.cluster
 def test_mp_spawn_from_a_script(start, tmp_path, runtime_dir):
     control = tmp_path / "control"
     control.mkdir()
@@ -174,6 +175,7 @@ def test_mp_spawn_from_a_script(start, tmp_path, runtime_dir):
     assert launcher not in pids and pids == {members(root)[0]["pid"]} and seen.polls > 50, (launcher, pids)
 
 
+@pytest.mark.cluster
 def test_scripts_started_by_hand_are_jobs_of_one_until_they_become_ranks(start, tmp_path):
     control = tmp_path / "control"
     control.mkdir()
@@ -184,6 +186,7 @@ def test_scripts_started_by_hand_are_jobs_of_one_until_they_become_ranks(start, 
     check_job(control, 2, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {0: 0, 1: 0})
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("rendezvous", ["static", "standalone"])
 def test_torchrun_static_and_standalone(start, tmp_path, rendezvous):
     control = tmp_path / "control"
@@ -262,6 +265,7 @@ def test_a_job_of_one_starts_after_its_imports_and_still_dumps_on_sigterm(start,
     assert [(r["kind"], r["signal"]) for r in reason] == [("signal", "SIGTERM")]
 
 
+@pytest.mark.cluster
 def test_mpirun(start, tmp_path):
     if not shutil.which("mpirun"):
         pytest.fail("mpirun is missing: `make test` installs Debian's openmpi-bin (apt-get install openmpi-bin)")
@@ -296,6 +300,7 @@ print("started", len(context.processes))
 """
 
 
+@pytest.mark.cluster
 def test_fork_from_a_real_kernel(runtime_dir, tmp_path):
     from jupyter_client.manager import KernelManager
 
@@ -322,6 +327,7 @@ def test_fork_from_a_real_kernel(runtime_dir, tmp_path):
         km.shutdown_kernel(now=True)
 
 
+@pytest.mark.cluster
 def test_srun(start, tmp_path):
     from tests.support.slurm import LocalSlurm, SlurmUnavailable
 
@@ -346,6 +352,7 @@ def test_srun(start, tmp_path):
         slurm.close()
 
 
+@pytest.mark.cluster
 def test_mp_spawn_on_two_hosts(start, tmp_path, runtime_dir):
     """One mp.spawn script per host (network namespaces), ranks node_rank * 2 + i: nodes by host."""
     from tests.support.netns import Hosts, NetnsError
