@@ -228,6 +228,7 @@ def test_rejected_messages_are_trimmed_after_a_burst_or_at_once_past_a_threshold
 
 # --- ATTACK_SEC against a live job --------------------------------------------------------------
 
+@pytest.mark.serial  # the attacked rank's step time, before and during
 @pytest.mark.cluster
 def test_hostile_peers_against_a_live_root(launch, runtime_dir):
     job = launch([BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", "20000"], nodes=1, ranks_per_node=2, mode="plain", env=SETTINGS)
@@ -305,6 +306,7 @@ BURST_RATE = 13.3  # fresh connections a second, root and leaf together: ~400 in
 SETTLE_SEC = 3.0  # the probe gives rejected bytes' memory back once a burst is over
 
 
+@pytest.mark.serial  # RSS levels
 @pytest.mark.cluster
 def test_bursts_on_fresh_connections_leave_the_root_and_a_leafs_rss_flat(launch, runtime_dir):
     # 500 steps kept: the table is full before the level is taken, so its growth is not the traffic's

@@ -54,6 +54,7 @@ def slope_mb_per_min(samples: list[tuple[float, int]]) -> float:
     return cov / var * 60 / 2**20
 
 
+@pytest.mark.serial  # four busy ranks fill both cores
 @pytest.mark.timeout(SOAK_SEC + 240)  # the 10-minute soak outlasts the suite's 300 s per test
 def test_soak_nothing_lost(launch):
     job = launch([BUSY, "--keep", "1000", "--gil-rank", "0", "--gil-sec", str(GIL_SEC), "--gil-every", str(GIL_EVERY)],
