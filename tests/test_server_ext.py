@@ -269,6 +269,7 @@ async def test_profile_route_names_ranks_that_do_not_step_and_refuses_bad_input(
     assert status == 404 and err["code"] == "unknown_job", err
 
 
+@pytest.mark.serial  # a race with a 4-second capture
 async def test_a_second_capture_while_one_runs_is_409_and_a_capture_can_be_cancelled(api, job):
     job_id = await _local_job_id(api)
     status, state = await api("GET", "jobs", job_id, "profile")
