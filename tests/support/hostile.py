@@ -251,11 +251,12 @@ def burst_frames(kind: str, rng: random.Random, big: bytes) -> list[bytes]:
 
 def bursts(endpoints: list[str], seconds: float, kinds: tuple[str, ...] = BURST_KINDS, *, burst: int = 50,
            connections_per_sec: float = 13.3, mixed: bool = False, seed: int = 0,
-           sent: collections.Counter | None = None) -> int:
+           sent: collections.Counter | None = None, linger_ms: int = 2000) -> int:
     """For ``seconds``, bursts of ``burst`` messages of one kind (chosen at random among
     ``kinds``; ``mixed``: a kind per message), each on a fresh DEALER connection to each of
     ``endpoints``, at about ``connections_per_sec`` connections a second in all; the number
-    of connections made. ``sent`` counts the messages queued, by (endpoint, kind)."""
+    of connections made. ``sent`` counts the messages queued, by (endpoint, kind); ``linger_ms``:
+    how long a closed connection may still deliver them."""
     rng = random.Random(seed)
     big = rng.randbytes(BIG)
     ctx = zmq.Context()
@@ -264,7 +265,7 @@ def bursts(endpoints: list[str], seconds: float, kinds: tuple[str, ...] = BURST_
         while time.monotonic() - start < seconds:
             for address in endpoints:
                 sock = ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 2000)  # let the burst leave before the socket goes
+                sock.setsockopt(zmq.LINGER, linger_ms)  # let the burst leave before the socket goes
                 sock.setsockopt(zmq.SNDHWM, burst)
                 sock.setsockopt(zmq.RCVHWM, 10)  # refusals we never read
                 sock.connect(address)
