@@ -28,8 +28,14 @@ demo: install
 lab: install
 	$(PY) examples/lab.py $(LAB_ARGS)
 
+# Two workers, a test module each at a time (its shared jobs stay in one process): the jobs mostly
+# wait, so two cores run two modules at once. Then the `serial` tests, alone (latency and resource
+# bounds). Both parts always run; exit status 5 (nothing selected, e.g. PYTEST_ARGS=one file) is fine.
+TEST_WORKERS ?= 2
 test: install chromium openmpi slurm
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS); a=$$?; \
+	$(PY) -m pytest -m serial $(PYTEST_ARGS); b=$$?; \
+	for s in $$a $$b; do [ $$s -eq 0 ] || [ $$s -eq 5 ] || exit $$s; done; [ $$a -eq 0 ] || [ $$b -eq 0 ]
 
 # The browser test drives Debian's Chromium (Playwright downloads nothing): install it when missing.
 chromium:
@@ -55,13 +61,15 @@ slurm:
 	  else echo "make test needs slurmd and munged: install the Debian packages slurm-wlm and munge" >&2; \
 	    exit 1; fi; }
 
-# No processes: the sans-IO cores, the planner, differential SQL through the simulator (~2 min).
+# No processes at all (tests/support/process_guard.py holds every test to its marker): the sans-IO
+# cores, the planner, differential SQL through the simulator, the wire (under 90 s).
 test-fast: install
-	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not processes and not cluster" $(PYTEST_ARGS)
 
-# The 10-minute soak (make test runs its 60-second version): busy ranks, GIL holds, queries, polls.
+# The long versions of what make test runs short: a 10-minute soak (make test: 30 s) and a minute
+# of hostile peers, then 90 s of bursts (make test: 20 s, then 30 s of bursts).
 soak: install
-	KP_SOAK_SEC=600 $(PY) -m pytest tests/test_soak.py -s $(PYTEST_ARGS)
+	KP_SOAK_SEC=600 KP_HOSTILE_SEC=60 $(PY) -m pytest tests/test_soak.py tests/test_hostile.py -m cluster -s $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,bench]'

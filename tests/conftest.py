@@ -7,11 +7,36 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import process_guard
 from tests.support import wait_for  # noqa: F401 (the tests import it from here)
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]  # jp_fetch & co. (only a root conftest may declare it)
 
 WORKER = str(Path(__file__).parent / "workers" / "worker.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    process_guard.install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    # setup, call and teardown (module fixtures included) may start only what the marker allows
+    process_guard.allow(process_guard.level_of({m.name for m in item.iter_markers()}))
+    try:
+        yield
+    finally:
+        process_guard.allow(None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    violations = process_guard.take_violations()
+    if violations and report.passed:  # the code under test may have swallowed the error: fail anyway
+        report.outcome = "failed"
+        report.longrepr = "\n".join(violations)
 
 
 @pytest.fixture(autouse=True)

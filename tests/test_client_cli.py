@@ -17,7 +17,7 @@ from kernel_probe.shell import connfile
 
 from .conftest import wait_for, worker_argv
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.processes  # jobs of one, the CLI; the multi-rank tests are marked cluster
 CLI = [sys.executable, "-m", "kernel_probe.cli"]
 
 
@@ -97,6 +97,7 @@ def test_bad_targets_are_one_line_errors(runtime_dir):
         assert out.returncode == 1 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 
 
+@pytest.mark.cluster
 def test_store_and_tcp_targets(launch, monkeypatch):
     token = "tok-for-targets"
     job = launch(worker_argv(), nodes=1, ranks_per_node=2, mode="plain", env={"PROBING_AUTH_TOKEN": token})
@@ -116,6 +117,7 @@ def test_store_and_tcp_targets(launch, monkeypatch):
     assert out.returncode == 0 and "2 alive" in out.stdout, out.stderr
 
 
+@pytest.mark.cluster
 def test_store_target_without_token_uses_the_jobs_secret(launch):
     job = launch(worker_argv(), nodes=1, ranks_per_node=2, mode="plain")
     job.wait_ready(60)
@@ -132,6 +134,7 @@ def test_pth_hook_costs_nothing_without_probing():
     assert out.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.cluster
 def test_explicit_endpoints_without_a_store_and_file_removed_at_exit(runtime_dir):
     from tests.support.harness import free_port
 

@@ -58,6 +58,7 @@ def rank_client(root: Client, endpoint: str) -> Client:
 
 
 # --- 1 ----------------------------------------------------------------------------------
+@pytest.mark.serial  # a latency bound
 def test_two_nodes_converge_at_default_intervals(launch):
     job = launch(worker_argv(), nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING_ROLE": "trainer"})
     pids = job.wait_ready(90)
@@ -89,6 +90,7 @@ def test_two_nodes_converge_at_default_intervals(launch):
 
 
 # --- 2 ----------------------------------------------------------------------------------
+@pytest.mark.serial  # a latency bound
 def test_set_role_reaches_root_within_a_second(launch, tmp_path):
     control = tmp_path / "control"
     control.mkdir()
@@ -107,6 +109,7 @@ def test_set_role_reaches_root_within_a_second(launch, tmp_path):
 
 
 # --- 3 ----------------------------------------------------------------------------------
+@pytest.mark.serial  # a latency bound
 def test_killed_leaf_is_dead_fast_then_removed(launch):
     job, root, view = running_job(launch, 2, 2, mode="plain")
     victim = next(r for r, m in view.items() if m["tier"] == "leaf" and m["node"] == 1)
@@ -129,6 +132,7 @@ def test_killed_leaf_is_dead_fast_then_removed(launch):
     assert all(m["state"] == "alive" for m in members(root).values())
 
 
+@pytest.mark.serial  # a latency bound
 def test_torchrun_worker_death_and_job_end(launch):
     job, root, view = running_job(launch, 2, 2, mode="torchrun")
     conn_path = root.connection.path
@@ -161,6 +165,7 @@ def test_torchrun_worker_death_and_job_end(launch):
 
 
 # --- 4 ----------------------------------------------------------------------------------
+@pytest.mark.serial  # a latency bound
 def test_frozen_leaf_goes_dead_after_one_ttl_and_comes_back(launch):
     job, root, view = running_job(launch, 2, 2, mode="plain")
     victim = next(r for r, m in view.items() if m["tier"] == "leaf" and m["node"] == 1)
@@ -248,8 +253,8 @@ def _losses(job) -> dict[tuple[int, int], str]:
 
 def test_probe_does_not_change_training(launch, runtime_dir):
     argv = [TINY_DDP, "--steps", "6", "--step-sleep", "0.3"]
+    # both at once: the losses do not depend on timing, and each job's waits overlap the other's work
     plain = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "0"})
-    assert plain.wait(180) == [0, 0]
     probed = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "1"})
     root = root_client(120)
     m = wait_for(lambda: converged(root, 4), 60, what="convergence")
@@ -258,6 +263,7 @@ def test_probe_does_not_change_training(launch, runtime_dir):
                      what="optimizer steps seen by the probes")
     assert steps
     assert probed.wait(180) == [0, 0]
+    assert plain.wait(180) == [0, 0]
     a, b = _losses(plain), _losses(probed)
     assert len(a) == 4 * 6
     assert a == b

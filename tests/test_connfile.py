@@ -142,6 +142,7 @@ def test_is_alive_self():
     assert connfile.is_alive(make_info())
 
 
+@pytest.mark.processes
 def test_is_alive_dead_pid():
     pid, ct = dead_pid()
     assert not connfile.is_alive(make_info(pid=pid, create_time=ct))
@@ -153,6 +154,7 @@ def test_is_alive_wrong_create_time():
     assert connfile.is_alive(make_info(create_time=me + 0.5))  # within 1 s slack
 
 
+@pytest.mark.processes
 def test_is_alive_by_start_ticks_whatever_the_wall_clock_did():
     # a VM paused or forked, or NTP stepping the clock, moves boot time and with it every
     # create time computed from it: the start ticks since boot do not move
@@ -169,6 +171,7 @@ def test_is_alive_by_start_ticks_whatever_the_wall_clock_did():
     assert ConnectionInfo.from_dict(dict(info.to_dict(), pid_start_ticks="x")).pid_start_ticks is None
 
 
+@pytest.mark.processes
 def test_is_alive_zombie():
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -184,11 +187,13 @@ def test_is_alive_zombie():
         p.wait()
 
 
+@pytest.mark.processes
 def test_other_host_counts_as_alive():
     pid, ct = dead_pid()
     assert connfile.is_alive(make_info(pid=pid, create_time=ct, host="some-other-host.invalid"))
 
 
+@pytest.mark.processes
 def test_newest_alive_and_prune(tmp_path: Path):
     assert connfile.newest_alive(tmp_path) is None
     now = time.time()

@@ -258,6 +258,7 @@ def test_publish_after_silent_restart():
         gc.collect()
 
 
+@pytest.mark.processes
 def test_import_does_not_import_torch():
     code = (
         "import sys, kernel_probe.shell.discovery as d;"

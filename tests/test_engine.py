@@ -38,6 +38,7 @@ def empty_cwd(tmp_path, monkeypatch) -> Path:
     return d
 
 
+@pytest.mark.processes
 def test_import_is_lazy():
     code = (
         "import sys, kernel_probe.sql.engine as m\n"
@@ -450,6 +451,7 @@ time.sleep(float(sys.argv[1]))
 DUCKDB_1X = Path(sys.prefix) / "duckdb-1x"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("duckdb_build", ["ours", "1.x"])
 def test_a_process_exiting_while_queries_run_exits_cleanly(tmp_path, duckdb_build):
     """Exit while worker threads are inside DuckDB (binding a table calls back into Python):

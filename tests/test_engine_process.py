@@ -23,6 +23,8 @@ from kernel_probe.tables import LocalTables, arrow_ipc
 
 from .conftest import engine_processes, wait_for
 
+pytestmark = pytest.mark.processes  # starts processes: see tests/support/process_guard.py
+
 TAGS = {"_rank": 0, "_node": 0, "_host": "h", "_local_rank": 0, "_role": "trainer"}
 SQL = [
     "SELECT count(*) AS n, avg(loss) AS l, stddev(loss) AS d FROM steps",

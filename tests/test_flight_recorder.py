@@ -10,6 +10,7 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
 
 from kernel_probe.tables.readers import flight_recorder as fr
 from kernel_probe.tables.convert import SCHEMAS
@@ -217,6 +218,7 @@ def test_an_empty_recorder_that_is_off_says_so(monkeypatch):
     assert fr.read(10, environ={}) == fr.Recorded([], [], None)  # on, nothing recorded yet: no note
 
 
+@pytest.mark.processes
 def test_a_rank_with_the_recorder_off_gets_empty_tables_and_a_note(tmp_path):
     """A real gloo group in a process started with TORCH_FR_BUFFER_SIZE=0: the Python rows stay,
     the flight recorder's tables are empty, and the catalog says why."""
@@ -244,6 +246,7 @@ dist.destroy_process_group()
     assert got["notes"]["steps"] is None and got["notes"]["tables"] is None
 
 
+@pytest.mark.processes
 def test_this_process_recorder_is_read_only_when_torch_is_loaded():
     """A rank that never loaded torch reads nothing and imports nothing of it."""
     code = ("import sys\nfrom kernel_probe.tables.readers import flight_recorder as fr\n"

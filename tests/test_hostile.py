@@ -1,4 +1,5 @@
-"""Hostile peers: a minute of bad messages against a live job's root.
+"""Hostile peers: bad messages against a live job's root (20 s in ``make test``; a minute with
+KP_HOSTILE_SEC=60, as ``make soak`` runs it).
 
 Random frames, replayed signed frames, truncated multipart messages, oversized messages,
 a flood of a few hundred connections (some sending 2 MB frames), valid-looking queries
@@ -7,13 +8,16 @@ with a wrong key, stale timestamps. Every bad message is counted in the root's `
 beyond the bound, heartbeats and queries keep working, the root's RSS grows <= 10 MiB.
 Also the wire rule that makes the RSS bound hold: no frame over 1 MiB (longer parts split).
 And as a new user would try it on a torchrun job: bursts of 50 bad messages, each on a fresh
-connection, against the root and a leaf for 90 s: their RSS after 30 s and after 90 s stays
-within the bound, so it does not grow with the duration.
+connection, against the root and a leaf for 1.5 x KP_HOSTILE_SEC: each counts every message that
+reached it, and their RSS after a third and after all of it stays within the bound, so it does not
+grow with the duration.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import os
 import statistics
 import threading
 import time
@@ -28,6 +32,7 @@ from kernel_probe import wire
 from kernel_probe.effects import PARENT, Send
 from kernel_probe.interpreter import RankShell
 from kernel_probe.shell import endpoint
+from kernel_probe.client import Client
 from kernel_probe.shell.endpoint import MAX_BATCH, REFUSALS_PER_SEC, MemoryTrim, RankEndpoint, RefusalLimit
 from kernel_probe.stimuli import MessageIn, SendFailed
 from tests.support.hostile import HostilePeer, bursts, root_and_leaf
@@ -35,8 +40,8 @@ from tests.support.hostile import HostilePeer, bursts, root_and_leaf
 from .conftest import wait_for
 
 BUSY = str(Path(__file__).parent / "workers" / "busy_worker.py")
-ATTACK_SEC = 60.0
-BASELINE_SEC = 8.0
+ATTACK_SEC = float(os.environ.get("KP_HOSTILE_SEC", "20"))  # make soak: 60
+BASELINE_SEC = 5.0
 # short TTL: a probe kept from its heartbeats for 4 s would show a dead rank
 SETTINGS = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "1",
             "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5", "PROBING_SAMPLE_INTERVAL_SEC": "0.25"}
@@ -221,10 +226,11 @@ def test_rejected_messages_are_trimmed_after_a_burst_or_at_once_past_a_threshold
     assert trims == [0, 0, 0] and trim.rejected_messages == 0
 
 
-# --- a minute against a live job --------------------------------------------------------------
+# --- ATTACK_SEC against a live job --------------------------------------------------------------
 
+@pytest.mark.serial  # the attacked rank's step time, before and during
 @pytest.mark.cluster
-def test_a_minute_of_hostile_peers(launch, runtime_dir):
+def test_hostile_peers_against_a_live_root(launch, runtime_dir):
     job = launch([BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", "20000"], nodes=1, ranks_per_node=2, mode="plain", env=SETTINGS)
     job.wait_ready(60)
     client = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
@@ -300,6 +306,7 @@ BURST_RATE = 13.3  # fresh connections a second, root and leaf together: ~400 in
 SETTLE_SEC = 3.0  # the probe gives rejected bytes' memory back once a burst is over
 
 
+@pytest.mark.serial  # RSS levels
 @pytest.mark.cluster
 def test_bursts_on_fresh_connections_leave_the_root_and_a_leafs_rss_flat(launch, runtime_dir):
     # 500 steps kept: the table is full before the level is taken, so its growth is not the traffic's
@@ -320,9 +327,13 @@ def test_bursts_on_fresh_connections_leave_the_root_and_a_leafs_rss_flat(launch,
     assert client.query(query, timeout=10).coverage["answered"] == everyone
     level = rss()  # the level after a query made before the traffic
     growth, made, elapsed = [], 0, 0.0
-    for seconds in (30.0, 60.0):  # 30 s of bursts, then 60 s more: the figures after 30 and after 90 s
+    key = bytes.fromhex(json.loads(next(runtime_dir.glob("*.json")).read_text())["key"])
+    probes = {"root": client, "leaf": Client(leaf["endpoint"], key, run_id=client.run_id)}
+    assert [probes[who].info(timeout=5)["rejected"] for who in probes] == [{}, {}]
+    sent: collections.Counter = collections.Counter()
+    for seconds in (ATTACK_SEC / 2, ATTACK_SEC):  # then the figures after a third and after all of it
         made += bursts([root["endpoint"], leaf["endpoint"]], seconds, connections_per_sec=BURST_RATE,
-                       seed=int(seconds))
+                       seed=int(seconds), sent=sent, linger_ms=10_000)
         elapsed += seconds
         answer = wait_for(lambda: client.query(query, timeout=10), 30, interval=0.5, what="a query after the bursts")
         assert answer.coverage["answered"] == everyone and not answer.coverage["partial"]
@@ -332,7 +343,21 @@ def test_bursts_on_fresh_connections_leave_the_root_and_a_leafs_rss_flat(launch,
         growth.append((elapsed, [a - b for a, b in zip(after, level)]))
         print(f"\n{elapsed:.0f} s of bursts, {made} connections: RSS root {level[0]:.1f} -> {after[0]:.1f} MiB, "
               f"leaf {level[1]:.1f} -> {after[1]:.1f} MiB")
-        assert made >= elapsed * BURST_RATE * 0.5  # the bursts really came, even on a loaded machine
-    for elapsed, mib in growth:  # the same bound after 30 and after 90 s: it does not grow with the duration
+        assert made >= elapsed * BURST_RATE * 0.4  # the bursts really came, even on a loaded machine
+        for who, row in (("root", root), ("leaf", leaf)):  # the messages that reached the probe are counted
+            # a burst of 2 MiB frames is cut off by ZeroMQ before the probe sees it; of the others, a
+            # loaded sender may drop a few whose socket's linger ran out (the exact count: the
+            # in-process endpoint test above)
+            sent_here = sum(n for (address, kind), n in sent.items() if address == row["endpoint"] and kind != "big")
+            deadline, counted = time.monotonic() + 30, {}
+            while time.monotonic() < deadline and sum(counted.values()) < 0.9 * sent_here:
+                counted = probes[who].info(timeout=5)["rejected"]
+                time.sleep(0.5)
+            assert sum(counted.values()) >= 0.9 * sent_here, (who, counted, sent_here)
+            assert sum(counted.values()) <= sent_here and set(counted) <= {"malformed", "bad_signature", "oversized"}, \
+                (who, counted, sent_here)
+            assert {"malformed", "bad_signature"} <= set(counted), (who, counted)
+    for elapsed, mib in growth:  # the same bound after a third and after all of it: it does not grow with the duration
         for who, g in zip(("root", "leaf"), mib):
             assert g <= RSS_GROWTH_MAX_MIB, f"{who} +{g:.1f} MiB after {elapsed:.0f} s of bursts"
+    probes["leaf"].close()

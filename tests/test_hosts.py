@@ -131,6 +131,7 @@ def host_ranks(last: dict) -> dict[str, list[int]]:
     return out
 
 
+@pytest.mark.serial  # a latency bound
 def test_clients_in_two_namespaces_and_store_target_as_typed(cluster):
     net, job, runtime = cluster
     # the root's namespace: the CLI finds the job by its connection file and shows the store:// to copy

@@ -166,11 +166,13 @@ def _loaded_after(code: str) -> set[str]:
     ("import kernel_probe.frontend", ()),  # what the front ends share: no data libraries either
     ("from kernel_probe.sql.planner import Plan", ()),  # a rank decoding a plan: no sqlglot
 ])
+@pytest.mark.processes
 def test_entry_points_import_only_what_they_need(code: str, allowed: tuple[str, ...]) -> None:
     heavy = {m for m in HEAVY if m not in allowed} & _loaded_after(code)
     assert not heavy, f"{code!r} imported {sorted(heavy)}"
 
 
+@pytest.mark.processes
 def test_a_started_probe_loads_no_query_code_until_asked(tmp_path) -> None:
     # memory before any client (issue 9, point 4): the executor, its caches and what only a
     # query or a memory trim needs come later

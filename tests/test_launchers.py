@@ -15,13 +15,14 @@ import psutil
 import pytest
 
 import kernel_probe
+from kernel_probe._activate.solo import SOLO_DELAY_SEC
 from kernel_probe.client import Client
 from kernel_probe.shell import connfile
 from tests.support.harness import free_port
 
 from .conftest import PY, wait_for
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.processes  # single processes; the launches of several ranks are marked cluster
 
 WORKER = str(Path(__file__).parent / "workers" / "launch_worker.py")
 FAST = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
@@ -159,6 +160,7 @@ class JobsSeen:
         return self.pids
 
 
+@pytest.mark.cluster
 def test_mp_spawn_from_a_script(start, tmp_path, runtime_dir):
     control = tmp_path / "control"
     control.mkdir()
@@ -173,6 +175,7 @@ def test_mp_spawn_from_a_script(start, tmp_path, runtime_dir):
     assert launcher not in pids and pids == {members(root)[0]["pid"]} and seen.polls > 50, (launcher, pids)
 
 
+@pytest.mark.cluster
 def test_scripts_started_by_hand_are_jobs_of_one_until_they_become_ranks(start, tmp_path):
     control = tmp_path / "control"
     control.mkdir()
@@ -183,6 +186,7 @@ def test_scripts_started_by_hand_are_jobs_of_one_until_they_become_ranks(start, 
     check_job(control, 2, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {0: 0, 1: 0})
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("rendezvous", ["static", "standalone"])
 def test_torchrun_static_and_standalone(start, tmp_path, rendezvous):
     control = tmp_path / "control"
@@ -234,13 +238,16 @@ def test_processes_that_never_become_ranks_start_no_probe(start, runtime_dir, tm
     proc = start([PY, str(script), method], stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=180)
     assert out.split("\n")[:2] == ["self True", "child None"]
-    # one task of mpirun or srun that never calls init_process_group: no probe, no job
-    for env in ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
-                {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}):
-        proc = start([PY, "-c", "import sys, time; time.sleep(1.0); kp = sys.modules.get('kernel_probe');"
-                      "print(kp is not None and kp.probe() is not None)"], env=env, stdout=subprocess.PIPE, text=True)
-        out, _ = proc.communicate(timeout=60)
-        assert out.strip() == "False"
+    # one task of mpirun or srun that never calls init_process_group: no probe, no job, even well past
+    # the moment a script alone becomes a job of one (the same script without them does, the control)
+    watch = (f"import sys, time; end = time.monotonic() + {3 * SOLO_DELAY_SEC + 2}; kp = sys.modules.get('kernel_probe')\n"
+             "while time.monotonic() < end and not (kp is not None and kp.probe() is not None): time.sleep(0.05)\n"
+             "print(kp is not None and kp.probe() is not None)")
+    tasks = {"alone": {}, "mpirun": {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
+             "srun": {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}}
+    procs = {name: start([PY, "-c", watch], env=env, stdout=subprocess.PIPE, text=True) for name, env in tasks.items()}
+    outs = {name: proc.communicate(timeout=60)[0].strip() for name, proc in procs.items()}
+    assert outs == {"alone": "True", "mpirun": "False", "srun": "False"}, outs
     assert kernel_probe.job_registry().jobs() == []  # the job of one ended with its process
 
 
@@ -258,6 +265,7 @@ def test_a_job_of_one_starts_after_its_imports_and_still_dumps_on_sigterm(start,
     assert [(r["kind"], r["signal"]) for r in reason] == [("signal", "SIGTERM")]
 
 
+@pytest.mark.cluster
 def test_mpirun(start, tmp_path):
     if not shutil.which("mpirun"):
         pytest.fail("mpirun is missing: `make test` installs Debian's openmpi-bin (apt-get install openmpi-bin)")
@@ -292,6 +300,7 @@ print("started", len(context.processes))
 """
 
 
+@pytest.mark.cluster
 def test_fork_from_a_real_kernel(runtime_dir, tmp_path):
     from jupyter_client.manager import KernelManager
 
@@ -318,6 +327,7 @@ def test_fork_from_a_real_kernel(runtime_dir, tmp_path):
         km.shutdown_kernel(now=True)
 
 
+@pytest.mark.cluster
 def test_srun(start, tmp_path):
     from tests.support.slurm import LocalSlurm, SlurmUnavailable
 
@@ -342,6 +352,7 @@ def test_srun(start, tmp_path):
         slurm.close()
 
 
+@pytest.mark.cluster
 def test_mp_spawn_on_two_hosts(start, tmp_path, runtime_dir):
     """One mp.spawn script per host (network namespaces), ranks node_rank * 2 + i: nodes by host."""
     from tests.support.netns import Hosts, NetnsError

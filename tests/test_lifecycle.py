@@ -120,6 +120,7 @@ def test_restart_notice_text():
 # ---------------------------------------------------------------- the one root-liveness rule
 
 
+@pytest.mark.processes
 def test_root_alive_by_pid(monkeypatch):
     import psutil
 

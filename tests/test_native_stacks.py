@@ -66,6 +66,7 @@ def test_the_reason_is_one_line():
     assert native_stacks.refusal_note(3, "", None) == "native stacks unavailable: py-spy exited with 3"
 
 
+@pytest.mark.processes
 def test_a_real_dump_shows_a_sleeping_threads_c_frames():
     ready = threading.Event()
 
@@ -88,6 +89,7 @@ def test_a_real_dump_shows_a_sleeping_threads_c_frames():
     assert where[0] > 0
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("body, says", [
     ("echo 'Error: Permission Denied' >&2; exit 1", "ptrace refused by the OS"),
     ("sleep 30", "took longer than 0.5 s"),
@@ -132,6 +134,7 @@ def test_plain_stacks_never_run_py_spy(monkeypatch):
     assert with_native_stacks(object) is object  # an engine process's tables: nothing to trace
 
 
+@pytest.mark.processes
 def test_a_native_scan_is_not_quick_and_carries_its_option():
     from kernel_probe.shell.sql_tasks.routing import Facts
     from kernel_probe.shell.sql_tasks.work import SqlWork, TaskOptions
@@ -184,6 +187,7 @@ def test_the_live_rows_say_python():
     assert os.getpid() > 0
 
 
+@pytest.mark.processes
 def test_under_yama_the_child_waits_until_named_tracer(monkeypatch):
     # Yama's scope 1 (Ubuntu): the child starts py-spy only once this process named it its tracer
     monkeypatch.setattr(native_stacks, "yama_scope", lambda path=native_stacks.YAMA_SCOPE: 1)
@@ -195,6 +199,7 @@ def test_under_yama_the_child_waits_until_named_tracer(monkeypatch):
     assert any(t.thread_id == threading.main_thread().ident for t in dump.threads)
 
 
+@pytest.mark.processes
 def test_a_dump_bigger_than_a_pipe_comes_whole():
     # many threads, deep stacks: a dump far bigger than a pipe's buffer, read whole
     stop = threading.Event()

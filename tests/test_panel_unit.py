@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes  # starts processes: see tests/support/process_guard.py
+
 LAB = Path(__file__).resolve().parent.parent / "labextension"
 
 

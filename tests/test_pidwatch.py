@@ -52,6 +52,7 @@ def wait_zombie(pid: int) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.processes
 def test_normal_exit_reported_once(procs):
     w = PidWatch()
     short = procs([sys.executable, "-c", "pass"])
@@ -64,6 +65,7 @@ def test_normal_exit_reported_once(procs):
     assert "short" not in w and len(w) == 2
 
 
+@pytest.mark.processes
 def test_sigkill_reaped_and_unreaped(procs):
     w = PidWatch()
     a, b = procs(), procs()
@@ -78,6 +80,7 @@ def test_sigkill_reaped_and_unreaped(procs):
     assert w.poll() == []
 
 
+@pytest.mark.processes
 def test_already_gone_at_watch(procs):
     p = procs([sys.executable, "-c", "pass"])
     p.wait()
@@ -86,6 +89,7 @@ def test_already_gone_at_watch(procs):
     assert w.poll() == [7]
 
 
+@pytest.mark.processes
 def test_zombie_at_watch(procs):
     p = procs()
     p.kill()
@@ -95,6 +99,7 @@ def test_zombie_at_watch(procs):
     assert w.poll() == [8]
 
 
+@pytest.mark.processes
 def test_unwatch(procs):
     w = PidWatch()
     p = procs()
@@ -107,6 +112,7 @@ def test_unwatch(procs):
     assert len(w) == 0
 
 
+@pytest.mark.processes
 def test_rewatch_replaces(procs):
     w = PidWatch()
     a, b = procs(), procs()
@@ -120,6 +126,7 @@ def test_rewatch_replaces(procs):
     assert w.poll() == ["k"]
 
 
+@pytest.mark.processes
 def test_pid_reuse_counts_as_exited(procs):
     # Pretend the pid now belongs to another process by faking the remembered start.
     w = PidWatch()
@@ -130,6 +137,7 @@ def test_pid_reuse_counts_as_exited(procs):
     assert w.poll() == ["r"]
 
 
+@pytest.mark.processes
 def test_psutil_fallback(procs, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(pidwatch, "USE_PROC", False)
     w = PidWatch()
@@ -158,6 +166,7 @@ def test_poll_is_cheap():
     assert time.perf_counter() - t0 < 0.002 * max(len(pids), 1) + 0.05
 
 
+@pytest.mark.processes
 def test_create_time_is_psutils_without_psutil(procs, monkeypatch: pytest.MonkeyPatch):
     """The root's connection file records its start as psutil would (clients compare the two
     with psutil), read from /proc so that a rank need not import psutil."""

@@ -68,6 +68,7 @@ def test_the_executor_types_the_planners_tags_in_order() -> None:
     assert tuple(TAG_TYPES) == TAGS
 
 
+@pytest.mark.processes
 def test_a_probe_loads_no_planner_until_asked() -> None:
     code = ("import sys, kernel_probe.shell.probe_thread\n"
             "print(sorted(m for m in sys.modules if m.startswith(('kernel_probe.sql.', 'sqlglot'))))")
@@ -378,6 +379,7 @@ def test_from_dict_validates() -> None:
     assert TAGS == ("_rank", "_node", "_host", "_local_rank", "_role")
 
 
+@pytest.mark.processes
 def test_imports_stay_light() -> None:
     code = ("import sys, kernel_probe.sql.execute, kernel_probe.sql.planner as p;"
             "p.Plan.from_dict({'mode': 'ship-rows', 'scans': [], 'final': 'SELECT 1'});"

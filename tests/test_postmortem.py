@@ -118,6 +118,7 @@ def test_a_newer_format_is_refused_and_a_fatal_signal_answers_its_traceback(tmp_
     assert "newer than this reader" in r.coverage["failed"]["1"]
 
 
+@pytest.mark.processes
 def test_dump_targets_from_the_command_line(tmp_path):
     import pyarrow as pa
 
@@ -162,6 +163,7 @@ def _job_of_one(tmp_path: Path) -> Path:
     return run
 
 
+@pytest.mark.processes
 def test_sigterm_runs_the_applications_own_handler_after_the_dump(tmp_path):
     script = _script(tmp_path, f"""
         def mine(signum, frame):
@@ -180,6 +182,7 @@ def test_sigterm_runs_the_applications_own_handler_after_the_dump(tmp_path):
     assert [(r["kind"], r["signal"]) for r in reason] == [("signal", "SIGTERM")]
 
 
+@pytest.mark.processes
 def test_sigterm_by_default_still_kills_and_sigint_dumps_only_an_uncaught_interrupt(tmp_path):
     script = _script(tmp_path, """
         print("ready", flush=True)
@@ -207,6 +210,7 @@ def test_sigterm_by_default_still_kills_and_sigint_dumps_only_an_uncaught_interr
     assert not list((caught / "dumps").rglob("rank0")), "an interrupt the application caught is no end"
 
 
+@pytest.mark.processes
 def test_a_dump_that_cannot_finish_does_not_hold_the_exit(tmp_path):
     script = _script(tmp_path, """
         kernel_probe.table("stuck", lambda: time.sleep(600))
@@ -234,6 +238,7 @@ def test_a_dump_that_cannot_finish_does_not_hold_the_exit(tmp_path):
     c.close()
 
 
+@pytest.mark.processes
 def test_a_threads_exception_dumps_once_and_a_fatal_signal_leaves_its_traceback(tmp_path):
     script = _script(tmp_path, """
         import threading

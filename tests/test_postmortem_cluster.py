@@ -82,7 +82,12 @@ def _oracle(run: Path, sql: str):
         engine.close()
 
 
-def test_a_rank_raising_leaves_every_ranks_dump(launch, tmp_path):
+@pytest.fixture
+def jp_server_config():
+    return {"ServerApp": {"jpserver_extensions": {"probing_magics": True}}}
+
+
+async def test_a_rank_raising_leaves_every_ranks_dump(launch, tmp_path, jp_fetch, jp_web_app):
     from tests.support.differential import assert_same
 
     job, dumps, flags = _start(launch, tmp_path, "--raise-rank", "1", "--user-handler-rank", "2")
@@ -122,6 +127,22 @@ def test_a_rank_raising_leaves_every_ranks_dump(launch, tmp_path):
     assert [(k, list(r)) for k, r in zip(verdict.findings["kind"], verdict.findings["ranks"])][:2] == \
         [("failed", [1]), ("stopped", [0, 2])]
     c.close()
+
+    # the REST route over the same dumps (the panel's ended job): the same culprit and reason
+    from probing_magics.server import STATE_KEY
+
+    try:
+        resp = await jp_fetch("probing", "api", "jobs", method="POST", body=json.dumps({"target": f"dump://{dumps}"}))
+        added = json.loads(resp.body)
+        resp = await jp_fetch("probing", "api", "jobs", added["id"], "diagnose", method="GET", request_timeout=60)
+        body = json.loads(resp.body)
+    finally:
+        clients = jp_web_app.settings.get(STATE_KEY)
+        if clients is not None:  # closed while this server's event loop is alive
+            clients.close()
+    assert body["healthy"] is False and body["summary"] == verdict.summary, body
+    assert body["summary"].startswith("Rank 1 raised RuntimeError: rank 1 gives up at step 49; "), body
+    assert [(f["kind"], f["ranks"]) for f in body["findings"]][:2] == [("failed", [1]), ("stopped", [0, 2])], body
 
 
 def test_a_rank_killed_leaves_no_dump_and_coverage_says_so(launch, tmp_path):

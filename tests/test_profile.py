@@ -118,6 +118,7 @@ def test_trace_events_are_bounded_and_in_epoch_microseconds():
     assert rows[0][4] == 1_000_000_000.0 + 10.0 and rows[0][5] == 2.0 and rows[0][6] == "1/5"
 
 
+@pytest.mark.processes
 def test_nothing_runs_while_no_capture_is_asked():
     code = textwrap.dedent("""
         import sys

@@ -192,6 +192,7 @@ def test_memory_samples_on_its_period():
 
 
 
+@pytest.mark.serial  # this process's CPU share while it spins: another test's load lowers it
 def test_memory_samples_agree_with_psutil():
     import psutil
 
@@ -423,6 +424,7 @@ def _prints_ok_in_a_fresh_python(code: str) -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.processes
 def test_importing_and_recording_loads_no_pyarrow_pandas_or_torch():
     code = (
         "import sys\n"
@@ -438,6 +440,7 @@ def test_importing_and_recording_loads_no_pyarrow_pandas_or_torch():
     _prints_ok_in_a_fresh_python(code)
 
 
+@pytest.mark.processes
 def test_query_time_conversion_loads_no_pandas():
     """pyarrow's pa.array imports pandas (~40 MB per rank): every built-in table, logged
     metrics and a list-of-dicts user table convert without it; and without psutil, which

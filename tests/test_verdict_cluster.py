@@ -21,6 +21,13 @@ FAST = {"PROBING_CLUSTER_STALE_SEC": "6", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": 
         "PROBING_SAMPLE_INTERVAL_SEC": "0.25", "OMP_NUM_THREADS": "1"}
 
 
+def _names_rank(ranks_text: str, rank: int) -> bool:
+    """Whether ``ranks_text`` ("ranks 0-3", "ranks 0,3", "rank 3)") includes ``rank``."""
+    from kernel_probe.rank_lists import parse_ranks
+
+    return rank in parse_ranks(ranks_text.split(")")[0].removeprefix("ranks ").removeprefix("rank "))
+
+
 def _verdict(root, kind: str, min_wait: float = 1.0, where: str = ""):
     """The first verdict with a ``kind`` finding whose detail has ``where`` (a rank slow to start
     is missing from DDP's first collective for a moment on this busy machine)."""
@@ -108,9 +115,12 @@ async def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mism
     (found,) = [f for f in body["findings"] if f["kind"] == "mismatch"]
     assert (found["ranks"], found["group"], found["seq"]) == ([3], "0", int(row["seq"]))
     assert set(body) >= {"summary", "findings", "checked", "coverage", "now"}
-    # ?native=1: C/C++ frames too (py-spy on each rank; a rank it could not read in time keeps its Python place)
-    assert [f["ranks"] for f in native_body["findings"] if f["kind"] == "mismatch"] == [[3]], native_body
-    assert any("(native frames of " in line for line in native_body["checked"]), native_body
+    # ?native=1: C/C++ frames too (py-spy on each rank), the culprit's own native place among them
+    (native,) = [f for f in native_body["findings"] if f["kind"] == "mismatch"]
+    assert native["ranks"] == [3] and "[native: " in native["detail"] + native["evidence"], native_body
+    (stacks_line,) = [line for line in native_body["checked"] if line.startswith("main-thread stacks of ")]
+    assert "(native frames of " in stacks_line and _names_rank(stacks_line.split("(native frames of ")[1], 3), \
+        native_body["checked"]
     assert (bad.code, unknown.code, refused.code) == (400, 404, 403)
 
     # the magic: HTML with the sentence on top, then the findings table; text in a terminal

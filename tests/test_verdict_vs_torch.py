@@ -14,9 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kernel_probe.diagnosis import verdict as v
 
 from .test_verdict import alive, captured
+
+pytestmark = pytest.mark.processes  # starts processes: see tests/support/process_guard.py
 
 DATA = Path(__file__).parent / "data" / "flight_recorder"
 

@@ -30,6 +30,8 @@ from typing import IO, Any, Callable
 
 import psutil
 
+from tests.support import process_guard
+
 __all__ = ["LocalJob", "free_port"]
 
 # Variables a launcher sets for its workers; stripped from the inherited environment
@@ -154,6 +156,7 @@ class LocalJob:
         """Start the agents (torchrun) or the workers (plain). Returns self."""
         if self._started:
             raise RuntimeError("job already started")
+        process_guard.job_allowed(self.world_size)  # under pytest: a job of several ranks needs the cluster marker
         self._started = True
         try:
             if self.mode == "plain":

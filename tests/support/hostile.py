@@ -250,11 +250,13 @@ def burst_frames(kind: str, rng: random.Random, big: bytes) -> list[bytes]:
 
 
 def bursts(endpoints: list[str], seconds: float, kinds: tuple[str, ...] = BURST_KINDS, *, burst: int = 50,
-           connections_per_sec: float = 13.3, mixed: bool = False, seed: int = 0) -> int:
+           connections_per_sec: float = 13.3, mixed: bool = False, seed: int = 0,
+           sent: collections.Counter | None = None, linger_ms: int = 2000) -> int:
     """For ``seconds``, bursts of ``burst`` messages of one kind (chosen at random among
     ``kinds``; ``mixed``: a kind per message), each on a fresh DEALER connection to each of
     ``endpoints``, at about ``connections_per_sec`` connections a second in all; the number
-    of connections made."""
+    of connections made. ``sent`` counts the messages queued, by (endpoint, kind); ``linger_ms``:
+    how long a closed connection may still deliver them."""
     rng = random.Random(seed)
     big = rng.randbytes(BIG)
     ctx = zmq.Context()
@@ -263,16 +265,19 @@ def bursts(endpoints: list[str], seconds: float, kinds: tuple[str, ...] = BURST_
         while time.monotonic() - start < seconds:
             for address in endpoints:
                 sock = ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 2000)  # let the burst leave before the socket goes
+                sock.setsockopt(zmq.LINGER, linger_ms)  # let the burst leave before the socket goes
                 sock.setsockopt(zmq.SNDHWM, burst)
                 sock.setsockopt(zmq.RCVHWM, 10)  # refusals we never read
                 sock.connect(address)
                 kind = rng.choice(kinds)
                 for _ in range(burst):
+                    one = rng.choice(kinds) if mixed else kind
                     try:
-                        sock.send_multipart(burst_frames(rng.choice(kinds) if mixed else kind, rng, big), zmq.NOBLOCK)
+                        sock.send_multipart(burst_frames(one, rng, big), zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    if sent is not None:
+                        sent[address, one] += 1
                 sock.close()
                 made += 1
             time.sleep(max(0.0, start + made / connections_per_sec - time.monotonic()))
