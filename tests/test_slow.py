@@ -202,3 +202,17 @@ def test_communication_slow_on_one_host():
     report = slow.analyse(steps, [])
     (f,) = report.findings
     assert f.kind == "communication" and f.ranks == (2, 3) and "host h1" in f.detail
+
+
+def test_a_rank_that_computes_more_on_a_loaded_host_is_a_compute_straggler():
+    # it also waits for a CPU more than the others (it wants more of it), but its extra time is CPU time
+    steps, colls = ddp_job(slow_ranks=(3,))
+    host = [{"_rank": r, "_host": HOSTS[r], "run_delay_pct": 60.0 if r == 3 else 2.0} for r in range(4)]
+    (f,) = stragglers(slow.analyse(steps, colls, host=host))
+    assert "forward takes" in f.detail and "CPU time +60 ms" in f.evidence and "waits for a CPU" not in f.detail
+
+
+def test_extra_time_off_the_cpu_without_the_run_queue_is_named_by_its_phase_only():
+    steps, colls = ddp_job(slow_ranks=(3,), cpu_follows=False)
+    (f,) = stragglers(slow.analyse(steps, colls))
+    assert "off the CPU (blocked or sleeping" in f.detail and "cause not measured" not in f.detail

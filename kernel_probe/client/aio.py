@@ -248,7 +248,11 @@ class AsyncClient(ClientState):
             self.query(diagnosis.STACKS_SQL, timeout=timeout, native=native))
         asked = diagnosis.entries_query(groups.df.to_dict("records"))
         entries = None if asked is None else await self.query(asked[0], timeout=timeout, params=asked[1])
-        return diagnosis.build(members, groups, entries, stacks, now, min_wait)
+        result = diagnosis.build(members, groups, entries, stacks, now, min_wait)
+        if result.healthy:  # no hang: why is it slow
+            slow = await profiles.drive_async(diagnosis.slow_evidence(now, timeout), self)
+            result = diagnosis.build(members, groups, entries, stacks, now, min_wait, slow)
+        return result
     async def profile(self, ranks: "Iterable[int] | str | None" = None, steps: int = 2, out: str | None = None,
                       timeout: float = 120.0, max_trace_mb: float = profiles.DEFAULT_TRACE_MAX_MB,
                       on_progress: Callable[[dict], None] | None = None) -> profiles.ProfileResult:

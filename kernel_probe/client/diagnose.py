@@ -7,10 +7,14 @@ oldest unfinished collective on, the main threads' stacks) and hand the answers 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+import time
+from typing import TYPE_CHECKING, Any, Generator, Iterable, Mapping
 
+from ..diagnosis import slow as slow_core
 from ..diagnosis import verdict as core
-from ..diagnosis.values import as_int
+from ..diagnosis.values import as_float, as_int, as_text
+from .errors import ProbeError
+from .profiles import Call
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -25,6 +29,76 @@ _ENTRY_COLUMNS = ("_rank, source, ts, op, group_id, group_name, group_desc, coll
 # entries of a group before its oldest unfinished one are kept for context, not more
 CONTEXT_ENTRIES = 2
 MIN_WAIT_SEC = core.MIN_WAIT_SEC
+
+
+# --- why is it slow (diagnosis.slow): asked after the hang checks; the per-rank statements run
+# whole on each rank (its newest steps, its history in bins, its newest host samples)
+SLOW_STEPS_SQL = ("SELECT step, start, duration_ms, data_ms, forward_ms, backward_ms, comm_wait_ms, optimizer_ms, "
+                  "cpu_ms, gc_ms FROM steps ORDER BY step DESC LIMIT $n")
+HISTORY_BIN_SEC = 2.0  # the step-time history the change point is searched in: bins of this many seconds
+HISTORY_SEC = 1800.0  # ... over the last this many seconds
+SLOW_HISTORY_SQL = ("SELECT floor(start / $bin) * $bin AS bin_start, median(duration_ms) AS step_ms, "
+                    "median(coalesce(duration_ms - comm_wait_ms, cpu_ms)) AS own_ms, count(*) AS steps "
+                    "FROM steps WHERE start >= $since AND duration_ms IS NOT NULL GROUP BY 1 ORDER BY 1")
+SLOW_HOST_SQL = ("SELECT avg(load1) AS load1, avg(others_cpu_pct) AS others_cpu_pct, "
+                 "avg(run_delay_pct) AS run_delay_pct, avg(main_cpu_pct) AS main_cpu_pct, "
+                 "min(mem_available_bytes) AS mem_available_bytes, max(mem_pressure_pct) AS mem_pressure_pct, "
+                 "count(*) AS samples, epoch_ms(get_current_timestamp()) / 1000.0 AS now "
+                 "FROM (SELECT * FROM host ORDER BY ts DESC LIMIT 5)")
+SLOW_ARRIVALS_SQL = ("SELECT _rank, group_id, group_name, collective_seq_id, ts, op, is_p2p FROM collectives "
+                     "WHERE source = 'flight_recorder' AND NOT coalesce(is_p2p, false) AND ts >= $since")
+
+
+def slow_evidence(now: float, timeout: float, window: int = slow_core.WINDOW_STEPS
+                  ) -> Generator[Call, Any, dict[str, Any]]:
+    """The rows the slow verdict reads, as the queries a client runs (``profiles.drive`` or
+    ``drive_async`` carry them out). A query that fails leaves its evidence out, never the verdict."""
+    answers: list[Any] = []
+
+    def ask(sql: str, **kwargs: Any) -> Generator[Call, Any, Any]:
+        try:
+            answer = yield Call("query", (sql,), {"timeout": timeout, **kwargs})
+        except ProbeError:
+            return None
+        answers.append(answer)
+        return answer
+
+    steps = yield from ask(SLOW_STEPS_SQL, per_rank=True, params={"n": int(window)})
+    step_rows = records(steps.df) if steps is not None else []
+    starts = [v for v in (as_float(r.get("start")) for r in step_rows) if v is not None]
+    history = yield from ask(SLOW_HISTORY_SQL, per_rank=True,
+                             params={"bin": HISTORY_BIN_SEC, "since": now - HISTORY_SEC})
+    q0 = time.monotonic()
+    host = yield from ask(SLOW_HOST_SQL, per_rank=True)
+    q1 = time.monotonic()
+    arrivals = None
+    if starts:
+        arrivals = yield from ask(SLOW_ARRIVALS_SQL, params={"since": min(starts)})
+    host_rows = records(host.df) if host is not None else []
+    return {"steps": step_rows, "history": records(history.df) if history is not None else [],
+            "host": host_rows, "collectives": records(arrivals.df) if arrivals is not None else [],
+            "offsets_ms": clock_offsets_ms(host_rows, q1 - q0), "answers": answers}
+
+
+def clock_offsets_ms(host_rows: Iterable[Mapping[str, Any]], spread_sec: float) -> dict[int, float]:
+    """Each host's clock offset from the first host's, from the ``now`` every rank read within one
+    query of ``spread_sec``: applied only where it exceeds what the query's own length could make
+    of it (one machine, or hosts in sync, get none)."""
+    nows: dict[str, list[tuple[int, float]]] = {}
+    for row in host_rows:
+        rank, now, host = as_int(row.get("_rank")), as_float(row.get("now")), as_text(row.get("_host"))
+        if rank is not None and now is not None:
+            nows.setdefault(host or "", []).append((rank, now))
+    if len(nows) < 2:
+        return {}
+    hosts = sorted(nows)
+    ref = min(n for _, n in nows[hosts[0]])
+    out: dict[int, float] = {}
+    for h in hosts[1:]:
+        offset = min(n for _, n in nows[h]) - ref
+        if abs(offset) > spread_sec:
+            out.update({r: offset * 1000.0 for r, _ in nows[h]})
+    return out
 
 
 def records(df: "pd.DataFrame | None") -> list[dict[str, Any]]:
@@ -127,9 +201,23 @@ class DiagnoseResult:
 
 
 def build(nodes_raw: Mapping[str, Any], groups: "QueryResult", entries: "QueryResult | None",
-          stacks: "QueryResult", now: float, min_wait: float = core.MIN_WAIT_SEC) -> DiagnoseResult:
+          stacks: "QueryResult", now: float, min_wait: float = core.MIN_WAIT_SEC,
+          slow: Mapping[str, Any] | None = None) -> DiagnoseResult:
+    """The verdict: the hang checks first; where they find nothing, why the job is slow (``slow``:
+    what ``slow_evidence`` returned)."""
     answers = [a for a in (groups, entries, stacks) if a is not None]
     verdict = core.diagnose(list(nodes_raw.get("members") or ()), records(groups.df),
                             records(entries.df) if entries is not None else [], records(stacks.df), now,
                             departures=list(nodes_raw.get("departures") or ()), min_wait=min_wait)
+    if slow is not None and verdict.healthy:
+        verdict = with_slow(verdict, slow)
+        answers += [a for a in slow.get("answers") or () if a is not None]
     return DiagnoseResult(verdict, merged_coverage(answers))
+
+
+def with_slow(verdict: core.Verdict, slow: Mapping[str, Any]) -> core.Verdict:
+    """A job with no hang: the slow verdict's findings, its sentence after the hang checks' one."""
+    report = slow_core.analyse(slow.get("steps") or [], slow.get("collectives") or [], slow.get("history") or [],
+                               slow.get("host") or [], slow.get("offsets_ms") or {})
+    summary = report.summary if report.findings else f"{verdict.summary} {report.summary}"
+    return core.Verdict(summary, report.findings, verdict.checked + report.checked)

@@ -42,9 +42,7 @@ MIN_LATE_COLLECTIVES = 3
 SHARE_OVER_BASELINE = 0.15  # ... and this much more often than the typical rank
 MIN_CHANGE = 0.25  # a slowdown: the step time rose by at least this share
 MIN_CHANGE_MS = 5.0
-MIN_SEGMENT_BINS = 3  # each side of a change point spans at least this many history bins
-CONTENTION_RUN_DELAY = 0.2  # waiting for a CPU this share of the time is contention ...
-CONTENTION_OVER_OTHERS = 2.0  # ... when it is this many times the other ranks' median share
+MIN_SEGMENT_BINS = 2  # each side of a change point spans at least this many history bins
 PHASES = ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms", "cpu_ms", "gc_ms")
 CATEGORIES = ("compute", "data loading", "host contention", "memory/GC", "communication")
 
@@ -204,9 +202,15 @@ def _late_ranks(scores: Mapping[int, Arrival]) -> list[int]:
 
 @dataclass(frozen=True)
 class Cause:
-    category: str | None  # CATEGORIES, or None where no measured phase explains the time
+    category: str | None  # CATEGORIES, or None where no measured figure tells which
     text: str  # what the culprit spends the extra time on
     evidence: str
+    phase: bool = False  # a phase of its own holds the extra time, though no category fits
+
+    @property
+    def own(self) -> bool:
+        """The rank's own time explains its lateness (it is no mere knock-on of another's)."""
+        return self.category is not None or self.phase
 
 
 def _excess(w: RankWindow, others: Sequence[RankWindow], name: str) -> tuple[float, float] | None:
@@ -231,11 +235,13 @@ def cause(w: RankWindow, others: Sequence[RankWindow], host: Mapping[int, Mappin
         if got is not None:
             found[name] = got
     delay = as_float(_host_row(host, w.rank).get("run_delay_pct"))
-    other_delays = [as_float(_host_row(host, o.rank).get("run_delay_pct")) for o in others]
-    delay_ref = _med(other_delays)
-    contended = (delay is not None and delay / 100.0 >= CONTENTION_RUN_DELAY
-                 and delay >= CONTENTION_OVER_OTHERS * max(delay_ref or 0.0, 1.0))
+    delay_ref = _med(as_float(_host_row(host, o.rank).get("run_delay_pct")) for o in others)
+    # how much longer per step than the others its main thread waited for a CPU (runnable, not running)
+    queued_ms = ((delay - delay_ref) / 100.0 * w.step_ms
+                 if delay is not None and delay_ref is not None and w.step_ms is not None else None)
     host_text = _host_text(_host_row(host, w.rank))
+    queue_text = (f"its main thread waits for a CPU {delay:.0f} % of the time vs {delay_ref:.0f} % on the others"
+                  + (f" ({host_text})" if host_text else "")) if queued_ms is not None else ""
     cpu = found.get("cpu_ms")
     bar = max(margin_ms, 0.3 * late_ms)
 
@@ -258,21 +264,23 @@ def cause(w: RankWindow, others: Sequence[RankWindow], host: Mapping[int, Mappin
         mine = w.means.get(phase) if phase != "compute_ms" else w.compute_ms
         ref = found[phase][1] if phase in found else work[top][1]
         label = phase.removesuffix("_ms")
-        if contended:  # named only on the run queue's evidence, never from CPU time alone
-            return Cause("host contention",
-                         f"{label} takes {_ms(mine or 0)} vs {_ms(ref)} (median of the others) while its main thread "
-                         f"waits for a CPU {delay:.0f} % of the time" + (f" ({host_text})" if host_text else ""),
-                         f"{label}_ms and cpu_ms {steps}; run-queue delay (schedstat)")
-        return Cause("compute", f"{label} takes {_ms(mine or 0)} vs {_ms(ref)} (median of the others)",
-                     f"{label}_ms {steps}" + (f"; CPU time +{_ms(cpu[0])} per step" if cpu is not None else ""))
-    # no phase measured (FSDP without DDP's forward, a pipeline): the main thread's CPU time and the run queue
-    if contended:
-        return Cause("host contention",
-                     f"its main thread waits for a CPU {delay:.0f} % of the time vs {delay_ref or 0:.0f} % on the others"
-                     + (f" ({host_text})" if host_text else ""), "run-queue delay (schedstat); host table")
+        took = f"{label} takes {_ms(mine or 0)} vs {_ms(ref)} (median of the others)"
+        wall_extra = work[top][0]
+        off_cpu = wall_extra - (cpu[0] if cpu is not None else 0.0)
+        if cpu is None or cpu[0] >= 0.5 * wall_extra:  # the extra time is work done on the CPU
+            return Cause("compute", took, f"{label}_ms {steps}" + (
+                f"; main-thread CPU time +{_ms(cpu[0])} per step" if cpu is not None else ""))
+        if queued_ms is not None and off_cpu >= margin_ms and queued_ms >= 0.5 * off_cpu:
+            return Cause("host contention", f"{took}, with no more CPU time: {queue_text}",
+                         f"{label}_ms and cpu_ms {steps}; run-queue delay (schedstat, host table)")
+        return Cause(None, f"{took}, off the CPU (blocked or sleeping, not waiting for a CPU)",
+                     f"{label}_ms and cpu_ms {steps}", phase=True)
+    # no phase explains it: the main thread's CPU time and the run queue
     if cpu is not None and cpu[0] >= bar:
         return Cause("compute", f"its main thread computes {_ms(w.means['cpu_ms'] or 0)} per step vs {_ms(cpu[1])} "
                      "(median of the others)", f"cpu_ms (main-thread CPU time) {steps}")
+    if queued_ms is not None and queued_ms >= bar:
+        return Cause("host contention", queue_text, "run-queue delay (schedstat, host table)")
     return Cause(None, "no measured phase explains it", "no phase, CPU or host figure differs")
 
 
@@ -461,7 +469,7 @@ def _stragglers(late: list[int], wins: Mapping[int, RankWindow], scores: Mapping
         causes[r] = cause(wins[r], others, host, a.mean_late_ms if a else margin, margin, window)
     # a rank late only because it waits for another one (a pipeline stage downstream of the
     # straggler) has no cause of its own: where some late ranks have one, they are the culprits
-    explained = [r for r in causes if causes[r].category is not None]
+    explained = [r for r in causes if causes[r].own]
     culprits = explained or [r for r in causes]
     knock_on = sorted(set(causes) - set(culprits))
     out: list[Finding] = []
@@ -494,7 +502,7 @@ def _stragglers(late: list[int], wins: Mapping[int, RankWindow], scores: Mapping
                            f"{f' in the {op}' if op else ''}")
         if knock_on:
             detail += f"; {ranks_text(knock_on)} run late because they wait for it"
-        if category is None:
+        if category is None and not c.phase:
             detail += " (cause not measured)"
         evidence = (f"{how}: late (≥ {_ms(margin)} after the median rank) in "
                     + ", ".join(f"rank {r} {scores[r].late}/{scores[r].collectives}" for r in ranks if r in scores)
