@@ -151,6 +151,8 @@ def test_slowdown_mid_run_says_when_and_who_changed():
     assert abs(found.at - switch) <= 1.0 and found.ranks == (3,) and found.hosts == ("h1",)
     assert "rank 3 changed first (host h1)" in change.detail, change.detail
     assert "got slower at" in change.detail
+    (f,) = stragglers(report)  # judged over the steps since the change: rank 3 is late at every one
+    assert f.ranks == (3,) and "late in" not in f.detail and "over the last 200 steps" in f.detail, f.detail
 
 
 def test_a_steady_history_has_no_change_point():
@@ -209,7 +211,8 @@ def test_a_rank_that_computes_more_on_a_loaded_host_is_a_compute_straggler():
     steps, colls = ddp_job(slow_ranks=(3,))
     host = [{"_rank": r, "_host": HOSTS[r], "run_delay_pct": 60.0 if r == 3 else 2.0} for r in range(4)]
     (f,) = stragglers(slow.analyse(steps, colls, host=host))
-    assert "forward takes" in f.detail and "CPU time +60 ms" in f.evidence and "waits for a CPU" not in f.detail
+    assert "forward takes" in f.detail and "CPU time +60 ms" in f.evidence and "for the CPU time of the others" not in f.detail
+    assert "; its main thread waits for a CPU 60 %" in f.detail  # said too, as what else it waits for
 
 
 def test_extra_time_off_the_cpu_without_the_run_queue_is_named_by_its_phase_only():

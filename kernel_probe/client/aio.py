@@ -240,7 +240,7 @@ class AsyncClient(ClientState):
         return results.departures_frame((await self.nodes_raw(timeout))["departures"])
 
     async def diagnose(self, timeout: float = 10.0, min_wait: float = diagnosis.MIN_WAIT_SEC,
-                       native: bool = False) -> diagnosis.DiagnoseResult:
+                       native: bool = False, window: int = diagnosis.WINDOW_STEPS) -> diagnosis.DiagnoseResult:
         """As ``Client.diagnose``; membership, the groups and the stacks are asked at once."""
         now = time.time()
         members, groups, stacks = await asyncio.gather(
@@ -250,7 +250,7 @@ class AsyncClient(ClientState):
         entries = None if asked is None else await self.query(asked[0], timeout=timeout, params=asked[1])
         result = diagnosis.build(members, groups, entries, stacks, now, min_wait)
         if result.healthy:  # no hang: why is it slow
-            slow = await profiles.drive_async(diagnosis.slow_evidence(now, timeout), self)
+            slow = await profiles.drive_async(diagnosis.slow_evidence(now, timeout, window), self)
             result = diagnosis.build(members, groups, entries, stacks, now, min_wait, slow)
         return result
     async def profile(self, ranks: "Iterable[int] | str | None" = None, steps: int = 2, out: str | None = None,

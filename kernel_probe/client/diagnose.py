@@ -29,6 +29,7 @@ _ENTRY_COLUMNS = ("_rank, source, ts, op, group_id, group_name, group_desc, coll
 # entries of a group before its oldest unfinished one are kept for context, not more
 CONTEXT_ENTRIES = 2
 MIN_WAIT_SEC = core.MIN_WAIT_SEC
+WINDOW_STEPS = slow_core.WINDOW_STEPS
 
 
 # --- why is it slow (diagnosis.slow): asked after the hang checks; the per-rank statements run
@@ -77,7 +78,7 @@ def slow_evidence(now: float, timeout: float, window: int = slow_core.WINDOW_STE
     host_rows = records(host.df) if host is not None else []
     return {"steps": step_rows, "history": records(history.df) if history is not None else [],
             "host": host_rows, "collectives": records(arrivals.df) if arrivals is not None else [],
-            "offsets_ms": clock_offsets_ms(host_rows, q1 - q0), "answers": answers}
+            "offsets_ms": clock_offsets_ms(host_rows, q1 - q0), "answers": answers, "window": window}
 
 
 def clock_offsets_ms(host_rows: Iterable[Mapping[str, Any]], spread_sec: float) -> dict[int, float]:
@@ -218,6 +219,7 @@ def build(nodes_raw: Mapping[str, Any], groups: "QueryResult", entries: "QueryRe
 def with_slow(verdict: core.Verdict, slow: Mapping[str, Any]) -> core.Verdict:
     """A job with no hang: the slow verdict's findings, its sentence after the hang checks' one."""
     report = slow_core.analyse(slow.get("steps") or [], slow.get("collectives") or [], slow.get("history") or [],
-                               slow.get("host") or [], slow.get("offsets_ms") or {})
+                               slow.get("host") or [], slow.get("offsets_ms") or {},
+                               window=slow.get("window") or slow_core.WINDOW_STEPS)
     summary = report.summary if report.findings else f"{verdict.summary} {report.summary}"
     return core.Verdict(summary, report.findings, verdict.checked + report.checked)

@@ -43,6 +43,7 @@ SHARE_OVER_BASELINE = 0.15  # ... and this much more often than the typical rank
 MIN_CHANGE = 0.25  # a slowdown: the step time rose by at least this share
 MIN_CHANGE_MS = 5.0
 MIN_SEGMENT_BINS = 2  # each side of a change point spans at least this many history bins
+MORE_WORK = 1.5  # a rank whose main thread uses this many times the others' CPU time does more work
 PHASES = ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms", "cpu_ms", "gc_ms")
 CATEGORIES = ("compute", "data loading", "host contention", "memory/GC", "communication")
 
@@ -267,11 +268,14 @@ def cause(w: RankWindow, others: Sequence[RankWindow], host: Mapping[int, Mappin
         took = f"{label} takes {_ms(mine or 0)} vs {_ms(ref)} (median of the others)"
         wall_extra = work[top][0]
         off_cpu = wall_extra - (cpu[0] if cpu is not None else 0.0)
-        if cpu is None or cpu[0] >= 0.5 * wall_extra:  # the extra time is work done on the CPU
-            return Cause("compute", took, f"{label}_ms {steps}" + (
+        # it does more work on the CPU than the others (a contended host may stretch it further)
+        more_work = cpu is not None and cpu[0] >= MIN_LATE_MS and cpu[0] + cpu[1] >= MORE_WORK * cpu[1]
+        if cpu is None or more_work:
+            also = f"; {queue_text}" if queued_ms is not None and queued_ms >= margin_ms else ""
+            return Cause("compute", took + also, f"{label}_ms {steps}" + (
                 f"; main-thread CPU time +{_ms(cpu[0])} per step" if cpu is not None else ""))
         if queued_ms is not None and off_cpu >= margin_ms and queued_ms >= 0.5 * off_cpu:
-            return Cause("host contention", f"{took}, with no more CPU time: {queue_text}",
+            return Cause("host contention", f"{took} for the CPU time of the others: {queue_text}",
                          f"{label}_ms and cpu_ms {steps}; run-queue delay (schedstat, host table)")
         return Cause(None, f"{took}, off the CPU (blocked or sleeping, not waiting for a CPU)",
                      f"{label}_ms and cpu_ms {steps}", phase=True)
@@ -397,6 +401,11 @@ def analyse(steps: Sequence[Mapping[str, Any]], collectives: Sequence[Mapping[st
     is_p2p``); ``history``: per-rank bins (``_rank, _host, bin_start, step_ms, own_ms``);
     ``host``: the newest ``host`` row of each rank; ``offsets_ms``: rank -> its clock's offset
     from the reference clock."""
+    change = change_point(history)
+    if change is not None:  # the job as it is now: the steps since it got slower
+        since_change = [s for s in steps if (as_float(s.get("start")) or 0.0) >= change.at]
+        if len(windows(since_change, window)) == len(windows(steps, window)):
+            steps = since_change
     wins = {r: w for r, w in windows(steps, window).items() if len(w.steps) >= MIN_STEPS}
     host_by_rank = {r: row for row in host if (r := as_int(row.get("_rank"))) is not None}
     step_ms = _med(w.step_ms for w in wins.values())
@@ -420,7 +429,6 @@ def analyse(steps: Sequence[Mapping[str, Any]], collectives: Sequence[Mapping[st
 
     if late and n:
         findings += _stragglers(late, wins, scores, host_by_rank, margin, step_ms, how, window)
-    change = change_point(history)
     if change is not None:
         where = (f"; {ranks_text(change.ranks)} changed first" if change.ranks else "")
         where += f" (host {', '.join(change.hosts)})" if change.hosts else ""
