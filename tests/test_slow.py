@@ -15,7 +15,7 @@ HOSTS = {0: "h0", 1: "h0", 2: "h1", 3: "h1"}
 
 
 def ddp_job(n_steps=200, world=4, *, slow_ranks=(), extra_ms=60.0, phase="forward_ms", every=1, noise_ms=1.0,
-            from_step=0, seed=1, gc=False, data_rank=None, cpu_follows=True, fsdp=False, offsets=None):
+            from_step=0, seed=1, gc=False, data_rank=None, cpu_follows=True, fsdp=False, offsets=None, per_step=1):
     """(steps rows, collectives rows): every rank computes 10 ms forward + 10 ms backward, 2 ms data,
     1 ms optimizer; ``slow_ranks`` spend ``extra_ms`` more in ``phase`` every ``every``-th step from
     ``from_step`` on. The others wait for the slowest in the all-reduce (comm_wait_ms)."""
@@ -46,8 +46,12 @@ def ddp_job(n_steps=200, world=4, *, slow_ranks=(), extra_ms=60.0, phase="forwar
             if fsdp:
                 row.update(forward_ms=None, backward_ms=None, comm_wait_ms=None, data_ms=None)
             steps.append(row)
-            colls.append({"_rank": r, "group_name": "0", "collective_seq_id": i + 10, "op": "gloo:all_reduce",
+            colls.append({"_rank": r, "group_name": "0", "collective_seq_id": per_step * i + 10, "op": "gloo:all_reduce",
                           "is_p2p": False, "ts": t + arrive[r] / 1000.0 + offsets.get(r, 0.0) / 1000.0})
+            for k in range(1, per_step):  # the step's other collectives: every rank in step again
+                colls.append({"_rank": r, "group_name": "0", "collective_seq_id": per_step * i + 10 + k,
+                              "op": "gloo:all_gather", "is_p2p": False,
+                              "ts": t + (last + k + rng.uniform(0, noise_ms)) / 1000.0 + offsets.get(r, 0.0) / 1000.0})
         t += (last + 1.5) / 1000.0
     return steps, colls
 
@@ -131,7 +135,7 @@ def test_intermittent_straggler_named_with_its_fraction():
     steps, colls = ddp_job(slow_ranks=(3,), every=4, noise_ms=3.0)
     (f,) = stragglers(slow.analyse(steps, colls))
     assert f.ranks == (3,)
-    assert "late in 25 % of the collectives" in f.detail, f.detail
+    assert "late in 25 % of the steps" in f.detail, f.detail
 
 
 def test_two_slow_ranks_on_one_node():
@@ -164,6 +168,23 @@ def test_fsdp_without_phases_names_the_straggler_from_arrivals_and_cpu():
     steps, colls = ddp_job(slow_ranks=(3,), fsdp=True)
     (f,) = stragglers(slow.analyse(steps, colls))
     assert f.ranks == (3,) and "computes" in f.detail and "cpu_ms" in f.evidence, f
+
+
+def test_many_collectives_a_step_are_scored_per_step():
+    # FSDP: several all-gathers a step; the straggler is late at one of them, every step
+    steps, colls = ddp_job(slow_ranks=(3,), fsdp=True, per_step=6)
+    (f,) = stragglers(slow.analyse(steps, colls))
+    assert f.ranks == (3,) and "200/200 steps" in f.evidence, f.evidence
+    steps, colls = ddp_job(per_step=6, noise_ms=8.0, seed=3)
+    assert stragglers(slow.analyse(steps, colls)) == []
+
+
+def test_a_pipeline_with_few_collectives_falls_back_to_own_time():
+    steps, colls = ddp_job(slow_ranks=(3,))
+    # one collective in ten steps, after the stage's wait: every rank enters it together
+    few = [{**c, "ts": c["collective_seq_id"]} for c in colls if c["collective_seq_id"] % 10 == 0]
+    (f,) = stragglers(slow.analyse(steps, few))
+    assert f.ranks == (3,) and f.evidence.startswith("own time"), f.evidence
 
 
 def test_arrival_order_corrects_clock_offsets():

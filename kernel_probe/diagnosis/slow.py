@@ -23,6 +23,7 @@ the slowest's, so step durations cannot name the culprit. What can:
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
 from statistics import median
@@ -128,10 +129,10 @@ class Arrival:
     """A rank's score over the window's collectives: how often it entered late, by how much."""
 
     rank: int
-    collectives: int = 0
+    collectives: int = 0  # steps (or collectives) compared
     late: int = 0
-    last: int = 0
     late_ms: list[float] = field(default_factory=list)
+    unit: str = "collectives"  # what ``collectives`` and ``late`` count
     ops: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -149,11 +150,15 @@ def _op_name(value: Any) -> str:
 
 
 def arrivals(rows: Iterable[Mapping[str, Any]], margin_ms: float, offsets_ms: Mapping[int, float] | None = None,
-             since: float | None = None) -> tuple[dict[int, Arrival], int]:
+             since: float | None = None, steps_of: Mapping[int, Sequence[float]] | None = None
+             ) -> tuple[dict[int, Arrival], int]:
     """Each rank's arrival score over the collectives (not send/recv) entered by two ranks or
     more, from ``since`` on; a rank is late at one when it entered it ``margin_ms`` or more
     after the group's median rank. ``offsets_ms``: how far each rank's clock is ahead of the
-    reference clock. Returns the scores and how many collectives were compared."""
+    reference clock. ``steps_of``: each rank's step start times (sorted): a rank's collectives
+    are then scored per step (late in a step: late at any of its collectives, by the most), so
+    a job with many collectives a step (FSDP) counts steps as DDP does. Returns the scores and
+    how many collectives were compared."""
     offsets = offsets_ms or {}
     at: dict[tuple[str, int], dict[int, tuple[float, str]]] = defaultdict(dict)
     for row in rows:
@@ -163,11 +168,10 @@ def arrivals(rows: Iterable[Mapping[str, Any]], margin_ms: float, offsets_ms: Ma
         group = as_text(row.get("group_name")) or str(as_int(row.get("group_id")))
         if rank is None or seq is None or ts is None or seq < 0:
             continue
-        ts -= offsets.get(rank, 0.0) / 1000.0
-        at[(group, seq)][rank] = (ts, _op_name(row.get("op")))
-    scores: dict[int, Arrival] = {}
+        at[(group, seq)][rank] = (ts - offsets.get(rank, 0.0) / 1000.0, _op_name(row.get("op")))
+    units: dict[int, dict[Any, tuple[float, str]]] = defaultdict(dict)  # rank -> step (or collective) -> latest
     compared = 0
-    for entered in at.values():
+    for key, entered in at.items():
         if len(entered) < 2:
             continue
         times = [t for t, _ in entered.values()]
@@ -175,17 +179,23 @@ def arrivals(rows: Iterable[Mapping[str, Any]], margin_ms: float, offsets_ms: Ma
             continue
         compared += 1
         mid = median(times)
-        last = max(entered, key=lambda r: entered[r][0])
         for rank, (ts, op) in entered.items():
-            a = scores.setdefault(rank, Arrival(rank))
-            a.collectives += 1
+            starts = (steps_of or {}).get(rank)
+            # the rank's own clock, as its steps were timed
+            unit: Any = bisect_right(starts, ts + offsets.get(rank, 0.0) / 1000.0) if starts else key
             late = (ts - mid) * 1000.0
+            kept = units[rank].get(unit)
+            if kept is None or late > kept[0]:
+                units[rank][unit] = (late, op)
+    scores: dict[int, Arrival] = {}
+    for rank, by_unit in units.items():
+        a = scores[rank] = Arrival(rank, unit="steps" if (steps_of or {}).get(rank) else "collectives")
+        a.collectives = len(by_unit)
+        for late, op in by_unit.values():
             if late >= margin_ms:
                 a.late += 1
                 a.late_ms.append(late)
                 a.ops[op] = a.ops.get(op, 0) + 1
-                if rank == last:
-                    a.last += 1
     return scores, compared
 
 
@@ -411,11 +421,15 @@ def analyse(steps: Sequence[Mapping[str, Any]], collectives: Sequence[Mapping[st
     step_ms = _med(w.step_ms for w in wins.values())
     margin = max(MIN_LATE_MS, LATE_SHARE_OF_STEP * (step_ms or 0.0))
     since = min((as_float(w.steps[0].get("start")) or 0.0) for w in wins.values()) if wins else None
-    scores, compared = arrivals(collectives, margin, offsets_ms, since)
+    steps_of = {r: sorted(v for v in (as_float(x.get("start")) for x in w.steps) if v is not None)
+                for r, w in wins.items()}
+    scores, compared = arrivals(collectives, margin, offsets_ms, since, steps_of)
     late = _late_ranks(scores)
     how = "arrival order"
-    if not late and not compared:  # no recorder (or no collective): the ranks whose own time stands out
-        late, how = _late_by_own_time(wins, margin), "own time"
+    covered = max((a.collectives for a in scores.values()), default=0)
+    if not late and covered < min(len(w.steps) for w in wins.values()) / 2 if wins else False:
+        # collectives at few steps (a pipeline: send/recv only) or none: whose own time stands out
+        late, scores, how = *_late_by_own_time(wins, margin), "own time"
     findings: list[Finding] = []
     checked: list[str] = []
     n = len(wins)
@@ -447,21 +461,21 @@ def analyse(steps: Sequence[Mapping[str, Any]], collectives: Sequence[Mapping[st
     return SlowReport(tuple(findings), tuple(checked), summary)
 
 
-def _late_by_own_time(wins: Mapping[int, RankWindow], margin: float) -> list[int]:
+def _late_by_own_time(wins: Mapping[int, RankWindow], margin: float) -> tuple[list[int], dict[int, Arrival]]:
     owns = {r: [as_float(s.get("duration_ms")) - as_float(s.get("comm_wait_ms"))  # type: ignore[operator]
                 for s in w.steps if as_float(s.get("duration_ms")) is not None
                 and as_float(s.get("comm_wait_ms")) is not None] for r, w in wins.items()}
     owns = {r: v for r, v in owns.items() if len(v) >= MIN_STEPS}
     if len(owns) < 2:
-        return []
+        return [], {}
     ref = {r: median(median(v) for o, v in owns.items() if o != r) for r in owns}
-    scores = {r: Arrival(r, collectives=len(v)) for r, v in owns.items()}
+    scores = {r: Arrival(r, collectives=len(v), unit="steps") for r, v in owns.items()}
     for r, v in owns.items():
         for x in v:
             if x - ref[r] >= margin:
                 scores[r].late += 1
                 scores[r].late_ms.append(x - ref[r])
-    return _late_ranks(scores)
+    return _late_ranks(scores), scores
 
 
 def _stragglers(late: list[int], wins: Mapping[int, RankWindow], scores: Mapping[int, Arrival],
@@ -497,7 +511,7 @@ def _stragglers(late: list[int], wins: Mapping[int, RankWindow], scores: Mapping
         detail = f"{who}: {c.text if len(ranks) == 1 else _joined(ranks, causes)}"
         detail += f" over the last {len(wins[first].steps)} steps"
         if share < 0.9:
-            detail += f"; late in {_pct(share)} of the collectives, by {_ms(late_ms)} on average"
+            detail += f"; late in {_pct(share)} of the {a.unit if a else 'steps'}, by {_ms(late_ms)} on average"
         victim_ranks = [v for v in victims if v not in knock_on]
         wait = _med(wins[v].means.get("comm_wait_ms") for v in victim_ranks)
         op = _top_op([scores[r] for r in ranks if r in scores])
@@ -513,7 +527,8 @@ def _stragglers(late: list[int], wins: Mapping[int, RankWindow], scores: Mapping
         if category is None and not c.phase:
             detail += " (cause not measured)"
         evidence = (f"{how}: late (≥ {_ms(margin)} after the median rank) in "
-                    + ", ".join(f"rank {r} {scores[r].late}/{scores[r].collectives}" for r in ranks if r in scores)
+                    + ", ".join(f"rank {r} {scores[r].late}/{scores[r].collectives} {scores[r].unit}"
+                                for r in ranks if r in scores)
                     + f"; {c.evidence}")
         out.append(Finding("straggler", tuple(ranks), None, None, detail, evidence))
     return out
