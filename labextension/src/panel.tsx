@@ -11,7 +11,7 @@ import * as React from 'react';
 
 import { ClusterModel, IRankRow, jobKind, rankGroups, stateCounts } from './model';
 import { DEFAULT_STEPS, ProfileModel } from './profile';
-import { IDeparture, IJob, INodes } from './request';
+import { IDeparture, IJob, INodes, IVerdict } from './request';
 
 // three nodes of two ranks; currentColor-free so JupyterLab's icon classes colour it per theme
 const clusterSvg = `<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 24 24">
@@ -148,8 +148,34 @@ function Summary({ nodes, updated }: { nodes: INodes; updated: Date | null }): J
   );
 }
 
-function RankRow(props: { row: IRankRow; selected: boolean; onSelect: () => void }): JSX.Element {
-  const { row, selected } = props;
+/** Why the verdict names ``rank`` a straggler, in one word (its category, from the finding's
+ * sentence), with the sentence itself; null when it does not. */
+export function stragglerWhy(verdict: IVerdict | null, rank: number): { word: string; detail: string } | null {
+  const found = verdict?.findings.find(f => f.kind === 'straggler' && f.ranks.includes(rank));
+  if (!found) {
+    return null;
+  }
+  const d = found.detail;
+  const contended = d.includes('for the CPU time of the others') || /straggler[s]?[^:]*: its main thread waits/.test(d);
+  const word = d.includes('garbage collection')
+    ? 'GC'
+    : d.includes('waiting for data')
+      ? 'data'
+      : contended
+        ? 'host'
+        : /takes|computes/.test(d)
+          ? 'compute'
+          : 'slow';
+  return { word, detail: d };
+}
+
+function RankRow(props: {
+  row: IRankRow;
+  selected: boolean;
+  onSelect: () => void;
+  slow?: { word: string; detail: string } | null;
+}): JSX.Element {
+  const { row, selected, slow } = props;
   const classes = ['pm-Cluster-rank', `pm-state-${row.state}`];
   if (row.suspect) {
     classes.push('pm-suspect');
@@ -170,6 +196,14 @@ function RankRow(props: { row: IRankRow; selected: boolean; onSelect: () => void
         {row.suspect && (
           <span className="pm-Cluster-suspectTag" title="suspect: stuck where the other stalled ranks are not">
             !
+          </span>
+        )}
+        {slow && (
+          <span className="pm-Cluster-stragglerTag" data-why={slow.word} title={slow.detail}>
+            <span className="pm-Cluster-stragglerShape" aria-hidden="true">
+              ▲
+            </span>{' '}
+            {slow.word}
           </span>
         )}
       </td>
@@ -337,6 +371,7 @@ function Nodes({ model, nodes }: { model: ClusterModel; nodes: INodes }): JSX.El
                 <RankRow
                   key={row.rank}
                   row={row}
+                  slow={stragglerWhy(model.verdict, row.rank)}
                   selected={model.selectedRank === row.rank}
                   onSelect={() => void model.selectRank(model.selectedRank === row.rank ? null : row.rank)}
                 />
