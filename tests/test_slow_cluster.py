@@ -124,6 +124,46 @@ def test_a_compute_straggler_is_named_with_its_phase_victims_and_since_when(job)
     assert result.findings["kind"].tolist()[:2] == ["straggler", "slowdown"]
 
 
+async def test_every_front_end_names_the_straggler(job, jp_fetch, jp_web_app):
+    """The REST route, %cluster_diagnose and the %cluster_nodes line give the same verdict, with the
+    default window (judged over the steps since the job got slower)."""
+    root, control, _ = job
+    set_control(control, slow={"3": {"phase": "forward", "ms": 60}})
+    verdict_until(root, one_straggler((3,), "is the straggler: forward takes"), window=200)
+    from probing_magics.server import STATE_KEY
+
+    try:
+        resp = await jp_fetch("probing", "api", "jobs", method="GET")
+        (listed,) = [j for j in json.loads(resp.body)["jobs"] if j["source"] == "local" and j["alive"]]
+        resp = await jp_fetch("probing", "api", "jobs", listed["id"], "diagnose", method="GET", request_timeout=60)
+        body = json.loads(resp.body)
+    finally:
+        clients = jp_web_app.settings.get(STATE_KEY)
+        if clients is not None:
+            clients.close()
+    assert body["healthy"] is False and body["summary"].startswith("Rank 3 is the straggler"), body["summary"]
+    assert [f["ranks"] for f in body["findings"] if f["kind"] == "straggler"] == [[3]]
+
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("reload_ext", "probing_magics")
+    try:
+        view = shell.run_line_magic("cluster_diagnose", "")
+        assert view.result.summary.startswith("Rank 3 is the straggler"), view.result.summary
+        assert shell.run_cell("%cluster_nodes --interval 0.5").error_in_exec is None
+        nodes = shell._probing_magics.views[""]
+        wait_for(lambda: nodes.verdict_summary.startswith("Rank 3 is the straggler"), 60, interval=0.5,
+                 what="the straggler's line in the nodes view")
+    finally:
+        shell.run_line_magic("unload_ext", "probing_magics")
+
+
+@pytest.fixture
+def jp_server_config():
+    return {"ServerApp": {"jpserver_extensions": {"probing_magics": True}}}
+
+
 def test_an_intermittent_straggler_is_named_with_its_fraction(job):
     root, control, _ = job
     switch(root, control, slow={"3": {"phase": "forward", "ms": 80, "every": 4}})
