@@ -143,7 +143,7 @@ def test_two_slow_ranks_on_one_node():
     (f,) = stragglers(slow.analyse(steps, colls))
     assert f.ranks == (2, 3)
     assert "ranks 2-3 are the stragglers (all on host h1)" in f.detail, f.detail
-    assert "ranks 0-1 wait" in f.detail
+    assert "ranks 0-1 wait" in f.detail and "for them" in f.detail
 
 
 def test_slowdown_mid_run_says_when_and_who_changed():

@@ -513,17 +513,18 @@ def _stragglers(late: list[int], wins: Mapping[int, RankWindow], scores: Mapping
         if share < 0.9:
             detail += f"; late in {_pct(share)} of the {a.unit if a else 'steps'}, by {_ms(late_ms)} on average"
         victim_ranks = [v for v in victims if v not in knock_on]
+        them = "it" if len(ranks) == 1 else "them"
         wait = _med(wins[v].means.get("comm_wait_ms") for v in victim_ranks)
         op = _top_op([scores[r] for r in ranks if r in scores])
         if victim_ranks:
             if wait is not None and step_ms:
-                detail += (f"; {ranks_text(victim_ranks)} wait {_ms(wait)} per step for it"
+                detail += (f"; {ranks_text(victim_ranks)} wait {_ms(wait)} per step for {them}"
                            f"{f' in the {op}' if op else ''} ({_pct(wait / step_ms)} of their step)")
             elif late_ms:
-                detail += (f"; {ranks_text(victim_ranks)} wait about {_ms(late_ms * share)} per step for it"
+                detail += (f"; {ranks_text(victim_ranks)} wait about {_ms(late_ms * share)} per step for {them}"
                            f"{f' in the {op}' if op else ''}")
         if knock_on:
-            detail += f"; {ranks_text(knock_on)} run late because they wait for it"
+            detail += f"; {ranks_text(knock_on)} run late because they wait for {them}"
         if category is None and not c.phase:
             detail += " (cause not measured)"
         evidence = (f"{how}: late (≥ {_ms(margin)} after the median rank) in "
