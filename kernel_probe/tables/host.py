@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Callable
 
+from .recorders import MemorySampler, _cpu_seconds
 from .ring import Ring
 
 
@@ -92,17 +93,12 @@ class HostSampler:
         self._last: float | None = None
         self._mark: tuple | None = None  # (monotonic, host busy, process cpu, main thread schedstat)
 
-    def maybe_sample(self, now: float) -> bool:
-        last = self._last
-        if last is not None and last <= now < last + self.period_sec:
-            return False
-        self.sample(now)
-        return True
+    # at most every period_sec, as `memory`'s sampler (the same _last, period_sec and sample)
+    maybe_sample = MemorySampler.maybe_sample
 
     def sample(self, now: float) -> None:
         self._last = now
-        times = os.times()
-        mark = (self._clock(), _host_busy_sec(), times.user + times.system,
+        mark = (self._clock(), _host_busy_sec(), _cpu_seconds(),
                 _schedstat(threading.main_thread().native_id))
         previous, self._mark = self._mark, mark
         if previous is None:  # rates need two samples
