@@ -61,6 +61,27 @@ export function needsVerdict(nodes: INodes): boolean {
   return nodes.members.some(m => VERDICT_STATES.includes(m.state));
 }
 
+/** Why the verdict names `rank` a straggler, in one word (its category, from the finding's
+ * sentence), with the sentence itself; null when it does not. */
+export function stragglerWhy(verdict: IVerdict | null, rank: number): { word: string; detail: string } | null {
+  const found = verdict?.findings.find(f => f.kind === 'straggler' && f.ranks.includes(rank));
+  if (!found) {
+    return null;
+  }
+  const d = found.detail;
+  const contended = d.includes('for the CPU time of the others') || /straggler[s]?[^:]*: its main thread waits/.test(d);
+  const word = d.includes('garbage collection')
+    ? 'GC'
+    : d.includes('waiting for data')
+      ? 'data'
+      : contended
+        ? 'host'
+        : /takes|computes/.test(d)
+          ? 'compute'
+          : 'slow';
+  return { word, detail: d };
+}
+
 /** How a job is worded: running, ended (waiting for a relaunch), or ended and read from its dumps. */
 export type JobKind = 'running' | 'ended' | 'dumps';
 

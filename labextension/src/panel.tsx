@@ -9,9 +9,9 @@ import { Panel, Widget } from '@lumino/widgets';
 import { CommandToolbarButton, LabIcon, ReactWidget, SidePanel, UseSignal } from '@jupyterlab/ui-components';
 import * as React from 'react';
 
-import { ClusterModel, IRankRow, jobKind, rankGroups, stateCounts } from './model';
+import { ClusterModel, IRankRow, jobKind, rankGroups, stateCounts, stragglerWhy } from './model';
 import { DEFAULT_STEPS, ProfileModel } from './profile';
-import { IDeparture, IJob, INodes, IVerdict } from './request';
+import { IDeparture, IJob, INodes } from './request';
 
 // three nodes of two ranks; currentColor-free so JupyterLab's icon classes colour it per theme
 const clusterSvg = `<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 24 24">
@@ -146,27 +146,6 @@ function Summary({ nodes, updated }: { nodes: INodes; updated: Date | null }): J
       <span className="pm-Cluster-updated">updated {updated ? updated.toLocaleTimeString() : '—'}</span>
     </div>
   );
-}
-
-/** Why the verdict names ``rank`` a straggler, in one word (its category, from the finding's
- * sentence), with the sentence itself; null when it does not. */
-export function stragglerWhy(verdict: IVerdict | null, rank: number): { word: string; detail: string } | null {
-  const found = verdict?.findings.find(f => f.kind === 'straggler' && f.ranks.includes(rank));
-  if (!found) {
-    return null;
-  }
-  const d = found.detail;
-  const contended = d.includes('for the CPU time of the others') || /straggler[s]?[^:]*: its main thread waits/.test(d);
-  const word = d.includes('garbage collection')
-    ? 'GC'
-    : d.includes('waiting for data')
-      ? 'data'
-      : contended
-        ? 'host'
-        : /takes|computes/.test(d)
-          ? 'compute'
-          : 'slow';
-  return { word, detail: d };
 }
 
 function RankRow(props: {
