@@ -102,19 +102,24 @@ def main() -> int:
         set_control(control, {})
         time.sleep(args.settle)
         asks = false = 0
+        by_kind: dict[str, int] = {}
         examples: list[str] = []
         end = time.time() + args.healthy_min * 60
         while time.time() < end:
             result, latency = ask(root)
             latencies.append(latency)
             asks += 1
-            if any(f.kind in SLOW_KINDS for f in result.verdict.findings):
+            kinds = {f.kind for f in result.verdict.findings if f.kind in SLOW_KINDS}
+            if kinds:
                 false += 1
+                for kind in kinds:
+                    by_kind[kind] = by_kind.get(kind, 0) + 1
                 if len(examples) < 3:
                     examples.append(result.summary)
             time.sleep(args.every)
-        out["healthy"] = {"minutes": args.healthy_min, "asks": asks, "false_verdicts": false, "examples": examples}
-        print(f"healthy for {args.healthy_min:g} min: {asks} asks, {false} false verdicts", flush=True)
+        out["healthy"] = {"minutes": args.healthy_min, "asks": asks, "false_verdicts": false, "by_kind": by_kind,
+                          "examples": examples}
+        print(f"healthy for {args.healthy_min:g} min: {asks} asks, {false} false verdicts {by_kind}", flush=True)
         for e in examples:
             print("  false:", e)
     finally:

@@ -159,6 +159,14 @@ def test_slowdown_mid_run_says_when_and_who_changed():
     assert f.ranks == (3,) and "late in" not in f.detail and "over the last 200 steps" in f.detail, f.detail
 
 
+def test_a_slowdown_that_is_over_is_no_finding():
+    steps, _ = ddp_job(n_steps=900, slow_ranks=(3,), from_step=300)
+    for s in steps:  # rank 3 is back to normal from step 600 on
+        if s["step"] > 600:
+            s["duration_ms"] = 23.0 + (s["step"] % 3)
+    assert slow.change_point(history_of(steps)) is None
+
+
 def test_a_steady_history_has_no_change_point():
     steps, _ = ddp_job(n_steps=600, noise_ms=5.0)
     assert slow.change_point(history_of(steps)) is None

@@ -370,6 +370,8 @@ def change_point(history: Iterable[Mapping[str, Any]]) -> Change | None:
     spread = max(_mad(series[:k]), _mad(series[k:]), 1e-9)
     if rise < 3 * spread:
         return None
+    if median(series[-MIN_SEGMENT_BINS:]) - before < 0.5 * rise:  # slower then, not any more
+        return None
     at = bins[k]
     changed = []
     for rank, values in own.items():
