@@ -136,6 +136,7 @@ def test_intermittent_straggler_named_with_its_fraction():
     (f,) = stragglers(slow.analyse(steps, colls))
     assert f.ranks == (3,)
     assert "late in 25 % of the steps" in f.detail, f.detail
+    assert "forward takes" in f.detail  # a quarter of 60 ms a step: the phase still explains it
 
 
 def test_two_slow_ranks_on_one_node():

@@ -170,7 +170,8 @@ def test_an_intermittent_straggler_is_named_with_its_fraction(job):
 
     def fits(result) -> bool:
         found = stragglers(result)
-        if len(found) != 1 or found[0].ranks != (3,) or "late in " not in found[0].detail:
+        if len(found) != 1 or found[0].ranks != (3,) or "late in " not in found[0].detail \
+                or "forward takes" not in found[0].detail:
             return False
         share = int(found[0].detail.split("late in ")[1].split(" %")[0])
         return 12 <= share <= 45

@@ -254,7 +254,7 @@ def cause(w: RankWindow, others: Sequence[RankWindow], host: Mapping[int, Mappin
     queue_text = (f"its main thread waits for a CPU {delay:.0f} % of the time vs {delay_ref:.0f} % on the others"
                   + (f" ({host_text})" if host_text else "")) if queued_ms is not None else ""
     cpu = found.get("cpu_ms")
-    bar = max(margin_ms, 0.3 * late_ms)
+    bar = min(margin_ms, max(MIN_LATE_MS, 0.3 * late_ms))
 
     gc = found.get("gc_ms")
     work = {k: v for k, v in found.items() if k in ("data_ms", "compute_ms", "optimizer_ms")}
@@ -490,7 +490,8 @@ def _stragglers(late: list[int], wins: Mapping[int, RankWindow], scores: Mapping
         if r not in wins:
             continue
         a = scores.get(r)
-        causes[r] = cause(wins[r], others, host, a.mean_late_ms if a else margin, margin, window)
+        # what it loses per step on average: an intermittent straggler's extra time is spread over every step
+        causes[r] = cause(wins[r], others, host, a.mean_late_ms * a.share if a else margin, margin, window)
     # a rank late only because it waits for another one (a pipeline stage downstream of the
     # straggler) has no cause of its own: where some late ranks have one, they are the culprits
     explained = [r for r in causes if causes[r].own]
