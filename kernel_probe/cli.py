@@ -7,8 +7,8 @@
     kernel-probe -t TARGET stacks [--native] main-thread stacks of every rank, grouped (C/C++ frames too)
     kernel-probe -t dump://DIR query|nodes|stacks|info   the same over an ended job's dumps
     kernel-probe -t TARGET dump DIR          a live job's dumps, as its ranks write them when they die
-    kernel-probe -t TARGET diagnose [--json] why the job is stuck: one sentence, then the findings
-                                             (exit 0: no hang found, 1: findings, 2: no answer)
+    kernel-probe -t TARGET diagnose [--json] why the job is stuck, or slow: one sentence, then the findings
+                                             (exit 0: nothing found, 1: findings, 2: no answer)
     kernel-probe -t TARGET profile [--ranks 0-3] [--steps N] [--out FILE]   torch.profiler on chosen ranks
     kernel-probe -t TARGET profile --cancel                                 cancel the capture running in the job
     kernel-probe -t TARGET mcp [--config]    an MCP server over stdio for an agent (--config: a client's JSON)
@@ -68,8 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     dump.add_argument("dir")
     dump.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="deadline of each query (default 10)")
     dg = sub.add_parser("diagnose", help="why the job is stuck: dead or stalled ranks, who never entered a "
-                                         "collective, mismatched collectives, and where the odd ranks are",
-                        epilog="exit status: 0 when no hang or failure is found, 1 when the verdict has "
+                                         "collective, mismatched collectives, and where the odd ranks are; "
+                                         "else why it is slow: the straggler, its cause, since when",
+                        epilog="exit status: 0 when no hang, failure or slowdown is found, 1 when the verdict has "
                                "findings, 2 when the job could not be asked (or the arguments are wrong)")
     dg.add_argument("--json", action="store_true", help="the verdict as JSON (summary, findings, checked, coverage)")
     dg.add_argument("--min-wait", type=float, default=None, metavar="SECONDS",

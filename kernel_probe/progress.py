@@ -46,7 +46,19 @@ class StepClock:
       module's parameters (the compute part; all of the call without DDP);
     - ``comm_wait_ms``: the rest of the backward call after that last gradient — blocked
       on DDP's gradient all-reduce, i.e. waiting for the slowest rank;
-    - ``optimizer_ms``: inside ``optimizer.step()``.
+    - ``optimizer_ms``: inside ``optimizer.step()``;
+    - ``cpu_ms``: CPU time of the thread that steps the optimizer, from the previous step's
+      end to this one's (compute burns it; waiting, sleeping and a CPU taken by others do not);
+    - ``gc_ms``: garbage-collection pauses within the step (``gc_total``, tables.gc_pauses).
+
+    Other ways of parallelising give the same phases where their hooks are known:
+    FSDP2 (``fully_shard``): forward runs from a parameter group's ``pre_forward`` to its
+    ``post_forward``; its communication wait is the time in ``unshard`` / ``wait_for_unshard``
+    (the all-gathers) and ``post_backward`` (the gradient reduction). A pipeline schedule
+    (``torch.distributed.pipelining``): forward and backward are the stage's
+    ``forward_one_chunk`` / ``backward_one_chunk``, the wait is in ``_wait_batch_p2p``
+    (send/recv). Communication inside forward or backward is counted in ``comm_wait_ms``
+    only, and so is a wait before the first forward (not in ``data_ms``).
 
     Under DDP every rank's ``duration_ms`` is the same; the straggler is the rank with
     the most compute and the least ``comm_wait_ms``.
@@ -73,12 +85,19 @@ class StepClock:
         self.rows = Ring(rows)
         self._append = self.rows.append
         self.capture: Any = None  # an armed tables.readers.profile.ProfileCapture, driven from on_step
+        self.gc_total: Callable[[], float] | None = None  # GC pause ms so far (tables.gc_pauses)
+        self._gc_mark = 0.0
+        self._cpu_mark: tuple[int, float] | None = None  # (thread, its CPU seconds) at the last step end
+        self._fwd_depth = self._bwd_depth = self._comm_depth = 0  # nested regions count once
+        self._comm_total = 0.0  # ms spent in communication regions so far (FSDP2, pipelines)
+        self._comm_start: float | None = None
+        self._comm_at_end = self._fwd_comm = self._bwd_comm = self._first_fwd_comm = 0.0
         self._reset_phases()
 
     def _reset_phases(self) -> None:
         # one statement: this runs on the training thread once per step
         self._opt_start = self._first_fwd = self._fwd_start = self._fwd_ms = self._bwd_start = self._bwd_ms = \
-            self._wait_ms = self._last_grad = None
+            self._wait_ms = self._last_grad = self._comm_ms = None
 
     # --- the training thread: O(1) each, never raise ---------------------------------------
     def on_step_pre(self, *_args, **_kwargs) -> None:
@@ -91,19 +110,42 @@ class StepClock:
         # returns None: torch takes a non-None result as replacement (args, kwargs)
 
     def on_forward_start(self) -> None:
+        self._fwd_depth += 1
+        if self._fwd_depth > 1:
+            return
         now = self._clock()
-        self._fwd_start = now
+        self._fwd_start, self._fwd_comm = now, self._comm_total
         if self._first_fwd is None:
-            self._first_fwd = now
+            self._first_fwd, self._first_fwd_comm = now, self._comm_total
 
     def on_forward_end(self) -> None:
+        self._fwd_depth = depth = max(self._fwd_depth - 1, 0)
         start = self._fwd_start
-        if start is not None:
-            self._fwd_ms = (self._fwd_ms or 0.0) + (self._clock() - start) * 1000.0
+        if start is not None and not depth:
+            comm = self._comm_total - self._fwd_comm
+            self._fwd_ms = (self._fwd_ms or 0.0) + (self._clock() - start) * 1000.0 - comm
             self._fwd_start = None
 
+    def on_comm_start(self) -> None:
+        self._comm_depth += 1
+        if self._comm_depth == 1:
+            self._comm_start = self._clock()
+
+    def on_comm_end(self) -> None:
+        self._comm_depth = depth = max(self._comm_depth - 1, 0)
+        start = self._comm_start
+        if start is not None and not depth:
+            ms = (self._clock() - start) * 1000.0
+            self._comm_total += ms
+            self._comm_ms = (self._comm_ms or 0.0) + ms
+            self._comm_start = None
+
     def on_backward_start(self) -> None:
+        self._bwd_depth += 1
+        if self._bwd_depth > 1:
+            return
         self._bwd_start = self._clock()
+        self._bwd_comm = self._comm_total
         self._last_grad = None
 
     def on_grad_ready(self, *_args) -> None:
@@ -111,12 +153,14 @@ class StepClock:
         self._last_grad = self._clock()
 
     def on_backward_end(self) -> None:
+        self._bwd_depth = depth = max(self._bwd_depth - 1, 0)
         start = self._bwd_start
-        if start is None:
+        if start is None or depth:
             return
         now, last = self._clock(), self._last_grad
         saw_grads = last is not None and start <= last <= now
-        self._bwd_ms = (self._bwd_ms or 0.0) + ((last if saw_grads else now) - start) * 1000.0
+        comm = 0.0 if saw_grads else self._comm_total - self._bwd_comm
+        self._bwd_ms = (self._bwd_ms or 0.0) + ((last if saw_grads else now) - start) * 1000.0 - comm
         if saw_grads:
             self._wait_ms = (self._wait_ms or 0.0) + (now - last) * 1000.0
         self._bwd_start = None
@@ -134,15 +178,31 @@ class StepClock:
             opt = self._opt_start
             opt_ms = (now - opt) * 1000.0 if opt is not None else None
             first = self._first_fwd
-            data_ms = (first - last) * 1000.0 if first is not None and last is not None and first >= last else None
-            fwd, bwd, wait = self._fwd_ms, self._bwd_ms, self._wait_ms
+            data_ms = ((first - last) * 1000.0 - (self._first_fwd_comm - self._comm_at_end)
+                       if first is not None and last is not None and first >= last else None)
+            fwd, bwd, wait, comm = self._fwd_ms, self._bwd_ms, self._wait_ms, self._comm_ms
+            if comm is not None:
+                wait = (wait or 0.0) + comm
+            self._comm_at_end = self._comm_total
+            cpu_ms = gc_ms = None
+            try:
+                tid, cpu = threading.get_ident(), time.thread_time()
+                mark = self._cpu_mark
+                if mark is not None and mark[0] == tid:
+                    cpu_ms = (cpu - mark[1]) * 1000.0
+                self._cpu_mark = (tid, cpu)
+                if self.gc_total is not None:
+                    total = self.gc_total()
+                    gc_ms, self._gc_mark = total - self._gc_mark, total
+            except Exception:
+                pass
             if self.device_side:
                 data_ms = fwd = bwd = wait = opt_ms = None
-            phases = (data_ms, fwd, bwd, wait, opt_ms)
+            phases = (data_ms, fwd, bwd, wait, opt_ms, cpu_ms, gc_ms)
             self.compute_ms = fwd + bwd if fwd is not None and bwd is not None else None
             self.comm_wait_ms = wait
             self._opt_start = self._first_fwd = self._fwd_start = self._fwd_ms = self._bwd_start = self._bwd_ms = \
-                self._wait_ms = self._last_grad = None
+                self._wait_ms = self._last_grad = self._comm_ms = None
             if last is not None:
                 ms = self.step_time_ms = (now - last) * 1000.0
                 self._append((step, last_wall, ms, *phases))
@@ -183,11 +243,64 @@ class StepClock:
                 self._handles.append(register_pre(self.on_step_pre))
             self._handles.append(register_post(self.on_step))
             self._add(_wrap(loaded_torch_module("torch.autograd"), "backward", self._timed_backward))
-        if not any(isinstance(h, _Wrapped) and h.name == "forward" for h in self._handles):
-            ddp = getattr(loaded_torch_module("torch.nn.parallel.distributed"), "DistributedDataParallel", None)
-            if ddp is not None:  # DDP loads late (or never): looked for at every sample until then
-                self._add(_wrap(ddp, "forward", self._timed_forward))
+        wrapped = {(h.key) for h in self._handles if isinstance(h, _Wrapped)}
+        for key, module, owner, name, make in self._phase_wraps():
+            if key in wrapped:
+                continue
+            found = loaded_torch_module(module)  # loads late (or never): looked for at every sample until then
+            target = getattr(found, owner, None) if owner else found
+            if target is not None:
+                self._add(_wrap(target, name, make, key))
         return True
+
+    def _phase_wraps(self) -> tuple:
+        """(key, module, class or '', function, timing wrapper) of every phase we time."""
+        fsdp = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+        return (
+            ("ddp.forward", "torch.nn.parallel.distributed", "DistributedDataParallel", "forward",
+             self._timed_forward),
+            ("fsdp.pre_forward", fsdp, "FSDPParamGroup", "pre_forward", self._region(self.on_forward_start, None)),
+            ("fsdp.post_forward", fsdp, "FSDPParamGroup", "post_forward", self._region(None, self.on_forward_end)),
+            ("fsdp.unshard", fsdp, "FSDPParamGroup", "unshard", self._region(self.on_comm_start, self.on_comm_end)),
+            ("fsdp.wait_for_unshard", fsdp, "FSDPParamGroup", "wait_for_unshard",
+             self._region(self.on_comm_start, self.on_comm_end)),
+            ("fsdp.post_backward", fsdp, "FSDPParamGroup", "post_backward",
+             self._region(self.on_comm_start, self.on_comm_end)),
+            ("pp.forward", "torch.distributed.pipelining.stage", "_PipelineStageBase", "forward_one_chunk",
+             self._region(self.on_forward_start, self.on_forward_end)),
+            ("pp.backward", "torch.distributed.pipelining.stage", "_PipelineStageBase", "backward_one_chunk",
+             self._region(self.on_backward_start, self.on_backward_end)),
+            ("pp.wait", "torch.distributed.pipelining.schedules", "", "_wait_batch_p2p",
+             self._region(self.on_comm_start, self.on_comm_end)),
+        )
+
+    def _region(self, enter: Callable[[], None] | None, leave: Callable[[], None] | None
+                ) -> Callable[[Callable], Callable]:
+        """A wrapper maker: ``enter()`` before the call, ``leave()`` after it (even if it raises;
+        a region opened by a call that raised is closed too)."""
+        compiling = _is_compiling()
+
+        def make(original: Callable) -> Callable:
+            @functools.wraps(original)
+            def timed(*args, **kwargs):
+                if compiling():
+                    return original(*args, **kwargs)
+                if enter is not None:
+                    enter()
+                try:
+                    result = original(*args, **kwargs)
+                except BaseException:
+                    if leave is None and enter is self.on_forward_start:
+                        self.on_forward_end()
+                    raise
+                finally:
+                    if leave is not None:
+                        leave()
+                return result
+
+            return timed
+
+        return make
 
     def _add(self, handle: Any) -> None:
         if handle is not None:
@@ -351,8 +464,8 @@ class _Wrapped:
     """A function replaced on its owner (a module or a class) by a timing wrapper;
     ``remove()`` puts the original back (unless someone replaced ours meanwhile)."""
 
-    def __init__(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
-        self.owner, self.name = owner, name
+    def __init__(self, owner: Any, name: str, make: Callable[[Callable], Callable], key: str = "") -> None:
+        self.owner, self.name, self.key = owner, name, key or name
         self.original = getattr(owner, name)
         self.wrapper = make(self.original)
         setattr(owner, name, self.wrapper)
@@ -362,10 +475,10 @@ class _Wrapped:
             setattr(self.owner, self.name, self.original)
 
 
-def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> _Wrapped | None:
+def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable], key: str = "") -> _Wrapped | None:
     if owner is None or not callable(getattr(owner, name, None)):
         return None
-    return _Wrapped(owner, name, make)
+    return _Wrapped(owner, name, make, key)
 
 
 def _main_thread_in(path_part: str) -> bool:

@@ -39,6 +39,7 @@ THREAD_PREFIX = "probing-nodes-view"
 RELAUNCH_WATCH_SEC = 2.0  # between launches: how often an ended job is checked for a relaunch
 NOTICE_SEC = 60.0  # how long "job X restarted ..." stays in the summary
 VERDICT_EVERY_SEC = 10.0  # while a rank is stalled or dead: how often the verdict is asked again
+SLOW_VERDICT_EVERY_SEC = 30.0  # while every rank is alive: how often it is asked (why is it slow)
 VERDICT_STATES = ("stalled", "dead")
 ENDED = "job ended; waiting for a relaunch"
 STATE_COLOURS = {"alive": "var(--jp-success-color1, #2e7d32)", "stalled": WARN, "dead": ERROR}
@@ -158,6 +159,7 @@ class NodesView(widgets.VBox):
         self.verdict = widgets.HTML("")  # why it is stuck, while a rank is stalled or dead
         self.verdict_summary = ""  # the verdict's sentence shown ('' while none)
         self._verdict_due = 0.0
+        self._verdict_stuck = False  # the last verdict asked was for a stalled or dead rank
         super().__init__([self.summary, self.verdict, self.table])
         self.add_class("probing-nodes-view")
         self.target, self._token = target, token
@@ -275,19 +277,24 @@ class NodesView(widgets.VBox):
 
     def _update_verdict(self, client: kernel_probe.Client, raw: dict) -> None:
         """Ask for the verdict while a rank is stalled or dead (at most every VERDICT_EVERY_SEC);
-        hide the line once every rank is alive again."""
-        if not needs_verdict(raw):
+        hide the line once every rank is alive again. While every rank is alive, ask why the job
+        is slow every SLOW_VERDICT_EVERY_SEC: the line names a straggler, and stays empty without one."""
+        stuck = needs_verdict(raw)
+        if self._verdict_stuck and not stuck:
             self._verdict_due = 0.0
             if self.verdict_summary:
                 self._show_verdict("")
-            return
+        if stuck and not self._verdict_stuck:
+            self._verdict_due = 0.0
+        self._verdict_stuck = stuck
         if time.monotonic() < self._verdict_due:
             return
-        self._verdict_due = time.monotonic() + VERDICT_EVERY_SEC
+        self._verdict_due = time.monotonic() + (VERDICT_EVERY_SEC if stuck else SLOW_VERDICT_EVERY_SEC)
         try:
-            summary = client.diagnose(timeout=min(self.timeout, 5.0)).summary
+            result = client.diagnose(timeout=min(self.timeout, 5.0))
+            summary = result.summary if stuck or not result.healthy else ""
         except kernel_probe.ProbeError as exc:
-            summary = f"no verdict: {str(exc).splitlines()[0]}"
+            summary = f"no verdict: {str(exc).splitlines()[0]}" if stuck else ""
         self._show_verdict(summary)
 
     def _show_verdict(self, summary: str) -> None:

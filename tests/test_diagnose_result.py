@@ -37,7 +37,7 @@ class Canned:
         self.asked.append("nodes")
         return self.members
 
-    def query(self, sql, timeout, params=None, native=False):
+    def query(self, sql, timeout, params=None, native=False, per_rank=False):
         name = sql if sql in self.answers else "entries" if "flight_recorder" in sql else sql
         self.asked.append(name)
         if name == self.fail or name not in self.answers:
@@ -49,7 +49,7 @@ class AsyncCanned(Canned):
     async def nodes_raw(self, timeout):
         return Canned.nodes_raw(self, timeout)
 
-    async def query(self, sql, timeout, params=None, native=False):
+    async def query(self, sql, timeout, params=None, native=False, per_rank=False):
         await asyncio.sleep(0)
         return Canned.query(self, sql, timeout, params, native)
 

@@ -84,7 +84,10 @@ def test_step_clock_keeps_its_old_contract():
     clock.on_step()
     assert clock.step == 2 and clock.step_time_ms == pytest.approx(250.0)
     none = (None,) * 5  # no phases seen: data, forward, backward, comm wait, optimizer
-    assert clock.snapshot() == [(1, 1100.0, None, *none), (2, 1100.0, pytest.approx(250.0), *none)]
+    rows = clock.snapshot()
+    assert [r[:8] for r in rows] == [(1, 1100.0, None, *none), (2, 1100.0, pytest.approx(250.0), *none)]
+    # the stepping thread's CPU time from the second step on; no GC pauses without their recorder
+    assert rows[0][8:] == (None, None) and rows[1][8] >= 0.0 and rows[1][9] is None
     assert clock.install_torch_hooks() in (True, False)  # never raises, torch loaded or not
     clock.remove_hooks()
 
@@ -400,7 +403,7 @@ def test_empty_tables_keep_their_schema():
     steps = t.arrow("steps")
     assert steps.num_rows == 0
     assert [(f.name, str(f.type)) for f in steps.schema] == [("step", "int64"), ("start", "double"), ("duration_ms", "double")] + [
-        (phase, "double") for phase in ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms")]
+        (phase, "double") for phase in ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms", "cpu_ms", "gc_ms")]
     assert [str(f.type) for f in t.arrow("collectives").schema][:6] == ["double", "string", "int64", "double", "bool",
                                                                        "string"]
     assert t.arrow("collectives").column_names[5] == "source" and t.arrow("process_groups").num_columns == 8
@@ -412,7 +415,7 @@ def test_empty_tables_keep_their_schema():
         con.register(name, t.arrow(name))
     assert con.sql("SELECT count(*), sum(duration_ms), max(step) FROM steps").fetchall() == [(0, None, None)]
     assert con.sql("SELECT count(*) FROM metrics").fetchall() == [(0,)]
-    assert con.sql("SELECT count(*) FROM tables WHERE table_name = 'steps'").fetchall() == [(8,)]
+    assert con.sql("SELECT count(*) FROM tables WHERE table_name = 'steps'").fetchall() == [(10,)]
 
 
 # --- import cost ---------------------------------------------------------------------------------------------------

@@ -243,9 +243,9 @@ class AsyncClient(ClientState):
         return results.departures_frame((await self.nodes_raw(timeout))["departures"])
 
     async def diagnose(self, timeout: float = 10.0, min_wait: float = diagnosis.MIN_WAIT_SEC,
-                       native: bool = False) -> diagnosis.DiagnoseResult:
+                       native: bool = False, window: int = diagnosis.WINDOW_STEPS) -> diagnosis.DiagnoseResult:
         """As ``Client.diagnose``; membership, the groups and the stacks are asked at once."""
-        flow = diagnosis.Diagnosis(timeout, min_wait, native, time.time()).run()
+        flow = diagnosis.Diagnosis(timeout, min_wait, native, time.time(), window=window).run()
         return await calls.drive_async(flow, self)
 
     async def profile(self, ranks: "Iterable[int] | str | None" = None, steps: int = 2, out: str | None = None,

@@ -313,15 +313,17 @@ class Client(ClientState):
         return results.departures_frame(self.nodes_raw(timeout)["departures"])
 
     def diagnose(self, timeout: float = 10.0, min_wait: float = diagnosis.MIN_WAIT_SEC,
-                 native: bool = False) -> diagnosis.DiagnoseResult:
+                 native: bool = False, window: int = diagnosis.WINDOW_STEPS) -> diagnosis.DiagnoseResult:
         """Why the job is stuck, if it is: dead and stalled ranks, a collective some ranks of a
         group entered and others never did, a mismatched call at one sequence number, and
         where the odd ranks are. ``.summary`` (one sentence), ``.findings`` (a DataFrame:
         kind, ranks, group, seq, detail, evidence), ``.checked``, ``.coverage``. ``min_wait``:
         seconds a collective must be pending before a rank missing from it is a finding.
         ``native``: the stacks with native (C/C++) frames too, taken by py-spy on each rank (a
-        rank stuck in C, and what the waiting ranks wait in, are then named)."""
-        flow = diagnosis.Diagnosis(timeout, min_wait, native, time.time()).run()
+        rank stuck in C, and what the waiting ranks wait in, are then named). With no hang, why
+        the job is slow: the straggler (arrival order at collectives, each rank's phases, CPU
+        time and host over its newest ``window`` steps), its cause, and since when."""
+        flow = diagnosis.Diagnosis(timeout, min_wait, native, time.time(), window=window).run()
         return calls.drive(flow, self)
 
     def profile(self, ranks: "Iterable[int] | str | None" = None, steps: int = 2, out: str | None = None,

@@ -7,9 +7,11 @@ answers, so the blocking ``Client`` and the ``DumpClient`` (``calls.drive``) and
 same order: membership, the process groups and the main threads' stacks; then the flight
 recorder's entries from each group's oldest unfinished collective on. An ended job's dumps
 (``EndedJob``) are asked their ends (``reason``) and last steps too, and the verdict puts
-who failed first and why before what hung. ``analyse`` turns the answers into a
-``DiagnoseResult`` without I/O: a new check is one more query in a batch and one more
-call there.
+who failed first and why before what hung. A live job with no hang is then asked why it is
+slow (``diagnosis.slow``): each rank's newest steps and phases, its step-time history, its
+host, and the flight recorder's arrival order. ``analyse`` and ``with_slow`` turn the
+answers into a ``DiagnoseResult`` without I/O: a new check is one more query in a batch and
+one more call there.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generator, Iterable, Mapping
 
+from ..diagnosis import slow as slow_core
 from ..diagnosis import verdict as core
-from ..diagnosis.values import as_int
+from ..diagnosis.values import as_float, as_int, as_text
 from .calls import Batch, Call, query
 
 if TYPE_CHECKING:
@@ -34,12 +37,31 @@ _ENTRY_COLUMNS = ("_rank, source, ts, op, group_id, group_name, group_desc, coll
 # entries of a group before its oldest unfinished one are kept for context, not more
 CONTEXT_ENTRIES = 2
 MIN_WAIT_SEC = core.MIN_WAIT_SEC
+WINDOW_STEPS = slow_core.WINDOW_STEPS
 
 
 # an ended job: how far each rank got (the optimizer's steps, else the step it logged)
 REASONS_SQL = "SELECT * FROM reason"
 STEPS_SQL = "SELECT _rank, max(step) AS step FROM steps GROUP BY _rank"
 LOGGED_STEPS_SQL = "SELECT _rank, max(step) AS step FROM metrics WHERE step IS NOT NULL GROUP BY _rank"
+
+
+# --- why is it slow (diagnosis.slow): asked after the hang checks; the per-rank statements run
+# whole on each rank (its newest steps, its history in bins, its newest host samples)
+SLOW_STEPS_SQL = ("SELECT step, start, duration_ms, data_ms, forward_ms, backward_ms, comm_wait_ms, optimizer_ms, "
+                  "cpu_ms, gc_ms FROM steps ORDER BY step DESC LIMIT $n")
+HISTORY_BIN_SEC = 2.0  # the step-time history the change point is searched in: bins of this many seconds
+HISTORY_SEC = 1800.0  # ... over the last this many seconds
+SLOW_HISTORY_SQL = ("SELECT floor(start / $bin) * $bin AS bin_start, median(duration_ms) AS step_ms, "
+                    "median(coalesce(duration_ms - comm_wait_ms, cpu_ms)) AS own_ms, count(*) AS steps "
+                    "FROM steps WHERE start >= $since AND duration_ms IS NOT NULL GROUP BY 1 ORDER BY 1")
+SLOW_HOST_SQL = ("SELECT avg(load1) AS load1, avg(others_cpu_pct) AS others_cpu_pct, "
+                 "avg(run_delay_pct) AS run_delay_pct, avg(main_cpu_pct) AS main_cpu_pct, "
+                 "min(mem_available_bytes) AS mem_available_bytes, max(mem_pressure_pct) AS mem_pressure_pct, "
+                 "count(*) AS samples, epoch_ms(get_current_timestamp()) / 1000.0 AS now "
+                 "FROM (SELECT * FROM host ORDER BY ts DESC LIMIT 5)")
+SLOW_ARRIVALS_SQL = ("SELECT _rank, group_id, group_name, collective_seq_id, ts, op, is_p2p FROM collectives "
+                     "WHERE source = 'flight_recorder' AND NOT coalesce(is_p2p, false) AND ts >= $since")
 
 
 def rows(answer: "QueryResult | None") -> list[dict[str, Any]]:
@@ -163,6 +185,7 @@ class Diagnosis:
     native: bool
     now: float
     ended: EndedJob | None = None
+    window: int = WINDOW_STEPS  # the newest steps of each rank the slow verdict weighs
 
     def _query(self, sql: str, params: Mapping[str, Any] | None = None, **kw: Any) -> Call:
         # a table no dump holds (a fatal signal's rank alone, a rank with no torch) answers nothing
@@ -182,7 +205,32 @@ class Diagnosis:
             then["logged_steps"] = self._query(LOGGED_STEPS_SQL)
         if then:
             answers = {**answers, **(yield then)}
-        return analyse(answers, self.now, self.min_wait, self.ended)
+        result = analyse(answers, self.now, self.min_wait, self.ended)
+        if self.ended is not None or not result.healthy:
+            return result
+        slow = yield from self.slow_evidence()
+        return with_slow(result, slow)
+
+    def slow_evidence(self) -> Generator[Batch, dict[str, Any], dict[str, Any]]:
+        """The rows the slow verdict reads. A query that fails leaves its evidence out, never the verdict."""
+        ask = {"steps": query(SLOW_STEPS_SQL, {"n": int(self.window)}, per_rank=True, timeout=self.timeout,
+                              optional=True),
+               "history": query(SLOW_HISTORY_SQL, {"bin": HISTORY_BIN_SEC, "since": self.now - HISTORY_SEC},
+                                per_rank=True, timeout=self.timeout, optional=True),
+               "host": query(SLOW_HOST_SQL, per_rank=True, timeout=self.timeout, optional=True)}
+        answers = yield ask
+        steps = rows(answers.get("steps"))
+        starts = [v for v in (as_float(r.get("start")) for r in steps) if v is not None]
+        if starts:
+            answers = {**answers, **(yield {"arrivals": query(SLOW_ARRIVALS_SQL, {"since": min(starts)},
+                                                              timeout=self.timeout, optional=True)})}
+        host = answers.get("host")
+        # every rank read its clock within the host query: its length bounds what an offset can be
+        spread = float(((host.coverage or {}).get("elapsed_ms") or 0.0) / 1000.0) if host is not None else 0.0
+        host_rows = rows(host)
+        return {"steps": steps, "history": rows(answers.get("history")), "host": host_rows,
+                "collectives": rows(answers.get("arrivals")), "offsets_ms": clock_offsets_ms(host_rows, spread),
+                "answers": [a for a in answers.values() if a is not None], "window": self.window}
 
 
 # the query answers whose coverage is the verdict's, in the order they are merged
@@ -211,3 +259,42 @@ def analyse(answers: Mapping[str, Any], now: float, min_wait: float = core.MIN_W
                             world_size=ended.world_size, missing=ended.missing)
     coverage["failed"] = {**{str(r): why for r, why in ended.missing.items()}, **coverage["failed"]}
     return DiagnoseResult(failure.with_hang(found, hang), coverage)
+
+
+def clock_offsets_ms(host_rows: Iterable[Mapping[str, Any]], spread_sec: float) -> dict[int, float]:
+    """Each host's clock offset from the first host's, from the ``now`` every rank read within one
+    query of ``spread_sec``: applied only where it exceeds what the query's own length could make
+    of it (one machine, or hosts in sync, get none)."""
+    nows: dict[str, list[tuple[int, float]]] = {}
+    for row in host_rows:
+        rank, now, host = as_int(row.get("_rank")), as_float(row.get("now")), as_text(row.get("_host"))
+        if rank is not None and now is not None:
+            nows.setdefault(host or "", []).append((rank, now))
+    if len(nows) < 2:
+        return {}
+    hosts = sorted(nows)
+    ref = min(n for _, n in nows[hosts[0]])
+    out: dict[int, float] = {}
+    for h in hosts[1:]:
+        offset = min(n for _, n in nows[h]) - ref
+        if abs(offset) > spread_sec:
+            out.update({r: offset * 1000.0 for r, _ in nows[h]})
+    return out
+
+
+def with_slow(result: DiagnoseResult, slow: Mapping[str, Any]) -> DiagnoseResult:
+    """A job with no hang: the slow verdict's findings, its sentence after the hang checks' one. Pure."""
+    verdict = result.verdict
+    report = slow_core.analyse(slow.get("steps") or [], slow.get("collectives") or [], slow.get("history") or [],
+                               slow.get("host") or [], slow.get("offsets_ms") or {},
+                               window=slow.get("window") or slow_core.WINDOW_STEPS)
+    summary = report.summary if report.findings else f"{verdict.summary} {report.summary}"
+    coverage = merged_coverage([*(a for a in slow.get("answers") or () if a is not None), _Covered(result.coverage)])
+    return DiagnoseResult(core.Verdict(summary, report.findings, verdict.checked + report.checked), coverage)
+
+
+class _Covered:
+    """A coverage already merged, merged again with more answers'."""
+
+    def __init__(self, coverage: dict[str, Any]) -> None:
+        self.coverage = coverage

@@ -404,13 +404,14 @@ class DumpClient:
                               code="partial", coverage=coverage)
         return results.QueryResult(table, coverage, explain=coverage.get("explain", ""))
 
-    def diagnose(self, timeout: float = 10.0, min_wait: float = MIN_WAIT_SEC, native: bool = False
-                 ) -> DiagnoseResult:
+    def diagnose(self, timeout: float = 10.0, min_wait: float = MIN_WAIT_SEC, native: bool = False,
+                 window: int = 0) -> DiagnoseResult:
         """Who failed first and why (``diagnosis.failure``: each dump's reason, last step and the
         collective it was in), then the hang verdict a live job gets, taken at the moment the
         last rank ended (``min_wait`` counts back from then): the live job's flow
         (``diagnose.Diagnosis``) over the dumps. ``native``: as a live job's call takes it; the
-        dumps hold the stacks they were written with."""
+        dumps hold the stacks they were written with; ``window``: as a live job's call takes it (an
+        ended job is asked why it died, not why it was slow)."""
         ended = EndedJob(self.world_size, self.missing(), self.seen_at)
         return calls.drive(Diagnosis(timeout, min_wait, native, time.time(), ended).run(), self)
 

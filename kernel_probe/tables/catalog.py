@@ -19,6 +19,9 @@ Built-in tables (columns in ``convert.SCHEMAS``):
                    read at query time: the newest PROBING_FLIGHT_RECORDER_ROWS of each group)
 - ``process_groups`` one row per process group: ranks, backend, the flight recorder's last
                    enqueued / started / completed sequence numbers (read at query time)
+- ``host``         sampled about once a second: load, CPU of the machine / this rank / the others,
+                   the main thread's run-queue delay, memory available, pressure (``tables.host``)
+- ``gc_pauses``    one row per garbage collection: ts, generation, duration_ms, collected
 - ``process``      one row: pid, host, python, torch, argv, start_time, threads
 - ``env``          the environment, secret-looking names redacted
 - ``profile_ops``, ``profile_status``, ``profile_trace``  the last torch.profiler capture asked
@@ -40,13 +43,15 @@ from typing import Any, Callable
 from ..config import Settings
 from ..progress import StepClock
 from . import convert, live
+from .gc_pauses import GcPauses
+from .host import HostSampler
 from .recorders import Collectives, MemorySampler
 from ..ring import Ring
 
 log = logging.getLogger("kernel_probe")
 
-BUILTIN_TABLES = ("collectives", "env", "memory", "metrics", "process", "process_groups", "profile_ops",
-                  "profile_status", "profile_trace", "stacks", "steps", "tables")
+BUILTIN_TABLES = ("collectives", "env", "gc_pauses", "host", "memory", "metrics", "process", "process_groups",
+                  "profile_ops", "profile_status", "profile_trace", "stacks", "steps", "tables")
 RESERVED_NAMES = frozenset(BUILTIN_TABLES) | {"nodes", "cluster"}  # nodes / cluster.nodes: the probe's
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _now = time.time
@@ -81,6 +86,9 @@ class LocalTables:
         self._metrics_append = self._metrics.append
         self._memory = MemorySampler(settings.memory_rows, settings.memory_sample_sec)
         self._collectives = Collectives(settings.collectives_rows, enabled=settings.collectives)
+        self._host = HostSampler(settings.memory_rows, min(settings.memory_sample_sec, 1.0))
+        self._gc = GcPauses(settings.metrics_rows)
+        self.steps.gc_total = self._gc.total
         self._profile: Any = None  # readers.profile.ProfileCapture, made when a capture is first asked
         self._user: dict[str, Any] = {}
         self._providers: dict[str, Callable[[], Any]] = {}
@@ -141,7 +149,9 @@ class LocalTables:
         samples ``memory`` when PROBING_MEMORY_SAMPLE_SEC has elapsed. Never raises."""
         for what, fn in (("optimizer hooks", self.steps.install_torch_hooks),
                          ("collective wrappers", self._collectives.install),
-                         ("memory sample", lambda: self._memory.maybe_sample(now))):
+                         ("memory sample", lambda: self._memory.maybe_sample(now)),
+                         ("host sample", lambda: self._host.maybe_sample(now)),
+                         ("gc callback", self._gc.install)):
             try:
                 fn()
             except Exception as exc:
@@ -153,6 +163,7 @@ class LocalTables:
         """Remove the optimizer hooks and restore torch.distributed's functions."""
         self.steps.remove_hooks()
         self._collectives.uninstall()
+        self._gc.uninstall()
 
     # --- queries -----------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -308,6 +319,12 @@ class LocalTables:
 
     def _spec_memory(self) -> convert.Spec:
         return convert.rows_spec("memory", self._memory.rows.snapshot())
+
+    def _spec_host(self) -> convert.Spec:
+        return convert.rows_spec("host", self._host.rows.snapshot())
+
+    def _spec_gc_pauses(self) -> convert.Spec:
+        return convert.rows_spec("gc_pauses", self._gc.rows.snapshot())
 
     def _spec_metrics(self) -> convert.Spec:
         return convert.metrics_spec(self._metrics.snapshot())

@@ -25,7 +25,7 @@ SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
                ("frame_type", "string"), ("function", "string"), ("file", "string"), ("line", "int64")),
     "steps": (("step", "int64"), ("start", "float64"), ("duration_ms", "float64"), ("data_ms", "float64"),
               ("forward_ms", "float64"), ("backward_ms", "float64"), ("comm_wait_ms", "float64"),
-              ("optimizer_ms", "float64")),
+              ("optimizer_ms", "float64"), ("cpu_ms", "float64"), ("gc_ms", "float64")),
     "memory": (("ts", "float64"), ("rss_bytes", "int64"), ("cpu_percent", "float64"), ("device", "string"),
                ("allocated_bytes", "int64"), ("reserved_bytes", "int64")),
     "metrics": (("ts", "float64"),),
@@ -43,6 +43,12 @@ SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
     "process": (("pid", "int64"), ("host", "string"), ("python", "string"), ("torch", "string"),
                 ("argv", "string"), ("start_time", "float64"), ("threads", "int64")),
     "env": (("name", "string"), ("value", "string")),
+    # tables.host and tables.gc_pauses: the machine around the rank, its GC pauses
+    "host": (("ts", "float64"), ("load1", "float64"), ("cpus", "int64"), ("host_cpu_pct", "float64"),
+             ("rank_cpu_pct", "float64"), ("others_cpu_pct", "float64"), ("run_delay_pct", "float64"),
+             ("main_cpu_pct", "float64"), ("mem_available_bytes", "int64"), ("mem_total_bytes", "int64"),
+             ("cpu_pressure_pct", "float64"), ("mem_pressure_pct", "float64")),
+    "gc_pauses": (("ts", "float64"), ("generation", "int64"), ("duration_ms", "float64"), ("collected", "int64")),
     "tables": (("table_name", "string"), ("column_name", "string"), ("column_type", "string"), ("note", "string")),
 }
 # the last profile capture asked of this rank (readers.profile fills them)

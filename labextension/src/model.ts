@@ -14,7 +14,8 @@
  * and only pings the version route until the server answers again. The poll stands by
  * while the panel is hidden or the browser tab is in the background.
  * While a rank of the shown job is stalled or dead, the verdict (why it is stuck) is asked
- * beside the poll, at most every VERDICT_EVERY_MS, and shown as a banner.
+ * beside the poll, at most every VERDICT_EVERY_MS, and shown as a banner; while every rank
+ * is alive, every SLOW_VERDICT_EVERY_MS (why it is slow: a straggler is shown the same way).
  * A job added by its dumps (`dump://DIR`) has ended for good: its ranks are shown as last
  * seen, and its verdict (who failed first, and why) is asked once.
  * The shown job's profile captures are `profile`'s (a running job only).
@@ -51,11 +52,34 @@ const BACKOFF_FACTOR = 2; // after an error the next tick waits up to 2x longer,
 
 /** While a rank is stalled or dead: how often the verdict is asked again. */
 export const VERDICT_EVERY_MS = 10_000;
+/** While every rank is alive: how often the verdict is asked (why is it slow: the straggler). */
+export const SLOW_VERDICT_EVERY_MS = 30_000;
 const VERDICT_STATES = ['stalled', 'dead'];
 
 /** Whether the panel asks why the job is stuck: a rank is stalled or dead. */
 export function needsVerdict(nodes: INodes): boolean {
   return nodes.members.some(m => VERDICT_STATES.includes(m.state));
+}
+
+/** Why the verdict names `rank` a straggler, in one word (its category, from the finding's
+ * sentence), with the sentence itself; null when it does not. */
+export function stragglerWhy(verdict: IVerdict | null, rank: number): { word: string; detail: string } | null {
+  const found = verdict?.findings.find(f => f.kind === 'straggler' && f.ranks.includes(rank));
+  if (!found) {
+    return null;
+  }
+  const d = found.detail;
+  const contended = d.includes('for the CPU time of the others') || /straggler[s]?[^:]*: its main thread waits/.test(d);
+  const word = d.includes('garbage collection')
+    ? 'GC'
+    : d.includes('waiting for data')
+      ? 'data'
+      : contended
+        ? 'host'
+        : /takes|computes/.test(d)
+          ? 'compute'
+          : 'slow';
+  return { word, detail: d };
 }
 
 /** How a job is worded: running, ended (waiting for a relaunch), or ended and read from its dumps. */
@@ -406,20 +430,26 @@ export class ClusterModel {
    * An ended job's dumps do not change: their verdict is asked once. */
   private _askVerdict(job: IJob, nodes: INodes): void {
     const dumps = jobKind(job) === 'dumps';
-    if (!dumps && !needsVerdict(nodes)) {
+    const stuck = needsVerdict(nodes);
+    if (!dumps && !stuck && this._verdictStuck) {
+      // every rank alive again: the hang verdict is over; why it is slow is asked anew
+      this._verdictStuck = false;
       this._verdictDue = 0;
       if (this._verdict !== null) {
         this._verdict = null;
         this._changed.emit();
       }
-      return;
+    }
+    if (stuck && !this._verdictStuck) {
+      this._verdictStuck = true;
+      this._verdictDue = 0; // a rank just stalled or died: asked now
     }
     if (this._verdictAsking || Date.now() < this._verdictDue) {
       return;
     }
     const jobId = job.id;
     this._verdictAsking = true;
-    this._verdictDue = dumps ? Infinity : Date.now() + VERDICT_EVERY_MS;
+    this._verdictDue = dumps ? Infinity : Date.now() + (stuck ? VERDICT_EVERY_MS : SLOW_VERDICT_EVERY_MS);
     const asked = this._verdictAsked;
     this._api
       .diagnose(jobId)
@@ -446,6 +476,7 @@ export class ClusterModel {
     this._verdictAsked++; // a verdict still on its way belongs to the job left
     this._verdictAsking = false;
     this._verdictDue = 0;
+    this._verdictStuck = false;
     this._verdict = null;
     this._stackAsked++; // a stack still on its way belongs to the job left
     this._shown = null;
@@ -485,6 +516,7 @@ export class ClusterModel {
   private _verdictAsked = 0;
   private _verdictAsking = false;
   private _verdictDue = 0;
+  private _verdictStuck = false; // the last verdict asked was for a stalled or dead rank
   private _restartsSeen = new Map<string, number>();
   private _visible = false;
   private _started = false;

@@ -9,7 +9,7 @@ import { Panel, Widget } from '@lumino/widgets';
 import { CommandToolbarButton, LabIcon, ReactWidget, SidePanel, UseSignal } from '@jupyterlab/ui-components';
 import * as React from 'react';
 
-import { ClusterModel, IRankRow, jobKind, rankGroups, stateCounts } from './model';
+import { ClusterModel, IRankRow, jobKind, rankGroups, stateCounts, stragglerWhy } from './model';
 import { DEFAULT_STEPS, ProfileModel } from './profile';
 import { IDeparture, IJob, INodes } from './request';
 
@@ -148,8 +148,13 @@ function Summary({ nodes, updated }: { nodes: INodes; updated: Date | null }): J
   );
 }
 
-function RankRow(props: { row: IRankRow; selected: boolean; onSelect: () => void }): JSX.Element {
-  const { row, selected } = props;
+function RankRow(props: {
+  row: IRankRow;
+  selected: boolean;
+  onSelect: () => void;
+  slow?: { word: string; detail: string } | null;
+}): JSX.Element {
+  const { row, selected, slow } = props;
   const classes = ['pm-Cluster-rank', `pm-state-${row.state}`];
   if (row.suspect) {
     classes.push('pm-suspect');
@@ -170,6 +175,14 @@ function RankRow(props: { row: IRankRow; selected: boolean; onSelect: () => void
         {row.suspect && (
           <span className="pm-Cluster-suspectTag" title="suspect: stuck where the other stalled ranks are not">
             !
+          </span>
+        )}
+        {slow && (
+          <span className="pm-Cluster-stragglerTag" data-why={slow.word} title={slow.detail}>
+            <span className="pm-Cluster-stragglerShape" aria-hidden="true">
+              ▲
+            </span>{' '}
+            {slow.word}
           </span>
         )}
       </td>
@@ -346,6 +359,7 @@ function Nodes({ model, nodes }: { model: ClusterModel; nodes: INodes }): JSX.El
                 <RankRow
                   key={row.rank}
                   row={row}
+                  slow={stragglerWhy(model.verdict, row.rank)}
                   selected={model.selectedRank === row.rank}
                   onSelect={() => void model.selectRank(model.selectedRank === row.rank ? null : row.rank)}
                 />

@@ -4,6 +4,7 @@
 import {
   ClusterModel,
   MAX_BACKOFF_MS,
+  SLOW_VERDICT_EVERY_MS,
   VERDICT_EVERY_MS,
   jobKind,
   needsVerdict,
@@ -176,32 +177,42 @@ describe('the verdict banner', () => {
   const stalled = (id: string) =>
     nodes(id, { members: [member(0, 0), member(1, 0), member(2, 1), member(3, 1, { state: 'stalled' })] });
 
-  it('is asked only while a rank is stalled or dead, and at most every VERDICT_EVERY_MS', async () => {
+  it('is asked while a rank is stalled or dead at most every VERDICT_EVERY_MS, else every SLOW_VERDICT_EVERY_MS', async () => {
     const api = fakeApi();
+    api.diagnose.mockResolvedValueOnce({ ...VERDICT, healthy: true, findings: [], summary: 'No straggler.' });
     const model = track(started(api));
     await model.refresh();
-    expect(api.diagnose).not.toHaveBeenCalled();
-    expect(model.verdict).toBeNull();
+    await settle();
+    expect(api.diagnose).toHaveBeenCalledTimes(1); // why is it slow, asked of a running job
+    expect(model.verdict?.summary).toBe('No straggler.');
+    await model.refresh();
+    await settle();
+    expect(api.diagnose).toHaveBeenCalledTimes(1); // not again within SLOW_VERDICT_EVERY_MS
 
     api.nodes.mockImplementation(async (id: string) => stalled(id));
     await model.refresh();
     await settle();
-    expect(api.diagnose).toHaveBeenCalledTimes(1);
+    expect(api.diagnose).toHaveBeenCalledTimes(2); // a rank stalled: asked at once
     expect(api.diagnose).toHaveBeenLastCalledWith('A');
     expect(model.verdict?.summary).toBe(VERDICT.summary);
 
     await model.refresh(); // within VERDICT_EVERY_MS: not asked again
     await settle();
-    expect(api.diagnose).toHaveBeenCalledTimes(1);
+    expect(api.diagnose).toHaveBeenCalledTimes(2);
     const now = Date.now();
     jest.spyOn(Date, 'now').mockReturnValue(now + VERDICT_EVERY_MS + 1);
     await model.refresh();
     await settle();
-    expect(api.diagnose).toHaveBeenCalledTimes(2);
+    expect(api.diagnose).toHaveBeenCalledTimes(3);
 
     api.nodes.mockImplementation(async (id: string) => nodes(id)); // every rank alive again
+    api.diagnose.mockImplementation(() => new Promise(() => undefined)); // the slow verdict still on its way
     await model.refresh();
-    expect(model.verdict).toBeNull();
+    expect(model.verdict).toBeNull(); // the hang verdict is over
+    expect(api.diagnose).toHaveBeenCalledTimes(4); // and why it is slow is asked anew
+    jest.spyOn(Date, 'now').mockReturnValue(now + VERDICT_EVERY_MS + SLOW_VERDICT_EVERY_MS - 1);
+    await model.refresh();
+    expect(api.diagnose).toHaveBeenCalledTimes(4);
   });
 
   it('drops a verdict that arrives after the job changed, and survives a failing one', async () => {

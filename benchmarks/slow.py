@@ -1,0 +1,137 @@
+"""Why is it slow, measured: for each scenario, the time from the slowdown to a correct verdict;
+the verdict's own cost (ask latency); and repeated asks on a healthy job, counting false verdicts.
+
+One torchrun 2x2 DDP job (tests/workers/slow_worker.py, node 1 "on host h1") whose slowness a
+control file sets while it runs. Each scenario starts from a healthy job: the control is cleared,
+--settle seconds pass, then the scenario is switched on and ``Client.diagnose()`` (its default
+window) is asked every --every seconds until the verdict names the right ranks with the right
+words, or --scenario-timeout passes. Then the job is healthy again for --healthy-min minutes,
+asked every --every seconds; a verdict with any slow finding is false.
+
+    .venv/bin/python benchmarks/slow.py [--healthy-min 10] [--every 1] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORKER = str(ROOT / "tests" / "workers" / "slow_worker.py")
+# name, control, the culprit ranks, words the straggler finding must hold
+SCENARIOS = (
+    ("compute straggler", {"slow": {"3": {"phase": "forward", "ms": 60}}}, (3,), "forward takes"),
+    ("data-loader straggler", {"slow": {"2": {"phase": "data", "ms": 60}}}, (2,), "waiting for data"),
+    ("intermittent (1 step in 4)", {"slow": {"3": {"phase": "forward", "ms": 80, "every": 4}}}, (3,), "late in"),
+    ("two slow ranks on one node", {"slow": {"2": {"phase": "forward", "ms": 60}, "3": {"phase": "forward", "ms": 60}}},
+     (2, 3), "are the stragglers"),
+    ("CPU hog beside rank 3", {"compute_ms": 25, "hog": [3]}, (3,), "for the CPU time of the others"),
+)
+SLOW_KINDS = ("straggler", "slowdown", "communication")
+
+
+def set_control(path: Path, what: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(what))
+    os.replace(tmp, path)
+
+
+def ask(root) -> tuple[object, float]:
+    t0 = time.perf_counter()
+    result = root.diagnose()
+    return result, time.perf_counter() - t0
+
+
+def fits(result, ranks: tuple[int, ...], words: str) -> bool:
+    found = [f for f in result.verdict.findings if f.kind == "straggler"]
+    return len(found) == 1 and found[0].ranks == ranks and words in found[0].detail
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--healthy-min", type=float, default=10.0)
+    ap.add_argument("--every", type=float, default=1.0)
+    ap.add_argument("--settle", type=float, default=15.0)
+    ap.add_argument("--scenario-timeout", type=float, default=120.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import kernel_probe
+    from tests.support import wait_for
+    from tests.support.harness import LocalJob
+
+    tmp = Path(tempfile.mkdtemp(prefix="kp-slow-bench-"))
+    runtime, control = tmp / "runtime", tmp / "control.json"
+    control.write_text("{}")
+    os.environ["PROBING_RUNTIME_DIR"] = str(runtime)
+    job = LocalJob([WORKER, "--mode", "ddp", "--control", str(control)], nodes=2, ranks_per_node=2,
+                   env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), "PROBING_SAMPLE_INTERVAL_SEC": "0.25"},
+                   node_env=lambda i: {"PROBING_NODE_HOST": f"h{i}"}, workdir=tmp / "job").start()
+    out: dict = {"scenarios": [], "healthy": {}}
+    latencies: list[float] = []
+    try:
+        root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.5, what="the root")
+        wait_for(lambda: len(root.query("SELECT _rank FROM steps WHERE step > 20 GROUP BY _rank").df) == 4, 120,
+                 interval=1.0, what="20 steps on every rank")
+        for name, what, ranks, words in SCENARIOS:
+            set_control(control, {})
+            time.sleep(args.settle)
+            set_control(control, what)
+            switched = time.time()
+            took, last = None, None
+            while time.time() - switched < args.scenario_timeout:
+                result, latency = ask(root)
+                latencies.append(latency)
+                last = result
+                if fits(result, ranks, words):
+                    took = time.time() - switched
+                    break
+                time.sleep(args.every)
+            row = {"scenario": name, "seconds_to_verdict": took, "verdict": last.summary if last else None}
+            out["scenarios"].append(row)
+            print(f"{name:30s} {'%.1f s' % took if took is not None else 'NOT FOUND':>10s}  {row['verdict']}",
+                  flush=True)
+        set_control(control, {})
+        time.sleep(args.settle)
+        asks = false = 0
+        by_kind: dict[str, int] = {}
+        examples: list[str] = []
+        end = time.time() + args.healthy_min * 60
+        while time.time() < end:
+            result, latency = ask(root)
+            latencies.append(latency)
+            asks += 1
+            kinds = {f.kind for f in result.verdict.findings if f.kind in SLOW_KINDS}
+            if kinds:
+                false += 1
+                for kind in kinds:
+                    by_kind[kind] = by_kind.get(kind, 0) + 1
+                if len(examples) < 3:
+                    examples.append(result.summary)
+            time.sleep(args.every)
+        out["healthy"] = {"minutes": args.healthy_min, "asks": asks, "false_verdicts": false, "by_kind": by_kind,
+                          "examples": examples}
+        print(f"healthy for {args.healthy_min:g} min: {asks} asks, {false} false verdicts {by_kind}", flush=True)
+        for e in examples:
+            print("  false:", e)
+    finally:
+        job.close()
+    lat = sorted(latencies)
+    out["ask_latency_s"] = {"median": statistics.median(lat), "p95": lat[int(0.95 * (len(lat) - 1))], "n": len(lat)}
+    print(f"ask latency: median {out['ask_latency_s']['median'] * 1000:.0f} ms, "
+          f"p95 {out['ask_latency_s']['p95'] * 1000:.0f} ms over {len(lat)} asks")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

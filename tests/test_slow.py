@@ -1,0 +1,251 @@
+"""The slow-job verdict's analysis (kernel_probe.diagnosis.slow), on synthetic rows: a DDP job of
+four ranks simulated step by step, each rank's phases and the time it entered the gradient
+all-reduce, with noise from a seeded generator."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kernel_probe.diagnosis import slow
+
+T0 = 1_700_000_000.0
+HOSTS = {0: "h0", 1: "h0", 2: "h1", 3: "h1"}
+
+
+def ddp_job(n_steps=200, world=4, *, slow_ranks=(), extra_ms=60.0, phase="forward_ms", every=1, noise_ms=1.0,
+            from_step=0, seed=1, gc=False, data_rank=None, cpu_follows=True, fsdp=False, offsets=None, per_step=1):
+    """(steps rows, collectives rows): every rank computes 10 ms forward + 10 ms backward, 2 ms data,
+    1 ms optimizer; ``slow_ranks`` spend ``extra_ms`` more in ``phase`` every ``every``-th step from
+    ``from_step`` on. The others wait for the slowest in the all-reduce (comm_wait_ms)."""
+    rng = random.Random(seed)
+    steps, colls = [], []
+    t = T0
+    offsets = offsets or {}
+    for i in range(n_steps):
+        own = {}
+        for r in range(world):
+            p = {"data_ms": 2.0 + rng.uniform(0, noise_ms), "forward_ms": 10.0 + rng.uniform(0, noise_ms),
+                 "backward_ms": 10.0 + rng.uniform(0, noise_ms), "optimizer_ms": 1.0, "gc_ms": 0.0}
+            if r in slow_ranks and i >= from_step and (i - from_step) % every == 0:
+                p[phase] += extra_ms
+            p["cpu_ms"] = p["forward_ms"] + p["backward_ms"] + p["optimizer_ms"] + 1.0
+            if not cpu_follows and r in slow_ranks and i >= from_step and (i - from_step) % every == 0:
+                p["cpu_ms"] -= extra_ms  # the extra wall time was spent off the CPU
+            if phase == "gc_ms" and r in slow_ranks and i >= from_step and (i - from_step) % every == 0:
+                p["forward_ms"] += extra_ms  # a pause inside forward
+            own[r] = p
+        arrive = {r: p["data_ms"] + p["forward_ms"] + p["backward_ms"] for r, p in own.items()}
+        last = max(arrive.values())
+        for r, p in own.items():
+            wait = last - arrive[r] + 0.5
+            duration = arrive[r] + wait + p["optimizer_ms"]
+            row = {"_rank": r, "_host": HOSTS.get(r, f"h{r // 2}"), "step": i + 1, "start": t,
+                   "duration_ms": duration, **p, "comm_wait_ms": wait}
+            if fsdp:
+                row.update(forward_ms=None, backward_ms=None, comm_wait_ms=None, data_ms=None)
+            steps.append(row)
+            colls.append({"_rank": r, "group_name": "0", "collective_seq_id": per_step * i + 10, "op": "gloo:all_reduce",
+                          "is_p2p": False, "ts": t + arrive[r] / 1000.0 + offsets.get(r, 0.0) / 1000.0})
+            for k in range(1, per_step):  # the step's other collectives: every rank in step again
+                colls.append({"_rank": r, "group_name": "0", "collective_seq_id": per_step * i + 10 + k,
+                              "op": "gloo:all_gather", "is_p2p": False,
+                              "ts": t + (last + k + rng.uniform(0, noise_ms)) / 1000.0 + offsets.get(r, 0.0) / 1000.0})
+        t += (last + 1.5) / 1000.0
+    return steps, colls
+
+
+def history_of(steps, bin_sec=1.0):
+    bins = {}
+    for s in steps:
+        key = (s["_rank"], int(s["start"] // bin_sec) * bin_sec)
+        bins.setdefault(key, []).append(s)
+    out = []
+    for (rank, b), rows in bins.items():
+        durations = sorted(r["duration_ms"] for r in rows)
+        owns = sorted(r["duration_ms"] - r["comm_wait_ms"] for r in rows if r.get("comm_wait_ms") is not None)
+        out.append({"_rank": rank, "_host": rows[0]["_host"], "bin_start": b,
+                    "step_ms": durations[len(durations) // 2], "own_ms": owns[len(owns) // 2] if owns else None})
+    return out
+
+
+def stragglers(report):
+    return [f for f in report.findings if f.kind == "straggler"]
+
+
+def test_healthy_job_has_no_finding_and_says_what_was_checked():
+    steps, colls = ddp_job()
+    report = slow.analyse(steps, colls, history_of(steps))
+    assert report.findings == ()
+    assert report.summary.startswith("No straggler: 4 ranks within"), report.summary
+    assert "no slowdown since start" in report.summary
+    assert any("arrival order at 200 collectives" in c for c in report.checked), report.checked
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_noise_names_no_one(seed):
+    # every rank, at random, is late now and then by up to 8 ms: the slowest by noise is not a straggler
+    steps, colls = ddp_job(noise_ms=8.0, seed=seed)
+    assert stragglers(slow.analyse(steps, colls)) == []
+
+
+def test_compute_straggler_named_with_phase_loss_and_victims():
+    steps, colls = ddp_job(slow_ranks=(3,))
+    report = slow.analyse(steps, colls)
+    (f,) = stragglers(report)
+    assert f.ranks == (3,)
+    assert "rank 3 is the straggler: forward takes" in f.detail
+    assert "forward takes 71 ms vs 11 ms (median of the others) over the last 200 steps" in f.detail
+    assert "ranks 0-2 wait" in f.detail and "in the all_reduce" in f.detail and "of their step" in f.detail
+    assert "late in" not in f.detail  # chronic: every step
+    assert report.summary.startswith("Rank 3 is the straggler")
+
+
+def test_straggler_in_backward_and_optimizer():
+    (f,) = stragglers(slow.analyse(*ddp_job(slow_ranks=(1,), phase="backward_ms")))
+    assert f.ranks == (1,) and "backward takes" in f.detail
+
+
+def test_data_loading_straggler():
+    steps, colls = ddp_job(slow_ranks=(2,), phase="data_ms", extra_ms=40)
+    (f,) = stragglers(slow.analyse(steps, colls))
+    assert f.ranks == (2,) and "waiting for data takes" in f.detail, f.detail
+    assert "data_ms" in f.evidence
+
+
+def test_gc_straggler():
+    steps, colls = ddp_job(slow_ranks=(0,), phase="gc_ms", extra_ms=50)
+    (f,) = stragglers(slow.analyse(steps, colls))
+    assert f.ranks == (0,) and "garbage collection" in f.detail, f.detail
+
+
+def test_host_contention_needs_the_run_queue_evidence():
+    steps, colls = ddp_job(slow_ranks=(3,), cpu_follows=False)
+    host = [{"_rank": r, "_host": HOSTS[r], "run_delay_pct": 70.0 if r == 3 else 5.0, "load1": 6.0,
+             "others_cpu_pct": 90.0} for r in range(4)]
+    (f,) = stragglers(slow.analyse(steps, colls, host=host))
+    assert "waits for a CPU 70 %" in f.detail and "host h1" in f.detail, f.detail
+    # the same wall time without the run queue's word is compute (what the phase says), not a guess
+    (g,) = stragglers(slow.analyse(steps, colls))
+    assert "forward takes" in g.detail and "waits for a CPU" not in g.detail
+
+
+def test_intermittent_straggler_named_with_its_fraction():
+    steps, colls = ddp_job(slow_ranks=(3,), every=4, noise_ms=3.0)
+    (f,) = stragglers(slow.analyse(steps, colls))
+    assert f.ranks == (3,)
+    assert "late in 25 % of the steps" in f.detail, f.detail
+    assert "forward takes" in f.detail  # a quarter of 60 ms a step: the phase still explains it
+
+
+def test_two_slow_ranks_on_one_node():
+    steps, colls = ddp_job(slow_ranks=(2, 3))
+    (f,) = stragglers(slow.analyse(steps, colls))
+    assert f.ranks == (2, 3)
+    assert "ranks 2-3 are the stragglers (all on host h1)" in f.detail, f.detail
+    assert "ranks 0-1 wait" in f.detail and "for them" in f.detail
+
+
+def test_slowdown_mid_run_says_when_and_who_changed():
+    steps, colls = ddp_job(n_steps=600, slow_ranks=(3,), from_step=300)
+    report = slow.analyse(steps, colls, history_of(steps))
+    (change,) = [f for f in report.findings if f.kind == "slowdown"]
+    switch = next(s["start"] for s in steps if s["step"] == 301)
+    found = slow.change_point(history_of(steps))
+    assert abs(found.at - switch) <= 1.0 and found.ranks == (3,) and found.hosts == ("h1",)
+    assert "rank 3 changed first (host h1)" in change.detail, change.detail
+    assert "got slower at" in change.detail
+    (f,) = stragglers(report)  # judged over the steps since the change: rank 3 is late at every one
+    assert f.ranks == (3,) and "late in" not in f.detail and "over the last 200 steps" in f.detail, f.detail
+
+
+def test_a_slowdown_that_is_over_is_no_finding():
+    steps, _ = ddp_job(n_steps=900, slow_ranks=(3,), from_step=300)
+    for s in steps:  # rank 3 is back to normal from step 600 on
+        if s["step"] > 600:
+            s["duration_ms"] = 23.0 + (s["step"] % 3)
+    assert slow.change_point(history_of(steps)) is None
+
+
+def test_a_steady_history_has_no_change_point():
+    steps, _ = ddp_job(n_steps=600, noise_ms=5.0)
+    assert slow.change_point(history_of(steps)) is None
+
+
+def test_fsdp_without_phases_names_the_straggler_from_arrivals_and_cpu():
+    steps, colls = ddp_job(slow_ranks=(3,), fsdp=True)
+    (f,) = stragglers(slow.analyse(steps, colls))
+    assert f.ranks == (3,) and "computes" in f.detail and "cpu_ms" in f.evidence, f
+
+
+def test_many_collectives_a_step_are_scored_per_step():
+    # FSDP: several all-gathers a step; the straggler is late at one of them, every step
+    steps, colls = ddp_job(slow_ranks=(3,), fsdp=True, per_step=6)
+    (f,) = stragglers(slow.analyse(steps, colls))
+    assert f.ranks == (3,) and "200/200 steps" in f.evidence, f.evidence
+    steps, colls = ddp_job(per_step=6, noise_ms=8.0, seed=3)
+    assert stragglers(slow.analyse(steps, colls)) == []
+
+
+def test_a_pipeline_with_few_collectives_falls_back_to_own_time():
+    steps, colls = ddp_job(slow_ranks=(3,))
+    # one collective in ten steps, after the stage's wait: every rank enters it together
+    few = [{**c, "ts": c["collective_seq_id"]} for c in colls if c["collective_seq_id"] % 10 == 0]
+    (f,) = stragglers(slow.analyse(steps, few))
+    assert f.ranks == (3,) and f.evidence.startswith("own time"), f.evidence
+
+
+def test_arrival_order_corrects_clock_offsets():
+    # rank 1's clock runs 80 ms ahead: uncorrected it looks late every time
+    offsets = {0: 0.0, 1: 80.0, 2: 0.0, 3: 0.0}
+    steps, colls = ddp_job(offsets=offsets, fsdp=True)
+    assert [f.ranks for f in stragglers(slow.analyse(steps, colls))] == [(1,)]
+    assert stragglers(slow.analyse(steps, colls, offsets_ms=offsets)) == []
+
+
+def test_no_recorder_falls_back_to_own_time():
+    steps, _ = ddp_job(slow_ranks=(3,))
+    (f,) = stragglers(slow.analyse(steps, []))
+    assert f.ranks == (3,) and f.evidence.startswith("own time")
+
+
+def test_pipeline_stage_waiting_for_the_straggler_is_not_the_culprit():
+    # rank 2 enters late too (it waits for rank 3 in recv), but burns no extra CPU: rank 3 is the culprit
+    steps, colls = ddp_job(slow_ranks=(3,), fsdp=True)
+    for c in colls:
+        if c["_rank"] == 2:
+            c["ts"] += 0.05
+    (f,) = stragglers(slow.analyse(steps, colls))
+    assert f.ranks == (3,) and "rank 2 run late because they wait for it" in f.detail, f.detail
+
+
+def test_no_steps_yet():
+    report = slow.analyse([], [])
+    assert report.findings == () and "no rank has recorded steps" in report.summary
+
+
+def test_communication_slow_on_one_host():
+    steps, _ = ddp_job()
+    for s in steps:
+        if s["_host"] == "h1":
+            s["comm_wait_ms"] += 30
+            s["duration_ms"] += 30
+    report = slow.analyse(steps, [])
+    (f,) = report.findings
+    assert f.kind == "communication" and f.ranks == (2, 3) and "host h1" in f.detail
+
+
+def test_a_rank_that_computes_more_on_a_loaded_host_is_a_compute_straggler():
+    # it also waits for a CPU more than the others (it wants more of it), but its extra time is CPU time
+    steps, colls = ddp_job(slow_ranks=(3,))
+    host = [{"_rank": r, "_host": HOSTS[r], "run_delay_pct": 60.0 if r == 3 else 2.0} for r in range(4)]
+    (f,) = stragglers(slow.analyse(steps, colls, host=host))
+    assert "forward takes" in f.detail and "CPU time +60 ms" in f.evidence and "for the CPU time of the others" not in f.detail
+    assert "; its main thread waits for a CPU 60 %" in f.detail  # said too, as what else it waits for
+
+
+def test_extra_time_off_the_cpu_without_the_run_queue_is_named_by_its_phase_only():
+    steps, colls = ddp_job(slow_ranks=(3,), cpu_follows=False)
+    (f,) = stragglers(slow.analyse(steps, colls))
+    assert "off the CPU (blocked or sleeping" in f.detail and "cause not measured" not in f.detail
