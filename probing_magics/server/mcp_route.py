@@ -24,11 +24,10 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.utils import url_path_join
 
 import kernel_probe
-from kernel_probe.frontend import mcp_server
+from kernel_probe.frontend import json_safe, mcp_server
 
-from .clients import ClusterClients
+from .clients import OPEN_TIMEOUT_SEC, ClusterClients
 from .handlers import STATE_KEY, ProbingHandler
-from kernel_probe.frontend import json_safe
 
 T = TypeVar("T")
 BRIDGE_KEY = "probing_magics_mcp"  # where the bridge lives in the tornado settings
@@ -73,9 +72,8 @@ class ServerJobs:
 
     async def call_blocking(self, job: str | None, fn: Callable[[Any], T], timeout: float) -> T:
         job_id = await self._job_id(job)
-        if self.clients.dumps.get(job_id) is not None:
+        if (await self.clients.job(job_id)).source == "dump":  # UnknownJob for an id not known here
             raise kernel_probe.JobEndedError(f"job {job_id} is an ended job's dumps already")
-        await self.clients.job(job_id)  # UnknownJob for an id not known here
         registry = self.clients.registry
 
         def run() -> T:
@@ -85,7 +83,8 @@ class ServerJobs:
         return await asyncio.to_thread(run)
 
     async def add_dump(self, target: str) -> str | None:
-        return (await self.clients.dumps.add(target)).id  # listed with the server's jobs, the panel's too
+        # listed with the server's jobs, the panel's too (read on the server's pool for dumps)
+        return (await self.clients.add(target, None, OPEN_TIMEOUT_SEC)).id
 
 
 @dataclasses.dataclass
