@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     dg = sub.add_parser("diagnose", help="why the job is stuck: dead or stalled ranks, who never entered a "
                                          "collective, mismatched collectives, and where the odd ranks are; "
                                          "else why it is slow: the straggler, its cause, since when",
-                        epilog="exit status: 0 when no hang, failure or slowdown is found, 1 when the verdict has "
+                        epilog="exit status: 0 when no hang, failure, straggler or slowdown is found, 1 when the verdict has "
                                "findings, 2 when the job could not be asked (or the arguments are wrong)")
     dg.add_argument("--json", action="store_true", help="the verdict as JSON (summary, findings, checked, coverage)")
     dg.add_argument("--min-wait", type=float, default=None, metavar="SECONDS",

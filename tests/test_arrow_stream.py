@@ -4,6 +4,7 @@ the oracle, with ``validate(full=True)`` on what it reads."""
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pyarrow as pa
@@ -93,6 +94,8 @@ def recorded(monkeypatch):
         t.log(step=step, loss=1.0 / (step + 1), note="ok" if step % 2 else None, ok=step > 2)
     t.log(lr=0.1)
     t.sample(0.0)
+    gc.collect()  # a pause for gc_pauses (sample() installed its callback)
+    t.sample(10.0)  # host: a second sample, the first one's deltas
     t.table("rows", [{"a": 1, "b": "x", "c": 2.5}, {"a": None, "d": True}])
     t.table("cols", {"k": [1, 2, 3], "v": ["é", None, "z"]})
     rows = live.stack_rows()  # the same stacks for both paths

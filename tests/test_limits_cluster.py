@@ -89,6 +89,7 @@ class TreeMemory:
         return self.peak
 
 
+@pytest.mark.serial  # a resource bound, and an engine killed at its deadline: another test's load would skew both
 def test_a_hostile_query_is_stopped_and_the_rank_keeps_its_memory(job):
     from kernel_probe.config import load_settings
 

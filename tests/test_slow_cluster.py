@@ -127,7 +127,7 @@ def test_a_compute_straggler_is_named_with_its_phase_victims_and_since_when(job)
 async def test_every_front_end_names_the_straggler(job, jp_fetch, jp_web_app):
     """The REST route, %cluster_diagnose and the %cluster_nodes line give the same verdict, with the
     default window (judged over the steps since the job got slower)."""
-    root, control, _ = job
+    root, control, runtime = job
     set_control(control, slow={"3": {"phase": "forward", "ms": 60}})
     verdict_until(root, one_straggler((3,), "is the straggler: forward takes"), window=200)
     from probing_magics.server import STATE_KEY
@@ -157,6 +157,20 @@ async def test_every_front_end_names_the_straggler(job, jp_fetch, jp_web_app):
                  what="the straggler's line in the nodes view")
     finally:
         shell.run_line_magic("unload_ext", "probing_magics")
+
+    # an agent gets the same verdict through the MCP server, over stdio, with the SDK's own client
+    import anyio
+    from mcp import Client, StdioServerParameters
+
+    async def agent():
+        env = {"PROBING_RUNTIME_DIR": str(runtime), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        async with Client(StdioServerParameters(command=sys.executable, args=["-m", "kernel_probe.cli", "mcp"],
+                                                env=env)) as client:
+            return await client.call_tool("diagnose", {"timeout": 30})
+
+    answer = anyio.run(agent)
+    assert not answer.is_error and "Rank 3 is the straggler" in answer.content[0].text, answer.content[0].text
+    assert [f["ranks"] for f in answer.structured_content["findings"] if f["kind"] == "straggler"] == [[3]]
 
 
 @pytest.fixture

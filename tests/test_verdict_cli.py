@@ -56,7 +56,7 @@ def test_exit_status_is_2_when_the_job_cannot_be_asked(capsys, tmp_path, monkeyp
 def test_the_help_says_the_exit_status(capsys):
     with pytest.raises(SystemExit):
         cli.main(["diagnose", "--help"])
-    assert "exit status: 0 when no hang or failure is found, 1 when the verdict has findings, 2 when" \
+    assert "exit status: 0 when no hang, failure, straggler or slowdown is found, 1 when the verdict has findings, " \
         in " ".join(capsys.readouterr().out.split())
 
 

@@ -122,9 +122,10 @@ def build_server(jobs: JobSource, *, name: str = "probing") -> MCPServer:
                            "seconds a collective must be pending before a rank missing from it counts "
                            "(default 5)"))] = None,
                        timeout: Timeout = 10.0) -> CallToolResult:
-        """Why the job is stuck or dead: one sentence (the verdict), then its findings as rows (kind, ranks,
-        group, seq, detail, evidence): dead or stalled ranks, ranks that never entered a collective the others
-        wait in, mismatched collectives, where the odd ranks stand. On a dump:// job: who failed first and why."""
+        """Why the job is stuck, slow or dead: one sentence (the verdict), then its findings as rows (kind,
+        ranks, group, seq, detail, evidence): dead or stalled ranks, ranks that never entered a collective the
+        others wait in, mismatched collectives, where the odd ranks stand; with no hang, the straggler the others
+        wait for (its cause, their loss) and since when the job is slower. On a dump:// job: who failed first."""
         return _result(await box.run("diagnose", job=job, native=native, min_wait=min_wait, timeout=timeout))
 
     @app.tool(annotations=WRITES_FILES)

@@ -91,7 +91,9 @@ describe('profileView', () => {
     expect(profileView(null).phase).toBe('idle');
     expect(profileView(state({ state: 'none' })).phase).toBe('idle');
     expect(profileView(null, true)).toMatchObject({ phase: 'starting', progress: 'asking the ranks…' });
-    const running = profileView(state({ ranks: [0, 2], progress: { finished: 1, ranks: 2, running: 1, armed: 0, waited: 1 } }));
+    const running = profileView(
+      state({ ranks: [0, 2], progress: { finished: 1, ranks: 2, running: 1, armed: 0, waited: 1 } })
+    );
     expect(running).toMatchObject({ phase: 'running', percent: 50 });
     expect(running.progress).toBe('2 step(s) on ranks 0,2 · 1/2 ranks finished, 1 profiling');
     expect(profileView(state({ progress: null })).progress).toBe('2 step(s) on every rank · waiting for the ranks');
@@ -140,7 +142,9 @@ describe('ProfileModel', () => {
     expect(model.view.phase).toBe('running');
     expect(clock.waiting()).toBe(1);
 
-    api.profileState.mockResolvedValueOnce(state({ progress: { finished: 2, ranks: 4, running: 2, armed: 0, waited: 2 } }));
+    api.profileState.mockResolvedValueOnce(
+      state({ progress: { finished: 2, ranks: 4, running: 2, armed: 0, waited: 2 } })
+    );
     await clock.release();
     expect(model.view.percent).toBe(50);
     api.profileState.mockResolvedValueOnce(DONE);

@@ -9,6 +9,7 @@ function verdict(detail: string, ranks: number[] = [3]): IVerdict {
     summary: detail,
     findings: [{ kind: 'straggler', ranks, group: null, seq: null, detail, evidence: '' }],
     checked: [],
+    coverage: {},
     healthy: false,
     now: 0
   };
@@ -23,7 +24,9 @@ describe('stragglerWhy', () => {
       stragglerWhy(verdict('rank 3 is the straggler: forward takes 818 ms vs 243 ms for the CPU time of the others'), 3)
         ?.word
     ).toBe('host');
-    expect(stragglerWhy(verdict('rank 3 is the straggler: its main thread waits for a CPU 60 %'), 3)?.word).toBe('host');
+    expect(stragglerWhy(verdict('rank 3 is the straggler: its main thread waits for a CPU 60 %'), 3)?.word).toBe(
+      'host'
+    );
     expect(stragglerWhy(verdict('rank 3 is the straggler: no measured phase explains it'), 3)?.word).toBe('slow');
   });
 
