@@ -159,7 +159,6 @@ async def test_every_front_end_names_the_straggler(job, jp_fetch, jp_web_app):
         shell.run_line_magic("unload_ext", "probing_magics")
 
     # an agent gets the same verdict through the MCP server, over stdio, with the SDK's own client
-    import anyio
     from mcp import Client, StdioServerParameters
 
     async def agent():
@@ -168,7 +167,7 @@ async def test_every_front_end_names_the_straggler(job, jp_fetch, jp_web_app):
                                                 env=env)) as client:
             return await client.call_tool("diagnose", {"timeout": 30})
 
-    answer = anyio.run(agent)
+    answer = await agent()
     assert not answer.is_error and "Rank 3 is the straggler" in answer.content[0].text, answer.content[0].text
     assert [f["ranks"] for f in answer.structured_content["findings"] if f["kind"] == "straggler"] == [[3]]
 
