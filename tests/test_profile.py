@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 
+from kernel_probe.client import calls
 from kernel_probe.config import load_settings
 from kernel_probe.tables.readers.profile import CaptureBusy, ProfileCapture, trace_rows
 from kernel_probe.tables import LocalTables
@@ -343,7 +344,7 @@ def test_a_run_waits_for_every_rank_then_compares_and_cancels_when_late(monkeypa
     job = _FakeJob()
     seen = []
     out = tmp_path / "t.json"
-    result = profiles.drive(profiles.ProfileRun(steps=2, on_progress=seen.append, out=str(out)).run(), job)
+    result = calls.drive(profiles.ProfileRun(steps=2, on_progress=seen.append, out=str(out)).run(), job)
     assert sorted(result.status) == [0, 1] and not result.failed and result.slowest_rank == 1
     events = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
     assert [(e["pid"], e["name"], e["ts"]) for e in events] == [(0, "op0", 0.0), (1, "op1", 1.0)]
@@ -352,19 +353,19 @@ def test_a_run_waits_for_every_rank_then_compares_and_cancels_when_late(monkeypa
         {"finished": 2, "ranks": 2, "running": 0, "armed": 0} and job.sent[0]["action"] == "arm"
     assert job.sent[0]["timeout_sec"] == 120.0 and job.sent[0]["lease_sec"] == profiles.LEASE_SEC
     with pytest.raises(profiles.ProfileBusy, match="old on ranks \\[1\\]"):
-        profiles.drive(profiles.ProfileRun().run(), _FakeJob(busy=True))
+        calls.drive(profiles.ProfileRun().run(), _FakeJob(busy=True))
     late = _FakeJob(stuck=True)
-    result = profiles.drive(profiles.ProfileRun(timeout=5.0, clock=lambda: late.polls).run(), late)  # a poll a second
+    result = calls.drive(profiles.ProfileRun(timeout=5.0, clock=lambda: late.polls).run(), late)  # a poll a second
     assert list(result.failed) == [1] and "did not finish 2 step(s) within 5 s" in result.failed[1]
     assert [(b["action"], b["ranks"]) for b in late.sent if b["action"] != "renew"] == \
         [("arm", [0, 1]), ("cancel", [1])]  # none left running
     assert ("renew", [1]) in [(b["action"], b["ranks"]) for b in late.sent]  # while it waited, for the rank not done
     assert sorted(result.status) == [0, 1] and set(result.ops["_rank"]) == {0}  # rank 0's profile is still read
     dying = _FakeJob(stuck=True, dies=True)
-    result = profiles.drive(profiles.ProfileRun(timeout=50.0).run(), dying)
+    result = calls.drive(profiles.ProfileRun(timeout=50.0).run(), dying)
     assert result.failed == {1: "no answer during the capture: dead"} and "rank 1: no answer" in result.summary()
     blip = _FakeJob(blip=True)
-    result = profiles.drive(profiles.ProfileRun(timeout=50.0).run(), blip)
+    result = calls.drive(profiles.ProfileRun(timeout=50.0).run(), blip)
     assert not result.failed and sorted(result.status) == [0, 1], result.summary()
 
 
@@ -418,7 +419,7 @@ def test_a_run_puts_another_hosts_clock_on_the_roots_with_the_measured_offset(mo
     monkeypatch.setattr(profiles, "POLL_SEC", 0.0)
     job = _SkewedJob(skew=3.25, latency=0.004)
     out = tmp_path / "t.json"
-    result = profiles.drive(profiles.ProfileRun(steps=2, out=str(out), clock=job.mono).run(), job)
+    result = calls.drive(profiles.ProfileRun(steps=2, out=str(out), clock=job.mono).run(), job)
     c = result.clock[1]
     assert c.how == "measured" and c.bound_ms == pytest.approx(4.0) and abs(c.offset_ms - 3250.0) <= c.bound_ms
     assert result.clock[0] == (0.0, 0.0, "root's host")
@@ -448,7 +449,7 @@ def test_the_async_client_runs_the_same_steps(monkeypatch):
                 return getattr(job, name)(*args, **kwargs)
             return call
 
-    result = asyncio.run(profiles.drive_async(profiles.ProfileRun(ranks="1").run(), Async()))
+    result = asyncio.run(calls.drive_async(profiles.ProfileRun(ranks="1").run(), Async()))
     assert sorted(result.status) == [1] and job.sent[0]["ranks"] == [1]
 
 

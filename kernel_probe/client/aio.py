@@ -253,7 +253,7 @@ class AsyncClient(ClientState):
                       on_progress: Callable[[dict], None] | None = None) -> profiles.ProfileResult:
         """As ``Client.profile``; cancelling the task cancels the capture."""
         run = profiles.ProfileRun(ranks, steps, out, timeout, max_trace_mb, on_progress).run()
-        return await profiles.drive_async(run, self)
+        return await calls.drive_async(run, self)
 
     def close(self) -> None:
         """Close the socket; requests still waiting fail with ``ConnectError``."""

@@ -337,7 +337,7 @@ class Client(ClientState):
         that dies, or has not finished its steps when ``timeout`` is up (its capture is then
         cancelled), is in ``failed`` with the reason; an interrupt cancels the capture.
         ``on_progress`` receives ``{"finished", "ranks", "running"}`` about four times a second."""
-        return profiles.drive(profiles.ProfileRun(ranks, steps, out, timeout, max_trace_mb, on_progress).run(), self)
+        return calls.drive(profiles.ProfileRun(ranks, steps, out, timeout, max_trace_mb, on_progress).run(), self)
 
     def close(self) -> None:
         with self._io:

@@ -1,22 +1,25 @@
 """Flows written once, run on every kind of client.
 
-A flow (``diagnose.Diagnosis.run``) is a generator that yields batches of client calls
-(``{name: Call}``) and receives their answers (``{name: answer}``); it never touches a
-socket, a thread or the clock. ``drive`` runs it on a blocking client (the calls of a batch
-one after the other: a live ``Client``, a ``DumpClient``), ``drive_async`` on an
-``AsyncClient`` (the calls of a batch at once). A call's exception is thrown back into the
-flow, except that an ``optional`` call failing with a ``ProbeError`` answers None (an ended
-job's dumps may lack a table: that query then has no answer, the others still do).
+A flow (``diagnose.Diagnosis.run``, ``profiles.ProfileRun.run``) is a generator that yields
+client calls and receives their answers: a batch (``{name: Call}``, answered ``{name:
+answer}``) or one ``Call`` (answered by its value); it never touches a socket, a thread or
+the clock (``Call("sleep", (seconds,))`` is the driver's own wait). ``drive`` runs it on a
+blocking client (the calls of a batch one after the other: a live ``Client``, a
+``DumpClient``), ``drive_async`` on an ``AsyncClient`` (the calls of a batch at once). A
+call's exception is thrown back into the flow, except that an ``optional`` call failing
+with a ``ProbeError`` answers None (an ended job's dumps may lack a table: that query then
+has no answer, the others still do).
 """
 
 from __future__ import annotations
 
-from typing import Any, Generator, Mapping, NamedTuple
+import time
+from typing import Any, Generator, Mapping, NamedTuple, Union
 
 from .errors import ProbeError
 
 Batch = Mapping[str, "Call"]
-Flow = Generator[Batch, dict[str, Any], Any]
+Flow = Generator[Union[Batch, "Call"], Any, Any]
 
 
 class Call(NamedTuple):
@@ -35,7 +38,7 @@ def query(sql: str, params: Mapping[str, Any] | None = None, *, optional: bool =
     return Call("query", (sql,), kwargs, optional)
 
 
-def _resume(flow: Flow, answers: dict[str, Any] | None, error: BaseException | None) -> tuple[Batch | None, Any]:
+def _resume(flow: Flow, answers: Any, error: BaseException | None) -> tuple[Batch | Call | None, Any]:
     """The flow's next batch (given the last one's answers, or its error), or (None, what it returned)."""
     try:
         return (flow.throw(error) if error is not None else flow.send(answers)), None  # type: ignore[arg-type]
@@ -45,19 +48,23 @@ def _resume(flow: Flow, answers: dict[str, Any] | None, error: BaseException | N
 
 def drive(flow: Flow, client: Any) -> Any:
     """Run ``flow`` on a blocking client; what it returns."""
-    answers: dict[str, Any] | None = None
+    answers: Any = None
     error: BaseException | None = None
     while True:
-        batch, returned = _resume(flow, answers, error)
-        if batch is None:
+        asked, returned = _resume(flow, answers, error)
+        if asked is None:
             return returned
         try:
-            answers, error = {name: _call(client, call) for name, call in batch.items()}, None
+            answers = (_call(client, asked) if isinstance(asked, Call)
+                       else {name: _call(client, call) for name, call in asked.items()})
+            error = None
         except BaseException as exc:  # noqa: B036 - an interrupt too: the flow may clean up
             answers, error = None, exc
 
 
 def _call(client: Any, call: Call) -> Any:
+    if call.method == "sleep":
+        return time.sleep(*call.args)
     try:
         return getattr(client, call.method)(*call.args, **call.kwargs)
     except ProbeError:
@@ -71,6 +78,8 @@ async def drive_async(flow: Flow, client: Any) -> Any:
     import asyncio
 
     async def one(call: Call) -> Any:
+        if call.method == "sleep":
+            return await asyncio.sleep(*call.args)
         try:
             return await getattr(client, call.method)(*call.args, **call.kwargs)
         except ProbeError:
@@ -78,14 +87,17 @@ async def drive_async(flow: Flow, client: Any) -> Any:
                 return None
             raise
 
-    answers: dict[str, Any] | None = None
+    answers: Any = None
     error: BaseException | None = None
     while True:
-        batch, returned = _resume(flow, answers, error)
-        if batch is None:
+        asked, returned = _resume(flow, answers, error)
+        if asked is None:
             return returned
         try:
-            got = await asyncio.gather(*(one(call) for call in batch.values()))
-            answers, error = dict(zip(batch, got)), None
-        except BaseException as exc:  # noqa: B036 - a cancellation too
+            if isinstance(asked, Call):
+                answers = await one(asked)
+            else:
+                answers = dict(zip(asked, await asyncio.gather(*(one(call) for call in asked.values()))))
+            error = None
+        except BaseException as exc:  # noqa: B036 - a cancellation too: the flow may clean up
             answers, error = None, exc

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, NamedTuple
 from ..tables.readers.profile import ACTIVE, LEASE_SEC, PAST_DEADLINE, TERMINAL, CaptureState
 from ..rank_lists import parse_ranks, rank_ranges, ranks_label
 from .errors import ProbeError, QueryFailed
+from .calls import Call, drive, drive_async
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -39,7 +40,7 @@ RENEW_SEC = 1.0  # the lease is renewed this often while the run waits
 STATUS_TIMEOUT_SEC = LEASE_SEC / 2  # a poll that takes longer is asked again: the lease is renewed between
 DEFAULT_TRACE_MAX_MB = 100.0
 __all__ = ["ACTIVE", "TERMINAL", "CaptureState", "CancelRun", "ProfileRun", "ProfileResult", "cancel_captures",
-           "cancel_captures_async", "drive", "drive_async"]
+           "cancel_captures_async"]
 TRACE_SQL = "SELECT _rank, ph, name, cat, ts_us, dur_us, thread, args FROM profile_trace WHERE capture_id = $id"
 STATUS_SQL = ("SELECT _rank, _node, _host, capture_id, state, steps, step_first, step_last, events, "
               "events_dropped, error, now FROM profile_status")
@@ -103,52 +104,6 @@ def format_profile(result: ProfileResult, top: int = 10) -> str:
         text += "\n\ntop ops of the slowest rank next to the median rank's (self CPU ms):\n"
         text += table.to_string(index=False, float_format=lambda v: f"{v:.2f}")
     return text
-
-
-class Call(NamedTuple):
-    """What ``ProfileRun`` needs of the client next: ``method`` (nodes_raw, request, query,
-    or sleep) called with ``args`` and ``kwargs``."""
-
-    method: str
-    args: tuple = ()
-    kwargs: dict = {}
-
-
-def drive(run: Generator[Call, Any, Any], client: Any) -> Any:
-    """Run ``ProfileRun.run()`` on a blocking client; its exceptions go back into the run."""
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            call = run.throw(error) if error is not None else run.send(value)
-        except StopIteration as stop:
-            return stop.value
-        try:
-            value, error = (time.sleep(*call.args) if call.method == "sleep"
-                            else getattr(client, call.method)(*call.args, **call.kwargs)), None
-        except BaseException as exc:  # noqa: B036 - an interrupt too: the run cancels its capture
-            value, error = None, exc
-
-
-async def drive_async(run: Generator[Call, Any, Any], client: Any) -> Any:
-    """``drive`` for an ``AsyncClient``."""
-    import asyncio
-
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            call = run.throw(error) if error is not None else run.send(value)
-        except StopIteration as stop:
-            return stop.value
-        try:
-            if call.method == "sleep":
-                value = await asyncio.sleep(*call.args)
-            else:
-                value = await getattr(client, call.method)(*call.args, **call.kwargs)
-            error = None
-        except BaseException as exc:  # noqa: B036 - cancellation too: the run cancels its capture
-            value, error = None, exc
 
 
 class ProfileRun:
