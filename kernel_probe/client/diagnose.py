@@ -96,11 +96,16 @@ def entries_query(groups: Iterable[Mapping[str, Any]]) -> tuple[str, dict[str, A
 
 def merged_coverage(answers: Iterable["QueryResult"]) -> dict[str, Any]:
     """Which ranks every query reached: targeted (any), answered (all), failed (any)."""
+    return merge_coverages(a.coverage for a in answers)
+
+
+def merge_coverages(coverages: Iterable[Mapping[str, Any] | None]) -> dict[str, Any]:
+    """``merged_coverage`` of the coverages themselves (one of them may be merged already)."""
     targeted: set[int] = set()
     answered: set[int] | None = None
     failed: dict[Any, str] = {}
-    for a in answers:
-        c = a.coverage or {}
+    for c in coverages:
+        c = c or {}
         targeted |= {int(r) for r in c.get("targeted") or ()}
         got = {int(r) for r in c.get("answered") or ()}
         answered = got if answered is None else answered & got
@@ -289,12 +294,6 @@ def with_slow(result: DiagnoseResult, slow: Mapping[str, Any]) -> DiagnoseResult
                                slow.get("host") or [], slow.get("offsets_ms") or {},
                                window=slow.get("window") or slow_core.WINDOW_STEPS)
     summary = report.summary if report.findings else f"{verdict.summary} {report.summary}"
-    coverage = merged_coverage([*(a for a in slow.get("answers") or () if a is not None), _Covered(result.coverage)])
+    coverage = merge_coverages([result.coverage, *(a.coverage for a in slow.get("answers") or ())])
     return DiagnoseResult(core.Verdict(summary, report.findings, verdict.checked + report.checked), coverage)
 
-
-class _Covered:
-    """A coverage already merged, merged again with more answers'."""
-
-    def __init__(self, coverage: dict[str, Any]) -> None:
-        self.coverage = coverage
