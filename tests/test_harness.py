@@ -144,7 +144,7 @@ def test_torchrun_mode_membership_freeze_thaw(tmp_path: Path) -> None:
 def _tiny_ddp_losses(job: LocalJob) -> dict[int, list[tuple[int, str]]]:
     try:
         codes = job.wait(timeout=90)
-        assert codes == [0, 0], job.output()
+        assert codes == [0, 0], f"exit codes {codes}\n{job.output()}"
         losses: dict[int, list[tuple[int, str]]] = {}
         for rank in range(4):
             lines = [(int(s), x) for r, s, x in LOSS_RE.findall(job.output(rank)) if int(r) == rank]

@@ -57,6 +57,9 @@ _LAUNCHER_VARS = (
 _LOOPBACK = "127.0.0.1"
 
 
+AGENT_GRACE_SEC = 1.0  # close(): how long agents may outlive their ranks before SIGKILL
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now (the usual bind-to-0 trick; racy by nature)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -506,6 +509,8 @@ class LocalJob:
                 except psutil.Error:
                     pass
             deadline = time.monotonic() + self.grace
+            agents = {p.pid for p in self._procs} if self.mode == "torchrun" else set()
+            agents_only_since: float | None = None
             while time.monotonic() < deadline:
                 for p in self._procs:
                     p.poll()
@@ -514,6 +519,12 @@ class LocalJob:
                     known.setdefault(p.pid, p)
                 if not rest:
                     break
+                # Every rank has exited (its dump written): the agents only tear down their
+                # rendezvous, which waits ~10 s for a store whose host agent is gone.
+                if agents and all(p.pid in agents for p in rest):
+                    agents_only_since = agents_only_since or time.monotonic()
+                    if time.monotonic() - agents_only_since > AGENT_GRACE_SEC:
+                        break
                 time.sleep(0.05)
             for p in self._tree() + list(known.values()):
                 if _alive(p):
