@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .values import as_float, as_int, as_text, is_true
 from ..durations import duration_text
+from ..rank_lists import by_text, groups_text, text_shape
 from .verdict import Finding, Place, group_key, places, ranks_text
 
 # the kinds of the findings this module makes, in the order they are listed
@@ -106,14 +107,10 @@ def _first_line(text: Any) -> str:
     return _SOURCE.sub("", text.strip().splitlines()[0].strip()) if text and text.strip() else ""
 
 
-# what differs between ranks that failed the same way: addresses, ports, pids, sizes, ids
-_VARYING = re.compile(r"\[[0-9a-fA-F:.]+\](?::\d+)?|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\b0x[0-9a-fA-F]+\b|\d+")
-
-
 def message_shape(text: Any) -> str:
     """A message's first line with its addresses and numbers set aside, so ranks that failed
     the same way ("Connection closed by peer [10.0.0.7]:36494") read as one failure."""
-    return _VARYING.sub("…", _first_line(text))
+    return text_shape(_first_line(text))
 
 
 def _failure_key(e: End) -> tuple:
