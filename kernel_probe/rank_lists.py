@@ -128,7 +128,7 @@ def rank_span(ranks: Iterable[int]) -> str:
     return ",".join(parts)
 
 
-LABEL_PARTS = 12  # ranges a label shows; a scattered set of thousands of ranks stays one line
+LABEL_PARTS = 8  # ranges a label shows; a scattered set of thousands of ranks stays one line (a third of one)
 
 
 def ranks_label(ranks: Iterable[int], count: bool = True) -> str:
@@ -149,7 +149,7 @@ def ranks_label(ranks: Iterable[int], count: bool = True) -> str:
 
 # what differs between ranks that met the same thing: addresses, ports, pids, sizes, ids
 _VARYING = re.compile(r"\[[0-9a-fA-F:.]+\](?::\d+)?|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\b0x[0-9a-fA-F]+\b|\d+")
-GROUPS_SHOWN = 4  # groups a sentence names; the others are counted
+GROUPS_SHOWN = 3  # groups a sentence names (the largest and the odd ones out); the others are counted
 
 
 def text_shape(text: str) -> str:

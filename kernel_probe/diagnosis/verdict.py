@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..dtypes import dtype_name
 from ..durations import duration_text
-from ..rank_lists import by_text, groups_text, ranks_label
+from ..rank_lists import LABEL_PARTS, by_text, groups_text, rank_span, ranks_label
 from .values import as_float, as_int, as_text, is_true
 
 KINDS = ("missing", "mismatch", "dead", "waiting", "stalled")  # the order findings are listed in
@@ -54,7 +54,7 @@ SAME_INPUT_OPS = frozenset({
 _LIBRARY_MARKS = ("/site-packages/", "/dist-packages/", "<frozen ", "/lib/python3", "/torch/", "/kernel_probe/")
 # native frames of torch's collective layer: where a rank waiting in a collective waits
 _COLLECTIVE_MARKS = ("c10d::", "gloo::", "nccl")
-FINDINGS_SHOWN = 5  # findings the plain text spells out; the rest are counted (the table has them all)
+FINDINGS_SHOWN = 4  # findings the plain text spells out; the rest are counted (the table has them all)
 GROUP_NAMES_SHOWN = 8  # process groups named in what was checked
 
 
@@ -121,6 +121,12 @@ def _json(value: Any) -> Any:
 def ranks_text(ranks: Iterable[int]) -> str:
     """'rank 3' or 'ranks 0-2': the rank label without its count (the sentence reads on)."""
     return ranks_label(ranks, count=False)
+
+
+def crowd_text(ranks: Sequence[int]) -> str:
+    """The ranks beside the odd ones out ('ranks 0-2', the waiting ones): named while that is
+    short, else counted ('15872 ranks'), so a sentence keeps room for the odd ones' names."""
+    return ranks_text(ranks) if len(rank_span(ranks).split(",")) <= LABEL_PARTS else f"{len(set(ranks))} ranks"
 
 
 def tensors_text(sizes: Any, dtypes: Any) -> str:
@@ -405,7 +411,7 @@ def _missing(g: _Group, p: _Pending | None, min_wait: float, at: Mapping[int, Pl
     waiting in another group's collective, with that collective's text."""
     if p is None or not p.behind or (p.waited is not None and p.waited < min_wait):
         return []
-    waiting = f"{ranks_text(p.ahead)} waiting" + (f" {duration_text(p.waited)}" if p.waited is not None else "")
+    waiting = f"{crowd_text(p.ahead)} waiting" + (f" {duration_text(p.waited)}" if p.waited is not None else "")
     why = []
     if gone := by_text((r, dead[r]) for r in p.behind if r in dead):
         why.append(groups_text(gone, lambda rs, reason: f"{ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} dead "
@@ -437,9 +443,9 @@ def _waited_for(g: _Group, p: _Pending | None, min_wait: float, at: Mapping[int,
     gone = tuple(sorted((set(g.members or ()) - set(g.status)) & set(dead)))
     if not gone:
         return None
-    text = (f"{ranks_text(p.ahead)} wait for {'it' if len(gone) == 1 else 'them'} in {_in_text(g, p)}"
+    text = (f"{crowd_text(p.ahead)} wait for {'it' if len(gone) == 1 else 'them'} in {_in_text(g, p)}"
             + (f" for {duration_text(p.waited)}" if p.waited is not None else ""))
-    evidence = (f"no recorder status from {ranks_text(gone)}; {ranks_text(p.ahead)} enqueued op_id {p.top} "
+    evidence = (f"no recorder status from {ranks_text(gone)}; {crowd_text(p.ahead)} enqueued op_id {p.top} "
                 f"of group {g.name} and have not completed it")
     if native := _native_waits(p.ahead, at):
         evidence += f"; {native}"
@@ -582,15 +588,15 @@ def diagnose(nodes: Sequence[Mapping[str, Any]], process_groups: Sequence[Mappin
     if groups:
         shown = names if len(names) <= GROUP_NAMES_SHOWN else [*names[:GROUP_NAMES_SHOWN - 1], "…", names[-1]]
         checked.append(f"flight recorder of {len(groups)} process group{'s' if len(groups) != 1 else ''} "
-                       f"({', '.join(shown)}) on {ranks_text(recorded) if recorded else 'no rank'}")
+                       f"({', '.join(shown)}) on {crowd_text(recorded) if recorded else 'no rank'}")
     else:
         checked.append("no flight-recorder rows (recorder off, absent, or no collective yet)")
     silent = sorted(set(ranks_seen) - set(recorded)) if groups else []
     if silent:
         checked.append(f"no recorder status from {ranks_text(silent)}")
     with_native = [r for r, place in at.items() if place.native]
-    checked.append(f"main-thread stacks of {ranks_text(at) if at else 'no rank'}"
-                   + (f" (native frames of {ranks_text(with_native)})" if with_native else ""))
+    checked.append(f"main-thread stacks of {crowd_text(list(at)) if at else 'no rank'}"
+                   + (f" (native frames of {crowd_text(with_native)})" if with_native else ""))
     summary = _summary(findings)
     return Verdict(summary, tuple(findings), tuple(checked))
 
