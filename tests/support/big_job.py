@@ -75,3 +75,47 @@ def members(world: int, dead: Mapping[int, str] = {}, per_node: int = 8, now: fl
              "pid": 10000 + r, "tier": "leaf", "role": "", "state": "dead" if r in dead else "alive",
              "reason": dead.get(r, ""), "since": now - 30 if r in dead else now - 600, "last_seen": now - 1,
              "step": 100, "step_time_ms": 100.0} for r in range(world)]
+
+
+# --- a real job's dumps, scaled up ---------------------------------------------------------------------
+
+DUMP_QUERIES = {"reasons": "SELECT * FROM reason", "steps": "SELECT _rank, max(step) AS step FROM metrics "
+                "WHERE step IS NOT NULL GROUP BY _rank", "groups": "SELECT * FROM process_groups",
+                "entries": "SELECT * FROM collectives WHERE source = 'flight_recorder'",
+                "stacks": "SELECT * FROM stacks WHERE is_main"}
+
+
+def scaled_dumps(client, world: int, stand_in) -> dict:
+    """The answers ``diagnose`` reads from a real job's dumps (``client``: a ``dump://`` client), as
+    a job of ``world`` ranks whose rank ``r`` left the dump of the real rank ``stand_in(r)``:
+    its rows, tagged ``r``, a group listing every real rank listing every rank, and its last
+    membership record. ``client.diagnose.analyse`` takes the result."""
+    import pyarrow as pa
+
+    from kernel_probe.client.results import QueryResult
+
+    real: dict[str, dict[int, list[dict]]] = {}
+    for name, sql in DUMP_QUERIES.items():
+        for row in client.query(sql).table.to_pylist():
+            real.setdefault(name, {}).setdefault(row["_rank"], []).append(row)
+    raw = client.nodes_raw()
+    members = {m["rank"]: m for m in raw["members"]}
+    every, ours = members_text(world), None
+    answers: dict = {"nodes": {"members": [], "departures": []}}
+    scaled: dict[str, list[dict]] = {name: [] for name in DUMP_QUERIES}
+    for rank in range(world):
+        was = stand_in(rank)
+        for name, by_rank in real.items():
+            for row in by_rank.get(was, ()):
+                row = {**row, "_rank": rank}
+                if name == "groups" and row.get("ranks"):
+                    ours = ours or row["ranks"]
+                    row["ranks"] = every if row["ranks"] == ours else row["ranks"]
+                scaled[name].append(row)
+        if was in members:
+            answers["nodes"]["members"].append({**members[was], "rank": rank, "node": rank // 8, "local_rank": rank % 8})
+    for name, rows in scaled.items():
+        table = pa.Table.from_pylist(rows) if rows else None
+        answers[name] = QueryResult(table, {"targeted": list(range(world)), "answered": list(range(world)),
+                                            "failed": {}, "partial": False})
+    return answers
