@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .values import as_float, as_int, as_text, is_true
 from ..durations import duration_text
 from ..rank_lists import by_text, groups_text, ranks_label, text_shape
-from .verdict import Finding, Place, group_key, places, ranks_text
+from .verdict import Finding, Place, crowd_text, group_key, places, ranks_text
 
 # the kinds of the findings this module makes, in the order they are listed
 KINDS = ("failed", "ended", "stopped", "no_dump")
@@ -314,7 +314,7 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
     checked = [(f"reasons of {len(dumped)} ranks' dumps" if len(dumped) != 1 else "reason of 1 rank's dump")
                + (f" (of {world_size})" if world_size else "")]
     if step:
-        checked.append(f"last steps of {ranks_text(step)}")
+        checked.append(f"last steps of {crowd_text(list(step))}")
     if not by_rank:
         return Failure("", tuple(findings), tuple(checked), False)
     said = _few(sentences, {tuple(first_ranks), tuple(sorted(missing))})

@@ -627,4 +627,4 @@ def findings_rows(verdict: Verdict) -> list[dict[str, Any]]:
 
 
 __all__ = ["KINDS", "FINDING_COLUMNS", "MIN_WAIT_SEC", "Finding", "Verdict", "Place", "places", "diagnose",
-           "tensors_text", "call_text", "ranks_text", "findings_rows"]
+           "tensors_text", "call_text", "ranks_text", "crowd_text", "findings_rows"]
