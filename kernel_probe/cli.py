@@ -1,7 +1,8 @@
 """``kernel-probe``: the command line.
 
     kernel-probe list [--prune]              jobs (their roots) on this machine
-    kernel-probe -t TARGET nodes [--watch S] the membership table (again every S s, following relaunches)
+    kernel-probe -t TARGET nodes [--watch S] [--all]   the membership table (again every S s, following
+                                             relaunches); past 64 ranks one row per state (--all: per rank)
     kernel-probe -t TARGET info              the answering probe's identity
     kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
     kernel-probe -t TARGET stacks [--native] main-thread stacks of every rank, grouped (C/C++ frames too)
@@ -45,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="probes (job roots) on this machine")
     ls.add_argument("--prune", action="store_true", help="remove the connection files of jobs that are gone")
-    nodes = sub.add_parser("nodes", help="the job's membership: one row per rank")
+    nodes = sub.add_parser("nodes", help=f"the job's membership: one row per rank (past {NODES_ROWS} ranks, "
+                                         "one row per state)")
     nodes.add_argument("--departures", action="store_true", help="also list ranks that died or left")
     nodes.add_argument("--all", action="store_true", dest="all_rows",
                        help=f"one row per rank even past {NODES_ROWS} ranks (default there: one row per state)")
