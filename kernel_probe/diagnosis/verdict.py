@@ -232,7 +232,9 @@ def _where(ranks: Iterable[int], at: Mapping[int, Place]) -> str:
     """'rank 3 is in fetch_next_batch (train.py:42)'; ranks in one place are named together, and
     past a few places the largest and the odd ones out are named, the others counted."""
     def say(rs: Sequence[int], text: str) -> str:
-        return f"{ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} {text}" if text else f"no stack from {ranks_text(rs)}"
+        if not text:
+            return f"no stack from {ranks_text(rs)}"
+        return f"{ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} {text}"
 
     said = ((r, at[r].text if r in at and at[r].python else "") for r in sorted(set(ranks)))
     return groups_text(by_text(said), say, noun="places")
@@ -510,7 +512,8 @@ def _completed(g: _Group, calls: Mapping[int, Mapping]) -> str:
         number, completed = as_int(row.get("op_id")), g.status.get(rank, (None, None))[1]
         if number is not None and completed is not None:
             (done if completed >= number else pending).append(rank)
-    parts = ([f"completed on {ranks_text(done)}"] if done else []) + ([f"pending on {ranks_text(pending)}"] if pending else [])
+    parts = (([f"completed on {crowd_text(done)}"] if done else [])
+             + ([f"pending on {crowd_text(pending)}"] if pending else []))
     return ", ".join(parts)
 
 
@@ -536,7 +539,7 @@ def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], st
     ranks = tuple(sorted(known))
     detail = (f"collective #{seq} on {_group_text(g, first)} "
               f"({call_text(first.get('op'), first.get('input_sizes'), first.get('input_dtypes'))}): "
-              f"{ranks_text(ranks)} entered it {duration_text(now - min(created))} ago and none completed it — "
+              f"{crowd_text(ranks)} entered it {duration_text(now - min(created))} ago and none completed it — "
               f"{_where(ranks, at)}")
     evidence = f"last enqueued {top}, last completed below it on every rank of group {g.name}"
     if native := _native_waits(ranks, at):

@@ -113,7 +113,8 @@ def scaled_dumps(client, world: int, stand_in) -> dict:
                     row["ranks"] = every if row["ranks"] == ours else row["ranks"]
                 scaled[name].append(row)
         if was in members:
-            answers["nodes"]["members"].append({**members[was], "rank": rank, "node": rank // 8, "local_rank": rank % 8})
+            answers["nodes"]["members"].append({**members[was], "rank": rank, "node": rank // 8,
+                                                "local_rank": rank % 8})
     for name, rows in scaled.items():
         table = pa.Table.from_pylist(rows) if rows else None
         answers[name] = QueryResult(table, {"targeted": list(range(world)), "answered": list(range(world)),
