@@ -184,6 +184,8 @@ def test_past_a_few_ways_of_ending_the_others_are_counted():
     f = analyse(reasons, world_size=41)
     assert len(f.findings) == 41
     assert f.summary.count(";") == 4 and "; 37 other ways of ending on ranks 4-40 (37)." in f.summary
+    f = analyse(reasons, world_size=42, missing={41: "left no dump (killed by SIGKILL)"})
+    assert f.summary.endswith("; 37 other ways of ending on ranks 4-40 (37); rank 41 left no dump (killed by SIGKILL).")
 
 
 # --- what the CLI prints ------------------------------------------------------------------------------
