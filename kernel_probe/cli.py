@@ -1,7 +1,8 @@
 """``kernel-probe``: the command line.
 
     kernel-probe list [--prune]              jobs (their roots) on this machine
-    kernel-probe -t TARGET nodes [--watch S] the membership table (again every S s, following relaunches)
+    kernel-probe -t TARGET nodes [--watch S] [--all]   the membership table (again every S s, following
+                                             relaunches); past 64 ranks one row per state (--all: per rank)
     kernel-probe -t TARGET info              the answering probe's identity
     kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
     kernel-probe -t TARGET stacks [--native] main-thread stacks of every rank, grouped (C/C++ frames too)
@@ -27,7 +28,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import __version__
-from .rank_lists import RankRanges, rank_ranges
+from .rank_lists import RankRanges, by_text, groups_text, rank_ranges, ranks_label
+
+NODES_ROWS = 64  # past this many members, `nodes` prints one row per state (--all: one per rank)
+SUSPECTS_SHOWN = 5  # stall suspects printed under the table; the others counted
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,8 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="probes (job roots) on this machine")
     ls.add_argument("--prune", action="store_true", help="remove the connection files of jobs that are gone")
-    nodes = sub.add_parser("nodes", help="the job's membership: one row per rank")
+    nodes = sub.add_parser("nodes", help=f"the job's membership: one row per rank (past {NODES_ROWS} ranks, "
+                                         "one row per state)")
     nodes.add_argument("--departures", action="store_true", help="also list ranks that died or left")
+    nodes.add_argument("--all", action="store_true", dest="all_rows",
+                       help=f"one row per rank even past {NODES_ROWS} ranks (default there: one row per state)")
     nodes.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                        help="print the table again every SECONDS; follows the job across relaunches")
     sub.add_parser("info", help="the answering probe's identity")
@@ -124,28 +131,75 @@ def _rows(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | None = None) -> str:
-    """The membership as a plain-text table (the CLI and the demo print this)."""
+def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | None = None,
+                 all_rows: bool = False) -> str:
+    """The membership as a plain-text table (the CLI and the demo print this): one row per rank,
+    or, past ``NODES_ROWS`` members (unless ``all_rows``), one row per state, so that 16,384
+    ranks read as a few lines with the odd ones apart."""
     from .membership.view import membership_view
 
     view = membership_view(raw["members"], time.time() if now is None else now, raw["departures"])
-    rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "ROLE", "STATE", "SEEN", "STEP", "STEP MS", "COMPUTE MS",
-             "WAIT MS")]
-    for m in view.members:
-        state = m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
-        step_ms = _ms(m.get("step_time_ms")) + (" slow" if m["slow"] else "")
-        rows.append((str(m["rank"]), str(m["node"]), str(m["local_rank"]), m["host"], str(m["pid"]), m["tier"],
-                     m["role"] or "-", state, f"{m['age']} ago", "-" if m.get("step") is None else str(m["step"]),
-                     step_ms, _ms(m.get("compute_ms")), _ms(m.get("comm_wait_ms"))))
+    grouped = len(view.members) > NODES_ROWS and not all_rows
+    if grouped:
+        rows = _state_rows(view.members)
+    else:
+        rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "ROLE", "STATE", "SEEN", "STEP", "STEP MS",
+                 "COMPUTE MS", "WAIT MS")]
+        for m in view.members:
+            state = m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
+            step_ms = _ms(m.get("step_time_ms")) + (" slow" if m["slow"] else "")
+            rows.append((str(m["rank"]), str(m["node"]), str(m["local_rank"]), m["host"], str(m["pid"]), m["tier"],
+                         m["role"] or "-", state, f"{m['age']} ago", "-" if m.get("step") is None else str(m["step"]),
+                         step_ms, _ms(m.get("compute_ms")), _ms(m.get("comm_wait_ms"))))
     summary = ", ".join(f"{n} {s}" for s, n in sorted(view.counts.items()))
-    lines = [f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}"]
+    lines = [f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}"
+             + (" · one row per state (--all: one per rank)" if grouped else "")]
     lines += _rows(rows)
-    lines += [f"  {s.text}" for s in view.suspects]
+    lines += [f"  {s.text}" for s in view.suspects[:SUSPECTS_SHOWN]]
+    if len(view.suspects) > SUSPECTS_SHOWN:
+        rest = [r for s in view.suspects[SUSPECTS_SHOWN:] for r in s.ranks]
+        lines.append(f"  and {len(view.suspects) - SUSPECTS_SHOWN} more suspect places: {ranks_label(rest)}")
     if departures and raw["departures"]:
         lines.append("departures:")
-        for d in raw["departures"]:
-            lines.append(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}) {d['why']} at {_when(d['when'])}")
+        lines += [f"  {line}" for line in _departure_lines(raw["departures"])]
     return "\n".join(lines)
+
+
+def _state_rows(members) -> list[tuple[str, ...]]:
+    """One row per state (with its reason) and slowness: the ranks, how many, on how many nodes,
+    their steps, median step time and the oldest sighting."""
+    import statistics
+
+    groups = by_text((int(m["rank"]), m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
+                      + (" · slow" if m["slow"] else "")) for m in members)
+    by_rank = {int(m["rank"]): m for m in members}
+    rows = [("STATE", "RANKS", "COUNT", "NODES", "STEPS", "STEP MS (MEDIAN)", "SEEN (OLDEST)")]
+    for ranks, state in groups:
+        ms = [by_rank[r] for r in ranks]
+        steps = sorted(m["step"] for m in ms if m.get("step") is not None)
+        times = [m["step_time_ms"] for m in ms if isinstance(m.get("step_time_ms"), (int, float))]
+        oldest = min((m for m in ms if m.get("last_seen") is not None), key=lambda m: m["last_seen"], default=None)
+        rows.append((state, ranks_label(ranks, count=False), str(len(ranks)), str(len({m.get("node") for m in ms})),
+                     "-" if not steps else str(steps[0]) if steps[0] == steps[-1] else f"{steps[0]}-{steps[-1]}",
+                     _ms(statistics.median(times) if times else None),
+                     f"{oldest['age']} ago" if oldest is not None and oldest.get("age") else "-"))
+    return rows
+
+
+def _departure_lines(departed) -> list[str]:
+    """Departures grouped by why they left: one line for 512 ranks that exited together."""
+    groups = by_text((int(d["rank"]), str(d.get("why") or "left")) for d in departed)
+    when = {int(d["rank"]): d.get("when") for d in departed}
+    out = []
+    for ranks, why in groups:
+        if len(ranks) == 1:
+            d = next(d for d in departed if int(d["rank"]) == ranks[0])
+            out.append(f"rank {d['rank']} (pid {d['pid']} on {d['host']}) {d['why']} at {_when(d['when'])}")
+            continue
+        times = sorted(t for r in ranks if isinstance(t := when.get(r), (int, float)))
+        at = "" if not times else f" at {_when(times[0])}" + (f" to {_when(times[-1])}" if times[-1] != times[0] else "")
+        out.append(f"{ranks_label(ranks)} {why}{at}")
+    return out
 
 
 def _ms(value: float | None) -> str:
@@ -159,7 +213,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         if args.watch is None:
             raw = client.nodes_raw(_connect_timeout(args))
             # an ended job's dumps: ages as of its last view, not now
-            print(format_nodes(raw, client.info_, departures=args.departures, now=client.seen_at))
+            print(format_nodes(raw, client.info_, departures=args.departures, now=client.seen_at,
+                               all_rows=args.all_rows))
             return 0
         return _watch_nodes(client, args)
 
@@ -188,7 +243,7 @@ def _watch_nodes(client, args: argparse.Namespace) -> int:
             if change.notice:
                 print(change.notice, flush=True)
             print(f"--- {datetime.now().strftime('%H:%M:%S')}", flush=True)
-            print(format_nodes(raw, client.info_, departures=args.departures), flush=True)
+            print(format_nodes(raw, client.info_, departures=args.departures, all_rows=args.all_rows), flush=True)
         time.sleep(max(0.1, args.watch))
 
 
@@ -278,9 +333,15 @@ def cmd_dump(args: argparse.Namespace) -> int:
         run_dir, ranks, failed = snapshot(client, Path(args.dir), timeout=_query_timeout(args))
     print(f"wrote the dumps of {len(ranks)} of {client.info_.get('world_size')} ranks to {run_dir} "
           f"(read them with: kernel-probe -t dump://{run_dir} query ...)")
-    for rank, why in sorted(failed.items()):
-        print(f"  rank {rank}: no dump ({why})", file=sys.stderr)
+    for line in no_dump_lines(failed):
+        print(line, file=sys.stderr)
     return 0
+
+
+def no_dump_lines(failed: dict) -> list[str]:
+    """The ranks a snapshot got no dump from, one line per reason (addresses and numbers aside)."""
+    said = by_text(((int(r), str(why)) for r, why in failed.items() if str(r).isdigit()), shapes=True)
+    return [f"  no dump: {line}" for line in groups_text(said, noun="reasons", sep="\n").splitlines()] if said else []
 
 
 DIAGNOSE_HEALTHY, DIAGNOSE_FINDINGS, DIAGNOSE_ERROR = 0, 1, 2  # `diagnose`'s exit status (as diff's)

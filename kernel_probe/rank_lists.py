@@ -1,6 +1,12 @@
 """Rank lists as people type and read them: '0-3,8' <-> [0, 1, 2, 3, 8], 'ranks 0-2,4-7 (7)'.
 Pure, no imports: every front end (REST, magics, CLI, Python API) and the membership view use these.
 
+Ranks that met the same thing are said once ('ranks 0-255 (no answer); ranks 256-511 (dead)'):
+``by_text`` groups them by what is said of each (with ``shapes``, by that text once its
+addresses and numbers are set aside, ``text_shape``), and ``groups_text`` says at most a few
+groups (the largest and the odd ones out) and counts the rest, so a sentence about 16,384
+ranks stays a line.
+
 A rank list is read as ranges first (``rank_ranges``: its cost is bounded by the text, never by
 the ranks it names), and expanded only once checked against the job's world size
 (``parse_ranks``): '0-999999999' is an error line, never a billion-entry list.
@@ -11,7 +17,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 _PART = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
 
@@ -122,7 +128,7 @@ def rank_span(ranks: Iterable[int]) -> str:
     return ",".join(parts)
 
 
-LABEL_PARTS = 12  # ranges a label shows; a scattered set of thousands of ranks stays one line
+LABEL_PARTS = 8  # ranges a label shows; a scattered set of thousands of ranks stays one line (a third of one)
 
 
 def ranks_label(ranks: Iterable[int], count: bool = True) -> str:
@@ -139,4 +145,52 @@ def ranks_label(ranks: Iterable[int], count: bool = True) -> str:
     return f"ranks {','.join(parts)}" + (f" ({len(ordered)})" if count else "")
 
 
-__all__ = ["MAX_RANK_ITEMS", "MAX_RANK_TEXT", "RankRanges", "parse_ranks", "rank_ranges", "rank_span", "ranks_label"]
+# ---------------------------------------------------------------- ranks grouped by what happened to them
+
+# what differs between ranks that met the same thing: addresses, ports, pids, sizes, ids
+_VARYING = re.compile(r"\[[0-9a-fA-F:.]+\](?::\d+)?|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\b0x[0-9a-fA-F]+\b|\d+")
+GROUPS_SHOWN = 3  # groups a sentence names (the largest and the odd ones out); the others are counted
+
+
+def text_shape(text: str) -> str:
+    """``text`` with its addresses and numbers set aside ('…'): "Connection closed by peer
+    [10.0.0.7]:36494" and "... [10.0.3.1]:1022" have one shape."""
+    return _VARYING.sub("…", text)
+
+
+def by_text(items: Iterable[tuple[int, str]], shapes: bool = False) -> list[tuple[tuple[int, ...], str]]:
+    """(rank, what is said of it) pairs -> (ranks, text) groups, in order of each group's lowest
+    rank. With ``shapes``, texts that differ only in addresses and numbers are one group, said by
+    its one text where every rank's is the same, else by the shape."""
+    groups: dict[str, dict[int, str]] = {}
+    for rank, text in items:
+        groups.setdefault(text_shape(text) if shapes else text, {})[rank] = text
+    out = []
+    for key, said in groups.items():
+        texts = set(said.values())
+        out.append((tuple(sorted(said)), texts.pop() if len(texts) == 1 else key))
+    out.sort(key=lambda g: g[0][0])
+    return out
+
+
+def _clause(ranks: Sequence[int], text: str) -> str:
+    return f"{ranks_label(ranks, count=False)} ({text})"
+
+
+def groups_text(groups: Sequence[tuple[Sequence[int], str]], say: Callable[[Sequence[int], str], str] = _clause,
+                limit: int = GROUPS_SHOWN, sep: str = "; ", noun: str = "groups") -> str:
+    """The groups said one by one (``say(ranks, text)``) when there are at most ``limit``; else the
+    largest and the smallest (the odd ones out), then '12 other <noun>: ranks … (n)'."""
+    groups = [(tuple(ranks), text) for ranks, text in groups]
+    if len(groups) <= limit:
+        return sep.join(say(ranks, text) for ranks, text in groups)
+    by_size = sorted(range(len(groups)), key=lambda i: (len(groups[i][0]), groups[i][0][0]))
+    keep = {by_size[-1], *by_size[:limit - 2]}
+    shown = [groups[i] for i in sorted(keep, key=lambda i: groups[i][0][0])]
+    rest = [r for i, (ranks, _text) in enumerate(groups) if i not in keep for r in ranks]
+    return sep.join([*(say(ranks, text) for ranks, text in shown),
+                     f"{len(groups) - len(keep)} other {noun}: {ranks_label(rest)}"])
+
+
+__all__ = ["GROUPS_SHOWN", "MAX_RANK_ITEMS", "MAX_RANK_TEXT", "RankRanges", "by_text", "groups_text", "parse_ranks",
+           "rank_ranges", "rank_span", "ranks_label", "text_shape"]

@@ -344,4 +344,17 @@ def test_a_collective_timeout_names_the_collective_and_the_rank_that_never_enter
     assert first["group"] == "0" and first["seq"] == 6, verdict.text()  # the 6th all_reduce of the group
     assert verdict.summary.startswith("Ranks 0,2 raised "), verdict.summary
     assert "rank 1 was stopped by SIGTERM" in verdict.summary and "never_enters" in verdict.summary, verdict.summary
+
+    # the same dumps as a 16,384-rank job's: rank 9001 stands for the late rank, the others for ranks 0 and 2
+    from kernel_probe.client.diagnose import EndedJob, analyse
+    from tests.support.big_job import scaled_dumps
+
+    world = 16_384
+    big = analyse(scaled_dumps(c, world, lambda r: 1 if r == 9001 else 2 * (r % 2)), 0.0,
+                  ended=EndedJob(world, {}, None))
+    (failed, stopped), text = big.verdict.findings[:2], big.text()
+    assert (failed.kind, len(failed.ranks), stopped.kind, stopped.ranks) == ("failed", world - 1, "stopped", (9001,)), text
+    assert failed.detail.startswith("ranks 0-9000,9002-16383 raised ") and "that rank 9001 never entered" in failed.detail
+    assert stopped.detail.startswith("rank 9001 was stopped by SIGTERM") and "never_enters" in stopped.detail, text
+    assert len(text.splitlines()) <= 12 and all(len(f.detail) <= 300 for f in big.verdict.findings), text
     c.close()

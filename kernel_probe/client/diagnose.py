@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any, Generator, Iterable, Mapping
 from ..diagnosis import slow as slow_core
 from ..diagnosis import verdict as core
 from ..diagnosis.values import as_float, as_int, as_text
+from ..rank_lists import by_text, groups_text
 from .calls import Batch, Call, query
+from .results import one_line_reason
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -135,9 +137,13 @@ class DiagnoseResult:
         coverage = self.coverage
         extra = ()
         if coverage.get("partial"):
-            missing = sorted(set(coverage.get("targeted") or ()) - set(coverage.get("answered") or ()))
-            extra = (f"not every rank answered: {core.ranks_text(missing)} missing" if missing
-                     else "not every rank answered",)
+            why = {int(r): one_line_reason(w) for r, w in (coverage.get("failed") or {}).items() if str(r).isdigit()}
+            missing = sorted((set(coverage.get("targeted") or ()) - set(coverage.get("answered") or ())) | set(why))
+            # 512 ranks of 64 nodes for two reasons: two clauses
+            said = by_text(((r, why.get(r, "")) for r in missing), shapes=True)
+            extra = ("not every rank answered: " + groups_text(
+                said, lambda rs, w: f"{core.ranks_text(rs)} missing" + (f" ({w})" if w else ""), noun="reasons")
+                     if missing else "not every rank answered",)
         return self.verdict.checked + extra
 
     @property

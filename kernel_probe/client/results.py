@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .. import wire
 from ..membership import record
-from ..rank_lists import RankRanges, parse_ranks
+from ..rank_lists import RankRanges, by_text, groups_text, parse_ranks
 from ..tables import arrow_ipc
 from .errors import AuthError, ProbeError, QueryFailed, Refused
 
@@ -218,11 +218,17 @@ def error_line(err: dict) -> str:
     return message
 
 
+def one_line_reason(why: Any, limit: int = 160) -> str:
+    text = " ".join(str(why).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def describe_failures(coverage: dict) -> str:
+    """'512 of 16384 ranks failed: ranks 0-255 (timeout); ranks 256-511 (dead)': ranks grouped by
+    their reason (addresses and numbers aside), the largest groups and the odd ones out named."""
     failed = coverage.get("failed") or {}
-    shown = ", ".join(f"rank {r} ({why})" for r, why in list(failed.items())[:8])
-    more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
-    return f"{len(failed)} of {len(coverage.get('targeted') or [])} ranks failed: {shown}{more}"
+    said = by_text(((int(r), one_line_reason(why)) for r, why in failed.items() if str(r).isdigit()), shapes=True)
+    return f"{len(failed)} of {len(coverage.get('targeted') or [])} ranks failed: {groups_text(said, noun='reasons')}"
 
 
 class QueryResult:

@@ -22,13 +22,16 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .values import as_float, as_int, as_text, is_true
 from ..durations import duration_text
-from .verdict import Finding, Place, group_key, places, ranks_text
+from ..rank_lists import by_text, groups_text, ranks_label, text_shape
+from .verdict import Finding, Place, crowd_text, group_key, places, ranks_text
 
 # the kinds of the findings this module makes, in the order they are listed
 KINDS = ("failed", "ended", "stopped", "no_dump")
 RAISED = frozenset({"exception", "thread_exception"})
 SNAPSHOT = "snapshot"
 MESSAGE_CHARS = 160  # of an exception's first line in a sentence (the `reason` table keeps it whole)
+ENDS_SHOWN = 3  # ways of ending the sentence names after the first failure; the others are counted
+NO_DUMP = "left no dump"
 _TIMEOUT = re.compile(r"time[ds]?[ _-]?out", re.IGNORECASE)
 
 
@@ -106,14 +109,10 @@ def _first_line(text: Any) -> str:
     return _SOURCE.sub("", text.strip().splitlines()[0].strip()) if text and text.strip() else ""
 
 
-# what differs between ranks that failed the same way: addresses, ports, pids, sizes, ids
-_VARYING = re.compile(r"\[[0-9a-fA-F:.]+\](?::\d+)?|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\b0x[0-9a-fA-F]+\b|\d+")
-
-
 def message_shape(text: Any) -> str:
     """A message's first line with its addresses and numbers set aside, so ranks that failed
     the same way ("Connection closed by peer [10.0.0.7]:36494") read as one failure."""
-    return _VARYING.sub("…", _first_line(text))
+    return text_shape(_first_line(text))
 
 
 def _failure_key(e: End) -> tuple:
@@ -215,20 +214,13 @@ def _delay_text(delays: Sequence[float]) -> str:
 
 def _about(ranks: Sequence[int], colls: Mapping[int, Collective], at: Mapping[int, Place]) -> str:
     """', waiting in all_reduce #312 on group 0' / ', in train (x.py:3)': where these ranks were."""
-    parts: dict[str, list[int]] = {}
-    for r in ranks:
-        if r in colls:
-            text = f"waiting in {colls[r].text}"
-        elif r in at and at[r].python:
-            text = at[r].python
-        else:
-            continue
-        parts.setdefault(text, []).append(r)
+    parts = by_text((r, f"waiting in {colls[r].text}" if r in colls else at[r].python) for r in ranks
+                    if r in colls or (r in at and at[r].python))
     if not parts:
         return ""
     if len(parts) == 1:
-        return ", " + next(iter(parts))
-    return ", " + "; ".join(f"{ranks_text(rs)} {text}" for text, rs in parts.items())
+        return ", " + parts[0][1]
+    return ", " + groups_text(parts, lambda rs, text: f"{ranks_text(rs)} {text}", noun="places")
 
 
 def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str, Any]] = (),
@@ -245,7 +237,7 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
     colls = in_flight(process_groups, collectives)
     at = places(stacks)
     findings: list[Finding] = []
-    sentences: list[str] = []
+    sentences: list[tuple[str, tuple[int, ...]]] = []  # each with the ranks it is about
 
     inside = sorted((e for e in by_rank.values() if e.from_inside),
                     key=lambda e: (e.when is None, e.when or 0.0, e.rank))
@@ -270,7 +262,7 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
         elif _TIMEOUT.search(first.message or ""):
             evidence += "; no collective in flight in its flight recorder"
         findings.append(Finding("failed", tuple(first_ranks), group, seq, detail, evidence))
-        sentences.append(detail)
+        sentences.append((detail, tuple(first_ranks)))
         later = [e for e in inside if e.rank not in first_ranks]
         for key, group_ends in _grouped(later, _failure_key).items():
             rs = sorted(e.rank for e in group_ends)
@@ -278,7 +270,7 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
             then = "then " if delays and max(delays) >= 0.05 else ""
             text = f"{ranks_text(rs)} {then}{what_all(group_ends)}" + _delay_text(delays) + _about(rs, colls, {})
             findings.append(Finding("ended", tuple(rs), None, None, text, f"reason {key[0]}"))
-            sentences.append(text)
+            sentences.append((text, tuple(rs)))
 
     stopped = [e for e in by_rank.values() if not e.from_inside]
     for sig, group_ends in _grouped(stopped, lambda e: e.signal or e.kind).items():
@@ -302,35 +294,64 @@ def analyse(reasons: Sequence[Mapping[str, Any]], *, steps: Sequence[Mapping[str
             if absent:
                 text += f", which {ranks_text(absent)} never entered"
         findings.append(Finding("stopped", tuple(rs), c and c.group, c and c.seq, text, evidence))
-        sentences.append(text)
+        sentences.append((text, tuple(rs)))
 
     if missing:
         rs = sorted(missing)
-        why = sorted(set(missing.values()))
-        if len(why) == 1 and why[0].startswith("left no dump"):
-            text = f"{ranks_text(rs)} {why[0]}"
+        why = by_text(sorted(missing.items()), shapes=True)  # 512 ranks of 64 nodes, for one or two reasons
+        if len(why) == 1 and why[0][1].startswith(NO_DUMP):
+            text = f"{ranks_text(rs)} {why[0][1]}"
+        elif len(why) == 1:
+            text = f"{ranks_text(rs)} {NO_DUMP} ({why[0][1]})"
         else:
-            text = f"{ranks_text(rs)} left no dump" + (f" ({why[0]})" if len(why) == 1 else "")
-        findings.append(Finding("no_dump", tuple(rs), None, None, text, "; ".join(why)))
+            text = f"{ranks_text(rs)} {NO_DUMP}: " + groups_text(
+                why, lambda ranks, reason: f"{ranks_text(ranks)} {_no_dump_why(reason)}", noun="reasons")
+        findings.append(Finding("no_dump", tuple(rs), None, None, text, groups_text(why, noun="reasons")))
         # with no failure from inside, a rank that left no dump may well be where it began: said first
-        sentences.insert(0 if first is None else len(sentences), text)
+        sentences.insert(0 if first is None else len(sentences), (text, tuple(rs)))
 
     dumped = sorted(by_rank)
     checked = [(f"reasons of {len(dumped)} ranks' dumps" if len(dumped) != 1 else "reason of 1 rank's dump")
                + (f" (of {world_size})" if world_size else "")]
     if step:
-        checked.append(f"last steps of {ranks_text(step)}")
+        checked.append(f"last steps of {crowd_text(list(step))}")
     if not by_rank:
         return Failure("", tuple(findings), tuple(checked), False)
+    said = _few(sentences, {tuple(first_ranks), tuple(sorted(missing))})
     if first is None:
         # nobody failed from inside: the job was ended from outside (or by a rank that left no dump)
-        head = "; ".join(sentences)
+        head = "; ".join(said)
         if not missing:
             head += "; no rank failed before that: the job was ended from outside"
         summary = head
     else:
-        summary = "; ".join(sentences)
+        summary = "; ".join(said)
     return Failure(summary[0].upper() + summary[1:] + ".", tuple(findings), tuple(checked), True)
+
+
+def _few(sentences: Sequence[tuple[str, tuple[int, ...]]], always: set[tuple[int, ...]]) -> list[str]:
+    """The sentences, the ways of ending past the first ``ENDS_SHOWN`` counted instead (the findings
+    say each); the first failure and the ranks without a dump (``always``) are always said."""
+    out: list[str] = []
+    rest: list[int] = []
+    cut_at, others, cut = None, 0, 0
+    for text, ranks in sentences:
+        if ranks in always or others < ENDS_SHOWN:
+            out.append(text)
+            others += ranks not in always
+            continue
+        cut_at = len(out) if cut_at is None else cut_at
+        cut += 1
+        rest.extend(ranks)
+    if cut_at is not None:
+        out.insert(cut_at, f"{cut} other way{'s' if cut != 1 else ''} of ending on {ranks_label(rest)}")
+    return out
+
+
+def _no_dump_why(reason: str) -> str:
+    """'(killed by SIGKILL, ...)' of 'left no dump (killed by SIGKILL, ...)'; another reason in parentheses."""
+    inner = reason[len(NO_DUMP):].strip() if reason.startswith(NO_DUMP) else reason
+    return inner if inner.startswith("(") else f"({inner})"
 
 
 def _grouped(items: Iterable[End], key) -> dict[Any, list[End]]:

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..dtypes import dtype_name
 from ..durations import duration_text
-from ..rank_lists import ranks_label
+from ..rank_lists import LABEL_PARTS, by_text, groups_text, rank_span, ranks_label
 from .values import as_float, as_int, as_text, is_true
 
 KINDS = ("missing", "mismatch", "dead", "waiting", "stalled")  # the order findings are listed in
@@ -54,6 +54,8 @@ SAME_INPUT_OPS = frozenset({
 _LIBRARY_MARKS = ("/site-packages/", "/dist-packages/", "<frozen ", "/lib/python3", "/torch/", "/kernel_probe/")
 # native frames of torch's collective layer: where a rank waiting in a collective waits
 _COLLECTIVE_MARKS = ("c10d::", "gloo::", "nccl")
+FINDINGS_SHOWN = 4  # findings the plain text spells out; the rest are counted (the table has them all)
+GROUP_NAMES_SHOWN = 8  # process groups named in what was checked
 
 
 @dataclass(frozen=True)
@@ -87,13 +89,18 @@ class Verdict:
                 "checked": list(self.checked)}
 
     def text(self) -> str:
-        """Plain text: the sentence, the findings, what was checked."""
+        """Plain text: the sentence, the first ``FINDINGS_SHOWN`` findings (the others counted by
+        kind), what was checked: a few lines at any number of ranks and groups."""
         lines = [self.summary]
-        for f in self.findings:
+        for f in self.findings[:FINDINGS_SHOWN]:
             where = f" [group {f.group}" + (f" #{f.seq}" if f.seq is not None else "") + "]" if f.group else ""
             lines.append(f"- {f.kind}{where}: {f.detail}")
             if f.evidence:
                 lines.append(f"    {f.evidence}")
+        if rest := self.findings[FINDINGS_SHOWN:]:
+            kinds = Counter(f.kind for f in rest)
+            lines.append(f"- and {len(rest)} more finding{'s' if len(rest) != 1 else ''} ("
+                         + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + "): the findings table has them all")
         if self.checked:
             lines.append("checked: " + "; ".join(self.checked))
         return "\n".join(lines)
@@ -114,6 +121,12 @@ def _json(value: Any) -> Any:
 def ranks_text(ranks: Iterable[int]) -> str:
     """'rank 3' or 'ranks 0-2': the rank label without its count (the sentence reads on)."""
     return ranks_label(ranks, count=False)
+
+
+def crowd_text(ranks: Sequence[int]) -> str:
+    """The ranks beside the odd ones out ('ranks 0-2', the waiting ones): named while that is
+    short, else counted ('15872 ranks'), so a sentence keeps room for the odd ones' names."""
+    return ranks_text(ranks) if len(rank_span(ranks).split(",")) <= LABEL_PARTS else f"{len(set(ranks))} ranks"
 
 
 def tensors_text(sizes: Any, dtypes: Any) -> str:
@@ -216,16 +229,21 @@ def _native_text(frames: Sequence[Mapping]) -> str:
 
 
 def _where(ranks: Iterable[int], at: Mapping[int, Place]) -> str:
-    """'rank 3 is in fetch_next_batch (train.py:42)'; ranks in one place are named together."""
-    by_place: dict[str | None, list[int]] = {}
-    for rank in sorted(set(ranks)):
-        place = at.get(rank)
-        by_place.setdefault(place.text if place is not None and place.python else None, []).append(rank)
-    parts = []
-    for text, rs in by_place.items():
-        verb = "is" if len(rs) == 1 else "are"
-        parts.append(f"{ranks_text(rs)} {verb} {text}" if text else f"no stack from {ranks_text(rs)}")
-    return "; ".join(parts)
+    """'rank 3 is in fetch_next_batch (train.py:42)'; ranks in one place are named together, and
+    past a few places the largest and the odd ones out are named, the others counted."""
+    def say(rs: Sequence[int], text: str) -> str:
+        if not text:
+            return f"no stack from {ranks_text(rs)}"
+        return f"{ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} {text}"
+
+    said = ((r, at[r].text if r in at and at[r].python else "") for r in sorted(set(ranks)))
+    return groups_text(by_text(said), say, noun="places")
+
+
+def _one_place(ranks: Sequence[int], at: Mapping[int, Place]) -> str | None:
+    """The place of ``ranks`` when they all have a stack and it is the same one."""
+    texts = {at[r].text if r in at and at[r].python else None for r in ranks}
+    return texts.pop() if len(texts) == 1 and None not in texts else None
 
 
 # ---------------------------------------------------------------- membership
@@ -272,7 +290,9 @@ def _membership(nodes: Sequence[Mapping[str, Any]], departures: Sequence[Mapping
         ranks = tuple(sorted(r for r, _ in items))
         ages = [a for _, a in items if a is not None]
         since = f" for {duration_text(max(ages))}" if ages else ""
-        place = _where(ranks, at) if any(r in at for r in ranks) else f"{ranks_text(ranks)} {where or 'place unknown'}"
+        one = _one_place(ranks, at) if len(ranks) > 1 else None
+        place = (one if one is not None else _where(ranks, at) if any(r in at for r in ranks)
+                 else f"{ranks_text(ranks)} {where or 'place unknown'}")
         findings.append(Finding("stalled", ranks, None, None,
                                 f"{ranks_text(ranks)} stalled{since}: {place}",
                                 f"membership: state stalled, reason {where!r}"))
@@ -307,8 +327,9 @@ def _groups(process_groups: Iterable[Mapping[str, Any]], collectives: Iterable[M
         if key is None or rank is None:
             continue
         g = groups.setdefault(key, _Group(key))
-        ranks = _json(row.get("ranks"))
-        if g.members is None and isinstance(ranks, list) and ranks and all(as_int(r) is not None for r in ranks):
+        # every rank's row lists the group's ranks: read once (16,384 numbers on each of 16,384 rows)
+        ranks = _json(row.get("ranks")) if g.members is None else None
+        if isinstance(ranks, list) and ranks and all(as_int(r) is not None for r in ranks):
             g.members = tuple(sorted(as_int(r) for r in ranks))
         enqueued, completed = as_int(row.get("last_enqueued")), as_int(row.get("last_completed"))
         # the rank has the group but no status for it: it has enqueued nothing on it
@@ -381,12 +402,9 @@ def _in_text(g: _Group, p: _Pending) -> str:
 def _native_waits(ranks: Iterable[int], at: Mapping[int, Place]) -> str:
     """'ranks 0-2 wait in c10d::Reducer::finalize_backward (libtorch_cpu.so)' from the native
     stacks, where they came."""
-    by_frame: dict[str, list[int]] = {}
-    for r in ranks:
-        if r in at and at[r].native:
-            by_frame.setdefault(at[r].native, []).append(r)
-    return "; ".join(f"{ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'} in {frame} (native stack)"
-                     for frame, rs in by_frame.items())
+    frames = by_text((r, at[r].native) for r in ranks if r in at and at[r].native)
+    return groups_text(frames, lambda rs, frame: f"{ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'} in {frame} "
+                                                 "(native stack)", noun="native frames")
 
 
 def _missing(g: _Group, p: _Pending | None, min_wait: float, at: Mapping[int, Place], dead: Mapping[int, str],
@@ -395,19 +413,20 @@ def _missing(g: _Group, p: _Pending | None, min_wait: float, at: Mapping[int, Pl
     waiting in another group's collective, with that collective's text."""
     if p is None or not p.behind or (p.waited is not None and p.waited < min_wait):
         return []
-    waiting = f"{ranks_text(p.ahead)} waiting" + (f" {duration_text(p.waited)}" if p.waited is not None else "")
-    why = [f"rank {r} is dead ({dead[r]})" for r in p.behind if r in dead]
-    busy: dict[str, list[int]] = {}
-    for r in p.behind:
-        if r not in dead and r in elsewhere:
-            busy.setdefault(elsewhere[r], []).append(r)
-    why += [f"{ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'} in {text}" for text, rs in busy.items()]
+    waiting = f"{crowd_text(p.ahead)} waiting" + (f" {duration_text(p.waited)}" if p.waited is not None else "")
+    why = []
+    if gone := by_text((r, dead[r]) for r in p.behind if r in dead):
+        why.append(groups_text(gone, lambda rs, reason: f"{ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} dead "
+                                                        f"({reason})", noun="reasons"))
+    if busy := by_text((r, elsewhere[r]) for r in p.behind if r not in dead and r in elsewhere):
+        why.append(groups_text(busy, lambda rs, text: f"{ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'} "
+                                                      f"in {text}", noun="collectives"))
     free = [r for r in p.behind if r not in dead and r not in elsewhere]
     if free:
         why.append(_where(free, at))
     detail = f"{_in_text(g, p)}: {waiting}; {ranks_text(p.behind)} never entered it — {'; '.join(why)}"
-    known = {r: st[0] for r, st in g.status.items() if st[0] is not None}
-    last = ", ".join(f"rank {r}: {known[r]}" for r in sorted(known))
+    known = by_text((r, str(st[0])) for r, st in g.status.items() if st[0] is not None)
+    last = groups_text(known, lambda rs, enq: f"{ranks_text(rs)}: {enq}", sep=", ", noun="numbers")
     evidence = f"last enqueued per rank ({last}; op_id {p.top} is the newest)"
     unheard = sorted(set(g.members or ()) - set(g.status))
     if unheard:
@@ -426,9 +445,9 @@ def _waited_for(g: _Group, p: _Pending | None, min_wait: float, at: Mapping[int,
     gone = tuple(sorted((set(g.members or ()) - set(g.status)) & set(dead)))
     if not gone:
         return None
-    text = (f"{ranks_text(p.ahead)} wait for {'it' if len(gone) == 1 else 'them'} in {_in_text(g, p)}"
+    text = (f"{crowd_text(p.ahead)} wait for {'it' if len(gone) == 1 else 'them'} in {_in_text(g, p)}"
             + (f" for {duration_text(p.waited)}" if p.waited is not None else ""))
-    evidence = (f"no recorder status from {ranks_text(gone)}; {ranks_text(p.ahead)} enqueued op_id {p.top} "
+    evidence = (f"no recorder status from {ranks_text(gone)}; {crowd_text(p.ahead)} enqueued op_id {p.top} "
                 f"of group {g.name} and have not completed it")
     if native := _native_waits(p.ahead, at):
         evidence += f"; {native}"
@@ -454,19 +473,22 @@ def _mismatch(g: _Group, at: Mapping[int, Place]) -> list[Finding]:
         calls = by_seq[seq]
         if len(calls) < 2:
             continue
-        sigs = Counter(_signature(row) for row in calls.values())
-        if len(sigs) < 2:
+        by_sig: dict[tuple, list[int]] = {}
+        for r in sorted(calls):
+            by_sig.setdefault(_signature(calls[r]), []).append(r)
+        if len(by_sig) < 2:
             continue
+        sigs = {sig: len(rs) for sig, rs in by_sig.items()}
         # the most common call is the expected one; ties: the one of the lowest rank
-        lowest = {sig: min(r for r, row in calls.items() if _signature(row) == sig) for sig in sigs}
-        common = max(sigs, key=lambda sig: (sigs[sig], -lowest[sig]))
-        culprits = tuple(sorted(r for r, row in calls.items() if _signature(row) != common))
-        parts = []
-        for sig in sorted(sigs, key=lambda s: lowest[s]):
-            rs = sorted(r for r, row in calls.items() if _signature(row) == sig)
+        common = max(by_sig, key=lambda sig: (len(by_sig[sig]), -by_sig[sig][0]))
+        culprits = tuple(sorted(r for sig, rs in by_sig.items() if sig != common for r in rs))
+
+        def said(rs: Sequence[int], _text: str) -> str:
             row = calls[rs[0]]
-            verb = "calls" if len(rs) == 1 else "call"
-            parts.append(f"{ranks_text(rs)} {verb} {call_text(row.get('op'), row.get('input_sizes'), row.get('input_dtypes'))}")
+            return (f"{ranks_text(rs)} {'calls' if len(rs) == 1 else 'call'} "
+                    f"{call_text(row.get('op'), row.get('input_sizes'), row.get('input_dtypes'))}")
+
+        parts = [groups_text([(rs, "") for rs in sorted(by_sig.values())], said, noun="calls")]
         first = calls[min(calls)]
         what = {"op" if len({s[0] for s in sigs}) > 1 else None, "dtype" if len({s[1] for s in sigs}) > 1 else None,
                 "size" if len({s[2] for s in sigs}) > 1 else None} - {None}
@@ -487,10 +509,11 @@ def _completed(g: _Group, calls: Mapping[int, Mapping]) -> str:
     (the same byte count on every rank, say) gave a wrong answer instead of a hang."""
     done, pending = [], []
     for rank, row in calls.items():
-        number, (_enq, completed) = as_int(row.get("op_id")), g.status.get(rank, (None, None))
+        number, completed = as_int(row.get("op_id")), g.status.get(rank, (None, None))[1]
         if number is not None and completed is not None:
             (done if completed >= number else pending).append(rank)
-    parts = ([f"completed on {ranks_text(done)}"] if done else []) + ([f"pending on {ranks_text(pending)}"] if pending else [])
+    parts = (([f"completed on {crowd_text(done)}"] if done else [])
+             + ([f"pending on {crowd_text(pending)}"] if pending else []))
     return ", ".join(parts)
 
 
@@ -505,7 +528,7 @@ def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], st
     if len(enqueued) != 1:
         return []
     (top,) = enqueued
-    if any(done is None or done >= top for _enq, done in known.values()):
+    if any(done is None or done >= top for _, done in known.values()):
         return []
     entries = [e for r in known if (e := _entry(g.entries.get(r, ()), top)) is not None]
     created = [t for e in entries if (t := as_float(e.get("ts"))) is not None]
@@ -516,7 +539,7 @@ def _waiting(g: _Group, now: float, min_wait: float, at: Mapping[int, Place], st
     ranks = tuple(sorted(known))
     detail = (f"collective #{seq} on {_group_text(g, first)} "
               f"({call_text(first.get('op'), first.get('input_sizes'), first.get('input_dtypes'))}): "
-              f"{ranks_text(ranks)} entered it {duration_text(now - min(created))} ago and none completed it — "
+              f"{crowd_text(ranks)} entered it {duration_text(now - min(created))} ago and none completed it — "
               f"{_where(ranks, at)}")
     evidence = f"last enqueued {top}, last completed below it on every rank of group {g.name}"
     if native := _native_waits(ranks, at):
@@ -542,13 +565,14 @@ def diagnose(nodes: Sequence[Mapping[str, Any]], process_groups: Sequence[Mappin
     pending = {name: _pending(groups[name], now) for name in names}
     waits_in: dict[int, dict[str, str]] = {}  # rank -> group -> the collective it waits in there
     for name, p in pending.items():
+        text = _in_text(groups[name], p) if p is not None else ""
         for r in p.ahead if p is not None else ():
-            waits_in.setdefault(r, {})[name] = _in_text(groups[name], p)
+            waits_in.setdefault(r, {})[name] = text
     consequences: set[int] = set()  # ids of findings caused by a rank waiting in another group
     for name in names:
         g, p = groups[name], pending[name]
-        elsewhere = {r: text for r, texts in waits_in.items()
-                     for other, text in texts.items() if other != name}
+        elsewhere = {r: text for r in (p.behind if p is not None else ())
+                     for other, text in waits_in.get(r, {}).items() if other != name}
         missing = _missing(g, p, min_wait, at, dead, elsewhere)
         consequences |= {id(f) for f in missing if any(r in elsewhere for r in f.ranks)}
         findings += missing
@@ -565,16 +589,17 @@ def diagnose(nodes: Sequence[Mapping[str, Any]], process_groups: Sequence[Mappin
     checked = [f"membership of {len(ranks_seen)} rank{'s' if len(ranks_seen) != 1 else ''}"
                + (f" ({sum(1 for m in nodes if m.get('state') == 'alive')} alive)" if nodes else "")]
     if groups:
+        shown = names if len(names) <= GROUP_NAMES_SHOWN else [*names[:GROUP_NAMES_SHOWN - 1], "…", names[-1]]
         checked.append(f"flight recorder of {len(groups)} process group{'s' if len(groups) != 1 else ''} "
-                       f"({', '.join(sorted(groups, key=lambda n: (len(n), n)))}) on {ranks_text(recorded) if recorded else 'no rank'}")
+                       f"({', '.join(shown)}) on {crowd_text(recorded) if recorded else 'no rank'}")
     else:
         checked.append("no flight-recorder rows (recorder off, absent, or no collective yet)")
     silent = sorted(set(ranks_seen) - set(recorded)) if groups else []
     if silent:
         checked.append(f"no recorder status from {ranks_text(silent)}")
     with_native = [r for r, place in at.items() if place.native]
-    checked.append(f"main-thread stacks of {ranks_text(at) if at else 'no rank'}"
-                   + (f" (native frames of {ranks_text(with_native)})" if with_native else ""))
+    checked.append(f"main-thread stacks of {crowd_text(list(at)) if at else 'no rank'}"
+                   + (f" (native frames of {crowd_text(with_native)})" if with_native else ""))
     summary = _summary(findings)
     return Verdict(summary, tuple(findings), tuple(checked))
 
@@ -605,4 +630,4 @@ def findings_rows(verdict: Verdict) -> list[dict[str, Any]]:
 
 
 __all__ = ["KINDS", "FINDING_COLUMNS", "MIN_WAIT_SEC", "Finding", "Verdict", "Place", "places", "diagnose",
-           "tensors_text", "call_text", "ranks_text", "findings_rows"]
+           "tensors_text", "call_text", "ranks_text", "crowd_text", "findings_rows"]
