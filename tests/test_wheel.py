@@ -83,6 +83,9 @@ def test_wheel_has_the_prebuilt_panel_and_the_server_config(wheel):
     assert install["packageName"] == "probing-magics"
     assert "probing_magics/server/handlers.py" in names and "kernel_probe/__init__.py" in names
     assert not [n for n in names if "node_modules" in n or n.endswith((".ts", ".tsx"))]
+    # the MCP server's playbooks are package data: an installed probe lists the same ones
+    shipped = {n.rsplit("/", 1)[1] for n in names if n.startswith("kernel_probe/playbooks/") and n.endswith(".toml")}
+    assert shipped == {p.name for p in (ROOT / "kernel_probe" / "playbooks").glob("*.toml")} and shipped
     # test helpers (a launcher, a hostile peer, a namespace builder) stay in the repository; the
     # simulators stay public
     assert {n for n in names if n.startswith("kernel_probe/testing/")} == {
