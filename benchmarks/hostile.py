@@ -5,8 +5,8 @@ loopback, no CURVE). As an attacker on the machine would try it: a query first, 
 once every rank's memory has settled (a young DDP job grows by itself: +16-30 MiB RSS in its
 first half-minute with no traffic, which the attack must not be charged with), then for
 ``--seconds`` (30 unless told; ``KP_HOSTILE_SEC``) bursts of 50 bad messages, each burst on a
-fresh DEALER connection, spread over every rank's endpoint (``--rate`` connections a second in
-all): random multipart frames, empty frames, signed-looking messages cut short, 2 MiB frames,
+fresh DEALER connection, spread over every rank's endpoint (as fast as one sender goes, or
+``--rate`` connections a second in all): random multipart frames, empty frames, signed-looking messages cut short, 2 MiB frames,
 the protocol tag with a JSON header and a bad signature (``tests.support.hostile.bursts``).
 Then each rank's RSS and USS (its pages no other process shares: what it would give back if
 it went) at ``--after`` seconds (1 10 40) after the attack's end, and a query after the first
@@ -21,6 +21,7 @@ only); ``--no-trim``: ranks whose probe never gives freed heap memory back (what
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -66,7 +67,9 @@ def attack(client, ranks: list[tuple[int, str, psutil.Process]], seconds: float,
     the first figure had every rank's rows right."""
     world = len(ranks)
     assert rows_right(client, world)
+    t0 = time.monotonic()
     settled_uss([p for _, _, p in ranks])
+    settled = time.monotonic() - t0
     before = [memory(p) for _, _, p in ranks]
     peak = [rss for rss, _ in before]
     made: list[int] = []
@@ -89,14 +92,16 @@ def attack(client, ranks: list[tuple[int, str, psutil.Process]], seconds: float,
         figures.append([memory(p) for _, _, p in ranks])
         if right is None:  # the first figure taken: every rank answers, its rows right
             right = wait_for(lambda: rows_right(client, world), 30, 0.3, "every rank's rows after the attack")
-    return {"before": before, "peak": peak, "after": figures, "made": made[0] if made else 0, "right": right}
+    return {"before": before, "peak": peak, "after": figures, "made": made[0] if made else 0, "right": right,
+            "settled": settled}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, nargs="*", default=[float(os.environ.get("KP_HOSTILE_SEC", "30"))])
     ap.add_argument("--after", type=float, nargs="+", default=[1.0, 10.0, 40.0])
-    ap.add_argument("--rate", type=float, default=13.3, help="fresh connections a second, every rank together")
+    ap.add_argument("--rate", type=float, default=math.inf,
+                    help="fresh connections a second, every rank together (default: as fast as one sender goes)")
     ap.add_argument("--quiet", type=float, default=30.0, help="first, the job alone this long (the control; 0: none)")
     ap.add_argument("--per-kind", type=float, default=0.0, help="also each kind alone, this long")
     ap.add_argument("--kinds", nargs="+", default=None, help="the kinds run alone (--per-kind)")
@@ -137,7 +142,7 @@ def main() -> None:
         for name, seconds, kinds in runs:
             r = attack(client, ranks, seconds, kinds, args.after, args.rate, args.shuffled)
             print(f"\n{name}: {seconds:.0f} s, {r['made']} connections; every rank's rows right after it: "
-                  f"{r['right']}. Growth over the level, MiB (RSS / USS):")
+                  f"{r['right']}. Growth over the level (settled in {r['settled']:.0f} s), MiB (RSS / USS):")
             print(f"{'rank':>12} {'level RSS':>9} {'USS':>6} {'peak':>6} | "
                   + " | ".join(f"{f'+{t:g} s':>13}" for t in args.after))
             for i, (rank, _, _) in enumerate(ranks):

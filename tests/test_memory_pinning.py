@@ -1,7 +1,7 @@
 """Memory no peer can pin: an attacker on the machine against every rank of a torchrun job.
 
-For ATTACK_SEC (30 s; ``KP_PINNING_SEC``), bursts of 50 bad messages, each burst on a fresh
-connection, spread over every rank of a 2x2 torchrun job started without a token (loopback,
+For ATTACK_SEC (30 s; ``KP_PINNING_SEC``), bursts of 50 bad messages as fast as one sender
+makes them, each burst on a fresh connection, spread over every rank of a 2x2 torchrun job started without a token (loopback,
 no CURVE): random multipart frames, empty frames, signed-looking messages cut short, 2 MiB
 frames, the protocol tag with a JSON header and a bad signature. Within 10 s of its end every
 rank's RSS and USS are back within 10 MiB of their level (taken once the job's memory had
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from .conftest import wait_for
 
 BUSY = str(Path(__file__).parent / "workers" / "busy_worker.py")
 ATTACK_SEC = float(os.environ.get("KP_PINNING_SEC", "30"))
-BURST_RATE = 13.3  # fresh connections a second, every rank together: ~400 in 30 s
+MIN_CONNECTIONS_PER_SEC = 10  # the bursts come as fast as one sender makes them: 30-110 connections a second here
 RECOVER_SEC = 10.0  # the bound holds this long after the attack's end
 GROWTH_MAX_MIB = 10.0
 KEEP = 500  # steps each rank keeps: its table is full before the level, so the table's growth is not the attack's
@@ -81,7 +82,7 @@ def test_an_attack_on_every_rank_leaves_no_memory_behind(launch, runtime_dir):
     uss_level = settled_uss(procs, window=4.0, timeout=20.0)
     rss_level = [p.memory_info().rss / 2**20 for p in procs]
     sent: collections.Counter = collections.Counter()
-    made = bursts([m["endpoint"] for m in members], ATTACK_SEC, connections_per_sec=BURST_RATE, sent=sent,
+    made = bursts([m["endpoint"] for m in members], ATTACK_SEC, connections_per_sec=math.inf, sent=sent,
                   linger_ms=10_000)
     end = time.monotonic()
 
@@ -99,7 +100,7 @@ def test_an_attack_on_every_rank_leaves_no_memory_behind(launch, runtime_dir):
           f"RSS / USS MiB, at +1 s and +{RECOVER_SEC:.0f} s:")
     for m, rss, (r1, u1), (r10, u10) in zip(members, rss_level, at_1s, at_10s):
         print(f"  rank {m['rank']} ({m['tier']}, level RSS {rss:.1f}): {r1:+.1f} / {u1:+.1f}, {r10:+.1f} / {u10:+.1f}")
-    assert made >= ATTACK_SEC * BURST_RATE * 0.4  # the bursts really came, even on a loaded machine
+    assert made >= ATTACK_SEC * MIN_CONNECTIONS_PER_SEC  # the bursts really came, even on a loaded machine
     for m, (rss, uss) in zip(members, at_10s):
         assert rss <= GROWTH_MAX_MIB and uss <= GROWTH_MAX_MIB, f"rank {m['rank']}: RSS {rss:+.1f}, USS {uss:+.1f} MiB"
 
