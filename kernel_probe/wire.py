@@ -513,9 +513,11 @@ class Codec:
         self.rejected: collections.Counter[str] = collections.Counter()
         self._seq = itertools.count(1)
         self._id_prefix = secrets.token_hex(8)  # default msg_id: 32 hex digits, this and the seq (no urandom per message)
-        # _replay_key(sender, incarnation) -> last accepted seq, least recently used first.
-        # Bounded so a peer inventing incarnations cannot grow our memory.
-        self._last_seq: collections.OrderedDict[tuple[str, str] | bytes, int] = collections.OrderedDict()
+        # _replay_key(sender, incarnation) -> (last accepted seq, newest ts accepted from it), least
+        # recently used first. Bounded so a peer inventing incarnations cannot grow our memory, and
+        # expiring: once all a peer's messages are older than skew_sec, a replay of any of them is
+        # "stale" anyway, so its entry protects nothing and is let go.
+        self._last_seq: collections.OrderedDict[tuple[str, str] | bytes, tuple[int, float]] = collections.OrderedDict()
 
     # ----------------------------------------------------------------- encode
 
@@ -630,16 +632,27 @@ class Codec:
 
         # 7. Replay. Recorded only now, so a rejected message never moves the bar.
         peer = _replay_key(header.sender, header.incarnation)
-        last = self._last_seq.get(peer)
+        last, newest = self._last_seq.get(peer, (None, header.ts))
         if last is not None and header.seq <= last:
             raise WireError("replay", f"seq {header.seq} <= {last} from {header.sender}")
-        self._last_seq[peer] = header.seq
+        self._last_seq[peer] = (header.seq, max(newest, header.ts))
         self._last_seq.move_to_end(peer)
-        while len(self._last_seq) > lim.history:
-            self._last_seq.popitem(last=False)
+        self._expire_history(now)
 
         msg = Message(header.type, body, tuple(parts[1:]), header.corr_id)
         return Envelope(header, msg)
+
+    def _expire_history(self, now: float) -> None:
+        """Forget the least recently heard peers past the bound, and those all of whose messages
+        are now stale (checked from the least recently heard on: amortised O(1) a message)."""
+        history = self._last_seq
+        while len(history) > self.limits.history:
+            history.popitem(last=False)
+        while history:
+            peer, (_, newest) = next(iter(history.items()))
+            if now - newest <= self.limits.skew_sec:
+                return
+            del history[peer]
 
     @staticmethod
     def _join(frames: list[bytes], counts: list[int] | None) -> list[bytes]:

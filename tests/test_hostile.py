@@ -7,15 +7,11 @@ with a wrong key, stale timestamps. Every bad message is counted in the root's `
 (``rejected``), nothing crashes, the training step of the attacked rank is not slowed
 beyond the bound, heartbeats and queries keep working, the root's RSS grows <= 10 MiB.
 Also the wire rule that makes the RSS bound hold: no frame over 1 MiB (longer parts split).
-And as a new user would try it on a torchrun job: bursts of 50 bad messages, each on a fresh
-connection, against the root and a leaf for 1.5 x KP_HOSTILE_SEC: each counts every message that
-reached it, and their RSS after a third and after all of it stays within the bound, so it does not
-grow with the duration.
+Bursts on fresh connections against every rank of a torchrun job: test_memory_pinning.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import statistics
@@ -32,10 +28,9 @@ from kernel_probe import wire
 from kernel_probe.effects import PARENT, Send
 from kernel_probe.interpreter import RankShell
 from kernel_probe.shell import endpoint
-from kernel_probe.client import Client
 from kernel_probe.shell.endpoint import MAX_BATCH, REFUSALS_PER_SEC, MemoryTrim, RankEndpoint, RefusalLimit
 from kernel_probe.stimuli import MessageIn, SendFailed
-from tests.support.hostile import HostilePeer, bursts, root_and_leaf
+from tests.support.hostile import HostilePeer, bursts
 
 from .conftest import wait_for
 
@@ -298,66 +293,3 @@ def test_hostile_peers_against_a_live_root(launch, runtime_dir):
     assert counted == expected and set(expected) >= {"malformed", "bad_signature", "replay", "stale", "oversized"}
     assert slowdown <= STEP_SLOWDOWN_MAX
     assert growth <= RSS_GROWTH_MAX_MIB
-
-
-# --- bursts on fresh connections against a torchrun job's root and a leaf -----------------------
-
-BURST_RATE = 13.3  # fresh connections a second, root and leaf together: ~400 in 30 s
-SETTLE_SEC = 3.0  # the probe gives rejected bytes' memory back once a burst is over
-
-
-@pytest.mark.serial  # RSS levels
-@pytest.mark.cluster
-def test_bursts_on_fresh_connections_leave_the_root_and_a_leafs_rss_flat(launch, runtime_dir):
-    # 500 steps kept: the table is full before the level is taken, so its growth is not the traffic's
-    job = launch([BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", "500"], nodes=2, ranks_per_node=2,
-                 mode="torchrun")
-    job.wait_ready(90)
-    client = wait_for(lambda: kernel_probe.connect(timeout=2), 90, interval=0.3, what="the root")
-    query = "SELECT rank, count(*) AS n FROM work GROUP BY rank ORDER BY rank"
-    everyone = [0, 1, 2, 3]
-    wait_for(lambda: client.query(query, timeout=5).df.n.tolist() == [500] * 4, 90, interval=0.5,
-             what="every rank answering, its table full")
-    root, leaf = root_and_leaf(client.nodes_raw(timeout=5)["members"])
-    procs = [psutil.Process(root["pid"]), psutil.Process(leaf["pid"])]
-
-    def rss() -> list[float]:
-        return [p.memory_info().rss / 2**20 for p in procs]
-
-    assert client.query(query, timeout=10).coverage["answered"] == everyone
-    level = rss()  # the level after a query made before the traffic
-    growth, made, elapsed = [], 0, 0.0
-    key = bytes.fromhex(json.loads(next(runtime_dir.glob("*.json")).read_text())["key"])
-    probes = {"root": client, "leaf": Client(leaf["endpoint"], key, run_id=client.run_id)}
-    assert [probes[who].info(timeout=5)["rejected"] for who in probes] == [{}, {}]
-    sent: collections.Counter = collections.Counter()
-    for seconds in (ATTACK_SEC / 2, ATTACK_SEC):  # then the figures after a third and after all of it
-        made += bursts([root["endpoint"], leaf["endpoint"]], seconds, connections_per_sec=BURST_RATE,
-                       seed=int(seconds), sent=sent, linger_ms=10_000)
-        elapsed += seconds
-        answer = wait_for(lambda: client.query(query, timeout=10), 30, interval=0.5, what="a query after the bursts")
-        assert answer.coverage["answered"] == everyone and not answer.coverage["partial"]
-        assert {m["rank"]: m["state"] for m in client.nodes_raw(timeout=5)["members"]} == dict.fromkeys(everyone, "alive")
-        time.sleep(SETTLE_SEC)
-        after = rss()
-        growth.append((elapsed, [a - b for a, b in zip(after, level)]))
-        print(f"\n{elapsed:.0f} s of bursts, {made} connections: RSS root {level[0]:.1f} -> {after[0]:.1f} MiB, "
-              f"leaf {level[1]:.1f} -> {after[1]:.1f} MiB")
-        assert made >= elapsed * BURST_RATE * 0.4  # the bursts really came, even on a loaded machine
-        for who, row in (("root", root), ("leaf", leaf)):  # the messages that reached the probe are counted
-            # a burst of 2 MiB frames is cut off by ZeroMQ before the probe sees it; of the others, a
-            # loaded sender may drop a few whose socket's linger ran out (the exact count: the
-            # in-process endpoint test above)
-            sent_here = sum(n for (address, kind), n in sent.items() if address == row["endpoint"] and kind != "big")
-            deadline, counted = time.monotonic() + 30, {}
-            while time.monotonic() < deadline and sum(counted.values()) < 0.9 * sent_here:
-                counted = probes[who].info(timeout=5)["rejected"]
-                time.sleep(0.5)
-            assert sum(counted.values()) >= 0.9 * sent_here, (who, counted, sent_here)
-            assert sum(counted.values()) <= sent_here and set(counted) <= {"malformed", "bad_signature", "oversized"}, \
-                (who, counted, sent_here)
-            assert {"malformed", "bad_signature"} <= set(counted), (who, counted)
-    for elapsed, mib in growth:  # the same bound after a third and after all of it: it does not grow with the duration
-        for who, g in zip(("root", "leaf"), mib):
-            assert g <= RSS_GROWTH_MAX_MIB, f"{who} +{g:.1f} MiB after {elapsed:.0f} s of bursts"
-    probes["leaf"].close()

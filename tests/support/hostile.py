@@ -32,7 +32,7 @@ import zmq
 
 from kernel_probe import wire
 
-__all__ = ["BURST_KINDS", "HostilePeer", "burst_frames", "bursts", "expected_reason", "root_and_leaf"]
+__all__ = ["BURST_KINDS", "HostilePeer", "burst_frames", "bursts", "expected_reason", "settled_uss"]
 
 BIG = 2 * 2**20  # the 2 MB frames of the issue's report
 
@@ -286,11 +286,22 @@ def bursts(endpoints: list[str], seconds: float, kinds: tuple[str, ...] = BURST_
     return made
 
 
-def root_and_leaf(members: list[dict]) -> tuple[dict, dict]:
-    """The root's row of a ``nodes`` answer, and a leaf's, on another node when there is one."""
-    root = next(m for m in members if m["tier"] == "root")
-    leaves = [m for m in members if m["tier"] == "leaf"]
-    return root, next((m for m in leaves if m["node"] != root["node"]), leaves[0])
+def settled_uss(procs: list, window: float = 5.0, within_mib: float = 0.5, timeout: float = 60.0) -> list[float]:
+    """Each process's USS in MiB (its private pages, from smaps: RSS also counts the shared
+    library code a process happens to touch) once none moved more than ``within_mib`` over
+    ``window`` seconds. A young job grows on its own (a torch DDP job: +15-20 MiB USS in its
+    first half-minute with no traffic at all), and that growth must not be charged to the
+    traffic measured after the level; past ``timeout``, the level as it is."""
+    samples: list[tuple[float, list[float]]] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        now = time.monotonic()
+        samples.append((now, [p.memory_full_info().uss / 2**20 for p in procs]))
+        recent = [uss for t, uss in samples if t >= now - window]
+        still = now - samples[0][0] >= window and all(max(col) - min(col) <= within_mib for col in zip(*recent))
+        if still or now >= deadline:
+            return samples[-1][1]
+        time.sleep(0.5)
 
 
 def unfinished_message(endpoint: str, frames: int, frame_bytes: int = 2**20 - 64) -> socket.socket:
