@@ -66,10 +66,11 @@ slurm:
 test-fast: install
 	$(PY) -m pytest -m "not processes and not cluster" $(PYTEST_ARGS)
 
-# The long versions of what make test runs short: a 10-minute soak (make test: 30 s) and a minute
-# of hostile peers, then 90 s of bursts (make test: 20 s, then 30 s of bursts).
+# The long versions of what make test runs short: a 10-minute soak (make test: 30 s), a minute of
+# hostile peers against a live root (make test: 20 s) and 90 s of attack over every rank (make test: 30 s).
 soak: install
-	KP_SOAK_SEC=600 KP_HOSTILE_SEC=60 $(PY) -m pytest tests/test_soak.py tests/test_hostile.py -m cluster -s $(PYTEST_ARGS)
+	KP_SOAK_SEC=600 KP_HOSTILE_SEC=60 KP_PINNING_SEC=90 $(PY) -m pytest tests/test_soak.py tests/test_hostile.py \
+	  tests/test_memory_pinning.py -m cluster -s $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,bench]'
