@@ -15,6 +15,7 @@ from ..placement import curve_material
 from . import results
 from .errors import ConnectError, JobEndedError, NoAnswerError, Refused
 from .alive import root_alive
+from .direct import DirectRouter
 from .lifecycle import ENDED, RELAUNCHED, RUNNING, Ended, JobLifecycle, Launch, Seen
 from .requests import Requests
 from .targets import Target
@@ -47,6 +48,7 @@ class ClientState:
         self._notices: collections.deque[str] = collections.deque()
         self._requests = Requests(target.key)
         self._tried_both = False  # with and without CURVE (see _other_way)
+        self.routing = DirectRouter()  # queries pruned to one rank go to it (``direct``)
 
     def _other_way(self) -> bool:
         """A handshake got no answer on a guessed CURVE setting: try the other one (a job on one
@@ -60,11 +62,23 @@ class ClientState:
         self._tried_both = True
         return True
 
-    def _dial(self, sock: Any) -> None:
-        """Put ``sock`` under CURVE when the job's root is (before it connects)."""
+    def _dealer(self, ctx: Any, endpoint: str, *, immediate: bool = False) -> Any:
+        """A DEALER connected to ``endpoint`` (the root, or a rank asked directly), under CURVE
+        when the job is. ``immediate``: nothing is queued before the connection is made, so the
+        socket is writable only once it is (how a rank that cannot be reached is told)."""
+        import zmq
+
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_message_bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        if immediate:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
         if self._target.curve is not None:
             for option, value in wire.curve_options(self._target.curve, server=False):
                 sock.setsockopt(option, value)
+        sock.connect(endpoint)
+        return sock
 
     @property
     def launch(self) -> Launch:
@@ -101,6 +115,7 @@ class ClientState:
                               connection=new.connection, spec=self._target.spec, store=self.store,
                               curve=new.curve)
         self._generation += 1
+        self.routing.forget()
         change = self.lifecycle.observe(Seen(Launch(new.run_id, new.endpoint,
                                                     new.connection.pid if new.connection is not None else None)))
         if change.state == RELAUNCHED and change.notice:

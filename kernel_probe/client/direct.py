@@ -1,0 +1,286 @@
+"""Sans-IO: whether a query goes straight to the one rank it is pruned to, and to which.
+
+A query the plan prunes to one rank (``WHERE _rank = 3``, ``ranks=[3]``, one rank's stacks)
+needs nothing from the tree: the root would plan it, send it to that rank and hand back its
+answer, two more hops than the rank itself. The client can ask that rank directly when it
+knows where it listens: every rank binds a ROUTER that takes clients (the one codec checks
+signatures and replays there; CURVE is the job's rule at every rank; admission and the
+sandbox are the rank's SQL tasks, as at the root), and answers a query sent with
+``direct: {rank, epoch}`` as the root would answer it over the job (``query_fanout``).
+
+Rules of this file:
+- No socket, thread or clock: the blocking and the asyncio client ask ``DirectRouter``
+  (``route``, with the time now) and carry out the request themselves; tests drive it alone.
+- The decision is the root's own: the query planned as the root plans it
+  (``sql.planner.plan``) and its ranks chosen by the same rule over the members' tags
+  (``sql.execute.select_ranks``), on the membership the client keeps (``RankBook``: each
+  rank's endpoint, tags and state, at an epoch). Exactly one live rank, with an endpoint,
+  other than the probe the client is connected to: direct. Anything else goes through the
+  tree: ``local`` and ``explain`` (the connected probe's business), a plan reading ``nodes``
+  (the root's registry) or no rank table, a prune only DuckDB evaluates (parameters), SQL
+  the planner refuses (the root says why), a membership not known or stale.
+- The rank answers only when it is the rank chosen and knows the membership at the epoch it
+  was chosen by; otherwise it says ``not_direct`` (as an older probe says ``not_root``) and
+  the client asks the tree, then refreshes its membership: the answer is the tree's.
+- A rank the client cannot reach (no connection within ``CONNECT_SEC``, a connection that
+  drops, a refusal, no answer) is left alone for ``UNREACHABLE_SEC``; the query goes through
+  the tree, silently, with the same answer.
+- A direct answer reads as the tree's: its coverage lists the ranks the client pruned
+  (the root would have), and says ``direct`` (the rank asked) besides.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from .. import wire
+from .calls import Call, Flow
+from .errors import AuthError, ConnectError, ProbeError
+from .requests import Answered, Event, Progress
+
+LIVE = ("alive", "stalled")  # the states a query asks (shell.sql_tasks.work.LIVE)
+CONNECT_SEC = 0.5  # a rank not connected within this long is unreachable for now
+UNREACHABLE_SEC = 30.0  # how long a rank that could not be reached is left alone
+REFRESH_MIN_SEC = 1.0  # the membership is fetched again at most this often
+PLANS_KEPT = 64  # plans of the queries seen last (a dashboard asks the same ones again)
+LINKS_KEPT = 8  # connections to ranks kept open
+# the answers of a rank that does not take the query directly: the tree takes it
+NOT_DIRECT = ("not_direct", "not_root", "not_ready")
+
+# a tag column after a WHERE: what may prune ranks (a query grouped by _rank is not planned here)
+_TAG_WHERE = re.compile(r"\bwhere\b.*\b_(?:rank|node|host|local_rank|role)\b", re.IGNORECASE | re.DOTALL)
+_NODES = re.compile(r"\bnodes\b", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Direct:
+    """Ask ``rank`` at ``endpoint``, routed by the membership at ``epoch``; ``pruned``: the
+    ranks the root would have listed as pruned."""
+
+    rank: int
+    endpoint: str
+    epoch: int
+    pruned: tuple[int, ...]
+
+    def body(self, query: Mapping[str, Any]) -> dict:
+        """The ``query`` body sent to the rank."""
+        return {**query, "direct": {"rank": self.rank, "epoch": self.epoch}}
+
+
+@dataclass(frozen=True)
+class RankBook:
+    """The job's membership as a client routes by it: each rank's member row, at ``epoch``."""
+
+    epoch: int
+    members: tuple[Mapping[str, Any], ...]
+
+    @classmethod
+    def of(cls, nodes: Mapping[str, Any]) -> "RankBook | None":
+        """From a ``nodes`` answer; None when it is not one."""
+        epoch, members = nodes.get("epoch"), nodes.get("members")
+        if type(epoch) is not int or not isinstance(members, list):
+            return None
+        return cls(epoch, tuple(m for m in members if isinstance(m, dict) and type(m.get("rank")) is int))
+
+
+class _NeedsDuckDB(Exception):
+    """The prune is SQL only DuckDB evaluates: the root decides (the tree)."""
+
+
+class _NoEngine:
+    def run(self, *args: Any, **kw: Any) -> Any:
+        raise _NeedsDuckDB()
+
+
+class DirectRouter:
+    """One client's routing: its membership, the plans it made, the ranks it could not reach,
+    and what it did (``counts``: direct, tree, fallback)."""
+
+    def __init__(self) -> None:
+        self.book: RankBook | None = None
+        self.stale = False  # the membership moved since the book was read
+        self._fetched_at: float | None = None
+        self._plans: collections.OrderedDict[tuple[str, bool], Any] = collections.OrderedDict()
+        self._unreachable: dict[str, float] = {}  # endpoint -> until when it is left alone
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    # --- the membership ---------------------------------------------------------------------
+    def wants_book(self, query: Mapping[str, Any], now: float) -> bool:
+        """Whether to read the membership before routing ``query`` (it may go direct, and the
+        book is missing or stale, and was not read within ``REFRESH_MIN_SEC``)."""
+        if not may_go_direct(query) or (self.book is not None and not self.stale):
+            return False
+        if self._fetched_at is not None and 0 <= now - self._fetched_at < REFRESH_MIN_SEC:
+            return False
+        return self._rank_plan(query) is not None
+
+    def learn(self, nodes: Mapping[str, Any], now: float) -> None:
+        """A ``nodes`` answer of the root (asked for routing, or by the user)."""
+        book = RankBook.of(nodes)
+        if book is not None:
+            self.book, self.stale, self._fetched_at = book, False, now
+
+    def saw_epoch(self, epoch: Any) -> None:
+        """The root's membership is at ``epoch`` (an ``info`` answer)."""
+        if self.book is not None and type(epoch) is int and epoch != self.book.epoch:
+            self.stale = True
+
+    def forget(self) -> None:
+        """The client follows a new launch: nothing known of the old one holds."""
+        self.book, self.stale, self._fetched_at = None, False, None
+        self._unreachable.clear()
+
+    # --- the decision -----------------------------------------------------------------------
+    def route(self, query: Mapping[str, Any], connected_rank: Any, now: float) -> Direct | None:
+        """Where ``query`` (a ``query`` body) goes: ``Direct``, or None for the tree."""
+        book = self.book
+        if not may_go_direct(query) or book is None or self.stale:
+            return None
+        plan = self._rank_plan(query)
+        if plan is None:
+            return None
+        wanted = query.get("ranks")
+        wanted = None if wanted is None else set(wanted)
+        members = [m for m in book.members if wanted is None or m["rank"] in wanted]
+        chosen, pruned = choose(plan, members, query.get("params"))
+        if chosen is None or len(chosen) != 1 or chosen[0] == connected_rank:
+            return None
+        member = next(m for m in members if m["rank"] == chosen[0])
+        endpoint = member.get("endpoint")
+        if member.get("state") not in LIVE or not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            return None
+        if self._unreachable.get(endpoint, 0.0) > now:
+            return None
+        self._unreachable.pop(endpoint, None)
+        return Direct(chosen[0], endpoint, book.epoch, tuple(pruned))
+
+    def _rank_plan(self, query: Mapping[str, Any]) -> Any:
+        """The plan of ``query`` when it reads the ranks' tables only and may be pruned to one
+        rank (a prune, or one rank asked); else None."""
+        plan = self._plan(str(query["sql"]), bool(query.get("per_rank")))
+        if plan is None or any(s.where == "root" for s in plan.scans) or not plan.scans:
+            return None
+        ranks = query.get("ranks")
+        return plan if plan.prune is not None or (ranks is not None and len(ranks) == 1) else None
+
+    def _plan(self, sql: str, per_rank: bool) -> Any:
+        """The plan the root makes of ``sql`` (without its catalog: the ranks a plan targets do
+        not depend on the columns), or None where the planner refuses it; kept for the next time."""
+        key = (sql, per_rank)
+        if key in self._plans:
+            self._plans.move_to_end(key)
+            return self._plans[key]
+        from ..sql.planner import plan as make_plan
+
+        try:
+            got = make_plan(sql, per_rank=per_rank)
+        except Exception:  # PlanError, or anything: the root says what is wrong
+            got = None
+        self._plans[key] = got
+        while len(self._plans) > PLANS_KEPT:
+            self._plans.popitem(last=False)
+        return got
+
+    # --- what happened ----------------------------------------------------------------------
+    def through_tree(self) -> None:
+        self.counts["tree"] += 1
+
+    def unreachable(self, route: Direct, now: float) -> None:
+        """``route``'s rank could not be reached (or answered nothing): the tree asks it, and
+        the membership is read again (the rank may have moved)."""
+        self._unreachable[route.endpoint] = now + UNREACHABLE_SEC
+        self.stale = True
+        self.counts["fallback"] += 1
+
+    def answered(self, route: Direct, env: wire.Envelope) -> wire.Envelope | None:
+        """The rank's answer as the tree's, or None: it does not take the query directly (ask
+        the tree; the membership is read again)."""
+        reply = env.msg.body
+        if reply.get("status") != "ok" and (reply.get("error") or {}).get("code") in NOT_DIRECT:
+            self.stale = True
+            self.counts["fallback"] += 1
+            return None
+        coverage = reply.get("coverage")
+        if isinstance(coverage, dict):
+            coverage["pruned"] = sorted(set(coverage.get("pruned") or ()) | set(route.pruned))
+            coverage["direct"] = route.rank
+        self.counts["direct"] += 1
+        return env
+
+
+BUSY = "busy"  # what a client's ``_ask_rank`` answers when its link to that rank is in use
+
+
+def direct_query(router: DirectRouter, body: dict, connected_rank: Any, timeout: float, now: float,
+                 on_progress: Callable[[dict], None] | None = None) -> Flow:
+    """A flow (``calls``) that asks the one rank ``body`` is pruned to directly and returns its
+    answer, or None: ask the tree. It reads the membership first when the router wants it (an
+    error the root gives then is the query's own: the tree would meet it too); the client's
+    ``_ask_rank(route, body, timeout, on_progress)`` carries the request (the answer, None when
+    the rank cannot be reached, or ``BUSY``)."""
+    if router.wants_book(body, now):
+        try:
+            yield Call("nodes_raw", (timeout,))  # the client hands the answer to ``router.learn``
+        except (AuthError, ConnectError):
+            raise
+        except ProbeError:
+            pass
+    route = router.route(body, connected_rank, now)
+    if route is None:
+        router.through_tree()
+        return None
+    env = yield Call("_ask_rank", (route, route.body(body), timeout, on_progress))
+    if isinstance(env, str):  # BUSY: another request of this client is with that rank: this one takes the tree
+        router.through_tree()
+        return None
+    if env is None:
+        router.unreachable(route, now)
+        return None
+    return router.answered(route, env)
+
+
+def settle(events: list[Event], on_progress: Callable[[dict], None] | None) -> tuple[bool, wire.Envelope | None]:
+    """What a direct link's received ``events`` mean for its one request: (done, the answer or
+    None: the rank refused us or answered an error message, the tree says what holds)."""
+    for event in events:
+        if isinstance(event, Progress):
+            if on_progress is not None:
+                on_progress(event.body)
+        elif isinstance(event, Answered):
+            return True, event.envelope
+        else:
+            return True, None
+    return False, None
+
+
+def may_go_direct(query: Mapping[str, Any]) -> bool:
+    """Whether ``query`` may be pruned to one rank at all, from its text and arguments alone
+    (no planning): ranks named by ``ranks`` or a tag column, not ``local``/``explain``, not
+    reading ``nodes``."""
+    if query.get("local") or query.get("explain"):
+        return False
+    sql = query.get("sql")
+    if not isinstance(sql, str) or _NODES.search(sql):
+        return False
+    ranks = query.get("ranks")
+    if ranks is not None and len(ranks) == 1:
+        return True
+    return _TAG_WHERE.search(sql) is not None and (ranks is None or len(ranks) > 1)
+
+
+def choose(plan: Any, members: Sequence[Mapping[str, Any]], params: Any = None
+           ) -> tuple[list[int] | None, list[int]]:
+    """(ranks the root targets, ranks it prunes) among ``members`` for ``plan``, by the root's
+    rule; (None, []) when the prune is SQL only DuckDB evaluates."""
+    from ..sql.execute import select_ranks
+    from ..tags import Tags
+
+    tags = [Tags.from_member(m).to_dict() for m in members]
+    try:
+        chosen, pruned = select_ranks(plan, _NoEngine(), tags, params=params)  # type: ignore[arg-type]
+    except _NeedsDuckDB:
+        return None, []
+    return (chosen or None), pruned
