@@ -100,6 +100,7 @@ class DirectRouter:
     and what it did (``counts``: direct, tree, fallback)."""
 
     def __init__(self) -> None:
+        self.enabled = True  # False: every query goes through the tree (to compare the two)
         self.book: RankBook | None = None
         self.stale = False  # the membership moved since the book was read
         self._fetched_at: float | None = None
@@ -111,7 +112,7 @@ class DirectRouter:
     def wants_book(self, query: Mapping[str, Any], now: float) -> bool:
         """Whether to read the membership before routing ``query`` (it may go direct, and the
         book is missing or stale, and was not read within ``REFRESH_MIN_SEC``)."""
-        if not may_go_direct(query) or (self.book is not None and not self.stale):
+        if not self.enabled or not may_go_direct(query) or (self.book is not None and not self.stale):
             return False
         if self._fetched_at is not None and 0 <= now - self._fetched_at < REFRESH_MIN_SEC:
             return False
@@ -137,7 +138,7 @@ class DirectRouter:
     def route(self, query: Mapping[str, Any], connected_rank: Any, now: float) -> Direct | None:
         """Where ``query`` (a ``query`` body) goes: ``Direct``, or None for the tree."""
         book = self.book
-        if not may_go_direct(query) or book is None or self.stale:
+        if not self.enabled or not may_go_direct(query) or book is None or self.stale:
             return None
         plan = self._rank_plan(query)
         if plan is None:
