@@ -26,9 +26,8 @@ import zmq
 from .. import wire
 from ..shell import connfile
 from . import diagnose as diagnosis
-from . import calls, profiles, results
+from . import calls, direct, profiles, results
 from .base import GONE_CHECK_SEC, ClientState, RootGone
-from . import direct
 from .errors import AuthError, JobEndedError, NoAnswerError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
 from .requests import Answered, Failed, Progress, Requests
@@ -290,7 +289,7 @@ class Client(ClientState):
             if link is None:
                 link = self._links[endpoint] = _Link(self._dealer(self._ctx, endpoint, immediate=True),
                                                      self._requests.key)
-                for old in [e for e, k in self._links.items() if e != endpoint][:max(0, len(self._links) - direct.LINKS_KEPT)]:
+                for old in list(self._links)[:max(0, len(self._links) - direct.LINKS_KEPT)]:  # least recent first
                     self._drop_link(old, locked=True)
             self._links.move_to_end(endpoint)
             return link
