@@ -7,8 +7,8 @@ p90 in ms and the ratio ours / theirs.
 - ``training``: a 2x2 torchrun job (gloo, the demo's tiny model stepping every 50 ms) whose
   ranks each register a FRAME_ROWS-row pandas DataFrame ``frame`` (id, kind, value), as
   users do, beside 4 engines holding the same DataFrames: count, per-kind count and avg,
-  one rank's top 1000 rows (asked of that rank directly, and through the tree for
-  comparison), ~1100 filtered rows from every rank, membership as a DataFrame.
+  one rank's top 1000 rows (rank 1 on the root's node, rank 3 on the other: asked of that
+  rank directly, and through the tree for comparison), ~1100 filtered rows from every rank, membership as a DataFrame.
 
     .venv/bin/python benchmarks/vs_ipyparallel.py [--ranks 4 8] [--reps 60] [--jobs arrow training]
 
@@ -122,7 +122,7 @@ def training_questions(client: Any, rc: Any) -> list[tuple[str, Callable[[], Any
 
     view = rc[:]
     view.block = True
-    one = rc[1]
+    one, other = rc[1], rc[3]  # rank 1 shares the root's node; rank 3 is a leaf of the other node's broker
 
     def theirs_kinds():
         merged = pd.concat(view.apply_sync(_frame_kinds)).groupby(level=0).sum()
@@ -131,14 +131,17 @@ def training_questions(client: Any, rc: Any) -> list[tuple[str, Callable[[], Any
     def ours(sql: str, tree: bool = False) -> Callable[[], Any]:
         return _asking(client, sql, tree=tree)
 
-    top = "SELECT * FROM frame WHERE _rank = 1 AND value > 0.5 ORDER BY id LIMIT 1000"
+    top = "SELECT * FROM frame WHERE _rank = {} AND value > 0.5 ORDER BY id LIMIT 1000"
     return [
         ("count(*) over all ranks", ours("SELECT count(*) AS n FROM frame"),
          lambda: sum(view.apply_sync(_frame_count))),
         ("per-kind count and avg", ours("SELECT kind, count(*) AS n, avg(value) AS a FROM frame GROUP BY kind "
                                         "ORDER BY kind"), theirs_kinds),
-        ("1000 rows of rank 1, ORDER BY id LIMIT", ours(top), lambda: one.apply_sync(_frame_top)),
-        ("  the same through the tree (root, broker)", ours(top, tree=True), lambda: one.apply_sync(_frame_top)),
+        ("1000 rows of rank 1, ORDER BY id LIMIT", ours(top.format(1)), lambda: one.apply_sync(_frame_top)),
+        ("  the same through the tree (the root)", ours(top.format(1), tree=True), lambda: one.apply_sync(_frame_top)),
+        ("1000 rows of rank 3 (the other node)", ours(top.format(3)), lambda: other.apply_sync(_frame_top)),
+        ("  the same through the tree (root, broker)", ours(top.format(3), tree=True),
+         lambda: other.apply_sync(_frame_top)),
         ("~1100 rows from all ranks: value > 0.945", ours("SELECT * FROM frame WHERE value > 0.945"),
          lambda: pd.concat(view.apply_sync(_frame_filtered))),
     ]

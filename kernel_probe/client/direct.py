@@ -95,16 +95,21 @@ class _NoEngine:
         raise _NeedsDuckDB()
 
 
+_UNPLANNED: Any = object()
+
+
 class DirectRouter:
     """One client's routing: its membership, the plans it made, the ranks it could not reach,
-    and what it did (``counts``: direct, tree, fallback)."""
+    and what it did (``counts``: direct, tree, fallback). The threads of a blocking client
+    share it without a lock: each of its steps is one or two dict operations, and the worst a
+    race does is plan a statement twice or miss a count."""
 
     def __init__(self) -> None:
         self.enabled = True  # False: every query goes through the tree (to compare the two)
         self.book: RankBook | None = None
         self.stale = False  # the membership moved since the book was read
         self._fetched_at: float | None = None
-        self._plans: collections.OrderedDict[tuple[str, bool], Any] = collections.OrderedDict()
+        self._plans: dict[tuple[str, bool], Any] = {}  # in the order planned: the oldest goes first
         self._unreachable: dict[str, float] = {}  # endpoint -> until when it is left alone
         self.counts: collections.Counter[str] = collections.Counter()
 
@@ -171,9 +176,9 @@ class DirectRouter:
         """The plan the root makes of ``sql`` (without its catalog: the ranks a plan targets do
         not depend on the columns), or None where the planner refuses it; kept for the next time."""
         key = (sql, per_rank)
-        if key in self._plans:
-            self._plans.move_to_end(key)
-            return self._plans[key]
+        got = self._plans.get(key, _UNPLANNED)
+        if got is not _UNPLANNED:
+            return got
         from ..sql.planner import plan as make_plan
 
         try:
@@ -182,7 +187,10 @@ class DirectRouter:
             got = None
         self._plans[key] = got
         while len(self._plans) > PLANS_KEPT:
-            self._plans.popitem(last=False)
+            try:
+                del self._plans[next(iter(self._plans))]  # the oldest
+            except (KeyError, StopIteration, RuntimeError):  # another thread of the client took it
+                break
         return got
 
     # --- what happened ----------------------------------------------------------------------
