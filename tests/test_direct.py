@@ -257,3 +257,70 @@ def test_a_rank_refuses_a_query_not_routed_for_it_at_its_membership(direct: obje
     assert isinstance(send, Send) and send.msg.body["status"] == "error"
     assert send.msg.body["error"]["code"] == code and code in NOT_DIRECT
     assert fan.queries == {}
+
+
+# --- one request on a link, as the steps a client's socket carries out ------------------------------
+
+def _run(steps, answers: dict) -> tuple[object, list[str]]:
+    """Drive ``exchange`` with canned socket answers (each a list, taken in order); the steps taken."""
+    from kernel_probe.client import direct
+
+    taken, sent = [], None
+    try:
+        while True:
+            op = steps.send(sent)
+            taken.append(op[0])
+            sent = answers[op[0]].pop(0) if op[0] != direct.SEND else None
+    except StopIteration as done:
+        return done.value, taken
+
+
+def test_a_link_sends_once_connected_relays_progress_and_returns_the_answer() -> None:
+    from kernel_probe import wire
+    from kernel_probe.client.direct import exchange
+    from kernel_probe.client.requests import Requests
+
+    requests, rank = Requests(b"k" * 32), wire.Codec(b"k" * 32, sender="rank3", incarnation="r3")
+    progress: list[dict] = []
+    steps = exchange(requests, _query(ONE_RANK), deadline=10.0, on_progress=progress.append)
+    assert next(steps) == ("writable", 0.5)
+    msg_id = None
+
+    def answered(kind: str, body: dict) -> list[bytes]:
+        return rank.encode(Message(kind, body, corr_id=msg_id))
+
+    op = steps.send(True)
+    assert op[0] == "send"
+    msg_id = requests.codec.decode(op[1]).header.msg_id
+    got, taken = _run(steps, {"now": [1.0, 1.1, 1.2], "readable": [False, True, True], "writable": [True],
+                              "recv": [answered("query_progress", {"qid": "q", "answered": 0, "targeted": 1}),
+                                       answered("query_result", {"status": "ok", "coverage": {}})]})
+    assert got.msg.type == "query_result" and progress == [{"qid": "q", "answered": 0, "targeted": 1}]
+    assert taken == ["now", "readable", "writable", "now", "readable", "recv", "now", "readable", "recv"]
+    assert requests.pending == frozenset()
+
+
+@pytest.mark.parametrize("answers, why", [
+    ({"writable": [False]}, "never connected"),
+    ({"writable": [True, False], "now": [1.0], "readable": [False]}, "the connection dropped"),
+    ({"writable": [True, True], "now": [1.0, 11.0], "readable": [False]}, "no answer by the deadline"),
+])
+def test_a_link_gives_up_for_the_tree(answers: dict, why: str) -> None:
+    from kernel_probe.client.direct import exchange
+    from kernel_probe.client.requests import Requests
+
+    requests = Requests(b"k" * 32)
+    got, _ = _run(exchange(requests, _query(ONE_RANK), deadline=10.0), answers)
+    assert got is None and requests.pending == frozenset(), why
+
+
+def test_a_refusal_on_a_link_sends_the_client_to_the_tree() -> None:
+    from kernel_probe import wire
+    from kernel_probe.client.direct import exchange
+    from kernel_probe.client.requests import Requests
+
+    requests = Requests(b"k" * 32)
+    refusal = wire.refusal_frames("bad_signature", "run")
+    got, _ = _run(exchange(requests, _query(ONE_RANK), deadline=10.0),
+                  {"writable": [True], "now": [1.0], "readable": [True], "recv": [refusal]})
+    assert got is None and requests.pending == frozenset()

@@ -46,25 +46,26 @@ class _Link:
 
     async def ask(self, body: dict, deadline: float,
                   on_progress: Callable[[dict], None] | None) -> wire.Envelope | None:
-        sock = self.sock
-        if not await sock.poll(int(direct.CONNECT_SEC * 1000), zmq.POLLOUT):  # not connected: unreachable for now
-            return None
-        msg_id, frames = self.requests.send("query", body)
+        """``direct.exchange``'s steps on this socket: the answer, or None (ask the tree)."""
+        sock, steps, sent = self.sock, direct.exchange(self.requests, body, deadline, on_progress), None
         try:
-            await sock.send_multipart(frames)
-            while (left := deadline - time.monotonic()) > 0:
-                if not await sock.poll(max(1, int(min(left, GONE_CHECK_SEC[1] / 4) * 1000)), zmq.POLLIN):
-                    if not await sock.poll(0, zmq.POLLOUT):
-                        return None  # the connection dropped: the answer will not come
-                    continue
-                done, env = direct.settle(self.requests.receive(await sock.recv_multipart()), on_progress)
-                if done:
-                    return env
-            return None
+            while True:
+                op = steps.send(sent)
+                if op[0] == direct.NOW:
+                    sent = time.monotonic()
+                elif op[0] == direct.RECV:
+                    sent = await sock.recv_multipart()
+                elif op[0] == direct.SEND:
+                    sent = await sock.send_multipart(op[1])
+                else:
+                    sent = bool(await sock.poll(int(op[1] * 1000), zmq.POLLOUT if op[0] == direct.WRITABLE
+                                                else zmq.POLLIN))
+        except StopIteration as done:
+            return done.value
         except zmq.ZMQError:
             return None
         finally:
-            self.requests.forget(msg_id)
+            steps.close()  # an error or a cancellation: the request is forgotten
 
 
 class AsyncClient(ClientState):

@@ -60,35 +60,25 @@ class _Link:
         self.requests = Requests(key)
 
     def ask(self, body: dict, deadline: float, on_progress: Callable[[dict], None] | None) -> wire.Envelope | None:
-        """Send ``body`` as a ``query`` and wait for the answer until ``deadline``; None when the
-        rank cannot be reached, refuses us, or does not answer (the caller asks the tree)."""
-        sock = self.sock
-        if not sock.poll(int(direct.CONNECT_SEC * 1000), zmq.POLLOUT):  # not connected: unreachable for now
-            return None
-        msg_id, frames = self.requests.send("query", body)
+        """``direct.exchange``'s steps on this socket: the answer, or None (ask the tree)."""
+        sock, steps, sent = self.sock, direct.exchange(self.requests, body, deadline, on_progress), None
         try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
-            while (left := deadline - time.monotonic()) > 0:
-                if not sock.poll(max(1, int(min(left, _SLICE_SEC) * 1000))):
-                    if not sock.poll(0, zmq.POLLOUT):
-                        return None  # the connection dropped: the answer will not come
-                    continue
-                while (frames := _recv(sock)) is not None:
-                    done, env = direct.settle(self.requests.receive(frames), on_progress)
-                    if done:
-                        return env
-            return None
+            while True:
+                op = steps.send(sent)
+                if op[0] == direct.NOW:
+                    sent = time.monotonic()
+                elif op[0] == direct.RECV:
+                    sent = sock.recv_multipart(zmq.NOBLOCK)
+                elif op[0] == direct.SEND:
+                    sent = sock.send_multipart(op[1], zmq.NOBLOCK)
+                else:
+                    sent = bool(sock.poll(int(op[1] * 1000), zmq.POLLOUT if op[0] == direct.WRITABLE else zmq.POLLIN))
+        except StopIteration as done:
+            return done.value
         except zmq.ZMQError:
             return None
         finally:
-            self.requests.forget(msg_id)
-
-
-def _recv(sock: zmq.Socket) -> list | None:
-    try:
-        return sock.recv_multipart(zmq.NOBLOCK)
-    except zmq.Again:
-        return None
+            steps.close()  # an error or an interrupt: the request is forgotten
 
 
 class Client(ClientState):

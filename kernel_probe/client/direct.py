@@ -34,12 +34,12 @@ from __future__ import annotations
 import collections
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Generator, Mapping, Sequence
 
 from .. import wire
 from .calls import Call, Flow
 from .errors import AuthError, ConnectError, ProbeError
-from .requests import Answered, Event, Progress
+from .requests import Answered, Progress, Requests
 
 LIVE = ("alive", "stalled")  # the states a query asks (shell.sql_tasks.work.LIVE)
 CONNECT_SEC = 0.5  # a rank not connected within this long is unreachable for now
@@ -251,18 +251,42 @@ def direct_query(router: DirectRouter, body: dict, connected_rank: Any, timeout:
     return router.answered(route, env)
 
 
-def settle(events: list[Event], on_progress: Callable[[dict], None] | None) -> tuple[bool, wire.Envelope | None]:
-    """What a direct link's received ``events`` mean for its one request: (done, the answer or
-    None: the rank refused us or answered an error message, the tree says what holds)."""
-    for event in events:
-        if isinstance(event, Progress):
-            if on_progress is not None:
-                on_progress(event.body)
-        elif isinstance(event, Answered):
-            return True, event.envelope
-        else:
-            return True, None
-    return False, None
+# What ``exchange`` asks its driver to do with the link's DEALER, and what the driver sends back.
+WRITABLE = "writable"  # (WRITABLE, seconds): whether the socket is connected within that long -> bool
+SEND = "send"  # (SEND, frames) -> None
+READABLE = "readable"  # (READABLE, seconds): whether a message arrives within that long -> bool
+RECV = "recv"  # (RECV,): the message waiting -> its frames
+NOW = "now"  # (NOW,): the time now (monotonic) -> float
+WAIT_SLICE_SEC = 0.05  # how long a wait for the answer lasts before the connection is looked at again
+Steps = Generator[tuple, Any, "wire.Envelope | None"]
+
+
+def exchange(requests: Requests, body: dict, deadline: float,
+             on_progress: Callable[[dict], None] | None = None) -> Steps:
+    """One request on a link to a rank, as the steps a driver carries out on its socket (a
+    DEALER that queues nothing before it is connected): the answer, or None when the rank cannot
+    be reached (not connected within ``CONNECT_SEC``, the connection drops), refuses us, answers
+    an error message, or does not answer by ``deadline``: the caller asks the tree. A driver
+    that meets a socket error closes the steps (their request is forgotten)."""
+    if not (yield (WRITABLE, CONNECT_SEC)):
+        return None
+    msg_id, frames = requests.send("query", body)
+    try:
+        yield (SEND, frames)
+        while (left := deadline - (yield (NOW,))) > 0:
+            if not (yield (READABLE, min(left, WAIT_SLICE_SEC))):
+                if not (yield (WRITABLE, 0.0)):
+                    return None  # the connection dropped: the answer will not come
+                continue
+            for event in requests.receive((yield (RECV,))):
+                if isinstance(event, Progress):
+                    if on_progress is not None:
+                        on_progress(event.body)
+                else:  # the answer, or a refusal or an error message: the tree says what holds
+                    return event.envelope if isinstance(event, Answered) else None
+        return None
+    finally:
+        requests.forget(msg_id)
 
 
 def may_go_direct(query: Mapping[str, Any]) -> bool:
