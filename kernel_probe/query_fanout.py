@@ -195,6 +195,7 @@ class QueryFanOut:
         self._tasks: dict[str, tuple[str, str]] = {}  # SQL task id -> (qid, kind)
         self._seq = 0
         self._warmed_at: float | None = None
+        self._direct_warmed_at: float | None = None  # a client that asks this rank directly warmed it
 
     # --- helpers ------------------------------------------------------------------------
     def _task(self, s: HopQuery, task: SqlTask) -> RunSqlTask:
@@ -312,8 +313,16 @@ class QueryFanOut:
 
     # --- warming up -------------------------------------------------------------------------
     def on_client_hello(self, now: float) -> list[Effect]:
-        """A client connected to this probe (the root): warm this rank and every rank below."""
-        if self.tree.tier != "root" or self._warmed_at is not None and now - self._warmed_at < WARM_EVERY:
+        """A client connected to this probe that will query it: at the root, warm this rank and
+        every rank below; at another rank (a client that will ask it directly), this rank's own
+        engine, as the root's (its planner too), for the queries that come to it alone."""
+        if self.tree.tier != "root":
+            if self._direct_warmed_at is not None and now - self._direct_warmed_at < WARM_EVERY:
+                return []
+            self._direct_warmed_at = now
+            self._seq += 1
+            return [RunSqlTask(f"warm/{self._seq}", Warm(planner=True, ships_to_parent=False))]
+        if self._warmed_at is not None and now - self._warmed_at < WARM_EVERY:
             return []
         return self.on_warm(now, planner=True)
 

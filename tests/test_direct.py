@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from kernel_probe.client import calls
-from kernel_probe.client.direct import (BUSY, NOT_DIRECT, REFRESH_MIN_SEC, UNREACHABLE_SEC, Direct, DirectRouter,
-                                        direct_query, may_go_direct)
+from kernel_probe.client.direct import (BUSY, NOT_DIRECT, REFRESH_MIN_SEC, UNREACHABLE_SEC, WARMING, Direct,
+                                        DirectRouter, direct_query, greet, may_go_direct)
 from kernel_probe.client.errors import AuthError, RequestFailed
 from kernel_probe.effects import RunSqlTask, Send
 from kernel_probe.query_fanout import QueryFanOut
-from kernel_probe.query_tasks import Finish, PlanQuery, RankScan
+from kernel_probe.query_tasks import Finish, PlanQuery, RankScan, Warm
 from kernel_probe.wire import Envelope, Header, Message
 
 EPOCH = 7
@@ -186,7 +186,7 @@ def test_the_flow_reads_the_membership_then_asks_the_rank_once() -> None:
     assert _drive(client, _query("SELECT count(*) FROM t")) is None and client.asked[1:] == []
 
 
-@pytest.mark.parametrize("rank_answers, count", [(None, "fallback"), (BUSY, "tree")])
+@pytest.mark.parametrize("rank_answers, count", [(None, "fallback"), (BUSY, "tree"), (WARMING, "tree")])
 def test_the_flow_hands_an_unreachable_or_busy_rank_to_the_tree(rank_answers: object, count: str) -> None:
     client = _Client(DirectRouter(), _nodes("alive", "alive", "alive", "alive"), rank_answers)
     assert _drive(client, _query(ONE_RANK)) is None and client.router.counts[count] == 1
@@ -241,6 +241,31 @@ def test_a_leaf_asked_directly_answers_as_the_root_over_itself_alone() -> None:
     assert isinstance(send, Send) and send.to == b"client" and send.msg.corr_id == "q1"
     assert send.msg.body["status"] == "ok" and send.msg.buffers == (b"answer",)
     assert send.msg.body["coverage"]["targeted"] == [3] and send.msg.body["coverage"]["answered"] == [3]
+
+
+def test_a_rank_greeted_by_a_client_that_will_ask_it_directly_warms_its_own_engine_once() -> None:
+    fan = QueryFanOut(_Leaf())
+    (warm,) = fan.on_client_hello(0.0)
+    assert isinstance(warm.task, Warm) and warm.task.planner and not warm.task.ships_to_parent  # not its broker's
+    assert fan.on_client_hello(1.0) == []  # a second client, at once: warm already
+
+
+def test_a_client_greets_a_rank_once_connected_and_does_not_wait_for_its_answer() -> None:
+    from kernel_probe.client.requests import Requests
+
+    requests = Requests(b"k" * 32)
+    steps = greet(requests)
+    assert next(steps) == ("writable", 0.5)
+    kind, frames = steps.send(True)
+    assert kind == "send" and requests.codec.decode(frames).msg.body == {"warm": True}
+    with pytest.raises(StopIteration) as done:
+        steps.send(None)
+    assert done.value.value == WARMING and requests.pending == frozenset()  # its answer is dropped
+    unreachable = greet(Requests(b"k" * 32))
+    next(unreachable)
+    with pytest.raises(StopIteration) as done:
+        unreachable.send(False)
+    assert done.value.value is None
 
 
 @pytest.mark.parametrize("direct, code", [

@@ -43,11 +43,12 @@ class _Link:
         self.sock = sock
         self.busy = False
         self.requests = Requests(key)
+        self.greeted = False
 
-    async def ask(self, body: dict, deadline: float,
-                  on_progress: Callable[[dict], None] | None) -> wire.Envelope | None:
-        """``direct.exchange``'s steps on this socket: the answer, or None (ask the tree)."""
-        sock, steps, sent = self.sock, direct.exchange(self.requests, body, deadline, on_progress), None
+    async def run(self, steps: direct.Steps) -> Any:
+        """``steps`` (``direct.exchange``, ``direct.greet``) carried out on this socket: what they
+        return, or None on a socket error."""
+        sock, sent = self.sock, None
         try:
             while True:
                 op = steps.send(sent)
@@ -225,7 +226,11 @@ class AsyncClient(ClientState):
             return direct.BUSY
         link.busy = True
         try:
-            env = await link.ask(body, time.monotonic() + timeout, on_progress)
+            if not link.greeted:
+                link.greeted = True
+                env = await link.run(direct.greet(link.requests))
+            else:
+                env = await link.run(direct.exchange(link.requests, body, time.monotonic() + timeout, on_progress))
         finally:
             link.busy = False
         if env is None:

@@ -58,10 +58,12 @@ class _Link:
         self.sock = sock
         self.lock = threading.Lock()
         self.requests = Requests(key)
+        self.greeted = False
 
-    def ask(self, body: dict, deadline: float, on_progress: Callable[[dict], None] | None) -> wire.Envelope | None:
-        """``direct.exchange``'s steps on this socket: the answer, or None (ask the tree)."""
-        sock, steps, sent = self.sock, direct.exchange(self.requests, body, deadline, on_progress), None
+    def run(self, steps: direct.Steps) -> Any:
+        """``steps`` (``direct.exchange``, ``direct.greet``) carried out on this socket: what they
+        return, or None on a socket error."""
+        sock, sent = self.sock, None
         try:
             while True:
                 op = steps.send(sent)
@@ -266,7 +268,11 @@ class Client(ClientState):
         if not link.lock.acquire(blocking=False):
             return direct.BUSY
         try:
-            env = link.ask(body, time.monotonic() + timeout, on_progress)
+            if not link.greeted:
+                link.greeted = True
+                env = link.run(direct.greet(link.requests))
+            else:
+                env = link.run(direct.exchange(link.requests, body, time.monotonic() + timeout, on_progress))
         finally:
             link.lock.release()
         if env is None:

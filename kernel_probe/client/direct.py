@@ -229,7 +229,7 @@ def direct_query(router: DirectRouter, body: dict, connected_rank: Any, timeout:
     answer, or None: ask the tree. It reads the membership first when the router wants it (an
     error the root gives then is the query's own: the tree would meet it too); the client's
     ``_ask_rank(route, body, timeout, on_progress)`` carries the request (the answer, None when
-    the rank cannot be reached, or ``BUSY``)."""
+    the rank cannot be reached, ``BUSY``, or ``WARMING`` on its first contact: see ``greet``)."""
     if router.wants_book(body, now):
         try:
             yield Call("nodes_raw", (timeout,))  # the client hands the answer to ``router.learn``
@@ -242,7 +242,7 @@ def direct_query(router: DirectRouter, body: dict, connected_rank: Any, timeout:
         router.through_tree()
         return None
     env = yield Call("_ask_rank", (route, route.body(body), timeout, on_progress))
-    if isinstance(env, str):  # BUSY: another request of this client is with that rank: this one takes the tree
+    if isinstance(env, str):  # BUSY (another request of this client is with that rank) or WARMING: the tree
         router.through_tree()
         return None
     if env is None:
@@ -259,6 +259,22 @@ RECV = "recv"  # (RECV,): the message waiting -> its frames
 NOW = "now"  # (NOW,): the time now (monotonic) -> float
 WAIT_SLICE_SEC = 0.05  # how long a wait for the answer lasts before the connection is looked at again
 Steps = Generator[tuple, Any, "wire.Envelope | None"]
+
+
+WARMING = "warming"  # the answer of ``greet``: the rank was told to load its engine; this query takes the tree
+
+
+def greet(requests: Requests) -> Steps:
+    """A client's first word to a rank it will ask directly, as ``exchange``'s steps: once
+    connected (else None: it cannot be reached), a handshake that asks the rank to load its
+    query engine (``warm``), not waited for: its first query would otherwise wait for the
+    engine process to start (~0.5 s, seconds on a busy machine) where the tree answers at once."""
+    if not (yield (WRITABLE, CONNECT_SEC)):
+        return None
+    msg_id, frames = requests.send("info_request", {"warm": True})
+    requests.forget(msg_id)  # its answer is dropped when it comes
+    yield (SEND, frames)
+    return WARMING
 
 
 def exchange(requests: Requests, body: dict, deadline: float,
@@ -279,6 +295,8 @@ def exchange(requests: Requests, body: dict, deadline: float,
                     return None  # the connection dropped: the answer will not come
                 continue
             for event in requests.receive((yield (RECV,))):
+                if event.msg_id != msg_id:
+                    continue
                 if isinstance(event, Progress):
                     if on_progress is not None:
                         on_progress(event.body)
