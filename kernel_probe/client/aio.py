@@ -21,7 +21,7 @@ import zmq.asyncio
 from .. import wire
 from . import diagnose as diagnosis
 from . import calls, direct, profiles, results
-from .base import GONE_CHECK_SEC, ClientState, RootGone
+from .base import GONE_CHECK_SEC, ClientState, RootGone, run_link_steps
 from .errors import AuthError, ConnectError, JobEndedError, NoAnswerError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
 from .requests import Answered, Failed, Progress, Requests
@@ -46,27 +46,8 @@ class _Link:
         self.greeted = False
 
     async def run(self, steps: direct.Steps) -> Any:
-        """``steps`` (``direct.exchange``, ``direct.greet``) carried out on this socket: what they
-        return, or None on a socket error."""
-        sock, sent = self.sock, None
-        try:
-            while True:
-                op = steps.send(sent)
-                if op[0] == direct.NOW:
-                    sent = time.monotonic()
-                elif op[0] == direct.RECV:
-                    sent = await sock.recv_multipart()
-                elif op[0] == direct.SEND:
-                    sent = await sock.send_multipart(op[1])
-                else:
-                    sent = bool(await sock.poll(int(op[1] * 1000), zmq.POLLOUT if op[0] == direct.WRITABLE
-                                                else zmq.POLLIN))
-        except StopIteration as done:
-            return done.value
-        except zmq.ZMQError:
-            return None
-        finally:
-            steps.close()  # an error or a cancellation: the request is forgotten
+        """``steps`` carried out on this socket (``run_link_steps``)."""
+        return await run_link_steps(steps, self.sock, 0)
 
 
 class AsyncClient(ClientState):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import time
 from typing import Any
 
@@ -23,6 +24,50 @@ from .targets import Target
 # A request unanswered this long (after the root answered once) checks whether the root is
 # gone; then again this often.
 GONE_CHECK_SEC = (0.3, 1.0)
+
+
+async def run_link_steps(steps: Any, sock: Any, flags: int) -> Any:
+    """``steps`` (``direct.exchange``, ``direct.greet``) carried out on ``sock``, a DEALER to a rank
+    asked directly: what they return, or None on a socket error (their request is forgotten).
+    One driver for both clients: a blocking socket's calls (``flags`` NOBLOCK) return values
+    and nothing here waits on the loop (``run_now`` runs it); an asyncio socket's return
+    awaitables, awaited here."""
+    import zmq
+
+    from .direct import NOW, RECV, SEND, WRITABLE
+
+    sent = None
+    try:
+        while True:
+            op = steps.send(sent)
+            if op[0] == NOW:
+                sent = time.monotonic()
+                continue
+            if op[0] == RECV:
+                sent = sock.recv_multipart(flags)
+            elif op[0] == SEND:
+                sent = sock.send_multipart(op[1], flags)
+            else:
+                sent = sock.poll(int(op[1] * 1000), zmq.POLLOUT if op[0] == WRITABLE else zmq.POLLIN)
+            if inspect.isawaitable(sent):
+                sent = await sent
+    except StopIteration as done:
+        return done.value
+    except zmq.ZMQError:
+        return None
+    finally:
+        steps.close()  # an error, an interrupt or a cancellation: the request is forgotten
+
+
+def run_now(coroutine: Any) -> Any:
+    """What ``coroutine`` returns, run to its end here: one that never waits (``run_link_steps``
+    on a blocking socket)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("a blocking link's steps waited on an event loop")
 
 
 class RootGone(Exception):

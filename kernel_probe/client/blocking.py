@@ -27,7 +27,7 @@ from .. import wire
 from ..shell import connfile
 from . import diagnose as diagnosis
 from . import calls, direct, profiles, results
-from .base import GONE_CHECK_SEC, ClientState, RootGone
+from .base import GONE_CHECK_SEC, ClientState, RootGone, run_link_steps, run_now
 from .errors import AuthError, JobEndedError, NoAnswerError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
 from .requests import Answered, Failed, Progress, Requests
@@ -61,26 +61,8 @@ class _Link:
         self.greeted = False
 
     def run(self, steps: direct.Steps) -> Any:
-        """``steps`` (``direct.exchange``, ``direct.greet``) carried out on this socket: what they
-        return, or None on a socket error."""
-        sock, sent = self.sock, None
-        try:
-            while True:
-                op = steps.send(sent)
-                if op[0] == direct.NOW:
-                    sent = time.monotonic()
-                elif op[0] == direct.RECV:
-                    sent = sock.recv_multipart(zmq.NOBLOCK)
-                elif op[0] == direct.SEND:
-                    sent = sock.send_multipart(op[1], zmq.NOBLOCK)
-                else:
-                    sent = bool(sock.poll(int(op[1] * 1000), zmq.POLLOUT if op[0] == direct.WRITABLE else zmq.POLLIN))
-        except StopIteration as done:
-            return done.value
-        except zmq.ZMQError:
-            return None
-        finally:
-            steps.close()  # an error or an interrupt: the request is forgotten
+        """``steps`` carried out on this socket (``run_link_steps``)."""
+        return run_now(run_link_steps(steps, self.sock, zmq.NOBLOCK))
 
 
 class Client(ClientState):
