@@ -1,8 +1,8 @@
 """Sans-IO: whether a query goes straight to the one rank it is pruned to, and to which.
 
 A query the plan prunes to one rank (``WHERE _rank = 3``, ``ranks=[3]``, one rank's stacks)
-needs nothing from the tree: the root would plan it, send it to that rank and hand back its
-answer, two more hops than the rank itself. The client can ask that rank directly when it
+needs nothing from the tree: the root would plan it, send it to that rank (through its node's
+broker) and hand back its answer, one or two hops more than the rank itself. The client can ask that rank directly when it
 knows where it listens: every rank binds a ROUTER that takes clients (the one codec checks
 signatures and replays there; CURVE is the job's rule at every rank; admission and the
 sandbox are the rank's SQL tasks, as at the root), and answers a query sent with
@@ -10,7 +10,9 @@ sandbox are the rank's SQL tasks, as at the root), and answers a query sent with
 
 Rules of this file:
 - No socket, thread or clock: the blocking and the asyncio client ask ``DirectRouter``
-  (``route``, with the time now) and carry out the request themselves; tests drive it alone.
+  (``route``, with the time now), run ``direct_query`` (a ``calls`` flow) and carry out a
+  request to a rank as the steps ``exchange`` and ``greet`` yield (``base.run_link_steps``
+  does them on either client's socket); tests drive all of it alone.
 - The decision is the root's own: the query planned as the root plans it
   (``sql.planner.plan``) and its ranks chosen by the same rule over the members' tags
   (``sql.execute.select_ranks``), on the membership the client keeps (``RankBook``: each
@@ -27,6 +29,8 @@ Rules of this file:
   the tree, silently, with the same answer.
 - A direct answer reads as the tree's: its coverage lists the ranks the client pruned
   (the root would have), and says ``direct`` (the rank asked) besides.
+- A client's first contact with a rank (``greet``) asks it to warm its engine and lets that
+  query take the tree: the rank's engine process starts meanwhile, not while a query waits.
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 from .. import wire
+from ..membership import ALIVE, STALLED
 from .calls import Call, Flow
 from .errors import AuthError, ConnectError, ProbeError
 from .requests import Answered, Progress, Requests
 
-LIVE = ("alive", "stalled")  # the states a query asks (shell.sql_tasks.work.LIVE)
+LIVE = (ALIVE, STALLED)  # the states of a rank a query asks (as the root's planning task)
 CONNECT_SEC = 0.5  # a rank not connected within this long is unreachable for now
 UNREACHABLE_SEC = 30.0  # how long a rank that could not be reached is left alone
 REFRESH_MIN_SEC = 1.0  # the membership is fetched again at most this often
