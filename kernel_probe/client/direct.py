@@ -116,6 +116,7 @@ class DirectRouter:
         self._fetched_at: float | None = None
         self._plans: dict[tuple[str, bool], Any] = {}  # in the order planned: the oldest goes first
         self._unreachable: dict[str, float] = {}  # endpoint -> until when it is left alone
+        self._chosen: dict[tuple, tuple[int, str, tuple[int, ...]] | None] = {}  # by the book: query -> its rank
         self.counts: collections.Counter[str] = collections.Counter()
 
     # --- the membership ---------------------------------------------------------------------
@@ -133,6 +134,7 @@ class DirectRouter:
         book = RankBook.of(nodes)
         if book is not None:
             self.book, self.stale, self._fetched_at = book, False, now
+            self._chosen = {}
 
     def saw_epoch(self, epoch: Any) -> None:
         """The root's membership is at ``epoch`` (an ``info`` answer)."""
@@ -143,6 +145,7 @@ class DirectRouter:
         """The client follows a new launch: nothing known of the old one holds."""
         self.book, self.stale, self._fetched_at = None, False, None
         self._unreachable.clear()
+        self._chosen = {}
 
     # --- the decision -----------------------------------------------------------------------
     def route(self, query: Mapping[str, Any], connected_rank: Any, now: float) -> Direct | None:
@@ -150,6 +153,22 @@ class DirectRouter:
         book = self.book
         if not self.enabled or not may_go_direct(query) or book is None or self.stale:
             return None
+        ranks = query.get("ranks")
+        key = (query["sql"], bool(query.get("per_rank")), None if ranks is None else tuple(ranks), connected_rank)
+        if key not in self._chosen:  # a dashboard's question, asked again, is not chosen again
+            self._chosen[key] = self._choose(book, query, connected_rank)
+            if len(self._chosen) > PLANS_KEPT:
+                self._chosen = {key: self._chosen[key]}
+        chosen = self._chosen[key]
+        if chosen is None or self._unreachable.get(chosen[1], 0.0) > now:
+            return None
+        self._unreachable.pop(chosen[1], None)
+        return Direct(chosen[0], chosen[1], book.epoch, chosen[2])
+
+    def _choose(self, book: RankBook, query: Mapping[str, Any],
+                connected_rank: Any) -> tuple[int, str, tuple[int, ...]] | None:
+        """The one live rank ``query`` goes to by ``book`` (its rank, its endpoint, the ranks
+        pruned), or None."""
         plan = self._rank_plan(query)
         if plan is None:
             return None
@@ -163,10 +182,7 @@ class DirectRouter:
         endpoint = member.get("endpoint")
         if member.get("state") not in LIVE or not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
             return None
-        if self._unreachable.get(endpoint, 0.0) > now:
-            return None
-        self._unreachable.pop(endpoint, None)
-        return Direct(chosen[0], endpoint, book.epoch, tuple(pruned))
+        return chosen[0], endpoint, tuple(pruned)
 
     def _rank_plan(self, query: Mapping[str, Any]) -> Any:
         """The plan of ``query`` when it reads the ranks' tables only and may be pruned to one
