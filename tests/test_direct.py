@@ -98,6 +98,13 @@ def test_a_dead_rank_or_one_without_an_endpoint_goes_through_the_tree() -> None:
 
 # --- the membership the client keeps ----------------------------------------------------------------
 
+def test_a_rank_not_known_yet_goes_through_the_tree() -> None:
+    router = _router("alive", "alive", "alive")  # rank 3 has not joined the membership the client read
+    assert router.route(_query(ONE_RANK), 0, 0.0) is None
+    assert router.route(_query("SELECT * FROM stacks", ranks=[3]), 0, 0.0) is None
+    assert router.route(_query("SELECT * FROM stacks", ranks=[2]), 0, 0.0) is not None
+
+
 def test_no_membership_yet_means_the_tree_until_it_is_read() -> None:
     router = DirectRouter()
     assert router.route(_query(ONE_RANK), 0, 0.0) is None
