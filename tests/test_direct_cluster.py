@@ -152,7 +152,7 @@ def test_a_wrong_key_is_refused_with_the_same_clear_error(job):
     errors = []
     for sql in ("SELECT count(*) AS n FROM frame", ONE_RANK, ONE_RANK):
         client = Client.from_target(Target(root.endpoint, wrong, run_id=root.run_id))
-        if len(errors) == 2:  # it knows the ranks' endpoints: the rank refuses it, then the root does
+        if len(errors) == 2:  # it knows the ranks' endpoints: it greets rank 3 (refused there), then asks the root
             client.routing.learn(root.nodes_raw(), 0.0)
         try:
             with pytest.raises(AuthError) as refused:
