@@ -7,7 +7,8 @@ p90 in ms and the ratio ours / theirs.
 - ``training``: a 2x2 torchrun job (gloo, the demo's tiny model stepping every 50 ms) whose
   ranks each register a FRAME_ROWS-row pandas DataFrame ``frame`` (id, kind, value), as
   users do, beside 4 engines holding the same DataFrames: count, per-kind count and avg,
-  one rank's top 1000 rows, ~1100 filtered rows from every rank, membership as a DataFrame.
+  one rank's top 1000 rows (rank 1 on the root's node, rank 3 on the other: asked of that
+  rank directly, and through the tree for comparison), ~1100 filtered rows from every rank, membership as a DataFrame.
 
     .venv/bin/python benchmarks/vs_ipyparallel.py [--ranks 4 8] [--reps 60] [--jobs arrow training]
 
@@ -121,34 +122,42 @@ def training_questions(client: Any, rc: Any) -> list[tuple[str, Callable[[], Any
 
     view = rc[:]
     view.block = True
-    one = rc[1]
+    one, other = rc[1], rc[3]  # rank 1 shares the root's node; rank 3 is a leaf of the other node's broker
 
     def theirs_kinds():
         merged = pd.concat(view.apply_sync(_frame_kinds)).groupby(level=0).sum()
         return merged.assign(avg=merged["s"] / merged["n"])
 
-    def ours(sql: str) -> Callable[[], Any]:
-        return _asking(client, sql)
+    def ours(sql: str, tree: bool = False) -> Callable[[], Any]:
+        return _asking(client, sql, tree=tree)
 
+    top = "SELECT * FROM frame WHERE _rank = {} AND value > 0.5 ORDER BY id LIMIT 1000"
     return [
         ("count(*) over all ranks", ours("SELECT count(*) AS n FROM frame"),
          lambda: sum(view.apply_sync(_frame_count))),
         ("per-kind count and avg", ours("SELECT kind, count(*) AS n, avg(value) AS a FROM frame GROUP BY kind "
                                         "ORDER BY kind"), theirs_kinds),
-        ("1000 rows of rank 1, ORDER BY id LIMIT", ours("SELECT * FROM frame WHERE _rank = 1 AND value > 0.5 "
-                                                        "ORDER BY id LIMIT 1000"),
-         lambda: one.apply_sync(_frame_top)),
+        ("1000 rows of rank 1, ORDER BY id LIMIT", ours(top.format(1)), lambda: one.apply_sync(_frame_top)),
+        ("  the same through the tree (the root)", ours(top.format(1), tree=True), lambda: one.apply_sync(_frame_top)),
+        ("1000 rows of rank 3 (the other node)", ours(top.format(3)), lambda: other.apply_sync(_frame_top)),
+        ("  the same through the tree (root, broker)", ours(top.format(3), tree=True),
+         lambda: other.apply_sync(_frame_top)),
         ("~1100 rows from all ranks: value > 0.945", ours("SELECT * FROM frame WHERE value > 0.945"),
          lambda: pd.concat(view.apply_sync(_frame_filtered))),
     ]
 
 
-def _asking(client: Any, sql: str) -> Callable[[], Any]:
+def _asking(client: Any, sql: str, tree: bool = False) -> Callable[[], Any]:
     """Ask ``sql`` and make the DataFrame the user gets (as from ipyparallel); the result keeps
-    the client's clock (when it asked, had the answer decoded, had the DataFrame)."""
+    the client's clock (when it asked, had the answer decoded, had the DataFrame). ``tree``: not
+    directly of the one rank it is pruned to, but through the root (to compare the two)."""
     def ask():
         t0 = time.time()
-        r = client.query(sql)
+        client.routing.enabled = not tree
+        try:
+            r = client.query(sql)
+        finally:
+            client.routing.enabled = True
         t1 = time.time()
         r.df
         r.asked = (t0, t1, time.time())
@@ -165,13 +174,15 @@ def _where(result: Any) -> str:
     merges = " + ".join(f"{m['ms']:.1f}" for m in profile["merges"]) or "-"
     split = ", ".join(f"{h['parent']}->{h['child']} {h.get('down_ms', 0):.1f}/{h.get('up_ms', 0):.1f}" for h in hops)
     t0, t1, t2 = result.asked
-    client = (f"client->root {(profile['received_at'] - t0) * 1000:.1f} · root->client and decode "
+    at = f"rank {result.coverage['direct']}, asked directly" if "direct" in result.coverage else "the root"
+    client = (f"client->{at.split(',')[0]} {(profile['received_at'] - t0) * 1000:.1f} · back and decode "
               f"{(t1 - profile['answered_at']) * 1000:.1f} · DataFrame {(t2 - t1) * 1000:.1f}") \
         if "received_at" in profile else "client split: a root without wall-clock stamps"
+    transfer = max((h["transfer_ms"] for h in hops), default=0.0)
     return (f"plan {profile['plan_ms']:.1f} · scans {scan['median_ms']:.1f}/{scan['slowest_ms']:.1f} (median/slowest) · "
-            f"merges {merges} · {len(hops)} hops, transfer max {max(h['transfer_ms'] for h in hops):.1f} · "
-            f"finish {profile['finish_ms']:.1f} · {profile['elapsed_ms']:.1f} at the root\n"
-            f"        {client} · hops down/up {split}")
+            f"merges {merges} · {len(hops)} hops, transfer max {transfer:.1f} · "
+            f"finish {profile['finish_ms']:.1f} · {profile['elapsed_ms']:.1f} at {at}\n"
+            f"        {client} · hops down/up {split or '-'}")
 
 
 def _p(values: list[float], q: float) -> float:

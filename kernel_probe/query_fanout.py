@@ -77,6 +77,10 @@ class Tree(Protocol):
     def child_ids(self) -> list[bytes]:
         """The routing ids of this probe's direct children."""
 
+    @property
+    def membership_epoch(self) -> int:
+        """The epoch of the membership this probe knows (the root's numbering at every rank)."""
+
 
 @dataclass
 class HopQuery:
@@ -191,6 +195,7 @@ class QueryFanOut:
         self._tasks: dict[str, tuple[str, str]] = {}  # SQL task id -> (qid, kind)
         self._seq = 0
         self._warmed_at: float | None = None
+        self._direct_warmed_at: float | None = None  # a client that asks this rank directly warmed it
 
     # --- helpers ------------------------------------------------------------------------
     def _task(self, s: HopQuery, task: SqlTask) -> RunSqlTask:
@@ -217,15 +222,34 @@ class QueryFanOut:
         if self.tree.tier is None:
             return self._fail_client(s, now, "not_ready", "this probe has not joined its job yet; try again in a moment")
         local = bool(body.get("local"))
-        if self.tree.tier != "root" and not local:
+        direct = body.get("direct")
+        if direct is not None:  # a query its client pruned to this rank (client/direct.py)
+            members = self._direct_members(direct)
+            if members is None:
+                return self._fail_client(s, now, "not_direct", f"rank {self.rank} at membership epoch "
+                                         f"{self.tree.membership_epoch} does not answer a query routed for {direct!r:.100}")
+        elif self.tree.tier != "root" and not local:
             return self._fail_client(s, now, "not_root", "only the job's root answers cluster queries; connect to the root "
                                                     "or ask this rank alone with --local")
+        else:
+            members = [] if local else self.tree.member_rows()
         s.stage = "plan"
-        members = [] if local else self.tree.member_rows()
         task = PlanQuery(sql=body["sql"], per_rank=bool(body.get("per_rank")) or local, ranks=body.get("ranks"),
                          members=members, local=local, self_rank=self.rank, params=body.get("params"),
                          deadline=s.deadline)
         return [self._task(s, task)]
+
+    def _direct_members(self, direct: Any) -> list[dict] | None:
+        """A client sent this rank a query it pruned to it by the membership at an epoch: this
+        rank's own member row, planned as the root would plan it over the job, when the client
+        routed for this rank at the epoch this rank knows; else None (the client asks the tree:
+        the membership moved, so its choice of rank may have). Everything else (signature,
+        admission, the sandbox, deadlines, coverage) is a client's query here as at the root."""
+        if not isinstance(direct, dict) or direct.get("rank") != self.rank or \
+                direct.get("epoch") != self.tree.membership_epoch:
+            return None
+        own = [m for m in self.tree.member_rows() if m.get("rank") == self.rank]
+        return own or None
 
     def _after_plan(self, s: HopQuery, result: dict, now: float) -> list[Effect]:
         s.timing.plan_ms = round((now - s.started) * 1000.0, 3)
@@ -289,8 +313,16 @@ class QueryFanOut:
 
     # --- warming up -------------------------------------------------------------------------
     def on_client_hello(self, now: float) -> list[Effect]:
-        """A client connected to this probe (the root): warm this rank and every rank below."""
-        if self.tree.tier != "root" or self._warmed_at is not None and now - self._warmed_at < WARM_EVERY:
+        """A client connected to this probe that will query it: at the root, warm this rank and
+        every rank below; at another rank (a client that will ask it directly), this rank's own
+        engine, as the root's (its planner too), for the queries that come to it alone."""
+        if self.tree.tier != "root":
+            if self._direct_warmed_at is not None and now - self._direct_warmed_at < WARM_EVERY:
+                return []
+            self._direct_warmed_at = now
+            self._seq += 1
+            return [RunSqlTask(f"warm/{self._seq}", Warm(planner=True, ships_to_parent=False))]
+        if self._warmed_at is not None and now - self._warmed_at < WARM_EVERY:
             return []
         return self.on_warm(now, planner=True)
 

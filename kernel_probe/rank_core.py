@@ -361,6 +361,10 @@ class RankCore:
     def member_rows(self) -> list[dict]:
         return self.view().rows()
 
+    @property
+    def membership_epoch(self) -> int:
+        return self.view().epoch
+
     # --- what this rank says about itself --------------------------------------------
     def report(self) -> dict:
         ident = self.identity

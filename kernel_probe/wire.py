@@ -155,6 +155,7 @@ class QueryBody(_QueryFields, total=False):  # client -> probe
     ranks: list | None
     params: dict | None
     native: bool  # `stacks` with native frames too (py-spy, on each rank asked)
+    direct: dict  # {rank, epoch}: a query its client pruned to the one rank it is sent to
 
 
 class QueryProgressBody(TypedDict):  # probe -> client, on long queries

@@ -136,6 +136,10 @@ def test_a_job_with_a_token_encrypts_its_tree_and_its_clients(launch, runtime_di
         wait_for(lambda: len(client.nodes()) == 4 or None, 60, interval=0.3, what="four ranks under CURVE")
         ranks = client.query("SELECT DISTINCT _rank AS r FROM stacks ORDER BY r").df["r"].tolist()
         assert ranks == [0, 1, 2, 3]  # the brokers' and the leaves' answers came up encrypted
+        # a query of one rank goes to it directly, encrypted the same way (its first one warms it)
+        one = wait_for(lambda: (r := client.query("SELECT DISTINCT _rank AS r FROM stacks WHERE _rank = 3"))
+                       .coverage.get("direct") == 3 and r, 30, interval=0.3, what="rank 3 asked directly under CURVE")
+        assert one.df["r"].tolist() == [3]
 
         target = resolve(client.endpoint, token="s3cret")
         assert target.curve is not None  # a tcp:// target on this machine: the connection file says so

@@ -10,6 +10,7 @@ checks that touch files or sockets run on a worker thread, never on the loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
@@ -19,11 +20,11 @@ import zmq.asyncio
 
 from .. import wire
 from . import diagnose as diagnosis
-from . import calls, profiles, results
-from .base import GONE_CHECK_SEC, ClientState, RootGone
+from . import calls, direct, profiles, results
+from .base import GONE_CHECK_SEC, ClientState, RootGone, run_link_steps
 from .errors import AuthError, ConnectError, JobEndedError, NoAnswerError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
-from .requests import Answered, Failed, Progress
+from .requests import Answered, Failed, Progress, Requests
 from .targets import Target
 
 if TYPE_CHECKING:
@@ -32,6 +33,21 @@ if TYPE_CHECKING:
     from .protocol import AsyncJobClient
 
 log = logging.getLogger(__name__)
+
+
+class _Link:
+    """A connection to one rank asked directly (``direct``), as ``blocking._Link``: one request
+    at a time, read by the coroutine that asked."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, key: bytes) -> None:
+        self.sock = sock
+        self.busy = False
+        self.requests = Requests(key)
+        self.greeted = False
+
+    async def run(self, steps: direct.Steps) -> Any:
+        """``steps`` carried out on this socket (``run_link_steps``)."""
+        return await run_link_steps(steps, self.sock, 0)
 
 
 class AsyncClient(ClientState):
@@ -45,18 +61,13 @@ class AsyncClient(ClientState):
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._closed = False
+        self._links: collections.OrderedDict[str, _Link] = collections.OrderedDict()  # endpoint -> link
 
     def _socket(self) -> zmq.asyncio.Socket:
         if self._closed:
             raise ConnectError(f"the client of {self.endpoint} is closed")
         if self._sock is None:
-            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_message_bytes)
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            self._dial(sock)
-            sock.connect(self.endpoint)
-            self._sock = sock
+            self._sock = self._dealer(zmq.asyncio.Context.instance(), self.endpoint)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read(self._sock))
         return self._sock
@@ -149,6 +160,7 @@ class AsyncClient(ClientState):
                 return False
             self._drop_socket()
             self._switch_to(new)
+            self._drop_links()  # the old launch's ranks
             generation = self._generation
         try:
             env = await self._request_once("info_request", {}, time.monotonic() + 2.0, 2.0, None, generation)
@@ -178,6 +190,43 @@ class AsyncClient(ClientState):
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+
+    async def _ask_rank(self, route: direct.Direct, body: dict, timeout: float,
+                        on_progress: Callable[[dict], None] | None) -> wire.Envelope | str | None:
+        """``body`` asked of ``route``'s rank directly (``direct.direct_query`` says when)."""
+        if self._closed:
+            return None
+        link = self._links.get(route.endpoint)
+        if link is None:
+            link = self._links[route.endpoint] = _Link(
+                self._dealer(zmq.asyncio.Context.instance(), route.endpoint, immediate=True), self._requests.key)
+            for old in list(self._links)[:max(0, len(self._links) - direct.LINKS_KEPT)]:  # least recent first
+                self._drop_link(old)
+        self._links.move_to_end(route.endpoint)
+        if link.busy:
+            return direct.BUSY
+        link.busy = True
+        try:
+            if not link.greeted:
+                link.greeted = True
+                env = await link.run(direct.greet(link.requests))
+            else:
+                env = await link.run(direct.exchange(link.requests, body, time.monotonic() + timeout, on_progress))
+        finally:
+            link.busy = False
+        if env is None:
+            self._drop_link(route.endpoint)
+        return env
+
+    def _drop_link(self, endpoint: str) -> None:
+        link = self._links.get(endpoint)
+        if link is not None and not link.busy:  # else in use: its user drops it
+            del self._links[endpoint]
+            link.sock.close(0)
+
+    def _drop_links(self) -> None:
+        for endpoint in list(self._links):
+            self._drop_link(endpoint)
 
     async def handshake(self, timeout: float = 5.0, warm: bool = False) -> dict:
         """As ``Client.handshake``: ``warm`` asks every rank to load its query engine now."""
@@ -216,6 +265,7 @@ class AsyncClient(ClientState):
 
     async def info(self, timeout: float = 5.0) -> dict:
         self.info_ = (await self._call("info_request", {}, timeout)).msg.body
+        self.routing.saw_epoch(self.info_.get("epoch"))
         return self.info_
 
     async def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
@@ -228,13 +278,18 @@ class AsyncClient(ClientState):
         if native:  # `stacks` with native frames too: each rank asked runs py-spy on itself
             body["native"] = True
         try:
-            env = await self._call("query", body, timeout + results.ANSWER_GRACE, on_progress)
+            flow = direct.direct_query(self.routing, body, self.info_.get("rank"), timeout + results.ANSWER_GRACE,
+                                       time.monotonic(), on_progress)
+            env = await calls.drive_async(flow, self) or \
+                await self._call("query", body, timeout + results.ANSWER_GRACE, on_progress)
         except ValueError as exc:
             raise QueryFailed(f"cannot send the query: {exc}", code="bad_params") from None
         return results.query_result(env, strict=strict, explain=explain)
 
     async def nodes_raw(self, timeout: float = 5.0) -> dict:
-        return (await self._call("nodes_request", {}, timeout)).msg.body
+        body = (await self._call("nodes_request", {}, timeout)).msg.body
+        self.routing.learn(body, time.monotonic())  # each rank's endpoint: where a query of one rank goes
+        return body
 
     async def nodes(self, timeout: float = 5.0) -> "pd.DataFrame":
         return results.members_frame((await self.nodes_raw(timeout))["members"])
@@ -266,6 +321,9 @@ class AsyncClient(ClientState):
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        for link in self._links.values():
+            link.sock.close(0)
+        self._links.clear()
 
     async def __aenter__(self) -> "AsyncClient":
         return self

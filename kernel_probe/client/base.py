@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from ..placement import curve_material
 from . import results
 from .errors import ConnectError, JobEndedError, NoAnswerError, Refused
 from .alive import root_alive
+from .direct import DirectRouter
 from .lifecycle import ENDED, RELAUNCHED, RUNNING, Ended, JobLifecycle, Launch, Seen
 from .requests import Requests
 from .targets import Target
@@ -22,6 +24,50 @@ from .targets import Target
 # A request unanswered this long (after the root answered once) checks whether the root is
 # gone; then again this often.
 GONE_CHECK_SEC = (0.3, 1.0)
+
+
+async def run_link_steps(steps: Any, sock: Any, flags: int) -> Any:
+    """``steps`` (``direct.exchange``, ``direct.greet``) carried out on ``sock``, a DEALER to a rank
+    asked directly: what they return, or None on a socket error (their request is forgotten).
+    One driver for both clients: a blocking socket's calls (``flags`` NOBLOCK) return values
+    and nothing here waits on the loop (``run_now`` runs it); an asyncio socket's return
+    awaitables, awaited here."""
+    import zmq
+
+    from .direct import NOW, RECV, SEND, WRITABLE
+
+    sent = None
+    try:
+        while True:
+            op = steps.send(sent)
+            if op[0] == NOW:
+                sent = time.monotonic()
+                continue
+            if op[0] == RECV:
+                sent = sock.recv_multipart(flags)
+            elif op[0] == SEND:
+                sent = sock.send_multipart(op[1], flags)
+            else:
+                sent = sock.poll(int(op[1] * 1000), zmq.POLLOUT if op[0] == WRITABLE else zmq.POLLIN)
+            if inspect.isawaitable(sent):
+                sent = await sent
+    except StopIteration as done:
+        return done.value
+    except zmq.ZMQError:
+        return None
+    finally:
+        steps.close()  # an error, an interrupt or a cancellation: the request is forgotten
+
+
+def run_now(coroutine: Any) -> Any:
+    """What ``coroutine`` returns, run to its end here: one that never waits (``run_link_steps``
+    on a blocking socket)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("a blocking link's steps waited on an event loop")
 
 
 class RootGone(Exception):
@@ -47,6 +93,7 @@ class ClientState:
         self._notices: collections.deque[str] = collections.deque()
         self._requests = Requests(target.key)
         self._tried_both = False  # with and without CURVE (see _other_way)
+        self.routing = DirectRouter()  # queries pruned to one rank go to it (``direct``)
 
     def _other_way(self) -> bool:
         """A handshake got no answer on a guessed CURVE setting: try the other one (a job on one
@@ -60,11 +107,23 @@ class ClientState:
         self._tried_both = True
         return True
 
-    def _dial(self, sock: Any) -> None:
-        """Put ``sock`` under CURVE when the job's root is (before it connects)."""
+    def _dealer(self, ctx: Any, endpoint: str, *, immediate: bool = False) -> Any:
+        """A DEALER connected to ``endpoint`` (the root, or a rank asked directly), under CURVE
+        when the job is. ``immediate``: nothing is queued before the connection is made, so the
+        socket is writable only once it is (how a rank that cannot be reached is told)."""
+        import zmq
+
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_message_bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        if immediate:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
         if self._target.curve is not None:
             for option, value in wire.curve_options(self._target.curve, server=False):
                 sock.setsockopt(option, value)
+        sock.connect(endpoint)
+        return sock
 
     @property
     def launch(self) -> Launch:
@@ -101,6 +160,7 @@ class ClientState:
                               connection=new.connection, spec=self._target.spec, store=self.store,
                               curve=new.curve)
         self._generation += 1
+        self.routing.forget()
         change = self.lifecycle.observe(Seen(Launch(new.run_id, new.endpoint,
                                                     new.connection.pid if new.connection is not None else None)))
         if change.state == RELAUNCHED and change.notice:

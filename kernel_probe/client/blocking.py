@@ -15,6 +15,7 @@ new launch is found (``follow.find_relaunch``) the client switches to it, and
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -25,11 +26,11 @@ import zmq
 from .. import wire
 from ..shell import connfile
 from . import diagnose as diagnosis
-from . import calls, profiles, results
-from .base import GONE_CHECK_SEC, ClientState, RootGone
+from . import calls, direct, profiles, results
+from .base import GONE_CHECK_SEC, ClientState, RootGone, run_link_steps, run_now
 from .errors import AuthError, JobEndedError, NoAnswerError, ProbeError, QueryFailed, Refused
 from .follow import find_relaunch, root_gone
-from .requests import Answered, Failed, Progress
+from .requests import Answered, Failed, Progress, Requests
 from .targets import Target
 
 if TYPE_CHECKING:
@@ -49,6 +50,21 @@ class _Waiter:
         self.progress: collections.deque[dict] = collections.deque()
 
 
+class _Link:
+    """A connection to one rank asked directly (``direct``): one request at a time (a second
+    thread asks the tree meanwhile), its own matcher, so the probe sees each link as a peer."""
+
+    def __init__(self, sock: zmq.Socket, key: bytes) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.requests = Requests(key)
+        self.greeted = False
+
+    def run(self, steps: direct.Steps) -> Any:
+        """``steps`` carried out on this socket (``run_link_steps``)."""
+        return run_now(run_link_steps(steps, self.sock, zmq.NOBLOCK))
+
+
 class Client(ClientState):
     """One connection to a probe (normally the root). Thread-safe; requests run concurrently."""
 
@@ -64,6 +80,8 @@ class Client(ClientState):
         self._waiters: dict[str, _Waiter] = {}
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._links: collections.OrderedDict[str, _Link] = collections.OrderedDict()  # endpoint -> link
+        self._links_lock = threading.Lock()
 
     @classmethod
     def from_target(cls, target: Target) -> "Client":
@@ -89,13 +107,7 @@ class Client(ClientState):
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_message_bytes)
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            self._dial(sock)
-            sock.connect(self.endpoint)
-            self._sock = sock
+            self._sock = self._dealer(self._ctx, self.endpoint)
         return self._sock
 
     def request(self, type_: str, body: dict, timeout: float = 5.0,
@@ -187,6 +199,7 @@ class Client(ClientState):
                 self._drop_socket()
                 with self._state:
                     self._switch_to(new)
+            self._drop_links()  # the old launch's ranks
             generation = self._generation
         try:  # the new root's pid and counts (same run id and world size)
             env = self._request_once("info_request", {}, time.monotonic() + 2.0, 2.0, None, generation)
@@ -228,6 +241,50 @@ class Client(ClientState):
             self._sock.close(0)
             self._sock = None
 
+    # ------------------------------------------------------------------ one rank, directly
+
+    def _ask_rank(self, route: direct.Direct, body: dict, timeout: float,
+                  on_progress: Callable[[dict], None] | None) -> wire.Envelope | str | None:
+        """``body`` asked of ``route``'s rank directly (``direct.direct_query`` says when)."""
+        link = self._link(route.endpoint)
+        if not link.lock.acquire(blocking=False):
+            return direct.BUSY
+        try:
+            if not link.greeted:
+                link.greeted = True
+                env = link.run(direct.greet(link.requests))
+            else:
+                env = link.run(direct.exchange(link.requests, body, time.monotonic() + timeout, on_progress))
+        finally:
+            link.lock.release()
+        if env is None:
+            self._drop_link(route.endpoint)
+        return env
+
+    def _link(self, endpoint: str) -> _Link:
+        with self._links_lock:
+            link = self._links.get(endpoint)
+            if link is None:
+                link = self._links[endpoint] = _Link(self._dealer(self._ctx, endpoint, immediate=True),
+                                                     self._requests.key)
+                for old in list(self._links)[:max(0, len(self._links) - direct.LINKS_KEPT)]:  # least recent first
+                    self._drop_link(old, locked=True)
+            self._links.move_to_end(endpoint)
+            return link
+
+    def _drop_link(self, endpoint: str, locked: bool = False) -> None:
+        with contextlib.nullcontext() if locked else self._links_lock:
+            link = self._links.get(endpoint)
+            if link is not None and link.lock.acquire(blocking=False):  # else in use: its user drops it
+                self._links.pop(endpoint)
+                link.sock.close(0)
+                link.lock.release()
+
+    def _drop_links(self) -> None:
+        with self._links_lock:
+            for endpoint in list(self._links):
+                self._drop_link(endpoint, locked=True)
+
     # ------------------------------------------------------------------ API
 
     def handshake(self, timeout: float = 5.0, warm: bool = False) -> dict:
@@ -263,6 +320,7 @@ class Client(ClientState):
     def info(self, timeout: float = 5.0) -> dict:
         """The answering probe's run id, world size, rank, tier, pid and member counts."""
         self.info_ = self._call("info_request", {}, timeout).msg.body
+        self.routing.saw_epoch(self.info_.get("epoch"))
         return self.info_
 
     def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
@@ -284,7 +342,9 @@ class Client(ClientState):
         if native:  # `stacks` with native frames too: each rank asked runs py-spy on itself
             body["native"] = True
         try:
-            env = self._call("query", body, timeout + results.ANSWER_GRACE, on_progress)
+            flow = direct.direct_query(self.routing, body, self.info_.get("rank"), timeout + results.ANSWER_GRACE,
+                                       time.monotonic(), on_progress)
+            env = calls.drive(flow, self) or self._call("query", body, timeout + results.ANSWER_GRACE, on_progress)
         except ValueError as exc:  # params that JSON cannot carry
             raise QueryFailed(f"cannot send the query: {exc}", code="bad_params") from None
         return results.query_result(env, strict=strict, explain=explain)
@@ -302,7 +362,9 @@ class Client(ClientState):
 
     def nodes_raw(self, timeout: float = 5.0) -> dict:
         """The ``nodes`` answer as sent: ``members``, ``departures`` (lists of dicts), ``epoch``."""
-        return self._call("nodes_request", {}, timeout).msg.body
+        body = self._call("nodes_request", {}, timeout).msg.body
+        self.routing.learn(body, time.monotonic())  # each rank's endpoint: where a query of one rank goes
+        return body
 
     def nodes(self, timeout: float = 5.0) -> "pd.DataFrame":
         """One row per rank: the membership as the root sees it (the `nodes` columns)."""
@@ -342,6 +404,7 @@ class Client(ClientState):
     def close(self) -> None:
         with self._io:
             self._drop_socket()
+        self._drop_links()
 
     def __enter__(self) -> "Client":
         return self

@@ -52,11 +52,13 @@ class Requests:
     """The requests in flight on one connection. Not locked: one owner at a time."""
 
     def __init__(self, key: bytes, *, sender: str | None = None) -> None:
+        self.key = key  # what signs (a connection to another rank of the job signs with it too)
         self.codec = wire.Codec(key, sender=sender or f"client-{os.getpid()}", incarnation=uuid.uuid4().hex[:16])
         self._pending: set[str] = set()
 
     def rekey(self, key: bytes) -> None:
         """Sign with another key from now on (the run id was learnt from a refusal)."""
+        self.key = key
         self.codec = wire.Codec(key, sender=self.codec.sender, incarnation=uuid.uuid4().hex[:16])
 
     @property
