@@ -248,8 +248,11 @@ class StepClock:
             gc_ms = None
             gc_total = self.gc_total
             if gc_total is not None:
-                total = gc_total()
-                gc_ms, self._gc_mark = total - self._gc_mark, total
+                try:
+                    total = gc_total()
+                    gc_ms, self._gc_mark = total - self._gc_mark, total
+                except Exception:  # the row still goes in, without its GC figure
+                    pass
             if last is not None:
                 start, duration = last, (now - last) * 1000.0
             elif self._pre is not None:
@@ -375,7 +378,10 @@ class StepClock:
             if last() is not module:
                 if module not in seen:
                     self._hook_grads(module)
-                last = weakref.ref(module)
+                try:
+                    last = weakref.ref(module)
+                except TypeError:  # not weakly referable: the WeakSet answers every call
+                    pass
             start()
             try:
                 return original(module, *args, **kwargs)
