@@ -85,6 +85,25 @@ def test_cpu_time_on_every_long_step_and_on_one_short_step_per_period():
     assert measured == [9, 14], cpu
 
 
+def test_step_start_follows_the_wall_clock_from_the_next_sample():
+    """A step end reads one clock; its epoch start comes from an offset the probe thread's
+    sample refreshes, so a wall clock set forward shows from the next sample on."""
+    t, wall = [10.0], [1000.0]
+    clock = StepClock(clock=lambda: t[0], wall=lambda: wall[0] + t[0])
+    clock.on_step()
+    t[0] = 10.5
+    clock.on_step()
+    assert clock.snapshot()[-1][1] == pytest.approx(1010.0)
+    wall[0] = 2000.0
+    try:
+        clock.install_torch_hooks()  # the probe thread's sample
+    finally:
+        clock.remove_hooks()
+    t[0] = 11.0
+    clock.on_step()
+    assert clock.snapshot()[-1][1] == pytest.approx(2010.5)
+
+
 @pytest.fixture
 def ddp_world_of_one(monkeypatch):
     torch = pytest.importorskip("torch")
