@@ -7,27 +7,36 @@
   every hook the step phases use (optimizer, DDP.forward, autograd.backward, gradient hooks):
   the absolute cost on a tiny step, then the ratio on steps of 12 and 50 ms
 
-    .venv/bin/python benchmarks/recording.py
+    .venv/bin/python benchmarks/recording.py            # all of it
+    .venv/bin/python benchmarks/recording.py --quick    # the per-call costs and the tiny step only
+
+With PYTHONPATH set, the package is imported from there (to measure another checkout with this
+script); else from this checkout.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def per_call(fn, n: int) -> float:
+def per_call(fn, n: int, clock=time.perf_counter) -> float:
+    """The best of 5 loops of ``n`` calls, per call. ``clock=time.thread_time``: this thread's
+    CPU time, which other processes on a loaded machine cannot inflate (for work on this thread
+    only, not a collective that a backend thread does)."""
     best = float("inf")
     for _ in range(5):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(n):
             fn()
-        best = min(best, (time.perf_counter() - t0) / n)
+        best = min(best, (clock() - t0) / n)
     return best
 
 
@@ -52,27 +61,31 @@ def _transformer(torch):
 def paired_rounds(step, arms: dict, steps_per_block: int, rounds: int) -> dict:
     """Per arm, one (wall s, thread CPU s) per-step mean for each round. ``arms`` maps a name to
     how many gradient hooks the clock keeps (None: no probe hooks at all). Each block installs
-    its arm, runs one untimed step (the clock's first step hooks every gradient and learns
+    its arm as a rank's probe does (the tables' first sample: step hooks, collective wrappers,
+    GC callback), runs one untimed step (the clock's first step hooks every gradient and learns
     which come last), then times ``steps_per_block`` steps."""
-    from kernel_probe.progress import StepClock, _GradWatch
+    from kernel_probe.config import load_settings
+    from kernel_probe.progress import _GradWatch
+    from kernel_probe.tables import LocalTables
 
     out: dict = {arm: [] for arm in arms}
     names = list(arms)
     for r in range(rounds):
         for arm in (names if r % 2 == 0 else names[::-1]):
-            clock = None
+            tables = None
             if arms[arm] is not None:
                 _GradWatch.KEEP_LAST = arms[arm]
-                clock = StepClock()
-                assert clock.install_torch_hooks()
+                tables = LocalTables(load_settings({}))
+                tables.sample(time.time())
+                assert tables.steps.hooks_installed
             step()
             w0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(steps_per_block):
                 step()
             out[arm].append(((time.perf_counter() - w0) / steps_per_block, (time.thread_time() - c0) / steps_per_block))
-            if clock is not None:
-                assert clock.compute_ms is not None and clock.comm_wait_ms is not None
-                clock.remove_hooks()
+            if tables is not None:
+                assert tables.steps.compute_ms is not None and tables.steps.comm_wait_ms is not None
+                tables.close()
     return out
 
 
@@ -97,6 +110,7 @@ def compare(off: list, on: list) -> str:
 
 
 def main() -> int:
+    quick = "--quick" in sys.argv[1:]
     import torch
     import torch.distributed as dist
 
@@ -112,14 +126,14 @@ def main() -> int:
     tables = LocalTables(load_settings({}))
     off = on = float("inf")
     for _ in range(3):
-        off = min(off, per_call(opt.step, n))
+        off = min(off, per_call(opt.step, n, time.thread_time))
         assert tables.steps.install_torch_hooks()
-        on = min(on, per_call(opt.step, n))
+        on = min(on, per_call(opt.step, n, time.thread_time))
         tables.steps.remove_hooks()
-    print(f"optimizer.step() of Linear(64,64): off {off * 1e6:.2f} us, on {on * 1e6:.2f} us "
+    print(f"optimizer.step() of Linear(64,64), CPU: off {off * 1e6:.2f} us, on {on * 1e6:.2f} us "
           f"-> ratio {on / off:.3f} (+{(on - off) * 1e9:.0f} ns per step)")
 
-    log_cost = per_call(lambda: tables.log(step=1, loss=0.5, lr=0.01), n)
+    log_cost = per_call(lambda: tables.log(step=1, loss=0.5, lr=0.01), n, time.thread_time)
     print(f"kernel_probe.log(step, loss, lr): {log_cost * 1e9:.0f} ns per call")
 
     init = f"file://{tempfile.mkdtemp()}/store"
@@ -138,10 +152,12 @@ def main() -> int:
     from kernel_probe.progress import StepClock, _GradWatch
 
     clock = StepClock()
-    pre_post = per_call(lambda: (clock.on_step_pre(), clock.on_step()), n)
+    clock.gc_total = getattr(tables.steps, "gc_total", None)  # as the tables wire it (older checkouts: none)
+    pre_post = per_call(lambda: (clock.on_step_pre(), clock.on_step()), n, time.thread_time)
     phases = per_call(lambda: (clock.on_forward_start(), clock.on_forward_end(), clock.on_backward_start(),
-                               clock.on_grad_ready(), clock.on_grad_ready(), clock.on_backward_end()), n)
-    print(f"step phase hooks' bodies on the training thread: optimizer pre+post {pre_post * 1e9:.0f} ns, "
+                               clock.on_grad_ready(), clock.on_grad_ready(), clock.on_backward_end()), n,
+                      time.thread_time)
+    print(f"step phase hooks' bodies on the training thread, CPU: optimizer pre+post {pre_post * 1e9:.0f} ns, "
           f"forward/backward with its {_GradWatch.KEEP_LAST} gradient hooks {phases * 1e9:.0f} ns per step")
 
     # Whole DDP steps of realistic size. On a shared 2-core machine a step's wall time swings
@@ -162,7 +178,7 @@ def main() -> int:
             ("tiny MLP 16-16-16, batch 8", _tiny, 20, 300),
             ("deep tiny MLP 24 x Linear(16,16), batch 8", _deep_tiny, 5, 200),
             ("MLP 512-2048-512, batch 128", _mlp, 2, 150),
-            ("Transformer encoder 6x128, batch 8x64", _transformer, 1, 100)):
+            ("Transformer encoder 6x128, batch 8x64", _transformer, 1, 100))[:1 if quick else None]:
         torch.manual_seed(0)
         module, x = make(torch)
         ddp = torch.nn.parallel.DistributedDataParallel(module)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import weakref
+from _thread import get_ident as _get_ident
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable
@@ -21,6 +22,11 @@ from typing import Any, Callable
 from .ring import Ring
 
 _OPTIMIZER_FILE_PART = "torch/optim/"
+_thread_time = time.thread_time
+# The stepping thread's CPU clock is a system call (~0.2 us, no vDSO), so a step end reads it
+# only once this long has passed since the last read, and once more at the next step end to pair
+# with it: every step of at least this length gets its cpu_ms, shorter ones about one per period.
+CPU_EVERY_SEC = 0.01
 
 
 class StepClock:
@@ -49,6 +55,8 @@ class StepClock:
     - ``optimizer_ms``: inside ``optimizer.step()``;
     - ``cpu_ms``: CPU time of the thread that steps the optimizer, from the previous step's
       end to this one's (compute burns it; waiting, sleeping and a CPU taken by others do not);
+      every step of at least ``CPU_EVERY_SEC`` has it, of shorter steps about one per period
+      (the others None: reading a thread's CPU clock is a system call);
     - ``gc_ms``: garbage-collection pauses within the step (``gc_total``, tables.gc_pauses).
 
     Other ways of parallelising give the same phases where their hooks are known:
@@ -67,14 +75,13 @@ class StepClock:
     def __init__(self, clock=time.perf_counter, rows: int = 10000, wall=time.time) -> None:
         self._clock = clock
         self._wall = wall
+        # epoch seconds = clock() + this; refreshed by the probe thread at every sample
+        # (``install_torch_hooks``), so a step reads one clock, not two
+        self._wall_offset = wall() - clock()
         self.step: int | None = None
-        self.step_time_ms: float | None = None
-        self.compute_ms: float | None = None  # forward + backward of the latest step
-        self.comm_wait_ms: float | None = None
+        self._newest: tuple | None = None  # the newest row: step_time_ms, compute_ms, comm_wait_ms
         self._last_end: float | None = None
-        self._last_end_wall: float | None = None
         self._pre: float | None = None
-        self._pre_wall: float | None = None
         self._handles: list = []
         self._grad_hooked: weakref.WeakSet = weakref.WeakSet()  # DDP modules whose gradients we time
         self._watches: list[_GradWatch] = []
@@ -87,65 +94,105 @@ class StepClock:
         self.capture: Any = None  # an armed tables.readers.profile.ProfileCapture, driven from on_step
         self.gc_total: Callable[[], float] | None = None  # GC pause ms so far (tables.gc_pauses)
         self._gc_mark = 0.0
-        self._cpu_mark: tuple[int, float] | None = None  # (thread, its CPU seconds) at the last step end
+        # the last read of the stepping thread's CPU clock: which step, when, which thread, its value;
+        # opened: that read had no previous step's to pair with, so the next step end reads too
+        self._cpu_step, self._cpu_at, self._cpu_thread, self._cpu_mark = 0, float("-inf"), 0, 0.0
+        self._cpu_opened = False
         self._fwd_depth = self._bwd_depth = self._comm_depth = 0  # nested regions count once
-        self._comm_total = 0.0  # ms spent in communication regions so far (FSDP2, pipelines)
+        # ms of communication (FSDP2, pipelines) that ended before this step's first forward, inside
+        # the open forward, inside the open backward: written by on_comm_end only, so a model
+        # without such regions pays one read per phase for them
         self._comm_start: float | None = None
-        self._comm_at_end = self._fwd_comm = self._bwd_comm = self._first_fwd_comm = 0.0
-        self._reset_phases()
-
-    def _reset_phases(self) -> None:
-        # one statement: this runs on the training thread once per step
+        self._comm_pre_fwd = self._comm_in_fwd = self._comm_in_bwd = 0.0
         self._opt_start = self._first_fwd = self._fwd_start = self._fwd_ms = self._bwd_start = self._bwd_ms = \
-            self._wait_ms = self._last_grad = self._comm_ms = None
+            self._wait_ms = self._last_grad = None
+
+    # The latest step's figures, for the probe thread's membership record: read from the newest
+    # row rather than written by every step.
+    @property
+    def step_time_ms(self) -> float | None:
+        """The interval between the last two step ends (None until there are two)."""
+        row = self._newest
+        return row[2] if row is not None and row[0] > 1 else None
+
+    @property
+    def compute_ms(self) -> float | None:
+        """forward + backward of the latest step."""
+        row = self._newest
+        return row[4] + row[5] if row is not None and row[4] is not None and row[5] is not None else None
+
+    @property
+    def comm_wait_ms(self) -> float | None:
+        row = self._newest
+        return None if row is None else row[6]
 
     # --- the training thread: O(1) each, never raise ---------------------------------------
+    # Each runs once (or, for a region, twice) per step: locals over repeated attribute reads,
+    # no builtin calls (max, tuples) beyond the clock reads, no allocation but the row.
     def on_step_pre(self, *_args, **_kwargs) -> None:
         """Global optimizer pre hook."""
-        now = self._clock()
-        self._opt_start = now
+        now = self._opt_start = self._clock()
         if self._pre is None and self._last_end is None:
             self._pre = now
-            self._pre_wall = self._wall()
         # returns None: torch takes a non-None result as replacement (args, kwargs)
 
     def on_forward_start(self) -> None:
-        self._fwd_depth += 1
-        if self._fwd_depth > 1:
+        depth = self._fwd_depth
+        self._fwd_depth = depth + 1
+        if depth > 0:
             return
-        now = self._clock()
-        self._fwd_start, self._fwd_comm = now, self._comm_total
+        now = self._fwd_start = self._clock()
         if self._first_fwd is None:
-            self._first_fwd, self._first_fwd_comm = now, self._comm_total
+            self._first_fwd = now
 
     def on_forward_end(self) -> None:
-        self._fwd_depth = depth = max(self._fwd_depth - 1, 0)
+        depth = self._fwd_depth - 1
+        if depth > 0:
+            self._fwd_depth = depth
+            return
+        self._fwd_depth = 0
         start = self._fwd_start
-        if start is not None and not depth:
-            comm = self._comm_total - self._fwd_comm
-            self._fwd_ms = (self._fwd_ms or 0.0) + (self._clock() - start) * 1000.0 - comm
+        if start is not None:
+            ms = (self._clock() - start) * 1000.0
+            comm = self._comm_in_fwd
+            if comm:
+                ms -= comm
+                self._comm_in_fwd = 0.0
+            fwd = self._fwd_ms
+            self._fwd_ms = ms if fwd is None else fwd + ms
             self._fwd_start = None
 
     def on_comm_start(self) -> None:
-        self._comm_depth += 1
-        if self._comm_depth == 1:
+        depth = self._comm_depth
+        self._comm_depth = depth + 1
+        if depth <= 0:
             self._comm_start = self._clock()
 
     def on_comm_end(self) -> None:
-        self._comm_depth = depth = max(self._comm_depth - 1, 0)
+        depth = self._comm_depth - 1
+        if depth > 0:
+            self._comm_depth = depth
+            return
+        self._comm_depth = 0
         start = self._comm_start
-        if start is not None and not depth:
+        if start is not None:
             ms = (self._clock() - start) * 1000.0
-            self._comm_total += ms
-            self._comm_ms = (self._comm_ms or 0.0) + ms
+            if self._first_fwd is None:
+                self._comm_pre_fwd += ms
+            if self._fwd_depth > 0:
+                self._comm_in_fwd += ms
+            if self._bwd_depth > 0:
+                self._comm_in_bwd += ms
+            wait = self._wait_ms  # communication is waited for, wherever it happens
+            self._wait_ms = ms if wait is None else wait + ms
             self._comm_start = None
 
     def on_backward_start(self) -> None:
-        self._bwd_depth += 1
-        if self._bwd_depth > 1:
+        depth = self._bwd_depth
+        self._bwd_depth = depth + 1
+        if depth > 0:
             return
         self._bwd_start = self._clock()
-        self._bwd_comm = self._comm_total
         self._last_grad = None
 
     def on_grad_ready(self, *_args) -> None:
@@ -153,16 +200,25 @@ class StepClock:
         self._last_grad = self._clock()
 
     def on_backward_end(self) -> None:
-        self._bwd_depth = depth = max(self._bwd_depth - 1, 0)
+        depth = self._bwd_depth - 1
+        if depth > 0:
+            self._bwd_depth = depth
+            return
+        self._bwd_depth = 0
         start = self._bwd_start
-        if start is None or depth:
+        if start is None:
             return
         now, last = self._clock(), self._last_grad
-        saw_grads = last is not None and start <= last <= now
-        comm = 0.0 if saw_grads else self._comm_total - self._bwd_comm
-        self._bwd_ms = (self._bwd_ms or 0.0) + ((last if saw_grads else now) - start) * 1000.0 - comm
-        if saw_grads:
-            self._wait_ms = (self._wait_ms or 0.0) + (now - last) * 1000.0
+        bwd, comm = self._bwd_ms, self._comm_in_bwd
+        if comm:
+            self._comm_in_bwd = 0.0
+        if last is not None and start <= last <= now:  # compute ended with the last gradient
+            ms = (last - start) * 1000.0
+            wait = self._wait_ms
+            self._wait_ms = (now - last) * 1000.0 if wait is None else wait + (now - last) * 1000.0
+        else:
+            ms = (now - start) * 1000.0 - comm
+        self._bwd_ms = ms if bwd is None else bwd + ms
         self._bwd_start = None
         if self._learning:  # once per DDP module: its first backward told us which gradients come last
             self._finish_learning()
@@ -171,45 +227,47 @@ class StepClock:
         """Global optimizer post hook."""
         try:
             now = self._clock()
-            wall = self._wall()
-            last, last_wall = self._last_end, self._last_end_wall
-            self._last_end, self._last_end_wall = now, wall
+            last = self._last_end
+            self._last_end = now
             step = self.step = (self.step or 0) + 1
             opt = self._opt_start
-            opt_ms = (now - opt) * 1000.0 if opt is not None else None
             first = self._first_fwd
-            data_ms = ((first - last) * 1000.0 - (self._first_fwd_comm - self._comm_at_end)
-                       if first is not None and last is not None and first >= last else None)
-            fwd, bwd, wait, comm = self._fwd_ms, self._bwd_ms, self._wait_ms, self._comm_ms
-            if comm is not None:
-                wait = (wait or 0.0) + comm
-            self._comm_at_end = self._comm_total
-            cpu_ms = gc_ms = None
-            try:
-                tid, cpu = threading.get_ident(), time.thread_time()
-                mark = self._cpu_mark
-                if mark is not None and mark[0] == tid:
-                    cpu_ms = (cpu - mark[1]) * 1000.0
-                self._cpu_mark = (tid, cpu)
-                if self.gc_total is not None:
-                    total = self.gc_total()
+            data_ms = (first - last) * 1000.0 if first is not None and last is not None and first >= last else None
+            comm = self._comm_pre_fwd
+            if comm:
+                if data_ms is not None:
+                    data_ms -= comm
+                self._comm_pre_fwd = 0.0
+            cpu_ms = None
+            if now - self._cpu_at >= CPU_EVERY_SEC or self._cpu_opened:
+                cpu, thread = _thread_time(), _get_ident()
+                if self._cpu_step == step - 1 and thread == self._cpu_thread:
+                    cpu_ms = (cpu - self._cpu_mark) * 1000.0
+                self._cpu_step, self._cpu_at, self._cpu_thread, self._cpu_mark = step, now, thread, cpu
+                self._cpu_opened = cpu_ms is None
+            gc_ms = None
+            gc_total = self.gc_total
+            if gc_total is not None:
+                try:
+                    total = gc_total()
                     gc_ms, self._gc_mark = total - self._gc_mark, total
-            except Exception:
-                pass
-            if self.device_side:
-                data_ms = fwd = bwd = wait = opt_ms = None
-            phases = (data_ms, fwd, bwd, wait, opt_ms, cpu_ms, gc_ms)
-            self.compute_ms = fwd + bwd if fwd is not None and bwd is not None else None
-            self.comm_wait_ms = wait
-            self._opt_start = self._first_fwd = self._fwd_start = self._fwd_ms = self._bwd_start = self._bwd_ms = \
-                self._wait_ms = self._last_grad = self._comm_ms = None
+                except Exception:  # the row still goes in, without its GC figure
+                    pass
             if last is not None:
-                ms = self.step_time_ms = (now - last) * 1000.0
-                self._append((step, last_wall, ms, *phases))
+                start, duration = last, (now - last) * 1000.0
             elif self._pre is not None:
-                self._append((step, self._pre_wall, (now - self._pre) * 1000.0, *phases))
+                start, duration = self._pre, (now - self._pre) * 1000.0
             else:
-                self._append((step, wall, None, *phases))
+                start, duration = now, None
+            if self.device_side:
+                row = (step, start + self._wall_offset, duration, None, None, None, None, None, cpu_ms, gc_ms)
+            else:
+                row = (step, start + self._wall_offset, duration, data_ms, self._fwd_ms, self._bwd_ms, self._wait_ms,
+                       (now - opt) * 1000.0 if opt is not None else None, cpu_ms, gc_ms)
+            self._opt_start = self._first_fwd = self._fwd_start = self._fwd_ms = self._bwd_start = self._bwd_ms = \
+                self._wait_ms = self._last_grad = None
+            self._newest = row
+            self._append(row)
             capture = self.capture  # None unless a profile was asked for: one attribute check
             if capture is not None:
                 capture.on_step(step)
@@ -229,6 +287,7 @@ class StepClock:
         hook) would raise in the training thread. So when other global hooks exist and
         the main thread is inside ``torch/optim`` right now, wait for the next sample.
         """
+        self._wall_offset = self._wall() - self._clock()  # every sample: follows the wall clock
         if not self._handles:
             optimizer = loaded_torch_module("torch.optim.optimizer")
             register_post = getattr(optimizer, "register_optimizer_step_post_hook", None)
@@ -307,19 +366,27 @@ class StepClock:
             self._handles.append(handle)
 
     def _timed_forward(self, original: Callable) -> Callable:
-        clock, compiling = self, _is_compiling()
+        compiling, start, end = _is_compiling(), self.on_forward_start, self.on_forward_end
+        seen = self._grad_hooked
+        last = _no_module  # a weak reference to the module seen last: one call, not a WeakSet lookup
 
         @functools.wraps(original)
         def forward(module, *args, **kwargs):
+            nonlocal last
             if compiling():  # never put our clock reads into a graph dynamo traces
                 return original(module, *args, **kwargs)
-            if module not in clock._grad_hooked:
-                clock._hook_grads(module)
-            clock.on_forward_start()
+            if last() is not module:
+                if module not in seen:
+                    self._hook_grads(module)
+                try:
+                    last = weakref.ref(module)
+                except TypeError:  # not weakly referable: the WeakSet answers every call
+                    pass
+            start()
             try:
                 return original(module, *args, **kwargs)
             finally:
-                clock.on_forward_end()
+                end()
 
         return forward
 
@@ -366,17 +433,17 @@ class StepClock:
         return sum(len(w.handles) for w in self._watches)
 
     def _timed_backward(self, original: Callable) -> Callable:
-        clock, compiling = self, _is_compiling()
+        compiling, start, end = _is_compiling(), self.on_backward_start, self.on_backward_end
 
         @functools.wraps(original)
         def backward(*args, **kwargs):
             if compiling():
                 return original(*args, **kwargs)
-            clock.on_backward_start()
+            start()
             try:
                 return original(*args, **kwargs)
             finally:
-                clock.on_backward_end()
+                end()
 
         return backward
 
@@ -452,6 +519,10 @@ class _GradWatch:
             except Exception:
                 pass
         self.handles, self.params = {}, []
+
+
+def _no_module() -> None:
+    return None
 
 
 def _is_compiling() -> Callable[[], bool]:

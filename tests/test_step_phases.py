@@ -5,10 +5,11 @@ comm hook), installed and removed without a trace."""
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
-from kernel_probe.progress import StepClock
+from kernel_probe.progress import CPU_EVERY_SEC, StepClock
 
 
 def test_phases_of_a_step_from_its_hook_times():
@@ -64,6 +65,45 @@ def test_what_is_not_seen_stays_null_and_micro_batches_add_up():
     assert data == pytest.approx(1000.0)  # from the last step's end (2.0) to the first forward (3.0)
 
 
+def test_cpu_time_on_every_long_step_and_on_one_short_step_per_period():
+    """The thread's CPU clock is a system call: short steps read it only about once per
+    CPU_EVERY_SEC, as a pair of consecutive step ends (an exact figure, never an average)."""
+    t = [0.0]
+    clock = StepClock(clock=lambda: t[0])
+    for _ in range(4):  # long steps: each has its own
+        t[0] += CPU_EVERY_SEC * 1.5
+        clock.on_step()
+    short = CPU_EVERY_SEC * 0.3
+    for _ in range(12):
+        t[0] += short
+        clock.on_step()
+    cpu = [r[8] for r in clock.snapshot()]
+    assert cpu[0] is None and all(v is not None and v >= 0 for v in cpu[1:4])
+    # after the last long step's read: the fourth short step ends past the period and opens a
+    # pair, the next closes it with that one step's CPU time; again one period later
+    measured = [i for i, v in enumerate(cpu[4:], 5) if v is not None]
+    assert measured == [9, 14], cpu
+
+
+def test_step_start_follows_the_wall_clock_from_the_next_sample():
+    """A step end reads one clock; its epoch start comes from an offset the probe thread's
+    sample refreshes, so a wall clock set forward shows from the next sample on."""
+    t, wall = [10.0], [1000.0]
+    clock = StepClock(clock=lambda: t[0], wall=lambda: wall[0] + t[0])
+    clock.on_step()
+    t[0] = 10.5
+    clock.on_step()
+    assert clock.snapshot()[-1][1] == pytest.approx(1010.0)
+    wall[0] = 2000.0
+    try:
+        clock.install_torch_hooks()  # the probe thread's sample
+    finally:
+        clock.remove_hooks()
+    t[0] = 11.0
+    clock.on_step()
+    assert clock.snapshot()[-1][1] == pytest.approx(2010.5)
+
+
 @pytest.fixture
 def ddp_world_of_one(monkeypatch):
     torch = pytest.importorskip("torch")
@@ -103,6 +143,7 @@ def test_real_hooks_time_ddp_compose_with_a_users_comm_hook_and_come_off(ddp_wor
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(32, 8), torch.randn(32, 1)
     for _ in range(4):
+        time.sleep(CPU_EVERY_SEC)  # the data loader: steps long enough that each has its cpu_ms
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
