@@ -502,8 +502,8 @@ def _concat(tables: Sequence["pa.Table"]) -> "pa.Table":
     import pyarrow as pa
 
     first = tables[0]
-    if len(tables) == 1:
-        return first
+    if len(tables) == 1 or not first.num_rows and all(t is first for t in tables[1:]):
+        return first  # one part, or the same empty table from every rank (a shape read once)
     if all(t.schema.equals(first.schema) for t in tables[1:]):
         return pa.concat_tables(tables)
     names = first.column_names

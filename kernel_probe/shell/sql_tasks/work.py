@@ -183,53 +183,14 @@ def busy(message: str) -> dict:
     return {"error": {"code": "busy", "message": message}}
 
 
-# A query's shape scan answers the same empty table on every rank (its columns, no rows), and
-# its partials are small: the IPC of a table made before (``_tagged_empty`` makes the shape
-# once) is written once, and a small buffer seen before is read once. Arrow tables are
-# immutable, and a buffer's bytes say all of its table: the same answers as before.
-_IPC_MEMO = 64
-_IPC_MEMO_MAX_BYTES = 4096
-
-
-@functools.lru_cache(maxsize=1)
-def _ipc_memos():
-    from ...sql.execute import BoundedCache
-
-    return BoundedCache(_IPC_MEMO), BoundedCache(_IPC_MEMO)  # id(empty table) -> (it, IPC); IPC -> table
-
-
-def _ipc_of(table: Any) -> bytes:
-    if table.num_rows:
-        return table_to_ipc(table)
-    written, _ = _ipc_memos()
-    known = written.get(id(table))
-    if known is not None and known[0] is table:  # the table is held: its id is not reused meanwhile
-        return known[1]
-    data = table_to_ipc(table)
-    if len(data) <= _IPC_MEMO_MAX_BYTES:
-        written.put(id(table), (table, data))
-    return data
-
-
-def _table_of(data: bytes) -> Any:
-    if len(data) > _IPC_MEMO_MAX_BYTES:
-        return ipc_to_table(data)
-    _, read = _ipc_memos()
-    table = read.get(data)
-    if table is None:
-        table = ipc_to_table(data)
-        read.put(bytes(data), table)
-    return table
-
-
 def _encode(scans: Mapping[str, Any]) -> dict:
     names = list(scans)
-    return {"scans": names, "buffers": [NONE if scans[n] is None else _ipc_of(scans[n]) for n in names],
+    return {"scans": names, "buffers": [NONE if scans[n] is None else table_to_ipc(scans[n]) for n in names],
             "rows": [0 if scans[n] is None else scans[n].num_rows for n in names]}  # a broker's relay decision
 
 
 def _decode(parts: list[dict]) -> list[dict[str, Any]]:
-    return [{n: (None if b == NONE else _table_of(b)) for n, b in zip(p["scans"], p["buffers"])}
+    return [{n: (None if b == NONE else ipc_to_table(b)) for n, b in zip(p["scans"], p["buffers"])}
             for p in parts]
 
 
