@@ -1,23 +1,16 @@
 """A subquery's plan travels as one packed buffer: packed once by the hop that sends it to
 every child, forwarded by a broker as it came, parsed once per distinct plan by each hop
 (the same dict again, which the rank's SQL work then knows at once); a buffer that is not a
-plan fails the ranks it was for, with a reason, and never the hop. And the small IPC
-streams the ranks answer with are written as their messages: the same bytes as a stream
-writer's."""
+plan fails the ranks it was for, with a reason, and never the hop."""
 
 from __future__ import annotations
 
-import datetime
-import decimal
-
-import pyarrow as pa
 import pytest
 
 from kernel_probe import wire
 from kernel_probe.effects import PARENT, RunSqlTask, Send
 from kernel_probe.query_fanout import PLAN_MEMO, QueryFanOut
 from kernel_probe.query_tasks import RankScan
-from kernel_probe.tables.arrow_ipc import ipc_to_table, table_to_ipc
 from kernel_probe.wire import Envelope, Header, Message
 
 PLAN = {"mode": "partial-aggregate", "final": "SELECT sum(n) AS n FROM s0",
@@ -91,23 +84,3 @@ def test_the_plans_kept_are_bounded() -> None:
     for i in range(PLAN_MEMO * 3):
         fan.on_subquery(_subquery(f"q{i}", wire.pack_json(dict(PLAN, final=f"SELECT {i}"))), 0.0)
     assert len(fan._plans) == PLAN_MEMO
-
-
-@pytest.mark.parametrize("table", [
-    pa.table({"a": [1, 2, None], "s": ["x", None, "zz"], "f": [1.5, None, 2.0]}),
-    pa.table({"d": pa.array([decimal.Decimal("1.5")], pa.decimal128(38, 1)), "b": [True],
-              "ts": pa.array([datetime.datetime(2020, 1, 1)], pa.timestamp("us", tz="UTC"))}),
-    pa.concat_tables([pa.table({"a": [1]}), pa.table({"a": [2, 3]})]),  # two batches
-    pa.table({"a": [1]}).replace_schema_metadata({"k": "v"}),
-    pa.table({"l": [[1, 2]], "d": pa.array(["a"]).dictionary_encode()}),  # the stream writer's
-    pa.table({"ls": pa.array(["a"], pa.large_string()), "bin": [b"x"], "n": pa.nulls(1)}),
-    pa.table({"a": pa.array([], pa.int64())}),
-])
-def test_a_table_is_written_as_a_stream_writer_writes_it(table: pa.Table) -> None:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.RecordBatchStreamWriter(sink, table.schema) as writer:
-        writer.write_table(table)
-    data = table_to_ipc(table)
-    assert data == sink.getvalue().to_pybytes()
-    back = ipc_to_table(data)
-    assert back.equals(table) and back.schema.metadata == table.schema.metadata

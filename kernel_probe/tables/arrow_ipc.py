@@ -45,16 +45,6 @@ def _remember(cache: dict, key: Any, value: Any) -> None:
     cache[key] = value
 
 
-_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # a continuation marker and a zero length
-
-
-def _flat(typ: Any) -> bool:
-    """A column type whose batches carry no dictionary (a stream writer writes those apart)."""
-    import pyarrow as pa
-
-    return not (pa.types.is_dictionary(typ) or pa.types.is_nested(typ) or isinstance(typ, pa.ExtensionType))
-
-
 def table_to_ipc(table: Any) -> bytes:
     """An Arrow table as one IPC stream (the only binary payload format; never pickle); a
     ``PlainTable`` (a leaf's, made without pyarrow) written without pyarrow too."""
@@ -69,11 +59,6 @@ def table_to_ipc(table: Any) -> bytes:
         known = _EMPTY_IPC.get(key)
         if known is not None:
             return known
-    if key is None and all(_flat(t) for t in table.schema.types):
-        # the stream as its messages, written without a stream writer (half of a small
-        # partial's cost): the schema, each batch, the end marker; the same bytes
-        return b"".join([table.schema.serialize().to_pybytes(),
-                         *[batch.serialize().to_pybytes() for batch in table.to_batches()], _END_OF_STREAM])
     sink = pa.BufferOutputStream()
     with pa.ipc.RecordBatchStreamWriter(sink, table.schema, options=_ipc_options()[0]) as writer:
         writer.write_table(table)
