@@ -12,7 +12,12 @@ each rank with its own table ``t`` (~300 rows: id, g, x). Default intervals. Mea
 4. The CPU floor: one rank's SQL task timed alone, times the ranks, over the cores; and the
    hosts' whole CPU per rank per query by thread (I/O thread, SQL workers, libzmq).
 
-    .venv/bin/python benchmarks/scale_sockets.py [--world 1024] [--hosts 8] [--repeat 30]
+    .venv/bin/python benchmarks/scale_sockets.py [--world 1024] [--hosts 8] [--repeat 30] [--against TREE]
+
+``--against TREE`` runs a second job on the code checked out at TREE (e.g. ``git worktree add
+--detach ../before HEAD~1``) beside this one, and queries the two in turn: the figures of both
+come from one run, under the same load. A query refused as partial (ranks that timed out on
+an overloaded machine) is counted and left out of the percentiles.
 """
 
 from __future__ import annotations
@@ -87,6 +92,44 @@ def thread_cpu(pids: list[int]) -> dict[str, float]:
     return out
 
 
+class Side:
+    """One job of the run (this tree's code, or ``--against``'s): its hosts, client and figures."""
+
+    def __init__(self, label: str, code: str, args: argparse.Namespace, runtime: str) -> None:
+        self.label, self.code = label, code
+        # the hosts import the code under test: this tree's, or the tree run against
+        env = {"PROBING_RUNTIME_DIR": runtime, "PYTHONPATH": code}
+        self.job = VirtualJob(args.world, args.hosts, args.per_node, rows=args.rows, sql_workers=args.sql_workers,
+                              env=env)
+        self.client = None
+        self.runs: dict[str, list[tuple[float, object]]] = {COUNT: [], GROUPED: []}
+        self.cpu_per: dict[str, list[float]] = {COUNT: [], GROUPED: []}  # CPU ms of all hosts per query
+        self.partial = 0  # answers refused as partial (a loaded machine: ranks timed out)
+        self.queries = 0
+
+    def query(self, sql: str, expected: int, keep: bool) -> None:
+        pids = self.job.pids()
+        cpu = cpu_seconds(pids)
+        t = time.perf_counter()
+        try:
+            r = self.client.query(sql, timeout=120, strict=True)
+        except kernel_probe.QueryFailed as exc:
+            self.partial += 1
+            print(f"  [{self.label}] {str(exc)[:160]}", flush=True)
+            return
+        finally:
+            self.queries += 1
+        ms = (time.perf_counter() - t) * 1000
+        cpu_ms = (cpu_seconds(pids) - cpu) * 1000
+        if sql == COUNT:
+            assert int(r.df["n"][0]) == expected
+        else:
+            assert len(r.df) == GROUPS and int(r.df["n"].sum()) == expected
+        if keep:
+            self.runs[sql].append((ms, r))
+            self.cpu_per[sql].append(cpu_ms)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=1024)
@@ -96,6 +139,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--idle", type=float, default=10.0, help="seconds of idle CPU measured once converged")
     ap.add_argument("--sql-workers", type=int, default=2, help="SQL worker threads per host process")
+    ap.add_argument("--against", metavar="TREE", default=None,
+                    help="a checkout of other code (e.g. the commit before): a second job runs it, "
+                         "queried in turn with this one, in the same run")
     args = ap.parse_args()
 
     runtime = tempfile.mkdtemp(prefix="kp-scale-")
@@ -104,75 +150,81 @@ def main() -> int:
     expected = sum(rows_of(r, args.rows) for r in range(world))
     print(f"{world} virtual ranks = {args.hosts} processes x {world // args.hosts} ({world // args.per_node} nodes x "
           f"{args.per_node}); {os.cpu_count()} cores; base interval {base:g} s", flush=True)
-    with VirtualJob(world, args.hosts, args.per_node, rows=args.rows, sql_workers=args.sql_workers,
-                    env={"PROBING_RUNTIME_DIR": runtime}) as job:
-        t0 = time.time()
-        job.start().wait_ready(300)
-        converged = job.wait_converged(300)
-        conv = converged["at"] - job.last_start
-        verdict = "within" if conv <= base else "OVER"
-        print(f"convergence: {conv * 1000:.0f} ms after the last virtual probe started "
-              f"({job.last_start - t0:.1f} s after launch; {verdict} one base interval of {base:g} s)", flush=True)
-        pids = job.pids()
-        time.sleep(1.0)
-        cpu0, w0 = cpu_seconds(pids), time.monotonic()
-        time.sleep(args.idle)
-        idle = (cpu_seconds(pids) - cpu0) / (time.monotonic() - w0)
-        before = rss_mb(pids)
-        print(f"idle, converged: {idle * 100:.1f} % of a core for all {world} ranks "
-              f"({idle * 100 / world * 1000:.1f} m% per rank); RSS per host "
-              f"{statistics.median(before):.0f} MB median, {max(before):.0f} MB max", flush=True)
+    here = str(Path(__file__).resolve().parents[1])
+    sides = [Side("this", here, args, runtime)]
+    if args.against:
+        sides.append(Side("against", str(Path(args.against).resolve()), args, runtime))
+    try:
+        for side in sides:
+            job = side.job
+            t0 = time.time()
+            job.start().wait_ready(300)
+            converged = job.wait_converged(300)
+            conv = converged["at"] - job.last_start
+            verdict = "within" if conv <= base else "OVER"
+            print(f"[{side.label}: {side.code}] convergence: {conv * 1000:.0f} ms after the last virtual probe "
+                  f"started ({job.last_start - t0:.1f} s after launch; {verdict} one base interval of {base:g} s)",
+                  flush=True)
+        for side in sides:
+            pids = side.job.pids()
+            time.sleep(1.0)
+            cpu0, w0 = cpu_seconds(pids), time.monotonic()
+            time.sleep(args.idle)
+            idle = (cpu_seconds(pids) - cpu0) / (time.monotonic() - w0)
+            before = rss_mb(pids)
+            print(f"[{side.label}] idle, converged: {idle * 100:.1f} % of a core for all {world} ranks "
+                  f"({idle * 100 / world * 1000:.1f} m% per rank); RSS per host "
+                  f"{statistics.median(before):.0f} MB median, {max(before):.0f} MB max", flush=True)
+            t = time.perf_counter()
+            side.client = kernel_probe.connect(side.job.connection_file, timeout=30)
+            connect_ms = (time.perf_counter() - t) * 1000
+            t = time.perf_counter()
+            first = side.client.query(COUNT, timeout=120)
+            first_ms = (time.perf_counter() - t) * 1000
+            print(f"[{side.label}] connect {connect_ms:.0f} ms; first query {first_ms:.0f} ms ({first.footer()})",
+                  flush=True)
 
-        t = time.perf_counter()
-        client = kernel_probe.connect(job.connection_file, timeout=30)
-        connect_ms = (time.perf_counter() - t) * 1000
-        t = time.perf_counter()
-        first = client.query(COUNT, timeout=120)
-        first_ms = (time.perf_counter() - t) * 1000
-        assert int(first.df["n"][0]) == expected, (first.df, expected)
-        print(f"connect {connect_ms:.0f} ms; first query {first_ms:.0f} ms ({first.footer()})", flush=True)
-
-        runs: dict[str, list[tuple[float, object]]] = {COUNT: [], GROUPED: []}
-        cpu_per: dict[str, list[float]] = {COUNT: [], GROUPED: []}  # CPU ms of all hosts per query
-        threads0 = thread_cpu(pids)
+        threads0 = {side.label: thread_cpu(side.job.pids()) for side in sides}
         for i in range(args.repeat + 2):  # two warm-up rounds, not counted
             for sql in (COUNT, GROUPED):
-                cpu = cpu_seconds(pids)
-                t = time.perf_counter()
-                r = client.query(sql, timeout=120, strict=True)
-                ms = (time.perf_counter() - t) * 1000
-                cpu_ms = (cpu_seconds(pids) - cpu) * 1000
-                if sql == COUNT:
-                    assert int(r.df["n"][0]) == expected
-                else:
-                    assert len(r.df) == GROUPS and int(r.df["n"].sum()) == expected
-                if i >= 2:
-                    runs[sql].append((ms, r))
-                    cpu_per[sql].append(cpu_ms)
-        threads1 = thread_cpu(pids)
-        after = rss_mb(pids)
-        client.close()
+                for side in sides if i % 2 else reversed(sides):  # each goes first in turn
+                    side.query(sql, expected, keep=i >= 2)
+        threads1 = {side.label: thread_cpu(side.job.pids()) for side in sides}
+        after = {side.label: rss_mb(side.job.pids()) for side in sides}
+    finally:
+        for side in sides:
+            if side.client is not None:
+                side.client.close()
+            side.job.close()
 
-    print(f"\n{args.repeat} interleaved runs each, client wall time in ms (p99 of {args.repeat} = the slowest):")
-    for label, sql in (("count", COUNT), ("grouped count+avg", GROUPED)):
-        ms = [m for m, _ in runs[sql]]
-        p50 = pct(ms, 0.5)
-        median_run = min(runs[sql], key=lambda mr: abs(mr[0] - p50))[1]
-        print(f"  {label:18s} p50 {p50:7.0f}  p99 {pct(ms, 0.99):7.0f}  ({median_run.footer()}); "
-              f"hosts' CPU {statistics.median(cpu_per[sql]):.0f} ms per query (median)")
-        print(f"      median run: {where(median_run.coverage['profile'])}")
-    queries = 2 * (args.repeat + 2)
-    split = {k: (v - threads0.get(k, 0.0)) * 1e6 / queries / world for k, v in threads1.items()}
-    print("hosts' CPU per rank per query (both kinds): " + ", ".join(
-        f"{k} {v:.0f} us" for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v >= 1) +
-        f"; total {sum(split.values()):.0f} us x {world} ranks / {os.cpu_count() or 1} cores = "
-        f"{sum(split.values()) * world / (os.cpu_count() or 1) / 1000:.0f} ms a query at best")
-    print(f"RSS per host process after the queries: {', '.join(f'{m:.0f}' for m in after)} MB "
-          f"({world // args.hosts} ranks each)")
-    floor = {label: rank_task_ms(sql, rows=args.rows) for label, sql in (("count", COUNT), ("grouped", GROUPED))}
     cores = os.cpu_count() or 1
-    print("CPU floor: one rank's SQL task alone " + ", ".join(f"{k} {v:.1f} ms" for k, v in floor.items()) +
-          f"; x {world} ranks / {cores} cores = " +
+    for side in sides:
+        print(f"\n[{side.label}: {side.code}] {args.repeat} interleaved runs each, client wall time in ms "
+              f"(p99 of {args.repeat} = the slowest):")
+        for label, sql in (("count", COUNT), ("grouped count+avg", GROUPED)):
+            ms = [m for m, _ in side.runs[sql]]
+            if not ms:
+                print(f"  {label:18s} no complete answer")
+                continue
+            p50 = pct(ms, 0.5)
+            median_run = min(side.runs[sql], key=lambda mr: abs(mr[0] - p50))[1]
+            print(f"  {label:18s} p50 {p50:7.0f}  p99 {pct(ms, 0.99):7.0f}  ({median_run.footer()}); "
+                  f"hosts' CPU {statistics.median(side.cpu_per[sql]):.0f} ms per query (median), "
+                  f"{statistics.median(side.cpu_per[sql]) * 1000 / world:.0f} us per rank")
+            print(f"      median run: {where(median_run.coverage['profile'])}")
+        if side.partial:
+            print(f"  {side.partial} of {side.queries} answers refused as partial (ranks timed out: a loaded machine)")
+        t0, t1 = threads0[side.label], threads1[side.label]
+        split = {k: (v - t0.get(k, 0.0)) * 1e6 / side.queries / world for k, v in t1.items()}
+        print("hosts' CPU per rank per query (both kinds): " + ", ".join(
+            f"{k} {v:.0f} us" for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v >= 1) +
+            f"; total {sum(split.values()):.0f} us x {world} ranks / {cores} cores = "
+            f"{sum(split.values()) * world / cores / 1000:.0f} ms a query at best")
+        print(f"RSS per host process after the queries: {', '.join(f'{m:.0f}' for m in after[side.label])} MB "
+              f"({world // args.hosts} ranks each)")
+    floor = {label: rank_task_ms(sql, rows=args.rows) for label, sql in (("count", COUNT), ("grouped", GROUPED))}
+    print("\nCPU floor (this tree): one rank's SQL task alone " + ", ".join(f"{k} {v:.1f} ms" for k, v in floor.items())
+          + f"; x {world} ranks / {cores} cores = " +
           ", ".join(f"{k} {v * world / cores:.0f} ms" for k, v in floor.items()))
     return 0
 

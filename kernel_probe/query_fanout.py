@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from .effects import PARENT, Effect, RunSqlTask, Send
 from .query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlTask, Warm
-from .wire import Envelope, Message
+from .wire import Envelope, Message, pack_json, unpack_json
 
 MERGE_ABOVE_ROWS = 4096  # below this, concatenating partials is cheaper than reducing them
 FINISH_SHARE = 0.1  # part of the remaining time the root keeps for merging and finishing
@@ -48,6 +48,8 @@ PROGRESS_EVERY = 0.5
 WARM_EVERY = 60.0  # seconds: the root warms the tree again at most this often (new ranks, relaunches)
 RELAY_MAX_PARTS = 4  # a broker relays at most this many parts: at scale (8 ranks a node) it merges
 MAX_PROFILE_ROWS = 64  # merges and hops a profile lists at most (a 1024-rank job has 128 brokers)
+PLAN_MEMO = 16  # plans a hop keeps parsed by their bytes (a dashboard asks the same few again and again)
+PLAN_MEMO_MAX_BYTES = 64 * 1024  # a larger plan is parsed each time it comes
 
 
 class Tree(Protocol):
@@ -94,6 +96,7 @@ class HopQuery:
     started: float
     request: dict = field(default_factory=dict)
     plan: dict | None = None
+    plan_buffer: bytes | None = None  # the plan as subqueries carry it: packed once, forwarded as it came
     targeted: list[int] = field(default_factory=list)
     pruned: list[int] = field(default_factory=list)
     waiting: dict[int, list[int]] = field(default_factory=dict)  # hop rank -> ranks it answers for
@@ -196,6 +199,7 @@ class QueryFanOut:
         self._seq = 0
         self._warmed_at: float | None = None
         self._direct_warmed_at: float | None = None  # a client that asks this rank directly warmed it
+        self._plans: dict[bytes, dict] = {}  # a subquery's plan buffer -> the plan, parsed once (PLAN_MEMO)
 
     # --- helpers ------------------------------------------------------------------------
     def _task(self, s: HopQuery, task: SqlTask) -> RunSqlTask:
@@ -298,17 +302,18 @@ class QueryFanOut:
                 s.failed[rank] = "unreachable"
                 continue
             by_hop.setdefault(hop[0], (hop[1], []))[1].append(rank)
-        # the explain text is for the client: the hops below never read it (half a count's plan)
-        down = {k: v for k, v in s.plan.items() if k != "explain"} if by_hop else s.plan
+        if by_hop and s.plan_buffer is None:
+            # packed once for every child (the explain text is for the client: the hops below never
+            # read it); a broker forwards the bytes it got, and a rank parses a plan it knows no more
+            s.plan_buffer = pack_json({k: v for k, v in s.plan.items() if k != "explain"})
         # the widest subtree first: a broker's answer is the last to come back
         for hop, (rid, ranks) in sorted(by_hop.items(), key=lambda kv: -len(kv[1][1])):
             s.waiting[hop] = ranks
             s.timing.sent[hop] = now
-            body = {"qid": s.qid, "plan": down, "deadline": child_deadline, "ranks": ranks,
-                    "params": s.request.get("params")}
+            body = {"qid": s.qid, "deadline": child_deadline, "ranks": ranks, "params": s.request.get("params")}
             if s.request.get("native"):  # only then: a plain query's message stays as it was
                 body["native"] = True
-            effects.append(Send(rid, Message("subquery", body)))
+            effects.append(Send(rid, Message("subquery", body, (s.plan_buffer,))))
         return effects + own
 
     # --- warming up -------------------------------------------------------------------------
@@ -340,16 +345,35 @@ class QueryFanOut:
         qid = body["qid"]
         deadline = float(body["deadline"])
         ranks = [r for r in body["ranks"] if isinstance(r, int)]
+        buffer = env.msg.buffers[0] if "plan" not in body and env.msg.buffers else None
+        plan = body.get("plan") if buffer is None else self._plan_in(buffer)
         s = HopQuery(qid, PARENT, env.header.msg_id, deadline,
                     deadline - min(HOP_MARGIN_MAX, max(0.0, deadline - now) * FINISH_SHARE), now,
-                    request={"params": body.get("params"), "native": bool(body.get("native"))}, plan=body["plan"],
-                    targeted=ranks)
+                    request={"params": body.get("params"), "native": bool(body.get("native"))},
+                    plan=plan if isinstance(plan, dict) else {}, plan_buffer=buffer, targeted=ranks)
         self.queries[qid] = s
-        if self.tree.tier is None:
-            s.failed.update({r: "not ready" for r in ranks})
+        if self.tree.tier is None or not isinstance(plan, dict):
+            why = "not ready" if self.tree.tier is None else "a malformed plan"
+            s.failed.update({r: why for r in ranks})
             return self._answer_parent(s, [], [], now=now)
         effects = self._fan(s, ranks, now)
         return effects + self._maybe_merge(s, now)
+
+    def _plan_in(self, buffer: bytes) -> Any:
+        """A subquery's plan from its buffer: the same dict as before for the same bytes (the
+        rank's SQL work then knows it at once too), else parsed; None when it is not JSON."""
+        plan = self._plans.get(buffer)
+        if plan is not None:
+            return plan
+        try:
+            plan = unpack_json(buffer)
+        except (ValueError, RecursionError):
+            return None
+        if isinstance(plan, dict) and len(buffer) <= PLAN_MEMO_MAX_BYTES:
+            if len(self._plans) >= PLAN_MEMO:
+                self._plans.pop(next(iter(self._plans)))  # the oldest goes
+            self._plans[buffer] = plan
+        return plan
 
     # --- answers come back -----------------------------------------------------------------------
     def on_subresult(self, rid: bytes, env: Envelope, now: float) -> list[Effect]:

@@ -60,6 +60,8 @@ __all__ = [
     "curve_options",
     "refusal_frames",
     "parse_refusal",
+    "pack_json",
+    "unpack_json",
 ]
 
 PROTOCOL_VERSION = 1  # the application protocol (info handshake, connection files)
@@ -177,12 +179,12 @@ class QueryResultBody(_QueryResultFields, total=False):  # probe -> client; ok: 
 
 class _SubqueryFields(TypedDict):
     qid: str
-    plan: dict
     deadline: float
     ranks: list
 
 
 class SubqueryBody(_SubqueryFields, total=False):  # parent -> child
+    plan: dict  # absent: the plan is the first buffer, as pack_json wrote it (forwarded as it came)
     params: dict | None
     native: bool  # as the query's
 
@@ -417,6 +419,17 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 def _dumps(obj: Any) -> bytes:
     return _ENCODER.encode(obj).encode("ascii")
+
+
+def pack_json(obj: Any) -> bytes:
+    """``obj`` as the wire's compact, strict JSON, for a buffer (a plan sent once, forwarded
+    as it came); ValueError for what JSON cannot hold."""
+    return _dumps(obj)
+
+
+def unpack_json(data: bytes) -> Any:
+    """A buffer ``pack_json`` wrote; ValueError for anything else."""
+    return _loads(data)
 
 
 def _reject_constant(name: str) -> Any:

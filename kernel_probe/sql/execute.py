@@ -401,9 +401,15 @@ def _rows_then_tags(spec: Mapping[str, Any], table: "pa.Table", tags: Mapping[st
 def _lacking(regs: Mapping[str, "pa.Table"], needs: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
     """The columns a scan reads (``Scan.needs``) that this rank's tables lack, by table."""
     out = {}
+    if not needs:
+        return out
     for name, table in regs.items():
-        have = {c.lower() for c in table.column_names}
-        cols = [c for c in dict.fromkeys(needs.get(name.lower(), ())) if c.lower() not in have]
+        wanted = needs.get(name.lower(), ())
+        names = table.column_names
+        if all(c in names for c in wanted):  # found by their exact names: nothing lacking
+            continue
+        have = {c.lower() for c in names}
+        cols = [c for c in dict.fromkeys(wanted) if c.lower() not in have]
         if cols:
             out[name] = cols
     return out
@@ -502,8 +508,8 @@ def _concat(tables: Sequence["pa.Table"]) -> "pa.Table":
     import pyarrow as pa
 
     first = tables[0]
-    if len(tables) == 1:
-        return first
+    if len(tables) == 1 or not first.num_rows and all(t is first for t in tables[1:]):
+        return first  # one part, or the same empty table from every rank (a shape read once)
     if all(t.schema.equals(first.schema) for t in tables[1:]):
         return pa.concat_tables(tables)
     names = first.column_names

@@ -270,8 +270,10 @@ class VirtualHost:
         self.started: float | None = None
         self.converged_at: float | None = None
         self.connection_file: str | None = None
-        # cProfile of the I/O thread and of each SQL worker, written at close (where a rank's CPU goes)
+        # cProfile of the I/O thread and of each SQL worker, written at close (where a rank's CPU goes);
+        # on from the start, or only between SIGUSR1 and SIGUSR2 (``profiling``: a window of queries)
         self.profile_dir = profile_dir
+        self.profiling = bool(profile_dir)
         self._profiles: dict[str, Any] = {}
 
     def _profiler(self, name: str):
@@ -314,7 +316,7 @@ class VirtualHost:
 
         def work() -> None:
             prof = None
-            if self.profile_dir:
+            if self.profile_dir and self.profiling:
                 prof = self._profiler(f"sql-{threading.current_thread().name}")
                 prof.enable()
             try:
@@ -363,8 +365,6 @@ class VirtualHost:
         """The one I/O loop of every virtual rank here, until ``stop`` is set."""
         stop = stop or threading.Event()
         _name_os_thread("vhost-io")
-        if self.profile_dir:
-            self._profiler("io").enable()
         try:
             self._loop(stop, on_converged)
         finally:
@@ -376,7 +376,11 @@ class VirtualHost:
         next_sample = time.time() + sample_every
         root = self.probes.get(0)
         pending: list[tuple[Any, VirtualProbe | None, str]] = []  # sockets known to hold messages
+        profiled = False
         while not stop.is_set():
+            if self.profile_dir and self.profiling != profiled:
+                profiled = self.profiling
+                (self._profiler("io").enable if profiled else self._profiler("io").disable)()
             now = time.time()
             while self._heap and self.probes[self._heap[0][2]].armed != self._heap[0][0]:
                 heapq.heappop(self._heap)  # superseded
@@ -514,7 +518,8 @@ class VirtualJob:
 
     def __init__(self, world: int, hosts: int, per_node: int = 8, *, token: str = "vhost-token",
                  run_id: str | None = None, rows: int = 300, env: dict | None = None,
-                 base_port: int | None = None, sql_workers: int = 2, profile_dir: str | None = None) -> None:
+                 base_port: int | None = None, sql_workers: int = 2, profile_dir: str | None = None,
+                 profile_window: bool = False) -> None:
         per_host = world // hosts
         if world % hosts or per_host % per_node:
             raise ValueError("every host must hold whole nodes: world = hosts x k x per_node")
@@ -523,7 +528,7 @@ class VirtualJob:
         self.run_id = run_id or f"vhost-{self.base_port}"
         self.env = {**os.environ, **(env or {})}
         self.sql_workers = sql_workers
-        self.profile_dir = profile_dir
+        self.profile_dir, self.profile_window = profile_dir, profile_window
         self.ranges = [(h * per_host, (h + 1) * per_host - 1) for h in range(hosts)]
         self.hosts: list[_Host] = []
         self.converged: dict | None = None
@@ -541,7 +546,7 @@ class VirtualJob:
                     str(self.base_port), "--run-id", self.run_id, "--rows", str(self.rows),
                     "--sql-workers", str(self.sql_workers)]
             if self.profile_dir:
-                argv += ["--profile", self.profile_dir]
+                argv += ["--profile", self.profile_dir] + (["--profile-window"] if self.profile_window else [])
             env = dict(self.env, PROBING_AUTH_TOKEN=self.token)
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             host = _Host(proc, f"{lo}-{hi}", [])
@@ -597,6 +602,12 @@ class VirtualJob:
     def pids(self) -> list[int]:
         return [h.proc.pid for h in self.hosts]
 
+    def profile(self, on: bool) -> None:
+        """Start (or stop) the hosts' profiles (``profile_window``: only between these calls)."""
+        for h in self.hosts:
+            if h.proc.poll() is None:
+                h.proc.send_signal(signal.SIGUSR1 if on else signal.SIGUSR2)
+
     def kill(self, i: int) -> None:
         self.hosts[i].proc.kill()
         self.hosts[i].proc.wait(10)
@@ -641,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sql-workers", type=int, default=2)
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="write cProfile stats of the I/O thread and the SQL workers to DIR at exit")
+    ap.add_argument("--profile-window", action="store_true",
+                    help="with --profile: profile only between a SIGUSR1 and the next SIGUSR2")
     args = ap.parse_args(argv)
     settings = load_settings()
     token = args.token or settings.auth_token
@@ -662,6 +675,14 @@ def main(argv: list[str] | None = None) -> int:
                            run_id=args.run_id, settings=settings, rows=args.rows, sql_workers=args.sql_workers,
                            profile_dir=args.profile, token=token)
         host.start()
+        if args.profile and args.profile_window:
+            host.profiling = False
+
+            def window(signum: int, _frame: Any) -> None:
+                host.profiling = signum == signal.SIGUSR1
+
+            signal.signal(signal.SIGUSR1, window)
+            signal.signal(signal.SIGUSR2, window)
     except (zmq.ZMQError, ValueError, OSError) as exc:
         print(f"error: {exc}", flush=True)
         return 1

@@ -365,7 +365,7 @@ class SqlWork:
         from ...sql.planner import Plan
 
         known = self._plan_objects.get(given["final"])
-        if known is not None and known[0] == given:
+        if known is not None and (known[0] is given or known[0] == given):  # the fan-out's parsed plan: the same dict
             return known[1]
         plan = Plan.from_dict({k: v for k, v in given.items() if k != "explain"})
         self._plan_objects.put(given["final"], (given, plan))
