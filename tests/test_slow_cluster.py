@@ -211,3 +211,34 @@ def test_a_cpu_hog_beside_one_rank_is_host_contention(job):
     result = verdict_until(root, one_straggler((3,), "for the CPU time of the others: its main thread waits for a CPU"))
     assert "run-queue delay" in stragglers(result)[0].evidence
     set_control(control)
+
+
+def test_a_rank_whose_garbage_collection_runs_long_is_memory_gc(job):
+    # rank 3 makes reference cycles every step and collects them over a big heap: real pauses
+    root, control, _ = job
+    switch(root, control, slow={"3": {"phase": "gc", "ms": 40}})
+    result = verdict_until(root, one_straggler((3,), "garbage collection takes", "gc pauses"))
+    assert "vs 0" in stragglers(result)[0].detail, stragglers(result)[0].detail  # the others collect nothing
+
+
+def test_a_job_that_gets_slower_mid_run_says_when_and_which_ranks(job):
+    """Every rank's data loader takes 50 ms longer from one moment on (the job about halves its
+    speed): no straggler explains it, the step-time history's newest level does."""
+    root, control, _ = job
+    set_control(control)
+    time.sleep(14)  # a healthy level of its own before the change
+    switched = time.time()
+    set_control(control, slow={str(r): {"phase": "data", "ms": 50} for r in range(4)})
+
+    def slowdown(result) -> bool:
+        return any(f.kind == "slowdown" for f in result.verdict.findings)
+
+    result = verdict_until(root, slowdown, timeout=150)
+    (g,) = [g for g in result.verdict.findings if g.kind == "slowdown"]
+    assert g.ranks == (0, 1, 2, 3) and "ranks 0-3 changed first (host h0, h1)" in g.detail, g.detail
+    at = time.strptime(g.detail.split("got slower at ")[1][:8], "%H:%M:%S")
+    seconds = at.tm_hour * 3600 + at.tm_min * 60 + at.tm_sec
+    # the level starts at the history bin (2 s) the switch fell in, or the next (a rank reads the control per step)
+    assert -3 <= seconds - switched % 86400 <= 5, (g.detail, time.strftime("%H:%M:%S", time.gmtime(switched)))
+    assert time.time() - switched >= 20  # the rule's minimum: a slower level lasts 20 s before it is one
+    set_control(control)
