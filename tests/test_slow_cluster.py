@@ -104,6 +104,9 @@ def test_a_healthy_job_has_no_straggler_and_exits_0(job):
 
 def test_a_compute_straggler_is_named_with_its_phase_victims_and_since_when(job):
     root, control, _ = job
+    # a healthy level of its own first: the history's levels last 10 s at least
+    first = root.query("SELECT min(start) AS t FROM steps").df["t"].iloc[0]
+    time.sleep(max(0.0, first + 14 - time.time()))
     switched = time.time()
     set_control(control, slow={"3": {"phase": "forward", "ms": 60}})
     # compute: the extra time is CPU time of its own

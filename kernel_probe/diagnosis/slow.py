@@ -26,6 +26,7 @@ the slowest's, so step durations cannot name the culprit. What can:
 from __future__ import annotations
 
 from bisect import bisect_right
+from math import comb
 from collections import defaultdict
 from dataclasses import dataclass, field
 from statistics import median
@@ -42,7 +43,8 @@ MIN_LATE_MS = 5.0  # a rank later than the median by less than this is noise
 LATE_SHARE_OF_STEP = 0.15  # ... or by less than this share of the median step
 MIN_SHARE = 0.12  # a straggler is late in at least this share of the window's collectives
 MIN_LATE_COLLECTIVES = 3
-SHARE_OVER_BASELINE = 0.15  # ... and this much more often than the typical rank
+SHARE_OVER_BASELINE = 0.15  # ... and this much more often than the typical rank ...
+MAX_CHANCE = 1e-3  # ... and that often late by chance (at the others' rate) less likely than this
 MIN_CHANGE = 0.5  # a slowdown: the step time rose by at least this share ...
 MIN_CHANGE_MS = 10.0  # ... and this many milliseconds ...
 MIN_AFTER_SEC = 30.0  # ... and has lasted this long ...
@@ -210,13 +212,28 @@ def arrivals(rows: Iterable[Mapping[str, Any]], margin_ms: float, offsets_ms: Ma
     return scores, compared
 
 
+def _binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    return sum(comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
 def _late_ranks(scores: Mapping[int, Arrival]) -> list[int]:
     shares = sorted(a.share for a in scores.values())
     if not shares:
         return []
     baseline = shares[(len(shares) - 1) // 4]  # the typical punctual rank (lower quartile)
     floor = max(MIN_SHARE, baseline + SHARE_OVER_BASELINE)
-    return sorted(r for r, a in scores.items() if a.share >= floor and a.late >= MIN_LATE_COLLECTIVES)
+    out = []
+    for r, a in scores.items():
+        if a.share < floor or a.late < MIN_LATE_COLLECTIVES:
+            continue
+        # late that often by chance, were it as often late as the others (a loaded machine makes
+        # every rank late now and then, one of them more so in a short window)
+        others = [o for o in scores.values() if o.rank != r]
+        rate = (sum(o.late for o in others) + 1) / (sum(o.collectives for o in others) + 2)
+        if _binomial_tail(a.late, a.collectives, rate) < MAX_CHANCE:
+            out.append(r)
+    return sorted(out)
 
 
 # ------------------------------------------------------------------ the cause, on its evidence
