@@ -4,11 +4,15 @@ the verdict's own cost (ask latency); and repeated asks on a healthy job, counti
 One torchrun 2x2 DDP job (tests/workers/slow_worker.py, node 1 "on host h1") whose slowness a
 control file sets while it runs. Each scenario starts from a healthy job: the control is cleared,
 --settle seconds pass, then the scenario is switched on and ``Client.diagnose()`` (its default
-window) is asked every --every seconds until the verdict names the right ranks with the right
-words, or --scenario-timeout passes. Then the job is healthy again for --healthy-min minutes,
-asked every --every seconds; a verdict with any slow finding is false.
+window) is asked every --every seconds until the verdict is right (the straggler named with its
+cause; for the job that gets slower as a whole, the slowdown finding naming every rank), or
+--scenario-timeout passes. Then the job is healthy again for --healthy-min minutes, asked every
+--every seconds; a verdict with any slow finding (straggler, slowdown, communication) is false.
+--record writes every healthy ask and the job's step-time history (2 s bins) as JSON, so a rule
+can be replayed offline against the same history.
 
-    .venv/bin/python benchmarks/slow.py [--healthy-min 10] [--every 1] [--json out.json]
+    .venv/bin/python benchmarks/slow.py [--healthy-min 10] [--every 1] [--scenarios all|none|a,b]
+                                        [--json out.json] [--record healthy.json]
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def slowdown(ranks: tuple[int, ...]):
     return fits
 
 
-EVERY_RANK_SLOWER = {"slow": {str(r): {"phase": "data", "ms": 50} for r in range(4)}}
+EVERY_RANK_SLOWER = {"slow": {str(r): {"phase": "data", "ms": 120} for r in range(4)}}
 SCENARIOS = {
     "compute straggler": ({"slow": {"3": {"phase": "forward", "ms": 60}}}, straggler((3,), "forward takes")),
     "data-loader straggler": ({"slow": {"2": {"phase": "data", "ms": 60}}}, straggler((2,), "waiting for data")),
@@ -52,7 +56,7 @@ SCENARIOS = {
                                    straggler((2, 3), "are the stragglers")),
     "CPU hog beside rank 3": ({"compute_ms": 25, "hog": [3]}, straggler((3,), "for the CPU time of the others")),
     "GC pauses on rank 3": ({"slow": {"3": {"phase": "gc", "ms": 40}}}, straggler((3,), "garbage collection takes")),
-    "every rank 2x slower mid-run": (EVERY_RANK_SLOWER, slowdown((0, 1, 2, 3))),
+    "every rank 3x slower mid-run": (EVERY_RANK_SLOWER, slowdown((0, 1, 2, 3))),
 }
 SLOW_KINDS = ("straggler", "slowdown", "communication")
 HISTORY_SQL = ("SELECT floor(start / 2.0) * 2.0 AS bin_start, median(duration_ms) AS step_ms, "
@@ -77,7 +81,7 @@ def main() -> int:
     ap.add_argument("--healthy-min", type=float, default=10.0)
     ap.add_argument("--every", type=float, default=1.0)
     ap.add_argument("--settle", type=float, default=15.0)
-    ap.add_argument("--scenario-timeout", type=float, default=120.0)
+    ap.add_argument("--scenario-timeout", type=float, default=180.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--scenarios", default="all", help="comma-separated names (or 'none'): " + "; ".join(SCENARIOS))
     ap.add_argument("--record", default=None, help="write every healthy ask and the step-time history here (JSON)")

@@ -47,7 +47,7 @@ SHARE_OVER_BASELINE = 0.15  # ... and this much more often than the typical rank
 MAX_CHANCE = 1e-3  # ... and that often late by chance (at the others' rate) less likely than this
 MIN_CHANGE = 0.5  # a slowdown: the step time rose by at least this share ...
 MIN_CHANGE_MS = 10.0  # ... and this many milliseconds ...
-MIN_AFTER_SEC = 30.0  # ... and has lasted this long ...
+MIN_AFTER_SEC = 60.0  # ... and has lasted this long ...
 MIN_AFTER_STEPS = 50  # ... and this many steps
 HOLD_SHARE = 0.8  # ... with this share of its bins above the midpoint of the two levels ...
 MIN_HOLD_NEWEST = 3  # ... and the newest this many
@@ -55,8 +55,8 @@ SEPARATION = 4.0  # levels stand apart: their shift is this many times the noise
 MIN_SHIFT = 0.2  # the history is cut into levels that differ by this share at least ...
 SPLIT_Z = 4.0  # ... and by this many standard errors
 FLOOR_BINS = 5  # the step-time history is read as the floor of this many neighbouring bins
-MIN_SEGMENT_BINS = 3  # the history is cut in segments of this many bins at least ...
-MIN_LEVEL_SEC = 10.0  # ... and a segment shorter than this is a passing excursion, no level
+MIN_SEGMENT_BINS = 3  # a history shorter than twice this many bins has no levels to compare
+MIN_LEVEL_SEC = 10.0  # a segment shorter than this is a passing excursion, no level
 MORE_WORK = 1.5  # a rank whose main thread uses this many times the others' CPU time does more work
 PHASES = ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms", "cpu_ms", "gc_ms")
 CATEGORIES = ("compute", "data loading", "host contention", "memory/GC", "communication")
@@ -363,45 +363,32 @@ def _noise(series: Sequence[float], lag: int = 1) -> float:
     return _sigma(diffs) / 2 ** 0.5 if len(diffs) >= 2 else 0.0
 
 
-def _best_split(series: Sequence[float], lo: int, hi: int) -> int | None:
-    """The split of ``series[lo:hi]`` into two levels with the least squared error, each side at
-    least ``MIN_SEGMENT_BINS`` long."""
-    best = None
-    total = sum(series[lo:hi])
-    total_sq = sum(v * v for v in series[lo:hi])
-    left = left_sq = 0.0
-    for k in range(lo + 1, hi):
-        left += series[k - 1]
-        left_sq += series[k - 1] ** 2
-        n_left, n_right = k - lo, hi - k
-        if n_left < MIN_SEGMENT_BINS or n_right < MIN_SEGMENT_BINS:
-            continue
-        right, right_sq = total - left, total_sq - left_sq
-        sse = (left_sq - left * left / n_left) + (right_sq - right * right / n_right)
-        if best is None or sse < best[0]:
-            best = (sse, k)
-    return None if best is None else best[1]
-
-
 def segments(series: Sequence[float]) -> list[tuple[int, int]]:
-    """``series`` cut into levels (binary segmentation): a segment is split where two levels
-    explain it best, if they differ by ``MIN_SHIFT`` of the lower one and significantly (``SPLIT_Z``
-    standard errors, from the series' bin-to-bin noise). Returns (start, end) index pairs, in order."""
+    """``series`` cut into levels, bottom up: neighbouring runs are merged, the closest pair
+    first, while their medians differ by less than ``MIN_SHIFT`` of the lower one or less than
+    ``SPLIT_Z`` standard errors (from the series' bin-to-bin noise). Bottom up finds a short
+    level between two like ones (a healthy spell between two slow ones), which splitting top down
+    misses. Returns (start, end) index pairs, in order."""
     noise = _noise(series, FLOOR_BINS)
-    out: list[tuple[int, int]] = []
-    todo = [(0, len(series))]
-    while todo:
-        lo, hi = todo.pop()
-        k = _best_split(series, lo, hi)
-        if k is not None:
-            a, b = median(series[lo:k]), median(series[k:hi])
-            shift = abs(b - a)
-            # the shift against the noise of the two levels' medians (a z-score), not of single bins
-            if shift >= MIN_SHIFT * min(a, b) and shift >= SPLIT_Z * noise * (1 / (k - lo) + 1 / (hi - k)) ** 0.5:
-                todo += [(k, hi), (lo, k)]
-                continue
-        out.append((lo, hi))
-    return sorted(out)
+    runs = [[i, i + 1] for i in range(len(series))]
+
+    def closeness(a: list[int], b: list[int]) -> float:  # under 1: one level
+        va, vb = median(series[a[0]:a[1]]), median(series[b[0]:b[1]])
+        bar = max(MIN_SHIFT * min(va, vb), SPLIT_Z * noise * (1 / (a[1] - a[0]) + 1 / (b[1] - b[0])) ** 0.5)
+        return abs(va - vb) / bar if bar > 0 else (0.0 if va == vb else float("inf"))
+
+    scores = [closeness(runs[i], runs[i + 1]) for i in range(len(runs) - 1)]
+    while scores:
+        i = min(range(len(scores)), key=scores.__getitem__)
+        if scores[i] >= 1.0:
+            break
+        runs[i][1] = runs[i + 1][1]
+        del runs[i + 1], scores[i]
+        if i > 0:
+            scores[i - 1] = closeness(runs[i - 1], runs[i])
+        if i < len(scores):
+            scores[i] = closeness(runs[i], runs[i + 1])
+    return [(lo, hi) for lo, hi in runs]
 
 
 def levels(series: Sequence[float], min_bins: int) -> list[list[int]]:
@@ -453,14 +440,16 @@ def change_point(history: Iterable[Mapping[str, Any]]) -> Change | None:
     raw = [median(per_bin[b]) for b in bins]
     # load from elsewhere only ever adds time: the floor of a few neighbouring bins is the job's
     # own speed, blind to spikes (a bin is its floor with the next ones, so a rise shows at once)
-    series = [min(raw[i:i + FLOOR_BINS]) for i in range(len(raw))]
+    # (only whole windows: the newest value is the floor of the newest FLOOR_BINS bins)
+    series = [min(raw[i:i + FLOOR_BINS]) for i in range(len(raw) - FLOOR_BINS + 1)]
     width = min((b - a for a, b in zip(bins, bins[1:])), default=0.0)
     if len(series) < 2 * MIN_SEGMENT_BINS or width <= 0:
         return None
     found = levels(series, int(-(-MIN_LEVEL_SEC // width)))
 
     def span(level: list[int]) -> float:
-        return bins[level[-1]] + width - bins[level[0]]
+        end = bins[-1] if level[-1] == len(series) - 1 else bins[level[-1]]  # the newest: to now
+        return end + width - bins[level[0]]
 
     i = len(found) - 1
     if i > 0 and span(found[i]) < MIN_AFTER_SEC:
@@ -486,7 +475,10 @@ def change_point(history: Iterable[Mapping[str, Any]]) -> Change | None:
     before_bins, after_bins = [series[j] for j in before_at], [series[j] for j in same]
     before = median(before_bins)
     rise = after - before
-    if rise < SEPARATION * max(_sigma(before_bins), _sigma(after_bins)):
+    # the spread of the floor within each level, one value per window (neighbours share bins)
+    spread = max(_sigma(sorted_floor[::FLOOR_BINS]) for sorted_floor in
+                 ([series[j] for j in sorted(before_at)], [series[j] for j in sorted(same)]))
+    if rise < SEPARATION * spread:
         return None  # as ragged as it is high: noise, not a new level
     mid = (before + after) / 2
     if sum(v > mid for v in after_bins) < HOLD_SHARE * len(after_bins) \
@@ -581,7 +573,7 @@ def analyse(steps: Sequence[Mapping[str, Any]], collectives: Sequence[Mapping[st
             f"the job got slower at {_clock_text(change.at)}: steps take {_ms(change.after_ms)} since, "
             f"vs {_ms(change.before_ms)} before (+{_pct(change.after_ms / change.before_ms - 1)}, for "
             f"{change.seconds:.0f} s{f', {change.steps} steps' if change.steps is not None else ''}){where}",
-            "levels of the step time (median over ranks, floor of neighbouring time bins; binary segmentation): "
+            "levels of the step time (median over ranks, floor of neighbouring time bins, merged bottom up): "
             f"the newest against the one it rose from, {SEPARATION:g}x the spread within each apart"))
     elif history:
         checked.append("no slowdown in the step-time history")
