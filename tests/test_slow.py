@@ -364,3 +364,13 @@ def test_a_rank_descheduled_more_often_in_a_short_window_by_chance_is_no_straggl
     for seed in range(20):
         (f,) = stragglers(slow.analyse(*descheduled_job(seed, n_steps=100, late_rank=2, late_every=4), window=100))
         assert f.ranks == (2,) and "late in" in f.detail, f.detail
+
+
+def test_one_host_waiting_longer_because_the_other_comes_later_is_no_communication():
+    # the same compute, and h0's ranks wait 30 ms longer, though their steps are no longer (the
+    # others came later, outside any phase and unseen by the arrival order): no link to blame
+    steps, colls = ddp_job()
+    for s in steps:
+        if s["_host"] == "h0":
+            s["comm_wait_ms"] += 30
+    assert slow.analyse(steps, colls).findings == ()

@@ -674,7 +674,7 @@ def _top_op(scores: Sequence[Arrival]) -> str | None:
 
 def _communication(wins: Mapping[int, RankWindow], margin: float) -> Finding | None:
     """Communication: the ranks of one host wait much longer than the others' while every
-    rank's compute is about the same."""
+    rank's compute and own time are about the same."""
     by_host: dict[str, list[RankWindow]] = defaultdict(list)
     for w in wins.values():
         if w.host:
@@ -686,6 +686,12 @@ def _communication(wins: Mapping[int, RankWindow], margin: float) -> Finding | N
         return None
     waits = {h: _med(w.means.get("comm_wait_ms") for w in ws) for h, ws in by_host.items()}
     if any(v is None for v in waits.values()):
+        return None
+    # their own time (the step minus the wait) is the same too: they wait longer, and their steps
+    # are longer by it. Where their steps are as long as the others' (a synchronous collective),
+    # waiting longer means the others came later, though no arrival order showed it: no link's mark
+    owns = [w.own_ms for w in wins.values()]
+    if any(o is None for o in owns) or max(owns) - min(owns) >= margin:  # type: ignore[type-var,operator]
         return None
     worst = max(waits, key=lambda h: waits[h])  # type: ignore[arg-type,return-value]
     rest = _med(v for h, v in waits.items() if h != worst)
