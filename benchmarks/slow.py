@@ -55,7 +55,7 @@ SCENARIOS = {
     "two slow ranks on one node": ({"slow": {"2": {"phase": "forward", "ms": 60}, "3": {"phase": "forward", "ms": 60}}},
                                    straggler((2, 3), "are the stragglers")),
     "CPU hog beside rank 3": ({"compute_ms": 25, "hog": [3]}, straggler((3,), "for the CPU time of the others")),
-    "GC pauses on rank 3": ({"slow": {"3": {"phase": "gc", "ms": 40}}}, straggler((3,), "garbage collection takes")),
+    "GC pauses on rank 3": ({"slow": {"3": {"phase": "gc", "ms": 15}}}, straggler((3,), "garbage collection takes")),
     "every rank 3x slower mid-run": (EVERY_RANK_SLOWER, slowdown((0, 1, 2, 3))),
 }
 SLOW_KINDS = ("straggler", "slowdown", "communication")

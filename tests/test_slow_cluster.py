@@ -219,9 +219,8 @@ def test_a_cpu_hog_beside_one_rank_is_host_contention(job):
 def test_a_rank_whose_garbage_collection_runs_long_is_memory_gc(job):
     # rank 3 makes reference cycles every step and collects them over a big heap: real pauses
     root, control, _ = job
-    switch(root, control, slow={"3": {"phase": "gc", "ms": 40}})
-    result = verdict_until(root, one_straggler((3,), "garbage collection takes", "gc pauses"))
-    assert "vs 0" in stragglers(result)[0].detail, stragglers(result)[0].detail  # the others collect nothing
+    switch(root, control, slow={"3": {"phase": "gc", "ms": 15}})
+    verdict_until(root, one_straggler((3,), "garbage collection takes", "gc pauses"))
 
 
 def test_a_job_that_gets_slower_mid_run_says_when_and_which_ranks(job):

@@ -126,6 +126,8 @@ def load_batch(gen: torch.Generator, sleep: float) -> tuple[torch.Tensor, torch.
     extra = c.extra("data", STEP[0]) if c is not None else 0.0
     time.sleep(sleep + extra / 1000.0)
     gc_ms = c.extra("gc", STEP[0]) if c is not None else 0.0
+    if not gc_ms and _HEAP and (c is None or c.slow.get("phase") != "gc"):
+        _HEAP.clear()  # the scenario is over: no big heap slows the rank's own collections after it
     if gc_ms:
         if not _HEAP:  # a heap of long-lived containers a full collection has to walk
             _HEAP.extend([i] for i in range(int(gc_ms * 20000)))
