@@ -4,11 +4,15 @@ the verdict's own cost (ask latency); and repeated asks on a healthy job, counti
 One torchrun 2x2 DDP job (tests/workers/slow_worker.py, node 1 "on host h1") whose slowness a
 control file sets while it runs. Each scenario starts from a healthy job: the control is cleared,
 --settle seconds pass, then the scenario is switched on and ``Client.diagnose()`` (its default
-window) is asked every --every seconds until the verdict names the right ranks with the right
-words, or --scenario-timeout passes. Then the job is healthy again for --healthy-min minutes,
-asked every --every seconds; a verdict with any slow finding is false.
+window) is asked every --every seconds until the verdict is right (the straggler named with its
+cause; for the job that gets slower as a whole, the slowdown finding naming every rank), or
+--scenario-timeout passes. Then the job is healthy again for --healthy-min minutes, asked every
+--every seconds; a verdict with any slow finding (straggler, slowdown, communication) is false.
+--record writes every healthy ask and the job's step-time history (2 s bins) as JSON, so a rule
+can be replayed offline against the same history.
 
-    .venv/bin/python benchmarks/slow.py [--healthy-min 10] [--every 1] [--json out.json]
+    .venv/bin/python benchmarks/slow.py [--healthy-min 10] [--every 1] [--scenarios all|none|a,b]
+                                        [--json out.json] [--record healthy.json]
 """
 
 from __future__ import annotations
@@ -26,16 +30,38 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 WORKER = str(ROOT / "tests" / "workers" / "slow_worker.py")
-# name, control, the culprit ranks, words the straggler finding must hold
-SCENARIOS = (
-    ("compute straggler", {"slow": {"3": {"phase": "forward", "ms": 60}}}, (3,), "forward takes"),
-    ("data-loader straggler", {"slow": {"2": {"phase": "data", "ms": 60}}}, (2,), "waiting for data"),
-    ("intermittent (1 step in 4)", {"slow": {"3": {"phase": "forward", "ms": 80, "every": 4}}}, (3,), "late in"),
-    ("two slow ranks on one node", {"slow": {"2": {"phase": "forward", "ms": 60}, "3": {"phase": "forward", "ms": 60}}},
-     (2, 3), "are the stragglers"),
-    ("CPU hog beside rank 3", {"compute_ms": 25, "hog": [3]}, (3,), "for the CPU time of the others"),
-)
+# name, control, what a correct verdict holds (a predicate on the result)
+
+
+def straggler(ranks: tuple[int, ...], words: str):
+    def fits(result) -> bool:
+        found = [f for f in result.verdict.findings if f.kind == "straggler"]
+        return len(found) == 1 and found[0].ranks == ranks and words in found[0].detail
+    return fits
+
+
+def slowdown(ranks: tuple[int, ...]):
+    def fits(result) -> bool:
+        return any(f.kind == "slowdown" and f.ranks == ranks for f in result.verdict.findings)
+    return fits
+
+
+EVERY_RANK_SLOWER = {"slow": {str(r): {"phase": "data", "ms": 120} for r in range(4)}}
+SCENARIOS = {
+    "compute straggler": ({"slow": {"3": {"phase": "forward", "ms": 60}}}, straggler((3,), "forward takes")),
+    "data-loader straggler": ({"slow": {"2": {"phase": "data", "ms": 60}}}, straggler((2,), "waiting for data")),
+    "intermittent (1 step in 4)": ({"slow": {"3": {"phase": "forward", "ms": 80, "every": 4}}},
+                                   straggler((3,), "late in")),
+    "two slow ranks on one node": ({"slow": {"2": {"phase": "forward", "ms": 60}, "3": {"phase": "forward", "ms": 60}}},
+                                   straggler((2, 3), "are the stragglers")),
+    "CPU hog beside rank 3": ({"compute_ms": 25, "hog": [3]}, straggler((3,), "for the CPU time of the others")),
+    "GC pauses on rank 3": ({"slow": {"3": {"phase": "gc", "ms": 15}}}, straggler((3,), "garbage collection takes")),
+    "every rank 3x slower mid-run": (EVERY_RANK_SLOWER, slowdown((0, 1, 2, 3))),
+}
 SLOW_KINDS = ("straggler", "slowdown", "communication")
+HISTORY_SQL = ("SELECT floor(start / 2.0) * 2.0 AS bin_start, median(duration_ms) AS step_ms, "
+               "median(coalesce(duration_ms - comm_wait_ms, cpu_ms)) AS own_ms, count(*) AS steps "
+               "FROM steps WHERE start >= $since AND duration_ms IS NOT NULL GROUP BY 1 ORDER BY 1")
 
 
 def set_control(path: Path, what: dict) -> None:
@@ -50,18 +76,15 @@ def ask(root) -> tuple[object, float]:
     return result, time.perf_counter() - t0
 
 
-def fits(result, ranks: tuple[int, ...], words: str) -> bool:
-    found = [f for f in result.verdict.findings if f.kind == "straggler"]
-    return len(found) == 1 and found[0].ranks == ranks and words in found[0].detail
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--healthy-min", type=float, default=10.0)
     ap.add_argument("--every", type=float, default=1.0)
     ap.add_argument("--settle", type=float, default=15.0)
-    ap.add_argument("--scenario-timeout", type=float, default=120.0)
+    ap.add_argument("--scenario-timeout", type=float, default=180.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--scenarios", default="all", help="comma-separated names (or 'none'): " + "; ".join(SCENARIOS))
+    ap.add_argument("--record", default=None, help="write every healthy ask and the step-time history here (JSON)")
     args = ap.parse_args()
 
     import kernel_probe
@@ -81,7 +104,10 @@ def main() -> int:
         root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.5, what="the root")
         wait_for(lambda: len(root.query("SELECT _rank FROM steps WHERE step > 20 GROUP BY _rank").df) == 4, 120,
                  interval=1.0, what="20 steps on every rank")
-        for name, what, ranks, words in SCENARIOS:
+        chosen = (list(SCENARIOS) if args.scenarios == "all" else []
+                  if args.scenarios == "none" else [n.strip() for n in args.scenarios.split(",")])
+        for name in chosen:
+            what, fits = SCENARIOS[name]
             set_control(control, {})
             time.sleep(args.settle)
             set_control(control, what)
@@ -91,7 +117,7 @@ def main() -> int:
                 result, latency = ask(root)
                 latencies.append(latency)
                 last = result
-                if fits(result, ranks, words):
+                if fits(result):
                     took = time.time() - switched
                     break
                 time.sleep(args.every)
@@ -102,6 +128,8 @@ def main() -> int:
         set_control(control, {})
         time.sleep(args.settle)
         asks = false = 0
+        healthy_from = time.time()
+        record: list[dict] = []
         by_kind: dict[str, int] = {}
         examples: list[str] = []
         end = time.time() + args.healthy_min * 60
@@ -110,6 +138,8 @@ def main() -> int:
             latencies.append(latency)
             asks += 1
             kinds = {f.kind for f in result.verdict.findings if f.kind in SLOW_KINDS}
+            record.append({"t": time.time(), "kinds": sorted(kinds), "summary": result.summary,
+                           "latency_s": latency})
             if kinds:
                 false += 1
                 for kind in kinds:
@@ -122,6 +152,10 @@ def main() -> int:
         print(f"healthy for {args.healthy_min:g} min: {asks} asks, {false} false verdicts {by_kind}", flush=True)
         for e in examples:
             print("  false:", e)
+        if args.record:
+            history = root.query(HISTORY_SQL, per_rank=True, params={"since": healthy_from - 60}, timeout=30).df
+            Path(args.record).write_text(json.dumps({"asks": record, "healthy_from": healthy_from,
+                                                     "history": history.to_dict(orient="records")}, default=str))
     finally:
         job.close()
     lat = sorted(latencies)

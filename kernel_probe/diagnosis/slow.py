@@ -17,13 +17,16 @@ the slowest's, so step durations cannot name the culprit. What can:
   phase the extra time is in, named only where a phase was measured;
 - **the host**: the main thread's run-queue delay (runnable, not running), other processes'
   CPU and memory pressure, from the ``host`` table;
-- **since when**: one change point in the job's step-time history (the split that best
-  explains it as two levels), and the ranks whose own time rose there.
+- **since when**: the job's step-time history cut into lasting levels, the newest against the
+  one it rose from, and the ranks whose own time rose there. This machine's load (other
+  processes) slows steps in spikes and bursts; a slowdown must be large, last, hold and stand
+  clear of the spread within both levels (``change_point``).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
+from math import comb
 from collections import defaultdict
 from dataclasses import dataclass, field
 from statistics import median
@@ -40,10 +43,20 @@ MIN_LATE_MS = 5.0  # a rank later than the median by less than this is noise
 LATE_SHARE_OF_STEP = 0.15  # ... or by less than this share of the median step
 MIN_SHARE = 0.12  # a straggler is late in at least this share of the window's collectives
 MIN_LATE_COLLECTIVES = 3
-SHARE_OVER_BASELINE = 0.15  # ... and this much more often than the typical rank
+SHARE_OVER_BASELINE = 0.15  # ... and this much more often than the typical rank ...
+MAX_CHANCE = 1e-3  # ... and that often late by chance (at the others' rate) less likely than this
 MIN_CHANGE = 0.5  # a slowdown: the step time rose by at least this share ...
-MIN_CHANGE_MS = 10.0  # ... and this many milliseconds
-MIN_SEGMENT_BINS = 2  # each side of a change point spans at least this many history bins
+MIN_CHANGE_MS = 10.0  # ... and this many milliseconds ...
+MIN_AFTER_SEC = 60.0  # ... and has lasted this long ...
+MIN_AFTER_STEPS = 50  # ... and this many steps
+HOLD_SHARE = 0.8  # ... with this share of its bins above the midpoint of the two levels ...
+MIN_HOLD_NEWEST = 3  # ... and the newest this many
+SEPARATION = 4.0  # levels stand apart: their shift is this many times the noise (sigmas)
+MIN_SHIFT = 0.2  # the history is cut into levels that differ by this share at least ...
+SPLIT_Z = 4.0  # ... and by this many standard errors
+FLOOR_BINS = 5  # the step-time history is read as the floor of this many neighbouring bins
+MIN_SEGMENT_BINS = 3  # a history shorter than twice this many bins has no levels to compare
+MIN_LEVEL_SEC = 10.0  # a segment shorter than this is a passing excursion, no level
 MORE_WORK = 1.5  # a rank whose main thread uses this many times the others' CPU time does more work
 PHASES = ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms", "cpu_ms", "gc_ms")
 CATEGORIES = ("compute", "data loading", "host contention", "memory/GC", "communication")
@@ -199,13 +212,28 @@ def arrivals(rows: Iterable[Mapping[str, Any]], margin_ms: float, offsets_ms: Ma
     return scores, compared
 
 
+def _binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    return sum(comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
 def _late_ranks(scores: Mapping[int, Arrival]) -> list[int]:
     shares = sorted(a.share for a in scores.values())
     if not shares:
         return []
     baseline = shares[(len(shares) - 1) // 4]  # the typical punctual rank (lower quartile)
     floor = max(MIN_SHARE, baseline + SHARE_OVER_BASELINE)
-    return sorted(r for r, a in scores.items() if a.share >= floor and a.late >= MIN_LATE_COLLECTIVES)
+    out = []
+    for r, a in scores.items():
+        if a.share < floor or a.late < MIN_LATE_COLLECTIVES:
+            continue
+        # late that often by chance, were it as often late as the others (a loaded machine makes
+        # every rank late now and then, one of them more so in a short window)
+        others = [o for o in scores.values() if o.rank != r]
+        rate = (sum(o.late for o in others) + 1) / (sum(o.collectives for o in others) + 2)
+        if _binomial_tail(a.late, a.collectives, rate) < MAX_CHANCE:
+            out.append(r)
+    return sorted(out)
 
 
 # ------------------------------------------------------------------ the cause, on its evidence
@@ -319,33 +347,80 @@ class Change:
     after_ms: float
     ranks: tuple[int, ...]  # ranks whose own time rose there
     hosts: tuple[str, ...]
+    seconds: float = 0.0  # how long the slower level has lasted (to the newest bin's end)
+    steps: int | None = None  # steps taken at the slower level (where the history counts them)
 
 
-def _split(series: Sequence[float]) -> tuple[int, float, float] | None:
-    """The split index that best explains ``series`` as two levels (least squares)."""
-    n = len(series)
-    if n < 2 * MIN_SEGMENT_BINS:
-        return None
-    best = None
-    total, total_sq = sum(series), sum(v * v for v in series)
-    left = left_sq = 0.0
-    for k in range(1, n):
-        left += series[k - 1]
-        left_sq += series[k - 1] ** 2
-        if k < MIN_SEGMENT_BINS or n - k < MIN_SEGMENT_BINS:
+def _sigma(values: Sequence[float]) -> float:
+    """The spread of ``values`` as a robust standard deviation (1.4826 x the median absolute deviation)."""
+    return 1.4826 * _mad(values)
+
+
+def _noise(series: Sequence[float], lag: int = 1) -> float:
+    """The bin-to-bin noise of ``series``, blind to its level shifts: a shift moves one difference
+    between bins ``lag`` apart, noise moves them all (``lag``: bins that far apart share nothing)."""
+    diffs = [b - a for a, b in zip(series, series[lag:])]
+    return _sigma(diffs) / 2 ** 0.5 if len(diffs) >= 2 else 0.0
+
+
+def segments(series: Sequence[float]) -> list[tuple[int, int]]:
+    """``series`` cut into levels, bottom up: neighbouring runs are merged, the closest pair
+    first, while their medians differ by less than ``MIN_SHIFT`` of the lower one or less than
+    ``SPLIT_Z`` standard errors (from the series' bin-to-bin noise). Bottom up finds a short
+    level between two like ones (a healthy spell between two slow ones), which splitting top down
+    misses. Returns (start, end) index pairs, in order."""
+    noise = _noise(series, FLOOR_BINS)
+    runs = [[i, i + 1] for i in range(len(series))]
+
+    def closeness(a: list[int], b: list[int]) -> float:  # under 1: one level
+        va, vb = median(series[a[0]:a[1]]), median(series[b[0]:b[1]])
+        bar = max(MIN_SHIFT * min(va, vb), SPLIT_Z * noise * (1 / (a[1] - a[0]) + 1 / (b[1] - b[0])) ** 0.5)
+        return abs(va - vb) / bar if bar > 0 else (0.0 if va == vb else float("inf"))
+
+    scores = [closeness(runs[i], runs[i + 1]) for i in range(len(runs) - 1)]
+    while scores:
+        i = min(range(len(scores)), key=scores.__getitem__)
+        if scores[i] >= 1.0:
+            break
+        runs[i][1] = runs[i + 1][1]
+        del runs[i + 1], scores[i]
+        if i > 0:
+            scores[i - 1] = closeness(runs[i - 1], runs[i])
+        if i < len(scores):
+            scores[i] = closeness(runs[i], runs[i + 1])
+    return [(lo, hi) for lo, hi in runs]
+
+
+def levels(series: Sequence[float], min_bins: int) -> list[list[int]]:
+    """The lasting levels of ``series``, oldest first, as lists of bin indices: its segments
+    shorter than ``min_bins`` dropped as passing excursions (a burst of load, a dip), then
+    neighbours closer than ``MIN_SHIFT`` merged into one level."""
+    out: list[list[int]] = []
+    for lo, hi in segments(series):
+        if hi - lo < min_bins:
             continue
-        right, right_sq = total - left, total_sq - left_sq
-        sse = (left_sq - left * left / k) + (right_sq - right * right / (n - k))
-        if best is None or sse < best[0]:
-            best = (sse, k, left / k, right / (n - k))
-    return None if best is None else best[1:]
+        level = median(series[lo:hi])
+        if out:
+            prev = median(series[i] for i in out[-1])
+            if abs(level - prev) < MIN_SHIFT * min(level, prev):
+                out[-1].extend(range(lo, hi))
+                continue
+        out.append(list(range(lo, hi)))
+    return out
 
 
 def change_point(history: Iterable[Mapping[str, Any]]) -> Change | None:
-    """One change point in the job's step time (the median over ranks per bin), if the later
-    level is slower by ``MIN_CHANGE`` and ``MIN_CHANGE_MS`` and the levels stand apart from their
-    noise. ``history`` rows: ``_rank, _host, bin_start, step_ms, own_ms`` (own: step minus wait)."""
+    """Since when the job is slower: the step-time history (the median over ranks per bin) cut
+    into lasting levels (``levels``), the newest against the one before it. A slowdown is a rise of
+    ``MIN_CHANGE`` and ``MIN_CHANGE_MS`` that has lasted ``MIN_AFTER_SEC`` (and ``MIN_AFTER_STEPS``
+    steps where the history counts them), that holds (``HOLD_SHARE`` of its bins and the newest
+    ones above the midpoint of the two levels) and that stands ``SEPARATION`` times the spread of
+    the bins within either level above it. Machine noise fails one of these: a burst of load is
+    short or over by now, a long one as ragged as it is high.
+    ``history`` rows: ``_rank, _host, bin_start, step_ms, own_ms`` (own: step minus wait) and
+    ``steps`` (the rank's steps in the bin)."""
     per_bin: dict[float, list[float]] = defaultdict(list)
+    counts: dict[float, list[int]] = defaultdict(list)
     own: dict[int, dict[float, float]] = defaultdict(dict)
     hosts: dict[int, str] = {}
     for row in history:
@@ -353,33 +428,78 @@ def change_point(history: Iterable[Mapping[str, Any]]) -> Change | None:
         if b is None or step is None or rank is None:
             continue
         per_bin[b].append(step)
+        n = as_int(row.get("steps"))
+        if n is not None:
+            counts[b].append(n)
         mine = as_float(row.get("own_ms"))
         if mine is not None:
             own[rank][b] = mine
         if as_text(row.get("_host")):
             hosts[rank] = row["_host"]
     bins = sorted(per_bin)
-    series = [median(per_bin[b]) for b in bins]
-    got = _split(series)
-    if got is None:
+    raw = [median(per_bin[b]) for b in bins]
+    # load from elsewhere only ever adds time: the floor of a few neighbouring bins is the job's
+    # own speed, blind to spikes (a bin is its floor with the next ones, so a rise shows at once)
+    # (only whole windows: the newest value is the floor of the newest FLOOR_BINS bins)
+    series = [min(raw[i:i + FLOOR_BINS]) for i in range(len(raw) - FLOOR_BINS + 1)]
+    width = min((b - a for a, b in zip(bins, bins[1:])), default=0.0)
+    if len(series) < 2 * MIN_SEGMENT_BINS or width <= 0:
         return None
-    k, before, after = got
+    found = levels(series, int(-(-MIN_LEVEL_SEC // width)))
+
+    def span(level: list[int]) -> float:
+        end = bins[-1] if level[-1] == len(series) - 1 else bins[level[-1]]  # the newest: to now
+        return end + width - bins[level[0]]
+
+    i = len(found) - 1
+    if i > 0 and span(found[i]) < MIN_AFTER_SEC:
+        i -= 1  # the newest level is too young to judge: the one under it
+    if i < 1:
+        return None
+    after_at = found[i]
+    after = median(series[j] for j in after_at)
+    first, before_at, same = after_at, None, list(after_at)
+    for level in reversed(found[:i]):  # back to the level it rose from
+        value = median(series[j] for j in level)
+        if abs(value - after) < MIN_SHIFT * min(value, after):
+            first = level  # the same level, before a burst over it
+            same += level
+        elif after - value >= max(MIN_CHANGE_MS, MIN_CHANGE * value):
+            before_at = level
+            break
+        elif value < after and span(level) >= MIN_AFTER_SEC:
+            return None  # a lasting level just under it: not slower than that by enough
+        # else a level over it (it was slower still then), or a passing one in between: further back
+    if before_at is None:
+        return None
+    before_bins, after_bins = [series[j] for j in before_at], [series[j] for j in same]
+    before = median(before_bins)
     rise = after - before
-    if rise < MIN_CHANGE_MS or rise < MIN_CHANGE * before:
-        return None
-    spread = max(_mad(series[:k]), _mad(series[k:]), 1e-9)
-    if rise < 3 * spread:
-        return None
-    if median(series[-MIN_SEGMENT_BINS:]) - before < 0.5 * rise:  # slower then, not any more
+    # the spread of the floor within each level, one value per window (neighbours share bins)
+    spread = max(_sigma(sorted_floor[::FLOOR_BINS]) for sorted_floor in
+                 ([series[j] for j in sorted(before_at)], [series[j] for j in sorted(same)]))
+    if rise < SEPARATION * spread:
+        return None  # as ragged as it is high: noise, not a new level
+    mid = (before + after) / 2
+    if sum(v > mid for v in after_bins) < HOLD_SHARE * len(after_bins) \
+            or any(v <= mid for v in series[-MIN_HOLD_NEWEST:]):
+        return None  # slower then, not now (or not steadily)
+    # it started with the first bin above the midpoint after the level it rose from
+    k = next((j for j in range(before_at[-1] + 1, first[0]) if series[j] > mid), first[0])
+    seconds = bins[-1] + width - bins[k]
+    steps = sum(int(median(counts[b])) for b in bins[k:]) if all(counts.get(b) for b in bins[k:]) else None
+    if seconds < MIN_AFTER_SEC or (steps is not None and steps < MIN_AFTER_STEPS):
         return None
     at = bins[k]
+    b_set, a_set = {bins[i] for i in before_at}, {bins[i] for i in same}
     changed = []
     for rank, values in own.items():
-        b_vals = [v for t, v in values.items() if t < at]
-        a_vals = [v for t, v in values.items() if t >= at]
+        b_vals = [v for t, v in values.items() if t in b_set]
+        a_vals = [v for t, v in values.items() if t in a_set]
         if b_vals and a_vals and median(a_vals) - median(b_vals) >= 0.5 * rise:
             changed.append(rank)
-    return Change(at, before, after, tuple(sorted(changed)), tuple(sorted({hosts[r] for r in changed if r in hosts})))
+    return Change(at, before, after, tuple(sorted(changed)), tuple(sorted({hosts[r] for r in changed if r in hosts})),
+                  seconds, steps)
 
 
 def _mad(values: Sequence[float]) -> float:
@@ -451,8 +571,10 @@ def analyse(steps: Sequence[Mapping[str, Any]], collectives: Sequence[Mapping[st
         findings.append(Finding(
             "slowdown", change.ranks, None, None,
             f"the job got slower at {_clock_text(change.at)}: steps take {_ms(change.after_ms)} since, "
-            f"vs {_ms(change.before_ms)} before (+{_pct(change.after_ms / change.before_ms - 1)}){where}",
-            "change point in the median step time over time bins (least squares, two levels)"))
+            f"vs {_ms(change.before_ms)} before (+{_pct(change.after_ms / change.before_ms - 1)}, for "
+            f"{change.seconds:.0f} s{f', {change.steps} steps' if change.steps is not None else ''}){where}",
+            "levels of the step time (median over ranks, floor of neighbouring time bins, merged bottom up): "
+            f"the newest against the one it rose from, {SEPARATION:g}x the spread within each apart"))
     elif history:
         checked.append("no slowdown in the step-time history")
     if not late and n >= 2:
@@ -552,7 +674,7 @@ def _top_op(scores: Sequence[Arrival]) -> str | None:
 
 def _communication(wins: Mapping[int, RankWindow], margin: float) -> Finding | None:
     """Communication: the ranks of one host wait much longer than the others' while every
-    rank's compute is about the same."""
+    rank's compute and own time are about the same."""
     by_host: dict[str, list[RankWindow]] = defaultdict(list)
     for w in wins.values():
         if w.host:
@@ -564,6 +686,12 @@ def _communication(wins: Mapping[int, RankWindow], margin: float) -> Finding | N
         return None
     waits = {h: _med(w.means.get("comm_wait_ms") for w in ws) for h, ws in by_host.items()}
     if any(v is None for v in waits.values()):
+        return None
+    # their own time (the step minus the wait) is the same too: they wait longer, and their steps
+    # are longer by it. Where their steps are as long as the others' (a synchronous collective),
+    # waiting longer means the others came later, though no arrival order showed it: no link's mark
+    owns = [w.own_ms for w in wins.values()]
+    if any(o is None for o in owns) or max(owns) - min(owns) >= margin:  # type: ignore[type-var,operator]
         return None
     worst = max(waits, key=lambda h: waits[h])  # type: ignore[arg-type,return-value]
     rest = _med(v for h, v in waits.items() if h != worst)

@@ -7,7 +7,8 @@ JSON control file ``--control`` (when it changed) and does what it says of it:
 
     {"compute_ms": 0,                       # CPU every rank burns in its forward
      "slow": {"3": {"phase": "forward",     # forward: burn CPU; data: sleep in the data loader;
-                    "ms": 60,               # gc: a full collection over a big heap in the data loader
+                    "ms": 60,               # gc: a full collection of the step's cyclic garbage over
+                                            #     a big long-lived heap (sized by ms) in the data loader
                     "every": 1}},           # slow one step in ``every``
      "hog": [3]}                            # these ranks share one CPU with a busy process
 
@@ -125,9 +126,14 @@ def load_batch(gen: torch.Generator, sleep: float) -> tuple[torch.Tensor, torch.
     extra = c.extra("data", STEP[0]) if c is not None else 0.0
     time.sleep(sleep + extra / 1000.0)
     gc_ms = c.extra("gc", STEP[0]) if c is not None else 0.0
+    if not gc_ms and _HEAP and (c is None or c.slow.get("phase") != "gc"):
+        _HEAP.clear()  # the scenario is over: no big heap slows the rank's own collections after it
     if gc_ms:
-        if not _HEAP:  # a heap of containers a full collection has to walk
+        if not _HEAP:  # a heap of long-lived containers a full collection has to walk
             _HEAP.extend([i] for i in range(int(gc_ms * 20000)))
+        for _ in range(2000):  # the step's garbage: reference cycles only the collector frees
+            cycle: list = []
+            cycle.append(cycle)
         gc.collect()
     x = torch.randn(BATCH, FEATURES, generator=gen)
     return x, x.sum(dim=1, keepdim=True)
