@@ -124,18 +124,22 @@ def _rows(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
 def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | None = None) -> str:
     """The membership as a plain-text table (the CLI and the demo print this)."""
     from .membership.view import membership_view
 
     view = membership_view(raw["members"], time.time() if now is None else now, raw["departures"])
-    rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "ROLE", "STATE", "SEEN", "STEP", "STEP MS", "COMPUTE MS",
-             "WAIT MS")]
+    rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "LEVEL", "PARENT", "ROLE", "STATE", "SEEN", "STEP",
+             "STEP MS", "COMPUTE MS", "WAIT MS")]
     for m in view.members:
         state = m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
         step_ms = _ms(m.get("step_time_ms")) + (" slow" if m["slow"] else "")
         rows.append((str(m["rank"]), str(m["node"]), str(m["local_rank"]), m["host"], str(m["pid"]), m["tier"],
-                     m["role"] or "-", state, f"{m['age']} ago", "-" if m.get("step") is None else str(m["step"]),
+                     _or_dash(m.get("level")), _or_dash(m.get("parent")), m["role"] or "-", state, f"{m['age']} ago", "-" if m.get("step") is None else str(m["step"]),
                      step_ms, _ms(m.get("compute_ms")), _ms(m.get("comm_wait_ms"))))
     summary = ", ".join(f"{n} {s}" for s, n in sorted(view.counts.items()))
     lines = [f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}"]
