@@ -212,3 +212,18 @@ def test_a_query_pruned_to_a_rank_deep_in_the_tree_reaches_it_through_two_broker
     rows, cov = _answer(queried, "SELECT count(*) AS n FROM t WHERE _rank = 9")
     assert rows == [{"n": _tables(9)["t"].num_rows}] and cov["answered"] == [9]
     assert {(h["parent"], h["child"]) for h in cov["profile"]["hops"]} >= {(0, MID), (MID, 8)}
+
+
+def test_the_cli_and_the_widget_show_each_rank_s_level_and_parent():
+    from kernel_probe.cli import format_nodes
+    from probing_magics.widget import render_text
+
+    sim = started()
+    body = sim.core(0).nodes_body()
+    lines = format_nodes(body, {"run_id": "sim", "world_size": sim.world_size}, now=sim.now).splitlines()
+    head = lines[1].split()
+    assert head[5:8] == ["TIER", "LEVEL", "PARENT"]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert rows["0"][5:8] == ["root", "0", "-"] and rows["8"][5:8] == ["broker", "2", str(MID)]
+    assert rows["9"][5:8] == ["leaf", "3", "8"]
+    assert "rank 9 node 2 level 3 under 8 " in render_text(body, "sim", sim.now)
