@@ -55,6 +55,10 @@ def _heads(nodes: int, fanout: int) -> list[int]:
     return [n for n in range(1, nodes) if tree_parent(n, nodes, fanout) is None]
 
 
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
 def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float) -> dict:
     nodes = world // PER_NODE
     settings = dataclasses.replace(Settings(), fanout=fanout)
@@ -72,6 +76,9 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float)
     out["steady_B_rank_min"] = (sum(sim.bytes_sent.values()) - before) / world
     out["root_children"] = len(sim.core(0).children)
     out["membership_cpu_s"] = time.process_time() - t_build
+    _say(f"{world:6d} ranks ({nodes} nodes, {out['levels']} levels of brokers, root children {out['root_children']}):"
+         f"\n  converge {took:.2f} s, {out['converge_bytes'] / 1e6:.1f} MB ({out['converge_bytes'] / world:.0f} B/rank);"
+         f" steady {out['steady_B_rank_min']:.0f} B/rank/min ({out['membership_cpu_s']:.0f} s CPU so far)")
 
     heads = _heads(nodes, fanout)
     mid = heads[0] * PER_NODE  # a broker of brokers
@@ -80,6 +87,7 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float)
     sim.query(QUERIES[0], timeout=60.0)  # the first query loads the engines
     cpu0 = {r: sim.ranks[r].cpu for r in (0, mid, node_broker)}
     lat: list[float] = []
+    plan_ms, finish_ms, mid_merge_ms = [], [], []
     for i in range(queries):
         sql = QUERIES[i % len(QUERIES)]
         t0 = sim.now
@@ -87,10 +95,22 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float)
         cov = env.msg.body.get("coverage") or {}
         assert env.msg.body.get("status") == "ok" and len(cov.get("answered", ())) == world, (sql, cov.get("failed"))
         lat.append(sim.now - t0)
+        prof = cov.get("profile") or {}
+        plan_ms.append(prof.get("plan_ms") or 0.0)
+        finish_ms.append(prof.get("finish_ms") or 0.0)
+        mid_merge_ms += [m["ms"] for m in prof.get("merges", ()) if m["rank"] == mid]
     out["query_p50_ms"], out["query_p99_ms"] = _pct(lat, 0.5) * 1e3, _pct(lat, 0.99) * 1e3
     out["cpu_ms_per_query"] = {name: (sim.ranks[r].cpu - cpu0[r]) / queries * 1e3
                                for name, r in (("root", 0), ("broker of brokers", mid), ("node broker", node_broker))}
     out["mid_children"] = len(sim.core(mid).children)
+    out["root_plan_ms"], out["root_finish_ms"] = statistics.median(plan_ms), statistics.median(finish_ms)
+    out["mid_merge_ms"] = statistics.median(mid_merge_ms) if mid_merge_ms else None
+    cpu = out["cpu_ms_per_query"]
+    _say(f"  query p50 {out['query_p50_ms']:.0f} ms p99 {out['query_p99_ms']:.0f} ms; CPU per query: root "
+         f"{cpu['root']:.1f} ms ({out['root_children']} children), broker of brokers {cpu['broker of brokers']:.1f} ms "
+         f"({out['mid_children']} children), node broker {cpu['node broker']:.1f} ms\n"
+         f"  the root's plan {out['root_plan_ms']:.1f} ms (over every member) and finish {out['root_finish_ms']:.1f} ms "
+         f"(merges its children's partials); a broker of brokers' merge {out['mid_merge_ms']} ms (medians)")
 
     # a broker of brokers killed: its brokers and leaves report to the root, nobody else dies
     moved = [n * PER_NODE for n in below] + [r for r in range(mid + 1, mid + PER_NODE)]
@@ -110,6 +130,8 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float)
     counts = sim.root.registry.counts()
     out["kill_others_dead"] = sorted(ever_dead - {mid})
     out["kill_alive_after"] = counts["alive"]
+    _say(f"  broker of brokers killed: subtree at the root in {out['kill_moved_s']} s, dead at the root after "
+         f"{out['kill_dead_s']:.1f} s, others ever dead {out['kill_others_dead']}, alive after {out['kill_alive_after']}")
 
     # a rack cut off: the subtree of another broker of brokers
     rack_head = heads[1] if len(heads) > 1 else heads[0]
@@ -131,6 +153,9 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float)
     out["cut_at"] = cut_at
     out["total_cpu_s"] = time.process_time() - t_build
     out["rejected"] = dict(sim.rejected)
+    _say(f"  rack of {out['cut_rack_ranks']} ranks cut off: all dead at the root in {out['cut_dead_s']} s, others "
+         f"dead {out['cut_others_dead']}; healed: all back in {out['heal_s']} s\n"
+         f"  rejected {out['rejected']}; {out['total_cpu_s']:.0f} s CPU in all")
     return out
 
 
@@ -145,21 +170,7 @@ def main() -> int:
     print(f"fan-out {args.fanout}, nodes of {PER_NODE}, link {args.latency * 1e6:.0f} us one way, "
           f"{args.bandwidth * 8 / 1e9:.0f} Gb/s per interface; default membership intervals", flush=True)
     for world in args.sizes:
-        r = run(world, args.fanout, args.queries, args.latency, args.bandwidth)
-        cpu = r["cpu_ms_per_query"]
-        print(f"{world:6d} ranks ({r['nodes']} nodes, {r['levels']} levels of brokers, root children "
-              f"{r['root_children']}, a broker of brokers' {r['mid_children']}):\n"
-              f"  converge {r['converge_s']:.2f} s, {r['converge_bytes'] / 1e6:.1f} MB "
-              f"({r['converge_bytes'] / world:.0f} B/rank); steady {r['steady_B_rank_min']:.0f} B/rank/min\n"
-              f"  query p50 {r['query_p50_ms']:.0f} ms p99 {r['query_p99_ms']:.0f} ms; CPU per query: root "
-              f"{cpu['root']:.1f} ms, broker of brokers {cpu['broker of brokers']:.1f} ms, node broker "
-              f"{cpu['node broker']:.1f} ms\n"
-              f"  broker of brokers killed: subtree at the root in {r['kill_moved_s']} s, dead at the root after "
-              f"{r['kill_dead_s']:.1f} s, others ever dead {r['kill_others_dead']}, alive after {r['kill_alive_after']}\n"
-              f"  rack of {r['cut_rack_ranks']} ranks cut off: all dead at the root in {r['cut_dead_s']} s, others "
-              f"dead {r['cut_others_dead']}; healed: all back in {r['heal_s']} s\n"
-              f"  rejected {r['rejected']}; {r['total_cpu_s']:.0f} s CPU ({r['membership_cpu_s']:.0f} s to converge "
-              f"and 2 simulated minutes)", flush=True)
+        run(world, args.fanout, args.queries, args.latency, args.bandwidth)
     return 0
 
 
