@@ -650,8 +650,8 @@ class RankCore:
         node = _node_of(report)
         if report.get("tier") != "broker":
             return Scope(range(node, node + 1))
-        count = report.get("node_count")
-        count = count if type(count) is int and count > node else self.identity.node_count
+        count = report.get("node_count")  # a node holds a rank at least: never more nodes than ranks
+        count = count if type(count) is int and node < count <= self.identity.world_size else self.identity.node_count
         if node >= count:
             return Scope(range(node, node + 1))
         fanout = self.settings.fanout
