@@ -227,3 +227,21 @@ def test_the_cli_and_the_widget_show_each_rank_s_level_and_parent():
     assert rows["0"][5:8] == ["root", "0", "-"] and rows["8"][5:8] == ["broker", "2", str(MID)]
     assert rows["9"][5:8] == ["leaf", "3", "8"]
     assert "rank 9 node 2 level 3 under 8 " in render_text(body, "sim", sim.now)
+
+
+def test_brokers_of_brokers_reduce_so_the_root_merges_a_row_per_child_not_per_rank(queried, monkeypatch):
+    from kernel_probe.query_tasks import Finish
+
+    finished: list[int] = []
+    run_sql = queried._run_sql
+
+    def spy(v, task):
+        if v.rank == 0 and isinstance(task.task, Finish):
+            finished.append(sum(arrow_ipc.ipc_to_table(b).num_rows for p in task.task.parts for b in p["buffers"]))
+        return run_sql(v, task)
+
+    monkeypatch.setattr(queried, "_run_sql", spy)
+    rows, _ = _answer(queried, "SELECT count(*) AS n FROM t")
+    assert rows == [{"n": len(_union())}]
+    # the root's own part, its three leaves' and one per broker of brokers: 8 rows for 80 ranks
+    assert finished == [1 + 3 + 4]
