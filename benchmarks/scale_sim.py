@@ -60,7 +60,7 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float) -> dict:
+def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float, only_queries: bool = False) -> dict:
     nodes = world // PER_NODE
     settings = dataclasses.replace(Settings(), fanout=fanout)
     t_build = time.process_time()
@@ -74,9 +74,10 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float)
     out: dict = {"world": world, "nodes": nodes, "levels": 1 + max(tree_depth(n, nodes, fanout) for n in range(nodes)),
                  "root_children": len(sim.core(0).children), "converge_s": took,
                  "converge_bytes": sum(sim.bytes_sent.values())}
-    sim.run_for(60.0)  # reports back off to the cap
+    if not only_queries:
+        sim.run_for(60.0)  # reports back off to the cap
     before = sum(sim.bytes_sent.values())
-    sim.run_for(60.0)
+    sim.run_for(0.0 if only_queries else 60.0)
     out["steady_B_rank_min"] = (sum(sim.bytes_sent.values()) - before) / world
     out["root_children"] = len(sim.core(0).children)
     out["membership_cpu_s"] = time.process_time() - t_build
@@ -111,6 +112,13 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float)
     out["mid_children"] = len(sim.core(mid).children)
     out["root_plan_ms"], out["root_finish_ms"] = statistics.median(plan_ms), statistics.median(finish_ms)
     out["mid_merge_ms"] = statistics.median(mid_merge_ms) if mid_merge_ms else None
+    if only_queries:
+        _say(f"  query p50 {out['query_p50_ms']:.0f} ms p99 {out['query_p99_ms']:.0f} ms; CPU per query: root "
+             f"{out['cpu_ms_per_query']['root']:.1f} ms, broker of brokers "
+             f"{out['cpu_ms_per_query']['broker of brokers']:.1f} ms ({out['mid_children']} children), node broker "
+             f"{out['cpu_ms_per_query']['node broker']:.1f} ms; the root's plan {out['root_plan_ms']:.1f} ms, finish "
+             f"{out['root_finish_ms']:.1f} ms")
+        return out
     cpu = out["cpu_ms_per_query"]
     _say(f"  query p50 {out['query_p50_ms']:.0f} ms p99 {out['query_p99_ms']:.0f} ms; CPU per query: root "
          f"{cpu['root']:.1f} ms ({out['root_children']} children), broker of brokers {cpu['broker of brokers']:.1f} ms "
@@ -172,11 +180,12 @@ def main() -> int:
     ap.add_argument("--queries", type=int, default=6)
     ap.add_argument("--latency", type=float, default=100e-6, help="one way, seconds")
     ap.add_argument("--bandwidth", type=float, default=1.25e9, help="bytes/s per interface, each way")
+    ap.add_argument("--only-queries", action="store_true", help="converge, then the queries (no steady state, no failures)")
     args = ap.parse_args()
     print(f"fan-out {args.fanout}, nodes of {PER_NODE}, link {args.latency * 1e6:.0f} us one way, "
           f"{args.bandwidth * 8 / 1e9:.0f} Gb/s per interface; default membership intervals", flush=True)
     for world in args.sizes:
-        run(world, args.fanout, args.queries, args.latency, args.bandwidth)
+        run(world, args.fanout, args.queries, args.latency, args.bandwidth, args.only_queries)
         gc.unfreeze()  # the next size starts with this one's garbage collectable
     return 0
 
