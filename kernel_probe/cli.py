@@ -131,6 +131,10 @@ def _rows(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
 def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | None = None,
                  all_rows: bool = False) -> str:
     """The membership as a plain-text table (the CLI and the demo print this): one row per rank,
@@ -143,14 +147,15 @@ def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | N
     if grouped:
         rows = _state_rows(view.members)
     else:
-        rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "ROLE", "STATE", "SEEN", "STEP", "STEP MS",
-                 "COMPUTE MS", "WAIT MS")]
+        rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "LEVEL", "PARENT", "ROLE", "STATE", "SEEN", "STEP",
+                 "STEP MS", "COMPUTE MS", "WAIT MS")]
         for m in view.members:
             state = m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
             step_ms = _ms(m.get("step_time_ms")) + (" slow" if m["slow"] else "")
             rows.append((str(m["rank"]), str(m["node"]), str(m["local_rank"]), m["host"], str(m["pid"]), m["tier"],
-                         m["role"] or "-", state, f"{m['age']} ago", "-" if m.get("step") is None else str(m["step"]),
-                         step_ms, _ms(m.get("compute_ms")), _ms(m.get("comm_wait_ms"))))
+                         _or_dash(m.get("level")), _or_dash(m.get("parent")), m["role"] or "-", state,
+                         f"{m['age']} ago", _or_dash(m.get("step")), step_ms, _ms(m.get("compute_ms")),
+                         _ms(m.get("comm_wait_ms"))))
     summary = ", ".join(f"{n} {s}" for s, n in sorted(view.counts.items()))
     lines = [f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}"
              + (" · one row per state (--all: one per rank)" if grouped else "")]

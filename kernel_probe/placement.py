@@ -13,6 +13,12 @@ Rules of this file:
   ``discover_timeout`` without a winner (with ``--virtual-local-rank`` every worker has
   local rank 0, so the first to arrive wins). A broker serves its leaves before it
   knows the root; a leaf reports to its broker, and learns the root for re-parenting.
+- Brokers of brokers (``tree_parent``): past ``fanout`` nodes, a node's broker reports to
+  the broker of another node, chosen from the node indices alone (which every rank
+  agrees on: torchrun's GROUP_RANK / GROUP_WORLD_SIZE, or the hosts' order), so every
+  rank draws the same tree without asking anyone. That broker is found through the
+  same store key as any node's broker; one not there within ``discover_timeout`` is
+  waited for at the root (the rank core moves back when it appears).
 """
 
 from __future__ import annotations
@@ -25,6 +31,57 @@ from .wire import derive_key
 
 RETRY_SEC = 0.05  # a key that is not there yet is read again this soon
 ERROR_RETRY_SEC = 1.0  # after a store error
+
+
+def _tree_walk(node: int, node_count: int, fanout: int) -> tuple[list[int], tuple[int, int]]:
+    """The heads above ``node`` (node 0, the root's, first) and the range of nodes its own
+    subtree spans.
+
+    The nodes form one tree in which every subtree is a run of consecutive node indices
+    (a rack, when racks are numbered in order) headed by its first node: the head of
+    ``[lo, hi)`` splits the rest, ``[lo + 1, hi)``, into at most ``fanout`` runs of
+    sizes that differ by at most one, each a subtree. So no broker has more than
+    ``fanout`` brokers below it, and the tree is as shallow as that allows: with
+    ``node_count <= fanout + 1`` every node reports to the root, as in a two-level tree.
+    """
+    if fanout < 1:
+        raise ValueError(f"fanout must be >= 1, got {fanout!r}")
+    if not 0 <= node < node_count:  # a node outside the job's count (misconfigured): straight to the root
+        return ([0] if node else []), (node, node + 1)
+    lo, hi = 0, node_count
+    heads: list[int] = []
+    while node != lo:
+        heads.append(lo)
+        first, size = lo + 1, hi - lo - 1
+        parts = min(fanout, size)
+        small, extra = divmod(size, parts)  # the first ``extra`` runs hold one node more
+        off = node - first
+        if off < extra * (small + 1):
+            lo = first + (off // (small + 1)) * (small + 1)
+            hi = lo + small + 1
+        else:
+            rest = off - extra * (small + 1)
+            lo = first + extra * (small + 1) + (rest // small) * small
+            hi = lo + small
+    return heads, (lo, hi)
+
+
+def tree_parent(node: int, node_count: int, fanout: int) -> int | None:
+    """The node whose broker ``node``'s broker reports to; None: the root (node 0's head)."""
+    heads, _ = _tree_walk(node, node_count, fanout)
+    return heads[-1] if heads and heads[-1] != 0 else None
+
+
+def tree_depth(node: int, node_count: int, fanout: int) -> int:
+    """The level of ``node``'s broker below the root: 1 for a node that reports to the root
+    (0 for node 0, the root's own)."""
+    return len(_tree_walk(node, node_count, fanout)[0])
+
+
+def subtree(node: int, node_count: int, fanout: int) -> range:
+    """The nodes whose members ``node``'s broker holds: its own and those below it."""
+    lo, hi = _tree_walk(node, node_count, fanout)[1]
+    return range(lo, hi)
 
 
 @dataclass(frozen=True)
@@ -49,10 +106,15 @@ class Placement:
         self.root: str | None = None
         self.retry_at: float | None = None
         self._started = 0.0
+        # a broker's parent by the tree rule: that node's broker (None: the root)
+        self.home: int | None = None
+        self._home_since: float | None = None  # when we began to look for the home broker
 
     @property
     def done(self) -> bool:
-        return self.tier is not None and (self.tier == "root" or self.root is not None)
+        if self.tier == "root":
+            return True
+        return self.tier is not None and self.root is not None and (self.tier == "leaf" or self.parent is not None)
 
     def start(self, now: float) -> list[StoreOp | Place | Note]:
         s, ident = self.settings, self.identity
@@ -83,6 +145,8 @@ class Placement:
             if self.identity.local_rank == 0 or waited:
                 return [StoreOp("elect_local0", {"node": self.identity.node, "record": self.record})]
             return [StoreOp("read_local0", {"node": self.identity.node})]
+        if self.root is not None and self.home is not None:
+            return [StoreOp("read_local0", {"node": self.home})]
         return [StoreOp("read_master", {})]
 
     def on_store_result(self, op: str, result: object, now: float) -> list[StoreOp | Place | Note]:
@@ -105,6 +169,8 @@ class Placement:
                 return [StoreOp("elect_local0", {"node": self.identity.node, "record": self.record, "stale": result})]
             if result.get("incarnation") == self.record.get("incarnation"):
                 self.tier, self.parent = "broker", None  # serve leaves before the root is known
+                ident = self.identity
+                self.home = tree_parent(ident.node, ident.node_count, self.settings.fanout)
             else:
                 self.tier, self.parent = "leaf", str(result.get("endpoint"))
             return [Place(self.tier, self.parent, None), StoreOp("read_master", {})]
@@ -113,8 +179,20 @@ class Placement:
                 self.retry_at = now + RETRY_SEC
                 return []
             self.root = str(result.get("endpoint"))
+            if self.tier == "broker" and self.home is not None:  # a broker of brokers is our parent
+                self._home_since = now
+                return [StoreOp("read_local0", {"node": self.home})]
             if self.tier == "broker":
                 self.parent = self.root
+            return [Place(self.tier, self.parent, self.root)]
+        if op == "read_local0" and self.tier == "broker" and self.root is not None:
+            if isinstance(result, dict) and result.get("endpoint"):
+                self.parent = str(result["endpoint"])
+            elif self._home_since is None or now - self._home_since >= self.settings.discover_timeout_sec:
+                self.parent = self.root  # not elected yet: wait at the root (the core moves back)
+            else:
+                self.retry_at = now + RETRY_SEC
+                return []
             return [Place(self.tier, self.parent, self.root)]
         return []
 

@@ -21,7 +21,9 @@ Rules of this file:
 - A broker whose gathered partials are small (no scan past ``merge_above_rows`` rows, at
   most ``RELAY_MAX_PARTS`` parts) relays them up as they came, its own among them, instead
   of merging them on a worker: the parent's merge concatenates them all the same, and the
-  broker spends no worker hand-off nor Arrow decode/encode on the critical path.
+  broker spends no worker hand-off nor Arrow decode/encode on the critical path. A broker
+  of brokers (a child of its answers for others) always reduces: else every level above
+  would concatenate its whole subtree's rows, and the root's work would grow with the job.
 - A leaf whose parent shares its machine loads no SQL engine: it ships the tables its scans
   read up (a subresult with ``ship``: its tags; without pyarrow loaded, for every scan, else
   when they need more than Arrow) and its parent scans them for it, the same work over the
@@ -108,6 +110,7 @@ class HopQuery:
     errors: list[dict] = field(default_factory=list)  # fatal errors (row cap) seen anywhere
     bytes_in: int = 0
     stage: str = "gather"  # plan | gather | merge | done
+    deep: bool = False  # a child answers for others (a broker of brokers): reduce whatever the size
     next_progress: float = 0.0
     timing: "HopTiming" = field(default_factory=lambda: HopTiming())
 
@@ -308,6 +311,7 @@ class QueryFanOut:
             s.plan_buffer = pack_json({k: v for k, v in s.plan.items() if k != "explain"})
         # the widest subtree first: a broker's answer is the last to come back
         for hop, (rid, ranks) in sorted(by_hop.items(), key=lambda kv: -len(kv[1][1])):
+            s.deep = s.deep or len(ranks) > 1
             s.waiting[hop] = ranks
             s.timing.sent[hop] = now
             body = {"qid": s.qid, "deadline": child_deadline, "ranks": ranks, "params": s.request.get("params")}
@@ -533,7 +537,8 @@ class QueryFanOut:
         params = s.request.get("params")
         s.timing.task_started["merge" if s.origin is PARENT else "finish"] = now
         if s.origin is PARENT:
-            return [self._task(s, Merge(s.plan, parts, reduce_above=self.merge_above_rows, params=params,
+            reduce_above = 0 if s.deep else self.merge_above_rows
+            return [self._task(s, Merge(s.plan, parts, reduce_above=reduce_above, params=params,
                                         deadline=s.deadline))]
         # the root's registry, for a plan that reads `nodes` (the worker must not touch ours);
         # only then: over 1024 ranks it is a few ms of every query
@@ -544,7 +549,7 @@ class QueryFanOut:
     def _relays(self, s: HopQuery) -> bool:
         """Whether this broker's merge would only concatenate (no scan's partials past the
         reduce threshold, every part's row counts known) and the parts are few."""
-        if len(s.parts) > RELAY_MAX_PARTS or any(rows is None for _, _, rows in s.parts):
+        if s.deep or len(s.parts) > RELAY_MAX_PARTS or any(rows is None for _, _, rows in s.parts):
             return False
         if self.merge_above_rows is None:
             return True

@@ -8,8 +8,14 @@ Rules of this file:
   run in one process (scale simulation) and why every decision is tested without a
   network.
 - Tiers: the root (global rank 0) owns the job's registry; a broker (its node's
-  elected local0) owns its node's registry and reports it up as one batch; a leaf
+  elected local0) owns its subtree's registry (its node's members, and below a broker
+  of brokers those of every node under it) and reports it up as one batch; a leaf
   reports itself. Children dial up; replies and pushes travel back on the same pair.
+- Which broker a broker reports to is ``placement.tree_parent`` (its "home"). One whose
+  home is lost, or not elected yet, reports to the root until the membership shows a
+  new broker on the home node, as a leaf does with its node's broker. Each child is
+  pushed the members of the nodes it uses (``scope``): a leaf its node, a broker its
+  subtree and its home node.
 - Liveness is decided from application messages only (transport state proves nothing
   about Python): reports, acknowledgements and pid watches.
 """
@@ -23,7 +29,7 @@ from . import stimuli as st
 from .config import Identity, Settings
 from .effects import PARENT, ConnectParent, Effect, Note, Send, UnwatchPid, WatchPid
 from .membership import REPORT_FIELDS, Backoff, Registry
-from .placement import Place, Placement
+from .placement import Place, Placement, subtree, tree_parent
 from .profile_plane import ProfilePlane
 from .query_fanout import QueryFanOut
 from .wire import PROTOCOL_VERSION, Envelope, Message
@@ -35,10 +41,30 @@ SELF_REFRESH_SEC = 0.25
 
 
 
+@dataclass(frozen=True)
+class Scope:
+    """The nodes whose members a child is pushed: a run of nodes (its own, or its subtree)
+    and its home broker's node. A range, never a set: a peer's numbers cost no memory."""
+
+    nodes: range
+    home: int | None = None
+
+    def __contains__(self, node: object) -> bool:
+        return type(node) is int and (node in self.nodes or node == self.home)
+
+    def __iter__(self):
+        yield from self.nodes
+        if self.home is not None and self.home not in self.nodes:
+            yield self.home
+
+    def __len__(self) -> int:
+        return len(self.nodes) + (self.home is not None and self.home not in self.nodes)
+
+
 @dataclass
 class Child:
     rank: int
-    node: int = 0  # pushes to it carry its node's members only
+    scope: Scope = field(default_factory=lambda: Scope(range(0, 1)))  # pushes to it carry these nodes only
     known_epoch: int = 0
     pid: int = 0
     host: str = ""
@@ -74,6 +100,7 @@ class RankCore:
     comm_wait_ms: float | None = None
     stalled: bool = False
     stalled_where: str = ""  # where the main thread is stuck while stalled (its innermost frame)
+    level: int | None = None  # below the root (0); its parent's level + 1, learned from the parent's acks
     info_extras: Callable[[], dict] | None = None  # facts only the shell has (rejected counts, store://)
 
     registry: Registry = field(init=False)  # authoritative: the job (root) or the node (broker)
@@ -159,6 +186,9 @@ class RankCore:
             self.registry.observe(self.report(), now)
         if parent != (self.parent.endpoint if self.parent else None):
             effects += self._set_parent(parent, now)
+        if (tier == "broker" and parent is not None and parent == root and self._home_node() is not None
+                and self._lost_broker is None):
+            self._lost_broker = ""  # its home broker is not elected yet: go there once it is
         return effects + self._on_timer(now)
 
     def _update_self(self, now: float, *, role: str | None = None, step: int | None = None,
@@ -373,6 +403,8 @@ class RankCore:
             "local_world_size": ident.local_world_size, "node": ident.node, "node_count": ident.node_count,
             "host": ident.host, "endpoint": self.endpoint, "pid": self.pid, "role": self.role,
             "incarnation": self.incarnation, "tier": self.tier or "leaf", "step": self.step,
+            "parent": self.parent.rank if self.parent is not None else None,
+            "level": 0 if self.tier == "root" else self.level,
             "step_time_ms": self.step_time_ms, "compute_ms": self.compute_ms, "comm_wait_ms": self.comm_wait_ms,
             "stalled": self.stalled, "age": 0.0,
             "reason": self.stalled_where if self.stalled else "",
@@ -447,6 +479,9 @@ class RankCore:
         self._acked_state = self._sent_state
         self._due(now + self.backoff.on_success(stable))
         parent = body.get("parent") or {}
+        level = parent.get("level")
+        if type(level) is int and level >= 0:
+            self.level = level + 1
         if self.parent is not None and parent.get("pid") and self.parent.pid != parent.get("pid"):
             self.parent.pid, self.parent.rank = parent.get("pid"), parent.get("rank")
             self.parent.host, self.parent.incarnation = parent.get("host"), parent.get("incarnation")
@@ -465,9 +500,19 @@ class RankCore:
             return self._parent_lost(now, why)
         return []
 
+    def _home_node(self) -> int | None:
+        """The node whose broker is this rank's parent when all is well: a leaf's own node, a
+        broker's parent by the tree rule (None: the root is its parent, nothing to go back to)."""
+        if self.tier == "leaf":
+            return self.identity.node
+        if self.tier == "broker":
+            return tree_parent(self.identity.node, self.identity.node_count, self.settings.fanout)
+        return None
+
     def _parent_lost(self, now: float, why: str) -> list[Effect]:
-        """A leaf whose broker is gone reports to the root directly; nobody else moves."""
-        if (self.tier != "leaf" or self.parent is None or not self.root_endpoint
+        """A leaf whose broker is gone, or a broker whose broker of brokers is, reports to the
+        root directly (with its subtree: nothing below it moves); the root never moves."""
+        if (self._home_node() is None or self.parent is None or not self.root_endpoint
                 or self.parent.endpoint == self.root_endpoint):
             return []
         # Remember the broker process we leave, by incarnation, so that we do not go back
@@ -477,10 +522,11 @@ class RankCore:
         self._lost_broker = self.parent.incarnation or next(
             (m.incarnation for m in self.mirror.members() if m.endpoint == self.parent.endpoint), "")
         return [Note(f"broker {self.parent.endpoint} lost ({why}); reporting to the root")] + \
-            self._set_parent(self.root_endpoint, now)
+            self._set_parent(self.root_endpoint, now, level=1)
 
-    def _set_parent(self, endpoint: str | None, now: float) -> list[Effect]:
+    def _set_parent(self, endpoint: str | None, now: float, level: int | None = None) -> list[Effect]:
         effects: list[Effect] = [UnwatchPid("parent")] if self.parent else []
+        self.level = level  # known again from the new parent's first ack
         if self.parent is not None and self.tier != "root":
             # epochs are the root's; a new path may be a restarted root: resync from scratch
             self.mirror = Registry(stale_sec=self.settings.stale_sec)
@@ -504,19 +550,19 @@ class RankCore:
             except ValueError:
                 return [Note("ignored a malformed membership delta")]
         effects: list[Effect] = []
-        if (self.tier == "leaf" and self._lost_broker is not None and self.parent
-                and self.parent.endpoint == self.root_endpoint):
-            broker = self._new_broker()
+        if (self._lost_broker is not None and self.parent and self.parent.endpoint == self.root_endpoint
+                and (home := self._home_node()) is not None):
+            broker = self._new_broker(home)
             if broker is not None:
                 self._lost_broker = None
-                effects += [Note(f"new broker {broker} for node {self.identity.node}")] + self._set_parent(broker, now)
+                effects += [Note(f"new broker {broker} for node {home}")] + self._set_parent(broker, now)
         if self.tier == "broker":
             effects += self._maybe_push(now)
         return effects
 
-    def _new_broker(self) -> str | None:
+    def _new_broker(self, home: int) -> str | None:
         for m in self.mirror.members():
-            if (m.node == self.identity.node and m.tier == "broker" and m.state != "dead"
+            if (m.node == home and m.tier == "broker" and m.state != "dead"
                     and m.rank != self.identity.rank and m.incarnation != self._lost_broker):
                 return m.endpoint
         return None
@@ -537,20 +583,20 @@ class RankCore:
         self._push_at = None
         self._pushed_epoch = view.epoch
         effects: list[Effect] = []
-        # A child is sent what it uses: its own node's members (the root alone holds the
-        # whole job), so a round's pushes grow with the job, not with its square.
-        # Children of one node at the same epoch get the same delta: built once. Bodies
+        # A child is sent what it uses: the members of the nodes in its scope (the root alone
+        # holds the whole job), so a round's pushes grow with the job, not with its square.
+        # Children of one scope at the same epoch get the same delta: built once. Bodies
         # are never mutated once built.
-        bodies: dict[tuple[int, int], dict] = {}
+        bodies: dict[tuple[int, Scope], dict] = {}
         complete = self._complete()
         for rid, child in self.children.items():
             if child.known_epoch == view.epoch:
                 continue
-            key = (child.known_epoch, child.node)
+            key = (child.known_epoch, child.scope)
             body = bodies.get(key)
             if body is None:
                 body = bodies[key] = {"epoch": view.epoch, "complete": complete,
-                                      "delta": view.delta_since(child.known_epoch, child.node)}
+                                      "delta": view.delta_since(child.known_epoch, nodes=child.scope)}
             child.known_epoch = view.epoch
             effects.append(Send(rid, Message("membership", body)))
         return effects
@@ -575,7 +621,7 @@ class RankCore:
         child = self.children.get(rid)
         if child is None or child.incarnation != first.get("incarnation"):
             self._drop_child_rank(child_rank)
-            child = self.children[rid] = Child(child_rank, node=_node_of(first), pid=int(first.get("pid") or 0),
+            child = self.children[rid] = Child(child_rank, scope=self._scope_of(first), pid=int(first.get("pid") or 0),
                                                host=str(first.get("host") or ""),
                                                incarnation=str(first.get("incarnation") or ""))
         child.known_epoch = int(env.msg.body.get("known_epoch") or 0)
@@ -593,13 +639,27 @@ class RankCore:
         view = self.view()
         ack = {
             "epoch": view.epoch, "complete": self._complete(),
-            "delta": view.delta_since(child.known_epoch, child.node) if child.known_epoch != view.epoch else None,
+            "delta": view.delta_since(child.known_epoch, nodes=child.scope) if child.known_epoch != view.epoch else None,
             "parent": {"rank": self.identity.rank, "pid": self.pid, "host": self.identity.host,
-                       "incarnation": self.incarnation, "tier": self.tier},
+                       "incarnation": self.incarnation, "tier": self.tier,
+                       "level": 0 if self.tier == "root" else self.level},
         }
         child.known_epoch = view.epoch
         effects.append(Send(rid, Message("heartbeat_ack", ack, corr_id=env.header.msg_id)))
         return effects + self._on_timer(now)
+
+    def _scope_of(self, report: dict) -> Scope:
+        """What a child uses of the membership: a leaf its node's members; a broker those of
+        its subtree (which it pushes on) and of its home node (to find its way back)."""
+        node = _node_of(report)
+        if report.get("tier") != "broker":
+            return Scope(range(node, node + 1))
+        count = report.get("node_count")  # a node holds a rank at least: never more nodes than ranks
+        count = count if type(count) is int and node < count <= self.identity.world_size else self.identity.node_count
+        if node >= count:
+            return Scope(range(node, node + 1))
+        fanout = self.settings.fanout
+        return Scope(subtree(node, count, fanout), tree_parent(node, count, fanout))
 
     def _vouch_ignored(self, report: dict, broker: int) -> bool:
         """A broker's word that a rank is dead counts only while that broker is the rank's path."""

@@ -79,7 +79,9 @@ def render_text(raw: dict, run_id: str | None, now: float, note: str = "") -> st
     for group in view.groups:
         for m in group.members:
             st = m.get("step_time_ms")
-            lines.append(f"  rank {m.get('rank')} node {m.get('node')} {m.get('host') or ''} {m.get('role') or '-'} "
+            tree = "" if m.get("level") is None else f" level {m.get('level')}" + (
+                "" if m.get("parent") is None else f" under {m.get('parent')}")
+            lines.append(f"  rank {m.get('rank')} node {m.get('node')}{tree} {m.get('host') or ''} {m.get('role') or '-'} "
                          f"{m.get('state')}{' (suspect)' if view.suspect_of(m.get('rank')) else ''} step {m.get('step')}"
                          + ("" if st is None else f" {st:.1f} ms") + (" (slow)" if m["slow"] else "")
                          + (f" {m['reason']}" if m.get("reason") else ""))
@@ -102,11 +104,11 @@ def render_table(raw: dict, now: float) -> str:
     """Ranks grouped by node (host, local rank, role, coloured state, last-seen age, step,
     step time with a bar relative to the median), stall suspects, and departures."""
     view = membership_view(raw.get("members") or [], now, raw.get("departures") or [])
-    head = ("<tr><th>rank</th><th>local</th><th>host</th><th>role</th><th>state</th><th>last seen</th>"
-            "<th>step</th><th>step time</th><th></th><th style='text-align:left'>reason</th></tr>")
+    head = ("<tr><th>rank</th><th>local</th><th>host</th><th>level</th><th>parent</th><th>role</th><th>state</th>"
+            "<th>last seen</th><th>step</th><th>step time</th><th></th><th style='text-align:left'>reason</th></tr>")
     rows = []
     for group in view.groups:
-        rows.append(f"<tr class='probing-node'><td colspan='10' style='text-align:left'><b>node {_cell(group.node)}</b> "
+        rows.append(f"<tr class='probing-node'><td colspan='12' style='text-align:left'><b>node {_cell(group.node)}</b> "
                     f"<span style='color:{MUTED}'>{html.escape(', '.join(group.hosts))} · {group.label}"
                     f"</span></td></tr>")
         for m in group.members:
@@ -120,7 +122,7 @@ def render_table(raw: dict, now: float) -> str:
             rows.append(
                 f"<tr class='probing-rank' data-rank='{_cell(m.get('rank'))}' data-state='{html.escape(state)}'>"
                 f"<td>{_cell(m.get('rank'))}</td><td>{_cell(m.get('local_rank'))}</td><td>{_cell(m.get('host'))}</td>"
-                f"<td>{_cell(m.get('role'))}</td><td style='color:{colour};font-weight:bold'>{html.escape(state)}{mark}</td>"
+                f"<td>{_cell(m.get('level'))}</td><td>{_cell(m.get('parent'))}</td><td>{_cell(m.get('role'))}</td><td style='color:{colour};font-weight:bold'>{html.escape(state)}{mark}</td>"
                 f"<td>{m['age'] + ' ago' if m['age'] else ''}</td><td>{_cell(m.get('step'))}</td>"
                 f"<td>{'' if st is None else f'{st:.1f} ms'}</td><td>{_bar(m)}</td>"
                 f"<td style='text-align:left'>{_cell(m.get('reason'))}</td></tr>")

@@ -42,10 +42,13 @@ def test_the_field_tuples_follow_the_declaration():
     assert MEMBER_FIELDS[-1] == "via" and MEMBER_COLUMNS == MEMBER_FIELDS[:-1]  # via routes, users never see it
     assert set(MEMBERSHIP_FIELDS) | set(TELEMETRY_FIELDS) == set(MEMBER_FIELDS)
     assert not set(MEMBERSHIP_FIELDS) & set(TELEMETRY_FIELDS)
-    assert set(TELEMETRY_FIELDS) == {"last_seen", "step", "step_time_ms", "compute_ms", "comm_wait_ms"}
+    # where a rank hangs in the tree is shown, not pushed: a re-parent moves no epoch
+    assert set(TELEMETRY_FIELDS) == {"last_seen", "step", "step_time_ms", "compute_ms", "comm_wait_ms", "parent",
+                                     "level"}
     assert "rank" not in IDENTITY_FIELDS and set(IDENTITY_FIELDS) <= set(MEMBERSHIP_FIELDS)
     # a report says who the rank is and how its steps go; its liveness is the receiver's to judge
-    assert set(REPORT_FIELDS) == {"rank", *IDENTITY_FIELDS, "step", "step_time_ms", "compute_ms", "comm_wait_ms"}
+    assert set(REPORT_FIELDS) == {"rank", *IDENTITY_FIELDS, "step", "step_time_ms", "compute_ms", "comm_wait_ms",
+                                  "parent", "level"}
     assert DEPARTURE_COLUMNS == ("rank", "incarnation", "host", "pid", "when", "why")
 
 

@@ -60,10 +60,10 @@ def test_member_field_order_is_the_nodes_table():
     assert MEMBER_FIELDS == (
         "rank", "world_size", "local_rank", "local_world_size", "node", "node_count",
         "host", "endpoint", "pid", "role", "incarnation", "state", "last_seen", "since",
-        "step", "step_time_ms", "compute_ms", "comm_wait_ms", "tier", "reason", "via",
+        "step", "step_time_ms", "compute_ms", "comm_wait_ms", "tier", "parent", "level", "reason", "via",
     )  # fmt: skip
     assert set(MEMBERSHIP_FIELDS) == set(MEMBER_FIELDS) - {"last_seen", "step", "step_time_ms", "compute_ms",
-                                                           "comm_wait_ms"}
+                                                           "comm_wait_ms", "parent", "level"}
     assert MEMBER_FIELDS[:-1] == MEMBER_COLUMNS  # the nodes table's columns, in its order
 
 

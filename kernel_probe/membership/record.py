@@ -196,6 +196,10 @@ class Member:
     # blocked on gradient all-reduce in the latest step
     comm_wait_ms: float | None = _f(TELEMETRY, reported=True, default=None)
     tier: str = _f(identity=True, choices=TIERS, default="leaf")
+    # where it hangs in the tree as of its last report: its parent's rank and its level below
+    # the root (the root 0, a broker of brokers 1, ...); None until its parent first answered
+    parent: int | None = _f(TELEMETRY, reported=True, default=None)
+    level: int | None = _f(TELEMETRY, reported=True, default=None)
     reason: str = _f(default="")  # "" while live; why it died: "exited", "left", "stale", free text
     via: int | None = _f(column=False, default=None)  # broker that vouched for it; None = heard directly
 

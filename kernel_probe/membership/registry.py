@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,6 +61,8 @@ class _Report:
     step_time_ms: float | None
     compute_ms: float | None
     comm_wait_ms: float | None
+    parent: int | None
+    level: int | None
     stalled: bool
     age: float
     verdict: str
@@ -84,6 +86,8 @@ class _Report:
             step_time_ms=_opt_float("step_time_ms", d.get("step_time_ms")),
             compute_ms=_opt_float("compute_ms", d.get("compute_ms")),
             comm_wait_ms=_opt_float("comm_wait_ms", d.get("comm_wait_ms")),
+            parent=_opt_int("parent", d.get("parent")),
+            level=_opt_int("level", d.get("level")),
             stalled=stalled,
             age=age,
             verdict=_str("verdict", d.get("verdict", "alive"), choices=VERDICTS),
@@ -121,6 +125,9 @@ class Registry:
         # per node, so a child is sent its own node's changes only (delta_since(e, node=g))
         self._by_node: dict[int, set[int]] = {}  # node -> ranks present
         self._node_of: dict[int, int] = {}  # rank -> node, also while tombstoned
+        # broker -> the ranks it vouches for (``via``): its node's leaves, and below a broker
+        # of brokers its whole subtree, on other nodes too
+        self._by_via: dict[int, set[int]] = {}
         self._complete: tuple[int, int, bool] = (-1, -1, False)  # (epoch, world_size, answer)
         # TTL deadlines, so a tick looks at the members that are due, not at every member:
         # (when, rank) entries, each a lower bound of that member's real deadline
@@ -164,19 +171,30 @@ class Registry:
         self._members[new.rank] = new
         if old is None or old.node != new.node:
             self._place(new.rank, new.node)
+        if old is None or old.via != new.via:
+            self._vouched(new.rank, old.via if old is not None else None, new.via)
         if old is None or old.last_seen != new.last_seen or old.state != new.state or old.since != new.since:
             self._schedule(new.rank, new.since + self.stale_sec if new.state == DEAD
                            else new.last_seen + self.stale_sec)
-            # the members it vouches for (a broker's leaves, on its node) may end sooner now:
-            # back to their own TTL, a lower bound that tick and next_deadline refine
-            for r in self._by_node.get(new.node, ()):
+            # the members it vouches for may end sooner now: back to their own TTL, a lower
+            # bound that tick and next_deadline refine
+            for r in self._by_via.get(new.rank, ()):
                 m = self._members[r]
-                if m.via == new.rank and m.state != DEAD:
+                if m.state != DEAD:
                     self._schedule(r, m.last_seen + self.stale_sec)
         if old is None or _membership(old) != _membership(new):
             self._changed_at.pop(new.rank, None)
             self._changed_at[new.rank] = self._bump_epoch()
             self._tombstones.pop(new.rank, None)  # present again: the upsert says it all
+
+    def _vouched(self, rank: int, old: int | None, new: int | None) -> None:
+        """Keep the ``via`` index: ``rank`` is now vouched for by ``new`` (None: nobody)."""
+        if old is not None and old in self._by_via:
+            self._by_via[old].discard(rank)
+            if not self._by_via[old]:
+                del self._by_via[old]
+        if new is not None:
+            self._by_via.setdefault(new, set()).add(rank)
 
     def _schedule(self, rank: int, when: float) -> None:
         self._due[rank] = when
@@ -187,7 +205,9 @@ class Registry:
 
     def _remove(self, rank: int) -> None:
         self._due.pop(rank, None)
-        node = self._members.pop(rank).node
+        gone = self._members.pop(rank)
+        node = gone.node
+        self._vouched(rank, gone.via, None)
         self._place(rank, None)
         self._node_of[rank] = node  # the tombstone still belongs to its node
         self._changed_at.pop(rank, None)
@@ -241,7 +261,7 @@ class Registry:
         fresh = Member(
             **r.identity, state=state, last_seen=evidence, since=evidence,
             step=r.step, step_time_ms=r.step_time_ms, compute_ms=r.compute_ms, comm_wait_ms=r.comm_wait_ms,
-            reason=r.reason if r.stalled else "", via=via,
+            parent=r.parent, level=r.level, reason=r.reason if r.stalled else "", via=via,
         )  # fmt: skip
         if old is None:  # join
             self._store(fresh)
@@ -443,16 +463,19 @@ class Registry:
         removed = list(itertools.takewhile(lambda r: self._tombstones[r] > epoch, reversed(self._tombstones)))
         return changed, removed
 
-    def delta_since(self, epoch: int, node: int | None = None) -> dict[str, Any]:
+    def delta_since(self, epoch: int, node: int | None = None, nodes: Collection[int] | None = None) -> dict[str, Any]:
         """What a mirror at ``epoch`` needs to reach ``self.epoch``; with ``node``, of that
-        node's members only (what a child on that node uses: the pushes of a round then
-        grow with the job, not with its square).
+        node's members only, with ``nodes`` of those nodes' (what a child uses: a leaf its
+        node, a broker of brokers its subtree; the pushes of a round then grow with the
+        job, not with its square).
 
         ``{"epoch", "full", "base", "upserts": [member dicts], "removed": [ranks]}``;
         ``base`` is the epoch the delta starts from (0 for a full one). Full, with every
-        member (of the node), when ``epoch`` is 0, not an int, newer than ours, or older
+        member (of the nodes), when ``epoch`` is 0, not an int, newer than ours, or older
         than the tombstones we kept.
         """
+        if node is not None:
+            nodes = (node,)
         exact = (
             isinstance(epoch, int)
             and not isinstance(epoch, bool)
@@ -460,7 +483,7 @@ class Registry:
             and epoch >= self._floor
         )
         if not exact:
-            ranks = sorted(self._members if node is None else self._by_node.get(node, ()))
+            ranks = sorted(self._members) if nodes is None else self._ranks_on(nodes)
             return {
                 "epoch": self.epoch,
                 "full": True,
@@ -468,18 +491,37 @@ class Registry:
                 "upserts": [self._members[r].to_dict() for r in ranks],
                 "removed": [],
             }
-        if node is None:  # the whole job (a client's view): read the changes, not every member
+        if nodes is None:  # the whole job (a client's view): read the changes, not every member
             changed, removed = self.changes_since(epoch)  # type: ignore[misc]  (exact: not None)
-            return {"epoch": self.epoch, "full": False, "base": epoch,
-                    "upserts": [self._members[r].to_dict() for r in sorted(changed)], "removed": sorted(removed)}
-        ranks = sorted(self._by_node.get(node, ()))
-        return {
-            "epoch": self.epoch,
-            "full": False,
-            "base": epoch,
-            "upserts": [self._members[r].to_dict() for r in ranks if self._changed_at.get(r, 0) > epoch],
-            "removed": sorted(r for r, e in self._tombstones.items() if e > epoch and self._node_of.get(r) == node),
-        }
+        else:
+            changed, removed = self._changes_on(epoch, nodes), [
+                r for r in itertools.takewhile(lambda r: self._tombstones[r] > epoch, reversed(self._tombstones))
+                if self._node_of.get(r) in nodes]
+        return {"epoch": self.epoch, "full": False, "base": epoch,
+                "upserts": [self._members[r].to_dict() for r in sorted(changed)], "removed": sorted(removed)}
+
+    def _ranks_on(self, nodes: Collection[int]) -> list[int]:
+        """The members on ``nodes``, by rank (a range of nodes may be wider than the job)."""
+        if len(nodes) <= len(self._by_node):
+            return sorted(r for n in nodes for r in self._by_node.get(n, ()))
+        return sorted(r for n, ranks in self._by_node.items() if n in nodes for r in ranks)
+
+    def _changes_on(self, epoch: int, nodes: Collection[int]) -> list[int]:
+        """Members on ``nodes`` changed after ``epoch``: from the newest changes while they are
+        fewer than those nodes' members, else from the members (whichever reads less)."""
+        size = sum(len(self._by_node.get(n, ())) for n in nodes) if len(nodes) <= len(self._by_node) \
+            else len(self._members)
+        out = []
+        for seen, r in enumerate(reversed(self._changed_at)):
+            if self._changed_at[r] <= epoch:
+                return out
+            if seen > size:
+                break
+            if self._node_of.get(r) in nodes:
+                out.append(r)
+        else:
+            return out
+        return [r for r in self._ranks_on(nodes) if self._changed_at.get(r, 0) > epoch]
 
     def apply_delta(self, delta: Mapping[str, Any]) -> bool:
         """Mirror mode: apply a parent's delta. Returns True if any member changed.

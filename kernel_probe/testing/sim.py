@@ -21,10 +21,20 @@ What is modelled, and how:
   compare-and-set), exactly as the real shell runs it against the job's TCPStore; store
   steps take no time. When local rank 0 starts within ``discover_timeout_sec`` of its
   node's other ranks the result is: rank 0 is the root and node 0's broker; local rank 0
-  of every other node is its broker (parent: the root); the rest are leaves (parent:
-  their node's broker). ``discovery="fixed"`` skips the store and places ranks in that
-  shape at once, for studies of the membership protocol on a given tree (a parent that
-  starts seconds late keeps its place).
+  of every other node is its broker (parent: the broker ``placement.tree_parent`` names,
+  the root while there are at most ``Settings.fanout`` nodes besides node 0); the rest are
+  leaves (parent: their node's broker). ``discovery="fixed"`` skips the store and places
+  ranks in that shape at once, for studies of the membership protocol on a given tree (a
+  parent that starts seconds late keeps its place).
+- Links: ``latency`` one way, plus up to ``jitter``; with ``bandwidth`` (bytes/s) each
+  rank's network interface sends one message at a time and receives one at a time at
+  that rate (a root that hears from 64 brokers at once waits for its link). ``cut``
+  partitions a set of ranks from the rest (a rack whose switch failed): messages across
+  are lost, nobody is told; ``heal`` ends it.
+- CPU: the real time each virtual rank's work took on this machine (its cores' handling,
+  the codec, its SQL tasks) is summed per rank in ``VirtualRank.cpu`` (thread CPU time).
+  With ``sql_latency="measured"`` a SQL task's outcome comes back after the CPU time it
+  really took, so a query's simulated time includes each hop's SQL work.
 - SQL: each virtual rank can hold tables (``tables=``: rank -> {name: Arrow table} or
   ``SimTables``);
   a ``RunSqlTask`` runs the real ``SqlTaskRunner`` synchronously (the one place that
@@ -82,6 +92,7 @@ from ..config import Identity, Settings
 from ..effects import PARENT, RunSqlTask, Send, StoreOp
 from ..interpreter import RankShell
 from ..membership import Member
+from ..placement import tree_parent
 from ..query_tasks import Finish
 from ..rank_core import RankCore
 from ..stimuli import MessageIn, Placed, ProcessExited, SelfChanged, SendFailed, SqlTaskDone, Start, Stimulus, Tick
@@ -130,6 +141,7 @@ class VirtualRank:
     spins: int = 0
     sent: int = 0
     shell: "_SimShell | None" = None
+    cpu: float = 0.0  # thread CPU seconds this rank's work took (handling, codec, SQL)
     sql: Any = None  # its SqlTaskRunner, when the simulation holds tables
     capture: Any = None  # its profile capture, made when first asked (a new process: a new one)
     step_hook: Any = None  # what the optimizer hook would call: ``.capture`` while one is armed
@@ -156,8 +168,8 @@ class Simulation:
                  pid_poll_sec: float = 0.5, sample_sec: float = 1.0, token: str = "sim-token",
                  hosts: int | None = None, record: bool = True, discovery: str = "store",
                  tables: Callable[[int], dict] | None = None, tags: Callable[[int], dict] | None = None,
-                 sql_latency: float = 0.002, host_of: Callable[[int], str] | None = None,
-                 sql_options: Any = None) -> None:
+                 sql_latency: float | str = 0.002, host_of: Callable[[int], str] | None = None,
+                 sql_options: Any = None, bandwidth: float | None = None) -> None:
         if discovery not in ("store", "fixed"):
             raise ValueError("discovery is 'store' or 'fixed'")
         if nodes < 1 or ranks_per_node < 1:
@@ -178,6 +190,10 @@ class Simulation:
         self._conns = itertools.count(1)
         self._rids: dict[bytes, tuple[int, int]] = {}  # routing id -> (child rank, connection)
         self._link_free: dict[tuple[int, int], float] = {}  # (src, dst) -> last delivery time (FIFO)
+        self.bandwidth = None if bandwidth is None else float(bandwidth)
+        self._tx_busy: dict[int, float] = {}  # rank -> when its interface is done sending what it has
+        self._rx_busy: dict[int, float] = {}  # rank -> when its interface is done receiving
+        self._cut: set[int] = set()  # ranks partitioned from the rest
         self.ranks = [VirtualRank(r, self._identity(r)) for r in range(self.world_size)]
         # what happened, for tests and benchmarks
         self.record = record
@@ -194,7 +210,10 @@ class Simulation:
         self.discovery = discovery
         self.store: dict[str, dict] = {}  # the job's store, as placement sees it
         self.store_ops: Counter[str] = Counter()
-        self._tables, self._tags, self.sql_latency = tables, tags, float(sql_latency)
+        if sql_latency != "measured" and not isinstance(sql_latency, (int, float)):
+            raise ValueError("sql_latency is seconds or 'measured'")
+        self._tables, self._tags = tables, tags
+        self.sql_latency = sql_latency if sql_latency == "measured" else float(sql_latency)
         self._sql_options = sql_options  # its SqlTaskRunners' TaskOptions (None: a probe's)
         self._clients = itertools.count(1)
         self.last_finish_nodes: list[dict] | None = None
@@ -216,6 +235,15 @@ class Simulation:
     def broker_of(self, rank: int) -> int:
         """The rank of ``rank``'s node broker (rank 0 on node 0)."""
         return (rank // self.ranks_per_node) * self.ranks_per_node
+
+    def parent_of(self, rank: int) -> int | None:
+        """The rank ``rank`` reports to when every rank is up (None: the root)."""
+        if rank == 0:
+            return None
+        if self.tier_of(rank) == "leaf":
+            return self.broker_of(rank)
+        home = tree_parent(rank // self.ranks_per_node, self.nodes, self.settings.fanout)
+        return 0 if home is None else home * self.ranks_per_node
 
     def tier_of(self, rank: int) -> str:
         if rank == 0:
@@ -299,7 +327,7 @@ class Simulation:
             if tier == "root":
                 v.shell.feed(Placed("root", None, None), self.now)
             elif tier == "broker":
-                v.shell.feed(Placed("broker", root, root), self.now)
+                v.shell.feed(Placed("broker", self.endpoint(self.parent_of(rank)), root), self.now)
             else:
                 v.shell.feed(Placed("leaf", self.endpoint(self.broker_of(rank)), root), self.now)
         self._arm(v)
@@ -335,6 +363,15 @@ class Simulation:
         if not v.frozen:
             v.shell.leave()
         self.kill(rank)
+
+    def cut(self, ranks: Any) -> None:
+        """Partition ``ranks`` from the rest: from now on, messages between the two sides are
+        lost on the way (neither side is told; connections look up, as through a dead switch)."""
+        self._cut = set(ranks)
+
+    def heal(self) -> None:
+        """End the partition: messages cross again."""
+        self._cut = set()
 
     def freeze(self, rank: int) -> None:
         """SIGSTOP: nothing is handled, messages queue, the pid stays alive."""
@@ -396,7 +433,9 @@ class Simulation:
                 v.sampling = False
             return
         # (fed, not ``sample``d: nobody reads a simulated rank's published membership)
+        t0 = time.thread_time()
         v.shell.feed(SelfChanged(step=v.step, step_time_ms=v.step_time_ms, stalled=v.stalled), self.now)
+        v.cpu += time.thread_time() - t0
         self._arm(v)
         self._at(self.now + self.sample_sec, lambda: self._sample(v, starts))
 
@@ -409,9 +448,11 @@ class Simulation:
         if v.frozen:
             v.pending.append(make)
             return
+        t0 = time.thread_time()
         self._handle(v, make)
         if timer and v.state == "up":
             v.shell.turn(self.now)  # the shell's loop ends every wake-up so
+        v.cpu += time.thread_time() - t0
         self._arm(v)
 
     def _handle(self, v: VirtualRank, make: Callable[[], Stimulus | None]) -> None:
@@ -440,7 +481,9 @@ class Simulation:
         v.timer_at = None
         if v.frozen:
             return  # thaw() runs the timers
+        t0 = time.thread_time()
         effects = v.shell.feed(Tick(), self.now)
+        v.cpu += time.thread_time() - t0
         if not effects and v.state == "up":
             deadline = v.core.next_deadline()
             if deadline is not None and deadline <= self.now:
@@ -468,6 +511,7 @@ class Simulation:
         raise ValueError(f"unknown store step {op.op!r}")
 
     def _run_sql(self, v: VirtualRank, task: RunSqlTask) -> None:
+        took = 0.0
         if v.sql is None:
             result = {"error": {"code": "error", "message": "this simulation holds no tables"}}
         else:
@@ -476,8 +520,11 @@ class Simulation:
                 self.last_finish_nodes = work.nodes  # what the root's `nodes` was, for oracles
             if getattr(work, "deadline", None) is not None:  # DuckDB really runs: give it the time left, on its clock
                 work = dataclasses.replace(work, deadline=time.time() + max(0.0, work.deadline - self.now))
+            t0 = time.thread_time()
             result = v.sql.quick(work) or v.sql.run(work)  # as a probe does
-        self._at(self.now + self.sql_latency, lambda: self._input(v, lambda: SqlTaskDone(task.task_id, result)))
+            took = time.thread_time() - t0
+        delay = took if self.sql_latency == "measured" else self.sql_latency
+        self._at(self.now + delay, lambda: self._input(v, lambda: SqlTaskDone(task.task_id, result)))
 
     def _connect(self, v: VirtualRank, endpoint: str | None) -> None:
         v.parent = self._rank_of(endpoint)
@@ -517,8 +564,13 @@ class Simulation:
 
         self._at(self.now + self.pid_poll_sec, report)
 
-    def _deliver_at(self, src: int, dst: int) -> float:
-        t = self.now + self.latency + (self._rng.uniform(0, self.jitter) if self.jitter else 0.0)
+    def _deliver_at(self, src: int, dst: int, nbytes: int = 0) -> float:
+        t = self.now + self.latency
+        if self.bandwidth:  # each interface carries one message at a time, each way
+            wire_time = nbytes / self.bandwidth
+            sent = self._tx_busy[src] = max(self.now, self._tx_busy.get(src, 0.0)) + wire_time
+            t = self._rx_busy[dst] = max(sent + self.latency, self._rx_busy.get(dst, 0.0) + wire_time)
+        t += self._rng.uniform(0, self.jitter) if self.jitter else 0.0
         t = max(t, self._link_free.get((src, dst), 0.0))  # one connection is FIFO
         self._link_free[(src, dst)] = t
         return t
@@ -542,12 +594,15 @@ class Simulation:
                 return
             dst, rid, conn = parent, v.rid, v.conn
             self._count(v, dst, msg.type, frames)
-            self._at(self._deliver_at(v.rank, dst.rank), lambda: self._arrive_up(dst, frames, rid))
+            if self._severed(v.rank, dst.rank, msg.type):
+                return
+            self._at(self._deliver_at(v.rank, dst.rank, sum(map(len, frames))),
+                     lambda: self._arrive_up(dst, frames, rid))
             return
         if effect.to in self._answers:  # to a client connected to this rank's ROUTER
             self._count(v, v, msg.type, frames)
             client_codec = self._client_codec
-            self._at(self._deliver_at(v.rank, -1),
+            self._at(self._deliver_at(v.rank, -1, sum(map(len, frames))),
                      lambda: self._answers[effect.to].append(client_codec.decode(frames)))
             return
         child_rank, conn = self._rids.get(effect.to, (None, 0))
@@ -556,7 +611,17 @@ class Simulation:
             self.dropped[msg.type] += 1  # ROUTER_MANDATORY raised; the shell ignores it
             return
         self._count(v, child, msg.type, frames)
-        self._at(self._deliver_at(v.rank, child.rank), lambda: self._arrive_down(child, frames, conn))
+        if self._severed(v.rank, child.rank, msg.type):
+            return
+        self._at(self._deliver_at(v.rank, child.rank, sum(map(len, frames))),
+                 lambda: self._arrive_down(child, frames, conn))
+
+    def _severed(self, src: int, dst: int, kind: str) -> bool:
+        """Whether a partition (``cut``) lies between the two: the message is lost."""
+        if self._cut and (src in self._cut) != (dst in self._cut):
+            self.dropped["partition"] += 1
+            return True
+        return False
 
     def _count(self, src: VirtualRank, dst: VirtualRank, kind: str, frames: list[bytes]) -> None:
         nbytes = sum(map(len, frames))

@@ -143,7 +143,11 @@ export function rankGroups(nodes: INodes): INodeGroup[] {
       ms: m.step_time_ms === null ? '' : m.step_time_ms.toFixed(0),
       ratio: m.ratio === null || m.ratio === undefined ? '' : `${m.ratio.toFixed(2)}x the median`,
       suspect: suspects.has(m.rank),
-      detail: m.reason ? `${m.state} ${m.reason}` : `${m.state} · pid ${m.pid} · ${m.endpoint}`
+      detail:
+        (m.reason ? `${m.state} ${m.reason}` : `${m.state} · pid ${m.pid} · ${m.endpoint}`) +
+        (m.level === null || m.level === undefined
+          ? ''
+          : ` · level ${m.level}` + (m.parent === null || m.parent === undefined ? '' : ` under rank ${m.parent}`))
     });
   }
   return [...groups.values()].sort((a, b) => a.node - b.node);

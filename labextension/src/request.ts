@@ -65,6 +65,10 @@ export interface IMember {
   compute_ms: number | null;
   comm_wait_ms: number | null;
   tier: string | null;
+  /** The rank of its parent in the tree (null: the root, or its parent has not answered yet). */
+  parent: number | null;
+  /** Its level below the root (the root 0, a broker under the root 1, ...). */
+  level: number | null;
   reason: string | null;
   /** The broker that vouched for this rank (null: the rank reported itself). */
   via: number | null;

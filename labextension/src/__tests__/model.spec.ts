@@ -80,6 +80,8 @@ function member(rank: number, node: number, extra: Partial<IMember> = {}): IMemb
     compute_ms: 150,
     comm_wait_ms: 50,
     tier: 'leaf',
+    parent: null,
+    level: null,
     reason: null,
     via: null,
     ratio: 1,

@@ -1,0 +1,194 @@
+"""A bounded tree at 1k / 4k / 16k ranks, in the in-process simulator (the real rank cores,
+wire codec and SQL; nodes of 8 ranks, one host per node).
+
+For each size: the time and bytes to converge; the steady-state bytes per rank per minute;
+federated queries (a count, a group-by, a top-k) with their simulated p50/p99 over a
+modelled link, and the CPU per query of the root, of a broker of brokers and of a node
+broker (this machine's thread CPU time, measured around each virtual rank's work); a broker
+of brokers killed (how long until its subtree reports to the root, who else was ever dead);
+a rack (another broker of brokers' subtree) cut off and healed.
+
+The link: every message takes ``--latency`` one way and each rank's interface sends and
+receives at ``--bandwidth`` bytes/s, one message at a time each way; a SQL task takes the
+CPU time it really took here (``sql_latency="measured"``); the cores' own handling is
+counted as CPU, not as simulated time.
+
+    .venv/bin/python benchmarks/scale_sim.py [--sizes 1024 4096 16384] [--fanout 48] [--queries 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pyarrow as pa  # noqa: E402
+
+from kernel_probe.config import Settings  # noqa: E402
+from kernel_probe.placement import subtree, tree_depth, tree_parent  # noqa: E402
+from kernel_probe.testing.sim import Simulation  # noqa: E402
+
+PER_NODE = 8
+ROWS = 16
+QUERIES = ("SELECT count(*) AS n FROM t",
+           "SELECT g, count(*) AS n, max(x) AS m FROM t GROUP BY g",
+           "SELECT x, _rank FROM t ORDER BY x DESC LIMIT 10")
+
+
+def _tables(rank: int) -> dict:
+    return {"t": pa.table({"x": pa.array([rank * ROWS + i for i in range(ROWS)], pa.int64()),
+                           "g": pa.array([f"g{(rank + i) % 8}" for i in range(ROWS)], pa.string())})}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _heads(nodes: int, fanout: int) -> list[int]:
+    """The nodes whose brokers report to the root (the heads of its runs)."""
+    return [n for n in range(1, nodes) if tree_parent(n, nodes, fanout) is None]
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float, only_queries: bool = False) -> dict:
+    nodes = world // PER_NODE
+    settings = dataclasses.replace(Settings(), fanout=fanout)
+    t_build = time.process_time()
+    sim = Simulation(nodes, PER_NODE, settings=settings, record=False, tables=_tables, sql_latency="measured",
+                     latency=latency, bandwidth=bandwidth)
+    sim.start_all()
+    gc.collect()
+    gc.freeze()  # the cores and their registries live all run: a collection that scans them is the simulator's
+    # cost, not a rank's (unfrozen, one lands inside some SQL task's measured time and on the critical path)
+    took = sim.wait_for(sim.converged, 120.0, check_every=0.05)
+    out: dict = {"world": world, "nodes": nodes, "levels": 1 + max(tree_depth(n, nodes, fanout) for n in range(nodes)),
+                 "root_children": len(sim.core(0).children), "converge_s": took,
+                 "converge_bytes": sum(sim.bytes_sent.values())}
+    if not only_queries:
+        sim.run_for(60.0)  # reports back off to the cap
+    before = sum(sim.bytes_sent.values())
+    sim.run_for(0.0 if only_queries else 60.0)
+    out["steady_B_rank_min"] = (sum(sim.bytes_sent.values()) - before) / world
+    out["root_children"] = len(sim.core(0).children)
+    out["membership_cpu_s"] = time.process_time() - t_build
+    _say(f"{world:6d} ranks ({nodes} nodes, {out['levels']} levels of brokers, root children {out['root_children']}):"
+         f"\n  converge {took:.2f} s, {out['converge_bytes'] / 1e6:.1f} MB ({out['converge_bytes'] / world:.0f} B/rank);"
+         f" steady {out['steady_B_rank_min']:.0f} B/rank/min ({out['membership_cpu_s']:.0f} s CPU so far)")
+
+    heads = _heads(nodes, fanout)
+    mid = heads[0] * PER_NODE  # a broker of brokers
+    below = [n for n in subtree(heads[0], nodes, fanout) if tree_parent(n, nodes, fanout) == heads[0]]
+    node_broker = below[0] * PER_NODE if below else mid
+    sim.query(QUERIES[0], timeout=60.0)  # the first query loads the engines
+    gc.collect()
+    gc.freeze()
+    cpu0 = {r: sim.ranks[r].cpu for r in (0, mid, node_broker)}
+    lat: list[float] = []
+    plan_ms, finish_ms, mid_merge_ms = [], [], []
+    for i in range(queries):
+        sql = QUERIES[i % len(QUERIES)]
+        t0 = sim.now
+        env = sim.query(sql, timeout=60.0)
+        cov = env.msg.body.get("coverage") or {}
+        assert env.msg.body.get("status") == "ok" and len(cov.get("answered", ())) == world, (sql, cov.get("failed"))
+        lat.append(sim.now - t0)
+        prof = cov.get("profile") or {}
+        plan_ms.append(prof.get("plan_ms") or 0.0)
+        finish_ms.append(prof.get("finish_ms") or 0.0)
+        mid_merge_ms += [m["ms"] for m in prof.get("merges", ()) if m["rank"] == mid]
+    out["query_p50_ms"], out["query_p99_ms"] = _pct(lat, 0.5) * 1e3, _pct(lat, 0.99) * 1e3
+    out["cpu_ms_per_query"] = {name: (sim.ranks[r].cpu - cpu0[r]) / queries * 1e3
+                               for name, r in (("root", 0), ("broker of brokers", mid), ("node broker", node_broker))}
+    out["mid_children"] = len(sim.core(mid).children)
+    out["root_plan_ms"], out["root_finish_ms"] = statistics.median(plan_ms), statistics.median(finish_ms)
+    out["mid_merge_ms"] = statistics.median(mid_merge_ms) if mid_merge_ms else None
+    if only_queries:
+        _say(f"  query p50 {out['query_p50_ms']:.0f} ms p99 {out['query_p99_ms']:.0f} ms; CPU per query: root "
+             f"{out['cpu_ms_per_query']['root']:.1f} ms, broker of brokers "
+             f"{out['cpu_ms_per_query']['broker of brokers']:.1f} ms ({out['mid_children']} children), node broker "
+             f"{out['cpu_ms_per_query']['node broker']:.1f} ms; the root's plan {out['root_plan_ms']:.1f} ms, finish "
+             f"{out['root_finish_ms']:.1f} ms")
+        return out
+    cpu = out["cpu_ms_per_query"]
+    _say(f"  query p50 {out['query_p50_ms']:.0f} ms p99 {out['query_p99_ms']:.0f} ms; CPU per query: root "
+         f"{cpu['root']:.1f} ms ({out['root_children']} children), broker of brokers {cpu['broker of brokers']:.1f} ms "
+         f"({out['mid_children']} children), node broker {cpu['node broker']:.1f} ms\n"
+         f"  the root's plan {out['root_plan_ms']:.1f} ms (over every member) and finish {out['root_finish_ms']:.1f} ms "
+         f"(merges its children's partials); a broker of brokers' merge {out['mid_merge_ms']} ms (medians)")
+
+    # a broker of brokers killed: its brokers and leaves report to the root, nobody else dies
+    moved = [n * PER_NODE for n in below] + [r for r in range(mid + 1, mid + PER_NODE)]
+    killed_at = sim.now
+    sim.kill(mid)
+    ever_dead: set[int] = set()
+
+    def recovered() -> bool:
+        ever_dead.update(m.rank for m in sim.root.registry.members() if m.state == "dead")
+        return all(sim.ranks[r].parent == 0 for r in moved)
+
+    t_move = sim.wait_for(recovered, 120.0, check_every=0.5)
+    out["kill_moved_s"] = t_move
+    sim.wait_for(lambda: sim.state(mid) == "dead" or recovered() and False, 60.0, check_every=0.5)
+    out["kill_dead_s"] = sim.now - killed_at
+    sim.run_for(30.0, lambda: recovered() and False, check_every=0.5)
+    counts = sim.root.registry.counts()
+    out["kill_others_dead"] = sorted(ever_dead - {mid})
+    out["kill_alive_after"] = counts["alive"]
+    _say(f"  broker of brokers killed: subtree at the root in {out['kill_moved_s']} s, dead at the root after "
+         f"{out['kill_dead_s']:.1f} s, others ever dead {out['kill_others_dead']}, alive after {out['kill_alive_after']}")
+
+    # a rack cut off: the subtree of another broker of brokers
+    rack_head = heads[1] if len(heads) > 1 else heads[0]
+    rack = [r for n in subtree(rack_head, nodes, fanout) for r in range(n * PER_NODE, (n + 1) * PER_NODE)]
+    cut_at = sim.now
+    sim.cut(rack)
+    seen_dead: set[int] = set()
+
+    def rack_dead() -> bool:
+        dead = {m.rank for m in sim.root.registry.members() if m.state == "dead"} - {mid}
+        seen_dead.update(dead)
+        return set(rack) <= dead
+
+    out["cut_dead_s"] = sim.wait_for(rack_dead, 120.0, check_every=0.5)
+    out["cut_rack_ranks"] = len(rack)
+    out["cut_others_dead"] = sorted(seen_dead - set(rack))
+    sim.heal()
+    out["heal_s"] = sim.wait_for(lambda: sim.root.registry.counts()["alive"] == world - 1, 120.0, check_every=0.5)
+    out["cut_at"] = cut_at
+    out["total_cpu_s"] = time.process_time() - t_build
+    out["rejected"] = dict(sim.rejected)
+    _say(f"  rack of {out['cut_rack_ranks']} ranks cut off: all dead at the root in {out['cut_dead_s']} s, others "
+         f"dead {out['cut_others_dead']}; healed: all back in {out['heal_s']} s\n"
+         f"  rejected {out['rejected']}; {out['total_cpu_s']:.0f} s CPU in all")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--fanout", type=int, default=48)
+    ap.add_argument("--queries", type=int, default=6)
+    ap.add_argument("--latency", type=float, default=100e-6, help="one way, seconds")
+    ap.add_argument("--bandwidth", type=float, default=1.25e9, help="bytes/s per interface, each way")
+    ap.add_argument("--only-queries", action="store_true", help="converge, then the queries (no steady state, no failures)")
+    args = ap.parse_args()
+    print(f"fan-out {args.fanout}, nodes of {PER_NODE}, link {args.latency * 1e6:.0f} us one way, "
+          f"{args.bandwidth * 8 / 1e9:.0f} Gb/s per interface; default membership intervals", flush=True)
+    for world in args.sizes:
+        run(world, args.fanout, args.queries, args.latency, args.bandwidth, args.only_queries)
+        gc.unfreeze()  # the next size starts with this one's garbage collectable
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
