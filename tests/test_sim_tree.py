@@ -220,7 +220,7 @@ def test_the_cli_and_the_widget_show_each_rank_s_level_and_parent():
 
     sim = started()
     body = sim.core(0).nodes_body()
-    lines = format_nodes(body, {"run_id": "sim", "world_size": sim.world_size}, now=sim.now).splitlines()
+    lines = format_nodes(body, {"run_id": "sim", "world_size": sim.world_size}, now=sim.now, all_rows=True).splitlines()
     head = lines[1].split()
     assert head[5:8] == ["TIER", "LEVEL", "PARENT"]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
