@@ -59,8 +59,7 @@ def test_the_replay_history_lets_go_of_peers_whose_messages_are_all_stale():
     assert err.value.reason == "stale"
 
 
-@pytest.mark.serial  # RSS levels
-@pytest.mark.cluster
+@pytest.mark.cluster  # not serial: other tests' load slows the attack, not the ranks' memory levels
 def test_an_attack_on_every_rank_leaves_no_memory_behind(launch, runtime_dir):
     job = launch([BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", str(KEEP)], nodes=2, ranks_per_node=2,
                  mode="torchrun")

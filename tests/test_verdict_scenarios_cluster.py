@@ -81,7 +81,7 @@ def test_a_member_skipping_a_subgroup_s_collective_is_named_with_that_group(laun
     assert first["detail"].startswith("collective #1 on group 1 (ranks 1-3) (all_reduce, [10] float32): "
                                       "ranks 1-2 waiting "), first["detail"]
     assert "; rank 3 never entered it — rank 3 is in skip_the_group (ddp_hang_worker.py:" in first["detail"]
-    assert first["evidence"] == ("last enqueued per rank (rank 1: 1, rank 2: 1, rank 3: 0; op_id 1 is the newest); "
+    assert first["evidence"] == ("last enqueued per rank (ranks 1-2: 1, rank 3: 0; op_id 1 is the newest); "
                                  "ranks 1-2 wait in c10d::Work::wait (libtorch_cpu.so) (native stack)")
     assert result.summary.startswith("Collective #1 on group 1 (ranks 1-3) (all_reduce, [10] float32)")
     # the default group's barrier, which rank 0 (not a member) entered, waits as a consequence
