@@ -28,12 +28,12 @@ demo: install
 lab: install
 	$(PY) examples/lab.py $(LAB_ARGS)
 
-# Three workers, a test module each at a time (its shared jobs stay in one process): the jobs mostly
-# wait, so two cores run three modules at once. Then the `serial` tests, alone (latency and resource
+# Three workers, a test module each at a time (its shared jobs stay in one process), the modules that
+# start jobs first (tests/conftest.py): the jobs mostly wait, so two cores run three modules at once. Then the `serial` tests, alone (latency and resource
 # bounds). Both parts always run; exit status 5 (nothing selected, e.g. PYTEST_ARGS=one file) is fine.
 TEST_WORKERS ?= 3
 test: install chromium openmpi slurm
-	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS); a=$$?; \
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS); a=$$?; \
 	$(PY) -m pytest -m serial $(PYTEST_ARGS); b=$$?; \
 	for s in $$a $$b; do [ $$s -eq 0 ] || [ $$s -eq 5 ] || exit $$s; done; [ $$a -eq 0 ] || [ $$b -eq 0 ]
 

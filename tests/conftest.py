@@ -19,6 +19,23 @@ def pytest_configure(config: pytest.Config) -> None:
     process_guard.install()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules that start jobs first, those with the most job tests first of all: `make test`'s
+    workers take whole modules in this order (--no-loadscope-reorder), so a long module never
+    starts last and runs alone at the end. Each module's tests keep their order."""
+    levels: dict[str, list[int]] = {}
+    for item in items:
+        levels.setdefault(item.nodeid.split("::")[0], []).append(
+            process_guard.level_of({m.name for m in item.iter_markers()}))
+
+    def weight(item: pytest.Item) -> tuple[int, int]:
+        module = levels[item.nodeid.split("::")[0]]
+        top = max(module)
+        return -top, -module.count(top)
+
+    items.sort(key=weight)  # stable: a module stays in one piece
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     # setup, call and teardown (module fixtures included) may start only what the marker allows
