@@ -61,10 +61,11 @@ slurm:
 	  else echo "make test needs slurmd and munged: install the Debian packages slurm-wlm and munge" >&2; \
 	    exit 1; fi; }
 
-# No processes at all (tests/support/process_guard.py holds every test to its marker): the sans-IO
-# cores, the planner, differential SQL through the simulator, the wire (under 90 s).
+# No test starts a process (tests/support/process_guard.py holds every test to its marker): the
+# sans-IO cores, the planner, differential SQL through the simulator, the wire; on two pytest workers
+# (about a minute; the one `serial` test among them spins one core, which two workers leave it).
 test-fast: install
-	$(PY) -m pytest -m "not processes and not cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 -m "not processes and not cluster" $(PYTEST_ARGS)
 
 # The long versions of what make test runs short: a 10-minute soak (make test: 30 s), a minute of
 # hostile peers against a live root (make test: 20 s) and 90 s of attack over every rank (make test: 30 s).
