@@ -39,8 +39,10 @@ class Settings:
     discover_timeout_sec: float = 2.0
     report_timeout_sec: float = 5.0
     # PROBING_CLUSTER_FANOUT: the most brokers that report to one parent; past it node brokers
-    # report to brokers of brokers (placement.tree_parent), so the root's fan-in stays bounded
-    fanout: int = 64
+    # report to brokers of brokers (placement.tree_parent), so the root's fan-in stays bounded.
+    # 128: a job of up to 129 nodes (1,032 ranks of 8) keeps two levels, whose every hop and
+    # reduction here costs more than one more child at the root
+    fanout: int = 128
     advertise_addr: str | None = None
     node_host: str | None = None
     auth_token: str | None = None
@@ -257,7 +259,7 @@ def _parse_settings(env: Mapping[str, str]) -> Settings:
         stall_sec=_number(env, "PROBING_CLUSTER_STALL_SEC", 60.0, 0.1),
         discover_timeout_sec=_number(env, "PROBING_CLUSTER_DISCOVER_TIMEOUT_SEC", 2.0, 0.01),
         report_timeout_sec=_number(env, "PROBING_CLUSTER_REPORT_TIMEOUT_SEC", 5.0, 0.01),
-        fanout=int(min(_number(env, "PROBING_CLUSTER_FANOUT", 64, 2), 1e6)),
+        fanout=int(min(_number(env, "PROBING_CLUSTER_FANOUT", 128, 2), 1e6)),
         advertise_addr=_text(env, "PROBING_ADVERTISE_ADDR"),
         node_host=_text(env, "PROBING_NODE_HOST"),
         auth_token=_text(env, "PROBING_AUTH_TOKEN"),
