@@ -21,6 +21,8 @@ from kernel_probe.progress import StepClock
 from kernel_probe.tables import BUILTIN_TABLES, LocalTables, Ring, TableError
 from kernel_probe.tables.recorders import make_wrapper
 
+from .conftest import wait_for
+
 
 def make_tables(**overrides) -> LocalTables:
     return LocalTables(dataclasses.replace(Settings(), **overrides))
@@ -553,8 +555,13 @@ def test_flight_recorder_rows_per_group_come_from_the_setting(torch):
         # this process's earlier groups (other tests') are in the recorder too, under other ids
         mine = [r for r in t.arrow("collectives").to_pylist() if r["source"] != "python" and r["ts"] >= start]
         assert [r["collective_seq_id"] for r in mine] == [3, 4]  # the newest two of this group
-        (group,) = [g for g in t.arrow("process_groups").to_pylist() if g["group_id"] == mine[0]["group_id"]]
-        assert (group["ranks"], group["backend"], group["last_enqueued"], group["last_completed"]) == ("[0]", "gloo", 4, 4)
+
+        def group() -> dict | None:  # gloo's thread marks the last call completed a moment after it returned
+            (g,) = [g for g in t.arrow("process_groups").to_pylist() if g["group_id"] == mine[0]["group_id"]]
+            return g if g["last_completed"] == 4 else None
+
+        g = wait_for(group, 10, what="the fourth all_reduce completed in the recorder")
+        assert (g["ranks"], g["backend"], g["last_enqueued"], g["last_completed"]) == ("[0]", "gloo", 4, 4)
         assert t.plain("process_groups").num_rows == t.arrow("process_groups").num_rows
     finally:
         t.close()
