@@ -45,6 +45,8 @@ MIN_SHARE = 0.12  # a straggler is late in at least this share of the window's c
 MIN_LATE_COLLECTIVES = 3
 SHARE_OVER_BASELINE = 0.15  # ... and this much more often than the typical rank ...
 MAX_CHANCE = 1e-3  # ... and that often late by chance (at the others' rate) less likely than this
+MIN_EPISODES = 3  # ... in this many separate runs of late steps, unless late in most of them: a loaded
+CHRONIC_SHARE = 0.5  # machine deschedules one process for a burst of steps, and a burst is one event
 MIN_CHANGE = 0.5  # a slowdown: the step time rose by at least this share ...
 MIN_CHANGE_MS = 10.0  # ... and this many milliseconds ...
 MIN_AFTER_SEC = 60.0  # ... and has lasted this long ...
@@ -147,6 +149,7 @@ class Arrival:
     late_ms: list[float] = field(default_factory=list)
     unit: str = "collectives"  # what ``collectives`` and ``late`` count
     ops: dict[str, int] = field(default_factory=dict)
+    episodes: int = 0  # separate runs of consecutive late steps (or collectives)
 
     @property
     def share(self) -> float:
@@ -204,12 +207,23 @@ def arrivals(rows: Iterable[Mapping[str, Any]], margin_ms: float, offsets_ms: Ma
     for rank, by_unit in units.items():
         a = scores[rank] = Arrival(rank, unit="steps" if (steps_of or {}).get(rank) else "collectives")
         a.collectives = len(by_unit)
-        for late, op in by_unit.values():
-            if late >= margin_ms:
-                a.late += 1
-                a.late_ms.append(late)
+        was_late = False
+        for unit in sorted(by_unit):
+            late, op = by_unit[unit]
+            was_late = _mark(a, late, margin_ms, was_late)
+            if was_late:
                 a.ops[op] = a.ops.get(op, 0) + 1
     return scores, compared
+
+
+def _mark(a: Arrival, late_ms: float, margin_ms: float, was_late: bool) -> bool:
+    """Count one unit (in order) into ``a``; returns whether it was late."""
+    if late_ms < margin_ms:
+        return False
+    a.late += 1
+    a.late_ms.append(late_ms)
+    a.episodes += not was_late
+    return True
 
 
 def _binomial_tail(k: int, n: int, p: float) -> float:
@@ -226,6 +240,8 @@ def _late_ranks(scores: Mapping[int, Arrival]) -> list[int]:
     out = []
     for r, a in scores.items():
         if a.share < floor or a.late < MIN_LATE_COLLECTIVES:
+            continue
+        if a.episodes < MIN_EPISODES and a.share < CHRONIC_SHARE:
             continue
         # late that often by chance, were it as often late as the others (a loaded machine makes
         # every rank late now and then, one of them more so in a short window)
@@ -595,10 +611,9 @@ def _late_by_own_time(wins: Mapping[int, RankWindow], margin: float) -> tuple[li
     ref = {r: median(median(v) for o, v in owns.items() if o != r) for r in owns}
     scores = {r: Arrival(r, collectives=len(v), unit="steps") for r, v in owns.items()}
     for r, v in owns.items():
+        was_late = False
         for x in v:
-            if x - ref[r] >= margin:
-                scores[r].late += 1
-                scores[r].late_ms.append(x - ref[r])
+            was_late = _mark(scores[r], x - ref[r], margin, was_late)
     return _late_ranks(scores), scores
 
 
