@@ -51,7 +51,7 @@ def test_the_layout_has_three_levels_of_brokers():
 
 
 class Watch:
-    """Each 10 ms of simulated time: every rank's state at the root, and every parent change."""
+    """Each 50 ms of simulated time: every rank's state at the root, and every parent change."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
@@ -69,10 +69,10 @@ class Watch:
         return False
 
     def run_for(self, dt: float) -> None:
-        self.sim.run_for(dt, self)
+        self.sim.run_for(dt, self, check_every=0.05)
 
     def wait_for(self, pred, timeout: float) -> float | None:
-        return self.sim.wait_for(lambda: self() or pred(), timeout)
+        return self.sim.wait_for(lambda: self() or pred(), timeout, check_every=0.05)
 
     def flapped(self, but=()) -> dict:
         return {r: s for r, s in self.states.items() if r not in but and len(s) > 1}

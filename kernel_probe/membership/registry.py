@@ -452,6 +452,11 @@ class Registry:
         m = self._members.get(rank)
         return None if m is None else replace(m)
 
+    def state_of(self, rank: int) -> str | None:
+        """``rank``'s state (None: not a member), read without copying the member."""
+        m = self._members.get(rank)
+        return None if m is None else m.state
+
     def via_of(self, rank: int) -> int | None:
         """The broker that vouched for ``rank`` (None: heard directly, or unknown), read
         without copying the member as ``get`` does."""
