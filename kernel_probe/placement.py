@@ -19,6 +19,10 @@ Rules of this file:
   rank draws the same tree without asking anyone. That broker is found through the
   same store key as any node's broker; one not there within ``discover_timeout`` is
   waited for at the root (the rank core moves back when it appears).
+- Failover (``failover_path``): a rank whose parent is lost goes to the next usable broker
+  up its path (grandparent, then great-grandparent, ..., the root last), so a lost broker's
+  subtree lands one level up, not on the root; its endpoint comes with the membership
+  pushed down (each child is pushed the brokers of the nodes above it).
 """
 
 from __future__ import annotations

@@ -195,7 +195,8 @@ def _until_report(core: RankCore, now: float) -> tuple[Send, float]:
     raise AssertionError("no report")
 
 
-def test_a_broker_whose_parent_is_lost_goes_to_its_grandparent_never_back_to_that_process_and_home_to_a_new_one():
+def _under_node_2(dead: tuple[int, ...]) -> tuple[RankCore, _Parent, Settings]:
+    """Node 3's broker, placed under node 2's, which has answered it once."""
     ident = Identity(rank=9, world_size=NODES * PER_NODE, local_rank=0, local_world_size=PER_NODE, node=3,
                      node_count=NODES, host="h3", run_id="r")
     settings = dataclasses.replace(Settings(), fanout=FANOUT)
@@ -203,10 +204,17 @@ def test_a_broker_whose_parent_is_lost_goes_to_its_grandparent_never_back_to_tha
     up = _Parent()
     for rank, inc in ((0, "a0"), (3, "a3"), (6, "a6"), (9, "a9"), (10, "a10")):
         up.root.observe(_member(rank, inc, **({"tier": "root"} if rank == 0 else {})), 0.0)
+    for rank in dead:
+        up.root.mark_dead(rank, None, "exited", 0.0)
     out = core.handle(stimuli.Placed("broker", "tcp://r6", "tcp://r0"), 0.0)
     assert ConnectParent("tcp://r6") in out
     up.ack(core, _reports(out)[0], 0.01, {"rank": 6, "pid": 106, "host": "h2", "incarnation": "a6", "tier": "broker",
                                          "level": 2})
+    return core, up, settings
+
+
+def test_a_broker_whose_parent_is_lost_goes_to_its_grandparent_never_back_to_that_process_and_home_to_a_new_one():
+    core, up, settings = _under_node_2(dead=())
     assert sorted(m.rank for m in core.mirror.members()) == [3, 6, 9, 10]  # its node, the brokers above
     report, now = _until_report(core, 0.01)
     out = core.handle(stimuli.Tick(), now + settings.report_timeout_sec)  # no answer: node 2's broker is lost
@@ -225,17 +233,7 @@ def test_a_broker_whose_parent_is_lost_goes_to_its_grandparent_never_back_to_tha
 
 
 def test_a_broker_whose_parent_and_grandparent_are_lost_goes_to_the_root():
-    ident = Identity(rank=9, world_size=NODES * PER_NODE, local_rank=0, local_world_size=PER_NODE, node=3,
-                     node_count=NODES, host="h3", run_id="r")
-    settings = dataclasses.replace(Settings(), fanout=FANOUT)
-    core = RankCore(identity=ident, settings=settings, endpoint="tcp://r9", pid=109, incarnation="a9", now=0.0)
-    up = _Parent()
-    for rank, inc in ((0, "a0"), (3, "a3"), (6, "a6"), (9, "a9")):
-        up.root.observe(_member(rank, inc, **({"tier": "root"} if rank == 0 else {})), 0.0)
-    up.root.mark_dead(3, "a3", "exited", 0.0)  # the root knows node 1's broker is gone
-    out = core.handle(stimuli.Placed("broker", "tcp://r6", "tcp://r0"), 0.0)
-    up.ack(core, _reports(out)[0], 0.01, {"rank": 6, "pid": 106, "host": "h2", "incarnation": "a6", "tier": "broker",
-                                         "level": 2})
+    core, up, settings = _under_node_2(dead=(3,))  # the root knows node 1's broker is gone
     report, now = _until_report(core, 0.01)
     out = core.handle(stimuli.Tick(), now + settings.report_timeout_sec)
     assert ConnectParent("tcp://r0") in out and ConnectParent("tcp://r3") not in out
