@@ -5,8 +5,10 @@ For each size: the time and bytes to converge; the steady-state bytes per rank p
 federated queries (a count, a group-by, a top-k) with their simulated p50/p99 over a
 modelled link, and the CPU per query of the root, of a broker of brokers and of a node
 broker (this machine's thread CPU time, measured around each virtual rank's work); a broker
-of brokers killed (how long until its subtree reports to the root, who else was ever dead);
-a rack (another broker of brokers' subtree) cut off and healed.
+of brokers killed, and a broker deeper in the tree killed (how long until its children
+report elsewhere, to whom: their grandparent or the root, how many children the root had
+meanwhile, who else was ever dead); a rack (another broker of brokers' subtree) cut off
+and healed.
 
 The link: every message takes ``--latency`` one way and each rank's interface sends and
 receives at ``--bandwidth`` bytes/s, one message at a time each way; a SQL task takes the
@@ -14,6 +16,7 @@ CPU time it really took here (``sql_latency="measured"``); the cores' own handli
 counted as CPU, not as simulated time.
 
     .venv/bin/python benchmarks/scale_sim.py [--sizes 1024 4096 16384] [--fanout 48] [--queries 6]
+        [--only-queries | --only-failures]
 """
 
 from __future__ import annotations
@@ -60,7 +63,54 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float, only_queries: bool = False) -> dict:
+def _deepest_head(nodes: int, fanout: int, within: range) -> int:
+    """The node in ``within`` deepest in the tree below a broker of brokers (depth >= 2), with
+    the most brokers below it: its children's grandparent is not the root."""
+    deep = [n for n in within if tree_depth(n, nodes, fanout) >= 2] or list(within)
+    return max(deep, key=lambda n: (sum(tree_parent(m, nodes, fanout) == n for m in subtree(n, nodes, fanout)),
+                                    tree_depth(n, nodes, fanout)))
+
+
+def _kill_broker(sim: Simulation, node: int, nodes: int, fanout: int) -> dict:
+    """Kill ``node``'s broker; wait until every child of it reports elsewhere and it is dead at
+    the root. Where its children went, how fast, the root's children meanwhile, who else died."""
+    mid = node * PER_NODE
+    up = tree_parent(node, nodes, fanout)
+    grandparent = 0 if up is None else up * PER_NODE
+    children = [n * PER_NODE for n in subtree(node, nodes, fanout) if tree_parent(n, nodes, fanout) == node] + \
+        list(range(mid + 1, mid + PER_NODE))
+    killed_at = sim.now
+    root_children = [len(sim.core(0).children)]
+    sim.kill(mid)
+    ever_dead: set[int] = set()
+
+    def look() -> bool:
+        ever_dead.update(m.rank for m in sim.root.registry.members() if m.state == "dead")
+        root_children.append(len(sim.core(0).children))
+        return all(sim.ranks[r].parent not in (None, mid) for r in children)
+
+    moved_s = sim.wait_for(look, 120.0, check_every=0.5)
+    went = [sim.ranks[r].parent for r in children]
+    sim.wait_for(lambda: look() and sim.state(mid) == "dead", 60.0, check_every=0.5)
+    dead_s = sim.now - killed_at
+    sim.run_for(30.0, lambda: look() and False, check_every=0.5)
+    return {"rank": mid, "level": tree_depth(node, nodes, fanout), "children": len(children),
+            "grandparent": grandparent, "moved_s": moved_s, "dead_s": dead_s,
+            "to_grandparent": sum(p == grandparent for p in went), "to_root": sum(p == 0 for p in went),
+            "root_children": (root_children[0], max(root_children)), "others_dead": sorted(ever_dead - {mid}),
+            "alive_after": sim.root.registry.counts()["alive"]}
+
+
+def _say_kill(what: str, k: dict) -> None:
+    grandparent = "the root" if k["grandparent"] == 0 else f"rank {k['grandparent']}"
+    _say(f"  {what} (rank {k['rank']}, level {k['level']}) killed: its {k['children']} children moved in "
+         f"{k['moved_s']} s, {k['to_grandparent']} to their grandparent ({grandparent}), {k['to_root']} to the root; "
+         f"dead at the root after {k['dead_s']:.1f} s; the root's children {k['root_children'][0]} before, at most "
+         f"{k['root_children'][1]} during; others ever dead {k['others_dead']}, alive after {k['alive_after']}")
+
+
+def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float, only_queries: bool = False,
+        only_failures: bool = False) -> dict:
     nodes = world // PER_NODE
     settings = dataclasses.replace(Settings(), fanout=fanout)
     t_build = time.process_time()
@@ -86,6 +136,8 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float,
          f" steady {out['steady_B_rank_min']:.0f} B/rank/min ({out['membership_cpu_s']:.0f} s CPU so far)")
 
     heads = _heads(nodes, fanout)
+    if only_failures:
+        return _failures(sim, out, heads, nodes, fanout, world, t_build)
     mid = heads[0] * PER_NODE  # a broker of brokers
     below = [n for n in subtree(heads[0], nodes, fanout) if tree_parent(n, nodes, fanout) == heads[0]]
     node_broker = below[0] * PER_NODE if below else mid
@@ -126,26 +178,21 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float,
          f"  the root's plan {out['root_plan_ms']:.1f} ms (over every member) and finish {out['root_finish_ms']:.1f} ms "
          f"(merges its children's partials); a broker of brokers' merge {out['mid_merge_ms']} ms (medians)")
 
-    # a broker of brokers killed: its brokers and leaves report to the root, nobody else dies
-    moved = [n * PER_NODE for n in below] + [r for r in range(mid + 1, mid + PER_NODE)]
-    killed_at = sim.now
-    sim.kill(mid)
-    ever_dead: set[int] = set()
+    return _failures(sim, out, heads, nodes, fanout, world, t_build)
 
-    def recovered() -> bool:
-        ever_dead.update(m.rank for m in sim.root.registry.members() if m.state == "dead")
-        return all(sim.ranks[r].parent == 0 for r in moved)
 
-    t_move = sim.wait_for(recovered, 120.0, check_every=0.5)
-    out["kill_moved_s"] = t_move
-    sim.wait_for(lambda: sim.state(mid) == "dead" or recovered() and False, 60.0, check_every=0.5)
-    out["kill_dead_s"] = sim.now - killed_at
-    sim.run_for(30.0, lambda: recovered() and False, check_every=0.5)
-    counts = sim.root.registry.counts()
-    out["kill_others_dead"] = sorted(ever_dead - {mid})
-    out["kill_alive_after"] = counts["alive"]
-    _say(f"  broker of brokers killed: subtree at the root in {out['kill_moved_s']} s, dead at the root after "
-         f"{out['kill_dead_s']:.1f} s, others ever dead {out['kill_others_dead']}, alive after {out['kill_alive_after']}")
+def _failures(sim: Simulation, out: dict, heads: list[int], nodes: int, fanout: int, world: int,
+              t_build: float) -> dict:
+    # a broker of brokers killed: its children go to their grandparent (the root, for one
+    # right below it), nobody else dies
+    out["kill"] = _kill_broker(sim, heads[0], nodes, fanout)
+    _say_kill("a broker of brokers", out["kill"])
+    # a broker deeper down killed (in a third run, away from the rack below): its children's
+    # grandparent is a broker of brokers, not the root
+    deep = _deepest_head(nodes, fanout, subtree(heads[min(2, len(heads) - 1)], nodes, fanout))
+    out["kill_deep"] = _kill_broker(sim, deep, nodes, fanout)
+    _say_kill("a broker below a broker of brokers", out["kill_deep"])
+    out_dead = {out["kill"]["rank"], out["kill_deep"]["rank"]}
 
     # a rack cut off: the subtree of another broker of brokers
     rack_head = heads[1] if len(heads) > 1 else heads[0]
@@ -155,7 +202,7 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float,
     seen_dead: set[int] = set()
 
     def rack_dead() -> bool:
-        dead = {m.rank for m in sim.root.registry.members() if m.state == "dead"} - {mid}
+        dead = {m.rank for m in sim.root.registry.members() if m.state == "dead"} - set(out_dead)
         seen_dead.update(dead)
         return set(rack) <= dead
 
@@ -163,7 +210,8 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float,
     out["cut_rack_ranks"] = len(rack)
     out["cut_others_dead"] = sorted(seen_dead - set(rack))
     sim.heal()
-    out["heal_s"] = sim.wait_for(lambda: sim.root.registry.counts()["alive"] == world - 1, 120.0, check_every=0.5)
+    out["heal_s"] = sim.wait_for(lambda: sim.root.registry.counts()["alive"] == world - len(out_dead), 120.0,
+                                 check_every=0.5)
     out["cut_at"] = cut_at
     out["total_cpu_s"] = time.process_time() - t_build
     out["rejected"] = dict(sim.rejected)
@@ -181,11 +229,14 @@ def main() -> int:
     ap.add_argument("--latency", type=float, default=100e-6, help="one way, seconds")
     ap.add_argument("--bandwidth", type=float, default=1.25e9, help="bytes/s per interface, each way")
     ap.add_argument("--only-queries", action="store_true", help="converge, then the queries (no steady state, no failures)")
+    ap.add_argument("--only-failures", action="store_true", help="converge, the steady state, then the failures (no queries)")
     args = ap.parse_args()
+    if args.only_queries and args.only_failures:
+        ap.error("--only-queries and --only-failures exclude each other")
     print(f"fan-out {args.fanout}, nodes of {PER_NODE}, link {args.latency * 1e6:.0f} us one way, "
           f"{args.bandwidth * 8 / 1e9:.0f} Gb/s per interface; default membership intervals", flush=True)
     for world in args.sizes:
-        run(world, args.fanout, args.queries, args.latency, args.bandwidth, args.only_queries)
+        run(world, args.fanout, args.queries, args.latency, args.bandwidth, args.only_queries, args.only_failures)
         gc.unfreeze()  # the next size starts with this one's garbage collectable
     return 0
 

@@ -19,15 +19,23 @@ Rules of this file:
   rank draws the same tree without asking anyone. That broker is found through the
   same store key as any node's broker; one not there within ``discover_timeout`` is
   waited for at the root (the rank core moves back when it appears).
+- Failover (``failover_path``): a rank whose parent is lost goes to the next usable broker
+  up its path (grandparent, then great-grandparent, ..., the root last), so a lost broker's
+  subtree lands one level up, not on the root; its endpoint comes with the membership
+  pushed down (each child is pushed the brokers of the nodes above it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .config import Identity, Settings
 from .effects import Note, StoreOp
 from .wire import derive_key
+
+T = TypeVar("T")
 
 RETRY_SEC = 0.05  # a key that is not there yet is read again this soon
 ERROR_RETRY_SEC = 1.0  # after a store error
@@ -82,6 +90,35 @@ def subtree(node: int, node_count: int, fanout: int) -> range:
     """The nodes whose members ``node``'s broker holds: its own and those below it."""
     lo, hi = _tree_walk(node, node_count, fanout)[1]
     return range(lo, hi)
+
+
+def ancestors(node: int, node_count: int, fanout: int) -> tuple[int, ...]:
+    """The nodes whose brokers stand above ``node``'s broker, nearest first: its parent's,
+    its grandparent's, ... (node 0, the root's, is not listed: the root is known anyway)."""
+    heads = _tree_walk(node, node_count, fanout)[0]
+    return tuple(h for h in reversed(heads) if h != 0)
+
+
+def failover_path(node: int, node_count: int, fanout: int, *, leaf: bool) -> tuple[int, ...]:
+    """The nodes whose brokers a rank of ``node`` reports to, in order of preference: its
+    parent's first (a leaf's own node's broker; a broker's ``tree_parent``), then each
+    ancestor's up the tree; the root is the last resort, after the path. A rank whose parent
+    is lost goes to the first broker after it on the path that is usable (``first_usable``),
+    and back to a nearer one when one appears, so a lost broker's subtree lands on its
+    grandparent, not on the root. Every rank derives it from the node indices alone."""
+    above = ancestors(node, node_count, fanout)
+    return ((node,) + above) if leaf and 0 < node < node_count else above
+
+
+def first_usable(path: Sequence[int], usable: Callable[[int], T | None], start: int = 0,
+                 stop: int | None = None) -> tuple[int, T] | None:
+    """The first (index on ``path``, broker) from ``start`` up to ``stop`` whose node has a
+    usable broker (``usable(node)``: the broker, or None); None: none, the root it is."""
+    for i in range(start, len(path) if stop is None else min(stop, len(path))):
+        broker = usable(path[i])
+        if broker is not None:
+            return i, broker
+    return None
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,13 @@ Rules of this file:
   elected local0) owns its subtree's registry (its node's members, and below a broker
   of brokers those of every node under it) and reports it up as one batch; a leaf
   reports itself. Children dial up; replies and pushes travel back on the same pair.
-- Which broker a broker reports to is ``placement.tree_parent`` (its "home"). One whose
-  home is lost, or not elected yet, reports to the root until the membership shows a
-  new broker on the home node, as a leaf does with its node's broker. Each child is
-  pushed the members of the nodes it uses (``scope``): a leaf its node, a broker its
-  subtree and its home node.
+- Which broker a broker reports to is ``placement.tree_parent`` (its "home"), a leaf's
+  is its node's. A rank whose parent is lost (or not elected yet) walks up its
+  ``placement.failover_path`` to the next usable broker (its grandparent, then the one
+  above, the root last) and goes back to a nearer one as soon as the membership shows it
+  (a new broker on its home node), never to the process it left. Each child is pushed
+  what it uses (``Scope``): the members of its node (a leaf) or of its subtree (a broker),
+  and the brokers of the nodes above it, where it may have to go.
 - Liveness is decided from application messages only (transport state proves nothing
   about Python): reports, acknowledgements and pid watches.
 """
@@ -28,8 +30,8 @@ from typing import Any, Callable
 from . import stimuli as st
 from .config import Identity, Settings
 from .effects import PARENT, ConnectParent, Effect, Note, Send, UnwatchPid, WatchPid
-from .membership import REPORT_FIELDS, Backoff, Registry
-from .placement import Place, Placement, subtree, tree_parent
+from .membership import REPORT_FIELDS, Backoff, Member, Registry, Scope
+from .placement import Place, Placement, ancestors, failover_path, first_usable, subtree
 from .profile_plane import ProfilePlane
 from .query_fanout import QueryFanOut
 from .wire import PROTOCOL_VERSION, Envelope, Message
@@ -39,26 +41,6 @@ PUSH_DEBOUNCE_SEC = 0.02  # batch near-simultaneous joins into one push / one re
 # ~8 times within milliseconds); a change of role, step or stall state goes in at once (update_self)
 SELF_REFRESH_SEC = 0.25
 
-
-
-@dataclass(frozen=True)
-class Scope:
-    """The nodes whose members a child is pushed: a run of nodes (its own, or its subtree)
-    and its home broker's node. A range, never a set: a peer's numbers cost no memory."""
-
-    nodes: range
-    home: int | None = None
-
-    def __contains__(self, node: object) -> bool:
-        return type(node) is int and (node in self.nodes or node == self.home)
-
-    def __iter__(self):
-        yield from self.nodes
-        if self.home is not None and self.home not in self.nodes:
-            yield self.home
-
-    def __len__(self) -> int:
-        return len(self.nodes) + (self.home is not None and self.home not in self.nodes)
 
 
 @dataclass
@@ -125,7 +107,9 @@ class RankCore:
         self._outstanding: tuple[str, float] | None = None  # (msg_id, sent_at) of the unacked report
         self._report_at: float | None = None
         self._failing_since: float | None = None
-        self._lost_broker: str | None = None  # incarnation of a broker we left ("" if unknown); None: none
+        # node -> incarnation of the broker we left there ("" if unknown): never gone back to
+        self._lost: dict[int, str] = {}
+        self._parent_at: int | None = None  # the parent's index on our failover path (its length: the root)
         self._sent_state: tuple = ()
         self._acked_state: tuple | None = None  # (role, stalled) of the last acknowledged report
         self._last_ack_epoch = -1
@@ -186,9 +170,8 @@ class RankCore:
             self.registry.observe(self.report(), now)
         if parent != (self.parent.endpoint if self.parent else None):
             effects += self._set_parent(parent, now)
-        if (tier == "broker" and parent is not None and parent == root and self._home_node() is not None
-                and self._lost_broker is None):
-            self._lost_broker = ""  # its home broker is not elected yet: go there once it is
+        # at the root while its home broker is not elected yet: the pushes bring it nearer
+        self._parent_at = None if parent is None else len(self._path()) if parent == root else 0
         return effects + self._on_timer(now)
 
     def _update_self(self, now: float, *, role: str | None = None, step: int | None = None,
@@ -500,37 +483,57 @@ class RankCore:
             return self._parent_lost(now, why)
         return []
 
-    def _home_node(self) -> int | None:
-        """The node whose broker is this rank's parent when all is well: a leaf's own node, a
-        broker's parent by the tree rule (None: the root is its parent, nothing to go back to)."""
-        if self.tier == "leaf":
-            return self.identity.node
-        if self.tier == "broker":
-            return tree_parent(self.identity.node, self.identity.node_count, self.settings.fanout)
+    def _path(self) -> tuple[int, ...]:
+        """The nodes whose brokers this rank may report to, nearest first (the root after them)."""
+        if self.tier not in ("leaf", "broker"):
+            return ()
+        ident = self.identity
+        return failover_path(ident.node, ident.node_count, self.settings.fanout, leaf=self.tier == "leaf")
+
+    def _usable(self, node: int) -> Member | None:
+        """A broker on ``node`` that we may report to: live as the root last told us, not
+        ourselves, not the process we left there."""
+        lost = self._lost.get(node)
+        for m in self.mirror.members_on(node):
+            if (m.tier == "broker" and m.state != "dead" and m.rank != self.identity.rank
+                    and m.incarnation != lost and m.endpoint):
+                return m
         return None
 
     def _parent_lost(self, now: float, why: str) -> list[Effect]:
-        """A leaf whose broker is gone, or a broker whose broker of brokers is, reports to the
-        root directly (with its subtree: nothing below it moves); the root never moves."""
-        if (self._home_node() is None or self.parent is None or not self.root_endpoint
-                or self.parent.endpoint == self.root_endpoint):
+        """A rank whose broker is gone reports to the next usable broker up its failover
+        path (with its subtree: nothing below it moves), the root if none is; the root
+        never moves."""
+        if self.parent is None or not self.root_endpoint or self.parent.endpoint == self.root_endpoint:
             return []
-        # Remember the broker process we leave, by incarnation, so that we do not go back
-        # while the root still lists it. One that never answered us is known by the root's
-        # record at its endpoint; if the root has none, whatever it lists there later was
-        # heard from after we left (a late broker, not a lost one): "" excludes nobody.
-        self._lost_broker = self.parent.incarnation or next(
-            (m.incarnation for m in self.mirror.members() if m.endpoint == self.parent.endpoint), "")
-        return [Note(f"broker {self.parent.endpoint} lost ({why}); reporting to the root")] + \
-            self._set_parent(self.root_endpoint, now, level=1)
+        path = self._path()
+        at = self._parent_at if self._parent_at is not None else 0
+        if at < len(path):
+            # Remember the broker process we leave, by incarnation, so that we do not go back
+            # while the root still lists it. One that never answered us is known by the root's
+            # record at its endpoint; if the root has none, whatever it lists there later was
+            # heard from after we left (a late broker, not a lost one): "" excludes nobody.
+            self._lost[path[at]] = self.parent.incarnation or next(
+                (m.incarnation for m in self.mirror.members_on(path[at]) if m.endpoint == self.parent.endpoint), "")
+        up = first_usable(path, self._usable, start=at + 1)
+        if up is None:
+            self._parent_at = len(path)
+            return [Note(f"broker {self.parent.endpoint} lost ({why}); reporting to the root")] + \
+                self._set_parent(self.root_endpoint, now, level=1)
+        self._parent_at, broker = up
+        return [Note(f"broker {self.parent.endpoint} lost ({why}); reporting to {broker.endpoint}, the broker of "
+                     f"node {broker.node}")] + self._set_parent(broker.endpoint, now, incarnation=broker.incarnation)
 
-    def _set_parent(self, endpoint: str | None, now: float, level: int | None = None) -> list[Effect]:
+    def _set_parent(self, endpoint: str | None, now: float, level: int | None = None,
+                    incarnation: str | None = None) -> list[Effect]:
+        """Report to ``endpoint`` from now on (``incarnation``: the process there, when the
+        membership named it: what we never go back to if it is lost before it answers)."""
         effects: list[Effect] = [UnwatchPid("parent")] if self.parent else []
         self.level = level  # known again from the new parent's first ack
         if self.parent is not None and self.tier != "root":
             # epochs are the root's; a new path may be a restarted root: resync from scratch
             self.mirror = Registry(stale_sec=self.settings.stale_sec)
-        self.parent = ParentInfo(endpoint) if endpoint else None
+        self.parent = ParentInfo(endpoint, incarnation=incarnation) if endpoint else None
         self._outstanding = None
         self._failing_since = None
         self._last_ack_epoch = -1
@@ -550,22 +553,16 @@ class RankCore:
             except ValueError:
                 return [Note("ignored a malformed membership delta")]
         effects: list[Effect] = []
-        if (self._lost_broker is not None and self.parent and self.parent.endpoint == self.root_endpoint
-                and (home := self._home_node()) is not None):
-            broker = self._new_broker(home)
-            if broker is not None:
-                self._lost_broker = None
-                effects += [Note(f"new broker {broker} for node {home}")] + self._set_parent(broker, now)
+        if self.parent is not None and self._parent_at:  # away from home: is a nearer broker usable now?
+            path = self._path()
+            nearer = first_usable(path, self._usable, stop=self._parent_at)
+            if nearer is not None:
+                self._parent_at, broker = nearer
+                effects += [Note(f"new broker {broker.endpoint} for node {broker.node}")] + self._set_parent(
+                    broker.endpoint, now, incarnation=broker.incarnation)
         if self.tier == "broker":
             effects += self._maybe_push(now)
         return effects
-
-    def _new_broker(self, home: int) -> str | None:
-        for m in self.mirror.members():
-            if (m.node == home and m.tier == "broker" and m.state != "dead"
-                    and m.rank != self.identity.rank and m.incarnation != self._lost_broker):
-                return m.endpoint
-        return None
 
     def _maybe_push(self, now: float) -> list[Effect]:
         """Root and brokers push membership changes to their children (debounced)."""
@@ -635,6 +632,8 @@ class RankCore:
                 self.registry.observe(report, now, via=via)
             except ValueError:
                 effects.append(Note(f"ignored a malformed report from rank {child_rank}"))
+        if len(reports) > 1 and len(self.children) > 1:
+            self._forget_moved(child_rank, reports)
         self.registry.tick(now)
         view = self.view()
         ack = {
@@ -650,16 +649,28 @@ class RankCore:
 
     def _scope_of(self, report: dict) -> Scope:
         """What a child uses of the membership: a leaf its node's members; a broker those of
-        its subtree (which it pushes on) and of its home node (to find its way back)."""
+        its subtree (which it pushes on); and both the brokers above them (to find their way
+        up, and back, when one is lost)."""
         node = _node_of(report)
-        if report.get("tier") != "broker":
-            return Scope(range(node, node + 1))
         count = report.get("node_count")  # a node holds a rank at least: never more nodes than ranks
         count = count if type(count) is int and node < count <= self.identity.world_size else self.identity.node_count
         if node >= count:
             return Scope(range(node, node + 1))
         fanout = self.settings.fanout
-        return Scope(subtree(node, count, fanout), tree_parent(node, count, fanout))
+        heads = ancestors(node, count, fanout)
+        if report.get("tier") != "broker":
+            return Scope(range(node, node + 1), heads)
+        return Scope(subtree(node, count, fanout), heads)
+
+    def _forget_moved(self, broker: int, reports: list) -> None:
+        """Direct children that are now reached through ``broker`` (they went back under a
+        broker of theirs): their links to us are closed, so nothing more is sent on them."""
+        direct = {c.rank: rid for rid, c in self.children.items() if c.rank != broker}
+        for report in reports[1:]:
+            rank = report.get("rank") if isinstance(report, dict) else None
+            rid = direct.get(rank) if type(rank) is int else None
+            if rid is not None and self.registry.via_of(rank) == broker:
+                del self.children[rid]
 
     def _vouch_ignored(self, report: dict, broker: int) -> bool:
         """A broker's word that a rank is dead counts only while that broker is the rank's path."""

@@ -1,6 +1,6 @@
 """The membership registry below a broker of brokers, with a fake clock: deltas scoped to a
-child's nodes (checked against the whole job's delta, filtered), and the TTLs of members a
-broker of brokers vouches for on other nodes than its own."""
+child's nodes and the brokers above it (checked against the whole job's delta, filtered),
+and the TTLs of members a broker of brokers vouches for on other nodes than its own."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import random
 
 import pytest
 
-from kernel_probe.membership import Registry
-from kernel_probe.rank_core import Scope
+from kernel_probe.membership import MEMBERSHIP_FIELDS, Member, Registry, Scope
 
 STALE = 25.0
 T0 = 1_700_000_000.0
@@ -27,24 +26,36 @@ def rep(rank: int, inc: str = "a", **kw) -> dict:
     return d
 
 
-def _filtered(delta: dict, reg: Registry, nodes) -> tuple[list[int], list[int]]:
-    ups = [u["rank"] for u in delta["upserts"] if u["node"] in nodes]
-    removed = [r for r in delta["removed"] if reg._node_of.get(r) in nodes]
-    return ups, removed
+def _membership(m: Member) -> tuple:
+    return tuple(getattr(m, f) for f in MEMBERSHIP_FIELDS)
+
+
+def _filtered(delta: dict, reg: Registry, scope: Scope) -> tuple[list[int], list[int]]:
+    """The whole job's delta cut to a scope: every member of its nodes, the brokers of its
+    heads; a leaf of a head that changed is a removal (it may have been a broker)."""
+    ups = [u["rank"] for u in delta["upserts"]
+           if u["node"] in scope.nodes or (u["node"] in scope.heads and u["tier"] != "leaf")]
+    gone = [] if delta["full"] else [u["rank"] for u in delta["upserts"]
+                                     if u["node"] in scope.heads and u["node"] not in scope.nodes
+                                     and u["tier"] == "leaf"]
+    removed = [r for r in delta["removed"] if reg._node_of.get(r) in scope]
+    return ups, sorted(removed + gone)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_a_delta_for_some_nodes_is_the_job_s_delta_filtered_to_them(seed):
     rng = random.Random(seed)
     reg, now = Registry(stale_sec=STALE, tombstones_kept=rng.choice([5, 1000])), T0
-    scopes = [Scope(range(2, 5)), Scope(range(5, 6), home=2), Scope(range(0, 12)), Scope(range(7, 10**9)),
-              Scope(range(3, 4))]
+    scopes = [Scope(range(2, 5)), Scope(range(5, 6), heads=(2,)), Scope(range(0, 12)), Scope(range(7, 10**9)),
+              Scope(range(3, 4)), Scope(range(9, 11), heads=(7, 1)), Scope(range(4, 5), heads=(4, 2))]
     for step in range(300):
         now += rng.uniform(0, 3)
         rank = rng.randrange(NODES * PER_NODE)
         what = rng.random()
         if what < 0.6:
-            reg.observe(rep(rank, inc=rng.choice("ab"), role=rng.choice(["", "x"])), now)
+            tier = rng.choice(["leaf", "broker"]) if rank % PER_NODE < 2 and rank else None  # elections move
+            reg.observe(rep(rank, inc=rng.choice("ab"), role=rng.choice(["", "x"]), **({"tier": tier} if tier else {})),
+                        now)
         elif what < 0.75:
             reg.mark_dead(rank, None, "exited", now)
         else:
@@ -78,3 +89,37 @@ def test_a_broker_of_brokers_whose_process_exits_takes_its_whole_subtree_down_on
     reg.tick(died + reg.grace_sec)
     assert {reg.get(r).state for r in below} == {"dead"}
     assert {reg.get(r).since for r in below} == {died + reg.grace_sec}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mirrors_down_two_levels_hold_their_scope_of_the_job_as_brokers_come_and_go(seed):
+    """A broker of brokers' mirror (its subtree, the brokers above it), and below it a node
+    broker's (its node, the brokers above it): after each push each holds exactly its scope of
+    the job, also when a head's broker dies, is replaced, or a leaf there takes its place."""
+    rng = random.Random(seed)
+    src, now = Registry(stale_sec=STALE, tombstones_kept=rng.choice([6, 1000])), T0
+    mid_scope, low_scope = Scope(range(4, 9), heads=(2, 1)), Scope(range(6, 7), heads=(4, 2, 1))
+    mid, low = Registry(stale_sec=STALE), Registry(stale_sec=STALE)
+
+    def held(scope: Scope) -> dict:  # membership only: a telemetry change is not pushed
+        return {m.rank: _membership(m) for m in src.members()
+                if m.node in scope.nodes or (m.node in scope.heads and m.tier != "leaf")}
+
+    for step in range(250):
+        now += rng.uniform(0, 3)
+        rank = rng.randrange(NODES * PER_NODE)
+        what = rng.random()
+        if what < 0.6:
+            tier = rng.choice(["leaf", "broker"]) if rank % PER_NODE < 2 and rank else None
+            src.observe(rep(rank, inc=rng.choice("ab"), **({"tier": tier} if tier else {})), now)
+        elif what < 0.75:
+            src.mark_dead(rank, None, "exited", now)
+        else:
+            src.tick(now + rng.uniform(0, 2 * STALE))
+            now += STALE / 2
+        if rng.random() < 0.7:  # a push down, now and then skipped (the next carries both)
+            mid.apply_delta(src.delta_since(mid.epoch, nodes=mid_scope))
+            if rng.random() < 0.7:
+                low.apply_delta(mid.delta_since(low.epoch, nodes=low_scope))
+                assert {m.rank: _membership(m) for m in low.members()} == held(low_scope), step
+            assert {m.rank: _membership(m) for m in mid.members()} == held(mid_scope), step

@@ -1,5 +1,7 @@
-"""The tree rule (``placement.tree_parent``) and a broker's discovery of its parent broker,
-without a store or a clock: every node count and fan-out of a range, exhaustively."""
+"""The tree rule (``placement.tree_parent``), the failover rule (``placement.failover_path``)
+and a broker's discovery of its parent broker, without a store or a clock: every node count
+and fan-out of a range, exhaustively; and a rank core walking its failover path, on a fake
+clock."""
 
 from __future__ import annotations
 
@@ -7,9 +9,14 @@ import dataclasses
 
 import pytest
 
+from kernel_probe import stimuli
 from kernel_probe.config import Identity, Settings
-from kernel_probe.effects import StoreOp
-from kernel_probe.placement import Place, Placement, subtree, tree_depth, tree_parent
+from kernel_probe.effects import PARENT, ConnectParent, Note, Send, StoreOp
+from kernel_probe.membership import Registry, Scope
+from kernel_probe.placement import (Place, Placement, ancestors, failover_path, first_usable, subtree, tree_depth,
+                                    tree_parent)
+from kernel_probe.rank_core import RankCore
+from kernel_probe.wire import Envelope, Header, Message
 
 
 def _parents(count: int, fanout: int) -> dict[int, int]:
@@ -123,3 +130,110 @@ def test_a_broker_under_the_root_never_reads_another_node_s_key():
     _elected(p, 0.0)
     assert p.on_store_result("read_master", {"endpoint": "tcp://root"}, 0.0) == [
         Place("broker", "tcp://root", "tcp://root")]
+
+
+# --- the failover rule ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fanout", [2, 3, 4, 64])
+def test_a_failover_path_climbs_the_tree_one_broker_at_a_time_and_leaves_the_root_last(fanout):
+    for count in (1, 2, 9, 40, 130):
+        parents = _parents(count, fanout)
+        for n in range(count):
+            chain = _chain(n, parents)[1:-1]  # the brokers above n's, without the root
+            assert failover_path(n, count, fanout, leaf=False) == ancestors(n, count, fanout) == tuple(chain)
+            assert failover_path(n, count, fanout, leaf=True) == (() if n == 0 else (n, *chain))
+    assert failover_path(7, 4, 2, leaf=True) == ()  # outside the job's count: the root
+
+
+def test_the_first_usable_broker_is_searched_from_start_up_to_stop():
+    live = {5: "tcp://n5", 1: "tcp://n1"}
+    path = (9, 5, 1)
+    assert first_usable(path, live.get) == (1, "tcp://n5")
+    assert first_usable(path, live.get, start=2) == (2, "tcp://n1")
+    assert first_usable(path, live.get, stop=1) is None  # nothing nearer than the parent at index 1
+    assert first_usable(path, {}.get) is None  # nobody: the root
+
+
+NODES, PER_NODE, FANOUT = 40, 3, 4  # node 3's broker (rank 9) -> node 2's (6) -> node 1's (3) -> the root
+
+
+def _member(rank: int, inc: str, **kw) -> dict:
+    node = rank // PER_NODE
+    d = {"rank": rank, "world_size": NODES * PER_NODE, "local_rank": rank % PER_NODE,
+         "local_world_size": PER_NODE, "node": node, "node_count": NODES, "host": f"h{node}",
+         "endpoint": f"tcp://r{rank}", "pid": 100 + rank, "role": "", "incarnation": inc,
+         "tier": "broker" if rank % PER_NODE == 0 else "leaf", "stalled": False, "age": 0.0}
+    d.update(kw)
+    return d
+
+
+class _Parent:
+    """What a parent answers: the root's membership cut to the child's scope."""
+
+    def __init__(self) -> None:
+        self.root = Registry()
+
+    def ack(self, core: RankCore, report: Send, now: float, parent: dict) -> list:
+        scope = Scope(subtree(3, NODES, FANOUT), ancestors(3, NODES, FANOUT))
+        body = {"epoch": self.root.epoch, "complete": True, "delta": self.root.delta_since(0, nodes=scope),
+                "parent": parent}
+        header = Header("heartbeat_ack", "p", "p", 1, now, "a", report.msg.msg_id)
+        msg = Message("heartbeat_ack", body, corr_id=report.msg.msg_id)
+        return core.handle(stimuli.MessageIn(Envelope(header, msg), PARENT), now)
+
+
+def _reports(effects: list) -> list[Send]:
+    return [e for e in effects if isinstance(e, Send) and e.to is PARENT and e.msg.type == "heartbeat"]
+
+
+def _until_report(core: RankCore, now: float) -> tuple[Send, float]:
+    for _ in range(100):
+        now = core.next_deadline()
+        sent = _reports(core.handle(stimuli.Tick(), now))
+        if sent:
+            return sent[0], now
+    raise AssertionError("no report")
+
+
+def _under_node_2(dead: tuple[int, ...]) -> tuple[RankCore, _Parent, Settings]:
+    """Node 3's broker, placed under node 2's, which has answered it once."""
+    ident = Identity(rank=9, world_size=NODES * PER_NODE, local_rank=0, local_world_size=PER_NODE, node=3,
+                     node_count=NODES, host="h3", run_id="r")
+    settings = dataclasses.replace(Settings(), fanout=FANOUT)
+    core = RankCore(identity=ident, settings=settings, endpoint="tcp://r9", pid=109, incarnation="a9", now=0.0)
+    up = _Parent()
+    for rank, inc in ((0, "a0"), (3, "a3"), (6, "a6"), (9, "a9"), (10, "a10")):
+        up.root.observe(_member(rank, inc, **({"tier": "root"} if rank == 0 else {})), 0.0)
+    for rank in dead:
+        up.root.mark_dead(rank, None, "exited", 0.0)
+    out = core.handle(stimuli.Placed("broker", "tcp://r6", "tcp://r0"), 0.0)
+    assert ConnectParent("tcp://r6") in out
+    up.ack(core, _reports(out)[0], 0.01, {"rank": 6, "pid": 106, "host": "h2", "incarnation": "a6", "tier": "broker",
+                                         "level": 2})
+    return core, up, settings
+
+
+def test_a_broker_whose_parent_is_lost_goes_to_its_grandparent_never_back_to_that_process_and_home_to_a_new_one():
+    core, up, settings = _under_node_2(dead=())
+    assert sorted(m.rank for m in core.mirror.members()) == [3, 6, 9, 10]  # its node, the brokers above
+    report, now = _until_report(core, 0.01)
+    out = core.handle(stimuli.Tick(), now + settings.report_timeout_sec)  # no answer: node 2's broker is lost
+    assert ConnectParent("tcp://r3") in out and ConnectParent("tcp://r0") not in out
+    assert any(isinstance(e, Note) and "reporting to tcp://r3, the broker of node 1" in e.text for e in out)
+    parent3 = {"rank": 3, "pid": 103, "host": "h1", "incarnation": "a3", "tier": "broker", "level": 1}
+    report, now = _reports(out)[0], now + settings.report_timeout_sec
+    # the root still lists the lost process as alive: it is not gone back to
+    assert not [e for e in up.ack(core, report, now, parent3) if isinstance(e, ConnectParent)]
+    assert core.parent.endpoint == "tcp://r3"
+    # a new process on node 2 became its broker: home again
+    up.root.observe(_member(6, "b6", endpoint="tcp://r6b"), now)
+    report, now = _until_report(core, now)
+    out = up.ack(core, report, now, parent3)
+    assert [e for e in out if isinstance(e, ConnectParent)] == [ConnectParent("tcp://r6b")]
+
+
+def test_a_broker_whose_parent_and_grandparent_are_lost_goes_to_the_root():
+    core, up, settings = _under_node_2(dead=(3,))  # the root knows node 1's broker is gone
+    report, now = _until_report(core, 0.01)
+    out = core.handle(stimuli.Tick(), now + settings.report_timeout_sec)
+    assert ConnectParent("tcp://r0") in out and ConnectParent("tcp://r3") not in out

@@ -35,7 +35,7 @@ from .record import (
     Departure,
     Member,
 )
-from .registry import DeltaGapError, Registry
+from .registry import DeltaGapError, Registry, Scope
 
 __all__ = [
     "ALIVE",
@@ -60,5 +60,6 @@ __all__ = [
     "LivenessError",
     "Member",
     "Registry",
+    "Scope",
     "next_state",
 ]

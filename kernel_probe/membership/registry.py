@@ -10,7 +10,9 @@ Rules of this file:
 - Evidence time of a report = ``now - report["age"]``. Evidence older than what we
   hold for the same incarnation is ignored, with one exception: a broker's "dead"
   verdict about a leaf we heard through that same broker (one FIFO connection, so
-  its latest word wins even if transit jitter makes its evidence look older).
+  its latest word wins even if transit jitter makes its evidence look older). And a
+  broker's alive word slightly older than ours (``path_skew_sec``) moves the rank's
+  ``via`` to that broker: it took the rank over (a failover to a shorter path).
 - A dead member revives only on evidence newer than the time it died.
 - A different incarnation replaces the record (a restarted probe) unless its
   evidence is older than ours; the old one departs with why ``"replaced"``.
@@ -48,7 +50,33 @@ from .record import (
     _str,
 )
 
-__all__ = ["DeltaGapError", "Registry"]
+__all__ = ["DeltaGapError", "Registry", "Scope"]
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What of the membership a child is pushed: every member of a run of nodes (a leaf's
+    node, a broker's subtree) and, of its ``heads`` (the nodes of the brokers above it, where
+    it may have to report), the brokers alone. A range and a few ints, never a set: a peer's
+    numbers cost no memory."""
+
+    nodes: range
+    heads: tuple[int, ...] = ()
+
+    def __contains__(self, node: object) -> bool:
+        return type(node) is int and (node in self.nodes or node in self.heads)
+
+    def __iter__(self):
+        yield from self.nodes
+        yield from (h for h in self.heads if h not in self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes) + sum(h not in self.nodes for h in self.heads)
+
+    def brokers_only(self, node: int | None) -> bool:
+        """Whether only the brokers of ``node`` are in scope (a head outside the run)."""
+        return node in self.heads and node not in self.nodes
+
 
 def _membership(m: Member) -> tuple[Any, ...]:
     return tuple(getattr(m, f) for f in MEMBERSHIP_FIELDS)
@@ -112,6 +140,10 @@ class Registry:
         self.stale_sec = _float("stale_sec", stale_sec)
         # the longest report period at this TTL (Backoff.cap at the default maximum)
         self.grace_sec = max(0.1, self.stale_sec - self.stale_sec // 4 - 1)
+        # a new path's word on a rank this much older than the word we hold is as fresh (each hop
+        # adds its transit); a path the rank left holds a word older by a report timeout at
+        # least (it left for want of an ack), a second at the defaults
+        self.path_skew_sec = min(1.0, self.stale_sec / 25)
         if self.stale_sec <= 0:
             raise ValueError(f"stale_sec must be > 0, got {stale_sec!r}")
         _int("departures_kept", departures_kept)
@@ -279,6 +311,13 @@ class Registry:
                 # the leaf's evidence look a few ms older than the last one
                 self._vouch[rank] = (via, now)
             if evidence < old.last_seen:
+                if via is not None and via != old.via and old.state != DEAD and \
+                        evidence >= old.last_seen - self.path_skew_sec:
+                    # a broker that took the rank over (its broker failed over to us, or came
+                    # back under a new one): route through it from now on, though its word looks
+                    # a little older (each hop adds its transit to the evidence time)
+                    self._store(replace(old, via=via))
+                    self._vouch[rank] = (via, now)
                 return  # older than what we hold
             if old.state == DEAD and evidence <= old.since:
                 return  # not newer than its death: no revival on old news
@@ -413,6 +452,11 @@ class Registry:
         m = self._members.get(rank)
         return None if m is None else replace(m)
 
+    def state_of(self, rank: int) -> str | None:
+        """``rank``'s state (None: not a member), read without copying the member."""
+        m = self._members.get(rank)
+        return None if m is None else m.state
+
     def via_of(self, rank: int) -> int | None:
         """The broker that vouched for ``rank`` (None: heard directly, or unknown), read
         without copying the member as ``get`` does."""
@@ -482,8 +526,11 @@ class Registry:
             and 0 < epoch <= self.epoch
             and epoch >= self._floor
         )
+        heads = nodes if isinstance(nodes, Scope) and nodes.heads else None
         if not exact:
             ranks = sorted(self._members) if nodes is None else self._ranks_on(nodes)
+            if heads is not None:
+                ranks = [r for r in ranks if not self._leaf_of_head(r, heads)]
             return {
                 "epoch": self.epoch,
                 "full": True,
@@ -497,8 +544,24 @@ class Registry:
             changed, removed = self._changes_on(epoch, nodes), [
                 r for r in itertools.takewhile(lambda r: self._tombstones[r] > epoch, reversed(self._tombstones))
                 if self._node_of.get(r) in nodes]
+        if heads is not None:
+            # a member of a head's node that is not (or no longer) a broker leaves the child's
+            # scope: said as a removal (the child drops it if it held it as a broker)
+            gone = {r for r in changed if self._leaf_of_head(r, heads)}
+            if gone:
+                changed = [r for r in changed if r not in gone]
+                removed = [*removed, *gone]
         return {"epoch": self.epoch, "full": False, "base": epoch,
                 "upserts": [self._members[r].to_dict() for r in sorted(changed)], "removed": sorted(removed)}
+
+    def _leaf_of_head(self, rank: int, scope: Scope) -> bool:
+        """A member that a scope leaves out: not a broker, on a node of which it takes brokers only."""
+        m = self._members[rank]
+        return m.tier == "leaf" and scope.brokers_only(m.node)
+
+    def members_on(self, node: int) -> list[Member]:
+        """The members on ``node`` (copies, by rank), read from the per-node index."""
+        return [replace(self._members[r]) for r in sorted(self._by_node.get(node, ()))]
 
     def _ranks_on(self, nodes: Collection[int]) -> list[int]:
         """The members on ``nodes``, by rank (a range of nodes may be wider than the job)."""

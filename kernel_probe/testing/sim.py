@@ -723,8 +723,8 @@ class Simulation:
         return self.root.registry.get(rank) if self.root else None
 
     def state(self, rank: int) -> str | None:
-        m = self.member(rank)
-        return None if m is None else m.state
+        root = self.root
+        return root.registry.state_of(rank) if root is not None else None
 
     def converged(self) -> bool:
         """The root lists every rank, all alive."""
