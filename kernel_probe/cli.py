@@ -5,7 +5,8 @@
                                              relaunches); past 64 ranks one row per state (--all: per rank)
     kernel-probe -t TARGET info              the answering probe's identity
     kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
-    kernel-probe -t TARGET stacks [--native] main-thread stacks of every rank, grouped (C/C++ frames too)
+    kernel-probe -t TARGET stacks [--native] [--all]   main-thread stacks of every rank, grouped (C/C++
+                                             frames too); past 5 groups the largest and the odd ones (--all: every one)
     kernel-probe -t dump://DIR query|nodes|stacks|info   the same over an ended job's dumps
     kernel-probe -t TARGET dump DIR          a live job's dumps, as its ranks write them when they die
     kernel-probe -t TARGET diagnose [--json] why the job is stuck, or slow: one sentence, then the findings
@@ -68,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     st = sub.add_parser("stacks", help="main-thread Python stacks of every rank, grouped")
     st.add_argument("--all-threads", action="store_true", help="every thread, not only the main one")
+    st.add_argument("--all", action="store_true",
+                    help="every group of identical stacks (default: past 5, the largest and the odd ones out, "
+                         "the rest counted)")
     st.add_argument("--native", action="store_true",
                     help="native (C/C++) frames too (a gloo/NCCL wait, a C extension), taken by py-spy")
     st.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
@@ -325,7 +329,7 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         result = client.query(stacks_sql(args.all_threads), timeout=_query_timeout(args), native=args.native)
         notes = _native_notes(client, args) if args.native else []
-    print(format_stacks(group_stacks(result.table.to_pylist()), notes))
+    print(format_stacks(group_stacks(result.table.to_pylist()), notes, all=args.all))
     print(result.footer())
     return 0
 
@@ -345,8 +349,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def no_dump_lines(failed: dict) -> list[str]:
     """The ranks a snapshot got no dump from, one line per reason (addresses and numbers aside)."""
-    said = by_text(((int(r), str(why)) for r, why in failed.items() if str(r).isdigit()), shapes=True)
-    return [f"  no dump: {line}" for line in groups_text(said, noun="reasons", sep="\n").splitlines()] if said else []
+    from .summaries import reason_lines
+
+    return reason_lines(failed, prefix="  no dump: ")
 
 
 DIAGNOSE_HEALTHY, DIAGNOSE_FINDINGS, DIAGNOSE_ERROR = 0, 1, 2  # `diagnose`'s exit status (as diff's)
