@@ -494,9 +494,13 @@ def merge_trace(rows: list[dict], members: dict[int, dict], clock: dict[int, Clo
         cut_at = (events[len(kept)][0] - t0) / 1000.0
         notes.append(f"cut at {max_bytes / 1e6:g} MB: kept {len(kept)} of {len(events)} events, "
                      f"those before {cut_at:.1f} ms")
-    for rank, n in sorted((dropped_on_rank or {}).items()):
-        if n:
-            notes.append(f"rank {rank} kept its first events only ({n} dropped there)")
+    dropped = {rank: n for rank, n in (dropped_on_rank or {}).items() if n}
+    if len(dropped) == 1:
+        ((rank, n),) = dropped.items()
+        notes.append(f"rank {rank} kept its first events only ({n} dropped there)")
+    elif dropped:  # one note for any number of ranks
+        notes.append(f"{ranks_label(dropped)} kept their first events only ({sum(dropped.values())} dropped there, "
+                     f"at most {max(dropped.values())} on one rank)")
     trace = {"traceEvents": meta + kept, "displayTimeUnit": "ms",
              "otherData": {"clock": "each rank's wall clock shifted onto the root's; offsets in the lane names",
                            "clock_offsets": {str(r): {"offset_ms": c.offset_ms, "bound_ms": c.bound_ms, "how": c.how}
