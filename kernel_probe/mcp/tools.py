@@ -204,7 +204,7 @@ class Toolbox:
         result, notes = await self.jobs.call(job, run, 2 * timeout + ANSWER_GRACE_SEC)
         groups = group_stacks(result.table.to_pylist())
         shown = groups[:STACK_GROUPS]
-        text = format_stacks(shown, notes)
+        text = format_stacks(shown, notes, all=True)  # its own cap (STACK_GROUPS), said below
         if len(text.encode()) > MAX_TEXT_BYTES:
             text = text.encode()[:MAX_TEXT_BYTES].decode(errors="ignore") + "\n(cut at the size cap)"
         if len(groups) > len(shown):
