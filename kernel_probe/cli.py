@@ -260,11 +260,27 @@ def cmd_info(args: argparse.Namespace) -> int:
     import kernel_probe
 
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
-        for k, v in client.info_.items():
-            print(f"{k}: {v}")
+        for line in info_lines(client.info_):
+            print(line)
         if client.store and not client.info_.get("store"):  # a root that does not say it itself
             print(f"store: {client.store}")
     return 0
+
+
+INFO_ITEMS = 3  # the items of a list `info` shows; the others are counted
+
+
+def info_lines(info: dict) -> list[str]:
+    """``info``'s items, one line each: a list of ranks as spans ('ranks 0-16383 (16384)'), a
+    longer list as its first items and a count, so a dump of 16,384 ranks reads in a few lines."""
+    out = []
+    for key, value in info.items():
+        if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            value = ranks_label(value)
+        elif isinstance(value, list) and len(value) > INFO_ITEMS:
+            value = "; ".join(map(str, value[:INFO_ITEMS])) + f"; and {len(value) - INFO_ITEMS} more"
+        out.append(f"{key}: {value}")
+    return out
 
 
 def parse_ranks(spec: str | None) -> RankRanges | None:

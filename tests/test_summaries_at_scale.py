@@ -160,3 +160,18 @@ def test_native_notes_and_missing_dumps_are_one_line_per_reason():
     many = {r: f"reason {chr(97 + r % 20)}" for r in range(WORLD)}
     assert len(reason_lines(many)) == 3 and reason_lines(many)[-1].startswith("  18 other reasons: ranks ")
     assert reason_lines({}) == []
+
+
+def test_the_info_of_16384_ranks_dumps_is_a_few_short_lines():
+    from kernel_probe.cli import info_lines
+
+    info = {"run_id": "r1", "world_size": WORLD, "ranks_dumped": [r for r in range(WORLD) if r != ODD],
+            "ranks_fatal": [], "ranks_missing": [ODD],
+            "problems": [f"rank {r}: a bad manifest (unexpected end of data at byte {r})" for r in range(500)],
+            "state": "ended"}
+    assert info_lines(info) == [
+        "run_id: r1", "world_size: 16384", "ranks_dumped: ranks 0-9000,9002-16383 (16383)", "ranks_fatal: []",
+        "ranks_missing: rank 9001",
+        "problems: rank 0: a bad manifest (unexpected end of data at byte 0); rank 1: a bad manifest (unexpected end "
+        "of data at byte 1); rank 2: a bad manifest (unexpected end of data at byte 2); and 497 more",
+        "state: ended"]
