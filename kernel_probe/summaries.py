@@ -91,6 +91,8 @@ def native_notes(rows: Iterable[Mapping[str, Any]]) -> list[str]:
 STACK_GROUPS_SHOWN = 5  # at most this many stack groups are shown in full: the rest are summarised
 BIGGEST_SHOWN = 3  # of which the largest groups
 SHARED_OUTER_MIN = 2  # outer frames a shown group shares with the largest one, said in one line from this many
+ODD_LINES = 2  # lines other than the commonest one of a frame, named with their ranks; more: the span
+ODD_SHARE = 0.01  # a shown group of at most this share of the ranks (and not the largest) is an odd one out
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,6 @@ class StacksSummary:
 
     shown: tuple[StackFamily, ...]
     rest: tuple[StackFamily, ...] = ()
-    total_groups: int = 0
 
     @property
     def largest(self) -> StackFamily | None:
@@ -173,27 +174,23 @@ def _family(groups: list[StackGroup]) -> StackFamily:
         for g in groups:
             at.setdefault(g.frames[i].line, []).extend(g.ranks)
         line = max(at, key=lambda ln: (len(at[ln]), -min(at[ln])))
-        note = None if len(at) == 1 else _lines_note(at, line, len(ranks))
-        if note is not None and not note.startswith(ODD_AT):
-            line = None  # spread over many lines: none of them is where "the" ranks are
+        note, spread = (None, False) if len(at) == 1 else _lines_note(at, line, len(ranks))
+        if spread:
+            line = None  # none of the lines is where "the" ranks are
         frames.append(Frame(frame.function, frame.file, line, frame.native))
         notes.append(note)
     return StackFamily(ranks, groups[0].thread, tuple(frames), tuple(notes), groups=len(groups))
 
 
-ODD_LINES = 2  # other lines named rank by rank when most ranks stand at one line
-ODD_AT = "but "
-ODD_SHARE = 0.01  # a shown group of at most this share of the ranks (and not the largest) is an odd one out
-
-
-def _lines_note(at: dict[int | None, list[int]], line: int | None, ranks: int) -> str:
-    """Where a family's ranks stand in a frame whose line differs: the few ranks off the line most
-    stand at, named ('rank 3 at line 42'); or, spread out, the lines' span ('40 lines, 60-99')."""
+def _lines_note(at: dict[int | None, list[int]], line: int | None, ranks: int) -> tuple[str, bool]:
+    """Where a family's ranks stand in a frame whose line differs, and whether they are spread out:
+    the few ranks off the line most stand at, named ('but rank 3 at line 42'); or, spread out,
+    the lines' span ('at 40 lines, 60–99')."""
     others = sorted((sorted(rs), ln) for ln, rs in at.items() if ln != line)
     if 2 * len(at[line]) > ranks and len(others) <= ODD_LINES:
-        return ODD_AT + "; ".join(f"{ranks_label(rs)} at line {ln}" for rs, ln in others)
+        return "but " + "; ".join(f"{ranks_label(rs)} at line {ln}" for rs, ln in others), False
     known = sorted(ln for ln in at if ln is not None)
-    return f"at {len(at)} lines" + (f", {known[0]}–{known[-1]}" if known else "")
+    return f"at {len(at)} lines" + (f", {known[0]}–{known[-1]}" if known else ""), True
 
 
 def _shared_outer(a: tuple[Frame, ...], b: tuple[Frame, ...]) -> int:
@@ -213,7 +210,7 @@ def summarise_stacks(groups: list[StackGroup], all: bool = False) -> StacksSumma
     counted in one line."""
     if all or len(groups) <= STACK_GROUPS_SHOWN:
         return StacksSummary(tuple(StackFamily(g.ranks, g.thread, g.frames, (None,) * len(g.frames))
-                                   for g in groups), (), len(groups))
+                                   for g in groups))
     alike: dict[tuple, list[StackGroup]] = {}
     for g in groups:
         alike.setdefault((g.thread, tuple((f.function, f.file, f.native) for f in g.frames)), []).append(g)
@@ -233,7 +230,7 @@ def summarise_stacks(groups: list[StackGroup], all: bool = False) -> StacksSumma
                                  i >= BIGGEST_SHOWN or len(f.ranks) <= ODD_SHARE * everyone))
     kept = set(picked)
     rest = tuple(f for i, f in enumerate(families) if i not in kept)
-    return StacksSummary(tuple(shown), rest, len(groups))
+    return StacksSummary(tuple(shown), rest)
 
 
 def format_stacks(groups: list[StackGroup], notes: Iterable[str] = (), all: bool = False) -> str:
