@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 from . import __version__
 from .rank_lists import RankRanges, by_text, groups_text, rank_ranges, ranks_label
+from .summaries import NODES_ROWS, aligned, state_rows
 
-NODES_ROWS = 64  # past this many members, `nodes` prints one row per state (--all: one per rank)
 SUSPECTS_SHOWN = 5  # stall suspects printed under the table; the others counted
 
 
@@ -126,13 +126,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         status = "running" if root_alive(info) else "gone"
         rows.append((info.run_id, info.endpoint, str(info.world_size), str(info.pid), info.host,
                      _when(info.started), status, info.store or "-"))
-    print("\n".join(_rows(rows)))
+    print("\n".join(aligned(rows)))
     return 0
-
-
-def _rows(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def _or_dash(value: object) -> str:
@@ -149,7 +144,7 @@ def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | N
     view = membership_view(raw["members"], time.time() if now is None else now, raw["departures"])
     grouped = len(view.members) > NODES_ROWS and not all_rows
     if grouped:
-        rows = _state_rows(view.members)
+        rows = state_rows(view.members)
     else:
         rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "LEVEL", "PARENT", "ROLE", "STATE", "SEEN", "STEP",
                  "STEP MS", "COMPUTE MS", "WAIT MS")]
@@ -163,7 +158,7 @@ def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | N
     summary = ", ".join(f"{n} {s}" for s, n in sorted(view.counts.items()))
     lines = [f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}"
              + (" · one row per state (--all: one per rank)" if grouped else "")]
-    lines += _rows(rows)
+    lines += aligned(rows)
     lines += [f"  {s.text}" for s in view.suspects[:SUSPECTS_SHOWN]]
     if len(view.suspects) > SUSPECTS_SHOWN:
         rest = [r for s in view.suspects[SUSPECTS_SHOWN:] for r in s.ranks]
@@ -172,27 +167,6 @@ def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | N
         lines.append("departures:")
         lines += [f"  {line}" for line in _departure_lines(raw["departures"])]
     return "\n".join(lines)
-
-
-def _state_rows(members) -> list[tuple[str, ...]]:
-    """One row per state (with its reason) and slowness: the ranks, how many, on how many nodes,
-    their steps, median step time and the oldest sighting."""
-    import statistics
-
-    groups = by_text((int(m["rank"]), m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
-                      + (" · slow" if m["slow"] else "")) for m in members)
-    by_rank = {int(m["rank"]): m for m in members}
-    rows = [("STATE", "RANKS", "COUNT", "NODES", "STEPS", "STEP MS (MEDIAN)", "SEEN (OLDEST)")]
-    for ranks, state in groups:
-        ms = [by_rank[r] for r in ranks]
-        steps = sorted(m["step"] for m in ms if m.get("step") is not None)
-        times = [m["step_time_ms"] for m in ms if isinstance(m.get("step_time_ms"), (int, float))]
-        oldest = min((m for m in ms if m.get("last_seen") is not None), key=lambda m: m["last_seen"], default=None)
-        rows.append((state, ranks_label(ranks, count=False), str(len(ranks)), str(len({m.get("node") for m in ms})),
-                     "-" if not steps else str(steps[0]) if steps[0] == steps[-1] else f"{steps[0]}-{steps[-1]}",
-                     _ms(statistics.median(times) if times else None),
-                     f"{oldest['age']} ago" if oldest is not None and oldest.get("age") else "-"))
-    return rows
 
 
 def _departure_lines(departed) -> list[str]:

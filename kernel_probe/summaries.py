@@ -252,6 +252,39 @@ def format_stacks(groups: list[StackGroup], notes: Iterable[str] = (), all: bool
     return "\n".join([text, *notes])
 
 
+NODES_ROWS = 64  # past this many members, the membership shows one row per state (`nodes --all`: one per rank)
+
+
+def state_rows(members: Iterable[Mapping[str, Any]]) -> list[tuple[str, ...]]:
+    """``membership_view`` members -> a header and one row per state (with its reason) and
+    slowness: the ranks, how many, on how many nodes, their steps, median step time and the
+    oldest sighting. What `kernel-probe nodes` and ``%cluster_nodes`` show past ``NODES_ROWS``."""
+    import statistics
+
+    members = list(members)
+    groups = by_text((int(m["rank"]), m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
+                      + (" · slow" if m["slow"] else "")) for m in members)
+    by_rank = {int(m["rank"]): m for m in members}
+    rows = [("STATE", "RANKS", "COUNT", "NODES", "STEPS", "STEP MS (MEDIAN)", "SEEN (OLDEST)")]
+    for ranks, state in groups:
+        ms = [by_rank[r] for r in ranks]
+        steps = sorted(m["step"] for m in ms if m.get("step") is not None)
+        times = [m["step_time_ms"] for m in ms if isinstance(m.get("step_time_ms"), (int, float))]
+        oldest = min((m for m in ms if m.get("last_seen") is not None), key=lambda m: m["last_seen"], default=None)
+        median = statistics.median(times) if times else None
+        rows.append((state, ranks_label(ranks, count=False), str(len(ranks)), str(len({m.get("node") for m in ms})),
+                     "-" if not steps else str(steps[0]) if steps[0] == steps[-1] else f"{steps[0]}-{steps[-1]}",
+                     "-" if median is None else f"{median:.1f}",
+                     f"{oldest['age']} ago" if oldest is not None and oldest.get("age") else "-"))
+    return rows
+
+
+def aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows of cells -> lines, each column as wide as its widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
 def reason_lines(why: Mapping[Any, str], prefix: str = "  ", noun: str = "reasons",
                  say: Callable[[Sequence[int], str], str] | None = None) -> list[str]:
     """rank -> why (a failed rank's reason) -> one line per reason, its ranks as spans ('ranks
@@ -266,7 +299,7 @@ def reason_lines(why: Mapping[Any, str], prefix: str = "  ", noun: str = "reason
 
 __all__ = ["STACKS_SQL", "NATIVE_NOTES_SQL", "native_notes", "stacks_sql", "parse_ranks", "rank_span", "ranks_label", "Frame", "StackGroup",
            "StackFamily", "StacksSummary", "group_stacks", "summarise_stacks", "format_stacks", "reason_lines",
-           "BIGGEST_SHOWN", "STACK_GROUPS_SHOWN"]
+           "BIGGEST_SHOWN", "STACK_GROUPS_SHOWN", "NODES_ROWS", "aligned", "state_rows"]
 
 
 def __getattr__(name: str) -> Any:

@@ -175,3 +175,27 @@ def test_the_info_of_16384_ranks_dumps_is_a_few_short_lines():
         "problems: rank 0: a bad manifest (unexpected end of data at byte 0); rank 1: a bad manifest (unexpected end "
         "of data at byte 1); rank 2: a bad manifest (unexpected end of data at byte 2); and 497 more",
         "state: ended"]
+
+
+def test_the_live_view_of_16384_ranks_is_a_row_per_state():
+    from probing_magics.widget import render_table, render_text
+
+    from .support.big_job import T0, members
+
+    dead = {r: "exited" for r in range(1024, 1280)} | {ODD: "stale"}
+    nodes = members(WORLD, dead)
+    nodes[77] = {**nodes[77], "state": "stalled", "reason": "in fetch_next_batch (train.py:42)"}
+    departures = [{"rank": r, "pid": 10_000 + r, "host": f"h{r // 8}", "when": T0 - 30, "why": "exited (code 1)"}
+                  for r in range(1024, 1280)]
+    raw = {"members": nodes, "departures": departures}
+    text = render_text(raw, "r1", T0)
+    lines = _reads(text, 12)
+    assert lines[0].startswith("16384 ranks · ") and lines[1].split()[:2] == ["STATE", "RANKS"]
+    assert any(line.split()[:2] == ["stalled", "(in"] and " 77 " in line for line in lines), text
+    assert lines[-1] == "  departed: ranks 1024-1279 (exited (code 1))"
+    page = render_table(raw, T0)
+    assert page.count("<tr") == len([line for line in lines if line.startswith("  ") and "departed" not in line
+                                     and "suspect" not in line]), page
+    assert "ranks 1024-1279" in page and len(page) < 10_000
+    small = {"members": members(8), "departures": []}
+    assert render_text(small, "r1", T0).count("\n  rank ") == 8  # a few ranks: one line each, as before
