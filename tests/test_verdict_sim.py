@@ -14,13 +14,13 @@ import os
 import pytest
 
 from kernel_probe.client import calls, results
-from kernel_probe.client.diagnose import GROUPS_SQL, STACKS_SQL, DiagnoseResult, Diagnosis
+from kernel_probe.client.diagnose import GROUPS_SQL, MEMBERS_SQL, STACKS_SQL, DiagnoseResult, Diagnosis
 from kernel_probe.rank_lists import ranks_label
 from kernel_probe.tables.convert import SCHEMAS, rows_table
 from kernel_probe.testing.sim import T0, Simulation, SimTables
 from probing_magics.verdict_view import VerdictView
 
-from .support.big_job import job_rows, members, rank_tables
+from .support.big_job import job_rows, members, members_text, rank_tables
 
 NODES, PER_NODE = 64, 8
 WORLD = NODES * PER_NODE
@@ -36,13 +36,17 @@ class SimClient:
 
     def __init__(self, sim: Simulation, world: int = WORLD) -> None:
         self.sim, self.world = sim, world
+        self.received: dict[str, list[dict]] = {}  # sql -> the rows that reached the client
 
     def nodes_raw(self, timeout: float = 5.0) -> dict:
         return self.sim.request("nodes_request", {}, timeout=timeout).msg.body
 
     def query(self, sql: str, params=None, timeout: float = 10.0, native: bool = False, **_kw) -> results.QueryResult:
         body = results.query_body(sql, timeout, False, None, params, False, False, world_size=self.world)
-        return results.query_result(self.sim.request("query", body, timeout=timeout + 5), strict=False, explain=False)
+        answer = results.query_result(self.sim.request("query", body, timeout=timeout + 5), strict=False,
+                                      explain=False)
+        self.received[sql] = answer.table.to_pylist() if answer.table is not None else []
+        return answer
 
 
 class RowsClient:
@@ -59,14 +63,27 @@ class RowsClient:
         self.coverage = {"targeted": list(range(world)), "answered": alive, "partial": True,
                          "failed": {str(r): f"unreachable: rank {r - r % PER_NODE} died while it held this answer"
                                     for r in dead}}
+        self.received: dict[str, list[dict]] = {}
 
     def nodes_raw(self, timeout: float = 5.0) -> dict:
         return {"members": self.members, "departures": []}
 
     def query(self, sql: str, params=None, timeout: float = 10.0, native: bool = False, **_kw) -> results.QueryResult:
-        name = {GROUPS_SQL: "process_groups", STACKS_SQL: "stacks"}.get(sql, "collectives")
-        assert name != "collectives" or "flight_recorder" in sql, sql  # a stuck job: nothing else is asked
-        return results.QueryResult(_Rows(self.rows[name]), dict(self.coverage))
+        if sql == MEMBERS_SQL:  # what the ranks' and brokers' min() leave: one row per group
+            least: dict = {}
+            for row in self.rows["process_groups"]:
+                key = (row["group_id"], row["group_name"])
+                least[key] = min(least.get(key, row["ranks"]), row["ranks"])
+            found = [{"group_id": gid, "group_name": name, "members": ranks} for (gid, name), ranks in least.items()]
+        else:
+            name = {GROUPS_SQL: "process_groups", STACKS_SQL: "stacks"}.get(sql, "collectives")
+            assert name != "collectives" or "flight_recorder" in sql, sql  # a stuck job: nothing else is asked
+            found = self.rows[name]
+            if sql == GROUPS_SQL:  # the columns it selects, as a rank answers them
+                columns = [c.strip() for c in sql.split("SELECT ", 1)[1].split(" FROM ", 1)[0].split(",")]
+                found = [{c: row.get(c) for c in columns} for row in found]
+        self.received[sql] = found
+        return results.QueryResult(_Rows(found), dict(self.coverage))
 
 
 class _Rows:
@@ -88,7 +105,7 @@ def _tables(rank: int, world: int = WORLD) -> SimTables:
                       for name, rs in rows.items()})
 
 
-def _simulated(nodes: int) -> DiagnoseResult:
+def _simulated(nodes: int) -> tuple[DiagnoseResult, SimClient]:
     world = nodes * PER_NODE
     sim = Simulation(nodes, PER_NODE, tables=lambda rank: _tables(rank, world), record=False)
     sim.start_all()
@@ -96,7 +113,15 @@ def _simulated(nodes: int) -> DiagnoseResult:
     for rank in [*WHOLE_NODE, *LEAVES]:
         sim.kill(rank)
     sim.run_until(AT)
-    return calls.drive(Diagnosis(10.0, 5.0, False, sim.now).run(), SimClient(sim, world))
+    client = SimClient(sim, world)
+    return calls.drive(Diagnosis(10.0, 5.0, False, sim.now).run(), client), client
+
+
+def _group_ranks_received(client: SimClient | RowsClient) -> tuple[int, int]:
+    """The rows that brought the client a group's ranks, and their characters, over all queries."""
+    lists = [text for rows in client.received.values() for row in rows
+             for column in ("ranks", "members") if isinstance(text := row.get(column), str)]
+    return len(lists), sum(map(len, lists))
 
 
 def _assert_reads_in_a_few_lines(result: DiagnoseResult, world: int) -> None:
@@ -123,22 +148,34 @@ def _assert_reads_in_a_few_lines(result: DiagnoseResult, world: int) -> None:
     assert len(view) <= 14 and all(len(line) <= 340 for line in view), "\n".join(view)
 
 
+def _assert_group_ranks_came_once(client: SimClient | RowsClient, world: int) -> None:
+    """The group's ranks reach the client once (one row, one list), however many ranks answer."""
+    assert _group_ranks_received(client) == (1, len(members_text(world))), {
+        sql: len(rows) for sql, rows in client.received.items()}
+
+
 def test_a_simulated_512_rank_job_reads_in_a_few_lines():
-    _assert_reads_in_a_few_lines(_simulated(NODES), WORLD)
+    result, client = _simulated(NODES)
+    _assert_reads_in_a_few_lines(result, WORLD)
+    _assert_group_ranks_came_once(client, WORLD)  # min() merged at the ranks and brokers
 
 
 def test_the_verdict_over_16384_ranks_answers_reads_in_a_few_lines():
     """The same job at 16,384 ranks (2,048 nodes x 8): its ranks' answers built directly, then the
     same ``diagnose`` flow, coverage and text as over the simulator."""
     world = BIG_NODES * PER_NODE
-    result = calls.drive(Diagnosis(10.0, 5.0, False, AT).run(), RowsClient(world))
+    client = RowsClient(world)
+    result = calls.drive(Diagnosis(10.0, 5.0, False, AT).run(), client)
     assert result.checked[-1] == ("not every rank answered: ranks 80-87,161-167 missing (unreachable: rank … died while it "
                                   "held this answer)"), result.checked
     _assert_reads_in_a_few_lines(result, world)
+    _assert_group_ranks_came_once(client, world)  # not 16,369 lists of 100 KB each
 
 
 @pytest.mark.skipif(not os.environ.get("PROBING_SIM_SCALE"),
                     reason="many minutes of CPU (2,048 simulated ranks take 30 s and 1.4 GB); set PROBING_SIM_SCALE=1")
 @pytest.mark.timeout(3600)
 def test_a_simulated_16384_rank_job_reads_in_a_few_lines():
-    _assert_reads_in_a_few_lines(_simulated(BIG_NODES), BIG_NODES * PER_NODE)
+    result, client = _simulated(BIG_NODES)
+    _assert_reads_in_a_few_lines(result, BIG_NODES * PER_NODE)
+    _assert_group_ranks_came_once(client, BIG_NODES * PER_NODE)
