@@ -4,8 +4,9 @@ order, and the one pure analysis of their answers.
 ``Diagnosis.run`` is a flow (``calls``): it yields batches of client calls and gets their
 answers, so the blocking ``Client`` and the ``DumpClient`` (``calls.drive``) and the
 ``AsyncClient`` (``calls.drive_async``, each batch at once) run the same queries in the
-same order: membership, the process groups and the main threads' stacks; then the flight
-recorder's entries from each group's oldest unfinished collective on. An ended job's dumps
+same order: membership, the process groups (each rank's status; each group's ranks once) and
+the main threads' stacks; then the flight recorder's entries from each group's oldest
+unfinished collective on. An ended job's dumps
 (``EndedJob``) are asked their ends (``reason``) and last steps too, and the verdict puts
 who failed first and why before what hung. A live job with no hang is then asked why it is
 slow (``diagnosis.slow``): each rank's newest steps and phases, its step-time history, its
