@@ -5,7 +5,8 @@
                                              relaunches); past 64 ranks one row per state (--all: per rank)
     kernel-probe -t TARGET info              the answering probe's identity
     kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
-    kernel-probe -t TARGET stacks [--native] main-thread stacks of every rank, grouped (C/C++ frames too)
+    kernel-probe -t TARGET stacks [--native] [--all]   main-thread stacks of every rank, grouped (C/C++
+                                             frames too); past 5 groups the largest and the odd ones (--all: every one)
     kernel-probe -t dump://DIR query|nodes|stacks|info   the same over an ended job's dumps
     kernel-probe -t TARGET dump DIR          a live job's dumps, as its ranks write them when they die
     kernel-probe -t TARGET diagnose [--json] why the job is stuck, or slow: one sentence, then the findings
@@ -29,8 +30,8 @@ from typing import Any, Callable
 
 from . import __version__
 from .rank_lists import RankRanges, by_text, groups_text, rank_ranges, ranks_label
+from .summaries import NODES_ROWS, aligned, state_rows
 
-NODES_ROWS = 64  # past this many members, `nodes` prints one row per state (--all: one per rank)
 SUSPECTS_SHOWN = 5  # stall suspects printed under the table; the others counted
 
 
@@ -68,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     st = sub.add_parser("stacks", help="main-thread Python stacks of every rank, grouped")
     st.add_argument("--all-threads", action="store_true", help="every thread, not only the main one")
+    st.add_argument("--all", action="store_true",
+                    help="every group of identical stacks (default: past 5, the largest and the odd ones out, "
+                         "the rest counted)")
     st.add_argument("--native", action="store_true",
                     help="native (C/C++) frames too (a gloo/NCCL wait, a C extension), taken by py-spy")
     st.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
@@ -122,13 +126,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         status = "running" if root_alive(info) else "gone"
         rows.append((info.run_id, info.endpoint, str(info.world_size), str(info.pid), info.host,
                      _when(info.started), status, info.store or "-"))
-    print("\n".join(_rows(rows)))
+    print("\n".join(aligned(rows)))
     return 0
-
-
-def _rows(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def _or_dash(value: object) -> str:
@@ -145,7 +144,7 @@ def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | N
     view = membership_view(raw["members"], time.time() if now is None else now, raw["departures"])
     grouped = len(view.members) > NODES_ROWS and not all_rows
     if grouped:
-        rows = _state_rows(view.members)
+        rows = state_rows(view.members)
     else:
         rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "LEVEL", "PARENT", "ROLE", "STATE", "SEEN", "STEP",
                  "STEP MS", "COMPUTE MS", "WAIT MS")]
@@ -159,7 +158,7 @@ def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | N
     summary = ", ".join(f"{n} {s}" for s, n in sorted(view.counts.items()))
     lines = [f"run {info.get('run_id')} · world size {info.get('world_size')} · {summary or 'no members'}"
              + (" · one row per state (--all: one per rank)" if grouped else "")]
-    lines += _rows(rows)
+    lines += aligned(rows)
     lines += [f"  {s.text}" for s in view.suspects[:SUSPECTS_SHOWN]]
     if len(view.suspects) > SUSPECTS_SHOWN:
         rest = [r for s in view.suspects[SUSPECTS_SHOWN:] for r in s.ranks]
@@ -168,27 +167,6 @@ def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | N
         lines.append("departures:")
         lines += [f"  {line}" for line in _departure_lines(raw["departures"])]
     return "\n".join(lines)
-
-
-def _state_rows(members) -> list[tuple[str, ...]]:
-    """One row per state (with its reason) and slowness: the ranks, how many, on how many nodes,
-    their steps, median step time and the oldest sighting."""
-    import statistics
-
-    groups = by_text((int(m["rank"]), m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
-                      + (" · slow" if m["slow"] else "")) for m in members)
-    by_rank = {int(m["rank"]): m for m in members}
-    rows = [("STATE", "RANKS", "COUNT", "NODES", "STEPS", "STEP MS (MEDIAN)", "SEEN (OLDEST)")]
-    for ranks, state in groups:
-        ms = [by_rank[r] for r in ranks]
-        steps = sorted(m["step"] for m in ms if m.get("step") is not None)
-        times = [m["step_time_ms"] for m in ms if isinstance(m.get("step_time_ms"), (int, float))]
-        oldest = min((m for m in ms if m.get("last_seen") is not None), key=lambda m: m["last_seen"], default=None)
-        rows.append((state, ranks_label(ranks, count=False), str(len(ranks)), str(len({m.get("node") for m in ms})),
-                     "-" if not steps else str(steps[0]) if steps[0] == steps[-1] else f"{steps[0]}-{steps[-1]}",
-                     _ms(statistics.median(times) if times else None),
-                     f"{oldest['age']} ago" if oldest is not None and oldest.get("age") else "-"))
-    return rows
 
 
 def _departure_lines(departed) -> list[str]:
@@ -256,11 +234,27 @@ def cmd_info(args: argparse.Namespace) -> int:
     import kernel_probe
 
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
-        for k, v in client.info_.items():
-            print(f"{k}: {v}")
+        for line in info_lines(client.info_):
+            print(line)
         if client.store and not client.info_.get("store"):  # a root that does not say it itself
             print(f"store: {client.store}")
     return 0
+
+
+INFO_ITEMS = 3  # the items of a list `info` shows; the others are counted
+
+
+def info_lines(info: dict) -> list[str]:
+    """``info``'s items, one line each: a list of ranks as spans ('ranks 0-16383 (16384)'), a
+    longer list as its first items and a count, so a dump of 16,384 ranks reads in a few lines."""
+    out = []
+    for key, value in info.items():
+        if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            value = ranks_label(value)
+        elif isinstance(value, list) and len(value) > INFO_ITEMS:
+            value = "; ".join(map(str, value[:INFO_ITEMS])) + f"; and {len(value) - INFO_ITEMS} more"
+        out.append(f"{key}: {value}")
+    return out
 
 
 def parse_ranks(spec: str | None) -> RankRanges | None:
@@ -325,7 +319,7 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         result = client.query(stacks_sql(args.all_threads), timeout=_query_timeout(args), native=args.native)
         notes = _native_notes(client, args) if args.native else []
-    print(format_stacks(group_stacks(result.table.to_pylist()), notes))
+    print(format_stacks(group_stacks(result.table.to_pylist()), notes, all=args.all))
     print(result.footer())
     return 0
 
@@ -345,8 +339,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def no_dump_lines(failed: dict) -> list[str]:
     """The ranks a snapshot got no dump from, one line per reason (addresses and numbers aside)."""
-    said = by_text(((int(r), str(why)) for r, why in failed.items() if str(r).isdigit()), shapes=True)
-    return [f"  no dump: {line}" for line in groups_text(said, noun="reasons", sep="\n").splitlines()] if said else []
+    from .summaries import reason_lines
+
+    return reason_lines(failed, prefix="  no dump: ")
 
 
 DIAGNOSE_HEALTHY, DIAGNOSE_FINDINGS, DIAGNOSE_ERROR = 0, 1, 2  # `diagnose`'s exit status (as diff's)

@@ -3,10 +3,11 @@ Jupyter server extension and its REST schema, so none of them reaches into this 
 modules (a test checks that ``probing_magics`` imports only ``kernel_probe``,
 ``kernel_probe.client`` and this module).
 
-- stacks as people read them: ``stacks_sql``, ``group_stacks``, ``format_stacks``,
-  ``native_notes``; rank lists: ``rank_ranges``, ``parse_ranks``, ``ranks_label``;
-  durations: ``duration_text``;
-- the membership view (``membership_view``, ``VIEW_FIELDS``) and the member record's declared
+- stacks as people read them: ``stacks_sql``, ``group_stacks``, ``summarise_stacks``,
+  ``format_stacks``, ``native_notes``; failed ranks grouped by reason: ``reason_lines``; rank
+  lists: ``rank_ranges``, ``parse_ranks``, ``ranks_label``; durations: ``duration_text``;
+- the membership view (``membership_view``, ``VIEW_FIELDS``; past ``NODES_ROWS`` ranks one row
+  per state, ``state_rows``) and the member record's declared
   columns (``MEMBER_RECORD``, ``DEPARTURE_TABLE``, ``Column``, ``columns_of``);
 - a job's life as a client sees it (``JobLifecycle`` and its events and states);
 - the REST payloads, typed (``NodesAnswer``, ``QueryAnswer``, ``StacksAnswer``,
@@ -38,14 +39,15 @@ from .diagnosis.verdict import MIN_WAIT_SEC
 from .jobs import Job
 from .membership.record import DEPARTURE_TABLE, MEMBER_RECORD, Column, columns_of
 from .membership.view import VIEW_FIELDS, membership_view
-from .summaries import NATIVE_NOTES_SQL, StackGroup, format_stacks, group_stacks, native_notes, stacks_sql
+from .summaries import (NATIVE_NOTES_SQL, NODES_ROWS, StackGroup, aligned, format_stacks, group_stacks, native_notes,
+                        reason_lines, stacks_sql, state_rows, summarise_stacks)
 from .rank_lists import RankRanges, parse_ranks, rank_ranges, ranks_label
 from .durations import duration_text
 
 __all__ = ["DiagnoseResult", "GONE", "RELAUNCHED", "Asked", "Ended", "JobLifecycle", "Seen", "Tick",
            "CaptureState", "cancel_captures_async", "format_profile", "is_address", "is_dump", "MIN_WAIT_SEC", "Job", "DEPARTURE_TABLE", "MEMBER_RECORD", "Column",
            "columns_of", "VIEW_FIELDS", "membership_view", "NATIVE_NOTES_SQL", "StackGroup", "format_stacks",
-           "group_stacks", "native_notes", "stacks_sql", "parse_ranks", "RankRanges", "rank_ranges", "ranks_label", "duration_text", "snapshot",
+           "group_stacks", "summarise_stacks", "reason_lines", "NODES_ROWS", "aligned", "state_rows", "native_notes", "stacks_sql", "parse_ranks", "RankRanges", "rank_ranges", "ranks_label", "duration_text", "snapshot",
            "Payload", "VersionAnswer", "JobsAnswer", "NodesAnswer", "QueryAnswer", "StacksAnswer", "VerdictAnswer",
            "ProfileProgress", "ProfileTrace", "ProfileComparison", "ProfileError", "ProfileResultAnswer",
            "ProfileStateAnswer", "Schema", "schema_of", "json_types", "json_safe", "table_rows", "FINDING", "FRAME", "FRAME_OPTIONAL",

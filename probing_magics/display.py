@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 import pandas as pd
 
-from kernel_probe.frontend import StackGroup, format_stacks
+from kernel_probe.frontend import StackGroup, format_stacks, summarise_stacks
 
 WARN = "var(--jp-warn-color0, #b35c00)"
 ERROR = "var(--jp-error-color1, #c62828)"
@@ -79,31 +79,39 @@ class ExplainText:
 
 
 class StacksView:
-    """``%cluster_stacks``: identical main-thread stacks grouped, innermost frame first.
-    ``groups`` keeps the ``StackGroup``s for code that wants them."""
+    """``%cluster_stacks``: identical main-thread stacks grouped, innermost frame first; past a
+    few groups, the largest and the odd ones out, the rest counted in one line (``all``: every
+    group). ``groups`` keeps every ``StackGroup`` for code that wants them."""
 
     def __init__(self, groups: list[StackGroup], footer: str, partial: bool = False,
-                 notes: list[str] | None = None) -> None:
-        self.groups, self.footer, self.partial = groups, footer, partial
+                 notes: list[str] | None = None, all: bool = False) -> None:
+        self.groups, self.footer, self.partial, self.all = groups, footer, partial, all
         self.notes = list(notes or [])  # why a rank has no native frames (--native), one line each
 
     def _repr_html_(self) -> str:
+        summary = summarise_stacks(self.groups, all=self.all)
         blocks = []
-        for g in self.groups:
+        for family in summary.shown:
             frames = "".join(
                 f"<tr><td style='text-align:left'>{'<i>native</i> ' if f.native else ''}"
                 f"<code>{html.escape(f.function)}</code></td>"
                 f"<td style='text-align:left;color:{MUTED}'>{html.escape(f.file)}"
-                f"{'' if f.native and f.line is None else f':{f.line}'}</td></tr>"
-                for f in g.frames)
-            blocks.append(f"<div class='probing-stack' style='margin-bottom:0.6em'><b>{html.escape(g.label)}</b>"
-                          f" <span style='color:{MUTED}'>· thread {html.escape(g.thread)} · innermost first"
+                f"{'' if f.line is None else f':{f.line}'}</td>"
+                f"<td style='text-align:left;color:{MUTED}'>{html.escape(note or '')}</td></tr>"
+                for f, note in family.shown_frames)
+            if family.shared_outer:
+                frames += f"<tr><td colspan='3' style='color:{MUTED}'>{html.escape(summary.shared_line(family))}</td></tr>"
+            blocks.append(f"<div class='probing-stack' style='margin-bottom:0.6em'><b>{html.escape(family.label)}</b>"
+                          f" <span style='color:{MUTED}'>· {html.escape(summary.about(family))}"
                           f"</span><table style='margin-left:1em'>{frames}</table></div>")
+        more = summary.rest_line()
+        if more:
+            blocks.append(f"<div class='probing-stack-rest' style='color:{MUTED}'>{html.escape(more)}</div>")
         colour = WARN if self.partial else MUTED
         body = "".join(blocks) or "<i>no stacks</i>"
         body += "".join(f"<div style='color:{WARN}'>{html.escape(n)}</div>" for n in self.notes)
         return f"{body}<div style='color:{colour};font-size:90%'>{html.escape(self.footer)}</div>"
 
     def __repr__(self) -> str:
-        return f"{format_stacks(self.groups, self.notes)}\n{self.footer}"
+        return f"{format_stacks(self.groups, self.notes, all=self.all)}\n{self.footer}"
 

@@ -18,14 +18,14 @@ from IPython.core.error import StdinNotImplementedError, UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 
 import kernel_probe
-from kernel_probe.frontend import NATIVE_NOTES_SQL, group_stacks, native_notes, stacks_sql
+from kernel_probe.frontend import NATIVE_NOTES_SQL, group_stacks, native_notes, reason_lines, stacks_sql
 
 from .command import parse_options, parse_profile_command, parse_sql_command, ranks_option, seconds_option
 from .display import ClusterError, ClusterFrame, ExplainText, StacksView
 from .settings import ClusterSQL
 
 CONNECT_USAGE = "usage: %cluster_connect [TARGET] [--token-env VAR] [--timeout S]"
-STACKS_USAGE = "usage: %cluster_stacks [--ranks SPEC] [--timeout S] [--native]"
+STACKS_USAGE = "usage: %cluster_stacks [--ranks SPEC] [--timeout S] [--native] [--all]"
 NODES_USAGE = "usage: %cluster_nodes [--interval S]"
 DUMP_USAGE = "usage: %cluster_dump DIR [--timeout S]"
 DIAGNOSE_USAGE = "usage: %cluster_diagnose [--min-wait S] [--timeout S] [--native]"
@@ -242,12 +242,13 @@ class ClusterMagics(Magics):
     # ------------------------------------------------------------------ stacks
     @line_magic
     def cluster_stacks(self, line: str) -> StacksView | None:
-        """%cluster_stacks [--ranks SPEC] [--timeout S] [--native]
+        """%cluster_stacks [--ranks SPEC] [--timeout S] [--native] [--all]
 
         Where every rank's main thread is right now; identical stacks grouped, innermost frame first.
+        Past 5 groups: the largest and the odd ones out, the rest counted in one line (``--all``: every group).
         ``--native``: C/C++ frames too (a gloo/NCCL wait, a C extension), taken by py-spy on each
         rank; a rank where it cannot be taken says why in one line."""
-        cmd = parse_options(line, {"--ranks", "--timeout"}, STACKS_USAGE, flags=frozenset({"--native"}))
+        cmd = parse_options(line, {"--ranks", "--timeout"}, STACKS_USAGE, flags=frozenset({"--native", "--all"}))
         ranks = ranks_option(cmd)
         timeout = seconds_option(cmd, "--timeout", self.settings.timeout)
         native = "--native" in cmd.options
@@ -259,7 +260,7 @@ class ClusterMagics(Magics):
             why = self._query(NATIVE_NOTES_SQL, timeout=timeout, ranks=ranks)
             notes = [] if why is None else native_notes(why.table.to_pylist())
         return StacksView(group_stacks(result.table.to_pylist()), result.footer(),
-                          bool(result.coverage.get("partial")), notes=notes)
+                          bool(result.coverage.get("partial")), notes=notes, all="--all" in cmd.options)
 
     # ------------------------------------------------------------------ the verdict
     @line_magic
@@ -376,8 +377,8 @@ class ClusterMagics(Magics):
             raise self._failed(exc) from None
         print(f"wrote the dumps of {len(ranks)} of {client.info_.get('world_size')} ranks to {run_dir} "
               f"· read them with %cluster_connect dump://{run_dir}")
-        for rank, why in sorted(failed.items()):
-            print(f"  rank {rank}: no dump ({why})")
+        for line in reason_lines(failed, prefix="  no dump: "):
+            print(line)
 
     def _cell_id(self) -> str:
         kernel = getattr(self.shell, "kernel", None)

@@ -31,7 +31,8 @@ from typing import Any
 import ipywidgets as widgets
 
 import kernel_probe
-from kernel_probe.frontend import RELAUNCHED, Ended, JobLifecycle, Seen, membership_view
+from kernel_probe.frontend import (NODES_ROWS, RELAUNCHED, Ended, JobLifecycle, Seen, aligned, membership_view,
+                                   reason_lines, state_rows)
 
 from .display import ERROR, MUTED, WARN
 
@@ -40,6 +41,7 @@ RELAUNCH_WATCH_SEC = 2.0  # between launches: how often an ended job is checked 
 NOTICE_SEC = 60.0  # how long "job X restarted ..." stays in the summary
 VERDICT_EVERY_SEC = 10.0  # while a rank is stalled or dead: how often the verdict is asked again
 SLOW_VERDICT_EVERY_SEC = 30.0  # while every rank is alive: how often it is asked (why is it slow)
+SUSPECTS_SHOWN = 5  # past NODES_ROWS ranks: stall suspects shown, the others counted
 VERDICT_STATES = ("stalled", "dead")
 ENDED = "job ended; waiting for a relaunch"
 STATE_COLOURS = {"alive": "var(--jp-success-color1, #2e7d32)", "stalled": WARN, "dead": ERROR}
@@ -71,11 +73,14 @@ def render_summary(raw: dict, run_id: str | None, now: float, note: str = "") ->
     return "<div class='probing-nodes-summary'>" + " · ".join(parts) + "</div>"
 
 
-def render_text(raw: dict, run_id: str | None, now: float, note: str = "") -> str:
-    """The same view as plain text (a terminal, or a notebook saved without widget state)."""
+def render_text(raw: dict, run_id: str | None, now: float, note: str = "", all_rows: bool = False) -> str:
+    """The same view as plain text (a terminal, or a notebook saved without widget state); past
+    ``NODES_ROWS`` ranks a line per state (``all_rows``: a line per rank)."""
     view = membership_view(raw.get("members") or [], now, raw.get("departures") or [])
     head = f"{len(view.members)} ranks · " + " · ".join(f"{n} {s}" for s, n in view.counts.items())
     lines = [f"{head} · run {run_id or '?'} · updated {_clock(now)}" + (f" · {note}" if note else "")]
+    if len(view.members) > NODES_ROWS and not all_rows:  # 16,384 ranks: a few lines
+        return "\n".join(lines + _grouped_text(view))
     for group in view.groups:
         for m in group.members:
             st = m.get("step_time_ms")
@@ -100,10 +105,43 @@ def _bar(m: dict) -> str:
             f"<div style='width:{100 * m['bar']:.0f}%;height:8px;background:{colour}'></div></div>")
 
 
+def _grouped_text(view: Any) -> list[str]:
+    """Past ``NODES_ROWS`` ranks: one line per state, the first suspects, departures by why."""
+    lines = [f"  {line}" for line in aligned(state_rows(view.members))]
+    lines += [f"  {s.text}" for s in view.suspects[:SUSPECTS_SHOWN]]
+    if len(view.suspects) > SUSPECTS_SHOWN:
+        lines.append(f"  and {len(view.suspects) - SUSPECTS_SHOWN} more suspect places")
+    return lines + reason_lines({d.get("rank"): d.get("why") or "left" for d in view.departures},
+                                prefix="  departed: ")
+
+
+def _grouped_table(view: Any) -> str:
+    """Past ``NODES_ROWS`` ranks: a row per state (its ranks as spans), the first suspects, departures by why."""
+    head, *rows = state_rows(view.members)
+    cells = "".join(
+        f"<tr class='probing-state' data-state='{html.escape(row[0].split(' ')[0])}'>"
+        f"<td style='text-align:left;color:{STATE_COLOURS.get(row[0].split(' ')[0], MUTED)};font-weight:bold'>"
+        f"{html.escape(row[0])}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in row[1:]) + "</tr>"
+        for row in rows)
+    out = [f"<table class='probing-nodes'><tr>{''.join(f'<th>{html.escape(h)}</th>' for h in head)}</tr>{cells}"
+           f"</table>"]
+    out += [f"<div class='probing-suspect' style='color:{ERROR}'>⚠ {html.escape(s.text)}</div>"
+            for s in view.suspects[:SUSPECTS_SHOWN]]
+    if len(view.suspects) > SUSPECTS_SHOWN:
+        out.append(f"<div style='color:{MUTED}'>and {len(view.suspects) - SUSPECTS_SHOWN} more suspect places</div>")
+    out += [f"<div class='probing-departed' style='color:{MUTED}'>{html.escape(line)}</div>"
+            for line in reason_lines({d.get("rank"): d.get("why") or "left" for d in view.departures},
+                                     prefix="departed: ")]
+    return "".join(out)
+
+
 def render_table(raw: dict, now: float) -> str:
     """Ranks grouped by node (host, local rank, role, coloured state, last-seen age, step,
-    step time with a bar relative to the median), stall suspects, and departures."""
+    step time with a bar relative to the median), stall suspects, and departures; past
+    ``NODES_ROWS`` ranks, a row per state instead."""
     view = membership_view(raw.get("members") or [], now, raw.get("departures") or [])
+    if len(view.members) > NODES_ROWS:
+        return _grouped_table(view)
     head = ("<tr><th>rank</th><th>local</th><th>host</th><th>level</th><th>parent</th><th>role</th><th>state</th>"
             "<th>last seen</th><th>step</th><th>step time</th><th></th><th style='text-align:left'>reason</th></tr>")
     rows = []

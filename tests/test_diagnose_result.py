@@ -30,7 +30,9 @@ class Canned:
 
     def __init__(self, members, groups, entries, stacks, fail: str | None = None) -> None:
         self.members, self.fail = members, fail
-        self.answers = {d.GROUPS_SQL: groups, d.STACKS_SQL: stacks, "entries": entries}
+        # as the two queries answer: every rank's status, each group's ranks once
+        self.answers = {d.GROUPS_SQL: without_ranks(groups), d.MEMBERS_SQL: members_answer(groups),
+                        d.STACKS_SQL: stacks, "entries": entries}
         self.asked: list[str] = []
 
     def nodes_raw(self, timeout):
@@ -43,6 +45,22 @@ class Canned:
         if name == self.fail or name not in self.answers:
             raise QueryFailed(f"no table for {sql}", code="sql_error")
         return self.answers[name]
+
+
+def without_ranks(groups: Answer) -> Answer:
+    return Answer([{k: v for k, v in row.items() if k != "ranks"} for row in groups.table.to_pylist()],
+                  groups.coverage["answered"], groups.coverage["targeted"], groups.coverage["failed"])
+
+
+def members_answer(groups: Answer) -> Answer:
+    """``MEMBERS_SQL``'s answer to the groups' rows: each group's least list of ranks, once."""
+    least: dict = {}
+    for row in groups.table.to_pylist():
+        key = (row.get("group_id"), row.get("group_name"))
+        if row.get("ranks") is not None:
+            least[key] = min(least.get(key, row["ranks"]), row["ranks"])
+    return Answer([{"group_id": gid, "group_name": name, "members": ranks} for (gid, name), ranks in least.items()],
+                  groups.coverage["answered"], groups.coverage["targeted"], groups.coverage["failed"])
 
 
 class AsyncCanned(Canned):
@@ -63,7 +81,7 @@ def test_one_flow_asks_the_same_of_a_blocking_and_an_asyncio_client():
     flow = d.Diagnosis(10.0, d.MIN_WAIT_SEC, False, T0)
     one = calls.drive(flow.run(), blocking)
     other = asyncio.run(calls.drive_async(flow.run(), aio))
-    assert blocking.asked == aio.asked == ["nodes", d.GROUPS_SQL, d.STACKS_SQL, "entries"]
+    assert blocking.asked == aio.asked == ["nodes", d.GROUPS_SQL, d.MEMBERS_SQL, d.STACKS_SQL, "entries"]
     assert one.to_dict() == other.to_dict() and one.summary.startswith("Collective #9")
 
 
@@ -73,8 +91,8 @@ def test_a_live_jobs_failed_query_fails_the_call_an_ended_jobs_is_an_absent_answ
     ended = d.EndedJob(world_size=3, missing={2: "left no dump (killed by SIGKILL)"})
     client = Canned(*late_answers(), fail=d.STACKS_SQL)  # no reason/steps tables either
     result = calls.drive(d.Diagnosis(10.0, d.MIN_WAIT_SEC, False, T0, ended).run(), client)
-    assert client.asked == ["nodes", d.GROUPS_SQL, d.STACKS_SQL, d.REASONS_SQL, d.STEPS_SQL, "entries",
-                            d.LOGGED_STEPS_SQL]
+    assert client.asked == ["nodes", d.GROUPS_SQL, d.MEMBERS_SQL, d.STACKS_SQL, d.REASONS_SQL, d.STEPS_SQL,
+                            "entries", d.LOGGED_STEPS_SQL]
     assert result.coverage["failed"]["2"].startswith("left no dump")
     assert "no_dump" in list(result.findings["kind"]) and "no stack from rank 1" in result.summary
 

@@ -193,6 +193,9 @@ def test_stacks_grouped(ip):
     assert "ranks 0-3 (4)" in repr(view) and "ranks 0-3 (4)" in view._repr_html_()
     view, err = run(ip, "%cluster_stacks --ranks 2")
     assert err is None and [g.label for g in view.groups] == ["rank 2"]
+    every, err = run(ip, "%cluster_stacks --all")  # a few groups: every one either way
+    assert err is None and every.all and [g.label for g in every.groups] == ["ranks 0-3 (4)"]
+    assert "--all" not in repr(every) and "ranks 0-3 (4)" in every._repr_html_()
 
 
 def test_stacks_with_native_frames(ip):

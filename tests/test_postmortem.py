@@ -356,6 +356,7 @@ def test_diagnose_over_dumps(tmp_path):
         else:
             reason = reason_row(rank, T0 + 0.5, "signal", signal_name="SIGTERM")
         groups, entries = _in_all_reduce([rank], behind=(1,))
+        groups = [{**g, "ranks": "[0, 1, 2]"} for g in groups]
         tables = {"metrics": pa.table({"ts": [T0 - 2, T0 - 1], "step": [9, 10 + rank]}),
                   "process_groups": _schema_table("process_groups", groups),
                   "collectives": _schema_table("collectives", entries)}
@@ -370,6 +371,10 @@ def test_diagnose_over_dumps(tmp_path):
                               "entered.")
     assert list(result.findings["kind"])[:2] == ["failed", "stopped"]
     assert any("reasons of 3 ranks' dumps (of 3)" in line for line in result.checked)
+    # the group's ranks as diagnose asks them of the dumps: once, not on each rank's row
+    from kernel_probe.client.diagnose import MEMBERS_SQL
+
+    assert c.query(MEMBERS_SQL).table.to_pylist() == [{"group_id": 0, "group_name": "0", "members": "[0, 1, 2]"}]
     c.close()
 
 

@@ -202,6 +202,10 @@ def test_a_live_jobs_snapshot_answers_as_the_job(launch, tmp_path, capsys):
     live = kernel_probe.connect(timeout=5)
     assert cli.main(["dump", str(tmp_path / "snap")]) == 0
     assert "wrote the dumps of 3 of 3 ranks" in capsys.readouterr().out
+    for every in ([], ["--all"]):  # `kernel-probe stacks` over the dumps: three ranks, every group either way
+        assert cli.main(["-t", f"dump://{tmp_path / 'snap'}", "stacks", *every]) == 0
+        out = capsys.readouterr().out
+        assert "(innermost first):" in out and "3/3 ranks" in out and "--all shows" not in out, out
     c = kernel_probe.connect(f"dump://{tmp_path / 'snap'}")
     for sql, ordered in QUERIES[:3]:
         assert_same(c.query(sql).table, live.query(sql).table, ordered=ordered, what=sql)
@@ -350,11 +354,23 @@ def test_a_collective_timeout_names_the_collective_and_the_rank_that_never_enter
     from tests.support.big_job import scaled_dumps
 
     world = 16_384
-    big = analyse(scaled_dumps(c, world, lambda r: 1 if r == 9001 else 2 * (r % 2)), 0.0,
-                  ended=EndedJob(world, {}, None))
+    answers = scaled_dumps(c, world, lambda r: 1 if r == 9001 else 2 * (r % 2))
+    big = analyse(answers, 0.0, ended=EndedJob(world, {}, None))
     (failed, stopped), text = big.verdict.findings[:2], big.text()
     assert (failed.kind, len(failed.ranks), stopped.kind, stopped.ranks) == ("failed", world - 1, "stopped", (9001,)), text
     assert failed.detail.startswith("ranks 0-9000,9002-16383 raised ") and "that rank 9001 never entered" in failed.detail
     assert stopped.detail.startswith("rank 9001 was stopped by SIGTERM") and "never_enters" in stopped.detail, text
     assert len(text.splitlines()) <= 12 and all(len(f.detail) <= 300 for f in big.verdict.findings), text
+    # its stacks, each rank of the 16,384 a line further into its innermost frame: one group, rank 9001 named
+    from kernel_probe.summaries import format_stacks, group_stacks
+
+    rows = answers["stacks"].table.to_pylist()
+    rows = [{**row, "line": row["line"] + row["_rank"] % 40 if row["depth"] == 0 and row["line"] else row["line"]}
+            for row in rows]
+    groups = group_stacks(rows)
+    stacks = format_stacks(groups).splitlines()
+    heads = [line for line in stacks if not line.startswith("  ")]
+    assert len(groups) > 40 and len(heads) <= 6 and len(stacks) <= 60, "\n".join(stacks)
+    assert any(line.startswith("rank 9001 · ") for line in heads) and "(at 40 lines, " in "\n".join(stacks), stacks
+    assert len(format_stacks(groups, all=True).splitlines()) > 40 * 2
     c.close()

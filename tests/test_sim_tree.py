@@ -228,7 +228,7 @@ def test_the_cli_and_the_widget_show_each_rank_s_level_and_parent():
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     assert rows["0"][5:8] == ["root", "0", "-"] and rows["8"][5:8] == ["broker", "2", str(MID)]
     assert rows["9"][5:8] == ["leaf", "3", "8"]
-    assert "rank 9 node 2 level 3 under 8 " in render_text(body, "sim", sim.now)
+    assert "rank 9 node 2 level 3 under 8 " in render_text(body, "sim", sim.now, all_rows=True)
 
 
 def test_brokers_of_brokers_reduce_so_the_root_merges_a_row_per_child_not_per_rank(queried, monkeypatch):

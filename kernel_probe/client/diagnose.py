@@ -4,8 +4,9 @@ order, and the one pure analysis of their answers.
 ``Diagnosis.run`` is a flow (``calls``): it yields batches of client calls and gets their
 answers, so the blocking ``Client`` and the ``DumpClient`` (``calls.drive``) and the
 ``AsyncClient`` (``calls.drive_async``, each batch at once) run the same queries in the
-same order: membership, the process groups and the main threads' stacks; then the flight
-recorder's entries from each group's oldest unfinished collective on. An ended job's dumps
+same order: membership, the process groups (each rank's status; each group's ranks once) and
+the main threads' stacks; then the flight recorder's entries from each group's oldest
+unfinished collective on. An ended job's dumps
 (``EndedJob``) are asked their ends (``reason``) and last steps too, and the verdict puts
 who failed first and why before what hung. A live job with no hang is then asked why it is
 slow (``diagnosis.slow``): each rank's newest steps and phases, its step-time history, its
@@ -31,8 +32,11 @@ if TYPE_CHECKING:
 
     from .results import QueryResult
 
-GROUPS_SQL = ("SELECT _rank, group_id, group_name, group_desc, ranks, backend, last_enqueued, last_started, "
-              "last_completed FROM process_groups")
+GROUPS_SQL = ("SELECT _rank, group_id, group_name, group_desc, backend, last_enqueued, last_started, last_completed "
+              "FROM process_groups")
+# each group's ranks once: its list is as long as the group (100 KB of text at 16,384 ranks), on
+# every member's row; min() is merged at the ranks and brokers, so one row per group reaches the client
+MEMBERS_SQL = "SELECT group_id, group_name, min(ranks) AS members FROM process_groups GROUP BY group_id, group_name"
 STACKS_SQL = "SELECT * FROM stacks WHERE is_main ORDER BY _rank, depth"  # '*': frame_type where it exists
 _ENTRY_COLUMNS = ("_rank, source, ts, op, group_id, group_name, group_desc, collective_seq_id, p2p_seq_id, op_id, "
                   "is_p2p, state, input_sizes, input_dtypes")
@@ -94,6 +98,21 @@ def entries_query(groups: Iterable[Mapping[str, Any]]) -> tuple[str, dict[str, A
     sql = (f"SELECT {_ENTRY_COLUMNS} FROM collectives WHERE source = 'flight_recorder' AND ("
            + " OR ".join(clauses) + ") ORDER BY _rank, group_id, op_id")
     return sql, params
+
+
+def with_members(groups: list[dict[str, Any]], members: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The process groups' rows with each group's ranks (``MEMBERS_SQL``'s ``members``) as ``ranks``
+    on the first row of that group, where the verdict reads them."""
+    listed: dict[str, Any] = {}
+    for row in members:
+        key = core.group_key(row)
+        if key is not None and row.get("members") is not None:
+            listed.setdefault(key, row["members"])
+    for row in groups:
+        key = core.group_key(row)
+        if key in listed:
+            row["ranks"] = listed.pop(key)
+    return groups
 
 
 def merged_coverage(answers: Iterable["QueryResult"]) -> dict[str, Any]:
@@ -204,7 +223,7 @@ class Diagnosis:
 
     def run(self) -> Generator[Batch, dict[str, Any], "DiagnoseResult"]:
         first = {"nodes": Call("nodes_raw", (min(self.timeout, 5.0),)), "groups": self._query(GROUPS_SQL),
-                 "stacks": self._query(STACKS_SQL, native=self.native)}
+                 "members": self._query(MEMBERS_SQL), "stacks": self._query(STACKS_SQL, native=self.native)}
         if self.ended is not None:
             first.update(reasons=self._query(REASONS_SQL), steps=self._query(STEPS_SQL))
         answers = yield first
@@ -245,7 +264,7 @@ class Diagnosis:
 
 
 # the query answers whose coverage is the verdict's, in the order they are merged
-_COVERED = ("reasons", "steps", "logged_steps", "groups", "entries", "stacks")
+_COVERED = ("reasons", "steps", "logged_steps", "groups", "members", "entries", "stacks")
 
 
 def analyse(answers: Mapping[str, Any], now: float, min_wait: float = core.MIN_WAIT_SEC,
@@ -254,7 +273,8 @@ def analyse(answers: Mapping[str, Any], now: float, min_wait: float = core.MIN_W
     rest: ``QueryResult``s, None where a query had no answer). Pure."""
     nodes = answers.get("nodes") or {}
     members, departures = list(nodes.get("members") or ()), list(nodes.get("departures") or ())
-    groups, entries, stacks = rows(answers.get("groups")), rows(answers.get("entries")), rows(answers.get("stacks"))
+    groups = with_members(rows(answers.get("groups")), rows(answers.get("members")))
+    entries, stacks = rows(answers.get("entries")), rows(answers.get("stacks"))
     coverage = merged_coverage(a for name in _COVERED if (a := answers.get(name)) is not None)
     if ended is None:
         verdict = core.diagnose(members, groups, entries, stacks, now, departures=departures, min_wait=min_wait)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, NamedTuple
 
 from ..tables.readers.profile import ACTIVE, LEASE_SEC, PAST_DEADLINE, TERMINAL, CaptureState
 from ..rank_lists import parse_ranks, rank_ranges, ranks_label
+from ..summaries import reason_lines
 from .errors import ProbeError, QueryFailed
 from .calls import Call, drive, drive_async
 
@@ -81,8 +82,7 @@ class ProfileResult:
     def summary(self) -> str:
         done = sorted(r for r, s in self.status.items() if s.get("state") == "done")
         lines = [f"profile {self.capture_id}: {len(done)}/{len(self.ranks)} ranks profiled {self.steps} step(s)"]
-        for rank, why in sorted(self.failed.items()):
-            lines.append(f"  rank {rank}: {why}")
+        lines += reason_lines(self.failed, say=lambda ranks, why: f"{ranks_label(ranks)}: {why}")
         if self.slowest_rank is not None:
             lines.append(f"slowest rank {self.slowest_rank} (most compute in the profiled steps), "
                          f"median rank {self.median_rank}")
@@ -411,15 +411,32 @@ def _tighter(kept: tuple[float, float, float] | None, now: float, t0: float, t1:
     return reading if kept is None or reading[2] < kept[2] else kept
 
 
+CLOCKS_PER_RANK = 8  # ranks off the root's host said one by one; more: their span of offsets, the farthest named
+
+
 def clock_lines(clock: dict[int, ClockOffset]) -> list[str]:
-    """The offsets the trace applied, one line per rank off the root's host: what the answer says."""
+    """The offsets the trace applied, what the answer says: one line per rank off the root's host
+    while they are few; past ``CLOCKS_PER_RANK``, the measured ones' span and the farthest rank,
+    and the ranks not measured, each in one line."""
     off_host = {r: c for r, c in clock.items() if c.how != "root's host"}
     if not off_host:
         return ["clocks: every rank is on the root's host (one clock)"] if clock else []
     lines = ["clocks (each rank's ahead of the root's, subtracted in the trace):"]
-    for rank, c in sorted(off_host.items()):
-        lines.append(f"  rank {rank}: " + (f"{c.offset_ms:+.3f} ms ± {c.bound_ms:.3f} ms (measured)"
-                                           if c.bound_ms is not None else "not measured, not shifted"))
+    measured = {r: c for r, c in off_host.items() if c.bound_ms is not None}
+    if len(off_host) <= CLOCKS_PER_RANK:
+        for rank, c in sorted(off_host.items()):
+            lines.append(f"  rank {rank}: " + (f"{c.offset_ms:+.3f} ms ± {c.bound_ms:.3f} ms (measured)"
+                                               if rank in measured else "not measured, not shifted"))
+    else:
+        if measured:
+            offsets = sorted(c.offset_ms for c in measured.values())
+            far = max(measured, key=lambda r: (abs(measured[r].offset_ms), -r))
+            lines.append(f"  {ranks_label(measured)}: {offsets[0]:+.3f} to {offsets[-1]:+.3f} ms (measured, "
+                         f"± at most {max(c.bound_ms or 0.0 for c in measured.values()):.3f} ms); the farthest: "
+                         f"rank {far} {measured[far].offset_ms:+.3f} ms")
+        unmeasured = sorted(r for r in off_host if r not in measured)
+        if unmeasured:
+            lines.append(f"  {ranks_label(unmeasured)}: not measured, not shifted")
     same = sorted(r for r in clock if r not in off_host)
     if same:
         lines.append(f"  {ranks_label(same, count=False)}: the root's host (one clock)")
@@ -477,9 +494,13 @@ def merge_trace(rows: list[dict], members: dict[int, dict], clock: dict[int, Clo
         cut_at = (events[len(kept)][0] - t0) / 1000.0
         notes.append(f"cut at {max_bytes / 1e6:g} MB: kept {len(kept)} of {len(events)} events, "
                      f"those before {cut_at:.1f} ms")
-    for rank, n in sorted((dropped_on_rank or {}).items()):
-        if n:
-            notes.append(f"rank {rank} kept its first events only ({n} dropped there)")
+    dropped = {rank: n for rank, n in (dropped_on_rank or {}).items() if n}
+    if len(dropped) == 1:
+        ((rank, n),) = dropped.items()
+        notes.append(f"rank {rank} kept its first events only ({n} dropped there)")
+    elif dropped:  # one note for any number of ranks
+        notes.append(f"{ranks_label(dropped)} kept their first events only ({sum(dropped.values())} dropped there, "
+                     f"at most {max(dropped.values())} on one rank)")
     trace = {"traceEvents": meta + kept, "displayTimeUnit": "ms",
              "otherData": {"clock": "each rank's wall clock shifted onto the root's; offsets in the lane names",
                            "clock_offsets": {str(r): {"offset_ms": c.offset_ms, "bound_ms": c.bound_ms, "how": c.how}

@@ -204,7 +204,7 @@ class Toolbox:
         result, notes = await self.jobs.call(job, run, 2 * timeout + ANSWER_GRACE_SEC)
         groups = group_stacks(result.table.to_pylist())
         shown = groups[:STACK_GROUPS]
-        text = format_stacks(shown, notes)
+        text = format_stacks(shown, notes, all=True)  # its own cap (STACK_GROUPS), said below
         if len(text.encode()) > MAX_TEXT_BYTES:
             text = text.encode()[:MAX_TEXT_BYTES].decode(errors="ignore") + "\n(cut at the size cap)"
         if len(groups) > len(shown):
@@ -266,6 +266,7 @@ class Toolbox:
 
     async def tool_dump(self, job: str | None = None, timeout: float = 10.0) -> Answer:
         from ..postmortem.snapshot import snapshot
+        from ..summaries import reason_lines
 
         timeout = _check_timeout(timeout)
         root = self.jobs.dump_dir
@@ -280,7 +281,7 @@ class Toolbox:
         lines = [f"wrote the dumps of {len(ranks)} of {world} ranks to {run_dir}",
                  f"ask them here as job {dump_job!r} (the other tools' job argument)" if dump_job else
                  f"read them later with the target {target} (kernel-probe mcp -t {target})"]
-        lines += [f"rank {r}: no dump ({why})" for r, why in sorted(failed.items())]
+        lines += reason_lines(failed, prefix="no dump: ")  # one line per reason, its ranks as spans
         return Answer("\n".join(lines), json_safe({"run_dir": str(run_dir), "target": target, "job": dump_job,
                                                    "ranks": ranks, "failed": {str(r): w for r, w in failed.items()}}))
 
