@@ -440,8 +440,25 @@ def _reject_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
+_SCAN = _DECODER.scan_once  # the C scanner that JSONDecoder.decode wraps in two Python calls
+
+
 def _loads(data: bytes) -> Any:
-    return _DECODER.decode(data.decode("utf-8"))
+    text = data.decode("utf-8")
+    try:
+        obj, end = _SCAN(text, 0)
+    except StopIteration:
+        end = -1
+    if end != len(text):  # whitespace around the value, trailing data or no value: the full decoder decides
+        return _DECODER.decode(text)
+    return obj
+
+
+def _json_str(text: str) -> str:
+    """``text`` as a JSON string, as ``_dumps`` writes it: ids of ours are plain ASCII, quoted as they are."""
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    return _ENCODER.encode(text)
 
 
 def _as_bytes(frame: Any) -> bytes:
@@ -526,6 +543,7 @@ class Codec:
         self.limits = limits
         self.rejected: collections.Counter[str] = collections.Counter()
         self._seq = itertools.count(1)
+        self._heads: dict[str, str] = {}  # message type -> the header's JSON up to the seq
         self._id_prefix = secrets.token_hex(8)  # default msg_id: 32 hex digits, this and the seq (no urandom per message)
         # _replay_key(sender, incarnation) -> (last accepted seq, newest ts accepted from it), least
         # recently used first. Bounded so a peer inventing incarnations cannot grow our memory, and
@@ -551,25 +569,28 @@ class Codec:
             body = _dumps(msg.body)  # before a seq is spent
         except (TypeError, ValueError) as exc:  # NaN, numpy scalars, str buffers...
             raise ValueError(f"{msg.type} body or buffers not encodable: {exc}") from None
+        ts = self._clock()
+        if not (type(ts) is float and math.isfinite(ts)):
+            if not (isinstance(ts, (int, float)) and not isinstance(ts, bool) and math.isfinite(ts)):
+                raise ValueError(f"the clock gave {ts!r}, not a finite number")
+            ts = float(ts)
         seq = next(self._seq)
-        fields = {
-            "type": msg.type,
-            "sender": self.sender,
-            "incarnation": self.incarnation,
-            "seq": seq,
-            "ts": self._clock(),
-            "msg_id": msg.msg_id or f"{self._id_prefix}{seq:016x}",
-            "corr_id": msg.corr_id,
-        }
+        head = self._heads.get(msg.type)
+        if head is None:  # the header's fixed start, written once per type: what _dumps writes
+            head = self._heads[msg.type] = (f'{{"type":{_json_str(msg.type)},"sender":{_json_str(self.sender)},'
+                                            f'"incarnation":{_json_str(self.incarnation)},"seq":')
+        msg_id = f'"{self._id_prefix}{seq:016x}"' if msg.msg_id is None else _json_str(msg.msg_id)
+        corr_id = "null" if msg.corr_id is None else _json_str(msg.corr_id)
+        # the header's JSON written directly (the keys in _HEADER_KEYS order, compact), not by json.dumps
+        fields = f'{head}{seq},"ts":{ts!r},"msg_id":{msg_id},"corr_id":{corr_id}'
         lim = self.limits
         step = lim.max_frame_bytes
         if len(body) <= step and all(len(b) <= step for b in buffers):  # one frame each: the usual case
-            header = _dumps(fields)
+            header = f"{fields}}}".encode("ascii")
             parts = [header, body, *buffers]
         else:
             chunked = [[part[i:i + step] for i in range(0, len(part), step)] or [b""] for part in (body, *buffers)]
-            fields["parts"] = [len(c) for c in chunked]
-            header = _dumps(fields)
+            header = f'{fields},"parts":{_dumps([len(c) for c in chunked]).decode()}}}'.encode("ascii")
             parts = [header, *(chunk for c in chunked for chunk in c)]
         # Refuse to send what a peer with the same limits would reject: better a
         # clear error here than a silent drop over there.
