@@ -205,19 +205,18 @@ def _joined(plan: Any, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``parts`` with each "ranks" scan's packed partials of one schema joined into one (the
     lists concatenated: what ``execute.merge`` would concatenate), placed in a part of their
     own; a scan whose partials are not all packed alike gets them as Arrow tables."""
+    from ...sql.execute import scan_partials
+
     joined: dict[str, Any] = {}
-    for scan in plan.scans:
+    for scan, got in list(scan_partials(plan, parts)):
         name = scan.name
-        if scan.where != "ranks" or not any(name in p for p in parts):
-            continue
-        got = [p[name] for p in parts if p.get(name) is not None]
         packed = [t for t in got if type(t) is PackedPartial]
         if not packed:
             continue
         if len(packed) == len(got) and all(t.same_schema(packed[0]) for t in packed[1:]):
             joined[name] = PackedPartial.concat(packed)
         else:  # mixed or differing: merge's Arrow concatenation widens types or says why not
-            parts = [{n: (t.to_arrow() if type(t) is PackedPartial else t) for n, t in p.items()} if name in p else p
+            parts = [{n: (t.to_arrow() if n == name and type(t) is PackedPartial else t) for n, t in p.items()}
                      for p in parts]
     if not joined:
         return parts
@@ -228,11 +227,10 @@ def _merged_packed(plan: Any, parts: list[dict[str, Any]], reduce_above: int | N
     """A broker's merge of joined parts without Arrow: every "ranks" scan that a part mentions
     is packed (or None everywhere) and none is past ``reduce_above`` rows where its merge
     reduces; else None (``execute.merge`` does it)."""
+    from ...sql.execute import scan_partials
+
     out: dict[str, Any] = {}
-    for scan in plan.scans:
-        if scan.where != "ranks" or not any(scan.name in p for p in parts):
-            continue
-        got = [p[scan.name] for p in parts if p.get(scan.name) is not None]
+    for scan, got in scan_partials(plan, parts):
         if not got:
             out[scan.name] = None
             continue
