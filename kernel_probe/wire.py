@@ -194,7 +194,7 @@ class _SubresultFields(TypedDict):
     status: str
     answered: list
     failed: dict
-    scans: list  # names of the scans, one Arrow IPC buffer each
+    scans: list  # names of the scans, one buffer each (a partial: Arrow IPC, or packed when tiny)
 
 
 class SubresultBody(_SubresultFields, total=False):  # child -> parent
