@@ -98,14 +98,33 @@ class Side:
     def __init__(self, label: str, code: str, args: argparse.Namespace, runtime: str) -> None:
         self.label, self.code = label, code
         # the hosts import the code under test: this tree's, or the tree run against
-        env = {"PROBING_RUNTIME_DIR": runtime, "PYTHONPATH": code}
-        self.job = VirtualJob(args.world, args.hosts, args.per_node, rows=args.rows, sql_workers=args.sql_workers,
-                              env=env)
+        self.env = {"PROBING_RUNTIME_DIR": runtime, "PYTHONPATH": code}
+        self.args = args
+        self.job = self._new_job()
         self.client = None
         self.runs: dict[str, list[tuple[float, object]]] = {COUNT: [], GROUPED: []}
         self.cpu_per: dict[str, list[float]] = {COUNT: [], GROUPED: []}  # CPU ms of all hosts per query
         self.partial = 0  # answers refused as partial (a loaded machine: ranks timed out)
         self.queries = 0
+
+    def _new_job(self) -> VirtualJob:
+        a = self.args
+        return VirtualJob(a.world, a.hosts, a.per_node, rows=a.rows, sql_workers=a.sql_workers, env=self.env)
+
+    def start(self, attempts: int = 3) -> None:
+        """Start the job; on a port taken meanwhile (the other side's, another job's), again on
+        a fresh window (the window is chosen free when the job is made, not held)."""
+        for attempt in range(attempts):
+            if attempt:
+                self.job = self._new_job()
+            try:
+                self.job.start().wait_ready(300)
+                return
+            except RuntimeError as exc:
+                self.job.close()
+                if "Address already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+                print(f"  [{self.label}] {exc}; again on other ports", flush=True)
 
     def query(self, sql: str, expected: int, keep: bool) -> None:
         pids = self.job.pids()
@@ -156,9 +175,9 @@ def main() -> int:
         sides.append(Side("against", str(Path(args.against).resolve()), args, runtime))
     try:
         for side in sides:
-            job = side.job
             t0 = time.time()
-            job.start().wait_ready(300)
+            side.start()
+            job = side.job
             converged = job.wait_converged(300)
             conv = converged["at"] - job.last_start
             verdict = "within" if conv <= base else "OVER"

@@ -3,7 +3,7 @@ arrives before each hop's deadline, merge, answer up.
 
 Rules of this file:
 - No sockets, threads, clock, DuckDB or Arrow. Results travel through here as opaque
-  Arrow IPC bytes; SQL work (planning, a rank's scans, merging, finishing) is a
+  bytes (Arrow IPC, or a tiny partial packed: ``tables.arrow_ipc``); SQL work (planning, a rank's scans, merging, finishing) is a
   ``RunSqlTask`` effect the shell runs on a worker thread, whose outcome comes back
   through ``on_sql_task_done``. The I/O thread never waits for a query.
 - It sees the membership tree only through the narrow ``Tree`` interface (who am I,

@@ -4,7 +4,8 @@ The fan-out (``query_fanout.py``) makes them and hands them to its shell in a ``
 the shell's ``SqlTaskRunner`` (``shell/sql_tasks/``) runs each where its routing says. A task
 crosses the pipe to a rank's engine process as its ``to_dict()`` and is rebuilt there by
 ``task_from_dict``. Nothing here imports pyarrow, DuckDB or sqlglot: a plan travels as its
-dict (``Plan.to_dict``), tables and partials as Arrow IPC bytes.
+dict (``Plan.to_dict``), tables as Arrow IPC bytes, partials as bytes too (Arrow IPC, or packed when
+tiny: ``tables.arrow_ipc.partial_to_wire``).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class ShippedScan(_Task):
 
 @dataclass(frozen=True)
 class Merge(_Task):
-    """A broker merges partials (``parts``: ``{"scans": names, "buffers": IPC}`` each) into
+    """A broker merges partials (``parts``: ``{"scans": names, "buffers": partials}`` each) into
     partials; a scan's partials past ``reduce_above`` rows are reduced by its merge SQL."""
 
     kind: ClassVar[str] = "merge"

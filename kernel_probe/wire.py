@@ -194,7 +194,7 @@ class _SubresultFields(TypedDict):
     status: str
     answered: list
     failed: dict
-    scans: list  # names of the scans, one Arrow IPC buffer each
+    scans: list  # names of the scans, one buffer each (a partial: Arrow IPC, or packed when tiny)
 
 
 class SubresultBody(_SubresultFields, total=False):  # child -> parent
@@ -396,14 +396,31 @@ def curve_options(key: bytes, *, server: bool) -> list[tuple[int, int | bytes]]:
 _SIGN_JOIN_BELOW = 64 * 1024  # smaller messages are MACed in one C call over a joined copy
 
 
-def _sign(key: bytes, parts: Iterable[bytes]) -> bytes:
+class _Hmac:
+    """HMAC-SHA256 with one key, its padded inner and outer states hashed once (RFC 2104):
+    each message then costs its own blocks only -- half of ``hmac.digest`` for a small one."""
+
+    def __init__(self, key: bytes) -> None:
+        key = hashlib.sha256(key).digest() if len(key) > 64 else key.ljust(64, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
+
+    def digest(self, data: bytes) -> bytes:
+        inner = self._inner.copy()
+        inner.update(data)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
+
+
+def _sign(key: bytes, parts: Iterable[bytes], mac: _Hmac | None = None) -> bytes:
     # Length prefixes make the concatenation unambiguous: moving bytes between
     # frames, or adding/removing an (even empty) frame, changes the MAC input.
     parts = parts if isinstance(parts, list) else list(parts)
     if sum(map(len, parts)) < _SIGN_JOIN_BELOW:
         # one-shot HMAC over a joined copy: a 1 KB message costs half as much as updates
         joined = b"".join([b for part in parts for b in (len(part).to_bytes(8, "big"), part)])
-        return hmac.digest(key, joined, "sha256")
+        return hmac.digest(key, joined, "sha256") if mac is None else mac.digest(joined)
     mac = hmac.new(key, digestmod=hashlib.sha256)  # big buffers: no copy
     for part in parts:
         mac.update(len(part).to_bytes(8, "big"))
@@ -440,8 +457,25 @@ def _reject_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
+_SCAN = _DECODER.scan_once  # the C scanner that JSONDecoder.decode wraps in two Python calls
+
+
 def _loads(data: bytes) -> Any:
-    return _DECODER.decode(data.decode("utf-8"))
+    text = data.decode("utf-8")
+    try:
+        obj, end = _SCAN(text, 0)
+    except StopIteration:
+        end = -1
+    if end != len(text):  # whitespace around the value, trailing data or no value: the full decoder decides
+        return _DECODER.decode(text)
+    return obj
+
+
+def _json_str(text: str) -> str:
+    """``text`` as a JSON string, as ``_dumps`` writes it: ids of ours are plain ASCII, quoted as they are."""
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    return _ENCODER.encode(text)
 
 
 def _as_bytes(frame: Any) -> bytes:
@@ -520,12 +554,14 @@ class Codec:
         if not (isinstance(sender, str) and sender and isinstance(incarnation, str) and incarnation):
             raise ValueError("sender and incarnation must be non-empty strings")
         self._key = bytes(key)
+        self._mac = _Hmac(self._key)
         self.sender = sender
         self.incarnation = incarnation
         self._clock = clock
         self.limits = limits
         self.rejected: collections.Counter[str] = collections.Counter()
         self._seq = itertools.count(1)
+        self._heads: dict[str, str] = {}  # message type -> the header's JSON up to the seq
         self._id_prefix = secrets.token_hex(8)  # default msg_id: 32 hex digits, this and the seq (no urandom per message)
         # _replay_key(sender, incarnation) -> (last accepted seq, newest ts accepted from it), least
         # recently used first. Bounded so a peer inventing incarnations cannot grow our memory, and
@@ -551,25 +587,28 @@ class Codec:
             body = _dumps(msg.body)  # before a seq is spent
         except (TypeError, ValueError) as exc:  # NaN, numpy scalars, str buffers...
             raise ValueError(f"{msg.type} body or buffers not encodable: {exc}") from None
+        ts = self._clock()
+        if not (type(ts) is float and math.isfinite(ts)):
+            if not (isinstance(ts, (int, float)) and not isinstance(ts, bool) and math.isfinite(ts)):
+                raise ValueError(f"the clock gave {ts!r}, not a finite number")
+            ts = float(ts)
         seq = next(self._seq)
-        fields = {
-            "type": msg.type,
-            "sender": self.sender,
-            "incarnation": self.incarnation,
-            "seq": seq,
-            "ts": self._clock(),
-            "msg_id": msg.msg_id or f"{self._id_prefix}{seq:016x}",
-            "corr_id": msg.corr_id,
-        }
+        head = self._heads.get(msg.type)
+        if head is None:  # the header's fixed start, written once per type: what _dumps writes
+            head = self._heads[msg.type] = (f'{{"type":{_json_str(msg.type)},"sender":{_json_str(self.sender)},'
+                                            f'"incarnation":{_json_str(self.incarnation)},"seq":')
+        msg_id = f'"{self._id_prefix}{seq:016x}"' if msg.msg_id is None else _json_str(msg.msg_id)
+        corr_id = "null" if msg.corr_id is None else _json_str(msg.corr_id)
+        # the header's JSON written directly (the keys in _HEADER_KEYS order, compact), not by json.dumps
+        fields = f'{head}{seq},"ts":{ts!r},"msg_id":{msg_id},"corr_id":{corr_id}'
         lim = self.limits
         step = lim.max_frame_bytes
         if len(body) <= step and all(len(b) <= step for b in buffers):  # one frame each: the usual case
-            header = _dumps(fields)
+            header = f"{fields}}}".encode("ascii")
             parts = [header, body, *buffers]
         else:
             chunked = [[part[i:i + step] for i in range(0, len(part), step)] or [b""] for part in (body, *buffers)]
-            fields["parts"] = [len(c) for c in chunked]
-            header = _dumps(fields)
+            header = f'{fields},"parts":{_dumps([len(c) for c in chunked]).decode()}}}'.encode("ascii")
             parts = [header, *(chunk for c in chunked for chunk in c)]
         # Refuse to send what a peer with the same limits would reject: better a
         # clear error here than a silent drop over there.
@@ -580,7 +619,7 @@ class Codec:
             or sum(map(len, parts)) + len(PROTOCOL) + SIGNATURE_BYTES > lim.max_message_bytes
         ):
             raise TooLarge(f"{msg.type} message exceeds wire limits", sum(map(len, parts)), lim.max_message_bytes)
-        return [PROTOCOL, _sign(self._key, parts), *parts]
+        return [PROTOCOL, _sign(self._key, parts, self._mac), *parts]
 
     # ----------------------------------------------------------------- decode
 
@@ -622,7 +661,7 @@ class Codec:
             raise WireError("malformed", "signature frame has the wrong size")
 
         # 3. Authenticity, before any parser sees the bytes.
-        if not hmac.compare_digest(frames[1], _sign(self._key, frames[2:])):
+        if not hmac.compare_digest(frames[1], _sign(self._key, frames[2:], self._mac)):
             raise WireError("bad_signature")
 
         # 4. Header, and the parts that span several frames.

@@ -37,7 +37,7 @@ def _plan(runner: SqlTaskRunner, sql: str) -> dict:
 
 
 def _tables(result: dict) -> dict:
-    return {n: (None if b == b"" else arrow_ipc.ipc_to_table(b)) for n, b in zip(result["scans"], result["buffers"])}
+    return {n: (None if b == b"" else arrow_ipc.partial_table(b)) for n, b in zip(result["scans"], result["buffers"])}
 
 
 def _finish_args(plan: dict, rank_results: list[dict]) -> Finish:

@@ -44,7 +44,7 @@ def _plan(runner: SqlTaskRunner, sql: str, per_rank: bool = False) -> dict:
 
 
 def _tables(result: dict) -> dict:
-    return {n: (None if b == NONE else arrow_ipc.ipc_to_table(b)) for n, b in zip(result["scans"], result["buffers"])}
+    return {n: (None if b == NONE else arrow_ipc.partial_table(b)) for n, b in zip(result["scans"], result["buffers"])}
 
 
 NEEDS_DUCKDB = [

@@ -239,7 +239,7 @@ def test_brokers_of_brokers_reduce_so_the_root_merges_a_row_per_child_not_per_ra
 
     def spy(v, task):
         if v.rank == 0 and isinstance(task.task, Finish):
-            finished.append(sum(arrow_ipc.ipc_to_table(b).num_rows for p in task.task.parts for b in p["buffers"]))
+            finished.append(sum(arrow_ipc.partial_table(b).num_rows for p in task.task.parts for b in p["buffers"]))
         return run_sql(v, task)
 
     monkeypatch.setattr(queried, "_run_sql", spy)

@@ -45,7 +45,7 @@ import functools
 import logging
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
 from ..tables.convert import array
 from ..tags import TAG_TYPES
@@ -456,10 +456,7 @@ def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table
     import pyarrow as pa
 
     out: dict[str, pa.Table | None] = {}
-    for scan in plan.scans:
-        if scan.where != "ranks" or not any(scan.name in p for p in parts):
-            continue
-        got = [p[scan.name] for p in parts if p.get(scan.name) is not None]
+    for scan, got in scan_partials(plan, parts):
         if not got:
             out[scan.name] = None
             continue
@@ -484,6 +481,13 @@ def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table
         lacking = set(first).intersection(*map(_padded, got[1:]))
         out[scan.name] = _with_padded(table, [c for c in first if c in lacking])
     return out
+
+
+def scan_partials(plan: "Plan", parts: Sequence[Mapping[str, Any]]) -> Iterator[tuple["Scan", list]]:
+    """Each "ranks" scan some part mentions, with the partials that have a schema (not None)."""
+    for scan in plan.scans:
+        if scan.where == "ranks" and any(scan.name in p for p in parts):
+            yield scan, [p[scan.name] for p in parts if p.get(scan.name) is not None]
 
 
 def _top_k_with_arrow(plan: "Plan", scan: "Scan", table: "pa.Table") -> "pa.Table | None":

@@ -539,9 +539,10 @@ class VirtualJob:
         return wire.derive_key(self.token, self.run_id)
 
     def start(self) -> "VirtualJob":
-        # the root's host last: the others' first reports find no root and retry, as in a real job
+        # the root's host last: the others' first reports find no root and retry, as in a real job;
+        # -P: the code imported is PYTHONPATH's (``env``), never the caller's working directory's
         for lo, hi in list(reversed(self.ranges)):
-            argv = [sys.executable, "-m", "kernel_probe.testing.vhost", "--ranks", f"{lo}-{hi}",
+            argv = [sys.executable, "-P", "-m", "kernel_probe.testing.vhost", "--ranks", f"{lo}-{hi}",
                     "--world", str(self.world), "--per-node", str(self.per_node), "--base-port",
                     str(self.base_port), "--run-id", self.run_id, "--rows", str(self.rows),
                     "--sql-workers", str(self.sql_workers)]

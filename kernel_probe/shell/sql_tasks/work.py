@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from ...membership import ALIVE, STALLED
 from ...query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlTask, Warm
-from ...tables.arrow_ipc import ipc_to_table, table_to_ipc
+from ...tables.arrow_ipc import PackedPartial, ipc_to_table, partial_from_wire, partial_to_wire, table_to_ipc
 from ...tables.catalog import with_native_stacks
 from ...tables.convert import array, scalar
 from ...tags import Tags
@@ -189,9 +189,62 @@ def _encode(scans: Mapping[str, Any]) -> dict:
             "rows": [0 if scans[n] is None else scans[n].num_rows for n in names]}  # a broker's relay decision
 
 
+def _partials(scans: Mapping[str, Any]) -> dict:
+    """A task's partials (scans' or a merge's) for the wire: tiny ones packed (``arrow_ipc``)."""
+    names = list(scans)
+    return {"scans": names, "buffers": [NONE if scans[n] is None else partial_to_wire(scans[n]) for n in names],
+            "rows": [0 if scans[n] is None else scans[n].num_rows for n in names]}  # a broker's relay decision
+
+
 def _decode(parts: list[dict]) -> list[dict[str, Any]]:
-    return [{n: (None if b == NONE else ipc_to_table(b)) for n, b in zip(p["scans"], p["buffers"])}
+    return [{n: (None if b == NONE else partial_from_wire(b)) for n, b in zip(p["scans"], p["buffers"])}
             for p in parts]
+
+
+def _joined(plan: Any, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``parts`` with each "ranks" scan's packed partials of one schema joined into one (the
+    lists concatenated: what ``execute.merge`` would concatenate), placed in a part of their
+    own; a scan whose partials are not all packed alike gets them as Arrow tables."""
+    from ...sql.execute import scan_partials
+
+    joined: dict[str, Any] = {}
+    for scan, got in list(scan_partials(plan, parts)):
+        name = scan.name
+        packed = [t for t in got if type(t) is PackedPartial]
+        if not packed:
+            continue
+        if len(packed) == len(got) and all(t.same_schema(packed[0]) for t in packed[1:]):
+            joined[name] = PackedPartial.concat(packed)
+        else:  # mixed or differing: merge's Arrow concatenation widens types or says why not
+            parts = [{n: (t.to_arrow() if n == name and type(t) is PackedPartial else t) for n, t in p.items()}
+                     for p in parts]
+    if not joined:
+        return parts
+    return [{n: t for n, t in p.items() if n not in joined} for p in parts] + [joined]
+
+
+def _merged_packed(plan: Any, parts: list[dict[str, Any]], reduce_above: int | None) -> dict[str, Any] | None:
+    """A broker's merge of joined parts without Arrow: every "ranks" scan that a part mentions
+    is packed (or None everywhere) and none is past ``reduce_above`` rows where its merge
+    reduces; else None (``execute.merge`` does it)."""
+    from ...sql.execute import scan_partials
+
+    out: dict[str, Any] = {}
+    for scan, got in scan_partials(plan, parts):
+        if not got:
+            out[scan.name] = None
+            continue
+        if len(got) != 1 or type(got[0]) is not PackedPartial:
+            return None
+        if scan.merge and reduce_above is not None and got[0].num_rows > reduce_above:
+            return None
+        out[scan.name] = got[0]
+    return out
+
+
+def _arrow(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``parts`` with every packed partial made an Arrow table."""
+    return [{n: (t.to_arrow() if type(t) is PackedPartial else t) for n, t in p.items()} for p in parts]
 
 
 def _timed(work: Callable[[], dict]) -> dict:
@@ -386,18 +439,18 @@ class SqlWork:
         run = self._scans(task.plan, tables, tags, task.params, task.deadline)
         if ships:
             try:
-                return _encode(run(engine=_NoEngine()))
+                return _partials(run(engine=_NoEngine()))
             except NotQuick:
                 shipped = self._shipped(_scanned_tables(task.plan), tables, tags)
                 if shipped is not None:
                     return shipped
-        return _encode(run(engine=engine or self.engine))
+        return _partials(run(engine=engine or self.engine))
 
     def _shipped_scan(self, task: ShippedScan, facts: Facts, engine: Any = None) -> dict:
         """A rank's scans over the tables it shipped, under its tags."""
         tables = {n: ipc_to_table(b) for n, b in zip(task.tables, task.buffers) if b != NONE}
         run = self._scans(task.plan, tables, _leaf_tags(task.tags), task.params, task.deadline)
-        return _encode(run(engine=engine or self.engine))
+        return _partials(run(engine=engine or self.engine))
 
     def _scans(self, plan: dict, tables: Mapping, tags: dict, params: Any, deadline: float | None):
         from ...sql.execute import run_rank
@@ -446,16 +499,21 @@ class SqlWork:
     def _merge(self, task: Merge, facts: Facts, engine: Any = None) -> dict:
         from ...sql.execute import merge
 
-        merged = merge(self.plan_of(task.plan), engine or self.engine, _decode(task.parts), deadline=task.deadline,
-                       row_cap=self.row_cap, reduce_above=task.reduce_above)  # the fan-out's threshold
-        return _encode(merged)
+        plan = self.plan_of(task.plan)
+        parts = _joined(plan, _decode(task.parts))
+        merged = _merged_packed(plan, parts, task.reduce_above)  # the fan-out's threshold
+        if merged is None:
+            merged = merge(plan, engine or self.engine, _arrow(parts), deadline=task.deadline, row_cap=self.row_cap,
+                           reduce_above=task.reduce_above)
+        return _partials(merged)
 
     def _finish(self, task: Finish, facts: Facts, engine: Any = None) -> dict:
         from ...sql.execute import finish, merge
 
         engine = engine or self.engine
         plan = self.plan_of(task.plan)
-        merged = merge(plan, engine, _decode(task.parts), deadline=task.deadline, row_cap=self.row_cap, at_root=True)
+        merged = merge(plan, engine, _arrow(_joined(plan, _decode(task.parts))), deadline=task.deadline,
+                       row_cap=self.row_cap, at_root=True)
         nodes = task.nodes
         root_tables = _Lazy({"nodes": lambda: nodes_arrow(nodes or [])})
         table = finish(plan, engine, merged, root_tables, params=task.params, deadline=task.deadline,
