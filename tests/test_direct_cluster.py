@@ -121,7 +121,7 @@ def test_the_asyncio_client_asks_one_rank_directly_too(job):
 
     first, result, counts = asyncio.run(ask())
     assert "direct" not in first.coverage and first.df.equals(result.df)
-    assert result.coverage.get("direct") == 3 and counts.get("direct") == 1
+    assert result.coverage.get("direct") == 3 and counts.get("direct") == 1 and counts.get("connections") == 1
     assert result.df.equals(_tree(job, ONE_RANK).df)
 
 
