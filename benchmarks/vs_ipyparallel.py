@@ -1,8 +1,9 @@
 """Ours vs. ipyparallel, side by side in one run, on the same data (issue: fast enough to
 beat ipyparallel). The same questions asked of both, REPS times each, interleaved: each side
 goes first every other round, and a short gap (``--gap-ms``, not timed) after each call lets
-the side that answered finish what it still does (ipyparallel's client thread reads the
-engine's status messages after the answer) before the other side's clock starts. Both sides
+the side that answered finish what it still does (ipyparallel's client thread may still be
+reading the engine's output and status messages after the answer) before the other side's
+clock starts. Both sides
 are warmed first (WARM interleaved calls each: our ranks load DuckDB, ipyparallel's engines
 import pandas). Per question: p50 and p90 of each side in ms, the ratio of the medians, and how
 many of our answers took the route the question names (asked of one rank directly, or through
