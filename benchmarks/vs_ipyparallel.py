@@ -1,6 +1,14 @@
 """Ours vs. ipyparallel, side by side in one run, on the same data (issue: fast enough to
-beat ipyparallel). The same questions asked of both, interleaved, REPS times each; p50 and
-p90 in ms and the ratio ours / theirs.
+beat ipyparallel). The same questions asked of both, REPS times each, interleaved: each side
+goes first every other round, and a short gap (``--gap-ms``, not timed) after each call lets
+the side that answered finish what it still does (ipyparallel's client thread may still be
+reading the engine's output and status messages after the answer) before the other side's
+clock starts. Both sides
+are warmed first (WARM interleaved calls each: our ranks load DuckDB, ipyparallel's engines
+import pandas). Per question: p50 and p90 of each side in ms, the ratio of the medians, and how
+many of our answers took the route the question names (asked of one rank directly, or through
+the tree); ``--runs N`` repeats the whole table N times on the same job and ends with every
+run's ratio per question (one run on a shared machine is one draw: the load moves it).
 
 - ``arrow``: N ranks of a plain job (each with a ``big`` Arrow table of ROWS rows) beside N
   idle ipyparallel engines holding the same rows as a DataFrame.
@@ -11,7 +19,9 @@ p90 in ms and the ratio ours / theirs.
   rank directly, and through the tree for comparison), ~1100 filtered rows from every rank, membership as a DataFrame.
 
     .venv/bin/python benchmarks/vs_ipyparallel.py [--ranks 4 8] [--reps 60] [--jobs arrow training]
+        [--runs 3] [--only "rank 1" "rank 3"] [--gap-ms 5]
 
+``--only``: the questions whose title contains one of these (membership is then left out).
 ipyparallel is a benchmark dependency only (`pip install '.[bench]'`, done by `make bench`).
 """
 
@@ -23,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +47,7 @@ TABLES = str(ROOT / "tests" / "workers" / "tables_worker.py")
 FRAMES = str(ROOT / "tests" / "workers" / "frames_ddp_worker.py")
 ROWS = 10_000
 FRAME_ROWS = 5_000
+WARM = 10  # interleaved calls of each side before any is timed
 
 
 def _engine_setup(n: int, rank: int) -> None:
@@ -190,7 +202,126 @@ def _p(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run(n: int, reps: int) -> None:
+@dataclass
+class Options:
+    reps: int = 60
+    runs: int = 1
+    only: tuple[str, ...] = ()
+    gap_ms: float = 5.0
+
+
+def _chosen(qs: list, only: tuple[str, ...]) -> list:
+    return [q for q in qs if not only or any(o in q[0] for o in only)]
+
+
+def _warm(qs: list) -> None:
+    """Both sides warmed, interleaved, and checked to give the same rows."""
+    for title, ours, theirs in qs:
+        for _ in range(WARM):
+            got, want = ours().df, theirs()
+        n = len(want) if hasattr(want, "__len__") else want
+        print(f"  warm: {title}: ours {len(got) if len(got) > 1 else got.iloc[0, 0]} vs ipp {n}")
+
+
+def _settle(rc: Any, gap_ms: float) -> None:
+    """Between two timed calls: ipyparallel's client has nothing outstanding, then ``gap_ms``."""
+    if rc.outstanding:
+        rc.wait(timeout=1)
+    time.sleep(gap_ms / 1000)
+
+
+def _load() -> str:
+    try:
+        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "load average unknown"
+
+
+def _routes(runs: list) -> str:
+    direct = sum("direct" in r.coverage for r in runs)
+    return ", ".join(f"{k} {what}" for k, what in ((direct, "direct"), (len(runs) - direct, "tree")) if k)
+
+
+def side_by_side(client: Any, rc: Any, qs: list, opts: Options, run_no: int) -> dict[str, float]:
+    """Each question asked of both sides REPS times, interleaved; then membership (unless
+    ``only``). Returns each question's ratio of the medians."""
+    reps = opts.reps
+    print(f"  run {run_no} ({_load()})")
+    print(f"  {'question':42s} {'ours p50':>9s} {'p90':>7s} {'ipp p50':>9s} {'p90':>7s} {'ours/ipp':>9s}  ours went")
+    ratios: dict[str, float] = {}
+    for title, ours, theirs in qs:
+        a, b, runs = [], [], []
+        for i in range(reps):
+            # each side goes first every other round: whatever load the round meets, both meet it
+            for side in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
+                _settle(rc, opts.gap_ms)
+                t = time.perf_counter()
+                if side is ours:
+                    runs.append(ours())
+                    a.append((time.perf_counter() - t) * 1000)
+                else:
+                    theirs()
+                    b.append((time.perf_counter() - t) * 1000)
+        ratio = ratios[title] = statistics.median(a) / statistics.median(b)
+        print(f"  {title:42s} {statistics.median(a):9.1f} {_p(a, .9):7.1f} {statistics.median(b):9.1f} "
+              f"{_p(b, .9):7.1f} {ratio:9.2f}  {_routes(runs)}")
+        median_run = runs[sorted(range(reps), key=a.__getitem__)[reps // 2]]
+        print(f"      ours, median run: {_where(median_run)}")
+    if opts.only:
+        return ratios
+
+    def timed(fn):
+        _settle(rc, opts.gap_ms)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000
+
+    from kernel_probe.client.results import members_frame
+
+    a, b = [], []
+    for i in range(reps):
+        for side in ((client.nodes, rc.queue_status) if i % 2 == 0 else (rc.queue_status, client.nodes)):
+            (a if side == client.nodes else b).append(timed(side))
+    raw = client.nodes_raw()["members"]
+    frame_ms = statistics.median(timed(lambda: members_frame(raw)) for _ in range(reps))
+    members, status = statistics.median(a), statistics.median(b)
+    title = "membership: nodes() vs queue_status()"
+    ratios[title] = members / status
+    print(f"  {title:42s} {members:9.1f} {_p(a, .9):7.1f} {status:9.1f} {_p(b, .9):7.1f} {members / status:9.2f}")
+    print(f"      of which building the DataFrame of {len(raw)} ranks: {frame_ms:.3f} ms")
+    return ratios
+
+
+def compare(client: Any, rc: Any, qs: list, opts: Options, what: str) -> None:
+    """Warm both sides, then ``opts.runs`` tables, then every run's ratio per question."""
+    qs = _chosen(qs, opts.only)
+    _warm(qs)
+    print(f"{what}, {opts.reps} interleaved repetitions a run, {opts.gap_ms:g} ms between calls (ms):")
+    every = [side_by_side(client, rc, qs, opts, i + 1) for i in range(opts.runs)]
+    if opts.runs > 1:
+        print(f"  ours/ipp (ratio of the medians) in each of {opts.runs} runs:")
+        for title in every[0]:
+            got = [r[title] for r in every]
+            print(f"  {title:42s} {' '.join(f'{x:.2f}' for x in got)}  (median {statistics.median(got):.2f}, "
+                  f"max {max(got):.2f})")
+
+
+def _connected(sql: str, want: int) -> Any:
+    """A client of the job once ``sql`` counts ``want`` rows (every rank has its table)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            client = kernel_probe.connect(timeout=2)
+            if client.query(sql).df["n"][0] == want:
+                return client
+            client.close()
+        except kernel_probe.ProbeError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"vs_ipyparallel: the job did not answer {sql!r} with {want} in 120 s")
+
+
+def run(n: int, opts: Options) -> None:
     import ipyparallel as ipp
 
     runtime = tempfile.mkdtemp(prefix="kp-vs-ipp-")
@@ -206,70 +337,14 @@ def run(n: int, reps: int) -> None:
             view.block = True
             for i, engine in enumerate(rc):
                 engine.apply_sync(_engine_setup, ROWS, i)
-            client = None
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    client = kernel_probe.connect(timeout=2)
-                    if client.query("SELECT count(*) AS n FROM big").df["n"][0] == n * ROWS:
-                        break
-                except kernel_probe.ProbeError:
-                    pass
-                time.sleep(0.3)
-            qs = questions(client, view)
-            for _, ours, theirs in qs:  # warm both sides (our ranks load DuckDB on the first query)
-                for _ in range(3):
-                    ours()
-                    theirs()
-            print(f"{n} ranks / engines, {ROWS} rows each, {reps} interleaved repetitions (ms):")
-            side_by_side(client, rc, qs, reps)
+            client = _connected("SELECT count(*) AS n FROM big", n * ROWS)
+            compare(client, rc, questions(client, view), opts, f"{n} ranks / engines, {ROWS} rows each")
             client.close()
         finally:
             cluster.stop_cluster_sync()
 
 
-def side_by_side(client: Any, rc: Any, qs: list, reps: int) -> None:
-    """Each question asked of both sides REPS times, interleaved; then membership."""
-    print(f"  {'question':42s} {'ours p50':>9s} {'p90':>7s} {'ipp p50':>9s} {'p90':>7s} {'ours/ipp':>9s}")
-    for title, ours, theirs in qs:
-        a, b, runs = [], [], []
-        for i in range(reps):
-            # each side goes first every other round: whatever one side still does
-            # after answering (ipyparallel's hub records every task) lands on both clocks
-            for side in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
-                t = time.perf_counter()
-                if side is ours:
-                    runs.append(ours())
-                    a.append((time.perf_counter() - t) * 1000)
-                else:
-                    theirs()
-                    b.append((time.perf_counter() - t) * 1000)
-        ratio = statistics.median(a) / statistics.median(b)
-        print(f"  {title:42s} {statistics.median(a):9.1f} {_p(a, .9):7.1f} {statistics.median(b):9.1f} "
-              f"{_p(b, .9):7.1f} {ratio:9.2f}")
-        median_run = runs[sorted(range(reps), key=a.__getitem__)[reps // 2]]
-        print(f"      ours, median run: {_where(median_run)}")
-
-    def timed(fn):
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1000
-
-    from kernel_probe.client.results import members_frame
-
-    a, b = [], []
-    for i in range(reps):
-        for side in ((client.nodes, rc.queue_status) if i % 2 == 0 else (rc.queue_status, client.nodes)):
-            (a if side == client.nodes else b).append(timed(side))
-    raw = client.nodes_raw()["members"]
-    frame_ms = statistics.median(timed(lambda: members_frame(raw)) for _ in range(reps))
-    members, status = statistics.median(a), statistics.median(b)
-    print(f"  {'membership: nodes() vs queue_status()':42s} {members:9.1f} {_p(a, .9):7.1f} {status:9.1f} "
-          f"{_p(b, .9):7.1f} {members / status:9.2f}")
-    print(f"      of which building the DataFrame of {len(raw)} ranks: {frame_ms:.3f} ms")
-
-
-def run_training(reps: int) -> None:
+def run_training(opts: Options) -> None:
     """The training job of DataFrames (2x2 torchrun, gloo) beside 4 engines."""
     import ipyparallel as ipp
 
@@ -284,25 +359,10 @@ def run_training(reps: int) -> None:
         try:
             for i, engine in enumerate(rc):
                 engine.apply_sync(_frame_setup, FRAMES, FRAME_ROWS, i)
-            client = None
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    client = kernel_probe.connect(timeout=2)
-                    if client.query("SELECT count(*) AS n FROM frame").df["n"][0] == 4 * FRAME_ROWS:
-                        break
-                except kernel_probe.ProbeError:
-                    pass
-                time.sleep(0.3)
-            qs = training_questions(client, rc)
-            for title, ours, theirs in qs:  # warm both sides; the same rows on both
-                for _ in range(3):
-                    got, want = ours().df, theirs()
-                n = len(want) if hasattr(want, "__len__") else want
-                print(f"  warm: {title}: ours {len(got) if len(got) > 1 else got.iloc[0, 0]} vs ipp {n}")
-            print(f"training job 2x2 (torchrun, gloo, a step every 50 ms), a {FRAME_ROWS}-row DataFrame per rank, "
-                  f"4 engines, {reps} interleaved repetitions (ms):")
-            side_by_side(client, rc, qs, reps)
+            client = _connected("SELECT count(*) AS n FROM frame", 4 * FRAME_ROWS)
+            compare(client, rc, training_questions(client, rc), opts,
+                    f"training job 2x2 (torchrun, gloo, a step every 50 ms), a {FRAME_ROWS}-row DataFrame per rank, "
+                    f"4 engines")
             client.close()
         finally:
             cluster.stop_cluster_sync()
@@ -312,6 +372,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--runs", type=int, default=1, help="tables per job (each run's ratios are listed at the end)")
+    ap.add_argument("--only", nargs="+", default=[], help="questions whose title contains one of these")
+    ap.add_argument("--gap-ms", type=float, default=5.0, help="pause between two timed calls (not timed)")
     ap.add_argument("--jobs", nargs="+", choices=("arrow", "training"), default=["arrow", "training"])
     args = ap.parse_args()
     try:
@@ -319,11 +382,12 @@ def main() -> int:
     except ImportError:
         print("vs_ipyparallel: ipyparallel is not installed (pip install '.[bench]')")
         return 1
+    opts = Options(reps=args.reps, runs=max(1, args.runs), only=tuple(args.only), gap_ms=max(0.0, args.gap_ms))
     if "training" in args.jobs:
-        run_training(args.reps)
+        run_training(opts)
     if "arrow" in args.jobs:
         for n in args.ranks:
-            run(n, args.reps)
+            run(n, opts)
     return 0
 
 

@@ -85,6 +85,26 @@ def test_one_ranks_rows_come_from_it_directly_as_through_the_tree(job):
     _same_coverage(got.coverage, want.coverage)
 
 
+def _footer(result) -> list[str]:
+    """A result's footer less its time: what answered, the plan, what was pruned or failed."""
+    parts = result.footer().split(" · ")
+    return parts[:1] + parts[2:]
+
+
+def test_the_connection_to_a_rank_is_opened_once_and_kept_for_the_next_queries(job):
+    client = kernel_probe.connect(timeout=5)
+    try:
+        wait_for(lambda: client.query(ONE_RANK).coverage.get("direct") == 3, 30, interval=0.2, what="a direct answer")
+        assert client.routing.counts["connections"] == 1
+        direct = client.routing.counts["direct"]
+        for _ in range(5):  # another query, another rank's pruned query: the same connection, no greeting
+            assert client.query(ONE_RANK).coverage.get("direct") == 3
+        assert client.query("SELECT count(*) AS n FROM frame", ranks=[3]).coverage.get("direct") == 3
+        assert client.routing.counts["connections"] == 1 and client.routing.counts["direct"] == direct + 6
+    finally:
+        client.close()
+
+
 def test_the_asyncio_client_asks_one_rank_directly_too(job):
     async def ask():
         client = await connect_async(timeout=5)
@@ -101,7 +121,7 @@ def test_the_asyncio_client_asks_one_rank_directly_too(job):
 
     first, result, counts = asyncio.run(ask())
     assert "direct" not in first.coverage and first.df.equals(result.df)
-    assert result.coverage.get("direct") == 3 and counts.get("direct") == 1
+    assert result.coverage.get("direct") == 3 and counts.get("direct") == 1 and counts.get("connections") == 1
     assert result.df.equals(_tree(job, ONE_RANK).df)
 
 
@@ -116,15 +136,17 @@ def test_a_rank_the_client_cannot_reach_is_asked_through_the_tree(job):
 
     client = kernel_probe.connect(timeout=5)
     try:
-        want = _tree(client, ONE_RANK).df
+        want = _tree(client, ONE_RANK)
         client.routing.learn(_book(client, endpoint=f"tcp://127.0.0.1:{free_port()}"), 0.0)  # nobody listens there
         got = client.query(ONE_RANK)
-        assert "direct" not in got.coverage and got.df.equals(want)
+        assert "direct" not in got.coverage and got.df.equals(want.df)
         assert client.routing.counts["fallback"] == 1 and client.routing.counts["direct"] == 0
-        # the membership is read again, and the rank's real endpoint answers directly
+        _same_coverage(got.coverage, want.coverage)
+        assert _footer(got) == _footer(want) == ["1/1 ranks", "top-k", "3 pruned"]
+        # the membership is read again, and the rank's real endpoint answers directly, the same way
         again = wait_for(lambda: (r := client.query(ONE_RANK)).coverage.get("direct") == 3 and r, 10,
                          interval=0.3, what="a direct answer once the membership was read again")
-        assert again.df.equals(want)
+        assert again.df.equals(want.df) and _footer(again) == _footer(want)
     finally:
         client.close()
 

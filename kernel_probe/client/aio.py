@@ -200,6 +200,7 @@ class AsyncClient(ClientState):
         if link is None:
             link = self._links[route.endpoint] = _Link(
                 self._dealer(zmq.asyncio.Context.instance(), route.endpoint, immediate=True), self._requests.key)
+            self.routing.connected()
             for old in list(self._links)[:max(0, len(self._links) - direct.LINKS_KEPT)]:  # least recent first
                 self._drop_link(old)
         self._links.move_to_end(route.endpoint)

@@ -267,6 +267,7 @@ class Client(ClientState):
             if link is None:
                 link = self._links[endpoint] = _Link(self._dealer(self._ctx, endpoint, immediate=True),
                                                      self._requests.key)
+                self.routing.connected()
                 for old in list(self._links)[:max(0, len(self._links) - direct.LINKS_KEPT)]:  # least recent first
                     self._drop_link(old, locked=True)
             self._links.move_to_end(endpoint)

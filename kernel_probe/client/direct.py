@@ -105,7 +105,8 @@ _UNPLANNED: Any = object()
 
 class DirectRouter:
     """One client's routing: its membership, the plans it made, the ranks it could not reach,
-    and what it did (``counts``: direct, tree, fallback). The threads of a blocking client
+    and what it did (``counts``: direct, tree, fallback, and ``connections``: the connections
+    to ranks it opened; one per rank is kept for the next queries, ``LINKS_KEPT`` at most). The threads of a blocking client
     share it without a lock: each of its steps is one or two dict operations, and the worst a
     race does is plan a statement twice or miss a count."""
 
@@ -217,6 +218,10 @@ class DirectRouter:
     # --- what happened ----------------------------------------------------------------------
     def through_tree(self) -> None:
         self.counts["tree"] += 1
+
+    def connected(self) -> None:
+        """The client opened a connection to a rank (a rank's first query, or after it dropped)."""
+        self.counts["connections"] += 1
 
     def unreachable(self, route: Direct, now: float) -> None:
         """``route``'s rank could not be reached (or answered nothing): the tree asks it, and

@@ -37,6 +37,11 @@ Rules of this file:
   on the SQL and the tables' schemas; and a rank whose scan is a plain filter or group-by
   (``Scan.arrow``), and the root whose final is a plain re-aggregation (``Plan.final_arrow``),
   compute it with Arrow (``fast_paths``: when each applies, and why it is DuckDB's answer).
+- A final that only repeats the rank scan's own filters, columns, order and limit
+  (``Plan.final_rows`` equal to ``Scan.arrow``: a top-k, a plain filter) is that rank's answer
+  when one rank's rows reach the root (``ONE_RANK_KEY``, dropped when parts are concatenated):
+  a query pruned to one rank (asked of it directly, or through the tree) runs no final; over
+  several ranks only the order and the limit are applied again.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ __all__ = ["TAG_TYPES", "tagged", "lookup", "select_ranks", "run_rank", "merge",
 log = logging.getLogger(__name__)
 
 PADDED_KEY = b"probing.padded"  # a scan result's schema metadata: the columns its ranks lacked
+# a scan result's schema metadata: it is one rank's rows, already in the final's order and limit
+# (``Plan.final_rows`` repeats that scan's own spec), so the root has nothing left to do with it
+ONE_RANK_KEY = b"probing.one_rank"
 SHAPE_CACHE_SIZE = 64
 
 
@@ -264,11 +272,17 @@ def _final_with_rows(plan: "Plan", regs: Mapping[str, "pa.Table"]) -> "pa.Table 
     would hand back otherwise, names DuckDB would tell apart (equal but for case)."""
     if len(regs) != 1:
         return None
-    (table,) = regs.values()
+    ((name, table),) = regs.items()
     if len({n.lower() for n in table.column_names}) != table.num_columns:
         return None
+    spec = plan.final_rows
+    scan = next((sc for sc in plan.scans if sc.name == name), None)
+    if scan is not None and _final_repeats(plan, scan):
+        if _one_rank(table):  # a query pruned to one rank: its scan was the whole answer
+            return table.replace_schema_metadata(None)
+        spec = dict(spec, filters=[], columns=None)  # type: ignore[arg-type]  (every part passed them)
     try:
-        result = fast_paths.arrow_rows(plan.final_rows, table)  # type: ignore[arg-type]
+        result = fast_paths.arrow_rows(spec, table)  # type: ignore[arg-type]
     except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
         log.debug("final: SQL instead of Arrow (%s)", exc)
         return None
@@ -369,8 +383,18 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
             result = tagged(result, tags)
         elif _partial_scan(plan, scan.name):
             result = _narrow(result)
-        out[scan.name] = _with_padded(result, [c for cols in lacking.values() for c in cols])
+        out[scan.name] = _with_padded(result, [c for cols in lacking.values() for c in cols],
+                                      one_rank=_final_repeats(plan, scan))
     return out
+
+
+def _final_repeats(plan: "Plan", scan: "Scan") -> bool:
+    """Whether the final only repeats what every rank's `scan` already did (``Plan.final_rows``
+    is the scan's own Arrow spec: its filters, columns, order and limit). Over one rank's rows
+    (``ONE_RANK_KEY``) the final is then that rank's answer as it is; over many, their filters
+    and columns hold already, only the order and the limit are left to apply."""
+    return plan.final_rows is not None and scan.arrow is not None and plan.final_rows == scan.arrow \
+        and plan.shape is None and sum(sc.where == "ranks" for sc in plan.scans) == 1
 
 
 def _rows_then_tags(spec: Mapping[str, Any], table: "pa.Table", tags: Mapping[str, object],
@@ -429,17 +453,24 @@ def _padded_with(regs: Mapping[str, "pa.Table"], lacking: Mapping[str, Sequence[
     return out
 
 
+def _one_rank(table: "pa.Table") -> bool:
+    return bool((table.schema.metadata or {}).get(ONE_RANK_KEY))
+
+
 def _padded(table: "pa.Table") -> list[str]:
     meta = table.schema.metadata or {}
     return [c for c in meta.get(PADDED_KEY, b"").decode().split("\n") if c]
 
 
-def _with_padded(table: "pa.Table", padded: Sequence[str]) -> "pa.Table":
+def _with_padded(table: "pa.Table", padded: Sequence[str], one_rank: bool = False) -> "pa.Table":
     """``table`` saying which columns its ranks lacked (schema metadata travels in Arrow IPC
-    and through relays); nothing said when none was lacking."""
-    meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != PADDED_KEY}
+    and through relays), and whether it is one rank's rows (``ONE_RANK_KEY``); nothing said
+    when none was lacking and it is not."""
+    meta = {k: v for k, v in (table.schema.metadata or {}).items() if k not in (PADDED_KEY, ONE_RANK_KEY)}
     if padded:
         meta[PADDED_KEY] = "\n".join(padded).encode()
+    if one_rank:
+        meta[ONE_RANK_KEY] = b"1"
     if meta == (table.schema.metadata or {}):
         return table
     return table.replace_schema_metadata(meta or None)
@@ -479,7 +510,8 @@ def merge(plan: "Plan", engine: "Engine", parts: Sequence[Mapping[str, "pa.Table
         # a column is lacking below only where every part lacked it
         first = _padded(got[0])
         lacking = set(first).intersection(*map(_padded, got[1:]))
-        out[scan.name] = _with_padded(table, [c for c in first if c in lacking])
+        out[scan.name] = _with_padded(table, [c for c in first if c in lacking],
+                                      one_rank=len(got) == 1 and _one_rank(got[0]))
     return out
 
 

@@ -99,6 +99,10 @@ class LocalTables:
         # schemas of user callables as of their last call: the catalog never calls one (a slow
         # callable would hold every query, even those that never read it)
         self._seen_schemas: dict[str, Any] = {}
+        # each table's column names and what they were made from (``_columns_of``): the root and a
+        # rank asked directly list them on every query, and the metrics' keys take a pass over
+        # every logged row (~20 ms for a full ring)
+        self._columns_known: dict[str, tuple[tuple, list[str]]] = {}
         self._lock = threading.Lock()
         self._warned: set[str] = set()
 
@@ -126,12 +130,14 @@ class LocalTables:
         with self._lock:
             self._user[name] = data
             self._seen_schemas.pop(name, None)
+            self._columns_known.pop(name, None)
 
     def drop(self, name: str) -> None:
         """Forget a user table (no error when unknown)."""
         with self._lock:
             self._user.pop(name, None)
             self._seen_schemas.pop(name, None)
+            self._columns_known.pop(name, None)
 
     def provide(self, name: str, fn: Callable[[], Any]) -> None:
         """For the probe itself: a table served by ``fn()`` (Arrow, DataFrame or rows)
@@ -262,7 +268,7 @@ class LocalTables:
             with self._lock:
                 data = self._user.get(name)
                 provided = name in self._providers
-            known = None if callable(data) or provided else convert.column_names(name, data, metric_rows)
+            known = None if callable(data) or provided else self._columns_of(name, data, metric_rows)
             if known is not None:
                 out[name] = known
                 continue
@@ -273,6 +279,34 @@ class LocalTables:
             except Exception:  # a failing user table is left out of the catalog, not an error
                 continue
         return out
+
+    def _columns_of(self, name: str, data: Any, metric_rows: list) -> list[str] | None:
+        """``convert.column_names``, kept while what it was made from is unchanged: a built-in's
+        fixed schema; ``steps``' and ``metrics``' logged rows (the ring only appends, each row a new
+        tuple that ``log`` alone holds: the same last row, the same rows); a user's Arrow table
+        (immutable), or DataFrame while its columns and index are the same objects (pandas makes
+        new ones when a column is added, dropped or renamed, or the index is set). Lists and dicts
+        may change in place: never kept."""
+        pd, pa = sys.modules.get("pandas"), sys.modules.get("pyarrow")
+        made_from: tuple | None
+        if name in ("steps", "metrics"):
+            made_from = (metric_rows[-1] if metric_rows else None,)
+        elif name in convert.SCHEMAS:
+            made_from = ()
+        elif pd is not None and isinstance(data, pd.DataFrame):
+            made_from = (data, data.columns, data.index)
+        elif pa is not None and isinstance(data, (pa.Table, pa.RecordBatch)):
+            made_from = (data,)
+        else:
+            made_from = None
+        known = self._columns_known.get(name)
+        if made_from is not None and known is not None and len(known[0]) == len(made_from) \
+                and all(a is b for a, b in zip(known[0], made_from)):
+            return list(known[1])
+        names = convert.column_names(name, data, metric_rows)
+        if made_from is not None and names is not None:
+            self._columns_known[name] = (made_from, list(names))
+        return names
 
     # --- built-ins: each a spec (convert.Spec) made into Arrow or plain buffers; stacks and
     # the catalog have their own Arrow (a cached table; Arrow's own type names) ------------------
