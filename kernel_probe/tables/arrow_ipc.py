@@ -119,13 +119,15 @@ class PackedPartial:
         return self.fields == other.fields and self.metadata == other.metadata
 
     @staticmethod
-    def concat(parts: "list[PackedPartial]") -> "PackedPartial":
-        """One partial of the rows of ``parts`` in order (all of one schema: ``same_schema``)."""
+    def concat(parts: "list[PackedPartial]", drop: tuple[str, ...] = ()) -> "PackedPartial":
+        """One partial of the rows of ``parts`` in order (all of one schema: ``same_schema``);
+        the metadata keys ``drop`` hold of one part only, not of several concatenated."""
         first = parts[0]
         if len(parts) == 1:
             return first
         columns = [[v for p in parts for v in p.columns[i]] for i in range(len(first.fields))]
-        return PackedPartial(first.fields, first.metadata, columns, sum(p.num_rows for p in parts))
+        meta = {k: v for k, v in (first.metadata or {}).items() if k not in drop} or None
+        return PackedPartial(first.fields, meta, columns, sum(p.num_rows for p in parts))
 
     def to_arrow(self) -> Any:
         if self._arrow is None:

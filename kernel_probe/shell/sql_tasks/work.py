@@ -205,7 +205,7 @@ def _joined(plan: Any, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``parts`` with each "ranks" scan's packed partials of one schema joined into one (the
     lists concatenated: what ``execute.merge`` would concatenate), placed in a part of their
     own; a scan whose partials are not all packed alike gets them as Arrow tables."""
-    from ...sql.execute import scan_partials
+    from ...sql.execute import ONE_RANK_KEY, scan_partials
 
     joined: dict[str, Any] = {}
     for scan, got in list(scan_partials(plan, parts)):
@@ -214,7 +214,7 @@ def _joined(plan: Any, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not packed:
             continue
         if len(packed) == len(got) and all(t.same_schema(packed[0]) for t in packed[1:]):
-            joined[name] = PackedPartial.concat(packed)
+            joined[name] = PackedPartial.concat(packed, drop=(ONE_RANK_KEY.decode(),))  # several ranks' rows
         else:  # mixed or differing: merge's Arrow concatenation widens types or says why not
             parts = [{n: (t.to_arrow() if n == name and type(t) is PackedPartial else t) for n, t in p.items()}
                      for p in parts]
