@@ -32,6 +32,7 @@ import pyarrow as pa  # noqa: E402
 
 from kernel_probe.config import Settings  # noqa: E402
 from kernel_probe.placement import subtree, tree_depth, tree_parent  # noqa: E402
+from kernel_probe.rank_lists import wire_ranks  # noqa: E402
 from kernel_probe.testing.sim import Simulation  # noqa: E402
 
 PER_NODE = 8
@@ -100,7 +101,8 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float,
         t0 = sim.now
         env = sim.query(sql, timeout=60.0)
         cov = env.msg.body.get("coverage") or {}
-        assert env.msg.body.get("status") == "ok" and len(cov.get("answered", ())) == world, (sql, cov.get("failed"))
+        assert env.msg.body.get("status") == "ok" and wire_ranks(cov.get("answered", "")).count == world, \
+            (sql, cov.get("failed"))
         lat.append(sim.now - t0)
         prof = cov.get("profile") or {}
         plan_ms.append(prof.get("plan_ms") or 0.0)
