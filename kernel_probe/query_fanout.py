@@ -61,7 +61,8 @@ RELAY_MAX_PARTS = 4  # a broker relays at most this many parts: at scale (8 rank
 MAX_PROFILE_ROWS = 64  # merges and hops a profile lists at most (a 1024-rank job has 128 brokers)
 PLAN_MEMO = 16  # plans a hop keeps parsed by their bytes (a dashboard asks the same few again and again)
 PLAN_MEMO_MAX_BYTES = 64 * 1024  # a larger plan is parsed each time it comes
-SCAN_POINTS = 32  # points of the scan times' distribution a hop sends up (exact below this many ranks)
+SCAN_POINTS = 16  # points of the scan times' distribution a hop sends up (exact below this many ranks)
+ROWS_UP = 16  # merge and hop rows a hop sends up at most: its slowest (the root shows MAX_PROFILE_ROWS)
 LIVE = (ALIVE, STALLED)  # the states of a rank a query asks
 PRUNE_FIELDS = ("rank", "state", "node", "host", "local_rank", "role")  # what planning reads of a member
 
@@ -151,12 +152,13 @@ class ScanTimes:
         """A child's ``to_body``; a malformed one costs its details, never the answer."""
         try:
             n, (rank, ms), flat = int(body["n"]), body["slowest"], body["q"]
-            points = [(float(flat[i]), float(flat[i + 1])) for i in range(0, len(flat) - 1, 2)]
+            values = [float(x) for x in flat[:2 * SCAN_POINTS]]
             slowest = (float(ms), int(rank))
         except (TypeError, ValueError, KeyError, IndexError):
             return
-        if n <= 0 or not all(math.isfinite(v) and math.isfinite(w) and w > 0 for v, w in points):
+        if n <= 0 or len(values) % 2 or not all(map(math.isfinite, values)) or min(values[1::2], default=1.0) <= 0:
             return
+        points = list(zip(values[::2], values[1::2]))
         self.n += n
         self.points += points[:SCAN_POINTS]
         if self.slowest is None or slowest[0] >= self.slowest[0]:
@@ -208,7 +210,8 @@ class ScanTimes:
 class HopTiming:
     """Where one hop's time went, in milliseconds; what a subresult carries up as ``profile``.
     Each list keeps its last ``MAX_PROFILE_ROWS`` rows (and ``scanned_by`` its lowest ranks) as
-    they come, checked only when they are sent or shown: a hop's cost is its children's."""
+    they come, checked only when they are sent or shown, and a hop sends up its ``ROWS_UP``
+    slowest: a hop's cost is its children's, never the ranks' below them."""
 
     plan_ms: float | None = None
     scans: ScanTimes = field(default_factory=ScanTimes)
@@ -223,7 +226,7 @@ class HopTiming:
         """What a subresult carries up; ``at``: when this hop got its subquery and answered, by
         its clock (the parent splits the hop's transfer into down and up by them)."""
         body = {"elapsed_ms": round(elapsed_ms, 3), "scan": self.scans.to_body(),
-                "merges": _merge_rows(self.merges), "hops": _hop_rows(self.hops),
+                "merges": _slowest(_merge_rows(self.merges), "ms"), "hops": _slowest(_hop_rows(self.hops), "rtt_ms"),
                 "scanned_by": {str(r): b for r, b in sorted(self.scanned_by.items())[:MAX_PROFILE_ROWS]}}
         if at is not None:
             body["at"] = [at[0], at[1]]
@@ -295,6 +298,15 @@ class HopTiming:
             # round trip by them (the way to the root, the way back)
             **({"received_at": at[0], "answered_at": at[1]} if at is not None else {}),
         }
+
+
+def _slowest(rows: list[dict], key: str) -> list[dict]:
+    """The ``ROWS_UP`` slowest of ``rows``, in their order: what a hop's parent needs to show
+    where the time went, at a cost bounded by its own children."""
+    if len(rows) <= ROWS_UP:
+        return rows
+    keep = sorted(sorted(range(len(rows)), key=lambda i: -rows[i][key])[:ROWS_UP])
+    return [rows[i] for i in keep]
 
 
 def _merge_rows(rows: list[Any]) -> list[dict]:
