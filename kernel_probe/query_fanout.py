@@ -13,6 +13,12 @@ Rules of this file:
   so it can still merge and answer before its own deadline — with what it has.
 - Coverage is exact: every targeted rank ends up answered or failed with a reason
   (dead, unreachable, timeout, or the error text).
+- A hop's work per query is bounded by its own children, never by the ranks below them: rank
+  sets travel and merge as ranges (``rank_lists.RankRanges``; failures as ranges keyed by
+  reason, ``ReasonRanges``), which children reach which ranks is known once per membership
+  version (``Tree.routes``), the root picks its targets from the ranks by state, known once
+  per epoch (``Tree.rank_states``), and hands the planner the members only for a query that
+  may prune on their tags; a profile carries its scan times as a bounded sketch.
 - A client that will query says so in its handshake, which warms the tree: the root and
   every broker start their engine process (pyarrow, DuckDB, the root's sqlglot; see
   ``shell/engine_process.py``) before the first query needs it, so the first answer comes
@@ -35,11 +41,14 @@ Rules of this file:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from .effects import PARENT, Effect, RunSqlTask, Send
+from .membership import ALIVE, STALLED
 from .query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlTask, Warm
+from .rank_lists import NO_RANKS, RankRanges, ReasonRanges, wire_ranks
 from .wire import Envelope, Message, pack_json, unpack_json
 
 MERGE_ABOVE_ROWS = 4096  # below this, concatenating partials is cheaper than reducing them
@@ -52,6 +61,10 @@ RELAY_MAX_PARTS = 4  # a broker relays at most this many parts: at scale (8 rank
 MAX_PROFILE_ROWS = 64  # merges and hops a profile lists at most (a 1024-rank job has 128 brokers)
 PLAN_MEMO = 16  # plans a hop keeps parsed by their bytes (a dashboard asks the same few again and again)
 PLAN_MEMO_MAX_BYTES = 64 * 1024  # a larger plan is parsed each time it comes
+SCAN_POINTS = 16  # points of the scan times' distribution a hop sends up (exact below this many ranks)
+ROWS_UP = 16  # merge and hop rows a hop sends up at most: its slowest (the root shows MAX_PROFILE_ROWS)
+LIVE = (ALIVE, STALLED)  # the states of a rank a query asks
+PRUNE_FIELDS = ("rank", "state", "node", "host", "local_rank", "role")  # what planning reads of a member
 
 
 class Tree(Protocol):
@@ -63,9 +76,12 @@ class Tree(Protocol):
     incarnation: str
     tier: str | None
 
-    def hops(self, ranks: list[int]) -> dict[int, tuple[int, bytes]]:
-        """For each of ``ranks`` reachable from here, the direct child (its rank, its routing
-        id) through which it is reached."""
+    def routes(self) -> dict[int, tuple[bytes, RankRanges]]:
+        """For each direct child (by its rank): its routing id and the ranks reached through it
+        (disjoint; known once per version of the membership and of the children)."""
+
+    def rank_states(self) -> dict[str, RankRanges]:
+        """The members' ranks by state (known once per membership epoch)."""
 
     @property
     def ships_to_parent(self) -> bool:
@@ -99,14 +115,14 @@ class HopQuery:
     request: dict = field(default_factory=dict)
     plan: dict | None = None
     plan_buffer: bytes | None = None  # the plan as subqueries carry it: packed once, forwarded as it came
-    targeted: list[int] = field(default_factory=list)
-    pruned: list[int] = field(default_factory=list)
-    waiting: dict[int, list[int]] = field(default_factory=dict)  # hop rank -> ranks it answers for
+    targeted: RankRanges = NO_RANKS
+    pruned: RankRanges = NO_RANKS
+    waiting: dict[int, RankRanges] = field(default_factory=dict)  # hop rank -> ranks it answers for
     local: bool = False  # our own scan is running
     shipped: dict[str, int] = field(default_factory=dict)  # scans of a leaf's shipped tables running: task id -> rank
     parts: list[tuple[list[str], list[bytes], list[int] | None]] = field(default_factory=list)  # rows: None unknown
-    answered: set[int] = field(default_factory=set)
-    failed: dict[int, str] = field(default_factory=dict)
+    answered: RankRanges = NO_RANKS
+    failed: ReasonRanges = field(default_factory=ReasonRanges)
     errors: list[dict] = field(default_factory=list)  # fatal errors (row cap) seen anywhere
     bytes_in: int = 0
     stage: str = "gather"  # plan | gather | merge | done
@@ -115,15 +131,93 @@ class HopQuery:
     timing: "HopTiming" = field(default_factory=lambda: HopTiming())
 
 
+class ScanTimes:
+    """The ranks' scan times as a hop sends them up: how many, the slowest, and at most
+    ``SCAN_POINTS`` (ms, weight) points of their distribution, exact while fewer ranks scanned
+    (weight 1 each), else evenly spaced quantiles: a hop's share of it is bounded by its
+    children, and the root reads the median from it."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.slowest: tuple[float, int] | None = None  # (ms, rank)
+        self.points: list[tuple[float, float]] = []
+
+    def add(self, rank: int, ms: float) -> None:
+        self.n += 1
+        self.points.append((ms, 1.0))
+        if self.slowest is None or ms >= self.slowest[0]:
+            self.slowest = (ms, rank)
+
+    def absorb(self, body: Any) -> None:
+        """A child's ``to_body``; a malformed one costs its details, never the answer."""
+        try:
+            n, (rank, ms), flat = int(body["n"]), body["slowest"], body["q"]
+            values = [float(x) for x in flat[:2 * SCAN_POINTS]]
+            slowest = (float(ms), int(rank))
+        except (TypeError, ValueError, KeyError, IndexError):
+            return
+        if n <= 0 or len(values) % 2 or not all(map(math.isfinite, values)) or min(values[1::2], default=1.0) <= 0:
+            return
+        points = list(zip(values[::2], values[1::2]))
+        self.n += n
+        self.points += points[:SCAN_POINTS]
+        if self.slowest is None or slowest[0] >= self.slowest[0]:
+            self.slowest = slowest
+        if len(self.points) > 4 * SCAN_POINTS:
+            self._compress()
+
+    def _compress(self) -> None:
+        self.points.sort()
+        if len(self.points) <= SCAN_POINTS:
+            return
+        total = sum(w for _, w in self.points)
+        step = total / SCAN_POINTS
+        out: list[tuple[float, float]] = []
+        i, cum = 0, self.points[0][1]
+        for j in range(SCAN_POINTS):
+            target = (j + 0.5) * step
+            while cum < target and i < len(self.points) - 1:
+                i += 1
+                cum += self.points[i][1]
+            value = self.points[i][0]
+            if out and out[-1][0] == value:
+                out[-1] = (value, out[-1][1] + step)
+            else:
+                out.append((value, step))
+        self.points = out
+
+    def median(self) -> float | None:
+        """The upper median (exact while the points are the ranks' own times)."""
+        if not self.points:
+            return None
+        points = sorted(self.points)
+        half, cum = sum(w for _, w in points) / 2, 0.0
+        for value, w in points:
+            cum += w
+            if cum > half:
+                return value
+        return points[-1][0]
+
+    def to_body(self) -> dict | None:
+        if not self.n or self.slowest is None:
+            return None
+        self._compress()
+        return {"n": self.n, "slowest": [self.slowest[1], self.slowest[0]],
+                "q": [x for v, w in self.points for x in (v, round(w, 3))]}
+
+
 @dataclass
 class HopTiming:
-    """Where one hop's time went, in milliseconds; what a subresult carries up as ``profile``."""
+    """Where one hop's time went, in milliseconds; what a subresult carries up as ``profile``.
+    Each list keeps its last ``MAX_PROFILE_ROWS`` rows (and ``scanned_by`` its lowest ranks) as
+    they come, checked only when they are sent or shown, and a hop sends up its ``ROWS_UP``
+    slowest: a hop's cost is its children's, never the ranks' below them."""
 
     plan_ms: float | None = None
-    scans: dict[int, float] = field(default_factory=dict)  # rank -> its scan's own time
+    scans: ScanTimes = field(default_factory=ScanTimes)
     scanned_by: dict[int, int] = field(default_factory=dict)  # a leaf that shipped its tables -> who scanned them
-    merges: list[dict] = field(default_factory=list)  # {rank, ms, parts}: brokers' and the root's merges
-    hops: list[dict] = field(default_factory=list)  # {parent, child, rtt_ms, transfer_ms}
+    merges: list[Any] = field(default_factory=list)  # {rank, ms, parts}: brokers' and the root's merges
+    hops: list[Any] = field(default_factory=list)  # {parent, child, rtt_ms, transfer_ms}
     finish_ms: float | None = None
     sent: dict[int, float] = field(default_factory=dict)  # child hop -> when its subquery left
     task_started: dict[str, float] = field(default_factory=dict)  # task kind -> when it was handed out
@@ -131,9 +225,9 @@ class HopTiming:
     def to_body(self, elapsed_ms: float, at: tuple[float, float] | None = None) -> dict:
         """What a subresult carries up; ``at``: when this hop got its subquery and answered, by
         its clock (the parent splits the hop's transfer into down and up by them)."""
-        body = {"elapsed_ms": round(elapsed_ms, 3), "scans": {str(r): ms for r, ms in self.scans.items()},
-                "merges": self.merges[-MAX_PROFILE_ROWS:], "hops": self.hops[-MAX_PROFILE_ROWS:],
-                "scanned_by": {str(r): b for r, b in self.scanned_by.items()}}
+        body = {"elapsed_ms": round(elapsed_ms, 3), "scan": self.scans.to_body(),
+                "merges": _slowest(_merge_rows(self.merges), "ms"), "hops": _slowest(_hop_rows(self.hops), "rtt_ms"),
+                "scanned_by": {str(r): b for r, b in sorted(self.scanned_by.items())[:MAX_PROFILE_ROWS]}}
         if at is not None:
             body["at"] = [at[0], at[1]]
         return body
@@ -152,44 +246,91 @@ class HopTiming:
                 split = ((float(got) - sent) * 1000.0, (now - float(answered)) * 1000.0)
         except (TypeError, ValueError, KeyError):
             pass
-        try:
-            if not isinstance(body, dict):
-                raise TypeError("no profile")
-            for r, ms in (body.get("scans") or {}).items():
-                self.scans[int(r)] = float(ms)
-            for r, b in (body.get("scanned_by") or {}).items():
-                self.scanned_by[int(r)] = int(b)
-            self.merges += [{"rank": int(m["rank"]), "ms": float(m["ms"]), "parts": int(m["parts"])}
-                            for m in (body.get("merges") or [])[:MAX_PROFILE_ROWS]]
-            self.hops += [{"parent": int(h["parent"]), "child": int(h["child"]), "rtt_ms": float(h["rtt_ms"]),
-                           "transfer_ms": float(h["transfer_ms"]),
-                           **{k: float(h[k]) for k in ("down_ms", "up_ms") if k in h}}
-                          for h in (body.get("hops") or [])[:MAX_PROFILE_ROWS]]
-            child_ms = float(body.get("elapsed_ms") or 0.0)
-        except (TypeError, ValueError, KeyError, AttributeError):
-            child_ms = 0.0
+        child_ms = 0.0
+        if isinstance(body, dict):
+            self.scans.absorb(body.get("scan"))
+            self._absorb_scanned_by(body.get("scanned_by"))
+            for mine, theirs in ((self.merges, body.get("merges")), (self.hops, body.get("hops"))):
+                if isinstance(theirs, list):
+                    mine += theirs[-MAX_PROFILE_ROWS:]
+                    del mine[:-MAX_PROFILE_ROWS]
+            try:
+                child_ms = float(body.get("elapsed_ms") or 0.0)
+            except (TypeError, ValueError):
+                pass
         hop = {"parent": parent, "child": child, "rtt_ms": round(rtt_ms, 3),
                "transfer_ms": round(max(0.0, rtt_ms - child_ms), 3)}
         if split is not None:
             hop["down_ms"], hop["up_ms"] = round(split[0], 3), round(split[1], 3)
         self.hops.append(hop)
+        del self.hops[:-MAX_PROFILE_ROWS]
+
+    def _absorb_scanned_by(self, theirs: Any) -> None:
+        """A child's lowest shipping leaves (sent lowest first) into ours, keeping the lowest."""
+        if not isinstance(theirs, dict):
+            return
+        full = len(self.scanned_by) >= MAX_PROFILE_ROWS
+        highest = max(self.scanned_by, default=-1)
+        for r, b in list(theirs.items())[:MAX_PROFILE_ROWS]:
+            try:
+                rank, by = int(r), int(b)
+            except (TypeError, ValueError):
+                continue
+            if full and rank > highest:
+                break
+            self.scanned_by[rank] = by
+        if len(self.scanned_by) > MAX_PROFILE_ROWS:
+            self.scanned_by = dict(sorted(self.scanned_by.items())[:MAX_PROFILE_ROWS])
 
     def summary(self, elapsed_ms: float, bytes_shipped: int, at: tuple[float, float] | None = None) -> dict:
-        scans = sorted(self.scans.items(), key=lambda kv: kv[1])
-        slowest = scans[-1] if scans else (None, None)
-        transfers = [h["transfer_ms"] for h in self.hops]
+        slowest = self.scans.slowest or (None, None)
+        hops = _hop_rows(self.hops)
+        transfers = [h["transfer_ms"] for h in hops]
         return {
             "elapsed_ms": round(elapsed_ms, 3), "plan_ms": self.plan_ms,
-            "scan": {"ranks": len(scans), "median_ms": scans[len(scans) // 2][1] if scans else None,
-                     "slowest_ms": slowest[1], "slowest_rank": slowest[0],
+            "scan": {"ranks": self.scans.n, "median_ms": self.scans.median(),
+                     "slowest_ms": slowest[0], "slowest_rank": slowest[1],
                      "scanned_by": {str(r): b for r, b in sorted(self.scanned_by.items())[:MAX_PROFILE_ROWS]}},
-            "merges": self.merges[-MAX_PROFILE_ROWS:], "finish_ms": self.finish_ms,
-            "hops": self.hops[-MAX_PROFILE_ROWS:], "transfer_ms_max": max(transfers, default=None),
+            "merges": _merge_rows(self.merges), "finish_ms": self.finish_ms,
+            "hops": hops, "transfer_ms_max": max(transfers, default=None),
             "bytes_shipped": bytes_shipped,
             # the root's clock when the query came and when it answered: a client splits its own
             # round trip by them (the way to the root, the way back)
             **({"received_at": at[0], "answered_at": at[1]} if at is not None else {}),
         }
+
+
+def _slowest(rows: list[dict], key: str) -> list[dict]:
+    """The ``ROWS_UP`` slowest of ``rows``, in their order: what a hop's parent needs to show
+    where the time went, at a cost bounded by its own children."""
+    if len(rows) <= ROWS_UP:
+        return rows
+    keep = sorted(sorted(range(len(rows)), key=lambda i: -rows[i][key])[:ROWS_UP])
+    return [rows[i] for i in keep]
+
+
+def _merge_rows(rows: list[Any]) -> list[dict]:
+    """The last ``MAX_PROFILE_ROWS`` merge rows, checked (a child's malformed row is left out)."""
+    out = []
+    for m in rows[-MAX_PROFILE_ROWS:]:
+        try:
+            out.append({"rank": int(m["rank"]), "ms": float(m["ms"]), "parts": int(m["parts"])})
+        except (TypeError, ValueError, KeyError):
+            continue
+    return out
+
+
+def _hop_rows(rows: list[Any]) -> list[dict]:
+    """The last ``MAX_PROFILE_ROWS`` hop rows, checked (a child's malformed row is left out)."""
+    out = []
+    for h in rows[-MAX_PROFILE_ROWS:]:
+        try:
+            out.append({"parent": int(h["parent"]), "child": int(h["child"]), "rtt_ms": float(h["rtt_ms"]),
+                        "transfer_ms": float(h["transfer_ms"]),
+                        **{k: float(h[k]) for k in ("down_ms", "up_ms") if k in h}})
+        except (TypeError, ValueError, KeyError):
+            continue
+    return out
 
 
 class QueryFanOut:
@@ -203,6 +344,7 @@ class QueryFanOut:
         self._warmed_at: float | None = None
         self._direct_warmed_at: float | None = None  # a client that asks this rank directly warmed it
         self._plans: dict[bytes, dict] = {}  # a subquery's plan buffer -> the plan, parsed once (PLAN_MEMO)
+        self._prune_rows: tuple[int, list[dict]] | None = None  # (epoch, what planning reads of the members)
 
     # --- helpers ------------------------------------------------------------------------
     def _task(self, s: HopQuery, task: SqlTask) -> RunSqlTask:
@@ -230,6 +372,7 @@ class QueryFanOut:
             return self._fail_client(s, now, "not_ready", "this probe has not joined its job yet; try again in a moment")
         local = bool(body.get("local"))
         direct = body.get("direct")
+        members: list[dict] | None
         if direct is not None:  # a query its client pruned to this rank (client/direct.py)
             members = self._direct_members(direct)
             if members is None:
@@ -239,12 +382,15 @@ class QueryFanOut:
             return self._fail_client(s, now, "not_root", "only the job's root answers cluster queries; connect to the root "
                                                     "or ask this rank alone with --local")
         else:
-            members = [] if local else self.tree.member_rows()
+            members = [] if local else None  # the root: the plan first, the members only to prune by their tags
         s.stage = "plan"
-        task = PlanQuery(sql=body["sql"], per_rank=bool(body.get("per_rank")) or local, ranks=body.get("ranks"),
+        return [self._task(s, self._plan_task(s, members))]
+
+    def _plan_task(self, s: HopQuery, members: list[dict] | None) -> PlanQuery:
+        body, local = s.request, bool(s.request.get("local"))
+        return PlanQuery(sql=body["sql"], per_rank=bool(body.get("per_rank")) or local, ranks=body.get("ranks"),
                          members=members, local=local, self_rank=self.rank, params=body.get("params"),
                          deadline=s.deadline)
-        return [self._task(s, task)]
 
     def _direct_members(self, direct: Any) -> list[dict] | None:
         """A client sent this rank a query it pruned to it by the membership at an epoch: this
@@ -258,17 +404,53 @@ class QueryFanOut:
         own = [m for m in self.tree.member_rows() if m.get("rank") == self.rank]
         return own or None
 
+    def _members_to_prune(self) -> list[dict]:
+        """What the planner reads of the members to prune a plan by their tags: each one's rank,
+        state and tags, made once per membership epoch (only a query that prunes pays for it)."""
+        epoch = self.tree.membership_epoch
+        if self._prune_rows is None or self._prune_rows[0] != epoch:
+            self._prune_rows = (epoch, [{k: m.get(k) for k in PRUNE_FIELDS} for m in self.tree.member_rows()])
+        return self._prune_rows[1]
+
+    @staticmethod
+    def _wanted(s: HopQuery) -> RankRanges | None:
+        """The ranks the client asked for (None: all)."""
+        ranks = s.request.get("ranks")
+        if ranks is None:
+            return None
+        return RankRanges.of(r for r in ranks if type(r) is int and r >= 0)
+
+    def _targets_by_state(self, s: HopQuery) -> RankRanges:
+        """The ranks a plan that prunes none is sent to: the live members the client asked for;
+        the others it asked for fail with their state. Ranges per state, never a rank each."""
+        if not any(sc.get("where") == "ranks" for sc in (s.plan or {}).get("scans", ())):
+            return NO_RANKS  # nothing is scanned on the ranks
+        wanted = self._wanted(s)
+        live = NO_RANKS
+        for state, ranks in self.tree.rank_states().items():
+            chosen = ranks if wanted is None else ranks & wanted
+            if state in LIVE:
+                live = live | chosen
+            else:
+                s.failed.add(chosen, state)
+        return live
+
     def _after_plan(self, s: HopQuery, result: dict, now: float) -> list[Effect]:
         s.timing.plan_ms = round((now - s.started) * 1000.0, 3)
         if "error" in result:
             return self._fail_client(s, now, **result["error"])
+        if result.get("prunes"):  # it prunes ranks by their tags: planned again (known now) with the members
+            return [self._task(s, self._plan_task(s, self._members_to_prune()))]
         s.plan = result["plan"]
-        s.pruned = list(result.get("pruned", []))
         effects: list[Effect] = []
-        targets = list(result["targets"])
-        for rank, state in result.get("unavailable", {}).items():
-            s.failed[int(rank)] = state
-        s.targeted = sorted(set(targets) | set(s.failed))
+        if "targets" in result:  # the planner picked them (a query that may prune, direct, local)
+            targets = RankRanges.of(result["targets"])
+            s.pruned = RankRanges.of(result.get("pruned", ()))
+            for rank, state in result.get("unavailable", {}).items():
+                s.failed.add(int(rank), state)
+        else:
+            targets = self._targets_by_state(s)
+        s.targeted = targets | s.failed.ranks()
         s.stage = "gather"
         if s.request.get("explain"):
             s.stage = "done"
@@ -276,49 +458,56 @@ class QueryFanOut:
             body = {"status": "ok", "coverage": self.coverage(s, now), "explain": s.plan.get("explain", "")}
             return [Send(s.origin, Message("query_result", body, corr_id=s.corr_id))]
         if s.plan.get("mode") == "root-only":  # the root's registry answers: nobody else is asked
-            s.targeted, s.answered, s.failed = [self.rank], {self.rank}, {}
+            s.targeted = s.answered = RankRanges(((self.rank, self.rank),))
+            s.failed.clear()
             return effects + self._merge(s, now)
-        if not targets:
+        if targets.empty:
             return effects + self._merge(s, now)
         effects += self._fan(s, targets, now)
         return effects + self._maybe_merge(s, now)
 
-    def _fan(self, s: HopQuery, targets: list[int], now: float) -> list[Effect]:
+    def _fan(self, s: HopQuery, targets: RankRanges, now: float) -> list[Effect]:
         """Send the query down, one message per child, then start our own scan if we are
         targeted: the sends go first, so a scan starting on a worker thread never holds
         up the subqueries (the I/O thread would wait for the GIL)."""
         effects: list[Effect] = []
         own: list[Effect] = []
         child_deadline = s.gather_by - min(HOP_MARGIN_MAX, max(0.0, s.gather_by - now) * FINISH_SHARE)
-        by_hop: dict[int, tuple[bytes, list[int]]] = {}
-        hops = self.tree.hops(targets)
-        for rank in targets:
-            if rank == self.rank:
-                s.local = True
-                s.timing.task_started["rank"] = now
-                own.append(self._task(s, RankScan(s.plan, params=s.request.get("params"), deadline=s.gather_by,
-                                                  ships_to_parent=s.origin is PARENT and self.tree.ships_to_parent,
-                                                  native=bool(s.request.get("native")))))
-                continue
-            hop = hops.get(rank)
-            if hop is None:
-                s.failed[rank] = "unreachable"
-                continue
-            by_hop.setdefault(hop[0], (hop[1], []))[1].append(rank)
+        if self.rank in targets:
+            s.local = True
+            s.timing.task_started["rank"] = now
+            own.append(self._task(s, RankScan(s.plan, params=s.request.get("params"), deadline=s.gather_by,
+                                              ships_to_parent=s.origin is PARENT and self.tree.ships_to_parent,
+                                              native=bool(s.request.get("native")))))
+        by_hop = self._by_hop(s, targets - RankRanges(((self.rank, self.rank),)))
         if by_hop and s.plan_buffer is None:
             # packed once for every child (the explain text is for the client: the hops below never
             # read it); a broker forwards the bytes it got, and a rank parses a plan it knows no more
             s.plan_buffer = pack_json({k: v for k, v in s.plan.items() if k != "explain"})
         # the widest subtree first: a broker's answer is the last to come back
-        for hop, (rid, ranks) in sorted(by_hop.items(), key=lambda kv: -len(kv[1][1])):
-            s.deep = s.deep or len(ranks) > 1
+        for hop, rid, ranks in sorted(by_hop, key=lambda h: -h[2].count):
+            s.deep = s.deep or ranks.count > 1
             s.waiting[hop] = ranks
             s.timing.sent[hop] = now
-            body = {"qid": s.qid, "deadline": child_deadline, "ranks": ranks, "params": s.request.get("params")}
+            body = {"qid": s.qid, "deadline": child_deadline, "ranks": str(ranks), "params": s.request.get("params")}
             if s.request.get("native"):  # only then: a plain query's message stays as it was
                 body["native"] = True
             effects.append(Send(rid, Message("subquery", body, (s.plan_buffer,))))
         return effects + own
+
+    def _by_hop(self, s: HopQuery, others: RankRanges) -> list[tuple[int, bytes, RankRanges]]:
+        """(child, its routing id, the ranks of ``others`` it reaches) for each child that
+        reaches some; the ranks no child reaches fail as unreachable."""
+        if others.empty:
+            return []
+        out, reached = [], NO_RANKS
+        for hop, (rid, below) in self.tree.routes().items():
+            mine = others & below
+            if not mine.empty:
+                out.append((hop, rid, mine))
+                reached = reached | mine
+        s.failed.add(others - reached, "unreachable")
+        return out
 
     # --- warming up -------------------------------------------------------------------------
     def on_client_hello(self, now: float) -> list[Effect]:
@@ -348,7 +537,10 @@ class QueryFanOut:
         body = env.msg.body
         qid = body["qid"]
         deadline = float(body["deadline"])
-        ranks = [r for r in body["ranks"] if isinstance(r, int)]
+        try:
+            ranks = wire_ranks(body["ranks"])
+        except ValueError:
+            ranks = NO_RANKS  # asked for nothing we can name: the parent finds them unanswered
         buffer = env.msg.buffers[0] if "plan" not in body and env.msg.buffers else None
         plan = body.get("plan") if buffer is None else self._plan_in(buffer)
         s = HopQuery(qid, PARENT, env.header.msg_id, deadline,
@@ -358,7 +550,7 @@ class QueryFanOut:
         self.queries[qid] = s
         if self.tree.tier is None or not isinstance(plan, dict):
             why = "not ready" if self.tree.tier is None else "a malformed plan"
-            s.failed.update({r: why for r in ranks})
+            s.failed.add(ranks, why)
             return self._answer_parent(s, [], [], now=now)
         effects = self._fan(s, ranks, now)
         return effects + self._maybe_merge(s, now)
@@ -387,12 +579,15 @@ class QueryFanOut:
         if s is None or s.stage != "gather" or child is None or child not in s.waiting:
             return []  # late, or not ours: the hop already answered without it
         ranks = s.waiting.pop(child)
-        for r, reason in body["failed"].items():
-            try:
-                s.failed[int(r)] = str(reason)[:500]
-            except ValueError:
-                continue
-        s.answered.update(r for r in body["answered"] if isinstance(r, int) and r in ranks)
+        failed = ReasonRanges.from_wire(body["failed"], within=ranks)  # only the ranks we asked it for
+        failed_ranks = failed.ranks()
+        for reason, below in failed.by_reason().items():
+            s.failed.add(below, reason)
+        try:
+            answered = (wire_ranks(body["answered"]) & ranks) - failed_ranks
+        except ValueError:
+            answered = NO_RANKS
+        s.answered = s.answered | answered
         if body.get("error"):
             s.errors.append(body["error"])
         s.timing.absorb(self.rank, child, body.get("profile"), (now - s.timing.sent.get(child, now)) * 1000.0, now)
@@ -402,7 +597,7 @@ class QueryFanOut:
         ship = body.get("ship")
         if body["status"] == "ok" and len(names) == len(buffers) and isinstance(ship, dict):
             tags = ship.get("tags")
-            if ranks == [child] and isinstance(tags, dict) and tags.get("_rank") == child:  # a leaf's tables: we scan
+            if ranks.ranges == ((child, child),) and isinstance(tags, dict) and tags.get("_rank") == child:  # a leaf's tables: we scan
                 s.timing.task_started[f"shipped/{child}"] = now
                 task = self._task(s, ShippedScan(s.plan, names, buffers, tags, params=s.request.get("params"),
                                                  deadline=s.gather_by))
@@ -410,9 +605,7 @@ class QueryFanOut:
                 return [task]
         elif body["status"] == "ok" and len(names) == len(buffers):
             s.parts += _split(names, buffers, body.get("rows"), body.get("parts"))
-        for r in ranks:
-            if r not in s.answered and r not in s.failed:
-                s.failed[r] = "no answer"
+        s.failed.add(ranks - answered - failed_ranks, "no answer")
         return self._maybe_merge(s, now)
 
     def on_sql_task_done(self, task_id: str, result: dict, now: float) -> list[Effect]:
@@ -451,25 +644,27 @@ class QueryFanOut:
             s.timing.scanned_by[rank] = self.rank
         if "error" in result:
             err = result["error"]
-            s.failed[rank] = err.get("message", "error")
+            s.failed.add(rank, err.get("message", "error"))
             if err.get("code") == "row_cap":
                 s.errors.append(err)
         else:
-            s.answered.add(rank)
+            s.answered = s.answered | RankRanges(((rank, rank),))
             s.parts.append((result["scans"], result["buffers"], _rows(result.get("rows"), result["scans"])))
-            s.timing.scans[rank] = _ms(result, now, started)
+            s.timing.scans.add(rank, _ms(result, now, started))
 
     def on_members_lost(self, ranks: set[int], now: float) -> list[Effect]:
         """Members died or left: a query still waiting on one of them as a direct child
         stops waiting (it is ``dead``; the ranks it answered for are unreachable), instead
         of waiting out its deadline. A lost rank below a broker is that broker's to report."""
         effects: list[Effect] = []
+        lost = RankRanges.of(ranks)
         for s in list(self.queries.values()):
             if s.stage != "gather":
                 continue
             for hop in [h for h in s.waiting if h in ranks]:
-                for r in s.waiting.pop(hop):
-                    s.failed[r] = "dead" if r in ranks else f"unreachable: rank {hop} died while it held this answer"
+                below = s.waiting.pop(hop)
+                s.failed.add(below & lost, "dead")
+                s.failed.add(below - lost, f"unreachable: rank {hop} died while it held this answer")
             effects += self._maybe_merge(s, now)
         return effects
 
@@ -478,26 +673,27 @@ class QueryFanOut:
         for s in list(self.queries.values()):
             if s.stage == "gather" and now >= s.gather_by:
                 for hop, ranks in s.waiting.items():
-                    s.failed.update({r: "timeout" for r in ranks})
+                    s.failed.add(ranks, "timeout")
                 s.waiting.clear()
                 if s.local:
                     s.local = False
-                    s.failed[self.rank] = "timeout"
-                s.failed.update({r: "timeout" for r in s.shipped.values()})
+                    s.failed.add(self.rank, "timeout")
+                s.failed.add(RankRanges.of(s.shipped.values()), "timeout")
                 s.shipped.clear()
                 effects += self._maybe_merge(s, now)
             elif s.stage in ("plan", "merge") and now >= s.deadline + 1.0:
                 # the worker never came back (a stuck user table): answer anyway
                 self.queries.pop(s.qid, None)
                 if s.origin is PARENT:
-                    s.failed.update({r: "timeout" for r in s.targeted if r not in s.failed})
+                    s.failed.add(s.targeted, "timeout")  # (a rank already failed keeps its reason)
+                    s.answered = NO_RANKS
                     effects += self._answer_parent(s, [], [], now=now)
                 else:
                     effects += self._fail_client(s, now, "timeout", "the query did not finish before its deadline")
             if s.origin is not PARENT and s.stage == "gather" and now >= s.next_progress:
                 s.next_progress = now + PROGRESS_EVERY
                 effects.append(Send(s.origin, Message("query_progress", {
-                    "qid": s.qid, "answered": len(s.answered), "targeted": len(s.targeted)}, corr_id=s.corr_id)))
+                    "qid": s.qid, "answered": s.answered.count, "targeted": s.targeted.count}, corr_id=s.corr_id)))
         return effects
 
     def next_deadline(self) -> float | None:
@@ -521,10 +717,11 @@ class QueryFanOut:
         s.stage = "merge"
         if s.errors:
             return self._answer(s, {"error": s.errors[0]}, now)
-        if s.origin is not PARENT and s.failed and not s.answered:
+        if s.origin is not PARENT and s.failed and s.answered.empty:
             # nothing to finish: say why every rank failed (often the SQL itself), not that no rank was asked
-            shown = "; ".join(f"rank {r}: {why}" for r, why in sorted(s.failed.items())[:3])
-            more = f" (and {len(s.failed) - 3} more)" if len(s.failed) > 3 else ""
+            shown = "; ".join(f"rank {r}: {why}" for r, why in s.failed.lowest(3))
+            count = s.failed.count
+            more = f" (and {count - 3} more)" if count > 3 else ""
             return self._fail_client(s, now, "error", f"no rank answered: {shown}{more}")
         if s.origin is PARENT and len(s.parts) <= 1:  # a leaf: nothing to merge with
             names, buffers, rows = s.parts[0] if s.parts else ([], [], [])
@@ -567,9 +764,8 @@ class QueryFanOut:
             if "error" in result and result["error"].get("code") == "row_cap":
                 return self._answer_parent(s, [], [], error=result["error"], now=now)
             if "error" in result:
-                for r in list(s.answered):
-                    s.failed[r] = result["error"].get("message", "merge failed")
-                s.answered.clear()
+                s.failed.add(s.answered, result["error"].get("message", "merge failed"))
+                s.answered = NO_RANKS
                 return self._answer_parent(s, [], [], now=now)
             return self._answer_parent(s, result["scans"], result["buffers"],
                                        rows=_rows(result.get("rows"), result["scans"]), now=now)
@@ -580,12 +776,13 @@ class QueryFanOut:
         return [Send(s.origin, Message("query_result", body, tuple(result["buffers"]), corr_id=s.corr_id))]
 
     def coverage(self, s: HopQuery, now: float) -> dict:
-        failed = {str(r): reason for r, reason in sorted(s.failed.items())}
+        """The answer's coverage as it travels: rank sets as ranges, failures as ranges by reason
+        (a client expands them: ``client.results.expand_coverage``)."""
         plan = s.plan or {}
         elapsed_ms = (now - s.started) * 1000.0
         return {
-            "targeted": sorted(s.targeted), "answered": sorted(s.answered), "pruned": sorted(s.pruned),
-            "failed": failed, "partial": bool(failed), "elapsed_ms": round(elapsed_ms, 3),
+            "targeted": str(s.targeted), "answered": str(s.answered), "pruned": str(s.pruned),
+            "failed": s.failed.to_wire(), "partial": bool(s.failed), "elapsed_ms": round(elapsed_ms, 3),
             "bytes_shipped": s.bytes_in, "plan": plan.get("mode", "?"), "explain": plan.get("explain", ""),
             "profile": s.timing.summary(elapsed_ms, s.bytes_in, (s.started, now)),
         }
@@ -595,8 +792,8 @@ class QueryFanOut:
                        ship: dict | None = None) -> list[Effect]:
         self.queries.pop(s.qid, None)
         s.stage = "done"
-        body = {"qid": s.qid, "status": "ok" if names or not error else "error", "answered": sorted(s.answered),
-                "failed": {str(r): v for r, v in s.failed.items()}, "scans": names, "bytes_below": s.bytes_in,
+        body = {"qid": s.qid, "status": "ok" if names or not error else "error", "answered": str(s.answered),
+                "failed": s.failed.to_wire(), "scans": names, "bytes_below": s.bytes_in,
                 "profile": s.timing.to_body((now - s.started) * 1000.0, (s.started, now))}
         if rows is not None and len(rows) == len(names):
             body["rows"] = rows

@@ -45,7 +45,9 @@ class PlanQuery(_Task):
     sql: str
     per_rank: bool = False
     ranks: list[int] | None = None  # the ranks the client asked for; None: all
-    members: list[dict] = field(default_factory=list)  # the root's registry rows
+    # the members' rows (rank, state, tags) to prune by; None: the plan alone (the fan-out picks
+    # the ranks by their states: a query that names no tag column prunes none)
+    members: list[dict] | None = None
     local: bool = False  # the rank answers alone (a client's --local)
     self_rank: int = 0
     params: Any = None

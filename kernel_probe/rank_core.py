@@ -34,6 +34,7 @@ from .membership import REPORT_FIELDS, Backoff, Member, Registry, Scope
 from .placement import Place, Placement, ancestors, failover_path, first_usable, subtree
 from .profile_plane import ProfilePlane
 from .query_fanout import QueryFanOut
+from .rank_lists import RankRanges
 from .wire import PROTOCOL_VERSION, Envelope, Message
 
 PUSH_DEBOUNCE_SEC = 0.02  # batch near-simultaneous joins into one push / one report
@@ -117,6 +118,8 @@ class RankCore:
         self._pushed_epoch = 0
         self._push_at: float | None = None
         self._report_seq = 0
+        self._routes: tuple[tuple, dict[int, tuple[bytes, RankRanges]]] | None = None  # (version, routes)
+        self._rank_states: tuple[tuple, dict[str, RankRanges]] | None = None  # (epoch, ranks by state)
         self.fanout = QueryFanOut(self)  # the query plane rides the same tree
         self.profile = ProfilePlane(self)  # and so does arming profile captures
         self.placement: Placement | None = None  # set by Start; a fixed tree (Placed) has none
@@ -358,6 +361,30 @@ class RankCore:
             if rid is not None:
                 out[rank] = (hop, rid)
         return out
+
+    def routes(self) -> dict[int, tuple[bytes, RankRanges]]:
+        # as ``hops`` routes, for every member at once: made once per version of our registry
+        # and children (a query then costs the children, never the ranks below them)
+        version = (self.registry.epoch, tuple((rid, child.rank) for rid, child in self.children.items()))
+        if self._routes is None or self._routes[0] != version:
+            rid_of = {child.rank: rid for rid, child in self.children.items()}
+            below: dict[int, list[int]] = {rank: [rank] for rank in rid_of}
+            for rank, via in self.registry.vias():
+                hop = rank if via is None else via
+                if hop in rid_of and rank != hop:
+                    below[hop].append(rank)
+            self._routes = (version, {hop: (rid_of[hop], RankRanges.of(ranks)) for hop, ranks in below.items()})
+        return self._routes[1]
+
+    def rank_states(self) -> dict[str, RankRanges]:
+        view = self.view()
+        version = (id(view), view.epoch)
+        if self._rank_states is None or self._rank_states[0] != version:
+            by_state: dict[str, list[int]] = {}
+            for rank, state in view.states():
+                by_state.setdefault(state, []).append(rank)
+            self._rank_states = (version, {state: RankRanges.of(ranks) for state, ranks in by_state.items()})
+        return self._rank_states[1]
 
     @property
     def ships_to_parent(self) -> bool:

@@ -10,14 +10,20 @@ ranks stays a line.
 A rank list is read as ranges first (``rank_ranges``: its cost is bounded by the text, never by
 the ranks it names), and expanded only once checked against the job's world size
 (``parse_ranks``): '0-999999999' is an error line, never a billion-entry list.
+
+The query plane carries the ranks a query targeted, answered and pruned as ``RankRanges``
+(their text, '0-4095,4100' on the wire, ``wire_ranks``) and the failed ones as ranges keyed by
+reason (``ReasonRanges``): set operations on ranges cost what the ranges cost, so a hop's work
+on 16,384 ranks reached through one child is one range, never 16,384 entries.
 """
 
 from __future__ import annotations
 
 import operator
 import re
+from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 _PART = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
 
@@ -38,6 +44,184 @@ class RankRanges:
 
     def __str__(self) -> str:
         return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in self.ranges)
+
+    # --- set algebra: each costs what the ranges cost, never what they name ----------------
+    @classmethod
+    def of(cls, ranks: Iterable[int]) -> "RankRanges":
+        """The ranks (ints, any order, repeats allowed) as ranges; unbounded, for our own sets."""
+        out: list[tuple[int, int]] = []
+        for r in sorted(set(ranks)):
+            if out and r == out[-1][1] + 1:
+                out[-1] = (out[-1][0], r)
+            else:
+                out.append((r, r))
+        return cls(tuple(out))
+
+    @property
+    def count(self) -> int:
+        return sum(b - a + 1 for a, b in self.ranges)
+
+    @property
+    def empty(self) -> bool:
+        return not self.ranges
+
+    def ranks(self) -> Iterator[int]:
+        for a, b in self.ranges:
+            yield from range(a, b + 1)
+
+    def __contains__(self, rank: object) -> bool:
+        i = bisect_right(self.ranges, (rank, float("inf"))) - 1 if type(rank) is int else -1
+        return i >= 0 and self.ranges[i][0] <= rank <= self.ranges[i][1]  # type: ignore[operator]
+
+    def __or__(self, other: "RankRanges") -> "RankRanges":
+        if not other.ranges or other is self:
+            return self
+        if not self.ranges:
+            return other
+        return _merged([*self.ranges, *other.ranges])
+
+    def __and__(self, other: "RankRanges") -> "RankRanges":
+        a, b, out, i, j = self.ranges, other.ranges, [], 0, 0
+        while i < len(a) and j < len(b):
+            lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+            if lo <= hi:
+                out.append((lo, hi))
+            if a[i][1] < b[j][1]:
+                i += 1
+            else:
+                j += 1
+        return RankRanges(tuple(out))
+
+    def __sub__(self, other: "RankRanges") -> "RankRanges":
+        if not other.ranges or not self.ranges:
+            return self
+        b, out, j = other.ranges, [], 0
+        for first, last in self.ranges:
+            while j < len(b) and b[j][1] < first:
+                j += 1
+            k = j
+            while k < len(b) and b[k][0] <= last:
+                if b[k][0] > first:
+                    out.append((first, b[k][0] - 1))
+                first = max(first, b[k][1] + 1)
+                k += 1
+            if first <= last:
+                out.append((first, last))
+        return RankRanges(tuple(out))
+
+    def first(self, n: int) -> list[int]:
+        """The ``n`` lowest ranks."""
+        out: list[int] = []
+        for a, b in self.ranges:
+            out += range(a, min(b, a + n - len(out) - 1) + 1)
+            if len(out) >= n:
+                break
+        return out
+
+
+NO_RANKS = RankRanges(())
+_WIRE_RANKS = re.compile(r"(?:[0-9]{1,10}(?:-[0-9]{1,10})?(?:,(?!$)|$))*")
+
+
+def wire_ranks(text: object, bound: int | None = None) -> RankRanges:
+    """Ranges as a message carries them (``str(ranges)``: '0-4095,4100', '' for none): checked,
+    sorted and merged; ``ValueError`` (one line) when malformed or naming a rank at or past ``bound``."""
+    if not isinstance(text, str) or not _WIRE_RANKS.fullmatch(text):
+        raise ValueError(f"bad rank ranges {str(text)[:40]!r}")
+    if not text:
+        return NO_RANKS
+    ranges: list[tuple[int, int]] = []
+    ordered = True
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        a = int(first)
+        b = int(last) if last else a
+        if b < a:
+            raise ValueError(f"bad rank range {part!r}")
+        if ranges and a <= ranges[-1][1] + 1:
+            ordered = False
+        ranges.append((a, b))
+    got = RankRanges(tuple(ranges)) if ordered else _merged(ranges)
+    if bound is not None and got.last >= bound:
+        raise ValueError(f"rank {got.last} past {bound - 1}")
+    return got
+
+
+class ReasonRanges:
+    """rank -> why it failed, held as ranges per reason: a rack of 1,000 dead ranks is one
+    entry, and a few failures are a few. A rank keeps the first reason given for it."""
+
+    def __init__(self) -> None:
+        self._pieces: list[tuple[RankRanges, str]] = []
+        self._normal: dict[str, RankRanges] | None = {}
+
+    def add(self, ranks: "RankRanges | int", reason: str) -> None:
+        if isinstance(ranks, int):
+            ranks = RankRanges(((ranks, ranks),))
+        if ranks.ranges:
+            self._pieces.append((ranks, reason))
+            self._normal = None
+
+    def clear(self) -> None:
+        self._pieces, self._normal = [], {}
+
+    def by_reason(self) -> dict[str, RankRanges]:
+        """reason -> its ranks, disjoint (the first reason given for a rank wins)."""
+        if self._normal is None:
+            self._normal = _by_reason(self._pieces)
+            self._pieces = [(ranks, reason) for reason, ranks in self._normal.items()]
+        return self._normal
+
+    def ranks(self) -> RankRanges:
+        return _merged([r for ranks in self.by_reason().values() for r in ranks.ranges])
+
+    @property
+    def count(self) -> int:
+        return sum(ranks.count for ranks in self.by_reason().values())
+
+    def __bool__(self) -> bool:
+        return bool(self._pieces)
+
+    def items(self) -> list[tuple[int, str]]:
+        """(rank, reason), by rank: every failed rank, expanded (for a client, never a hop)."""
+        return sorted((r, reason) for reason, ranks in self.by_reason().items() for r in ranks.ranks())
+
+    def lowest(self, n: int) -> list[tuple[int, str]]:
+        """The ``n`` lowest failed ranks with their reasons, expanding no more than that."""
+        return sorted((r, reason) for reason, ranks in self.by_reason().items() for r in ranks.first(n))[:n]
+
+    def to_wire(self) -> dict[str, str]:
+        return {reason: str(ranks) for reason, ranks in self.by_reason().items()}
+
+    @classmethod
+    def from_wire(cls, body: object, within: RankRanges | None = None, reason_chars: int = 500) -> "ReasonRanges":
+        """What ``to_wire`` wrote; only ranks ``within`` are kept; a malformed entry is dropped."""
+        out = cls()
+        if isinstance(body, Mapping):
+            for reason, text in body.items():
+                try:
+                    ranks = wire_ranks(text)
+                except ValueError:
+                    continue
+                out.add(ranks if within is None else ranks & within, str(reason)[:reason_chars])
+        return out
+
+
+def _by_reason(pieces: list[tuple[RankRanges, str]]) -> dict[str, RankRanges]:
+    flat = sorted((a, b, i) for i, (ranks, _) in enumerate(pieces) for a, b in ranks.ranges)
+    if all(flat[k][0] > flat[k - 1][1] for k in range(1, len(flat))):  # disjoint: the usual case
+        grouped: dict[str, list[tuple[int, int]]] = {}
+        for a, b, i in flat:
+            grouped.setdefault(pieces[i][1], []).append((a, b))
+        return {reason: _merged(ranges) for reason, ranges in grouped.items()}
+    out: dict[str, RankRanges] = {}  # overlapping: the first reason given for a rank wins
+    taken = NO_RANKS
+    for ranks, reason in pieces:
+        new = ranks - taken
+        if new.ranges:
+            out[reason] = out.get(reason, NO_RANKS) | new
+            taken = taken | new
+    return out
 
 
 def _merged(ranges: list[tuple[int, int]]) -> RankRanges:
@@ -192,5 +376,5 @@ def groups_text(groups: Sequence[tuple[Sequence[int], str]], say: Callable[[Sequ
                      f"{len(groups) - len(keep)} other {noun}: {ranks_label(rest)}"])
 
 
-__all__ = ["GROUPS_SHOWN", "MAX_RANK_ITEMS", "MAX_RANK_TEXT", "RankRanges", "by_text", "groups_text", "parse_ranks",
-           "rank_ranges", "rank_span", "ranks_label", "text_shape"]
+__all__ = ["GROUPS_SHOWN", "MAX_RANK_ITEMS", "MAX_RANK_TEXT", "NO_RANKS", "RankRanges", "ReasonRanges", "by_text",
+           "groups_text", "parse_ranks", "rank_ranges", "rank_span", "ranks_label", "text_shape", "wire_ranks"]

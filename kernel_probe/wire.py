@@ -171,6 +171,8 @@ class _QueryResultFields(TypedDict):
 
 
 class QueryResultBody(_QueryResultFields, total=False):  # probe -> client; ok: one buffer, the answer
+    # targeted, answered, pruned: rank ranges as text ('0-4095,4100'); failed: reason -> rank
+    # ranges; partial, elapsed_ms, bytes_shipped, plan, explain, profile (a client expands them)
     coverage: dict
     error: dict  # code, message, line, col
     explain: str
@@ -180,7 +182,7 @@ class QueryResultBody(_QueryResultFields, total=False):  # probe -> client; ok: 
 class _SubqueryFields(TypedDict):
     qid: str
     deadline: float
-    ranks: list
+    ranks: str  # the ranks asked below, as rank ranges: '0-4095,4100'
 
 
 class SubqueryBody(_SubqueryFields, total=False):  # parent -> child
@@ -192,8 +194,8 @@ class SubqueryBody(_SubqueryFields, total=False):  # parent -> child
 class _SubresultFields(TypedDict):
     qid: str
     status: str
-    answered: list
-    failed: dict
+    answered: str  # rank ranges, as ``ranks`` of the subquery
+    failed: dict  # reason -> the rank ranges that failed so (a rack of dead ranks is one entry)
     scans: list  # names of the scans, one buffer each (a partial: Arrow IPC, or packed when tiny)
 
 

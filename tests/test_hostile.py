@@ -51,7 +51,7 @@ def test_long_parts_travel_in_frames_of_at_most_one_mib():
     a = wire.Codec(KEY, "a", "ia")
     b = wire.Codec(KEY, "b", "ib")
     big = bytes(range(256)) * (5 * 2**20 // 256 + 7)
-    frames = a.encode(wire.Message("subresult", {"qid": "q", "status": "ok", "answered": [1], "failed": {},
+    frames = a.encode(wire.Message("subresult", {"qid": "q", "status": "ok", "answered": "1", "failed": {},
                                                  "scans": ["s", "t"]}, (big, b"")))
     assert max(map(len, frames)) <= wire.Limits().max_frame_bytes and len(frames) == 3 + 1 + 6 + 1
     env = b.decode(frames)
@@ -61,7 +61,7 @@ def test_long_parts_travel_in_frames_of_at_most_one_mib():
 def test_damaged_chunked_messages_are_rejected():
     a = wire.Codec(KEY, "a", "ia")
     b = wire.Codec(KEY, "b", "ib")
-    frames = a.encode(wire.Message("subresult", {"qid": "q", "status": "ok", "answered": [], "failed": {},
+    frames = a.encode(wire.Message("subresult", {"qid": "q", "status": "ok", "answered": "", "failed": {},
                                                  "scans": ["s"]}, (b"x" * (3 * 2**20),)))
     for bad, reason in [(frames[:-1], "bad_signature"), (frames + [b""], "bad_signature"),
                         (frames[:5] + [frames[5][:10], frames[5][10:]] + frames[6:], "bad_signature"),  # re-split

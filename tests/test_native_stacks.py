@@ -230,8 +230,10 @@ class _Broker:
 
     rank, tier, ships_to_parent, incarnation = 2, "broker", False, "i"
 
-    def hops(self, ranks):
-        return {r: (3, b"r3") for r in ranks if r == 3}
+    def routes(self):
+        from kernel_probe.rank_lists import RankRanges
+
+        return {3: (b"r3", RankRanges(((3, 3),)))}
 
     def child_rank(self, rid):
         return 3 if rid == b"r3" else None
@@ -249,7 +251,7 @@ def test_the_fan_out_carries_the_option_down_and_into_the_scan(native):
     from kernel_probe.query_fanout import QueryFanOut
     from kernel_probe.wire import Envelope, Header, Message
 
-    body = {"qid": "q1", "plan": {"final": "SELECT 1", "scans": []}, "deadline": 10.0, "ranks": [2, 3]}
+    body = {"qid": "q1", "plan": {"final": "SELECT 1", "scans": []}, "deadline": 10.0, "ranks": "2-3"}
     if native:
         body["native"] = True
     effects = QueryFanOut(_Broker()).on_subquery(

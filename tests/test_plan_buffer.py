@@ -11,6 +11,7 @@ from kernel_probe import wire
 from kernel_probe.effects import PARENT, RunSqlTask, Send
 from kernel_probe.query_fanout import PLAN_MEMO, QueryFanOut
 from kernel_probe.query_tasks import RankScan
+from kernel_probe.rank_lists import RankRanges
 from kernel_probe.wire import Envelope, Header, Message
 
 PLAN = {"mode": "partial-aggregate", "final": "SELECT sum(n) AS n FROM s0",
@@ -22,8 +23,8 @@ class _Broker:  # rank 2, the broker of its node, with ranks 3 and 4 below it
     rank, incarnation, tier = 2, "i2", "broker"
     ships_to_parent = False
 
-    def hops(self, ranks: list[int]):
-        return {r: (r, f"r{r}".encode()) for r in ranks if r in (3, 4)}
+    def routes(self):
+        return {r: (f"r{r}".encode(), RankRanges(((r, r),))) for r in (3, 4)}
 
     def child_rank(self, rid: bytes):
         return {b"r3": 3, b"r4": 4}.get(rid)
@@ -36,7 +37,7 @@ class _Broker:  # rank 2, the broker of its node, with ranks 3 and 4 below it
 
 
 def _subquery(qid: str, buffer: bytes | None, plan: dict | None = None) -> Envelope:
-    body = {"qid": qid, "deadline": 10.0, "ranks": [2, 3, 4]}
+    body = {"qid": qid, "deadline": 10.0, "ranks": "2-4"}
     if plan is not None:
         body["plan"] = plan
     msg = Message("subquery", body, () if buffer is None else (buffer,))
@@ -75,7 +76,7 @@ def test_a_buffer_that_is_not_a_plan_fails_its_ranks_with_a_reason(buffer: bytes
     fan = QueryFanOut(_Broker())
     (answer,) = fan.on_subquery(_subquery("q1", buffer), 0.0)
     assert answer.to is PARENT and answer.msg.type == "subresult"
-    assert answer.msg.body["failed"] == {"2": "a malformed plan", "3": "a malformed plan", "4": "a malformed plan"}
+    assert answer.msg.body["failed"] == {"a malformed plan": "2-4"}
     assert not fan.queries and not fan._plans
 
 

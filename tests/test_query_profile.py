@@ -42,12 +42,14 @@ def test_each_hop_splits_its_transfer_into_the_way_down_and_the_way_up() -> None
 
 def test_a_malformed_child_profile_costs_only_its_details() -> None:
     t = HopTiming()
-    for garbage in (None, "x", [1], {"scans": {"a": "b"}}, {"merges": [{"rank": "?"}]}, {"hops": 5},
-                    {"elapsed_ms": "soon"}, {"scans": {"3": 1.5}, "elapsed_ms": 2.0}):
+    for garbage in (None, "x", [1], {"scan": {"n": "a"}}, {"scan": {"n": 1, "slowest": [3, 1.5], "q": [1.5, "x"]}},
+                    {"scan": {"n": 2, "slowest": [3, 1.5], "q": [float("inf"), 1]}}, {"merges": [{"rank": "?"}]},
+                    {"hops": 5}, {"elapsed_ms": "soon"},
+                    {"scan": {"n": 1, "slowest": [3, 1.5], "q": [1.5, 1]}, "elapsed_ms": 2.0}):
         t.absorb(0, 3, garbage, rtt_ms=4.0)
-    assert t.scans == {3: 1.5}
+    assert t.scans.n == 1 and t.scans.median() == 1.5 and t.scans.slowest == (1.5, 3)
     assert t.hops[-1] == {"parent": 0, "child": 3, "rtt_ms": 4.0, "transfer_ms": 2.0}
-    assert len(t.hops) == 8  # every answer counts its hop, whatever its profile
+    assert len(t.hops) == 10  # every answer counts its hop, whatever its profile
     summary = t.summary(10.0, 100)
     assert summary["scan"] == {"ranks": 1, "median_ms": 1.5, "slowest_ms": 1.5, "slowest_rank": 3, "scanned_by": {}}
 
@@ -56,6 +58,7 @@ def test_a_malformed_child_profile_costs_only_its_details() -> None:
 
 from kernel_probe.effects import PARENT, RunSqlTask, Send  # noqa: E402
 from kernel_probe.query_tasks import Finish, Merge, RankScan  # noqa: E402
+from kernel_probe.rank_lists import RankRanges  # noqa: E402
 from kernel_probe.query_fanout import QueryFanOut  # noqa: E402
 from kernel_probe.wire import Envelope, Header, Message  # noqa: E402
 
@@ -68,8 +71,8 @@ class _Broker:  # rank 2, the broker of its node, with rank 3 below it
     rank, incarnation, tier = 2, "i2", "broker"
     ships_to_parent = False
 
-    def hops(self, ranks: list[int]):
-        return {3: (3, b"r3")} if 3 in ranks else {}
+    def routes(self):
+        return {3: (b"r3", RankRanges(((3, 3),)))}
 
     def child_rank(self, rid: bytes):
         return 3 if rid == b"r3" else None
@@ -88,11 +91,11 @@ def _env(kind: str, body: dict, buffers: tuple = ()) -> Envelope:
 def _broker_answer(child_body: dict, own_rows: list[int], above: int | None = 4096) -> list:
     fan = QueryFanOut(_Broker())
     fan.merge_above_rows = above
-    effects = fan.on_subquery(_env("subquery", {"qid": "q1", "plan": PLAN, "deadline": 10.0, "ranks": [2, 3]}), 0.0)
+    effects = fan.on_subquery(_env("subquery", {"qid": "q1", "plan": PLAN, "deadline": 10.0, "ranks": "2-3"}), 0.0)
     (own,) = [e for e in effects if isinstance(e, RunSqlTask)]
     assert isinstance(own.task, RankScan)
     assert fan.on_sql_task_done(own.task_id, {"scans": ["s0"], "buffers": [b"own"], "rows": own_rows}, 0.001) == []
-    body = {"qid": "q1", "status": "ok", "answered": [3], "failed": {}, "scans": ["s0"], **child_body}
+    body = {"qid": "q1", "status": "ok", "answered": "3", "failed": {}, "scans": ["s0"], **child_body}
     return fan.on_subresult(b"r3", _env("subresult", body, (b"child",)), 0.002)
 
 
@@ -102,7 +105,7 @@ def test_a_broker_relays_small_partials_without_a_merge_task() -> None:
     body = send.msg.body
     assert body["scans"] == ["s0", "s0"] and body["parts"] == [1, 1] and body["rows"] == [1, 1]
     assert sorted(send.msg.buffers) == [b"child", b"own"]
-    assert body["answered"] == [2, 3] and body["failed"] == {}
+    assert body["answered"] == "2-3" and body["failed"] == {}
     assert body["bytes_below"] == len(b"child") and body["profile"]["merges"] == []
 
 
@@ -120,8 +123,8 @@ def test_the_parent_takes_a_relayed_answer_as_its_parts() -> None:
     class Root(_Broker):
         rank, tier = 0, "root"
 
-        def hops(self, ranks: list[int]):
-            return {r: (2, b"r2") for r in ranks if r in (2, 3)}
+        def routes(self):
+            return {2: (b"r2", RankRanges(((2, 3),)))}
 
         def child_rank(self, rid: bytes):
             return 2 if rid == b"r2" else None

@@ -10,6 +10,7 @@ import dataclasses
 import pyarrow as pa
 import pytest
 
+from kernel_probe.rank_lists import RankRanges
 from kernel_probe.config import Settings
 from kernel_probe.effects import PARENT, RunSqlTask, Send
 from kernel_probe.query_fanout import QueryFanOut
@@ -129,9 +130,11 @@ class _Tree:
         self.rank, self.tier, self.ships_to_parent, self._children = rank, tier, ships, children
         self._via = via or {}  # rank -> the child it is reached through (default: itself)
 
-    def hops(self, ranks: list[int]):
-        rid_of = {r: rid for rid, r in self._children.items()}
-        return {r: (self._via.get(r, r), rid_of[self._via.get(r, r)]) for r in ranks if self._via.get(r, r) in rid_of}
+    def routes(self):
+        out = {r: (rid, RankRanges(((r, r),))) for rid, r in self._children.items()}
+        for r, hop in self._via.items():
+            out[hop] = (out[hop][0], out[hop][1] | RankRanges(((r, r),)))
+        return out
 
     def child_rank(self, rid: bytes):
         return self._children.get(rid)
@@ -148,7 +151,7 @@ def _env(kind: str, body: dict, buffers: tuple = ()) -> Envelope:
 
 
 def _subquery(ranks: list[int]) -> Envelope:
-    return _env("subquery", {"qid": "q1", "plan": PLAN, "deadline": 10.0, "ranks": ranks})
+    return _env("subquery", {"qid": "q1", "plan": PLAN, "deadline": 10.0, "ranks": str(RankRanges.of(ranks))})
 
 
 @pytest.mark.parametrize("ships", [True, False])
@@ -167,7 +170,7 @@ def test_a_leaf_answers_with_its_tables_and_leaves_the_answering_to_its_parent()
                                                   "ship": {"tags": LEAF_TAGS}}, 0.001)
     assert isinstance(send, Send) and send.to is PARENT
     assert send.msg.body["ship"] == {"tags": LEAF_TAGS} and send.msg.body["scans"] == ["t"]
-    assert send.msg.body["answered"] == [] and send.msg.buffers == (b"table",)
+    assert send.msg.body["answered"] == "" and send.msg.buffers == (b"table",)
     assert fan.queries == {}
 
 
@@ -176,7 +179,7 @@ def _broker_with_shipped_leaf() -> tuple[QueryFanOut, RunSqlTask]:
     effects = fan.on_subquery(_subquery([2, 3]), 0.0)
     (own,) = [e for e in effects if isinstance(e, RunSqlTask)]
     assert fan.on_sql_task_done(own.task_id, {"scans": ["s0"], "buffers": [b"own"], "rows": [1]}, 0.001) == []
-    body = {"qid": "q1", "status": "ok", "answered": [], "failed": {}, "scans": ["t"], "ship": {"tags": LEAF_TAGS}}
+    body = {"qid": "q1", "status": "ok", "answered": "", "failed": {}, "scans": ["t"], "ship": {"tags": LEAF_TAGS}}
     (scan,) = fan.on_subresult(b"r3", _env("subresult", body, (b"table",)), 0.002)
     assert isinstance(scan, RunSqlTask) and isinstance(scan.task, ShippedScan)
     assert scan.task.tables == ["t"] and scan.task.buffers == [b"table"] and scan.task.tags == LEAF_TAGS
@@ -188,30 +191,31 @@ def test_a_broker_scans_what_its_leaf_shipped_then_answers_for_both() -> None:
     fan, scan = _broker_with_shipped_leaf()
     (send,) = fan.on_sql_task_done(scan.task_id, {"scans": ["s0"], "buffers": [b"leaf"], "rows": [1], "ms": 2.5}, 0.004)
     body = send.msg.body
-    assert body["answered"] == [2, 3] and body["failed"] == {} and "ship" not in body
+    assert body["answered"] == "2-3" and body["failed"] == {} and "ship" not in body
     assert sorted(send.msg.buffers) == [b"leaf", b"own"]  # relayed: two small partials
-    assert body["profile"]["scans"]["3"] == 2.5 and body["profile"]["scanned_by"] == {"3": 2}
+    assert body["profile"]["scan"]["n"] == 2 and 2.5 in body["profile"]["scan"]["q"][::2]
+    assert body["profile"]["scanned_by"] == {"3": 2}
     assert body["bytes_below"] == len(b"table")
 
 
 def test_a_shipped_scan_that_fails_or_overruns_fails_that_rank_alone() -> None:
     fan, scan = _broker_with_shipped_leaf()
     (send,) = fan.on_sql_task_done(scan.task_id, {"error": {"code": "error", "message": "Binder Error: boom"}}, 0.004)
-    assert send.msg.body["answered"] == [2] and send.msg.body["failed"] == {"3": "Binder Error: boom"}
+    assert send.msg.body["answered"] == "2" and send.msg.body["failed"] == {"Binder Error: boom": "3"}
     fan, scan = _broker_with_shipped_leaf()
     (send,) = fan.on_timer(20.0)
-    assert send.msg.body["answered"] == [2] and send.msg.body["failed"] == {"3": "timeout"}
+    assert send.msg.body["answered"] == "2" and send.msg.body["failed"] == {"timeout": "3"}
     assert fan.on_sql_task_done(scan.task_id, {"scans": ["s0"], "buffers": [b"late"]}, 21.0) == []
 
 
 def test_tables_shipped_by_a_hop_that_answers_for_others_are_not_scanned() -> None:
     fan = QueryFanOut(_Tree(0, "root", False, {b"r2": 2}, via={3: 2}))  # rank 3 is reached through broker 2
     fan.on_subquery(_subquery([2, 3]), 0.0)
-    body = {"qid": "q1", "status": "ok", "answered": [], "failed": {}, "scans": ["t"], "ship": {"tags": LEAF_TAGS}}
+    body = {"qid": "q1", "status": "ok", "answered": "", "failed": {}, "scans": ["t"], "ship": {"tags": LEAF_TAGS}}
     effects = fan.on_subresult(b"r2", _env("subresult", body, (b"table",)), 0.002)
     assert not any(isinstance(e, RunSqlTask) for e in effects)
     (send,) = effects
-    assert send.msg.body["failed"] == {"2": "no answer", "3": "no answer"}
+    assert send.msg.body["failed"] == {"no answer": "2-3"}
 
 
 def test_tables_shipped_with_malformed_tags_fail_that_rank_with_a_clear_error() -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .. import wire
 from ..membership import record
-from ..rank_lists import RankRanges, by_text, groups_text, parse_ranks
+from ..rank_lists import MAX_RANKS_UNKNOWN, RankRanges, ReasonRanges, by_text, groups_text, parse_ranks, wire_ranks
 from ..tables import arrow_ipc
 from .errors import AuthError, ProbeError, QueryFailed, Refused
 
@@ -179,10 +179,35 @@ def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | 
             "ranks": wanted, "params": dict(params) if params else None}
 
 
+def expand_coverage(coverage: Any) -> dict:
+    """A coverage as the probe sends it (``targeted``, ``answered``, ``pruned`` as rank ranges
+    '0-4095,4100'; ``failed`` as reason -> rank ranges) as a client reads it: sorted lists of
+    ranks, and ``failed`` as {"rank": reason}; the rest as it came. A list stays a list."""
+    if not isinstance(coverage, dict):
+        return {}
+    out = dict(coverage)
+    for key in ("targeted", "answered", "pruned"):
+        value = coverage.get(key)
+        if isinstance(value, str):
+            try:
+                out[key] = list(wire_ranks(value, MAX_RANKS_UNKNOWN).ranks())
+            except ValueError:
+                out[key] = []
+    if "failed" in coverage:
+        failed = ReasonRanges()
+        for reason, text in (coverage["failed"] if isinstance(coverage["failed"], dict) else {}).items():
+            try:
+                failed.add(wire_ranks(text, MAX_RANKS_UNKNOWN), str(reason))
+            except ValueError:
+                continue
+        out["failed"] = {str(r): reason for r, reason in failed.items()}
+    return out
+
+
 def query_result(env: wire.Envelope, *, strict: bool, explain: bool) -> "QueryResult":
     """The answer to a ``query`` as a ``QueryResult``, or the ``QueryFailed`` it means."""
     reply = env.msg.body
-    coverage = reply.get("coverage") or {}
+    coverage = expand_coverage(reply.get("coverage") or {})
     if reply.get("status") != "ok":
         err = reply.get("error") or {}
         raise QueryFailed(error_line(err), code=err.get("code", "error"), line=err.get("line"),

@@ -463,6 +463,14 @@ class Registry:
         m = self._members.get(rank)
         return None if m is None else m.via
 
+    def vias(self) -> list[tuple[int, int | None]]:
+        """(rank, the broker that vouched for it) of every member, uncopied, in no order."""
+        return [(r, m.via) for r, m in self._members.items()]
+
+    def states(self) -> list[tuple[int, str]]:
+        """(rank, state) of every member, uncopied, in no order."""
+        return [(r, m.state) for r, m in self._members.items()]
+
     def members(self) -> list[Member]:
         """Copies, sorted by rank."""
         return [replace(self._members[r]) for r in sorted(self._members)]

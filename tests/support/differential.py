@@ -104,7 +104,8 @@ class SimCluster:
 
     def query(self, sql: str, *, per_rank: bool = False, params: dict | None = None,
               timeout: float = 30.0) -> tuple[dict, Any]:
-        """(coverage, Arrow table); ``SimQueryError`` when the root refuses or fails."""
+        """(coverage as a client reads it, Arrow table); ``SimQueryError`` when the root refuses or fails."""
+        from kernel_probe.client.results import expand_coverage
         from kernel_probe.tables import arrow_ipc
 
         env = self.sim.query(sql, timeout=timeout, per_rank=per_rank, params=params)
@@ -112,7 +113,7 @@ class SimCluster:
         if body.get("status") != "ok":
             err = body.get("error") or {}
             raise SimQueryError(err.get("code", "error"), err.get("message", ""))
-        return body["coverage"], arrow_ipc.ipc_to_table(env.msg.buffers[0])
+        return expand_coverage(body["coverage"]), arrow_ipc.ipc_to_table(env.msg.buffers[0])
 
 
 def _norm(v: Any) -> Any:

@@ -387,6 +387,8 @@ class SqlWork:
         p, plan = known
         if task.local:
             return {"plan": plan, "targets": [task.self_rank], "pruned": [], "unavailable": {}}
+        if task.members is None:  # the plan alone: the fan-out picks the ranks, or asks again with members to prune
+            return {"plan": plan, "prunes": p.prune is not None and any(sc.where == "ranks" for sc in p.scans)}
         members = task.members
         if task.ranks is not None:
             wanted = set(task.ranks)

@@ -1,0 +1,147 @@
+"""The root's work per query is bounded by its own children, never by the ranks below them.
+
+Counted, not timed: through the in-process simulator (the real cores, codec and SQL) at two
+job sizes whose roots have the same children, what the root decodes of its children's answers
+(rank sets, failures, the profile's scan times and shipping leaves) and what its coverage
+carries must not grow with the job; which children reach which ranks is worked out once per
+membership version; the planner gets the members only for a query that prunes on their tags;
+a rack that does not answer is one failure entry, not one per rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pyarrow as pa
+import pytest
+
+from kernel_probe.client.results import expand_coverage
+from kernel_probe.config import Settings
+from kernel_probe.placement import subtree, tree_parent
+from kernel_probe.rank_lists import RankRanges, ReasonRanges, wire_ranks
+from kernel_probe.testing.sim import Simulation
+
+PER_NODE, FANOUT = 4, 4
+SMALL, LARGE = 64, 256  # nodes: 256 and 1024 ranks; the root has the same children at both
+GROUP_BY = "SELECT g, count(*) AS n, max(x) AS m FROM t GROUP BY g"
+
+
+def _tables(rank: int) -> dict:
+    return {"t": pa.table({"x": pa.array([rank * 4 + i for i in range(4)], pa.int64()),
+                           "g": pa.array([f"g{(rank + i) % 3}" for i in range(4)], pa.string())})}
+
+
+def _sim(nodes: int) -> Simulation:
+    sim = Simulation(nodes, PER_NODE, settings=dataclasses.replace(Settings(), fanout=FANOUT), record=False,
+                     tables=_tables)
+    sim.start_all()
+    assert sim.wait_for(sim.converged, 30.0, check_every=0.05) is not None
+    return sim
+
+
+def _root_hears(sim: Simulation, sql: str, timeout: float = 20.0, **options) -> tuple[list[dict], dict]:
+    """The subresult bodies the root decoded for one query, and the answer's body."""
+    fan = sim.core(0).fanout
+    bodies: list[dict] = []
+    take = fan.on_subresult
+
+    def heard(rid, env, now):
+        bodies.append(env.msg.body)
+        return take(rid, env, now)
+
+    fan.on_subresult = heard
+    try:
+        env = sim.query(sql, timeout=timeout, **options)
+    finally:
+        del fan.on_subresult
+    return bodies, env.msg.body
+
+
+def _rank_bytes(bodies: list[dict]) -> int:
+    """Bytes of what names ranks in the children's answers: rank sets, failures, the scan
+    times and the shipping leaves of their profiles."""
+    return sum(len(json.dumps([b["answered"], b["failed"], (b.get("profile") or {}).get("scan"),
+                               (b.get("profile") or {}).get("scanned_by")])) for b in bodies)
+
+
+@pytest.fixture(scope="module")
+def sims() -> dict[int, Simulation]:
+    out = {nodes: _sim(nodes) for nodes in (SMALL, LARGE)}
+    for sim in out.values():
+        sim.query(GROUP_BY, timeout=20.0)  # planned once, engines loaded
+    return out
+
+
+def test_the_root_decodes_as_much_at_1024_ranks_as_at_256(sims) -> None:
+    seen = {}
+    for nodes, sim in sims.items():
+        bodies, answer = _root_hears(sim, GROUP_BY)
+        coverage = answer["coverage"]
+        assert answer["status"] == "ok" and wire_ranks(coverage["answered"]).count == nodes * PER_NODE
+        seen[nodes] = (len(sim.core(0).children), len(bodies), _rank_bytes(bodies),
+                       len(json.dumps({k: v for k, v in coverage.items() if k != "profile"})))
+    (children, answers, rank_bytes, coverage_bytes), large = seen[SMALL], seen[LARGE]
+    assert large[:2] == (children, answers), seen  # the same children answer the root at both sizes
+    assert large[2] <= rank_bytes * 1.25 and large[3] <= coverage_bytes * 1.25, seen  # four times the ranks
+
+
+def test_which_child_reaches_which_ranks_is_worked_out_once_per_membership(sims) -> None:
+    core = sims[SMALL].core(0)
+    routes = core.routes()
+    assert sorted(r for _, below in routes.values() for r in below.ranks()) == list(range(1, SMALL * PER_NODE))
+    sims[SMALL].query(GROUP_BY, timeout=20.0)
+    assert core.routes() is routes and core.rank_states() is core.rank_states()
+
+
+def test_only_a_query_that_prunes_hands_the_planner_the_members(sims) -> None:
+    sim = sims[SMALL]
+    fan = sim.core(0).fanout
+    fan._prune_rows = None
+    sim.query("SELECT x, _rank FROM t ORDER BY x DESC LIMIT 3", timeout=20.0)  # names a tag, prunes nothing
+    assert fan._prune_rows is None
+    _, answer = _root_hears(sim, "SELECT count(*) AS n FROM t WHERE _rank < 5 OR _rank = 200")
+    coverage = expand_coverage(answer["coverage"])
+    assert coverage["targeted"] == [0, 1, 2, 3, 4, 200] and coverage["answered"] == coverage["targeted"]
+    assert coverage["pruned"] == [r for r in range(SMALL * PER_NODE) if r not in coverage["targeted"]]
+    assert fan._prune_rows is not None  # made once for this membership epoch
+    _, answer = _root_hears(sim, "SELECT count(*) AS n FROM t", ranks=[7, 9, 10, 11])
+    assert expand_coverage(answer["coverage"])["answered"] == [7, 9, 10, 11]
+
+
+def test_a_rack_that_does_not_answer_is_one_failure_entry() -> None:
+    sim = _sim(SMALL)
+    head = next(n for n in range(1, SMALL) if tree_parent(n, SMALL, FANOUT) is None)
+    rack = [r for n in subtree(head, SMALL, FANOUT) for r in range(n * PER_NODE, (n + 1) * PER_NODE)]
+    sim.query(GROUP_BY, timeout=20.0)
+    sim.cut(rack)
+    _, answer = _root_hears(sim, GROUP_BY, timeout=2.0)
+    failed = answer["coverage"]["failed"]
+    assert len(failed) == 1 and wire_ranks(next(iter(failed.values()))) == RankRanges.of(rack), failed
+    coverage = expand_coverage(answer["coverage"])
+    assert coverage["partial"] and sorted(map(int, coverage["failed"])) == rack
+    assert coverage["answered"] == [r for r in range(SMALL * PER_NODE) if r not in rack]
+
+
+def test_rank_ranges_algebra_matches_sets() -> None:
+    rng = random.Random(5)
+    for _ in range(500):
+        a, b = (set(rng.sample(range(80), rng.randint(0, 50))) for _ in range(2))
+        ra, rb = RankRanges.of(a), RankRanges.of(b)
+        assert set((ra | rb).ranks()) == a | b and set((ra & rb).ranks()) == a & b and set((ra - rb).ranks()) == a - b
+        assert ra.count == len(a) and all((r in ra) == (r in a) for r in range(-1, 82))
+        assert wire_ranks(str(ra)) == ra
+        failed, expected = ReasonRanges(), {}
+        for r in rng.sample(range(80), 10):
+            why = rng.choice(("dead", "timeout"))
+            failed.add(r, why)
+            expected.setdefault(r, why)  # a rank keeps the first reason given for it
+        failed.add(ra, "unreachable")
+        expected.update({r: "unreachable" for r in a if r not in expected})
+        assert dict(failed.items()) == expected and dict(ReasonRanges.from_wire(failed.to_wire()).items()) == expected
+
+
+@pytest.mark.parametrize("bad", ["1,", ",1", "a", "3-1", "1--2", " 1", "1_0", "-1", None, 5, ["1"]])
+def test_malformed_rank_ranges_from_a_peer_are_one_line_errors(bad) -> None:
+    with pytest.raises(ValueError):
+        wire_ranks(bad)
