@@ -46,7 +46,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from .effects import PARENT, Effect, RunSqlTask, Send
-from .membership import ALIVE, STALLED
 from .query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlTask, Warm
 from .rank_lists import NO_RANKS, RankRanges, ReasonRanges, wire_ranks
 from .wire import Envelope, Message, pack_json, unpack_json
@@ -63,7 +62,6 @@ PLAN_MEMO = 16  # plans a hop keeps parsed by their bytes (a dashboard asks the 
 PLAN_MEMO_MAX_BYTES = 64 * 1024  # a larger plan is parsed each time it comes
 SCAN_POINTS = 16  # points of the scan times' distribution a hop sends up (exact below this many ranks)
 ROWS_UP = 16  # merge and hop rows a hop sends up at most: its slowest (the root shows MAX_PROFILE_ROWS)
-LIVE = (ALIVE, STALLED)  # the states of a rank a query asks
 PRUNE_FIELDS = ("rank", "state", "node", "host", "local_rank", "role")  # what planning reads of a member
 
 
@@ -80,8 +78,9 @@ class Tree(Protocol):
         """For each direct child (by its rank): its routing id and the ranks reached through it
         (disjoint; known once per version of the membership and of the children)."""
 
-    def rank_states(self) -> dict[str, RankRanges]:
-        """The members' ranks by state (known once per membership epoch)."""
+    def rank_states(self) -> tuple[RankRanges, dict[str, RankRanges]]:
+        """The members a query asks (alive or stalled), and the others' ranks by their state
+        (known once per membership epoch)."""
 
     @property
     def ships_to_parent(self) -> bool:
@@ -426,14 +425,10 @@ class QueryFanOut:
         if not any(sc.get("where") == "ranks" for sc in (s.plan or {}).get("scans", ())):
             return NO_RANKS  # nothing is scanned on the ranks
         wanted = self._wanted(s)
-        live = NO_RANKS
-        for state, ranks in self.tree.rank_states().items():
-            chosen = ranks if wanted is None else ranks & wanted
-            if state in LIVE:
-                live = live | chosen
-            else:
-                s.failed.add(chosen, state)
-        return live
+        live, others = self.tree.rank_states()
+        for state, ranks in others.items():
+            s.failed.add(ranks if wanted is None else ranks & wanted, state)
+        return live if wanted is None else live & wanted
 
     def _after_plan(self, s: HopQuery, result: dict, now: float) -> list[Effect]:
         s.timing.plan_ms = round((now - s.started) * 1000.0, 3)

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from . import stimuli as st
 from .config import Identity, Settings
 from .effects import PARENT, ConnectParent, Effect, Note, Send, UnwatchPid, WatchPid
-from .membership import REPORT_FIELDS, Backoff, Member, Registry, Scope
+from .membership import ALIVE, REPORT_FIELDS, STALLED, Backoff, Member, Registry, Scope
 from .placement import Place, Placement, ancestors, failover_path, first_usable, subtree
 from .profile_plane import ProfilePlane
 from .query_fanout import QueryFanOut
@@ -376,14 +376,16 @@ class RankCore:
             self._routes = (version, {hop: (rid_of[hop], RankRanges.of(ranks)) for hop, ranks in below.items()})
         return self._routes[1]
 
-    def rank_states(self) -> dict[str, RankRanges]:
+    def rank_states(self) -> tuple[RankRanges, dict[str, RankRanges]]:
         view = self.view()
         version = (id(view), view.epoch)
         if self._rank_states is None or self._rank_states[0] != version:
-            by_state: dict[str, list[int]] = {}
+            live: list[int] = []
+            others: dict[str, list[int]] = {}
             for rank, state in view.states():
-                by_state.setdefault(state, []).append(rank)
-            self._rank_states = (version, {state: RankRanges.of(ranks) for state, ranks in by_state.items()})
+                (live if state in (ALIVE, STALLED) else others.setdefault(state, [])).append(rank)
+            self._rank_states = (version, (RankRanges.of(live),
+                                           {state: RankRanges.of(ranks) for state, ranks in others.items()}))
         return self._rank_states[1]
 
     @property

@@ -16,6 +16,7 @@ import dataclasses
 import pyarrow as pa
 import pytest
 
+from kernel_probe.client.results import expand_coverage
 from kernel_probe.config import Settings
 from kernel_probe.placement import ancestors, tree_depth, tree_parent
 from kernel_probe.tables import arrow_ipc
@@ -82,7 +83,7 @@ def covered(sim: Simulation, timeout: float = 60.0) -> list[int]:
     """The ranks a count over the job answered for; the count must agree with them."""
     env = sim.query("SELECT count(*) AS n, sum(x) AS s FROM t", timeout=timeout)
     assert env.msg.body["status"] == "ok", env.msg.body
-    cov = env.msg.body["coverage"]
+    cov = expand_coverage(env.msg.body["coverage"])
     rows = arrow_ipc.ipc_to_table(env.msg.buffers[0]).to_pylist()
     answered = cov["answered"]
     assert rows == [{"n": 2 * len(answered), "s": sum(2 * r + 1000 for r in answered)}]
