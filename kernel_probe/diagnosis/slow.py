@@ -47,6 +47,7 @@ SHARE_OVER_BASELINE = 0.15  # ... and this much more often than the typical rank
 MAX_CHANCE = 1e-3  # ... and that often late by chance (at the others' rate) less likely than this
 MIN_EPISODES = 3  # ... in this many separate runs of late steps, unless late in most of them: a loaded
 CHRONIC_SHARE = 0.5  # machine deschedules one process for a burst of steps, and a burst is one event
+UNEXPLAINED_LATE_OF_STEP = 0.5  # a rank late now and then with no measured cause: named when by this share of a step
 MIN_CHANGE = 0.5  # a slowdown: the step time rose by at least this share ...
 MIN_CHANGE_MS = 10.0  # ... and this many milliseconds ...
 MIN_AFTER_SEC = 60.0  # ... and has lasted this long ...
@@ -580,7 +581,9 @@ def analyse(steps: Sequence[Mapping[str, Any]], collectives: Sequence[Mapping[st
         checked.append(f"host load and CPU of {ranks_text(host_by_rank)}")
 
     if late and n:
-        findings += _stragglers(late, wins, scores, host_by_rank, margin, step_ms, how, window)
+        named, unnamed = _stragglers(late, wins, scores, host_by_rank, margin, step_ms, how, window)
+        findings += named
+        checked += unnamed
     if change is not None:
         where = (f"; {ranks_text(change.ranks)} changed first" if change.ranks else "")
         where += f" (host {', '.join(change.hosts)})" if change.hosts else ""
@@ -619,7 +622,12 @@ def _late_by_own_time(wins: Mapping[int, RankWindow], margin: float) -> tuple[li
 
 def _stragglers(late: list[int], wins: Mapping[int, RankWindow], scores: Mapping[int, Arrival],
                 host: Mapping[int, Mapping[str, Any]], margin: float, step_ms: float | None, how: str,
-                window: int) -> list[Finding]:
+                window: int) -> tuple[list[Finding], list[str]]:
+    """The straggler findings, and what was seen but is not named: a rank late now and then
+    (in under ``CHRONIC_SHARE`` of the steps), by under ``UNEXPLAINED_LATE_OF_STEP`` of a step,
+    that no measured figure explains. A loaded machine (the verdict's own queries among its load)
+    delays one rank's steps now and then by a fraction of a step; a rank late in most steps, or by
+    much, is named whatever its cause, one late now and then by little only with its cause."""
     victims = sorted(r for r in wins if r not in late)
     others = [wins[r] for r in victims] or [w for r, w in wins.items() if r not in late]
     causes: dict[int, Cause] = {}
@@ -633,7 +641,17 @@ def _stragglers(late: list[int], wins: Mapping[int, RankWindow], scores: Mapping
     # straggler) has no cause of its own: where some late ranks have one, they are the culprits
     explained = [r for r in causes if causes[r].own]
     culprits = explained or [r for r in causes]
-    knock_on = sorted(set(causes) - set(culprits))
+    unnamed = [] if explained else [
+        r for r in culprits if r in scores and scores[r].share < CHRONIC_SHARE
+        and scores[r].mean_late_ms < UNEXPLAINED_LATE_OF_STEP * (step_ms or 0.0)]
+    shares = sorted(scores[r].share for r in unnamed)
+    share = _pct(shares[0]) if shares and shares[0] == shares[-1] else f"{_pct(shares[0])[:-2]}–{_pct(shares[-1])}" \
+        if shares else ""
+    notes = [f"{ranks_text(unnamed)} late in {share} of the {scores[unnamed[0]].unit} with no measured cause: "
+             f"not named a straggler (late in under {_pct(CHRONIC_SHARE)} of them, by under "
+             f"{UNEXPLAINED_LATE_OF_STEP:g} of a step)"] if unnamed else []
+    culprits = [r for r in culprits if r not in unnamed]
+    knock_on = sorted(set(causes) - set(culprits) - set(unnamed))
     out: list[Finding] = []
     by_category: dict[str | None, list[int]] = defaultdict(list)
     for r in culprits:
@@ -672,7 +690,7 @@ def _stragglers(late: list[int], wins: Mapping[int, RankWindow], scores: Mapping
                                 for r in ranks if r in scores)
                     + f"; {c.evidence}")
         out.append(Finding("straggler", tuple(ranks), None, None, detail, evidence))
-    return out
+    return out, notes
 
 
 def _joined(ranks: Sequence[int], causes: Mapping[int, Cause]) -> str:
