@@ -40,7 +40,7 @@ def mapped(pid: int, libs: tuple[str, ...] = ("_psutil_linux", "/pandas/")) -> s
     return {lib for lib in libs if lib in maps}
 
 
-IDLE_SEC = 3.0
+IDLE_SEC = 6.0  # long enough that a loaded machine answers the query before an engine idles out
 
 
 def test_engine_processes_end_once_queries_stop_and_leaves_load_no_engine(launch, runtime_dir):

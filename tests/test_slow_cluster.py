@@ -19,7 +19,7 @@ import kernel_probe
 
 from .conftest import wait_for
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.serial]  # verdicts on wall-clock arrival and step times: other jobs' load skews both
 WORKER = str(Path(__file__).parent / "workers" / "slow_worker.py")
 WINDOW = 30  # steps: the verdict reads each rank's newest WINDOW steps, so scenarios switch fast
 
