@@ -291,7 +291,7 @@ def test_cluster_panel_in_chromium(name, base_url, worker, stack_file, tmp_path)
                 # click a rank: its current stack
                 page.click("#probing-cluster .pm-Cluster-rank[data-rank='2']")
                 stack = page.locator("#probing-cluster .pm-Cluster-stack[data-rank='2']")
-                expect(stack.locator(".pm-Cluster-frame").first).to_be_visible()
+                expect(stack.locator(".pm-Cluster-frame").first).to_be_visible(timeout=20_000)  # a query on a loaded machine
                 expect(stack).to_contain_text(stack_file)
                 light_bg = page.evaluate("getComputedStyle(document.querySelector('#probing-cluster'))"
                                          ".backgroundColor")
