@@ -82,6 +82,11 @@ def _pct(share: float) -> str:
     return f"{share * 100:.0f} %"
 
 
+def _pct_span(shares: Sequence[float]) -> str:
+    low, high = min(shares), max(shares)
+    return _pct(low) if _pct(low) == _pct(high) else f"{_pct(low)[:-2]}–{_pct(high)}"
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -644,10 +649,8 @@ def _stragglers(late: list[int], wins: Mapping[int, RankWindow], scores: Mapping
     unnamed = [] if explained else [
         r for r in culprits if r in scores and scores[r].share < CHRONIC_SHARE
         and scores[r].mean_late_ms < UNEXPLAINED_LATE_OF_STEP * (step_ms or 0.0)]
-    shares = sorted(scores[r].share for r in unnamed)
-    share = _pct(shares[0]) if shares and shares[0] == shares[-1] else f"{_pct(shares[0])[:-2]}–{_pct(shares[-1])}" \
-        if shares else ""
-    notes = [f"{ranks_text(unnamed)} late in {share} of the {scores[unnamed[0]].unit} with no measured cause: "
+    notes = [f"{ranks_text(unnamed)} late in {_pct_span([scores[r].share for r in unnamed])} of the "
+             f"{scores[unnamed[0]].unit} with no measured cause: "
              f"not named a straggler (late in under {_pct(CHRONIC_SHARE)} of them, by under "
              f"{UNEXPLAINED_LATE_OF_STEP:g} of a step)"] if unnamed else []
     culprits = [r for r in culprits if r not in unnamed]
