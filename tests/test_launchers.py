@@ -238,6 +238,9 @@ def test_processes_that_never_become_ranks_start_no_probe(start, runtime_dir, tm
     proc = start([PY, str(script), method], stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=180)
     assert out.split("\n")[:2] == ["self True", "child None"]
+
+
+def test_a_task_of_mpirun_or_srun_that_never_joins_starts_no_probe(start, runtime_dir):
     # one task of mpirun or srun that never calls init_process_group: no probe, no job, even well past
     # the moment a script alone becomes a job of one (the same script without them does, the control)
     watch = (f"import sys, time; end = time.monotonic() + {3 * SOLO_DELAY_SEC + 2}; kp = sys.modules.get('kernel_probe')\n"
