@@ -30,17 +30,17 @@ lab: install
 
 # Three workers, a test module each at a time (its shared jobs stay in one process), the modules that
 # start jobs first (tests/conftest.py): the jobs mostly wait, so two cores run three modules at once.
-# Beside them, one more pytest at lower priority runs the tests that start no process: they use the
-# CPU the jobs leave idle (its report follows the first part's). Then the `serial` tests, alone
-# (latency and resource bounds). Every part always runs; exit status 5 (nothing selected, e.g.
-# PYTEST_ARGS=one file) is fine.
+# Beside them, one more pytest runs the tests that start no process (about two minutes of CPU) on the
+# CPU the jobs leave idle (not niced: a busy machine would starve them); its report follows the first
+# part's. Then the `serial` tests, alone (latency and resource bounds). Every part always runs; exit
+# status 5 (nothing selected, e.g. PYTEST_ARGS=one file) is fine.
 # Bytecode is written even where the environment says not to: each pytest run rewrites and compiles
 # every test module otherwise (about 5 s of CPU a run), and every rank its test helpers.
 TEST_WORKERS ?= 3
 NO_PROCESS := not processes and not cluster
 test: install chromium openmpi slurm
 	@export PYTHONDONTWRITEBYTECODE=; report=$$(mktemp); \
-	nice -n 5 $(PY) -m pytest -p no:cacheprovider -m "$(NO_PROCESS) and not serial" $(PYTEST_ARGS) >$$report 2>&1 & \
+	$(PY) -m pytest -p no:cacheprovider -m "$(NO_PROCESS) and not serial" $(PYTEST_ARGS) >$$report 2>&1 & \
 	pure=$$!; \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not ($(NO_PROCESS)) and not serial" $(PYTEST_ARGS); a=$$?; \
 	wait $$pure; p=$$?; echo "--- the tests that start no process (beside the first part):"; cat $$report; rm -f $$report; \
