@@ -197,6 +197,22 @@ def _where(result: Any) -> str:
             f"        {client} · hops down/up {split or '-'}")
 
 
+def _split(runs: list) -> str:
+    """The median of each part of our calls (by the client's clock and the answering probe's
+    wall-clock stamps, one machine: one clock): to the probe, at it, back and decoded, the
+    DataFrame; empty where a probe sent no stamps."""
+    parts: dict[str, list[float]] = {"to the probe": [], "at it": [], "back and decode": [], "DataFrame": []}
+    for r in runs:
+        profile = r.coverage.get("profile") or {}
+        if "received_at" not in profile:
+            return ""
+        t0, t1, t2 = r.asked
+        for name, ms in zip(parts, (profile["received_at"] - t0, profile["answered_at"] - profile["received_at"],
+                                    t1 - profile["answered_at"], t2 - t1)):
+            parts[name].append(ms * 1000)
+    return " · ".join(f"{name} {statistics.median(v):.2f}" for name, v in parts.items()) + " ms"
+
+
 def _p(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -267,6 +283,9 @@ def side_by_side(client: Any, rc: Any, qs: list, opts: Options, run_no: int) -> 
               f"{_p(b, .9):7.1f} {ratio:9.2f}  {_routes(runs)}")
         median_run = runs[sorted(range(reps), key=a.__getitem__)[reps // 2]]
         print(f"      ours, median run: {_where(median_run)}")
+        split = _split(runs)
+        if split:
+            print(f"      ours, median of each part over the {reps} calls: {split}")
     if opts.only:
         return ratios
 

@@ -34,6 +34,13 @@ class Ring:
                 continue
         return list(rows.copy())
 
+    def newest(self) -> object:
+        """The row appended last, or None: one read, atomic under the GIL (no copy of the ring)."""
+        try:
+            return self._rows[-1]
+        except IndexError:
+            return None
+
     def clear(self) -> None:
         self._rows.clear()
 

@@ -81,7 +81,8 @@ def _blocks_frame(rows: list[dict], declared: tuple[record.Column, ...]) -> "pd.
     return create_dataframe_from_blocks(blocks, index=pd.RangeIndex(n), columns=columns)
 
 
-_COLUMN_INDEX: dict[tuple, Any] = {}
+_COLUMN_INDEX: dict[tuple, Any] = {}  # the columns (declared, or names) -> their Index
+_COLUMN_INDEX_KEPT = 256
 
 
 _TIMES: dict[tuple, Any] = {}
@@ -256,6 +257,72 @@ def describe_failures(coverage: dict) -> str:
     return f"{len(failed)} of {len(coverage.get('targeted') or [])} ranks failed: {groups_text(said, noun='reasons')}"
 
 
+def answer_frame(table: Any) -> "pd.DataFrame":
+    """``table.to_pandas(split_blocks=True)`` (a block per column: no consolidation copy), the
+    same frame; a table of numbers without NULLs and of text is built from its columns directly
+    (``_columns_frame``): pyarrow's conversion reads its pandas metadata and checks every block
+    first, half of a one-rank answer's time at the client."""
+    fast = _columns_frame(table)
+    return fast if fast is not None else table.to_pandas(split_blocks=True)
+
+
+_STR_DTYPE: list = []  # what to_pandas makes of Arrow text here: [an ExtensionDtype, or None]
+
+
+def _str_dtype() -> Any:
+    """The pandas dtype ``to_pandas`` gives an Arrow string column (pandas' default text, e.g.
+    ``str``), asked of pyarrow once; None where that is not an extension dtype (object columns)."""
+    if not _STR_DTYPE:
+        import pandas as pd
+        import pyarrow as pa
+
+        dtype = pa.table({"s": pa.array(["x"])}).to_pandas(split_blocks=True)["s"].dtype
+        _STR_DTYPE.append(dtype if isinstance(dtype, pd.api.extensions.ExtensionDtype)
+                          and hasattr(dtype, "__from_arrow__") else None)
+    return _STR_DTYPE[0]
+
+
+def _columns_frame(table: Any) -> "pd.DataFrame | None":
+    """``table`` as ``to_pandas(split_blocks=True)`` makes it, one block per column, where every
+    column is a number or a boolean without NULLs (numpy, zero-copy as there) or text (the dtype
+    pyarrow picks, made as it makes it); None otherwise (pandas metadata, NULL numbers, any
+    other type, names twice), and pyarrow converts."""
+    import numpy as np
+    import pyarrow as pa
+
+    schema = table.schema
+    names = schema.names
+    if not names or len(set(names)) != len(names) or (schema.metadata and b"pandas" in schema.metadata):
+        return None
+    try:
+        import pandas as pd
+        from pandas.api.internals import create_dataframe_from_blocks
+    except ImportError:
+        return None
+    text = None
+    blocks = []
+    for i, (field, column) in enumerate(zip(schema, table.columns)):
+        kind = field.type
+        if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+            text = text or _str_dtype()
+            if text is None:
+                return None
+            values = text.__from_arrow__(column)
+        elif (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)) \
+                and column.null_count == 0 and not pa.types.is_float16(kind):
+            values = column.to_numpy().reshape(1, -1)
+        else:
+            return None
+        blocks.append((values, np.array([i])))
+    key = tuple(names)
+    columns = _COLUMN_INDEX.get(key)
+    if columns is None:  # an Index is immutable: every frame may hold the same one
+        if len(_COLUMN_INDEX) >= _COLUMN_INDEX_KEPT:
+            _COLUMN_INDEX.clear()
+        columns = _COLUMN_INDEX.setdefault(key, pd.Index(list(names)))
+    return create_dataframe_from_blocks(blocks, index=pd.RangeIndex(table.num_rows), columns=columns)
+
+
 class QueryResult:
     """``df`` (pandas, coverage also in ``df.attrs``), ``table`` (Arrow), ``coverage``."""
 
@@ -268,8 +335,7 @@ class QueryResult:
     @property
     def df(self) -> "pd.DataFrame":
         if self._df is None and self.table is not None:
-            # a block per column: no consolidation copy (two thirds of a small answer's conversion)
-            self._df = self.table.to_pandas(split_blocks=True)
+            self._df = answer_frame(self.table)
             self._df.attrs["coverage"] = self.coverage
         return self._df
 

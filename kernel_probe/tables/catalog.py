@@ -260,15 +260,16 @@ class LocalTables:
     def columns(self, at_once: bool = False) -> dict[str, list[str]] | None:
         """Every table's column names, as the ``tables`` catalog lists them, converting
         rows only where nothing else tells (a DataFrame): the root plans with this on
-        every query, and a big user table must not be converted for it each time.
-        ``at_once``: None rather than convert anything or ask a provider."""
-        metric_rows = self._metrics.snapshot()
+        every query (and a rank on every query asked of it directly), and a big user table
+        must not be converted for it each time, nor the metrics' ring copied while its newest
+        row is the one seen. ``at_once``: None rather than convert anything or ask a provider."""
+        with self._lock:  # once: what each name holds, as of now
+            user, providers = dict(self._user), set(self._providers)
+        metrics = _MetricRows(self._metrics)
         out: dict[str, list[str]] = {}
-        for name in self.names():
-            with self._lock:
-                data = self._user.get(name)
-                provided = name in self._providers
-            known = None if callable(data) or provided else self._columns_of(name, data, metric_rows)
+        for name in sorted({*BUILTIN_TABLES, *user, *providers}):
+            data = user.get(name)
+            known = None if callable(data) or name in providers else self._columns_of(name, data, metrics)
             if known is not None:
                 out[name] = known
                 continue
@@ -280,17 +281,17 @@ class LocalTables:
                 continue
         return out
 
-    def _columns_of(self, name: str, data: Any, metric_rows: list) -> list[str] | None:
+    def _columns_of(self, name: str, data: Any, metrics: "_MetricRows") -> list[str] | None:
         """``convert.column_names``, kept while what it was made from is unchanged: a built-in's
         fixed schema; ``steps``' and ``metrics``' logged rows (the ring only appends, each row a new
-        tuple that ``log`` alone holds: the same last row, the same rows); a user's Arrow table
+        tuple that ``log`` alone holds: the same newest row, the same rows); a user's Arrow table
         (immutable), or DataFrame while its columns and index are the same objects (pandas makes
         new ones when a column is added, dropped or renamed, or the index is set). Lists and dicts
         may change in place: never kept."""
         pd, pa = sys.modules.get("pandas"), sys.modules.get("pyarrow")
         made_from: tuple | None
         if name in ("steps", "metrics"):
-            made_from = (metric_rows[-1] if metric_rows else None,)
+            made_from = (metrics.newest,)
         elif name in convert.SCHEMAS:
             made_from = ()
         elif pd is not None and isinstance(data, pd.DataFrame):
@@ -303,7 +304,10 @@ class LocalTables:
         if made_from is not None and known is not None and len(known[0]) == len(made_from) \
                 and all(a is b for a, b in zip(known[0], made_from)):
             return list(known[1])
-        names = convert.column_names(name, data, metric_rows)
+        rows = metrics.rows() if name in ("steps", "metrics") else []  # only these two read the logged rows
+        if rows:  # the names made of these rows: kept under their own newest
+            made_from = (rows[-1],)
+        names = convert.column_names(name, data, rows)
         if made_from is not None and names is not None:
             self._columns_known[name] = (made_from, list(names))
         return names
@@ -476,3 +480,20 @@ def with_native_stacks(tables: Any) -> Any:
     """``tables`` whose ``stacks`` carry native frames, where it can take them (a rank's own
     ``LocalTables``); else ``tables`` as it is."""
     return NativeStacks(tables) if hasattr(tables, "native_stack_rows") else tables
+
+
+class _MetricRows:
+    """The metrics' ring as ``columns`` reads it: its newest row at once, its rows (a copy of
+    up to PROBING_METRICS_ROWS of them) only when a column list must be made again."""
+
+    __slots__ = ("_ring", "newest", "_rows")
+
+    def __init__(self, ring: Ring) -> None:
+        self._ring = ring
+        self.newest = ring.newest()
+        self._rows: list | None = None
+
+    def rows(self) -> list:
+        if self._rows is None:
+            self._rows = self._ring.snapshot()
+        return self._rows

@@ -416,14 +416,19 @@ def frame_table(df: Any):
     if names is None:
         return None
     pa = _pa()
+    np = sys.modules["numpy"]
+    # a column's values without making its Series (pandas' df[name]: most of a 3-column frame's time)
+    column = getattr(df, "_get_column_array", None) or (lambda i: df.iloc[:, i].array)
     arrays = []
-    for name in names:
-        values = df[name].array
+    for i in range(len(names)):
+        values = column(i)
+        if type(values) is pd.arrays.NumpyExtensionArray:
+            values = values.to_numpy()
         dtype = values.dtype
         if isinstance(dtype, (pd.StringDtype, pd.ArrowDtype)):
             arrays.append(values.__arrow_array__())  # what from_pandas takes from it too
-        elif type(values) is pd.arrays.NumpyExtensionArray and values.dtype.numpy_dtype.kind in "iufb":
-            arrays.append(pa.array(values.to_numpy(), from_pandas=True))
+        elif type(values) is np.ndarray and values.ndim == 1 and dtype.kind in "iufb":
+            arrays.append(pa.array(values, from_pandas=True))
         else:
             return None
     return pa.Table.from_arrays(arrays, names=names)
