@@ -505,18 +505,39 @@ def _is_json_type(value: Any, expected: type | tuple[type, ...]) -> bool:
     return isinstance(value, allowed)
 
 
+def _quick_types(expected: tuple[type, ...]) -> frozenset:
+    """The exact types ``_is_json_type`` accepts for ``expected`` at a glance: those named, and
+    int where float is (bool only where named: ``type(True)`` is bool); a subclass takes the
+    full check."""
+    return frozenset(expected) | ({int} if float in expected else set())
+
+
+_MISSING = object()
+# message type -> ((key, quick types, expected), ...) required, then optional: one pass each
+_CHECKS: dict[str, tuple[tuple, tuple]] = {
+    t: (tuple((k, _quick_types(e), e) for k, e in SCHEMAS[t].items()),
+        tuple((k, _quick_types(e), e) for k, e in OPTIONAL[t].items()))
+    for t in SCHEMAS}
+
+
 def _schema_problem(type_: str, body: Any) -> str | None:
     """Why ``body`` does not fit the schema of ``type_``, or None if it does."""
     if not isinstance(body, dict):
         return f"body of {type_} is {type(body).__name__}, not an object"
-    for key, expected in SCHEMAS[type_].items():
-        if key not in body:
-            return f"{type_} body lacks {key!r}"
-        if not _is_json_type(body[key], expected):
-            return f"{type_}.{key} has type {type(body[key]).__name__}"
-    for key, expected in OPTIONAL[type_].items():
-        if key in body and not _is_json_type(body[key], expected):
-            return f"{type_}.{key} has type {type(body[key]).__name__}"
+    required, optional = _CHECKS[type_]
+    get = body.get
+    for key, quick, expected in required:
+        value = get(key, _MISSING)
+        if type(value) not in quick:
+            if value is _MISSING and key not in body:
+                return f"{type_} body lacks {key!r}"
+            if not _is_json_type(value, expected):
+                return f"{type_}.{key} has type {type(value).__name__}"
+    for key, quick, expected in optional:
+        value = get(key, _MISSING)
+        if type(value) not in quick and not (value is _MISSING and key not in body) \
+                and not _is_json_type(value, expected):
+            return f"{type_}.{key} has type {type(value).__name__}"
     return None
 
 
