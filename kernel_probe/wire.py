@@ -541,6 +541,14 @@ def _schema_problem(type_: str, body: Any) -> str | None:
     return None
 
 
+def _trusted(cls: type, **fields: Any) -> Any:
+    """A frozen dataclass of ours made from values already checked (the codec's own output of a
+    decode), without its ``__init__``: a frozen field costs an ``object.__setattr__`` call each."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
 _REPLAY_NAME_CHARS = 64  # longer sender or incarnation names are remembered by their digest
 
 
@@ -715,8 +723,9 @@ class Codec:
         self._last_seq.move_to_end(peer)
         self._expire_history(now)
 
-        msg = Message(header.type, body, tuple(parts[1:]), header.corr_id)
-        return Envelope(header, msg)
+        msg = _trusted(Message, type=header.type, body=body, buffers=tuple(parts[1:]), corr_id=header.corr_id,
+                       msg_id=None)
+        return _trusted(Envelope, header=header, msg=msg)
 
     def _expire_history(self, now: float) -> None:
         """Forget the least recently heard peers past the bound, and those all of whose messages
@@ -746,6 +755,16 @@ class Codec:
     @staticmethod
     def _parse_header(data: bytes) -> tuple[Header, list[int] | None]:
         obj = _loads(data)
+        if type(obj) is dict:  # the common case decided in one expression: every field plainly right
+            get = obj.get
+            type_, sender, incarnation, msg_id = get("type"), get("sender"), get("incarnation"), get("msg_id")
+            seq, ts, corr_id = get("seq"), get("ts"), get("corr_id", _MISSING)
+            if (type(type_) is str and type_ and type(sender) is str and sender and type(incarnation) is str
+                    and incarnation and type(msg_id) is str and msg_id and type(seq) is int and seq >= 1
+                    and type(ts) is float and ts - ts == 0.0 and (corr_id is None or type(corr_id) is str)
+                    and "parts" not in obj):
+                return _trusted(Header, type=type_, sender=sender, incarnation=incarnation, seq=seq, ts=ts,
+                                msg_id=msg_id, corr_id=corr_id), None
         if not isinstance(obj, dict):
             raise WireError("malformed", "header is not an object")
         missing = [k for k in _HEADER_KEYS if k not in obj]
