@@ -13,6 +13,7 @@ each rank with its own table ``t`` (~300 rows: id, g, x). Default intervals. Mea
    hosts' whole CPU per rank per query by thread (I/O thread, SQL workers, libzmq).
 
     .venv/bin/python benchmarks/scale_sockets.py [--world 1024] [--hosts 8] [--repeat 30] [--against TREE]
+        [--profile DIR]
 
 ``--against TREE`` runs a second job on the code checked out at TREE (e.g. ``git worktree add
 --detach ../before HEAD~1``) beside this one, and queries the two in turn: the figures of both
@@ -109,7 +110,9 @@ class Side:
 
     def _new_job(self) -> VirtualJob:
         a = self.args
-        return VirtualJob(a.world, a.hosts, a.per_node, rows=a.rows, sql_workers=a.sql_workers, env=self.env)
+        profile = a.profile if self.label == "this" else None  # this tree's hosts, over the queries only
+        return VirtualJob(a.world, a.hosts, a.per_node, rows=a.rows, sql_workers=a.sql_workers, env=self.env,
+                          profile_dir=profile, profile_window=bool(profile))
 
     def start(self, attempts: int = 3) -> None:
         """Start the job; on a port taken meanwhile (the other side's, another job's), again on
@@ -161,7 +164,13 @@ def main() -> int:
     ap.add_argument("--against", metavar="TREE", default=None,
                     help="a checkout of other code (e.g. the commit before): a second job runs it, "
                          "queried in turn with this one, in the same run")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="cProfile (thread CPU time) of this tree's hosts over the counted queries, one file per "
+                         "host and thread in DIR (read with pstats; it slows the hosts: not for the figures)")
     args = ap.parse_args()
+    if args.profile:
+        args.profile = str(Path(args.profile).resolve())
+        os.makedirs(args.profile, exist_ok=True)
 
     runtime = tempfile.mkdtemp(prefix="kp-scale-")
     base = load_settings().report_interval_sec
@@ -205,9 +214,13 @@ def main() -> int:
 
         threads0 = {side.label: thread_cpu(side.job.pids()) for side in sides}
         for i in range(args.repeat + 2):  # two warm-up rounds, not counted
+            if i == 2 and args.profile:
+                sides[0].job.profile(True)
             for sql in (COUNT, GROUPED):
                 for side in sides if i % 2 else reversed(sides):  # each goes first in turn
                     side.query(sql, expected, keep=i >= 2)
+        if args.profile:
+            sides[0].job.profile(False)
         threads1 = {side.label: thread_cpu(side.job.pids()) for side in sides}
         after = {side.label: rss_mb(side.job.pids()) for side in sides}
     finally:
@@ -217,6 +230,8 @@ def main() -> int:
             side.job.close()
 
     cores = os.cpu_count() or 1
+    if args.profile:
+        print(f"cProfile of this tree's hosts over the counted queries: {args.profile}/vhost-*.prof")
     for side in sides:
         print(f"\n[{side.label}: {side.code}] {args.repeat} interleaved runs each, client wall time in ms "
               f"(p99 of {args.repeat} = the slowest):")

@@ -421,7 +421,11 @@ def _sign(key: bytes, parts: Iterable[bytes], mac: _Hmac | None = None) -> bytes
     parts = parts if isinstance(parts, list) else list(parts)
     if sum(map(len, parts)) < _SIGN_JOIN_BELOW:
         # one-shot HMAC over a joined copy: a 1 KB message costs half as much as updates
-        joined = b"".join([b for part in parts for b in (len(part).to_bytes(8, "big"), part)])
+        prefixed = []
+        for part in parts:
+            prefixed.append(len(part).to_bytes(8, "big"))
+            prefixed.append(part)
+        joined = b"".join(prefixed)
         return hmac.digest(key, joined, "sha256") if mac is None else mac.digest(joined)
     mac = hmac.new(key, digestmod=hashlib.sha256)  # big buffers: no copy
     for part in parts:
@@ -505,19 +509,48 @@ def _is_json_type(value: Any, expected: type | tuple[type, ...]) -> bool:
     return isinstance(value, allowed)
 
 
+def _quick_types(expected: tuple[type, ...]) -> frozenset:
+    """The exact types ``_is_json_type`` accepts for ``expected`` at a glance: those named, and
+    int where float is (bool only where named: ``type(True)`` is bool); a subclass takes the
+    full check."""
+    return frozenset(expected) | ({int} if float in expected else set())
+
+
+_MISSING = object()
+# message type -> ((key, quick types, expected), ...) required, then optional: one pass each
+_CHECKS: dict[str, tuple[tuple, tuple]] = {
+    t: (tuple((k, _quick_types(e), e) for k, e in SCHEMAS[t].items()),
+        tuple((k, _quick_types(e), e) for k, e in OPTIONAL[t].items()))
+    for t in SCHEMAS}
+
+
 def _schema_problem(type_: str, body: Any) -> str | None:
     """Why ``body`` does not fit the schema of ``type_``, or None if it does."""
     if not isinstance(body, dict):
         return f"body of {type_} is {type(body).__name__}, not an object"
-    for key, expected in SCHEMAS[type_].items():
-        if key not in body:
-            return f"{type_} body lacks {key!r}"
-        if not _is_json_type(body[key], expected):
-            return f"{type_}.{key} has type {type(body[key]).__name__}"
-    for key, expected in OPTIONAL[type_].items():
-        if key in body and not _is_json_type(body[key], expected):
-            return f"{type_}.{key} has type {type(body[key]).__name__}"
+    required, optional = _CHECKS[type_]
+    get = body.get
+    for key, quick, expected in required:
+        value = get(key, _MISSING)
+        if type(value) not in quick:
+            if value is _MISSING and key not in body:
+                return f"{type_} body lacks {key!r}"
+            if not _is_json_type(value, expected):
+                return f"{type_}.{key} has type {type(value).__name__}"
+    for key, quick, expected in optional:
+        value = get(key, _MISSING)
+        if type(value) not in quick and not (value is _MISSING and key not in body) \
+                and not _is_json_type(value, expected):
+            return f"{type_}.{key} has type {type(value).__name__}"
     return None
+
+
+def _trusted(cls: type, **fields: Any) -> Any:
+    """A frozen dataclass of ours made from values already checked (the codec's own output of a
+    decode), without its ``__init__``: a frozen field costs an ``object.__setattr__`` call each."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
 
 
 _REPLAY_NAME_CHARS = 64  # longer sender or incarnation names are remembered by their digest
@@ -694,8 +727,9 @@ class Codec:
         self._last_seq.move_to_end(peer)
         self._expire_history(now)
 
-        msg = Message(header.type, body, tuple(parts[1:]), header.corr_id)
-        return Envelope(header, msg)
+        msg = _trusted(Message, type=header.type, body=body, buffers=tuple(parts[1:]), corr_id=header.corr_id,
+                       msg_id=None)
+        return _trusted(Envelope, header=header, msg=msg)
 
     def _expire_history(self, now: float) -> None:
         """Forget the least recently heard peers past the bound, and those all of whose messages
@@ -725,6 +759,16 @@ class Codec:
     @staticmethod
     def _parse_header(data: bytes) -> tuple[Header, list[int] | None]:
         obj = _loads(data)
+        if type(obj) is dict:  # the common case decided in one expression: every field plainly right
+            get = obj.get
+            type_, sender, incarnation, msg_id = get("type"), get("sender"), get("incarnation"), get("msg_id")
+            seq, ts, corr_id = get("seq"), get("ts"), get("corr_id", _MISSING)
+            if (type(type_) is str and type_ and type(sender) is str and sender and type(incarnation) is str
+                    and incarnation and type(msg_id) is str and msg_id and type(seq) is int and seq >= 1
+                    and type(ts) is float and ts - ts == 0.0 and (corr_id is None or type(corr_id) is str)
+                    and "parts" not in obj):
+                return _trusted(Header, type=type_, sender=sender, incarnation=incarnation, seq=seq, ts=ts,
+                                msg_id=msg_id, corr_id=corr_id), None
         if not isinstance(obj, dict):
             raise WireError("malformed", "header is not an object")
         missing = [k for k in _HEADER_KEYS if k not in obj]

@@ -242,6 +242,9 @@ def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
     import pyarrow.compute as pc
 
     table = _arrow_filter(table, spec.get("filters") or ())
+    counted = _counted_partials(spec, table)
+    if counted is not None:
+        return counted
     work: dict[str, Any] = {}
     aggs: list[tuple[str, str, str]] = []  # (alias, input column in `work`, func)
     for i, (alias, func, col) in enumerate(spec["aggs"]):
@@ -364,11 +367,50 @@ def _group_by(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table":
 _BINCOUNT_EXACT = 2 ** 53  # integer sums below this are exact in the doubles numpy's bincount adds
 
 
-def _counted_by_key(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table | None":
+def _counted_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table | None":
+    """``arrow_partials`` of one key by ``_counted_by_key`` straight over the scan's own columns
+    (no work table of renamed and cast inputs, no renaming after): counts, and sums of doubles
+    or of int64 (cast to DuckDB's HUGEINT after, exactly). None: the general path decides."""
+    keys = spec["keys"]
+    if len(keys) != 1:
+        return None
+    import pyarrow as pa
+
+    schema = table.schema
+    ops, huge = [], []
+    for alias, func, col in spec["aggs"]:
+        if func == "count_all":
+            ops.append(((), "hash_count_all", None, alias))
+            continue
+        if func not in ("count", "sum"):
+            return None
+        if func == "sum":
+            typ = schema.field(col).type  # KeyError for a column not found by its exact name, as table.column
+            if typ == pa.int64():
+                huge.append(alias)
+            elif typ != pa.float64():
+                return None
+        ops.append(((col,), f"hash_{func}", None, alias))
+    ((key_alias, key_col),) = keys
+    if schema.field(key_col).type == pa.large_string():
+        return None  # DuckDB's VARCHAR: the general path casts it
+    out = _counted_by_key(table, ops, [key_col], key_alias)
+    if out is None or not huge:
+        return out
+    import pyarrow.compute as pc
+
+    for alias in huge:  # exact below 2**53 (_counted_by_key's rule): the cast changes no value
+        i = out.schema.get_field_index(alias)
+        out = out.set_column(i, pa.field(alias, pa.decimal128(38, 0)), pc.cast(out.column(i), pa.decimal128(38, 0)))
+    return out
+
+
+def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str | None = None) -> "pa.Table | None":
     """``_group_by`` for the common small case, with numpy's bincount (a fraction of Acero's
     fixed cost on a few hundred rows): one key without NULLs; counts, and sums of doubles
     (added in row order, as Acero does: the same bits) or of int64 that stay exact. None
-    for anything else, which Acero does. Groups may come in another order than Acero's."""
+    for anything else, which Acero does. Groups may come in another order than Acero's.
+    ``key_name``: the key's name in the result (else its column's)."""
     if len(keys) != 1 or not all(o[1] in ("hash_count_all", "hash_count", "hash_sum") for o in ops):
         return None
     import pyarrow as pa
@@ -379,34 +421,41 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table 
     inputs = {}
     for names, func, _, _ in ops:
         for name in names:
+            if name in inputs:
+                continue  # count(x) and sum(x) read x once
             col = table.column(name)
             if col.null_count or (func == "hash_sum" and col.type not in (pa.float64(), pa.int64())):
                 return None  # a NULL to skip, or a sum of another type (Acero's own result type)
             inputs[name] = col
     import numpy as np
 
-    slot, slots, present, groups = _key_slots(key.combine_chunks())
-    counts = np.bincount(slot, minlength=slots)
-    out = {keys[0]: groups}
-    for names, func, _, name in ops:
-        if func != "hash_sum":  # no NULLs: count(x) counts every row
-            out[name] = _from_numpy(counts if present is None else counts[present], pa.int64())
+    slot, slots, present, counts, groups = _key_slots(_one_chunk(key))
+    names, arrays = [key_name or keys[0]], [groups]
+    counted = None  # every count is the rows of its group (no NULLs): one array for all of them
+    values: dict[str, Any] = {}
+    for inames, func, _, name in ops:
+        names.append(name)
+        if func != "hash_sum":
+            if counted is None:
+                counted = _from_numpy(counts, pa.int64())
+            arrays.append(counted)
             continue
-        col = inputs[names[0]]
-        values = _to_numpy(col.combine_chunks())
-        if col.type == pa.int64() and len(values) and \
-                max(-int(values.min()), int(values.max())) * len(values) >= _BINCOUNT_EXACT:
+        col = inputs[inames[0]]
+        if inames[0] not in values:
+            values[inames[0]] = _to_numpy(_one_chunk(col))
+        v = values[inames[0]]
+        if col.type == pa.int64() and len(v) and max(-int(v.min()), int(v.max())) * len(v) >= _BINCOUNT_EXACT:
             return None  # a sum that doubles may round: Acero adds int64
-        sums = np.bincount(slot, weights=values, minlength=slots)
+        sums = np.bincount(slot, weights=v, minlength=slots)
         sums = sums if present is None else sums[present]
-        out[name] = _from_numpy(sums.astype(np.int64) if col.type == pa.int64() else sums, col.type)
-    return pa.table(out)
+        arrays.append(_from_numpy(sums.astype(np.int64) if col.type == pa.int64() else sums, col.type))
+    return pa.Table.from_arrays(arrays, names=names)
 
 
 def _key_slots(key: "pa.Array") -> tuple:
-    """(each row's slot, how many slots, the slots holding a group or None for all, the
-    groups' keys as Arrow). Integers in a narrow range are their own slot (no hashing);
-    other keys get one through a dictionary."""
+    """(each row's slot, how many slots, the slots holding a group or None for all, the rows
+    of each group, the groups' keys as Arrow). Integers in a narrow range are their own slot
+    (no hashing); other keys get one through a dictionary."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -415,11 +464,25 @@ def _key_slots(key: "pa.Array") -> tuple:
         k = _to_numpy(key)
         lo, hi = (int(k.min()), int(k.max())) if len(k) else (0, -1)
         if hi - lo <= 4 * len(k) + 64:
-            slot = k.astype(np.int64) - lo
-            present = np.flatnonzero(np.bincount(slot, minlength=hi - lo + 1))
-            return slot, hi - lo + 1, present, _from_numpy((present + lo).astype(k.dtype), key.type)
+            slot = k.astype(np.int64, copy=False)
+            slot = slot - lo if lo else slot
+            counts = np.bincount(slot, minlength=hi - lo + 1)
+            if counts.all():  # every value of the range is a group (the common case): no gaps to drop
+                return slot, hi - lo + 1, None, counts, _from_numpy(np.arange(lo, hi + 1, dtype=k.dtype), key.type)
+            present = np.flatnonzero(counts)
+            return slot, hi - lo + 1, present, counts[present], _from_numpy((present + lo).astype(k.dtype), key.type)
     encoded = pc.dictionary_encode(key)
-    return _to_numpy(encoded.indices), len(encoded.dictionary), None, encoded.dictionary
+    slot = _to_numpy(encoded.indices)
+    slots = len(encoded.dictionary)
+    return slot, slots, None, np.bincount(slot, minlength=slots), encoded.dictionary
+
+
+def _one_chunk(col: Any) -> "pa.Array":
+    """A column as one array (a table's column is chunked; most have one chunk)."""
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+
+
+_NUMPY_DTYPES: dict[str, Any] = {}  # Arrow type name -> numpy dtype (np.dtype() per call costs a microsecond)
 
 
 def _to_numpy(arr: "pa.Array") -> Any:
@@ -427,7 +490,10 @@ def _to_numpy(arr: "pa.Array") -> Any:
     ``to_numpy`` imports pandas (tens of MB in every rank)."""
     import numpy as np
 
-    dtype = np.dtype({"double": "float64", "float": "float32"}.get(str(arr.type), str(arr.type)))
+    name = str(arr.type)
+    dtype = _NUMPY_DTYPES.get(name)
+    if dtype is None:
+        dtype = _NUMPY_DTYPES[name] = np.dtype({"double": "float64", "float": "float32"}.get(name, name))
     if not len(arr):
         return np.empty(0, dtype)  # an empty array may have no data buffer at all
     return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)

@@ -146,7 +146,16 @@ class PackedPartial:
         return pa.Table.from_arrays(arrays, schema=schema)
 
     def to_wire(self) -> bytes:
-        return PACKED + pack_json([self.fields, self.metadata, self.columns])
+        key = (self.fields, None if self.metadata is None else tuple(self.metadata.items()))
+        head = _PACKED_HEADS.get(key)
+        if head is None:  # names, types and metadata: the same for every query of a dashboard
+            head = pack_json([self.fields, self.metadata, []])[:-3]  # "[fields,meta," of the line below
+            if len(_PACKED_HEADS) < _EMPTY_CACHE_SIZE and len(head) <= _EMPTY_MAX_BYTES:  # bounded, whatever peers name
+                _PACKED_HEADS[key] = head
+        return PACKED + head + pack_json(self.columns) + b"]"  # = pack_json([fields, metadata, columns])
+
+
+_PACKED_HEADS: dict[tuple, bytes] = {}  # (fields, metadata) -> the packed JSON up to the columns
 
 
 def _packed(table: Any) -> PackedPartial | None:
