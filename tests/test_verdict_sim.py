@@ -99,10 +99,18 @@ class _Rows:
         return [dict(r) for r in self.rows]
 
 
+_TABLES: dict[tuple[int, bool], dict] = {}  # (world, odd): the tables every such rank serves
+
+
 def _tables(rank: int, world: int = WORLD) -> SimTables:
-    rows = rank_tables(rank, world, (ODD,), now=AT)
-    return SimTables({name: rows_table(name, [tuple(r.get(c) for c, _ in SCHEMAS[name]) for r in rs])
-                      for name, rs in rows.items()})
+    """A rank's tables: the odd rank's, or every other rank's, made once and shared (Arrow tables
+    are immutable): each rank a copy, the group's list of ranks would be 16,384 x 100 KB."""
+    key = (world, rank == ODD)
+    if key not in _TABLES:
+        rows = rank_tables(rank, world, (ODD,), now=AT)
+        _TABLES[key] = {name: rows_table(name, [tuple(r.get(c) for c, _ in SCHEMAS[name]) for r in rs])
+                        for name, rs in rows.items()}
+    return SimTables(_TABLES[key])
 
 
 def _simulated(nodes: int) -> tuple[DiagnoseResult, SimClient]:

@@ -38,7 +38,8 @@ What is modelled, and how:
 - SQL: each virtual rank can hold tables (``tables=``: rank -> {name: Arrow table} or
   ``SimTables``);
   a ``RunSqlTask`` runs the real ``SqlTaskRunner`` synchronously (the one place that
-  reads the real clock: DuckDB's deadline is the simulated time left, in real seconds)
+  reads the real clock: DuckDB's deadline is the simulated time left, in real seconds),
+  every rank's on one shared DuckDB engine (a fresh cursor per query, as on a rank's own)
   and its outcome comes back ``sql_latency`` later, so ``query()`` runs a federated query through the same
   cores, messages and SQL steps as a real job.
 - ``Send(to=PARENT)`` goes to the rank of the endpoint of the last ``ConnectParent``.
@@ -215,6 +216,7 @@ class Simulation:
         self._tables, self._tags = tables, tags
         self.sql_latency = sql_latency if sql_latency == "measured" else float(sql_latency)
         self._sql_options = sql_options  # its SqlTaskRunners' TaskOptions (None: a probe's)
+        self._engine: Any = None  # the one DuckDB engine every virtual rank's SQL runs on (made on first use)
         self._clients = itertools.count(1)
         self.last_finish_nodes: list[dict] | None = None
         self._answers: dict[bytes, list[wire.Envelope]] = {}  # client routing id -> what arrived
@@ -316,7 +318,8 @@ class Simulation:
         v.shell = _SimShell(self, v)
         if self._tables is not None and v.sql is None:
             tag_of = self._tags or self.tags_of
-            v.sql = _sim_sql_runner(self._tables(rank), lambda r=rank: tag_of(r), self.settings, self._sql_options)
+            v.sql = _sim_sql_runner(self._tables(rank), lambda r=rank: tag_of(r), self.settings, self._sql_options,
+                                    engine=self._shared_engine())
             v.sql.tables.profile = lambda v=v: v.capture
         v.capture, v.step_hook = None, StepHook()
         v.parent, v.conn, v.watches, v.pending, v.timer_at = None, 0, {}, deque(), None
@@ -525,6 +528,16 @@ class Simulation:
             took = time.thread_time() - t0
         delay = took if self.sql_latency == "measured" else self.sql_latency
         self._at(self.now + delay, lambda: self._input(v, lambda: SqlTaskDone(task.task_id, result)))
+
+    def _shared_engine(self) -> Any:
+        """One engine for every virtual rank: its connection is opened on the first SQL pass, and
+        each query runs on a fresh cursor with only its own tables, as on a rank's own engine
+        (one per rank: thousands of DuckDB databases, some MB each, for no difference)."""
+        if self._engine is None:
+            from ..sql.engine import Engine
+
+            self._engine = Engine(threads=self.settings.query_threads, memory_limit=self.settings.query_memory)
+        return self._engine
 
     def _connect(self, v: VirtualRank, endpoint: str | None) -> None:
         v.parent = self._rank_of(endpoint)
@@ -888,9 +901,10 @@ class SimTables:
                                     for i, f in enumerate(table.schema)])
 
 
-def _sim_sql_runner(tables: Any, tags: Callable[[], dict], settings: Settings, options: Any = None):
+def _sim_sql_runner(tables: Any, tags: Callable[[], dict], settings: Settings, options: Any = None,
+                    engine: Any = None):
     from ..shell.sql_tasks import SqlTaskRunner, TaskOptions
 
     return SqlTaskRunner(tables if isinstance(tables, SimTables) else SimTables(tables), tags, row_cap=settings.query_row_cap,
                          threads=settings.query_threads, memory_limit=settings.query_memory,
-                         options=options or TaskOptions())
+                         options=options or TaskOptions(), engine=engine)
