@@ -42,9 +42,9 @@ def _sim(nodes: int) -> Simulation:
     return sim
 
 
-def _root_hears(sim: Simulation, sql: str, timeout: float = 20.0, **options) -> tuple[list[dict], dict]:
-    """The subresult bodies the root decoded for one query, and the answer's body."""
-    fan = sim.core(0).fanout
+def _root_hears(sim: Simulation, sql: str, timeout: float = 20.0, rank: int = 0, **options) -> tuple[list[dict], dict]:
+    """The subresult bodies the root (or ``rank``) decoded for one query, and the answer's body."""
+    fan = sim.core(rank).fanout
     bodies: list[dict] = []
     take = fan.on_subresult
 
@@ -86,6 +86,22 @@ def test_the_root_decodes_as_much_at_1024_ranks_as_at_256(sims) -> None:
     (children, answers, rank_bytes, coverage_bytes), large = seen[SMALL], seen[LARGE]
     assert large[:2] == (children, answers), seen  # the same children answer the root at both sizes
     assert large[2] <= rank_bytes * 1.25 and large[3] <= coverage_bytes * 1.25, seen  # four times the ranks
+
+
+def test_a_broker_of_brokers_decodes_per_child_as_much_at_1024_ranks_as_at_256(sims) -> None:
+    """Below the root too: a broker of brokers decodes its children's answers and evaluates
+    their routes, as much per child at both sizes, however many ranks its subtree holds."""
+    seen = {}
+    for nodes, sim in sims.items():
+        head = next(n for n in range(1, nodes) if tree_parent(n, nodes, FANOUT) is None) * PER_NODE
+        children = len(sim.core(head).children)
+        routes = sim.core(head).fanout.work["routes"]
+        bodies, answer = _root_hears(sim, GROUP_BY, rank=head)
+        assert answer["status"] == "ok" and len(bodies) == children
+        assert sim.core(head).fanout.work["routes"] - routes == children  # its children's routes, once
+        below = sum(ranks.count for _, ranks in sim.core(head).routes().values())
+        seen[nodes] = (below, _rank_bytes(bodies) / children)
+    assert seen[LARGE][0] >= 3 * seen[SMALL][0] and seen[LARGE][1] <= seen[SMALL][1] * 1.25, seen
 
 
 def test_which_child_reaches_which_ranks_is_worked_out_once_per_membership(sims) -> None:
