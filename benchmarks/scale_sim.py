@@ -4,7 +4,9 @@ wire codec and SQL; nodes of 8 ranks, one host per node).
 For each size: the time and bytes to converge; the steady-state bytes per rank per minute;
 federated queries (a count, a group-by, a top-k) with their simulated p50/p99 over a
 modelled link, and the CPU per query of the root, of a broker of brokers and of a node
-broker (this machine's thread CPU time, measured around each virtual rank's work); a broker
+broker (this machine's thread CPU time, measured around each virtual rank's work: all of it,
+and the query's own, without the membership work that runs meanwhile); the root's CPU for a
+query pruned to one node by its host tag; a broker
 of brokers killed, and a broker deeper in the tree killed (how long until its children
 report elsewhere, to whom: their grandparent or the root, how many children the root had
 meanwhile, who else was ever dead); a rack (another broker of brokers' subtree) cut off
@@ -43,6 +45,10 @@ ROWS = 16
 QUERIES = ("SELECT count(*) AS n FROM t",
            "SELECT g, count(*) AS n, max(x) AS m FROM t GROUP BY g",
            "SELECT x, _rank FROM t ORDER BY x DESC LIMIT 10")
+PRUNED = "SELECT g, count(*) AS n FROM t WHERE _host = 'host7' GROUP BY g"  # one node's ranks, by a tag
+# what a query wakes a rank for (its SQL tasks run inside): the rest is the membership's
+# (reports, acks, pushes, its timers and samples), which a slower query only overlaps more of
+QUERY_WORK = ("query", "subquery", "subresult", "SqlTaskDone", "warm")
 
 
 def _tables(rank: int) -> dict:
@@ -146,7 +152,9 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float,
         sim.query(sql, timeout=60.0)
     gc.collect()
     gc.freeze()
-    cpu0 = {r: sim.ranks[r].cpu for r in (0, mid, node_broker)}
+    watched = (("root", 0), ("broker of brokers", mid), ("node broker", node_broker))
+    cpu0 = {r: (sim.ranks[r].cpu, _query_cpu(sim, r)) for _, r in watched}
+    gc0 = sim.gc_cpu
     lat: list[float] = []
     plan_ms, finish_ms, mid_merge_ms = [], [], []
     for i in range(queries):
@@ -163,26 +171,38 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float,
         finish_ms.append(prof.get("finish_ms") or 0.0)
         mid_merge_ms += [m["ms"] for m in prof.get("merges", ()) if m["rank"] == mid]
     out["query_p50_ms"], out["query_p99_ms"] = _pct(lat, 0.5) * 1e3, _pct(lat, 0.99) * 1e3
-    out["cpu_ms_per_query"] = {name: (sim.ranks[r].cpu - cpu0[r]) / queries * 1e3
-                               for name, r in (("root", 0), ("broker of brokers", mid), ("node broker", node_broker))}
+    out["cpu_ms_per_query"] = {name: (sim.ranks[r].cpu - cpu0[r][0]) / queries * 1e3 for name, r in watched}
+    out["query_cpu_ms_per_query"] = {name: (_query_cpu(sim, r) - cpu0[r][1]) / queries * 1e3 for name, r in watched}
+    out["gc_ms_per_query"] = (sim.gc_cpu - gc0) / queries * 1e3  # the simulator's heap, every rank's objects
+    sim.query(PRUNED, timeout=60.0)  # planned once (and the root's tag index made)
+    before = (sim.ranks[0].cpu, _query_cpu(sim, 0))
+    for _ in range(queries):
+        env = sim.query(PRUNED, timeout=60.0)
+        assert env.msg.body.get("status") == "ok" and wire_ranks(env.msg.body["coverage"]["answered"]).count == PER_NODE
+    out["pruned_root_cpu_ms"] = ((sim.ranks[0].cpu - before[0]) / queries * 1e3,
+                                 (_query_cpu(sim, 0) - before[1]) / queries * 1e3)
     out["mid_children"] = len(sim.core(mid).children)
     out["root_plan_ms"], out["root_finish_ms"] = statistics.median(plan_ms), statistics.median(finish_ms)
     out["mid_merge_ms"] = statistics.median(mid_merge_ms) if mid_merge_ms else None
+    cpu, own = out["cpu_ms_per_query"], out["query_cpu_ms_per_query"]
+    _say(f"  query p50 {out['query_p50_ms']:.0f} ms p99 {out['query_p99_ms']:.0f} ms; CPU per query, all of it "
+         f"(the query's own): root {cpu['root']:.1f} ({own['root']:.1f}) ms ({out['root_children']} children), "
+         f"broker of brokers {cpu['broker of brokers']:.1f} ({own['broker of brokers']:.1f}) ms "
+         f"({out['mid_children']} children), node broker {cpu['node broker']:.1f} ({own['node broker']:.1f}) ms\n"
+         f"  the root's plan {out['root_plan_ms']:.1f} ms and finish {out['root_finish_ms']:.1f} ms (merges its "
+         f"children's partials); a broker of brokers' merge {out['mid_merge_ms']} ms (medians); a query pruned to one "
+         f"node by its host: the root's CPU {out['pruned_root_cpu_ms'][0]:.1f} ({out['pruned_root_cpu_ms'][1]:.1f}) ms; "
+         f"garbage collections of the simulator's one heap {out['gc_ms_per_query']:.1f} ms per query (no rank's)")
     if only_queries:
-        _say(f"  query p50 {out['query_p50_ms']:.0f} ms p99 {out['query_p99_ms']:.0f} ms; CPU per query: root "
-             f"{out['cpu_ms_per_query']['root']:.1f} ms, broker of brokers "
-             f"{out['cpu_ms_per_query']['broker of brokers']:.1f} ms ({out['mid_children']} children), node broker "
-             f"{out['cpu_ms_per_query']['node broker']:.1f} ms; the root's plan {out['root_plan_ms']:.1f} ms, finish "
-             f"{out['root_finish_ms']:.1f} ms")
         return out
-    cpu = out["cpu_ms_per_query"]
-    _say(f"  query p50 {out['query_p50_ms']:.0f} ms p99 {out['query_p99_ms']:.0f} ms; CPU per query: root "
-         f"{cpu['root']:.1f} ms ({out['root_children']} children), broker of brokers {cpu['broker of brokers']:.1f} ms "
-         f"({out['mid_children']} children), node broker {cpu['node broker']:.1f} ms\n"
-         f"  the root's plan {out['root_plan_ms']:.1f} ms (over every member) and finish {out['root_finish_ms']:.1f} ms "
-         f"(merges its children's partials); a broker of brokers' merge {out['mid_merge_ms']} ms (medians)")
 
     return _failures(sim, out, heads, nodes, fanout, world, t_build)
+
+
+def _query_cpu(sim: Simulation, rank: int) -> float:
+    """The CPU seconds ``rank`` spent on queries (woken by a query's message or SQL task)."""
+    spent = sim.ranks[rank].cpu_by
+    return sum(spent[k] for k in QUERY_WORK)
 
 
 def _failures(sim: Simulation, out: dict, heads: list[int], nodes: int, fanout: int, world: int,

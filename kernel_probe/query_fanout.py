@@ -17,8 +17,10 @@ Rules of this file:
   sets travel and merge as ranges (``rank_lists.RankRanges``; failures as ranges keyed by
   reason, ``ReasonRanges``), which children reach which ranks is known once per membership
   version (``Tree.routes``), the root picks its targets from the ranks by state, known once
-  per epoch (``Tree.rank_states``), and hands the planner the members only for a query that
-  may prune on their tags; a profile carries its scan times as a bounded sketch.
+  per epoch (``Tree.rank_states``); a query pruned by its tags picks its ranks from ranges per
+  tag value (``Tree.tag_index``), and only a prune those cannot decide hands the planner the
+  members' rows; a profile carries its scan times as a bounded sketch. ``work`` counts what
+  a hop read per query (members, routes, tag values): tests assert it is its children's.
 - A client that will query says so in its handshake, which warms the tree: the root and
   every broker start their engine process (pyarrow, DuckDB, the root's sqlglot; see
   ``shell/engine_process.py``) before the first query needs it, so the first answer comes
@@ -42,10 +44,12 @@ Rules of this file:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from .effects import PARENT, Effect, RunSqlTask, Send
+from .membership.tag_index import TagIndex
 from .query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlTask, Warm
 from .rank_lists import NO_RANKS, RankRanges, ReasonRanges, wire_ranks
 from .wire import Envelope, Message, pack_json, unpack_json
@@ -99,6 +103,9 @@ class Tree(Protocol):
     @property
     def membership_epoch(self) -> int:
         """The epoch of the membership this probe knows (the root's numbering at every rank)."""
+
+    def tag_index(self) -> TagIndex:
+        """Which members hold which tag value, in step with the membership this probe knows."""
 
 
 @dataclass
@@ -344,6 +351,7 @@ class QueryFanOut:
         self._direct_warmed_at: float | None = None  # a client that asks this rank directly warmed it
         self._plans: dict[bytes, dict] = {}  # a subquery's plan buffer -> the plan, parsed once (PLAN_MEMO)
         self._prune_rows: tuple[int, list[dict]] | None = None  # (epoch, what planning reads of the members)
+        self.work: Counter[str] = Counter()  # what queries read here: members' rows, routes, tag values
 
     # --- helpers ------------------------------------------------------------------------
     def _task(self, s: HopQuery, task: SqlTask) -> RunSqlTask:
@@ -409,6 +417,7 @@ class QueryFanOut:
         epoch = self.tree.membership_epoch
         if self._prune_rows is None or self._prune_rows[0] != epoch:
             self._prune_rows = (epoch, [{k: m.get(k) for k in PRUNE_FIELDS} for m in self.tree.member_rows()])
+        self.work["members"] += len(self._prune_rows[1])
         return self._prune_rows[1]
 
     @staticmethod
@@ -430,15 +439,47 @@ class QueryFanOut:
             s.failed.add(ranks if wanted is None else ranks & wanted, state)
         return live if wanted is None else live & wanted
 
+    def _targets_by_tags(self, s: HopQuery) -> RankRanges | None:
+        """The ranks a plan pruned by its tags is sent to, picked as the planner's SQL pass picks
+        them (``sql.execute.select_ranks`` and the plan task): the live members whose tags pass
+        its ``prune_filters``; the matching others fail with their state; none matching, or
+        only dead ones, the lowest (live) member is still asked, for the answer's schema; the
+        rest are pruned. None where the ranges cannot decide: the planner prunes over the rows."""
+        filters = (s.plan or {}).get("prune_filters")
+        if not isinstance(filters, list):
+            return None
+        index = self.tree.tag_index()
+        evaluated = index.evaluated
+        matched = index.matching(filters)
+        self.work["tag values"] += index.evaluated - evaluated
+        if matched is None:
+            return None
+        present, wanted = index.present, self._wanted(s)
+        if wanted is not None:
+            present, matched = present & wanted, matched & wanted
+        if present.empty:
+            return None
+        live, others = self.tree.rank_states()
+        chosen = matched if not matched.empty else RankRanges.of(present.first(1))
+        targets = chosen & live
+        for state, ranks in others.items():
+            s.failed.add(chosen & ranks, state)
+        if targets.empty:
+            targets = RankRanges.of((live & present).first(1))
+        s.pruned = present - chosen - targets
+        return targets
+
     def _after_plan(self, s: HopQuery, result: dict, now: float) -> list[Effect]:
         s.timing.plan_ms = round((now - s.started) * 1000.0, 3)
         if "error" in result:
             return self._fail_client(s, now, **result["error"])
-        if result.get("prunes"):  # it prunes ranks by their tags: planned again (known now) with the members
-            return [self._task(s, self._plan_task(s, self._members_to_prune()))]
         s.plan = result["plan"]
         effects: list[Effect] = []
-        if "targets" in result:  # the planner picked them (a query that may prune, direct, local)
+        if result.get("prunes"):  # it prunes ranks by their tags: by the ranges per tag value, else
+            targets = self._targets_by_tags(s)  # planned again (known now) with the members' rows
+            if targets is None:
+                return [self._task(s, self._plan_task(s, self._members_to_prune()))]
+        elif "targets" in result:  # the planner picked them (a query that may prune, direct, local)
             targets = RankRanges.of(result["targets"])
             s.pruned = RankRanges.of(result.get("pruned", ()))
             for rank, state in result.get("unavailable", {}).items():
@@ -496,7 +537,9 @@ class QueryFanOut:
         if others.empty:
             return []
         out, reached = [], NO_RANKS
-        for hop, (rid, below) in self.tree.routes().items():
+        routes = self.tree.routes()
+        self.work["routes"] += len(routes)
+        for hop, (rid, below) in routes.items():
             mine = others & below
             if not mine.empty:
                 out.append((hop, rid, mine))

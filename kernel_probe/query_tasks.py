@@ -46,7 +46,8 @@ class PlanQuery(_Task):
     per_rank: bool = False
     ranks: list[int] | None = None  # the ranks the client asked for; None: all
     # the members' rows (rank, state, tags) to prune by; None: the plan alone (the fan-out picks
-    # the ranks by their states: a query that names no tag column prunes none)
+    # the ranks by their states, or by its tag index for a prune its filters decide; only a prune
+    # they cannot decide, a cast, comes back for the rows)
     members: list[dict] | None = None
     local: bool = False  # the rank answers alone (a client's --local)
     self_rank: int = 0

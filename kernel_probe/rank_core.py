@@ -30,7 +30,7 @@ from typing import Any, Callable
 from . import stimuli as st
 from .config import Identity, Settings
 from .effects import PARENT, ConnectParent, Effect, Note, Send, UnwatchPid, WatchPid
-from .membership import ALIVE, REPORT_FIELDS, STALLED, Backoff, Member, Registry, Scope
+from .membership import ALIVE, REPORT_FIELDS, STALLED, Backoff, Member, Registry, Scope, TagIndex
 from .placement import Place, Placement, ancestors, failover_path, first_usable, subtree
 from .profile_plane import ProfilePlane
 from .query_fanout import QueryFanOut
@@ -120,6 +120,7 @@ class RankCore:
         self._report_seq = 0
         self._routes: tuple[tuple, dict[int, tuple[bytes, RankRanges]]] | None = None  # (version, routes)
         self._rank_states: tuple[tuple, dict[str, RankRanges]] | None = None  # (epoch, ranks by state)
+        self._tag_index = TagIndex()  # filled when a query first prunes by tags here (the root)
         self.fanout = QueryFanOut(self)  # the query plane rides the same tree
         self.profile = ProfilePlane(self)  # and so does arming profile captures
         self.placement: Placement | None = None  # set by Start; a fixed tree (Placed) has none
@@ -402,6 +403,10 @@ class RankCore:
 
     def member_rows(self) -> list[dict]:
         return self.view().rows()
+
+    def tag_index(self) -> TagIndex:
+        self._tag_index.sync(self.view())  # the members changed since the last query, no more
+        return self._tag_index
 
     @property
     def membership_epoch(self) -> int:

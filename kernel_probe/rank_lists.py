@@ -57,6 +57,11 @@ class RankRanges:
                 out.append((r, r))
         return cls(tuple(out))
 
+    @classmethod
+    def union(cls, parts: Iterable["RankRanges"]) -> "RankRanges":
+        """Every rank of any of ``parts``, merged once (not one ``|`` after another)."""
+        return _merged([r for part in parts for r in part.ranges])
+
     @property
     def count(self) -> int:
         return sum(b - a + 1 for a, b in self.ranges)

@@ -4,8 +4,10 @@ Counted, not timed: through the in-process simulator (the real cores, codec and 
 job sizes whose roots have the same children, what the root decodes of its children's answers
 (rank sets, failures, the profile's scan times and shipping leaves) and what its coverage
 carries must not grow with the job; which children reach which ranks is worked out once per
-membership version; the planner gets the members only for a query that prunes on their tags;
-a rack that does not answer is one failure entry, not one per rank."""
+membership version; a query pruned by its tags reads no member at the root (ranges per tag
+value) and evaluates as many routes and tag values at both sizes, and picks the ranks the
+planner's pass over the members' rows would; a rack that does not answer is one failure
+entry, not one per rank."""
 
 from __future__ import annotations
 
@@ -40,9 +42,9 @@ def _sim(nodes: int) -> Simulation:
     return sim
 
 
-def _root_hears(sim: Simulation, sql: str, timeout: float = 20.0, **options) -> tuple[list[dict], dict]:
-    """The subresult bodies the root decoded for one query, and the answer's body."""
-    fan = sim.core(0).fanout
+def _root_hears(sim: Simulation, sql: str, timeout: float = 20.0, rank: int = 0, **options) -> tuple[list[dict], dict]:
+    """The subresult bodies the root (or ``rank``) decoded for one query, and the answer's body."""
+    fan = sim.core(rank).fanout
     bodies: list[dict] = []
     take = fan.on_subresult
 
@@ -86,6 +88,22 @@ def test_the_root_decodes_as_much_at_1024_ranks_as_at_256(sims) -> None:
     assert large[2] <= rank_bytes * 1.25 and large[3] <= coverage_bytes * 1.25, seen  # four times the ranks
 
 
+def test_a_broker_of_brokers_decodes_per_child_as_much_at_1024_ranks_as_at_256(sims) -> None:
+    """Below the root too: a broker of brokers decodes its children's answers and evaluates
+    their routes, as much per child at both sizes, however many ranks its subtree holds."""
+    seen = {}
+    for nodes, sim in sims.items():
+        head = next(n for n in range(1, nodes) if tree_parent(n, nodes, FANOUT) is None) * PER_NODE
+        children = len(sim.core(head).children)
+        routes = sim.core(head).fanout.work["routes"]
+        bodies, answer = _root_hears(sim, GROUP_BY, rank=head)
+        assert answer["status"] == "ok" and len(bodies) == children
+        assert sim.core(head).fanout.work["routes"] - routes == children  # its children's routes, once
+        below = sum(ranks.count for _, ranks in sim.core(head).routes().values())
+        seen[nodes] = (below, _rank_bytes(bodies) / children)
+    assert seen[LARGE][0] >= 3 * seen[SMALL][0] and seen[LARGE][1] <= seen[SMALL][1] * 1.25, seen
+
+
 def test_which_child_reaches_which_ranks_is_worked_out_once_per_membership(sims) -> None:
     core = sims[SMALL].core(0)
     routes = core.routes()
@@ -107,6 +125,82 @@ def test_only_a_query_that_prunes_hands_the_planner_the_members(sims) -> None:
     assert fan._prune_rows is not None  # made once for this membership epoch
     _, answer = _root_hears(sim, "SELECT count(*) AS n FROM t", ranks=[7, 9, 10, 11])
     assert expand_coverage(answer["coverage"])["answered"] == [7, 9, 10, 11]
+
+
+PRUNED = ("SELECT count(*) AS n FROM t WHERE _host = 'host5'",
+          "SELECT g, count(*) AS n FROM t WHERE _node < 3 AND _local_rank = 1 GROUP BY g",
+          "SELECT x, _rank FROM t WHERE _role = 'eval' ORDER BY x DESC LIMIT 3")
+
+
+def _work(sim: Simulation) -> tuple[dict, int]:
+    fan = sim.core(0).fanout
+    return dict(fan.work), sim.core(0)._tag_index.visited
+
+
+def test_a_query_pruned_by_tags_reads_as_much_at_1024_ranks_as_at_256(sims) -> None:
+    seen = {}
+    for nodes, sim in sims.items():
+        for rank in (9, 13):  # the same roles at both sizes, so the same membership epoch moves
+            sim.set_role(rank, "eval")
+        sim.run_for(2.0)
+        for sql in PRUNED:
+            sim.query(sql, timeout=20.0)  # the index made (once, every member read), the plans cached
+        work0, visited0 = _work(sim)
+        for sql in PRUNED * 2:
+            answer = sim.query(sql, timeout=20.0).msg.body
+            assert answer["status"] == "ok" and answer["coverage"]["pruned"], answer
+        work1, visited1 = _work(sim)
+        seen[nodes] = ({k: work1[k] - work0.get(k, 0) for k in work1 if work1[k] != work0.get(k, 0)}, visited1 - visited0,
+                       len(sim.core(0).children))
+    small, large = seen[SMALL], seen[LARGE]
+    assert small[1] == large[1] == 0, seen  # no member read once the index follows the membership
+    assert "members" not in small[0] and "members" not in large[0], seen  # no member's row either
+    assert small[0] == large[0] and small[2] == large[2], seen
+    assert large[0]["routes"] == 2 * len(PRUNED) * large[2], seen  # each query: the root's children's routes
+
+
+@pytest.fixture(scope="module")
+def small_with_dead() -> Simulation:
+    """64 ranks with two roles, a dead rank and a dead node (their records kept)."""
+    sim = Simulation(16, PER_NODE, settings=dataclasses.replace(Settings(), fanout=FANOUT), record=False,
+                     tables=_tables)
+    sim.start_all()
+    assert sim.wait_for(sim.converged, 30.0, check_every=0.05) is not None
+    for rank in (5, 6, 21, 40):
+        sim.set_role(rank, "eval")
+    for rank in (20, 21, 22, 23):
+        sim.kill(rank)
+    assert sim.wait_for(lambda: all(sim.state(r) == "dead" for r in (20, 21, 22, 23)), 60.0) is not None
+    sim.kill(6)  # its broker sees it exit
+    assert sim.wait_for(lambda: sim.state(6) == "dead", 5.0) is not None
+    return sim
+
+
+@pytest.mark.parametrize("where, ranks", [
+    ("_host = 'host5'", None), ("_host = 'host5'", [1, 2, 3, 21, 22]), ("_role = 'eval'", None),
+    ("_role = 'eval' AND _node = 5", None),  # only a dead rank matches: the lowest live rank is still asked
+    ("_host = 'nowhere'", None),  # none matches: the lowest member is asked, for the schema
+    ("_node >= 14 AND _local_rank != 0", None), ("_rank > 58.5", None), ("_rank IN (3, 6, 200)", None),
+    ("_host IN ('host1', 'host5') AND _rank < 22", [20, 21, 22, 23, 4]), ("_local_rank % 2 = 0", None),
+])
+def test_a_query_pruned_by_the_index_covers_what_the_rows_would(small_with_dead, where, ranks) -> None:
+    sim = small_with_dead
+    fan = sim.core(0).fanout
+    sql = f"SELECT count(*) AS n, max(x) AS m FROM t WHERE {where}"
+    members0 = fan.work["members"]
+    got = sim.query(sql, timeout=20.0, ranks=ranks).msg.body
+    assert fan.work["members"] == members0  # the index picked the ranks
+    members0 = fan.work["members"]
+    fan._targets_by_tags = lambda s: None  # the planner's pass over the members' rows
+    try:
+        rows = sim.query(sql, timeout=20.0, ranks=ranks).msg.body
+    finally:
+        del fan._targets_by_tags
+    assert fan.work["members"] > members0
+    assert got["status"] == rows["status"] == "ok", (got, rows)
+    assert {k: got["coverage"][k] for k in ("targeted", "answered", "pruned", "failed")} == \
+        {k: rows["coverage"][k] for k in ("targeted", "answered", "pruned", "failed")}, (got["coverage"], rows["coverage"])
+    assert got["coverage"]["pruned"] or where == "_rank IN (3, 6, 200)"
 
 
 def test_a_rack_that_does_not_answer_is_one_failure_entry() -> None:

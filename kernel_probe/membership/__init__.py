@@ -6,7 +6,8 @@ Rules of this package:
   ``now: float`` (wall-clock seconds) from the caller; the I/O shell feeds these cores.
 - ``liveness`` is the state machine (one transition table), ``record`` the one
   declaration of a member's fields, ``registry`` the record per rank with TTLs,
-  departures and deltas, ``backoff`` the heartbeat schedule. ``view`` (imported by the
+  departures and deltas, ``backoff`` the heartbeat schedule, ``tag_index`` which members
+  hold which tag value (the root prunes a query by its tags from it). ``view`` (imported by the
   front ends, not here) is how every front end shows a membership.
 """
 
@@ -36,6 +37,7 @@ from .record import (
     Member,
 )
 from .registry import DeltaGapError, Registry, Scope
+from .tag_index import TagIndex
 
 __all__ = [
     "ALIVE",
@@ -61,5 +63,6 @@ __all__ = [
     "Member",
     "Registry",
     "Scope",
+    "TagIndex",
     "next_state",
 ]

@@ -452,6 +452,14 @@ class Registry:
         m = self._members.get(rank)
         return None if m is None else replace(m)
 
+    def peek(self, rank: int) -> Member | None:
+        """``rank``'s record itself, uncopied: to read, never to change."""
+        return self._members.get(rank)
+
+    def ranks(self) -> list[int]:
+        """Every member's rank, in no order."""
+        return list(self._members)
+
     def state_of(self, rank: int) -> str | None:
         """``rank``'s state (None: not a member), read without copying the member."""
         m = self._members.get(rank)

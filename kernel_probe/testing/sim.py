@@ -32,13 +32,17 @@ What is modelled, and how:
   partitions a set of ranks from the rest (a rack whose switch failed): messages across
   are lost, nobody is told; ``heal`` ends it.
 - CPU: the real time each virtual rank's work took on this machine (its cores' handling,
-  the codec, its SQL tasks) is summed per rank in ``VirtualRank.cpu`` (thread CPU time).
+  the codec, its SQL tasks) is summed per rank in ``VirtualRank.cpu`` (thread CPU time), and
+  by what woke it in ``VirtualRank.cpu_by`` (a query's work apart from the membership's).
+  A garbage collection that strikes during a rank's work is left out (``gc_cpu``): it walks
+  the one heap of every virtual rank, so it grew with the job, where a rank's own would not.
   With ``sql_latency="measured"`` a SQL task's outcome comes back after the CPU time it
   really took, so a query's simulated time includes each hop's SQL work.
 - SQL: each virtual rank can hold tables (``tables=``: rank -> {name: Arrow table} or
   ``SimTables``);
   a ``RunSqlTask`` runs the real ``SqlTaskRunner`` synchronously (the one place that
-  reads the real clock: DuckDB's deadline is the simulated time left, in real seconds)
+  reads the real clock: DuckDB's deadline is the simulated time left, in real seconds),
+  every rank's on one shared DuckDB engine (a fresh cursor per query, as on a rank's own)
   and its outcome comes back ``sql_latency`` later, so ``query()`` runs a federated query through the same
   cores, messages and SQL steps as a real job.
 - ``Send(to=PARENT)`` goes to the rank of the endpoint of the last ``ConnectParent``.
@@ -79,6 +83,7 @@ What is modelled, and how:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import heapq
 import itertools
 import random
@@ -142,6 +147,9 @@ class VirtualRank:
     sent: int = 0
     shell: "_SimShell | None" = None
     cpu: float = 0.0  # thread CPU seconds this rank's work took (handling, codec, SQL)
+    # the same seconds by what woke the rank: a message's type, else the stimulus ("Tick", "SelfChanged",
+    # "SqlTaskDone"); a SQL task run for a message counts as that message's
+    cpu_by: Counter = field(default_factory=Counter)
     sql: Any = None  # its SqlTaskRunner, when the simulation holds tables
     capture: Any = None  # its profile capture, made when first asked (a new process: a new one)
     step_hook: Any = None  # what the optimizer hook would call: ``.capture`` while one is armed
@@ -205,6 +213,8 @@ class Simulation:
         self.dropped: Counter[str] = Counter()  # in flight to a closed connection or a dead rank
         self.rejected: Counter[str] = Counter()  # wire.Codec rejections, by reason
         self.cross_host_watches = 0
+        self.gc_cpu = 0.0  # thread CPU seconds of garbage collections inside ranks' work (not counted to them)
+        _GC_CLOCK.install()
         self.notes: list[tuple[float, int, str]] = []
         self.events_run = 0
         self.discovery = discovery
@@ -215,6 +225,7 @@ class Simulation:
         self._tables, self._tags = tables, tags
         self.sql_latency = sql_latency if sql_latency == "measured" else float(sql_latency)
         self._sql_options = sql_options  # its SqlTaskRunners' TaskOptions (None: a probe's)
+        self._engine: Any = None  # the one DuckDB engine every virtual rank's SQL runs on (made on first use)
         self._clients = itertools.count(1)
         self.last_finish_nodes: list[dict] | None = None
         self._answers: dict[bytes, list[wire.Envelope]] = {}  # client routing id -> what arrived
@@ -316,7 +327,8 @@ class Simulation:
         v.shell = _SimShell(self, v)
         if self._tables is not None and v.sql is None:
             tag_of = self._tags or self.tags_of
-            v.sql = _sim_sql_runner(self._tables(rank), lambda r=rank: tag_of(r), self.settings, self._sql_options)
+            v.sql = _sim_sql_runner(self._tables(rank), lambda r=rank: tag_of(r), self.settings, self._sql_options,
+                                    engine=self._shared_engine())
             v.sql.tables.profile = lambda v=v: v.capture
         v.capture, v.step_hook = None, StepHook()
         v.parent, v.conn, v.watches, v.pending, v.timer_at = None, 0, {}, deque(), None
@@ -433,9 +445,9 @@ class Simulation:
                 v.sampling = False
             return
         # (fed, not ``sample``d: nobody reads a simulated rank's published membership)
-        t0 = time.thread_time()
+        t0, gc0 = time.thread_time(), _GC_CLOCK.spent
         v.shell.feed(SelfChanged(step=v.step, step_time_ms=v.step_time_ms, stalled=v.stalled), self.now)
-        v.cpu += time.thread_time() - t0
+        self._spent(v, "SelfChanged", t0, gc0)
         self._arm(v)
         self._at(self.now + self.sample_sec, lambda: self._sample(v, starts))
 
@@ -448,17 +460,28 @@ class Simulation:
         if v.frozen:
             v.pending.append(make)
             return
-        t0 = time.thread_time()
-        self._handle(v, make)
+        t0, gc0 = time.thread_time(), _GC_CLOCK.spent
+        stimulus = self._handle(v, make)
         if timer and v.state == "up":
             v.shell.turn(self.now)  # the shell's loop ends every wake-up so
-        v.cpu += time.thread_time() - t0
+        self._spent(v, _woken_by(stimulus), t0, gc0)
         self._arm(v)
 
-    def _handle(self, v: VirtualRank, make: Callable[[], Stimulus | None]) -> None:
+    def _spent(self, v: VirtualRank, what: str, t0: float, gc0: float) -> None:
+        """Count the thread CPU since ``t0`` to ``v``, less the garbage collections meanwhile
+        (``_GC_CLOCK`` read ``gc0`` at ``t0``): those walk every virtual rank's objects in the
+        simulator's one heap, not this rank's; ``gc_cpu`` counts them apart."""
+        gc_spent = _GC_CLOCK.spent - gc0
+        seconds = time.thread_time() - t0 - gc_spent
+        self.gc_cpu += gc_spent
+        v.cpu += seconds
+        v.cpu_by[what] += seconds
+
+    def _handle(self, v: VirtualRank, make: Callable[[], Stimulus | None]) -> Stimulus | None:
         stimulus = make()
         if stimulus is not None and v.state == "up":
             v.shell.feed(stimulus, self.now)
+        return stimulus
 
     def _arm(self, v: VirtualRank) -> None:
         """Schedule the rank's next ``Tick`` at its core's deadline."""
@@ -481,9 +504,9 @@ class Simulation:
         v.timer_at = None
         if v.frozen:
             return  # thaw() runs the timers
-        t0 = time.thread_time()
+        t0, gc0 = time.thread_time(), _GC_CLOCK.spent
         effects = v.shell.feed(Tick(), self.now)
-        v.cpu += time.thread_time() - t0
+        self._spent(v, "Tick", t0, gc0)
         if not effects and v.state == "up":
             deadline = v.core.next_deadline()
             if deadline is not None and deadline <= self.now:
@@ -525,6 +548,16 @@ class Simulation:
             took = time.thread_time() - t0
         delay = took if self.sql_latency == "measured" else self.sql_latency
         self._at(self.now + delay, lambda: self._input(v, lambda: SqlTaskDone(task.task_id, result)))
+
+    def _shared_engine(self) -> Any:
+        """One engine for every virtual rank: its connection is opened on the first SQL pass, and
+        each query runs on a fresh cursor with only its own tables, as on a rank's own engine
+        (one per rank: thousands of DuckDB databases, some MB each, for no difference)."""
+        if self._engine is None:
+            from ..sql.engine import Engine
+
+            self._engine = Engine(threads=self.settings.query_threads, memory_limit=self.settings.query_memory)
+        return self._engine
 
     def _connect(self, v: VirtualRank, endpoint: str | None) -> None:
         v.parent = self._rank_of(endpoint)
@@ -750,6 +783,35 @@ class Simulation:
         return [v.rank for v in self.ranks if v.state == "up"]
 
 
+class _GcClock:
+    """The thread CPU time Python's garbage collections took, all told (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self._started: float | None = None
+
+    def install(self) -> None:
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.thread_time()
+        elif self._started is not None:
+            self.spent += time.thread_time() - self._started
+            self._started = None
+
+
+_GC_CLOCK = _GcClock()
+
+
+def _woken_by(stimulus: Stimulus | None) -> str:
+    """What ``cpu_by`` counts a wake-up under: a message's type, else the stimulus's class."""
+    if isinstance(stimulus, MessageIn):
+        return stimulus.env.msg.type
+    return "nothing" if stimulus is None else type(stimulus).__name__
+
+
 class _SimShell(RankShell):
     """One virtual rank's shell: the shared rank shell, its bytes carried by the simulation.
     (No quick SQL: every task's outcome comes back ``sql_latency`` later.)"""
@@ -888,9 +950,10 @@ class SimTables:
                                     for i, f in enumerate(table.schema)])
 
 
-def _sim_sql_runner(tables: Any, tags: Callable[[], dict], settings: Settings, options: Any = None):
+def _sim_sql_runner(tables: Any, tags: Callable[[], dict], settings: Settings, options: Any = None,
+                    engine: Any = None):
     from ..shell.sql_tasks import SqlTaskRunner, TaskOptions
 
     return SqlTaskRunner(tables if isinstance(tables, SimTables) else SimTables(tables), tags, row_cap=settings.query_row_cap,
                          threads=settings.query_threads, memory_limit=settings.query_memory,
-                         options=options or TaskOptions())
+                         options=options or TaskOptions(), engine=engine)

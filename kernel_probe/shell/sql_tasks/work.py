@@ -272,6 +272,7 @@ class SqlWork:
         self.row_cap = row_cap
         self.options = options
         self._engine = engine
+        self._engine_asked = False
         self._engine_args = engine_args or {}
 
     # made on the first query: a probe never queried does not load the executor
@@ -299,11 +300,13 @@ class SqlWork:
             from ...sql.engine import Engine
 
             self._engine = Engine(**self._engine_args)
+        self._engine_asked = True
         return self._engine
 
     @property
     def duckdb_opened(self) -> bool:
-        return self._engine is not None
+        """Whether this probe's SQL ever asked for DuckDB (its own engine, or the one it was given)."""
+        return self._engine_asked
 
     # --- running a task ------------------------------------------------------------------
     def run(self, task: SqlTask, facts: Facts) -> dict:
