@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import gc
 import json
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+
+from tests.support.harness import free_port
 
 torch_dist = pytest.importorskip("torch.distributed")
 TCPStore = torch_dist.TCPStore
@@ -44,12 +45,6 @@ def put(master, key: str, value) -> None:
     # server applied it before another client looks.
     master.set(key, value)
     master.get(key)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_publish_and_read_master(master):

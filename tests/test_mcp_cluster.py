@@ -7,10 +7,8 @@ reader (``dump://``), and a playbook run by the CLI."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
@@ -19,6 +17,7 @@ import pytest
 import kernel_probe
 
 from .conftest import wait_for
+from tests.support.harness import free_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.processes]
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,18 +159,12 @@ def test_a_playbook_runs_end_to_end_from_the_cli(hung_job):
     assert text.rstrip().endswith("the collective they wait in, and the line of code it stands at.")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def jupyter(hung_job, tmp_path_factory):
     """A real Jupyter server with the extension, knowing the job (its runtime dir), on a token."""
     import httpx2
 
-    port = _free_port()
+    port = free_port()
     home = tmp_path_factory.mktemp("jupyter")
     env = {**os.environ, "PROBING_RUNTIME_DIR": str(hung_job), "PYTHONPATH": str(ROOT),
            "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "JUPYTER_CONFIG_DIR": str(home / "config")}

@@ -4,7 +4,6 @@ comm hook), installed and removed without a trace."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -109,9 +108,9 @@ def ddp_world_of_one(monkeypatch):
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.support.harness import free_port
+
+    port = free_port()
     # for this test alone: a process a later test starts must not find a store to join
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))

@@ -17,6 +17,7 @@ lazily (plain mode's store), so importing the harness stays cheap.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -60,11 +61,33 @@ _LOOPBACK = "127.0.0.1"
 AGENT_GRACE_SEC = 1.0  # close(): how long agents may outlive their ranks before SIGKILL
 
 
+_PORTS = range(20000, 29000)  # below Linux's ephemeral range; torch's default 29500 above
+_RANDOM = random.SystemRandom()  # not the seeded global one: every worker would pick alike
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the usual bind-to-0 trick; racy by nature)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((_LOOPBACK, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free right now, picked at random below the kernel's
+    ephemeral range: a port bound to 0 comes from that range, where every ZeroMQ socket bound to
+    a wildcard port and every outgoing connection of the other tests running meanwhile draws
+    too (CI saw a torchrun rendezvous port taken by a probe's socket before the agent bound it).
+    Racy still against another test's pick, one in nine thousand."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = _RANDOM.choice(_PORTS) if low > _PORTS[-1] else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((_LOOPBACK, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError("no free TCP port on 127.0.0.1")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _alive(p: psutil.Process) -> bool:

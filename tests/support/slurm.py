@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.support.harness import free_port
+
 __all__ = ["LocalSlurm", "SlurmUnavailable", "missing_programs"]
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sinfo")
@@ -35,12 +37,6 @@ def missing_programs() -> list[str]:
 
 def _program(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LocalSlurm:
@@ -60,7 +56,7 @@ class LocalSlurm:
         d = self.dir
         return "\n".join([
             "ClusterName=kp", f"SlurmctldHost={self.host}", "SlurmUser=root", "SlurmdUser=root",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.sock_dir / 'munge.socket'}",
             f"StateSaveLocation={d / 'state'}", f"SlurmdSpoolDir={d / 'spool'}",
             f"SlurmctldPidFile={d / 'slurmctld.pid'}", f"SlurmdPidFile={d / 'slurmd.pid'}",
