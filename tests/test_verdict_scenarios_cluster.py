@@ -36,12 +36,18 @@ def _start(launch, scenario: str, env: dict) -> tuple:
 
 
 def _until(root, found, what: str, native: bool = False):
-    """The first verdict for which ``found(findings rows)`` holds."""
+    """The first verdict for which ``found(findings rows)`` holds; failing, the last one's text."""
+    last = []
+
     def ask():
         result = root.diagnose(timeout=30 if native else 10, min_wait=1, native=native)
+        last[:] = [result]
         return result if found(result.findings.to_dict("records")) else None
 
-    return wait_for(ask, 90, interval=0.5, what=what)
+    try:
+        return wait_for(ask, 90, interval=0.5, what=what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the last verdict:\n{last[0].text() if last else 'none'}") from None
 
 
 def _row(result, kind: str, group: str) -> dict:
