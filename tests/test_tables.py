@@ -560,7 +560,7 @@ def test_flight_recorder_rows_per_group_come_from_the_setting(torch):
             (g,) = [g for g in t.arrow("process_groups").to_pylist() if g["group_id"] == mine[0]["group_id"]]
             return g if g["last_completed"] == 4 else None
 
-        g = wait_for(group, 10, what="the fourth all_reduce completed in the recorder")
+        g = wait_for(group, 60, what="the fourth all_reduce completed in the recorder")
         assert (g["ranks"], g["backend"], g["last_enqueued"], g["last_completed"]) == ("[0]", "gloo", 4, 4)
         assert t.plain("process_groups").num_rows == t.arrow("process_groups").num_rows
     finally:
