@@ -75,14 +75,25 @@ def _blocks_frame(rows: list[dict], declared: tuple[record.Column, ...]) -> "pd.
                        np.array([i for i, _ in floats])))
     for i, values in times:
         blocks.append((_utc_times(tuple(values)), np.array([i])))
-    columns = _COLUMN_INDEX.get(declared)
-    if columns is None:  # an Index is immutable: every frame may hold the same one
-        columns = _COLUMN_INDEX.setdefault(declared, pd.Index([c.name for c in declared]))
+    columns = _column_index(declared, [c.name for c in declared])
     return create_dataframe_from_blocks(blocks, index=pd.RangeIndex(n), columns=columns)
 
 
 _COLUMN_INDEX: dict[tuple, Any] = {}  # the columns (declared, or names) -> their Index
 _COLUMN_INDEX_KEPT = 256
+
+
+def _column_index(key: tuple, names: list[str]) -> Any:
+    """The pandas Index of ``names``, kept under ``key``: an Index is immutable, so every
+    frame may hold the same one."""
+    columns = _COLUMN_INDEX.get(key)
+    if columns is None:
+        import pandas as pd
+
+        if len(_COLUMN_INDEX) >= _COLUMN_INDEX_KEPT:
+            _COLUMN_INDEX.clear()
+        columns = _COLUMN_INDEX.setdefault(key, pd.Index(names))
+    return columns
 
 
 _TIMES: dict[tuple, Any] = {}
@@ -314,12 +325,7 @@ def _columns_frame(table: Any) -> "pd.DataFrame | None":
         else:
             return None
         blocks.append((values, np.array([i])))
-    key = tuple(names)
-    columns = _COLUMN_INDEX.get(key)
-    if columns is None:  # an Index is immutable: every frame may hold the same one
-        if len(_COLUMN_INDEX) >= _COLUMN_INDEX_KEPT:
-            _COLUMN_INDEX.clear()
-        columns = _COLUMN_INDEX.setdefault(key, pd.Index(list(names)))
+    columns = _column_index(tuple(names), list(names))
     return create_dataframe_from_blocks(blocks, index=pd.RangeIndex(table.num_rows), columns=columns)
 
 
