@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import platform
@@ -556,12 +557,25 @@ def test_flight_recorder_rows_per_group_come_from_the_setting(torch):
         mine = [r for r in t.arrow("collectives").to_pylist() if r["source"] != "python" and r["ts"] >= start]
         assert [r["collective_seq_id"] for r in mine] == [3, 4]  # the newest two of this group
 
-        def group() -> dict | None:  # gloo's thread marks the last call completed a moment after it returned
-            (g,) = [g for g in t.arrow("process_groups").to_pylist() if g["group_id"] == mine[0]["group_id"]]
-            return g if g["last_completed"] == 4 else None
+        gid = mine[0]["group_id"]
 
-        g = wait_for(group, 60, what="the fourth all_reduce completed in the recorder")
-        assert (g["ranks"], g["backend"], g["last_enqueued"], g["last_completed"]) == ("[0]", "gloo", 4, 4)
+        def torch_status() -> tuple[int, int]:
+            from torch._C._distributed_c10d import _dump_fr_trace_json
+
+            st = json.loads(_dump_fr_trace_json(False, False))["pg_status"][str(gid)]
+            return int(st["last_enqueued_collective"]), int(st["last_completed_collective"])
+
+        def group() -> dict | None:
+            # torch's status as the row says it: gloo's thread marks a call completed some time after
+            # it returned (under load, once, not within a minute), so the row is checked against
+            # torch's own status read around it, not against a count
+            before = torch_status()
+            (g,) = [g for g in t.arrow("process_groups").to_pylist() if g["group_id"] == gid]
+            return g if (g["last_enqueued"], g["last_completed"]) == before == torch_status() else None
+
+        g = wait_for(group, 10, what="the group's row and torch's status alike")
+        assert (g["ranks"], g["backend"], g["last_enqueued"]) == ("[0]", "gloo", 4)
+        assert g["last_completed"] in (3, 4), g
         assert t.plain("process_groups").num_rows == t.arrow("process_groups").num_rows
     finally:
         t.close()
