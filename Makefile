@@ -28,23 +28,26 @@ demo: install
 lab: install
 	$(PY) examples/lab.py $(LAB_ARGS)
 
-# Three workers, a test module each at a time (its shared jobs stay in one process), the modules that
-# start jobs first (tests/conftest.py): the jobs mostly wait, so two cores run three modules at once.
-# Beside them, one more pytest runs the tests that start no process (about two minutes of CPU) on the
-# CPU the jobs leave idle (not niced: a busy machine would starve them); its report follows the first
-# part's. Then the `serial` tests, alone (latency and resource bounds). Every part always runs; exit
-# status 5 (nothing selected, e.g. PYTEST_ARGS=one file) is fine.
+# First the modules that start processes or jobs, on $(TEST_WORKERS) workers, a module each at a time (its
+# shared jobs stay in one process), the longest first (tests/conftest.py): the jobs mostly wait, so two
+# cores run four modules at once. Then the `serial` tests (latency and resource bounds), and beside
+# them, at the lowest priority, the tests that start no process (about a minute and a half of CPU):
+# they take only the CPU the serial tests leave idle. A session of their own, its scheduling group at
+# nice 19 too: where the kernel groups CPU time by session (autogroup), a process's own nice counts
+# only inside its session, against the ranks' sessions. Their report follows the serial part's. Every
+# part always runs; exit status 5 (nothing selected, e.g. PYTEST_ARGS=one file) is fine.
 # Bytecode is written even where the environment says not to: each pytest run rewrites and compiles
 # every test module otherwise (about 5 s of CPU a run), and every rank its test helpers.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 NO_PROCESS := not processes and not cluster
 test: install chromium openmpi slurm
 	@export PYTHONDONTWRITEBYTECODE=; report=$$(mktemp); \
-	$(PY) -m pytest -p no:cacheprovider -m "$(NO_PROCESS) and not serial" $(PYTEST_ARGS) >$$report 2>&1 & \
-	pure=$$!; \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not ($(NO_PROCESS)) and not serial" $(PYTEST_ARGS); a=$$?; \
-	wait $$pure; p=$$?; echo "--- the tests that start no process (beside the first part):"; cat $$report; rm -f $$report; \
+	setsid -w sh -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 "$$@"' lowest \
+	  $(PY) -m pytest -p no:cacheprovider -m "$(NO_PROCESS) and not serial" $(PYTEST_ARGS) >$$report 2>&1 & \
+	pure=$$!; trap 'kill $$pure 2>/dev/null' EXIT; \
 	$(PY) -m pytest -m serial $(PYTEST_ARGS); b=$$?; \
+	wait $$pure; p=$$?; echo "--- the tests that start no process (beside the serial part):"; cat $$report; rm -f $$report; \
 	for s in $$a $$p $$b; do [ $$s -eq 0 ] || [ $$s -eq 5 ] || exit $$s; done; [ $$a -eq 0 ] || [ $$p -eq 0 ] || [ $$b -eq 0 ]
 
 # The browser test drives Debian's Chromium (Playwright downloads nothing): install it when missing.

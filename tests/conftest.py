@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import process_guard
+from tests.support import module_seconds, process_guard
 from tests.support import wait_for  # noqa: F401 (the tests import it from here)
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]  # jp_fetch & co. (only a root conftest may declare it)
@@ -20,20 +20,24 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules that start jobs first, those with the most job tests first of all: `make test`'s
-    workers take whole modules in this order (--no-loadscope-reorder), so a long module never
-    starts last and runs alone at the end. Each module's tests keep their order."""
+    """Modules that start processes first, the longest first of all (tests/support/module_seconds.py):
+    `make test`'s workers take whole modules in this order (--no-loadscope-reorder), so a long module
+    never starts last and runs alone at the end. Each module's tests keep their order."""
     levels: dict[str, list[int]] = {}
     for item in items:
         levels.setdefault(item.nodeid.split("::")[0], []).append(
             process_guard.level_of({m.name for m in item.iter_markers()}))
 
-    def weight(item: pytest.Item) -> tuple[int, int]:
-        module = levels[item.nodeid.split("::")[0]]
-        top = max(module)
-        return -top, -module.count(top)
+    def seconds(module: str) -> float:
+        top = max(levels[module])
+        if top == process_guard.NONE:
+            return 0.0
+        known = module_seconds.SECONDS.get(module.rsplit("/", 1)[-1])
+        if known is not None:
+            return known
+        return module_seconds.UNKNOWN_CLUSTER if top == process_guard.CLUSTER else module_seconds.UNKNOWN_PROCESSES
 
-    items.sort(key=weight)  # stable: a module stays in one piece
+    items.sort(key=lambda item: -seconds(item.nodeid.split("::")[0]))  # stable: a module stays in one piece
 
 
 @pytest.hookimpl(hookwrapper=True)
