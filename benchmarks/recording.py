@@ -89,6 +89,34 @@ def paired_rounds(step, arms: dict, steps_per_block: int, rounds: int) -> dict:
     return out
 
 
+def calls_per_step(step, steps: int = 100) -> tuple[float, float]:
+    """Python function calls (and C builtins) per step on this thread, probe off and on, counted
+    by cProfile: the one figure of the hooks that the machine's load cannot move, comparable
+    between two checkouts (run this script with PYTHONPATH set to the other)."""
+    import cProfile
+    import pstats
+
+    from kernel_probe.config import load_settings
+    from kernel_probe.tables import LocalTables
+
+    def count() -> float:
+        step()  # a first step after installing hooks every gradient once
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            step()
+        prof.disable()
+        return pstats.Stats(prof).total_calls / steps
+
+    off = count()
+    tables = LocalTables(load_settings({}))
+    tables.sample(time.time())
+    try:
+        return off, count()
+    finally:
+        tables.close()
+
+
 def median_ci(values: list) -> tuple[float, float, float]:
     """The median and its 95 % confidence interval (order statistics; no normality assumed)."""
     v = sorted(values)
@@ -194,6 +222,9 @@ def main() -> int:
         arms = {"off": None, "on": _GradWatch.KEEP_LAST}
         if name.startswith("tiny"):
             arms["off (A/A: the noise floor)"] = None
+            off_calls, on_calls = calls_per_step(train_step)
+            print(f"Python calls per DDP step ({name}): off {off_calls:.0f}, on {on_calls:.0f} "
+                  f"({on_calls - off_calls:+.0f})")
         if name.startswith("deep"):
             arms["on, every gradient hooked (the design before)"] = 1 << 30
         result = paired_rounds(train_step, arms, steps_per_block, rounds)
