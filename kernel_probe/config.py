@@ -36,6 +36,8 @@ class Settings:
     report_backoff_factor: float = 2.0
     stale_sec: float = 25.0
     stall_sec: float = 60.0
+    # the slow verdict: a slower level of the step time lasts this long before it is a slowdown
+    slowdown_min_sec: float = 60.0
     discover_timeout_sec: float = 2.0
     report_timeout_sec: float = 5.0
     # PROBING_CLUSTER_FANOUT: the most brokers that report to one parent; past it node brokers
@@ -257,6 +259,7 @@ def _parse_settings(env: Mapping[str, str]) -> Settings:
         report_backoff_factor=_number(env, "PROBING_CLUSTER_REPORT_BACKOFF_FACTOR", 2.0, 1.0),
         stale_sec=_number(env, "PROBING_CLUSTER_STALE_SEC", 25.0, 0.5),
         stall_sec=_number(env, "PROBING_CLUSTER_STALL_SEC", 60.0, 0.1),
+        slowdown_min_sec=_number(env, "PROBING_SLOWDOWN_MIN_SEC", 60.0, 1.0),
         discover_timeout_sec=_number(env, "PROBING_CLUSTER_DISCOVER_TIMEOUT_SEC", 2.0, 0.01),
         report_timeout_sec=_number(env, "PROBING_CLUSTER_REPORT_TIMEOUT_SEC", 5.0, 0.01),
         fanout=int(min(_number(env, "PROBING_CLUSTER_FANOUT", 128, 2), 1e6)),

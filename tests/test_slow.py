@@ -321,6 +321,23 @@ def test_a_real_2x_slowdown_under_the_same_load_is_found_with_when_and_who(seed)
     assert slow.change_point(early) is None
 
 
+def test_the_minimum_a_slowdown_lasts_is_the_callers():
+    """A slower level of 40 s: too young at the default minute, a slowdown at 30 s; then the same
+    through the diagnose flow, whose minimum comes from PROBING_SLOWDOWN_MIN_SEC."""
+    from kernel_probe.client import diagnose
+    from kernel_probe.config import load_settings
+
+    rows, _ = loaded_history(0, minutes=4, bursts=0, slow_from=200.0)
+    assert slow.change_point(rows) is None
+    found = slow.change_point(rows, min_after_sec=30.0)
+    assert found is not None and abs(found.at - (T0 + 200.0)) <= 4.0, found
+    assert slow.change_point(rows, min_after_sec=45.0) is None
+    assert load_settings({"PROBING_SLOWDOWN_MIN_SEC": "30"}).slowdown_min_sec == 30.0
+    assert load_settings({}).slowdown_min_sec == slow.MIN_AFTER_SEC
+    flow = diagnose.Diagnosis(5.0, 1.0, False, 0.0, slowdown_min_sec=30.0)
+    assert flow.slowdown_min_sec == 30.0
+
+
 def test_a_slowdown_must_last_its_steps_too():
     # 20 s at 4 s a step is five steps: too few to call a level
     rows, _ = loaded_history(0, minutes=3, bursts=0, slow_from=120.0, slow_by=90.0)

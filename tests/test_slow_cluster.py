@@ -21,6 +21,7 @@ from .conftest import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.serial]  # verdicts on wall-clock arrival and step times: other jobs' load skews both
 WORKER = str(Path(__file__).parent / "workers" / "slow_worker.py")
+SLOWDOWN_MIN_SEC = 30  # PROBING_SLOWDOWN_MIN_SEC of the asking client (the default is a minute)
 WINDOW = 30  # steps: the verdict reads each rank's newest WINDOW steps, so scenarios switch fast
 
 
@@ -33,6 +34,7 @@ def job(tmp_path_factory):
     control.write_text("{}")
     mp = pytest.MonkeyPatch()
     mp.setenv("PROBING_RUNTIME_DIR", str(runtime))
+    mp.setenv("PROBING_SLOWDOWN_MIN_SEC", str(SLOWDOWN_MIN_SEC))  # this process asks: the rule's minimum, halved
     j = LocalJob([WORKER, "--mode", "ddp", "--control", str(control)], nodes=2, ranks_per_node=2,
                  env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), "PROBING_SAMPLE_INTERVAL_SEC": "0.25"},
                  node_env=lambda i: {"PROBING_NODE_HOST": f"h{i}"}, workdir=tmp_path_factory.mktemp("job")).start()
@@ -222,13 +224,14 @@ def test_a_job_that_gets_slower_mid_run_says_when_and_which_ranks(job):
     def slowdown(result) -> bool:
         return any(f.kind == "slowdown" for f in result.verdict.findings)
 
-    # the rule's minimum: a slower level lasts 60 s (from its first 2 s bin to the newest one's end).
-    # Asked once halfway, then from the minimum on: every ask loads the ranks it judges.
-    time.sleep(max(0.0, switched + 30 - time.time()))
+    # the rule's minimum: a slower level lasts SLOWDOWN_MIN_SEC (from its first 2 s bin to the newest
+    # one's end). Asked once halfway, then from the minimum on: every ask loads the ranks it judges.
+    time.sleep(max(0.0, switched + SLOWDOWN_MIN_SEC / 2 - time.time()))
     early = root.diagnose(window=200)
     assert not slowdown(early), early.text()
-    time.sleep(max(0.0, switched + 60 - 2 * 2 - time.time()))
+    time.sleep(max(0.0, switched + SLOWDOWN_MIN_SEC - 2 * 2 - time.time()))
     result = verdict_until(root, slowdown, timeout=150, window=200)
+    assert time.time() - switched < 55, "the slowdown came only after the default minimum"
     (g,) = [g for g in result.verdict.findings if g.kind == "slowdown"]
     # the slowed ranks (both, or the one whose own time rose first in the bins read) on their host
     assert g.ranks and set(g.ranks) <= {2, 3} and "changed first (host h1)" in g.detail, g.detail

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generator, Iterable, Mapping
 
+from ..config import load_settings
 from ..diagnosis import slow as slow_core
 from ..diagnosis import verdict as core
 from ..diagnosis.values import as_float, as_int, as_text
@@ -216,6 +217,8 @@ class Diagnosis:
     now: float
     ended: EndedJob | None = None
     window: int = WINDOW_STEPS  # the newest steps of each rank the slow verdict weighs
+    # how long a slower level of the step time lasts before it is a slowdown (PROBING_SLOWDOWN_MIN_SEC)
+    slowdown_min_sec: float = field(default_factory=lambda: load_settings().slowdown_min_sec)
 
     def _query(self, sql: str, params: Mapping[str, Any] | None = None, **kw: Any) -> Call:
         # a table no dump holds (a fatal signal's rank alone, a rank with no torch) answers nothing
@@ -260,7 +263,8 @@ class Diagnosis:
         host_rows = rows(host)
         return {"steps": steps, "history": rows(answers.get("history")), "host": host_rows,
                 "collectives": rows(answers.get("arrivals")), "offsets_ms": clock_offsets_ms(host_rows, spread),
-                "answers": [a for a in answers.values() if a is not None], "window": self.window}
+                "answers": [a for a in answers.values() if a is not None], "window": self.window,
+                "min_after_sec": self.slowdown_min_sec}
 
 
 # the query answers whose coverage is the verdict's, in the order they are merged
@@ -318,7 +322,8 @@ def with_slow(result: DiagnoseResult, slow: Mapping[str, Any]) -> DiagnoseResult
     verdict = result.verdict
     report = slow_core.analyse(slow.get("steps") or [], slow.get("collectives") or [], slow.get("history") or [],
                                slow.get("host") or [], slow.get("offsets_ms") or {},
-                               window=slow.get("window") or slow_core.WINDOW_STEPS)
+                               window=slow.get("window") or slow_core.WINDOW_STEPS,
+                               min_after_sec=slow.get("min_after_sec") or slow_core.MIN_AFTER_SEC)
     summary = report.summary if report.findings else f"{verdict.summary} {report.summary}"
     coverage = merge_coverages([result.coverage, *(a.coverage for a in slow.get("answers") or ())])
     return DiagnoseResult(core.Verdict(summary, report.findings, verdict.checked + report.checked), coverage)

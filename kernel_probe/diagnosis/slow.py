@@ -50,7 +50,7 @@ CHRONIC_SHARE = 0.5  # machine deschedules one process for a burst of steps, and
 UNEXPLAINED_LATE_OF_STEP = 0.5  # a rank late now and then with no measured cause: named when by this share of a step
 MIN_CHANGE = 0.5  # a slowdown: the step time rose by at least this share ...
 MIN_CHANGE_MS = 10.0  # ... and this many milliseconds ...
-MIN_AFTER_SEC = 60.0  # ... and has lasted this long ...
+MIN_AFTER_SEC = 60.0  # ... and has lasted this long (by default: PROBING_SLOWDOWN_MIN_SEC) ...
 MIN_AFTER_STEPS = 50  # ... and this many steps
 HOLD_SHARE = 0.8  # ... with this share of its bins above the midpoint of the two levels ...
 MIN_HOLD_NEWEST = 3  # ... and the newest this many
@@ -431,10 +431,10 @@ def levels(series: Sequence[float], min_bins: int) -> list[list[int]]:
     return out
 
 
-def change_point(history: Iterable[Mapping[str, Any]]) -> Change | None:
+def change_point(history: Iterable[Mapping[str, Any]], min_after_sec: float = MIN_AFTER_SEC) -> Change | None:
     """Since when the job is slower: the step-time history (the median over ranks per bin) cut
     into lasting levels (``levels``), the newest against the one before it. A slowdown is a rise of
-    ``MIN_CHANGE`` and ``MIN_CHANGE_MS`` that has lasted ``MIN_AFTER_SEC`` (and ``MIN_AFTER_STEPS``
+    ``MIN_CHANGE`` and ``MIN_CHANGE_MS`` that has lasted ``min_after_sec`` (and ``MIN_AFTER_STEPS``
     steps where the history counts them), that holds (``HOLD_SHARE`` of its bins and the newest
     ones above the midpoint of the two levels) and that stands ``SEPARATION`` times the spread of
     the bins within either level above it. Machine noise fails one of these: a burst of load is
@@ -474,7 +474,7 @@ def change_point(history: Iterable[Mapping[str, Any]]) -> Change | None:
         return end + width - bins[level[0]]
 
     i = len(found) - 1
-    if i > 0 and span(found[i]) < MIN_AFTER_SEC:
+    if i > 0 and span(found[i]) < min_after_sec:
         i -= 1  # the newest level is too young to judge: the one under it
     if i < 1:
         return None
@@ -489,7 +489,7 @@ def change_point(history: Iterable[Mapping[str, Any]]) -> Change | None:
         elif after - value >= max(MIN_CHANGE_MS, MIN_CHANGE * value):
             before_at = level
             break
-        elif value < after and span(level) >= MIN_AFTER_SEC:
+        elif value < after and span(level) >= min_after_sec:
             return None  # a lasting level just under it: not slower than that by enough
         # else a level over it (it was slower still then), or a passing one in between: further back
     if before_at is None:
@@ -510,7 +510,7 @@ def change_point(history: Iterable[Mapping[str, Any]]) -> Change | None:
     k = next((j for j in range(before_at[-1] + 1, first[0]) if series[j] > mid), first[0])
     seconds = bins[-1] + width - bins[k]
     steps = sum(int(median(counts[b])) for b in bins[k:]) if all(counts.get(b) for b in bins[k:]) else None
-    if seconds < MIN_AFTER_SEC or (steps is not None and steps < MIN_AFTER_STEPS):
+    if seconds < min_after_sec or (steps is not None and steps < MIN_AFTER_STEPS):
         return None
     at = bins[k]
     b_set, a_set = {bins[i] for i in before_at}, {bins[i] for i in same}
@@ -549,13 +549,15 @@ def _clock_text(seconds: float) -> str:
 
 def analyse(steps: Sequence[Mapping[str, Any]], collectives: Sequence[Mapping[str, Any]] = (),
             history: Sequence[Mapping[str, Any]] = (), host: Sequence[Mapping[str, Any]] = (),
-            offsets_ms: Mapping[int, float] | None = None, window: int = WINDOW_STEPS) -> SlowReport:
+            offsets_ms: Mapping[int, float] | None = None, window: int = WINDOW_STEPS,
+            min_after_sec: float = MIN_AFTER_SEC) -> SlowReport:
     """The slow-job verdict. ``steps``: recent ``steps`` rows with ``_rank`` (and ``_host``);
     ``collectives``: flight-recorder rows (``_rank, group_name, collective_seq_id, ts, op,
     is_p2p``); ``history``: per-rank bins (``_rank, _host, bin_start, step_ms, own_ms``);
     ``host``: the newest ``host`` row of each rank; ``offsets_ms``: rank -> its clock's offset
-    from the reference clock."""
-    change = change_point(history)
+    from the reference clock; ``min_after_sec``: how long a slower level lasts before it is a
+    slowdown."""
+    change = change_point(history, min_after_sec)
     if change is not None:  # the job as it is now: the steps since it got slower
         since_change = [s for s in steps if (as_float(s.get("start")) or 0.0) >= change.at]
         if len(windows(since_change, window)) == len(windows(steps, window)):
