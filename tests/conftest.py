@@ -65,6 +65,10 @@ def _no_probe_in_pytest(monkeypatch):
     # the test process is a client, never a rank
     monkeypatch.delenv("PROBING", raising=False)
     monkeypatch.delenv("PROBING_AUTH_TOKEN", raising=False)
+    # ... that knows no job another test of this worker added (by address or dumps): a fresh registry
+    jobs = sys.modules.get("kernel_probe.jobs")
+    if jobs is not None:
+        monkeypatch.setattr(jobs, "_registry", None)
 
 
 @pytest.fixture
