@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .planner import Plan, Scan
 
-__all__ = ["TAG_TYPES", "tagged", "lookup", "select_ranks", "run_rank", "merge", "finish"]
+__all__ = ["TAG_TYPES", "tagged", "lookup", "select_ranks", "run_rank", "one_rank_answer", "merge", "finish"]
 
 log = logging.getLogger(__name__)
 
@@ -395,6 +395,19 @@ def _final_repeats(plan: "Plan", scan: "Scan") -> bool:
     and columns hold already, only the order and the limit are left to apply."""
     return plan.final_rows is not None and scan.arrow is not None and plan.final_rows == scan.arrow \
         and plan.shape is None and sum(sc.where == "ranks" for sc in plan.scans) == 1
+
+
+def one_rank_answer(plan: "Plan", scans: Mapping[str, "pa.Table | None"]) -> "pa.Table | None":
+    """What ``finish`` answers over ``scans`` (``run_rank``'s, of the only rank a query asks)
+    where that is the scan's table as it is (``ONE_RANK_KEY``: the final only repeats the
+    scan), without a finish; None where the finish has more to do or an error to say."""
+    if len(plan.scans) != 1 or plan.scans[0].where != "ranks":
+        return None
+    table = scans.get(plan.scans[0].name)
+    if table is None or not _one_rank(table) or _padded(table) or \
+            len({n.lower() for n in table.column_names}) != table.num_columns:
+        return None
+    return table.replace_schema_metadata(None)
 
 
 def _rows_then_tags(spec: Mapping[str, Any], table: "pa.Table", tags: Mapping[str, object],
