@@ -399,15 +399,19 @@ def _final_repeats(plan: "Plan", scan: "Scan") -> bool:
 
 def one_rank_answer(plan: "Plan", scans: Mapping[str, "pa.Table | None"]) -> "pa.Table | None":
     """What ``finish`` answers over ``scans`` (``run_rank``'s, of the only rank a query asks)
-    where that is the scan's table as it is (``ONE_RANK_KEY``: the final only repeats the
-    scan), without a finish; None where the finish has more to do or an error to say."""
-    if len(plan.scans) != 1 or plan.scans[0].where != "ranks":
+    where it needs neither DuckDB nor an error: the scan's rows as they are (``ONE_RANK_KEY``:
+    the final only repeats the scan; ``Plan.final_union``), or Arrow's selection from them
+    (``Plan.final_rows``: its projection); None where the finish has more to do or to say
+    (a final in SQL, a table or a column no rank has)."""
+    if len(plan.scans) != 1 or plan.shape is not None:
         return None
-    table = scans.get(plan.scans[0].name)
-    if table is None or not _one_rank(table) or _padded(table) or \
-            len({n.lower() for n in table.column_names}) != table.num_columns:
+    (scan,) = plan.scans
+    table = scans.get(scan.name)
+    if scan.where != "ranks" or table is None or _padded(table) or (scan.merge and scan.merge_at_root):
         return None
-    return table.replace_schema_metadata(None)
+    if plan.final_rows is not None:
+        return _final_with_rows(plan, {scan.name: table})
+    return _with_padded(table, []) if plan.final_union else None
 
 
 def _rows_then_tags(spec: Mapping[str, Any], table: "pa.Table", tags: Mapping[str, object],
