@@ -191,9 +191,11 @@ def _where(result: Any) -> str:
               f"{(t1 - profile['answered_at']) * 1000:.1f} · DataFrame {(t2 - t1) * 1000:.1f}") \
         if "received_at" in profile else "client split: a root without wall-clock stamps"
     transfer = max((h["transfer_ms"] for h in hops), default=0.0)
+    # none where one rank's scan was the answer as it stood
+    finish = "-" if profile.get("finish_ms") is None else f"{profile['finish_ms']:.1f}"
     return (f"plan {profile['plan_ms']:.1f} · scans {scan['median_ms']:.1f}/{scan['slowest_ms']:.1f} (median/slowest) · "
             f"merges {merges} · {len(hops)} hops, transfer max {transfer:.1f} · "
-            f"finish {profile['finish_ms']:.1f} · {profile['elapsed_ms']:.1f} at {at}\n"
+            f"finish {finish} · {profile['elapsed_ms']:.1f} at {at}\n"
             f"        {client} · hops down/up {split or '-'}")
 
 

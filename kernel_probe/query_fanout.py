@@ -514,7 +514,8 @@ class QueryFanOut:
             s.timing.task_started["rank"] = now
             own.append(self._task(s, RankScan(s.plan, params=s.request.get("params"), deadline=s.gather_by,
                                               ships_to_parent=s.origin is PARENT and self.tree.ships_to_parent,
-                                              native=bool(s.request.get("native")))))
+                                              native=bool(s.request.get("native")),
+                                              answers_client=s.origin is not PARENT and targets.count == 1)))
         by_hop = self._by_hop(s, targets - RankRanges(((self.rank, self.rank),)))
         if by_hop and s.plan_buffer is None:
             # packed once for every child (the explain text is for the client: the hops below never
@@ -660,6 +661,9 @@ class QueryFanOut:
             if "ship" in result:  # a leaf (only a subquery's scan may ship): our parent scans these
                 return self._answer_parent(s, result["scans"], result["buffers"], ship=result["ship"], now=now)
             self._scanned(s, self.rank, result, now, s.timing.task_started.get("rank"))
+            if "answer" in result and "error" not in result and not s.waiting and not s.shipped:
+                s.stage = "merge"  # our scan is the client's answer already (answers_client): no finish
+                return self._answer(s, result["answer"], now)
             return self._maybe_merge(s, now)
         if kind == "shipped":
             rank = s.shipped.pop(task_id, None)

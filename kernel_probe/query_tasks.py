@@ -61,7 +61,10 @@ class RankScan(_Task):
     """This rank's scans of ``plan`` (a plan dict) over its own tables. ``ships_to_parent``: a
     leaf answering a parent on its machine, which may answer with the tables its scans read
     instead (a result with ``ship``), for the parent to scan (a ``ShippedScan`` there).
-    ``native``: its ``stacks`` carry native frames too (py-spy; a shipped table already has them)."""
+    ``native``: its ``stacks`` carry native frames too (py-spy; a shipped table already has them).
+    ``answers_client``: this rank is the only one a client's query asks (directly, or a root
+    over itself): where its scan is the answer already, the result carries it (``answer``)
+    and no finish runs."""
 
     kind: ClassVar[str] = "rank"
     plan: dict
@@ -69,6 +72,7 @@ class RankScan(_Task):
     deadline: float | None = None
     ships_to_parent: bool = False
     native: bool = False
+    answers_client: bool = False
 
 
 @dataclass(frozen=True)

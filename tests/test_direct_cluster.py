@@ -74,6 +74,9 @@ def test_one_ranks_rows_come_from_it_directly_as_through_the_tree(job):
     assert direct.coverage["pruned"] == [0, 1, 2] and "3 pruned" in direct.footer()
     assert direct.footer().split(" · ")[0] == tree.footer().split(" · ")[0] == "1/1 ranks"
     assert not direct.coverage["profile"]["hops"]  # one round trip: no hop below the rank asked
+    # its scan was the answer: no finish ran at the rank; the root finishes what the tree brings
+    assert direct.coverage["profile"]["finish_ms"] is None and tree.coverage["profile"]["finish_ms"] is not None
+    assert direct.table.equals(tree.table, check_metadata=True)
 
     # one rank's stacks (ranks=[3]), and an aggregate, the same way
     stacks = root.query(stacks_sql(), ranks=[3])

@@ -28,7 +28,9 @@ Rules of this file:
   drops, a refusal, no answer) is left alone for ``UNREACHABLE_SEC``; the query goes through
   the tree, silently, with the same answer.
 - A direct answer reads as the tree's: its coverage lists the ranks the client pruned
-  (the root would have), and says ``direct`` (the rank asked) besides.
+  (the root would have), and says ``direct`` (the rank asked) besides. Where the rank's scan
+  is the answer already (a top-k, a filter, a projection of them) its scan task answers, and
+  no finish task runs (``sql.execute.one_rank_answer``): the same table.
 - A client's first contact with a rank (``greet``) asks it to warm its engine and lets that
   query take the tree: the rank's engine process starts meanwhile, not while a query waits.
 """

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .planner import Plan, Scan
 
-__all__ = ["TAG_TYPES", "tagged", "lookup", "select_ranks", "run_rank", "merge", "finish"]
+__all__ = ["TAG_TYPES", "tagged", "lookup", "select_ranks", "run_rank", "one_rank_answer", "merge", "finish"]
 
 log = logging.getLogger(__name__)
 
@@ -395,6 +395,23 @@ def _final_repeats(plan: "Plan", scan: "Scan") -> bool:
     and columns hold already, only the order and the limit are left to apply."""
     return plan.final_rows is not None and scan.arrow is not None and plan.final_rows == scan.arrow \
         and plan.shape is None and sum(sc.where == "ranks" for sc in plan.scans) == 1
+
+
+def one_rank_answer(plan: "Plan", scans: Mapping[str, "pa.Table | None"]) -> "pa.Table | None":
+    """What ``finish`` answers over ``scans`` (``run_rank``'s, of the only rank a query asks)
+    where it needs neither DuckDB nor an error: the scan's rows as they are (``ONE_RANK_KEY``:
+    the final only repeats the scan; ``Plan.final_union``), or Arrow's selection from them
+    (``Plan.final_rows``: its projection); None where the finish has more to do or to say
+    (a final in SQL, a table or a column no rank has)."""
+    if len(plan.scans) != 1 or plan.shape is not None:
+        return None
+    (scan,) = plan.scans
+    table = scans.get(scan.name)
+    if scan.where != "ranks" or table is None or _padded(table) or (scan.merge and scan.merge_at_root):
+        return None
+    if plan.final_rows is not None:
+        return _final_with_rows(plan, {scan.name: table})
+    return _with_padded(table, []) if plan.final_union else None
 
 
 def _rows_then_tags(spec: Mapping[str, Any], table: "pa.Table", tags: Mapping[str, object],
