@@ -74,6 +74,8 @@ def test_plain_mode_env_kill_and_close(tmp_path: Path) -> None:
         assert len(set(pids.values())) == 4
         assert job.master_port is not None and job.master_addr == "127.0.0.1"
         for rank, pid in pids.items():
+            # once it runs the worker: a child not yet past exec still shows this process's environment
+            assert _wait_for(lambda: f"ready rank={rank} pid={pid}" in job.output(rank), 10), job.output(rank)
             env = psutil.Process(pid).environ()
             expect = {
                 "RANK": str(rank),
@@ -95,9 +97,6 @@ def test_plain_mode_env_kill_and_close(tmp_path: Path) -> None:
             }
             assert {k: env.get(k) for k in expect} == expect
             assert job.node_of(rank) == rank // 2
-        # The worker's own view agrees with what we read from outside.
-        for rank, pid in pids.items():
-            assert _wait_for(lambda: f"ready rank={rank} pid={pid}" in job.output(rank), 10), job.output(rank)
 
         victim = psutil.Process(pids[3])
         job.kill(3)
