@@ -5,8 +5,14 @@ For each size: the time and bytes to converge; the steady-state bytes per rank p
 federated queries (a count, a group-by, a top-k) with their simulated p50/p99 over a
 modelled link, and the CPU per query of the root, of a broker of brokers and of a node
 broker (this machine's thread CPU time, measured around each virtual rank's work: all of it,
-and the query's own, without the membership work that runs meanwhile); the root's CPU for a
-query pruned to one node by its host tag; a broker
+and the query's own, without the membership work that runs meanwhile), measured twice: as it
+runs (a garbage collection that strikes inside a rank's work left out, reported apart) and with
+no garbage collection at all (a collection walks every virtual rank's objects in the
+simulator's one heap and leaves the next rank's work cold in the caches: the simulator's cost,
+which grows with the job, where a probe collects its own heap), beside each one's children and
+the function calls its query work made per query, counted (what does not grow with the job
+beyond its children, where the CPU time of one process holding every rank can); the root's CPU
+for a query pruned to one node by its host tag; a broker
 of brokers killed, and a broker deeper in the tree killed (how long until its children
 report elsewhere, to whom: their grandparent or the root, how many children the root had
 meanwhile, who else was ever dead); a rack (another broker of brokers' subtree) cut off

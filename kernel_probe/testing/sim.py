@@ -36,6 +36,8 @@ What is modelled, and how:
   by what woke it in ``VirtualRank.cpu_by`` (a query's work apart from the membership's).
   A garbage collection that strikes during a rank's work is left out (``gc_cpu``): it walks
   the one heap of every virtual rank, so it grew with the job, where a rank's own would not.
+  ``count_calls(rank)`` counts the function calls of a rank's work by what woke it
+  (``VirtualRank.calls_by``): its work per query counted, not timed, for tests to bound.
   With ``sql_latency="measured"`` a SQL task's outcome comes back after the CPU time it
   really took, so a query's simulated time includes each hop's SQL work.
 - SQL: each virtual rank can hold tables (``tables=``: rank -> {name: Arrow table} or
