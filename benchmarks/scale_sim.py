@@ -5,8 +5,14 @@ For each size: the time and bytes to converge; the steady-state bytes per rank p
 federated queries (a count, a group-by, a top-k) with their simulated p50/p99 over a
 modelled link, and the CPU per query of the root, of a broker of brokers and of a node
 broker (this machine's thread CPU time, measured around each virtual rank's work: all of it,
-and the query's own, without the membership work that runs meanwhile); the root's CPU for a
-query pruned to one node by its host tag; a broker
+and the query's own, without the membership work that runs meanwhile), measured twice: as it
+runs (a garbage collection that strikes inside a rank's work left out, reported apart) and with
+no garbage collection at all (a collection walks every virtual rank's objects in the
+simulator's one heap and leaves the next rank's work cold in the caches: the simulator's cost,
+which grows with the job, where a probe collects its own heap), beside each one's children and
+the function calls its query work made per query, counted (what does not grow with the job
+beyond its children, where the CPU time of one process holding every rank can); the root's CPU
+for a query pruned to one node by its host tag; a broker
 of brokers killed, and a broker deeper in the tree killed (how long until its children
 report elsewhere, to whom: their grandparent or the root, how many children the root had
 meanwhile, who else was ever dead); a rack (another broker of brokers' subtree) cut off
@@ -150,30 +156,53 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float,
     node_broker = below[0] * PER_NODE if below else mid
     for sql in QUERIES:  # the first query loads the engines; each is planned once (sqlglot) before it is timed
         sim.query(sql, timeout=60.0)
-    gc.collect()
-    gc.freeze()
     watched = (("root", 0), ("broker of brokers", mid), ("node broker", node_broker))
-    cpu0 = {r: (sim.ranks[r].cpu, _query_cpu(sim, r)) for _, r in watched}
-    gc0 = sim.gc_cpu
     lat: list[float] = []
     plan_ms, finish_ms, mid_merge_ms = [], [], []
-    for i in range(queries):
-        sql = QUERIES[i % len(QUERIES)]
-        t0 = sim.now
-        env = sim.query(sql, timeout=60.0)
-        cov = env.msg.body.get("coverage") or {}
-        answered = cov.get("answered", "")
-        answered = wire_ranks(answered).count if isinstance(answered, str) else len(answered)
-        assert env.msg.body.get("status") == "ok" and answered == world, (sql, cov.get("failed"))
-        lat.append(sim.now - t0)
-        prof = cov.get("profile") or {}
-        plan_ms.append(prof.get("plan_ms") or 0.0)
-        finish_ms.append(prof.get("finish_ms") or 0.0)
-        mid_merge_ms += [m["ms"] for m in prof.get("merges", ()) if m["rank"] == mid]
-    out["query_p50_ms"], out["query_p99_ms"] = _pct(lat, 0.5) * 1e3, _pct(lat, 0.99) * 1e3
-    out["cpu_ms_per_query"] = {name: (sim.ranks[r].cpu - cpu0[r][0]) / queries * 1e3 for name, r in watched}
-    out["query_cpu_ms_per_query"] = {name: (_query_cpu(sim, r) - cpu0[r][1]) / queries * 1e3 for name, r in watched}
+
+    def timed(gc_on: bool) -> tuple[dict, dict]:
+        """The queries, each rank's CPU per query around them: all of it and the query's own.
+        ``gc_on`` False: no garbage collection at all meanwhile (a collection walks every virtual
+        rank's objects in the simulator's one heap, then leaves the next rank's work cold in the
+        caches: the simulator's cost, which grows with the job; a probe collects its own heap)."""
+        gc.collect()
+        gc.freeze()
+        if not gc_on:
+            gc.disable()
+        cpu0 = {r: (sim.ranks[r].cpu, _query_cpu(sim, r)) for _, r in watched}
+        try:
+            for i in range(queries):
+                sql = QUERIES[i % len(QUERIES)]
+                t0 = sim.now
+                env = sim.query(sql, timeout=60.0)
+                cov = env.msg.body.get("coverage") or {}
+                answered = cov.get("answered", "")
+                answered = wire_ranks(answered).count if isinstance(answered, str) else len(answered)
+                assert env.msg.body.get("status") == "ok" and answered == world, (sql, cov.get("failed"))
+                lat.append(sim.now - t0)
+                prof = cov.get("profile") or {}
+                plan_ms.append(prof.get("plan_ms") or 0.0)
+                finish_ms.append(prof.get("finish_ms") or 0.0)
+                mid_merge_ms.extend(m["ms"] for m in prof.get("merges", ()) if m["rank"] == mid)
+        finally:
+            gc.enable()
+        return ({name: (sim.ranks[r].cpu - cpu0[r][0]) / queries * 1e3 for name, r in watched},
+                {name: (_query_cpu(sim, r) - cpu0[r][1]) / queries * 1e3 for name, r in watched})
+
+    gc0 = sim.gc_cpu
+    out["cpu_ms_per_query"], out["query_cpu_ms_per_query"] = timed(gc_on=True)
     out["gc_ms_per_query"] = (sim.gc_cpu - gc0) / queries * 1e3  # the simulator's heap, every rank's objects
+    out["cpu_ms_per_query_gc_off"], out["query_cpu_ms_per_query_gc_off"] = timed(gc_on=False)
+    # counted, not timed: the function calls each one's query work made (a profile hook, so apart)
+    counted = {name: sim.count_calls(r) for name, r in watched}
+    calls0 = {name: sum(c[k] for k in QUERY_WORK) for name, c in counted.items()}
+    for i in range(queries):
+        sim.query(QUERIES[i % len(QUERIES)], timeout=60.0)
+    out["calls_per_query"] = {name: (sum(c[k] for k in QUERY_WORK) - calls0[name]) / queries
+                              for name, c in counted.items()}
+    for _, r in watched:
+        sim.ranks[r].calls_by = None
+    out["query_p50_ms"], out["query_p99_ms"] = _pct(lat, 0.5) * 1e3, _pct(lat, 0.99) * 1e3
     sim.query(PRUNED, timeout=60.0)  # planned once (and the root's tag index made)
     before = (sim.ranks[0].cpu, _query_cpu(sim, 0))
     for _ in range(queries):
@@ -185,11 +214,17 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float,
     out["root_plan_ms"], out["root_finish_ms"] = statistics.median(plan_ms), statistics.median(finish_ms)
     out["mid_merge_ms"] = statistics.median(mid_merge_ms) if mid_merge_ms else None
     cpu, own = out["cpu_ms_per_query"], out["query_cpu_ms_per_query"]
+    own_off, calls = out["query_cpu_ms_per_query_gc_off"], out["calls_per_query"]
+    children = {"root": out["root_children"], "broker of brokers": out["mid_children"],
+                "node broker": len(sim.core(node_broker).children)}
+    out["children"] = children
     _say(f"  query p50 {out['query_p50_ms']:.0f} ms p99 {out['query_p99_ms']:.0f} ms; CPU per query, all of it "
-         f"(the query's own): root {cpu['root']:.1f} ({own['root']:.1f}) ms ({out['root_children']} children), "
-         f"broker of brokers {cpu['broker of brokers']:.1f} ({own['broker of brokers']:.1f}) ms "
-         f"({out['mid_children']} children), node broker {cpu['node broker']:.1f} ({own['node broker']:.1f}) ms\n"
-         f"  the root's plan {out['root_plan_ms']:.1f} ms and finish {out['root_finish_ms']:.1f} ms (merges its "
+         f"(the query's own) [the query's own with no garbage collection at all] and the function calls of its "
+         f"query work, counted:")
+    for name, _ in watched:
+        _say(f"    {name:18s} {cpu[name]:5.1f} ({own[name]:5.1f}) [{own_off[name]:5.1f}] ms, {calls[name]:8.0f} calls "
+             f"({children[name]} children: {calls[name] / max(1, children[name]):6.0f} per child)")
+    _say(f"  the root's plan {out['root_plan_ms']:.1f} ms and finish {out['root_finish_ms']:.1f} ms (merges its "
          f"children's partials); a broker of brokers' merge {out['mid_merge_ms']} ms (medians); a query pruned to one "
          f"node by its host: the root's CPU {out['pruned_root_cpu_ms'][0]:.1f} ({out['pruned_root_cpu_ms'][1]:.1f}) ms; "
          f"garbage collections of the simulator's one heap {out['gc_ms_per_query']:.1f} ms per query (no rank's)")

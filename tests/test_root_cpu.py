@@ -7,7 +7,9 @@ carries must not grow with the job; which children reach which ranks is worked o
 membership version; a query pruned by its tags reads no member at the root (ranges per tag
 value) and evaluates as many routes and tag values at both sizes, and picks the ranks the
 planner's pass over the members' rows would; a rack that does not answer is one failure
-entry, not one per rank."""
+entry, not one per rank; the function calls the root's and a broker of brokers' query work
+makes (its handling, codec and SQL tasks, counted by a profile hook) do not grow with the job
+beyond their own children."""
 
 from __future__ import annotations
 
@@ -102,6 +104,44 @@ def test_a_broker_of_brokers_decodes_per_child_as_much_at_1024_ranks_as_at_256(s
         below = sum(ranks.count for _, ranks in sim.core(head).routes().values())
         seen[nodes] = (below, _rank_bytes(bodies) / children)
     assert seen[LARGE][0] >= 3 * seen[SMALL][0] and seen[LARGE][1] <= seen[SMALL][1] * 1.25, seen
+
+
+QUERY_WORK = ("query", "subquery", "subresult", "SqlTaskDone")  # what a query wakes a rank for
+COUNTED = (GROUP_BY, "SELECT count(*) AS n FROM t", "SELECT x, _rank FROM t ORDER BY x DESC LIMIT 10")
+
+
+def _calls_per_query(sim: Simulation, ranks: list[int]) -> dict[int, float]:
+    """The function calls each of ``ranks`` made per query for its query work (not its
+    membership's), over the three kinds of query, each planned before."""
+    counted = {r: sim.count_calls(r) for r in ranks}
+    before = {r: sum(c[k] for k in QUERY_WORK) for r, c in counted.items()}
+    try:
+        for sql in COUNTED * 2:
+            assert sim.query(sql, timeout=20.0).msg.body["status"] == "ok"
+    finally:
+        for r in ranks:
+            sim.ranks[r].calls_by = None
+    return {r: (sum(c[k] for k in QUERY_WORK) - before[r]) / (2 * len(COUNTED)) for r, c in counted.items()}
+
+
+def test_the_root_and_a_broker_of_brokers_call_no_more_per_child_at_1024_ranks_than_at_256(sims) -> None:
+    """Counted, not timed: every function call of the root's and a broker of brokers' query
+    work (decoding, the fan-out, merging, the SQL tasks' Python), at four times the ranks below
+    the same children. A pass over the members, the ranks or the subtree would show here."""
+    seen = {}
+    for nodes, sim in sims.items():
+        for sql in COUNTED:
+            sim.query(sql, timeout=20.0)  # planned once, every hop's plan memo filled
+        head = next(n for n in range(1, nodes) if tree_parent(n, nodes, FANOUT) is None) * PER_NODE
+        calls = _calls_per_query(sim, [0, head])
+        below = sum(ranks.count for _, ranks in sim.core(head).routes().values())
+        seen[nodes] = {"root": (len(sim.core(0).children), calls[0]),
+                       "head": (len(sim.core(head).children), calls[head], below)}
+    small, large = seen[SMALL], seen[LARGE]
+    assert large["root"][0] == small["root"][0] and large["root"][1] <= small["root"][1] * 1.05, seen
+    assert large["head"][2] >= 3 * small["head"][2], seen  # its subtree holds three times the ranks or more
+    per_child = {n: s["head"][1] / s["head"][0] for n, s in seen.items()}
+    assert per_child[LARGE] <= per_child[SMALL] * 1.05, (per_child, seen)
 
 
 def test_which_child_reaches_which_ranks_is_worked_out_once_per_membership(sims) -> None:

@@ -36,6 +36,8 @@ What is modelled, and how:
   by what woke it in ``VirtualRank.cpu_by`` (a query's work apart from the membership's).
   A garbage collection that strikes during a rank's work is left out (``gc_cpu``): it walks
   the one heap of every virtual rank, so it grew with the job, where a rank's own would not.
+  ``count_calls(rank)`` counts the function calls of a rank's work by what woke it
+  (``VirtualRank.calls_by``): its work per query counted, not timed, for tests to bound.
   With ``sql_latency="measured"`` a SQL task's outcome comes back after the CPU time it
   really took, so a query's simulated time includes each hop's SQL work.
 - SQL: each virtual rank can hold tables (``tables=``: rank -> {name: Arrow table} or
@@ -87,6 +89,7 @@ import gc
 import heapq
 import itertools
 import random
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -150,6 +153,9 @@ class VirtualRank:
     # the same seconds by what woke the rank: a message's type, else the stimulus ("Tick", "SelfChanged",
     # "SqlTaskDone"); a SQL task run for a message counts as that message's
     cpu_by: Counter = field(default_factory=Counter)
+    # with ``Simulation.count_calls``: the Python and C function calls its work made, by what woke it
+    # (counted, not timed: what a test can hold a rank's work per query to)
+    calls_by: Counter | None = None
     sql: Any = None  # its SqlTaskRunner, when the simulation holds tables
     capture: Any = None  # its profile capture, made when first asked (a new process: a new one)
     step_hook: Any = None  # what the optimizer hook would call: ``.capture`` while one is armed
@@ -197,7 +203,10 @@ class Simulation:
         self._seq = itertools.count()
         self._conns = itertools.count(1)
         self._rids: dict[bytes, tuple[int, int]] = {}  # routing id -> (child rank, connection)
-        self._link_free: dict[tuple[int, int], float] = {}  # (src, dst) -> last delivery time (FIFO)
+        # link -> last delivery time (FIFO); keyed by an int, not a (src, dst) tuple: a dict of
+        # untracked keys and values stays out of the garbage collector's walks (one of tuples is
+        # tracked again by every new key: each collection then walked every link of the job)
+        self._link_free: dict[int, float] = {}
         self.bandwidth = None if bandwidth is None else float(bandwidth)
         self._tx_busy: dict[int, float] = {}  # rank -> when its interface is done sending what it has
         self._rx_busy: dict[int, float] = {}  # rank -> when its interface is done receiving
@@ -445,7 +454,7 @@ class Simulation:
                 v.sampling = False
             return
         # (fed, not ``sample``d: nobody reads a simulated rank's published membership)
-        t0, gc0 = time.thread_time(), _GC_CLOCK.spent
+        t0, gc0 = self._begin(v)
         v.shell.feed(SelfChanged(step=v.step, step_time_ms=v.step_time_ms, stalled=v.stalled), self.now)
         self._spent(v, "SelfChanged", t0, gc0)
         self._arm(v)
@@ -460,17 +469,35 @@ class Simulation:
         if v.frozen:
             v.pending.append(make)
             return
-        t0, gc0 = time.thread_time(), _GC_CLOCK.spent
+        t0, gc0 = self._begin(v)
         stimulus = self._handle(v, make)
         if timer and v.state == "up":
             v.shell.turn(self.now)  # the shell's loop ends every wake-up so
         self._spent(v, _woken_by(stimulus), t0, gc0)
         self._arm(v)
 
+    def count_calls(self, rank: int) -> Counter:
+        """From now on count the function calls ``rank``'s work makes (its handling, codec and SQL
+        tasks), by what woke it: ``VirtualRank.calls_by``. Counted with a profile hook, which
+        slows that rank's work down: its ``cpu`` is no timing while it is counted."""
+        v = self.ranks[rank]
+        if v.calls_by is None:
+            v.calls_by = Counter()
+        return v.calls_by
+
+    def _begin(self, v: VirtualRank) -> tuple[float, float]:
+        """A rank's work starts: the thread CPU and the garbage collections' so far (and its
+        calls counted, if asked)."""
+        if v.calls_by is not None:
+            _CALLS.start()
+        return time.thread_time(), _GC_CLOCK.spent
+
     def _spent(self, v: VirtualRank, what: str, t0: float, gc0: float) -> None:
         """Count the thread CPU since ``t0`` to ``v``, less the garbage collections meanwhile
         (``_GC_CLOCK`` read ``gc0`` at ``t0``): those walk every virtual rank's objects in the
         simulator's one heap, not this rank's; ``gc_cpu`` counts them apart."""
+        if v.calls_by is not None:
+            v.calls_by[what] += _CALLS.stop()
         gc_spent = _GC_CLOCK.spent - gc0
         seconds = time.thread_time() - t0 - gc_spent
         self.gc_cpu += gc_spent
@@ -504,7 +531,7 @@ class Simulation:
         v.timer_at = None
         if v.frozen:
             return  # thaw() runs the timers
-        t0, gc0 = time.thread_time(), _GC_CLOCK.spent
+        t0, gc0 = self._begin(v)
         effects = v.shell.feed(Tick(), self.now)
         self._spent(v, "Tick", t0, gc0)
         if not effects and v.state == "up":
@@ -604,8 +631,9 @@ class Simulation:
             sent = self._tx_busy[src] = max(self.now, self._tx_busy.get(src, 0.0)) + wire_time
             t = self._rx_busy[dst] = max(sent + self.latency, self._rx_busy.get(dst, 0.0) + wire_time)
         t += self._rng.uniform(0, self.jitter) if self.jitter else 0.0
-        t = max(t, self._link_free.get((src, dst), 0.0))  # one connection is FIFO
-        self._link_free[(src, dst)] = t
+        link = src * (self.world_size + 1) + dst + 1  # dst -1: a client
+        t = max(t, self._link_free.get(link, 0.0))  # one connection is FIFO
+        self._link_free[link] = t
         return t
 
     def _send(self, v: VirtualRank, effect: Send) -> None:
@@ -803,6 +831,31 @@ class _GcClock:
 
 
 _GC_CLOCK = _GcClock()
+
+
+class _CallCounter:
+    """Counts the function calls (Python and C) made on this thread between ``start`` and
+    ``stop`` (a profile hook: the work runs slower meanwhile)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._before: Any = None
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" or event == "c_call":
+            self.calls += 1
+
+    def start(self) -> None:
+        self._before, self.calls = sys.getprofile(), 0
+        sys.setprofile(self)
+
+    def stop(self) -> int:
+        sys.setprofile(self._before)
+        self._before = None
+        return self.calls
+
+
+_CALLS = _CallCounter()
 
 
 def _woken_by(stimulus: Stimulus | None) -> str:
