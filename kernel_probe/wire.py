@@ -426,10 +426,20 @@ class _Hmac:
 # argv/env) encodable; the result is ASCII and therefore valid UTF-8. One encoder and
 # one decoder for the process: json.dumps/loads with options build new ones per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+# The C encoder JSONEncoder.encode makes on every call, made once, without the circular-reference
+# bookkeeping (a dict of the id of every container, a fifth of a small body's cost): a body that
+# contains itself is a RecursionError, which _dumps reports as the ValueError json would raise.
+_C_ENCODE = None if json.encoder.c_make_encoder is None else json.encoder.c_make_encoder(
+    None, _ENCODER.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, False)
 
 
 def _dumps(obj: Any) -> bytes:
-    return _ENCODER.encode(obj).encode("ascii")
+    if _C_ENCODE is None:
+        return _ENCODER.encode(obj).encode("ascii")
+    try:
+        return "".join(_C_ENCODE(obj, 0)).encode("ascii")
+    except RecursionError:
+        raise ValueError("a circular reference, or nesting too deep for JSON") from None
 
 
 def pack_json(obj: Any) -> bytes:

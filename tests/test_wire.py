@@ -777,3 +777,13 @@ def test_every_body_is_declared_once_and_checked_with_its_optional_keys():
     codec = Codec(KEY, sender="a", incarnation="i")
     with pytest.raises(ValueError, match="query.ranks"):
         codec.encode(Message("query", {"sql": "SELECT 1", "timeout": 1.0, "ranks": "0-3"}))
+
+
+def test_a_body_that_contains_itself_is_our_error_not_a_crash(alice, bob):
+    body: dict = {"code": "x", "message": "y"}
+    body["again"] = [body]
+    with pytest.raises(ValueError):
+        alice.encode(Message("error", body))
+    with pytest.raises(ValueError):
+        wire.pack_json(body)
+    assert bob.decode(alice.encode(Message("info_request", {}))).header.seq == 1  # no seq spent
