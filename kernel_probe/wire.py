@@ -74,7 +74,8 @@ PROTOCOL = b"PMG2"  # first bytes of every message; bump on any incompatible cha
 REFUSED = b"PMG1-REFUSED"  # first frame of the one unsigned reply (see refusal_frames): unchanged since
 # PMG1, so a peer of either layout still reads why it is refused
 SIGNATURE_BYTES = 32  # raw SHA-256 digest
-_SIGNED_AT = len(PROTOCOL) + SIGNATURE_BYTES  # where the signed bytes start: the part count
+_TAG_BYTES = len(PROTOCOL)
+_SIGNED_AT = _TAG_BYTES + SIGNATURE_BYTES  # where the signed bytes start: the part count
 _PARTS_AT = _SIGNED_AT + 2  # the parts' lengths, 4 bytes each, then the parts
 
 REJECT_REASONS = ("malformed", "bad_signature", "replay", "stale", "oversized", "unknown_type")
@@ -684,20 +685,24 @@ class Codec:
         if len(raw_frames) > lim.max_frames:
             raise WireError("oversized", f"{len(raw_frames)} frames")
         if len(raw_frames) == 1:  # the usual case
-            data = _as_bytes(raw_frames[0])
-            if len(data) > lim.max_frame_bytes or len(data) > lim.max_message_bytes:
-                raise WireError("oversized", f"a frame of {len(data)} bytes")
+            data = raw_frames[0]
+            if type(data) is not bytes:
+                data = _as_bytes(data)
+            size = len(data)
+            if size > lim.max_frame_bytes or size > lim.max_message_bytes:
+                raise WireError("oversized", f"a frame of {size} bytes")
         else:
             data = self._joined([_as_bytes(f) for f in raw_frames])
+            size = len(data)
 
         # 2. Shape.
-        if len(data) < _PARTS_AT:
-            raise WireError("malformed", f"{len(data)} bytes, need at least {_PARTS_AT}")
-        if data[:len(PROTOCOL)] != PROTOCOL:
+        if size < _PARTS_AT:
+            raise WireError("malformed", f"{size} bytes, need at least {_PARTS_AT}")
+        if not data.startswith(PROTOCOL):
             raise WireError("malformed", f"not a {PROTOCOL.decode()} message")
 
         # 3. Authenticity, before any parser sees the bytes (the lengths included).
-        if not hmac.compare_digest(data[len(PROTOCOL):_SIGNED_AT], self._mac.digest(memoryview(data)[_SIGNED_AT:])):
+        if not hmac.compare_digest(data[_TAG_BYTES:_SIGNED_AT], self._mac.digest(memoryview(data)[_SIGNED_AT:])):
             raise WireError("bad_signature")
 
         # 4. The parts, by the lengths signed with them.
@@ -707,45 +712,51 @@ class Codec:
         if count + 2 > lim.max_frames:
             raise WireError("oversized", f"{count} parts")
         at = _PARTS_AT + 4 * count
-        if at > len(data):
-            raise WireError("malformed", f"{count} parts' lengths, {len(data)} bytes")
-        lengths = _table(count).unpack_from(data, _SIGNED_AT)[1:]
-        if at + sum(lengths) != len(data):
-            raise WireError("malformed", f"parts of {sum(lengths)} bytes, {len(data) - at} came")
-        if lengths[0] > lim.max_header_bytes:
-            raise WireError("oversized", f"header of {lengths[0]} bytes")
-        if lengths[1] > lim.max_body_bytes:
-            raise WireError("oversized", f"body of {lengths[1]} bytes")
-        parts = []
-        for n in lengths:
-            parts.append(data[at:at + n])
-            at += n
-        header = self._parse_header(parts[0])
+        if at > size:
+            raise WireError("malformed", f"{count} parts' lengths, {size} bytes")
+        lengths = _table(count).unpack_from(data, _SIGNED_AT)
+        if at + sum(lengths) - count != size:  # (the count itself is lengths[0])
+            raise WireError("malformed", f"parts of {sum(lengths) - count} bytes, {size - at} came")
+        if lengths[1] > lim.max_header_bytes:
+            raise WireError("oversized", f"header of {lengths[1]} bytes")
+        if lengths[2] > lim.max_body_bytes:
+            raise WireError("oversized", f"body of {lengths[2]} bytes")
+        end = at + lengths[1]
+        header = self._parse_header(data[at:end])
+        at, end = end, end + lengths[2]
+        body_bytes = data[at:end]
+        buffers = []
+        for n in lengths[3:]:
+            at, end = end, end + n
+            buffers.append(data[at:end])
 
         # 5. Type, then body.
-        if header.type not in SCHEMAS:
-            raise WireError("unknown_type", header.type[:64])
-        body = _loads(parts[1])
-        problem = _schema_problem(header.type, body)
+        type_ = header.type
+        if type_ not in SCHEMAS:
+            raise WireError("unknown_type", type_[:64])
+        body = _loads(body_bytes)
+        problem = _schema_problem(type_, body)
         if problem:
             raise WireError("malformed", problem)
 
         # 6. Freshness.
         now = self._clock()
-        if abs(now - header.ts) > lim.skew_sec:
-            raise WireError("stale", f"ts {header.ts:.3f} vs now {now:.3f}")
+        ts = header.ts
+        if abs(now - ts) > lim.skew_sec:
+            raise WireError("stale", f"ts {ts:.3f} vs now {now:.3f}")
 
         # 7. Replay. Recorded only now, so a rejected message never moves the bar.
+        seen = self._last_seq
         peer = _replay_key(header.sender, header.incarnation)
-        last, newest = self._last_seq.get(peer, (None, header.ts))
-        if last is not None and header.seq <= last:
-            raise WireError("replay", f"seq {header.seq} <= {last} from {header.sender}")
-        self._last_seq[peer] = (header.seq, max(newest, header.ts))
-        self._last_seq.move_to_end(peer)
+        last, newest = seen.get(peer, (None, ts))
+        seq = header.seq
+        if last is not None and seq <= last:
+            raise WireError("replay", f"seq {seq} <= {last} from {header.sender}")
+        seen[peer] = (seq, newest if newest > ts else ts)
+        seen.move_to_end(peer)
         self._expire_history(now)
 
-        msg = _trusted(Message, type=header.type, body=body, buffers=tuple(parts[2:]), corr_id=header.corr_id,
-                       msg_id=None)
+        msg = _trusted(Message, type=type_, body=body, buffers=tuple(buffers), corr_id=header.corr_id, msg_id=None)
         return _trusted(Envelope, header=header, msg=msg)
 
     def _expire_history(self, now: float) -> None:
