@@ -111,8 +111,8 @@ for line in sys.stdin:
     t = time.perf_counter()
     try:
         r = client.query(ask["sql"], timeout=120, strict=ask["strict"])
-    except kernel_probe.QueryFailed as exc:
-        print(json.dumps({"failed": str(exc)}), flush=True)
+    except kernel_probe.ProbeError as exc:  # refused as partial, or no answer in time (a loaded machine)
+        print(json.dumps({"failed": f"{type(exc).__name__}: {exc}"}), flush=True)
         continue
     ms = (time.perf_counter() - t) * 1000
     n = [int(v) for v in r.df["n"]] if "n" in r.df else []
@@ -137,7 +137,8 @@ class SideClient:
         return json.loads(line)
 
     def query(self, sql: str, strict: bool = False) -> tuple[float, SimpleNamespace]:
-        """(client wall ms, the answer: ``rows``, ``n``, ``footer()``, ``coverage``); QueryFailed as there."""
+        """(client wall ms, the answer: ``rows``, ``n``, ``footer()``, ``coverage``); QueryFailed for an
+        answer refused there (partial) or none in time."""
         self.proc.stdin.write(json.dumps({"sql": sql, "strict": strict}) + "\n")
         self.proc.stdin.flush()
         got = self._answer()
@@ -168,7 +169,7 @@ class Side:
         self.client: SideClient | None = None
         self.runs: dict[str, list[tuple[float, object]]] = {COUNT: [], GROUPED: []}
         self.cpu_per: dict[str, list[float]] = {COUNT: [], GROUPED: []}  # CPU ms of all hosts per query
-        self.partial = 0  # answers refused as partial (a loaded machine: ranks timed out)
+        self.partial = 0  # answers refused as partial or never given (a loaded machine: ranks timed out)
         self.queries = 0
 
     def _new_job(self) -> VirtualJob:
