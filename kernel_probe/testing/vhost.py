@@ -389,20 +389,15 @@ class VirtualHost:
             ready = [key.data for key, _ in self.selector.select(timeout)] + pending
             now = time.time()
             touched: dict[int, VirtualProbe] = {}
-            # A socket's FD also signals what is no message (a send's progress, a peer come or
-            # gone): a rank whose sockets hold none has not woken up (zmq_poll, the probe
-            # thread's, would not have returned for it), so it takes no turn for it either.
-            for sock, probe, kind in ready:
+            for _, probe, kind in ready:
                 if kind == "wake":
                     self._drain_done(now, touched)
                 elif kind == "router":
-                    if has_message(sock):
-                        probe.net.drain_router(now)
-                        touched[probe.rank] = probe
+                    probe.net.drain_router(now)
+                    touched[probe.rank] = probe
                 elif kind == "parent":
-                    if sock is probe.net.parent and has_message(sock):
-                        probe.net.drain_parent(now)
-                        touched[probe.rank] = probe
+                    probe.net.drain_parent(now)
+                    touched[probe.rank] = probe
             for probe in list(touched.values()):
                 probe.settle()
             if now >= next_sample:
