@@ -17,19 +17,24 @@ each rank with its own table ``t`` (~300 rows: id, g, x). Default intervals. Mea
 
 ``--against TREE`` runs a second job on the code checked out at TREE (e.g. ``git worktree add
 --detach ../before HEAD~1``) beside this one, and queries the two in turn: the figures of both
-come from one run, under the same load. A query refused as partial (ranks that timed out on
-an overloaded machine) is counted and left out of the percentiles.
+come from one run, under the same load. Each side's client runs that side's code too, in a
+child process of its own (the two trees may speak different wire layouts); the client's wall
+time is taken there. A query refused as partial (ranks that timed out on an overloaded
+machine) is counted and left out of the percentiles.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 
@@ -93,6 +98,65 @@ def thread_cpu(pids: list[int]) -> dict[str, float]:
     return out
 
 
+# A side's client: a child running that side's code (``python -P``: PYTHONPATH's kernel_probe),
+# one JSON line in per query, one JSON line out with what the benchmark reads of the answer.
+_CLIENT = r"""
+import json, sys, time
+import kernel_probe
+t = time.perf_counter()
+client = kernel_probe.connect(sys.argv[1], timeout=30)
+print(json.dumps({"connect_ms": (time.perf_counter() - t) * 1000}), flush=True)
+for line in sys.stdin:
+    ask = json.loads(line)
+    t = time.perf_counter()
+    try:
+        r = client.query(ask["sql"], timeout=120, strict=ask["strict"])
+    except kernel_probe.ProbeError as exc:  # refused as partial, or no answer in time (a loaded machine)
+        print(json.dumps({"failed": f"{type(exc).__name__}: {exc}"}), flush=True)
+        continue
+    ms = (time.perf_counter() - t) * 1000
+    n = [int(v) for v in r.df["n"]] if "n" in r.df else []
+    print(json.dumps({"ms": ms, "rows": len(r.df), "n": n, "footer": r.footer(),
+                      "profile": r.coverage.get("profile")}), flush=True)
+client.close()
+"""
+
+
+class SideClient:
+    """``kernel_probe.connect`` in a child that imports ``code`` (each side's own client)."""
+
+    def __init__(self, code: str, connection_file: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-P", "-c", _CLIENT, connection_file], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": code})
+        self.connect_ms = self._answer()["connect_ms"]
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the client child exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def query(self, sql: str, strict: bool = False) -> tuple[float, SimpleNamespace]:
+        """(client wall ms, the answer: ``rows``, ``n``, ``footer()``, ``coverage``); QueryFailed for an
+        answer refused there (partial) or none in time."""
+        self.proc.stdin.write(json.dumps({"sql": sql, "strict": strict}) + "\n")
+        self.proc.stdin.flush()
+        got = self._answer()
+        if "failed" in got:
+            raise kernel_probe.QueryFailed(got["failed"])
+        footer = got["footer"]
+        return got["ms"], SimpleNamespace(rows=got["rows"], n=got["n"], footer=lambda: footer,
+                                          coverage={"profile": got["profile"]})
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(10)
+
+
 class Side:
     """One job of the run (this tree's code, or ``--against``'s): its hosts, client and figures."""
 
@@ -102,10 +166,10 @@ class Side:
         self.env = {"PROBING_RUNTIME_DIR": runtime, "PYTHONPATH": code}
         self.args = args
         self.job = self._new_job()
-        self.client = None
+        self.client: SideClient | None = None
         self.runs: dict[str, list[tuple[float, object]]] = {COUNT: [], GROUPED: []}
         self.cpu_per: dict[str, list[float]] = {COUNT: [], GROUPED: []}  # CPU ms of all hosts per query
-        self.partial = 0  # answers refused as partial (a loaded machine: ranks timed out)
+        self.partial = 0  # answers refused as partial or never given (a loaded machine: ranks timed out)
         self.queries = 0
 
     def _new_job(self) -> VirtualJob:
@@ -132,21 +196,19 @@ class Side:
     def query(self, sql: str, expected: int, keep: bool) -> None:
         pids = self.job.pids()
         cpu = cpu_seconds(pids)
-        t = time.perf_counter()
         try:
-            r = self.client.query(sql, timeout=120, strict=True)
+            ms, r = self.client.query(sql, strict=True)
         except kernel_probe.QueryFailed as exc:
             self.partial += 1
             print(f"  [{self.label}] {str(exc)[:160]}", flush=True)
             return
         finally:
             self.queries += 1
-        ms = (time.perf_counter() - t) * 1000
         cpu_ms = (cpu_seconds(pids) - cpu) * 1000
         if sql == COUNT:
-            assert int(r.df["n"][0]) == expected
+            assert r.n == [expected], r.n
         else:
-            assert len(r.df) == GROUPS and int(r.df["n"].sum()) == expected
+            assert r.rows == GROUPS and sum(r.n) == expected, (r.rows, r.n)
         if keep:
             self.runs[sql].append((ms, r))
             self.cpu_per[sql].append(cpu_ms)
@@ -203,14 +265,10 @@ def main() -> int:
             print(f"[{side.label}] idle, converged: {idle * 100:.1f} % of a core for all {world} ranks "
                   f"({idle * 100 / world * 1000:.1f} m% per rank); RSS per host "
                   f"{statistics.median(before):.0f} MB median, {max(before):.0f} MB max", flush=True)
-            t = time.perf_counter()
-            side.client = kernel_probe.connect(side.job.connection_file, timeout=30)
-            connect_ms = (time.perf_counter() - t) * 1000
-            t = time.perf_counter()
-            first = side.client.query(COUNT, timeout=120)
-            first_ms = (time.perf_counter() - t) * 1000
-            print(f"[{side.label}] connect {connect_ms:.0f} ms; first query {first_ms:.0f} ms ({first.footer()})",
-                  flush=True)
+            side.client = SideClient(side.code, side.job.connection_file)
+            first_ms, first = side.client.query(COUNT)
+            print(f"[{side.label}] connect {side.client.connect_ms:.0f} ms; first query {first_ms:.0f} ms "
+                  f"({first.footer()})", flush=True)
 
         threads0 = {side.label: thread_cpu(side.job.pids()) for side in sides}
         for i in range(args.repeat + 2):  # two warm-up rounds, not counted

@@ -8,16 +8,19 @@ Rules of this file (read them before changing it):
 2. Pure logic: no sockets, no threads, no logging, no ``time.time()`` inside the
    code paths -- the clock is injected, so every rule below is testable with a
    fake clock.
-3. A message is ``[PROTOCOL, signature, header_json, body_json, *buffers]``.
-   No frame is larger than ``Limits.max_frame_bytes`` (1 MiB): a longer body or buffer
-   travels as several consecutive frames, and the header's ``parts`` lists how many
-   frames each of body and buffers spans. The sockets refuse longer frames (ZeroMQ's
+3. A message is one byte string: ``PROTOCOL | signature | signed``, where ``signed`` is
+   ``count`` (2 bytes, big-endian), the length of each of the ``count`` parts (4 bytes
+   each), then the parts themselves: header JSON, body JSON, the buffers. It travels as
+   ONE ZeroMQ frame (a frame per part cost the sender, libzmq and the receiver a call and
+   an allocation each, several times over for every message), or, when it is longer than
+   ``Limits.max_frame_bytes`` (1 MiB), as consecutive frames of exactly that size, the last
+   one shorter; any other split is malformed. The sockets refuse longer frames (ZeroMQ's
    MAXMSGSIZE), so a peer can never make the process allocate and free big buffers --
    which glibc would keep resident for good (its dynamic mmap/trim thresholds).
-   The signature is HMAC-SHA256 over every frame after it, each prefixed with
-   its 8-byte big-endian length, so frames cannot be re-split, dropped or
-   appended without breaking it. It is checked with ``hmac.compare_digest``
-   before any JSON is parsed: unauthenticated bytes never reach a parser.
+   The signature is HMAC-SHA256 over ``signed``: the lengths are signed with the parts,
+   so bytes cannot move between parts, nor parts be dropped or appended, without
+   breaking it. It is checked with ``hmac.compare_digest`` before the lengths or any
+   JSON are read: unauthenticated bytes never reach a parser.
 4. ``Codec.decode`` raises ``WireError`` and nothing else, whatever the peer
    sends, and counts every rejection by reason. ``Codec.encode`` raises
    ``ValueError`` only for our own programming errors (unknown type, body that
@@ -31,6 +34,7 @@ Rules of this file (read them before changing it):
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import hmac
 import itertools
@@ -38,11 +42,12 @@ import json
 import math
 import re
 import secrets
+import struct
 import time
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypedDict
+from typing import Any, Callable, TypedDict
 
 __all__ = [
     "PROTOCOL",
@@ -65,9 +70,13 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1  # the application protocol (info handshake, connection files)
-PROTOCOL = b"PMG1"  # first frame of every message; bump on any incompatible change
-REFUSED = b"PMG1-REFUSED"  # first frame of the one unsigned reply (see refusal_frames)
+PROTOCOL = b"PMG2"  # first bytes of every message; bump on any incompatible change (PMG1: a frame a part)
+REFUSED = b"PMG1-REFUSED"  # first frame of the one unsigned reply (see refusal_frames): unchanged since
+# PMG1, so a peer of either layout still reads why it is refused
 SIGNATURE_BYTES = 32  # raw SHA-256 digest
+_TAG_BYTES = len(PROTOCOL)
+_SIGNED_AT = _TAG_BYTES + SIGNATURE_BYTES  # where the signed bytes start: the part count
+_PARTS_AT = _SIGNED_AT + 2  # the parts' lengths, 4 bytes each, then the parts
 
 REJECT_REASONS = ("malformed", "bad_signature", "replay", "stale", "oversized", "unknown_type")
 
@@ -350,8 +359,8 @@ class Envelope:
 @dataclass(frozen=True)
 class Limits:
     max_message_bytes: int = 64 * 2**20  # whole message (sum of frames)
-    max_frame_bytes: int = 2**20  # one ZeroMQ frame: the sockets' MAXMSGSIZE; longer parts are split
-    max_frames: int = 96  # 64 MiB of buffers in 1 MiB frames, a chunked body, header, signature
+    max_frame_bytes: int = 2**20  # one ZeroMQ frame: the sockets' MAXMSGSIZE; a longer message is split
+    max_frames: int = 96  # frames of a message (64 MiB in 1 MiB frames), and parts of one plus 2
     max_header_bytes: int = 4096
     max_body_bytes: int = 8 * 2**20
     skew_sec: float = 300.0  # |now - header.ts| beyond this -> "stale"
@@ -395,9 +404,6 @@ def curve_options(key: bytes, *, server: bool) -> list[tuple[int, int | bytes]]:
 # --------------------------------------------------------------------------- helpers
 
 
-_SIGN_JOIN_BELOW = 64 * 1024  # smaller messages are MACed in one C call over a joined copy
-
-
 class _Hmac:
     """HMAC-SHA256 with one key, its padded inner and outer states hashed once (RFC 2104):
     each message then costs its own blocks only -- half of ``hmac.digest`` for a small one."""
@@ -407,41 +413,34 @@ class _Hmac:
         self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
         self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
 
-    def digest(self, data: bytes) -> bytes:
+    def digest(self, *data: Any) -> bytes:
+        """The MAC of the concatenation of ``data`` (bytes-like), without joining them."""
         inner = self._inner.copy()
-        inner.update(data)
+        for chunk in data:
+            inner.update(chunk)
         outer = self._outer.copy()
         outer.update(inner.digest())
         return outer.digest()
-
-
-def _sign(key: bytes, parts: Iterable[bytes], mac: _Hmac | None = None) -> bytes:
-    # Length prefixes make the concatenation unambiguous: moving bytes between
-    # frames, or adding/removing an (even empty) frame, changes the MAC input.
-    parts = parts if isinstance(parts, list) else list(parts)
-    if sum(map(len, parts)) < _SIGN_JOIN_BELOW:
-        # one-shot HMAC over a joined copy: a 1 KB message costs half as much as updates
-        prefixed = []
-        for part in parts:
-            prefixed.append(len(part).to_bytes(8, "big"))
-            prefixed.append(part)
-        joined = b"".join(prefixed)
-        return hmac.digest(key, joined, "sha256") if mac is None else mac.digest(joined)
-    mac = hmac.new(key, digestmod=hashlib.sha256)  # big buffers: no copy
-    for part in parts:
-        mac.update(len(part).to_bytes(8, "big"))
-        mac.update(part)
-    return mac.digest()
 
 
 # Compact, strict JSON. ensure_ascii keeps lone surrogates (surrogateescape'd
 # argv/env) encodable; the result is ASCII and therefore valid UTF-8. One encoder and
 # one decoder for the process: json.dumps/loads with options build new ones per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+# The C encoder JSONEncoder.encode makes on every call, made once, without the circular-reference
+# bookkeeping (a dict of the id of every container, a fifth of a small body's cost): a body that
+# contains itself is a RecursionError, which _dumps reports as the ValueError json would raise.
+_C_ENCODE = None if json.encoder.c_make_encoder is None else json.encoder.c_make_encoder(
+    None, _ENCODER.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, False)
 
 
 def _dumps(obj: Any) -> bytes:
-    return _ENCODER.encode(obj).encode("ascii")
+    if _C_ENCODE is None:
+        return _ENCODER.encode(obj).encode("ascii")
+    try:
+        return "".join(_C_ENCODE(obj, 0)).encode("ascii")
+    except RecursionError:
+        raise ValueError("a circular reference, or nesting too deep for JSON") from None
 
 
 def pack_json(obj: Any) -> bytes:
@@ -545,6 +544,12 @@ def _schema_problem(type_: str, body: Any) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _table(count: int) -> struct.Struct:
+    """The signed start of a message of ``count`` parts: the count, then each part's length."""
+    return struct.Struct(f">H{count}I")
+
+
 def _trusted(cls: type, **fields: Any) -> Any:
     """A frozen dataclass of ours made from values already checked (the codec's own output of a
     decode), without its ``__init__``: a frozen field costs an ``object.__setattr__`` call each."""
@@ -636,25 +641,29 @@ class Codec:
         corr_id = "null" if msg.corr_id is None else _json_str(msg.corr_id)
         # the header's JSON written directly (the keys in _HEADER_KEYS order, compact), not by json.dumps
         fields = f'{head}{seq},"ts":{ts!r},"msg_id":{msg_id},"corr_id":{corr_id}'
-        lim = self.limits
-        step = lim.max_frame_bytes
-        if len(body) <= step and all(len(b) <= step for b in buffers):  # one frame each: the usual case
-            header = f"{fields}}}".encode("ascii")
-            parts = [header, body, *buffers]
-        else:
-            chunked = [[part[i:i + step] for i in range(0, len(part), step)] or [b""] for part in (body, *buffers)]
-            header = f'{fields},"parts":{_dumps([len(c) for c in chunked]).decode()}}}'.encode("ascii")
-            parts = [header, *(chunk for c in chunked for chunk in c)]
+        header = f"{fields}}}".encode("ascii")
+        parts = [header, body, *buffers]
+        count = len(parts)
+        lengths = [len(header), len(body), *map(len, buffers)]
+        size = _PARTS_AT + 4 * count + sum(lengths)
         # Refuse to send what a peer with the same limits would reject: better a
         # clear error here than a silent drop over there.
+        lim = self.limits
         if (
-            len(parts) + 2 > lim.max_frames
+            count + 2 > lim.max_frames
             or len(header) > lim.max_header_bytes
             or len(body) > lim.max_body_bytes
-            or sum(map(len, parts)) + len(PROTOCOL) + SIGNATURE_BYTES > lim.max_message_bytes
+            or size > lim.max_message_bytes
+            or -(-size // lim.max_frame_bytes) > lim.max_frames
         ):
-            raise TooLarge(f"{msg.type} message exceeds wire limits", sum(map(len, parts)), lim.max_message_bytes)
-        return [PROTOCOL, _sign(self._key, parts, self._mac), *parts]
+            raise TooLarge(f"{msg.type} message exceeds wire limits", size, lim.max_message_bytes)
+        table = _table(count).pack(count, *lengths)
+        signature = self._mac.digest(table, *parts)
+        data = b"".join((PROTOCOL, signature, table, *parts))
+        step = lim.max_frame_bytes
+        if size <= step:  # the usual case: one frame
+            return [data]
+        return [data[i:i + step] for i in range(0, size, step)]
 
     # ----------------------------------------------------------------- decode
 
@@ -675,60 +684,79 @@ class Codec:
         # 1. Sizes first: cheap, and nothing big is copied or hashed.
         if len(raw_frames) > lim.max_frames:
             raise WireError("oversized", f"{len(raw_frames)} frames")
-        frames = [_as_bytes(f) for f in raw_frames]
-        total = sum(map(len, frames))
-        if total > lim.max_message_bytes:
-            raise WireError("oversized", f"{total} bytes")
-        longest = max(map(len, frames), default=0)
-        if longest > lim.max_frame_bytes:
-            raise WireError("oversized", f"a frame of {longest} bytes")
-        if len(frames) > 2 and len(frames[2]) > lim.max_header_bytes:
-            raise WireError("oversized", f"header of {len(frames[2])} bytes")
-        if len(frames) > 3 and len(frames[3]) > lim.max_body_bytes:
-            raise WireError("oversized", f"body of {len(frames[3])} bytes")
+        if len(raw_frames) == 1:  # the usual case
+            data = raw_frames[0]
+            if type(data) is not bytes:
+                data = _as_bytes(data)
+            size = len(data)
+            if size > lim.max_frame_bytes or size > lim.max_message_bytes:
+                raise WireError("oversized", f"a frame of {size} bytes")
+        else:
+            data = self._joined([_as_bytes(f) for f in raw_frames])
+            size = len(data)
 
         # 2. Shape.
-        if len(frames) < 4:
-            raise WireError("malformed", f"{len(frames)} frames, need at least 4")
-        if frames[0] != PROTOCOL:
-            raise WireError("malformed", "not a PMG1 message")
-        if len(frames[1]) != SIGNATURE_BYTES:
-            raise WireError("malformed", "signature frame has the wrong size")
+        if size < _PARTS_AT:
+            raise WireError("malformed", f"{size} bytes, need at least {_PARTS_AT}")
+        if not data.startswith(PROTOCOL):
+            raise WireError("malformed", f"not a {PROTOCOL.decode()} message")
 
-        # 3. Authenticity, before any parser sees the bytes.
-        if not hmac.compare_digest(frames[1], _sign(self._key, frames[2:], self._mac)):
+        # 3. Authenticity, before any parser sees the bytes (the lengths included).
+        if not hmac.compare_digest(data[_TAG_BYTES:_SIGNED_AT], self._mac.digest(memoryview(data)[_SIGNED_AT:])):
             raise WireError("bad_signature")
 
-        # 4. Header, and the parts that span several frames.
-        header, counts = self._parse_header(frames[2])
-        parts = self._join(frames[3:], counts)
-        if len(parts[0]) > lim.max_body_bytes:
-            raise WireError("oversized", f"body of {len(parts[0])} bytes")
+        # 4. The parts, by the lengths signed with them.
+        count = int.from_bytes(data[_SIGNED_AT:_PARTS_AT], "big")
+        if count < 2:
+            raise WireError("malformed", f"{count} parts, need a header and a body")
+        if count + 2 > lim.max_frames:
+            raise WireError("oversized", f"{count} parts")
+        at = _PARTS_AT + 4 * count
+        if at > size:
+            raise WireError("malformed", f"{count} parts' lengths, {size} bytes")
+        lengths = _table(count).unpack_from(data, _SIGNED_AT)
+        if at + sum(lengths) - count != size:  # (the count itself is lengths[0])
+            raise WireError("malformed", f"parts of {sum(lengths) - count} bytes, {size - at} came")
+        if lengths[1] > lim.max_header_bytes:
+            raise WireError("oversized", f"header of {lengths[1]} bytes")
+        if lengths[2] > lim.max_body_bytes:
+            raise WireError("oversized", f"body of {lengths[2]} bytes")
+        end = at + lengths[1]
+        header = self._parse_header(data[at:end])
+        at, end = end, end + lengths[2]
+        body_bytes = data[at:end]
+        buffers = []
+        for n in lengths[3:]:
+            at, end = end, end + n
+            buffers.append(data[at:end])
 
         # 5. Type, then body.
-        if header.type not in SCHEMAS:
-            raise WireError("unknown_type", header.type[:64])
-        body = _loads(parts[0])
-        problem = _schema_problem(header.type, body)
+        type_ = header.type
+        if type_ not in SCHEMAS:
+            raise WireError("unknown_type", type_[:64])
+        body = _loads(body_bytes)
+        problem = _schema_problem(type_, body)
         if problem:
             raise WireError("malformed", problem)
 
         # 6. Freshness.
         now = self._clock()
-        if abs(now - header.ts) > lim.skew_sec:
-            raise WireError("stale", f"ts {header.ts:.3f} vs now {now:.3f}")
+        ts = header.ts
+        if abs(now - ts) > lim.skew_sec:
+            raise WireError("stale", f"ts {ts:.3f} vs now {now:.3f}")
 
         # 7. Replay. Recorded only now, so a rejected message never moves the bar.
+        seen = self._last_seq
         peer = _replay_key(header.sender, header.incarnation)
-        last, newest = self._last_seq.get(peer, (None, header.ts))
-        if last is not None and header.seq <= last:
-            raise WireError("replay", f"seq {header.seq} <= {last} from {header.sender}")
-        self._last_seq[peer] = (header.seq, max(newest, header.ts))
-        self._last_seq.move_to_end(peer)
+        last, newest = seen.get(peer, (None, ts))
+        seq = header.seq
+        if last is not None and seq <= last:
+            raise WireError("replay", f"seq {seq} <= {last} from {header.sender}")
+        seen[peer] = (seq, newest if newest > ts else ts)
+        seen.move_to_end(peer)
         self._expire_history(now)
 
-        msg = _trusted(Message, type=header.type, body=body, buffers=tuple(parts[1:]), corr_id=header.corr_id,
-                       msg_id=None)
+        msg = _trusted(Message, type=type_, body=body, buffers=tuple(buffers), corr_id=header.corr_id, msg_id=None)
         return _trusted(Envelope, header=header, msg=msg)
 
     def _expire_history(self, now: float) -> None:
@@ -743,21 +771,25 @@ class Codec:
                 return
             del history[peer]
 
-    @staticmethod
-    def _join(frames: list[bytes], counts: list[int] | None) -> list[bytes]:
-        """Body and buffers from the frames after the header (``counts``: frames per part)."""
-        if counts is None:
-            return frames
-        if sum(counts) != len(frames):
-            raise WireError("malformed", f"header.parts spans {sum(counts)} frames, {len(frames)} came")
-        out, at = [], 0
-        for n in counts:
-            out.append(b"".join(frames[at:at + n]))
-            at += n
-        return out
+    def _joined(self, frames: list[bytes]) -> bytes:
+        """The one byte string of a message that came in several frames: every one but the last
+        exactly ``max_frame_bytes`` long (any other split is malformed, so a message has one
+        form on the wire)."""
+        lim = self.limits
+        total = sum(map(len, frames))
+        if total > lim.max_message_bytes:
+            raise WireError("oversized", f"{total} bytes")
+        longest = max(map(len, frames), default=0)
+        if longest > lim.max_frame_bytes:
+            raise WireError("oversized", f"a frame of {longest} bytes")
+        if not frames:
+            raise WireError("malformed", "no frames")
+        if not frames[-1] or any(len(f) != lim.max_frame_bytes for f in frames[:-1]):
+            raise WireError("malformed", f"{len(frames)} frames not split at {lim.max_frame_bytes} bytes")
+        return b"".join(frames)
 
     @staticmethod
-    def _parse_header(data: bytes) -> tuple[Header, list[int] | None]:
+    def _parse_header(data: bytes) -> Header:
         obj = _loads(data)
         if type(obj) is dict:  # the common case decided in one expression: every field plainly right
             get = obj.get
@@ -765,10 +797,9 @@ class Codec:
             seq, ts, corr_id = get("seq"), get("ts"), get("corr_id", _MISSING)
             if (type(type_) is str and type_ and type(sender) is str and sender and type(incarnation) is str
                     and incarnation and type(msg_id) is str and msg_id and type(seq) is int and seq >= 1
-                    and type(ts) is float and ts - ts == 0.0 and (corr_id is None or type(corr_id) is str)
-                    and "parts" not in obj):
+                    and type(ts) is float and ts - ts == 0.0 and (corr_id is None or type(corr_id) is str)):
                 return _trusted(Header, type=type_, sender=sender, incarnation=incarnation, seq=seq, ts=ts,
-                                msg_id=msg_id, corr_id=corr_id), None
+                                msg_id=msg_id, corr_id=corr_id)
         if not isinstance(obj, dict):
             raise WireError("malformed", "header is not an object")
         missing = [k for k in _HEADER_KEYS if k not in obj]
@@ -784,10 +815,6 @@ class Codec:
             raise WireError("malformed", "header.ts must be a finite number")
         if corr_id is not None and not isinstance(corr_id, str):
             raise WireError("malformed", "header.corr_id must be a string or null")
-        counts = obj.get("parts")
-        if counts is not None and (not isinstance(counts, list) or not counts
-                                   or not all(_is_json_type(n, int) and n >= 1 for n in counts)):
-            raise WireError("malformed", "header.parts must be a list of positive integers")
         return Header(
             type=obj["type"],
             sender=obj["sender"],
@@ -796,7 +823,7 @@ class Codec:
             ts=float(ts),
             msg_id=obj["msg_id"],
             corr_id=corr_id,
-        ), counts
+        )
 
 
 # --------------------------------------------------------------------------- refusals

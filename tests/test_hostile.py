@@ -6,7 +6,7 @@ a flood of a few hundred connections (some sending 2 MB frames), valid-looking q
 with a wrong key, stale timestamps. Every bad message is counted in the root's `info`
 (``rejected``), nothing crashes, the training step of the attacked rank is not slowed
 beyond the bound, heartbeats and queries keep working, the root's RSS grows <= 10 MiB.
-Also the wire rule that makes the RSS bound hold: no frame over 1 MiB (longer parts split).
+Also the wire rule that makes the RSS bound hold: no frame over 1 MiB (a longer message split).
 Bursts on fresh connections against every rank of a torchrun job: test_memory_pinning.
 """
 
@@ -53,7 +53,9 @@ def test_long_parts_travel_in_frames_of_at_most_one_mib():
     big = bytes(range(256)) * (5 * 2**20 // 256 + 7)
     frames = a.encode(wire.Message("subresult", {"qid": "q", "status": "ok", "answered": "1", "failed": {},
                                                  "scans": ["s", "t"]}, (big, b"")))
-    assert max(map(len, frames)) <= wire.Limits().max_frame_bytes and len(frames) == 3 + 1 + 6 + 1
+    step = wire.Limits().max_frame_bytes
+    assert max(map(len, frames)) <= step and len(frames) == 6  # the one message cut at every MiB
+    assert all(len(f) == step for f in frames[:-1])
     env = b.decode(frames)
     assert env.msg.buffers == (big, b"") and env.msg.body["scans"] == ["s", "t"]
 
@@ -63,9 +65,10 @@ def test_damaged_chunked_messages_are_rejected():
     b = wire.Codec(KEY, "b", "ib")
     frames = a.encode(wire.Message("subresult", {"qid": "q", "status": "ok", "answered": "", "failed": {},
                                                  "scans": ["s"]}, (b"x" * (3 * 2**20),)))
-    for bad, reason in [(frames[:-1], "bad_signature"), (frames + [b""], "bad_signature"),
-                        (frames[:5] + [frames[5][:10], frames[5][10:]] + frames[6:], "bad_signature"),  # re-split
-                        (frames[:4] + [frames[4] + frames[5]] + frames[6:], "oversized"),
+    assert len(frames) == 4
+    for bad, reason in [(frames[:-1], "bad_signature"), (frames + [b""], "malformed"),
+                        (frames[:2] + [frames[2][:10], frames[2][10:]] + frames[3:], "malformed"),  # re-split
+                        ([frames[0] + frames[1]] + frames[2:], "oversized"),
                         ([*frames[:2], b"x" * (2**20 + 1)], "oversized"),
                         ([wire.PROTOCOL] + [b"x"] * 100, "oversized")]:
         with pytest.raises(wire.WireError) as err:

@@ -35,7 +35,7 @@ from kernel_probe.wire import (
     refusal_frames,
 )
 
-from .wire_support import refusal_reason, reply, tracked_peers
+from .wire_support import parts_of, refusal_reason, reply, tracked_peers
 
 KEY = derive_key("s3cret", "run-42")
 NOW = 1_700_000_000.0
@@ -49,10 +49,15 @@ class FakeClock:
         return self.now
 
 
-def sign(key: bytes, parts: list[bytes]) -> bytes:
-    """The signature as DESIGN.md defines it, written independently of wire.py."""
-    data = b"".join(len(p).to_bytes(8, "big") + p for p in parts)
-    return hmac.new(key, data, hashlib.sha256).digest()
+def signed_bytes(parts: list[bytes]) -> bytes:
+    """What the signature covers, written independently of wire.py: the part count (2 bytes),
+    each part's length (4 bytes), the parts."""
+    return (len(parts).to_bytes(2, "big") + b"".join(len(p).to_bytes(4, "big") for p in parts)
+            + b"".join(parts))
+
+
+def sign(key: bytes, signed: bytes) -> bytes:
+    return hmac.new(key, signed, hashlib.sha256).digest()
 
 
 def header_json(**over) -> bytes:
@@ -73,8 +78,8 @@ _DROP = object()
 
 
 def hand_signed(header: bytes, body: bytes, *buffers: bytes, key: bytes = KEY) -> list[bytes]:
-    parts = [header, body, *buffers]
-    return [PROTOCOL, sign(key, parts), *parts]
+    signed = signed_bytes([header, body, *buffers])
+    return [PROTOCOL + sign(key, signed) + signed]
 
 
 SAMPLES: dict[str, tuple[dict, tuple[bytes, ...]]] = {
@@ -173,16 +178,18 @@ def test_round_trip_every_type(mtype, alice, bob, clock):
     body, buffers = SAMPLES[mtype]
     frames = alice.encode(Message(mtype, body, buffers, corr_id="req-1"))
 
-    assert frames[0] == PROTOCOL == b"PMG1"
-    assert len(frames[1]) == 32
-    assert frames[1] == sign(KEY, frames[2:])  # the documented signature
-    assert len(frames) == 4 + len(buffers)
-    assert all(type(f) is bytes for f in frames)
-    header = json.loads(frames[2])
+    assert len(frames) == 1 and type(frames[0]) is bytes  # one frame
+    data = frames[0]
+    assert data[:4] == PROTOCOL == b"PMG2"
+    assert data[4:36] == sign(KEY, data[36:])  # the documented signature
+    signature, parts = parts_of(frames)
+    assert signature == data[4:36] and len(parts) == 2 + len(buffers)
+    assert data[36:] == signed_bytes(parts)
+    header = json.loads(parts[0])
     assert list(header) == ["type", "sender", "incarnation", "seq", "ts", "msg_id", "corr_id"]
-    assert b": " not in frames[2] and b", " not in frames[2]  # compact
-    frames[2].decode("utf-8")
-    frames[3].decode("utf-8")
+    assert b": " not in parts[0] and b", " not in parts[0]  # compact
+    parts[1].decode("utf-8")
+    assert tuple(parts[2:]) == buffers
 
     env = bob.decode(frames)
     assert isinstance(env, Envelope)
@@ -310,19 +317,29 @@ def flip(frame: bytes, i: int = 0) -> bytes:
 def test_tampered_frames_fail_signature(alice, bob):
     body, buffers = SAMPLES["query_result"]
     good = alice.encode(Message("query_result", body, buffers))
-    for index in range(1, len(good)):  # signature, header, body, each buffer
-        for at in {0, len(good[index]) // 2, len(good[index]) - 1}:
-            if not good[index]:
-                continue
-            tampered = list(good)
-            tampered[index] = flip(good[index], at)
-            assert_rejected(bob, tampered, "bad_signature")
-    # Frames dropped, appended or re-split also break it.
-    assert_rejected(bob, good[:-1], "bad_signature")
-    assert_rejected(bob, good + [b""], "bad_signature")
-    resplit = good[:4] + [good[4][:-1], good[4][-1:] + good[5]] + good[6:]
-    assert len(resplit) == len(good) and b"".join(resplit) == b"".join(good)
-    assert_rejected(bob, resplit, "bad_signature")
+    (data,) = good
+    _, parts = parts_of(good)
+    at = 38 + 4 * len(parts)
+    edges = {4, 35, 36, 37, 38, 39, at - 1}  # the signature, the part count, the lengths
+    for part in parts:  # each part's first, middle and last byte
+        edges |= {at, at + len(part) // 2, at + len(part) - 1} if part else set()
+        at += len(part)
+    for i in sorted(edges):
+        assert_rejected(bob, [flip(data, i)], "bad_signature")
+    for i in range(4):
+        assert_rejected(bob, [flip(data, i)], "malformed")  # not our protocol's tag
+    # Bytes moved between parts (the lengths changed to match) break it too.
+    assert hand_signed(*parts) == good  # (the layout written independently gives the same bytes)
+    a, b = parts[2], parts[3]
+    resplit = data[:36] + signed_bytes([parts[0], parts[1], a[:-1], a[-1:] + b, *parts[4:]])
+    assert len(resplit) == len(data) and resplit != data
+    assert_rejected(bob, [resplit], "bad_signature")
+    # A message cut short, extended, or sent as frames split anywhere else than at the
+    # frame size is rejected.
+    assert_rejected(bob, [data[:-1]], "bad_signature")
+    assert_rejected(bob, [data + b"\0"], "bad_signature")
+    assert_rejected(bob, [data, b""], "malformed")
+    assert_rejected(bob, [data[:50], data[50:]], "malformed")
     # The untouched original still decodes afterwards.
     assert bob.decode(good).msg.buffers == buffers
 
@@ -395,21 +412,36 @@ def test_oversized(clock):
     assert_rejected(rx, [b"j" * 10_001], "oversized")
     # At the limits exactly, it passes.
     ok = tx.encode(Message("query_result", {"status": "ok"}, (b"", b"")))
-    assert len(ok) == 6
+    assert len(parts_of(ok)[1]) + 2 == 6
     assert rx.decode(ok).msg.buffers == (b"", b"")
 
 
 def test_truncated(alice, bob):
-    frames = alice.encode(Message("info_request", {}))
-    for n in range(4):
-        assert_rejected(bob, frames[:n], "malformed")
-    assert_rejected(bob, frames[1:], "malformed")
+    (data,) = alice.encode(Message("info_request", {}))
+    assert_rejected(bob, [], "malformed")
+    for n in (0, 3, 4, 35, 36, 37):  # no room for a signature and a part count
+        assert_rejected(bob, [data[:n]], "malformed")
+    for n in (38, 50, len(data) - 1):
+        assert_rejected(bob, [data[:n]], "bad_signature")
+
+
+def test_a_signed_message_whose_lengths_do_not_add_up_is_malformed(bob):
+    header, body = header_json(), b"{}"
+    for count, lengths in ((0, []), (1, [len(header)]), (2, [len(header), 5]), (2, [len(header), 1]),
+                           (3, [len(header), 2, 0, 0]), (40, [])):
+        signed = count.to_bytes(2, "big") + b"".join(n.to_bytes(4, "big") for n in lengths) + header + body
+        assert_rejected(bob, [PROTOCOL + sign(KEY, signed) + signed], "malformed")
+    signed = (200).to_bytes(2, "big") + b"\0" * 800  # more parts than a message may have
+    assert_rejected(bob, [PROTOCOL + sign(KEY, signed) + signed], "oversized")
 
 
 @pytest.mark.parametrize(
     "frames",
     [
-        [b"PMG2", b"\x00" * 32, b"{}", b"{}"],
+        [b"PMG1", b"\x00" * 32, b"{}", b"{}"],  # the former layout: a frame a part
+        [b"PMG1" + b"\x00" * 32 + b"\x00\x02" + b"\x00" * 8],
+        [PROTOCOL + b"\x00" * 20],
+        [b""],
         [b"", b"", b"", b""],
         [PROTOCOL, b"\x00" * 31, b"{}", b"{}"],
         [PROTOCOL, b"\x00" * 33, b"{}", b"{}"],
@@ -495,7 +527,9 @@ def test_check_order(clock):
     """Signature before parsing, type before body, body before staleness."""
     rx = Codec(KEY, "rx", "i", clock=clock)
     # Unsigned junk header: bad_signature, not malformed.
-    assert_rejected(rx, [PROTOCOL, b"\x00" * 32, b"junk", b"junk"], "bad_signature")
+    assert_rejected(rx, [PROTOCOL + b"\x00" * 32 + signed_bytes([b"junk", b"junk"])], "bad_signature")
+    # Unsigned lengths that do not add up: bad_signature too (they are read only once signed).
+    assert_rejected(rx, [PROTOCOL + b"\x00" * 32 + b"\xff" * 20], "bad_signature")
     # Unknown type with a bad body: unknown_type.
     assert_rejected(rx, hand_signed(header_json(type="nope"), b"[]"), "unknown_type")
     # Bad body and stale: malformed.
@@ -743,3 +777,13 @@ def test_every_body_is_declared_once_and_checked_with_its_optional_keys():
     codec = Codec(KEY, sender="a", incarnation="i")
     with pytest.raises(ValueError, match="query.ranks"):
         codec.encode(Message("query", {"sql": "SELECT 1", "timeout": 1.0, "ranks": "0-3"}))
+
+
+def test_a_body_that_contains_itself_is_our_error_not_a_crash(alice, bob):
+    body: dict = {"code": "x", "message": "y"}
+    body["again"] = [body]
+    with pytest.raises(ValueError):
+        alice.encode(Message("error", body))
+    with pytest.raises(ValueError):
+        wire.pack_json(body)
+    assert bob.decode(alice.encode(Message("info_request", {}))).header.seq == 1  # no seq spent

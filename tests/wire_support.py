@@ -22,3 +22,17 @@ def refusal_reason(frames: Any) -> str | None:
 def tracked_peers(codec: wire.Codec) -> int:
     """How many (sender, incarnation) pairs ``codec``'s replay check remembers."""
     return len(codec._last_seq)
+
+
+def parts_of(frames: list[bytes]) -> tuple[bytes, list[bytes]]:
+    """(signature, [header, body, *buffers]) of a message's frames, read by the documented
+    layout (independently of wire.py): tag, signature, part count, lengths, parts."""
+    data = b"".join(frames)
+    count = int.from_bytes(data[36:38], "big")
+    lengths = [int.from_bytes(data[38 + 4 * i:42 + 4 * i], "big") for i in range(count)]
+    at, parts = 38 + 4 * count, []
+    for n in lengths:
+        parts.append(data[at:at + n])
+        at += n
+    assert at == len(data)
+    return data[4:36], parts

@@ -74,6 +74,24 @@ ONE_RANK_KEY = b"probing.one_rank"
 SHAPE_CACHE_SIZE = 64
 
 
+_SHAPE_ANSWERS: dict[int, tuple[Any, tuple, Any]] = {}  # id(table) -> (table, tags, its shape answer)
+
+
+def _shape_answer(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
+    """``_tagged_empty`` of ``table``'s schema, found by the table itself first when the same
+    table object comes again (a rank's table kept between queries): hashing a schema costs
+    more than the rest of a small scan's bookkeeping."""
+    key = tuple(tags.items())
+    known = _SHAPE_ANSWERS.get(id(table))
+    if known is not None and known[0] is table and known[1] == key:
+        return known[2]
+    answer = _tagged_empty(table.schema, key)
+    if len(_SHAPE_ANSWERS) >= 1024:  # one entry per table of a rank; a virtual host holds many ranks
+        _SHAPE_ANSWERS.clear()
+    _SHAPE_ANSWERS[id(table)] = (table, key, answer)  # (the table is kept: its id is not reused meanwhile)
+    return answer
+
+
 @functools.lru_cache(maxsize=1024)  # one entry per table in a rank; a virtual host holds many ranks
 def _tagged_empty(schema: "pa.Schema", tags: tuple) -> "pa.Table":
     """A shape scan's answer (no rows: the table's names and types, tagged), made once per
@@ -360,7 +378,7 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
             # the input's names and types only (tagged, no rows): the root binds the statement
             # once over the union of every rank's (``_shape``)
             (only,) = regs.values()
-            out[scan.name] = _tagged_empty(only.schema, tuple(tags.items()))
+            out[scan.name] = _shape_answer(only, tags)
             continue
         lacking = _lacking(regs, scan.needs)
         result = None

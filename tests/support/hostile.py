@@ -38,14 +38,25 @@ BIG = 2 * 2**20  # the 2 MB frames of the issue's report
 
 
 def expected_reason(frames: list[bytes], limits: wire.Limits = wire.Limits()) -> str:
-    """Why the probe's codec rejects these (unsigned, random) frames: the codec's own order."""
+    """Why the probe's codec rejects these (unsigned, random) frames: the codec's own order
+    (sizes, then the split and the tag; one frame that starts with the tag fails its signature)."""
     total = sum(map(len, frames))
     if (len(frames) > limits.max_frames or total > limits.max_message_bytes
-            or max(map(len, frames)) > limits.max_frame_bytes
-            or (len(frames) > 2 and len(frames[2]) > limits.max_header_bytes)
-            or (len(frames) > 3 and len(frames[3]) > limits.max_body_bytes)):
+            or max(map(len, frames)) > limits.max_frame_bytes):
         return "oversized"
+    if len(frames) == 1 and frames[0].startswith(wire.PROTOCOL) and len(frames[0]) >= _MIN_BYTES:
+        return "bad_signature"
     return "malformed"
+
+
+_MIN_BYTES = len(wire.PROTOCOL) + wire.SIGNATURE_BYTES + 2  # the tag, a signature, a part count
+
+
+def _unsigned(*parts: bytes, rng: random.Random) -> bytes:
+    """A message laid out as the wire's (tag, signature, part count, lengths, parts) under a
+    random signature."""
+    return (wire.PROTOCOL + rng.randbytes(wire.SIGNATURE_BYTES) + struct.pack(f">H{len(parts)}I", len(parts),
+                                                                             *map(len, parts)) + b"".join(parts))
 
 
 class HostilePeer:
@@ -121,22 +132,20 @@ class HostilePeer:
             self._send(sock, frames, "replay")
 
     def truncated(self, sock: zmq.Socket, rng: random.Random) -> None:
-        frames = self._codec().encode(wire.Message("query", {"sql": "SELECT 1", "timeout": 5.0}))
+        (data,) = self._codec().encode(wire.Message("query", {"sql": "SELECT 1", "timeout": 5.0}))
         if rng.random() < 0.5:
-            self._send(sock, frames[: rng.randint(1, 3)], "malformed")  # parts missing
+            self._send(sock, [data[: rng.randint(1, _MIN_BYTES - 1)]], "malformed")  # no room for a signature
         else:
-            body = frames[3]
-            cut = frames[:3] + [body[: rng.randint(0, len(body) - 1)]]
-            self._send(sock, cut, "bad_signature")  # a part cut short
+            self._send(sock, [data[: rng.randint(_MIN_BYTES, len(data) - 1)]], "bad_signature")  # cut short
 
     def oversized(self, sock: zmq.Socket, rng: random.Random) -> None:
         roll = rng.random()
         if roll < 0.05:  # 65 MiB in 1 MiB frames: over the whole-message limit
-            frames = [wire.PROTOCOL, b"s" * 32] + [self._big[: 2**20]] * 65
+            frames = [wire.PROTOCOL + b"s" * 32 + self._big[: 2**20 - 36]] + [self._big[: 2**20]] * 65
         elif roll < 0.5:
-            frames = [wire.PROTOCOL, b"s" * 32, b"{" * 5000, b"{}"]  # header over 4 KiB
+            frames = [b"x"] * (wire.Limits().max_frames + 1)  # too many frames
         else:
-            frames = [wire.PROTOCOL] + [b"x"] * 100  # too many parts
+            frames = [wire.PROTOCOL] + [b"x"] * 100  # too many frames, our tag first
         self._send(sock, frames, "oversized")
 
     def wrong_key(self, sock: zmq.Socket) -> None:
@@ -234,18 +243,16 @@ def burst_frames(kind: str, rng: random.Random, big: bytes) -> list[bytes]:
     if kind == "empty":
         return [b""] * rng.randint(1, 4)
     if kind == "truncated":
-        whole = [wire.PROTOCOL, rng.randbytes(wire.SIGNATURE_BYTES),
-                 b'{"type":"query","sender":"x","incarnation":"y","seq":1,"ts":0,"msg_id":"m","corr_id":null}',
-                 b'{"sql":"SELECT 1","timeout":5}']
-        cut = rng.randint(0, 3)
-        return whole[:cut] + [whole[cut][: rng.randint(0, len(whole[cut]) - 1)]]
+        whole = _unsigned(b'{"type":"query","sender":"x","incarnation":"y","seq":1,"ts":0,"msg_id":"m","corr_id":null}',
+                          b'{"sql":"SELECT 1","timeout":5}', rng=rng)
+        return [whole[: rng.randint(0, len(whole) - 1)]]
     if kind == "big":
         return [rng.randbytes(rng.randint(0, 64)), big]
     if kind == "tagged":
         header = json.dumps({"type": "info_request", "sender": f"s{rng.randrange(10**6)}",
                              "incarnation": rng.randbytes(8).hex(), "seq": 1, "ts": time.time(), "msg_id": "m",
                              "corr_id": None}).encode()
-        return [wire.PROTOCOL, rng.randbytes(wire.SIGNATURE_BYTES), header, b"{}"]
+        return [_unsigned(header, b"{}", rng=rng)]
     raise ValueError(f"unknown burst kind {kind!r}")
 
 
