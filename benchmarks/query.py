@@ -45,7 +45,8 @@ def run(rows: int, repeat: int) -> None:
     os.environ["PROBING_RUNTIME_DIR"] = runtime
     worker = [str(ROOT / "tests" / "workers" / "tables_worker.py"), "--rows", str(rows)]
     with LocalJob(worker, nodes=2, ranks_per_node=2, mode="plain",
-                  env={"PROBING": "1", "PROBING_RUNTIME_DIR": runtime, "PROBING_QUERY_ROW_CAP": "100000000"}) as job:
+                  env={"PROBING": "1", "PROBING_RUNTIME_DIR": runtime, "PROBING_QUERY_ROW_CAP": "100000000",
+                       "PYTHONPATH": str(ROOT)}) as job:  # the ranks run this checkout too, not the installed one
         job.wait_ready(60)
         deadline = time.monotonic() + 120
         while True:
