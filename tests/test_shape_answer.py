@@ -29,3 +29,16 @@ def test_other_tags_or_another_table_are_never_answered_from_the_first():
     wider = pa.table({"id": pa.array([1], pa.int64()), "s": pa.array(["a"])})
     assert _shape_answer(wider, TAGS).column_names[:2] == ["id", "s"]
     assert _shape_answer(table, TAGS).column_names[:1] == ["id"]
+
+
+def test_a_table_asked_once_is_not_kept_alive_by_the_cache():
+    """A rank's snapshot tables are made anew per query: the cache must not pin them."""
+    import gc
+    import weakref
+
+    table = pa.table({"id": pa.array(range(1000), pa.int64())})
+    _shape_answer(table, TAGS)
+    ref = weakref.ref(table)
+    del table
+    gc.collect()
+    assert ref() is None

@@ -50,6 +50,7 @@ import functools
 import logging
 import re
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
 from ..tables.convert import array
@@ -74,7 +75,9 @@ ONE_RANK_KEY = b"probing.one_rank"
 SHAPE_CACHE_SIZE = 64
 
 
-_SHAPE_ANSWERS: dict[int, tuple[Any, tuple, Any]] = {}  # id(table) -> (table, tags, its shape answer)
+# id(table) -> (a weak reference to the table, tags, its shape answer): weak, so a snapshot table
+# made for one query is not kept alive by this cache (the reference also tells a reused id apart)
+_SHAPE_ANSWERS: dict[int, tuple[weakref.ref, tuple, Any]] = {}
 
 
 def _shape_answer(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
@@ -83,12 +86,12 @@ def _shape_answer(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
     more than the rest of a small scan's bookkeeping."""
     key = tuple(tags.items())
     known = _SHAPE_ANSWERS.get(id(table))
-    if known is not None and known[0] is table and known[1] == key:
+    if known is not None and known[0]() is table and known[1] == key:
         return known[2]
     answer = _tagged_empty(table.schema, key)
     if len(_SHAPE_ANSWERS) >= 1024:  # one entry per table of a rank; a virtual host holds many ranks
         _SHAPE_ANSWERS.clear()
-    _SHAPE_ANSWERS[id(table)] = (table, key, answer)  # (the table is kept: its id is not reused meanwhile)
+    _SHAPE_ANSWERS[id(table)] = (weakref.ref(table), key, answer)
     return answer
 
 
