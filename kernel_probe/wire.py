@@ -684,6 +684,7 @@ class Codec:
         # 1. Sizes first: cheap, and nothing big is copied or hashed.
         if len(raw_frames) > lim.max_frames:
             raise WireError("oversized", f"{len(raw_frames)} frames")
+        authentic = False
         if len(raw_frames) == 1:  # the usual case
             data = raw_frames[0]
             if type(data) is not bytes:
@@ -692,8 +693,9 @@ class Codec:
             if size > lim.max_frame_bytes or size > lim.max_message_bytes:
                 raise WireError("oversized", f"a frame of {size} bytes")
         else:
-            data = self._joined([_as_bytes(f) for f in raw_frames])
+            data = self._joined([_as_bytes(f) for f in raw_frames])  # authenticated before it is joined
             size = len(data)
+            authentic = True
 
         # 2. Shape.
         if size < _PARTS_AT:
@@ -702,7 +704,8 @@ class Codec:
             raise WireError("malformed", f"not a {PROTOCOL.decode()} message")
 
         # 3. Authenticity, before any parser sees the bytes (the lengths included).
-        if not hmac.compare_digest(data[_TAG_BYTES:_SIGNED_AT], self._mac.digest(memoryview(data)[_SIGNED_AT:])):
+        if not authentic and not hmac.compare_digest(data[_TAG_BYTES:_SIGNED_AT],
+                                                     self._mac.digest(memoryview(data)[_SIGNED_AT:])):
             raise WireError("bad_signature")
 
         # 4. The parts, by the lengths signed with them.
@@ -774,7 +777,8 @@ class Codec:
     def _joined(self, frames: list[bytes]) -> bytes:
         """The one byte string of a message that came in several frames: every one but the last
         exactly ``max_frame_bytes`` long (any other split is malformed, so a message has one
-        form on the wire)."""
+        form on the wire), its signature checked over the frames as they are first (an unsigned
+        message is never copied: up to 64 MiB that a peer without the key could make us allocate)."""
         lim = self.limits
         total = sum(map(len, frames))
         if total > lim.max_message_bytes:
@@ -786,6 +790,12 @@ class Codec:
             raise WireError("malformed", "no frames")
         if not frames[-1] or any(len(f) != lim.max_frame_bytes for f in frames[:-1]):
             raise WireError("malformed", f"{len(frames)} frames not split at {lim.max_frame_bytes} bytes")
+        first = frames[0]  # a whole frame: longer than the tag and signature
+        if not first.startswith(PROTOCOL):
+            raise WireError("malformed", f"not a {PROTOCOL.decode()} message")
+        if not hmac.compare_digest(first[_TAG_BYTES:_SIGNED_AT],
+                                   self._mac.digest(memoryview(first)[_SIGNED_AT:], *frames[1:])):
+            raise WireError("bad_signature")
         return b"".join(frames)
 
     @staticmethod

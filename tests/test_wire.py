@@ -255,6 +255,26 @@ def test_large_message_within_limits(alice, bob):
     assert env.msg.buffers == (big, big)
 
 
+def test_a_message_of_several_frames_is_authenticated_before_it_is_copied(alice, bob, clock):
+    """A peer without the key sends the most it may in 1 MiB frames: its bytes are checked
+    where they lie, never joined into a copy (which glibc could keep resident)."""
+    import tracemalloc
+
+    big = bytes(range(256)) * 4096 * 6  # 6 MiB: six full frames and a last one
+    mallory = Codec(derive_key("wrong", "run-42"), "rank:1", "inc-a", clock=clock)
+    forged = mallory.encode(Message("query_result", {"status": "ok"}, (big,)))
+    signed = alice.encode(Message("query_result", {"status": "ok"}, (big,)))
+    assert len(forged) == len(signed) == 7
+    tracemalloc.start()
+    try:
+        assert_rejected(bob, forged, "bad_signature")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak  # no copy of the 6 MiB
+    assert bob.decode(signed).msg.buffers == (big,)  # the signed one is joined and read
+
+
 # --------------------------------------------------------------------------- encode errors
 
 
