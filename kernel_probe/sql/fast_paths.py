@@ -505,3 +505,95 @@ def _from_numpy(values: Any, typ: "pa.DataType") -> "pa.Array":
     import pyarrow as pa
 
     return pa.Array.from_buffers(typ, len(values), [None, pa.py_buffer(np.ascontiguousarray(values))])
+
+
+# --- a scan's merge over packed partials, in plain Python ---------------------------------------
+_MERGED_AS = {"count_all": "count", "count": "count", "sum": "sum", "min": "min", "max": "max"}
+_INT64_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def packed_merge_kinds(spec: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """How each column of a plain group-by scan's partials (``Scan.arrow`` with ``aggs``) is
+    merged: its keys by grouping ("key"), its partial counts by a sum cast to BIGINT ("count"),
+    its sums, minima and maxima by the same (the merge SQL ``planner.partial`` writes for them);
+    None for a scan that is not such a group-by."""
+    if not spec or "aggs" not in spec:
+        return None
+    kinds = {alias: "key" for alias, _ in spec["keys"]}
+    for alias, func, _ in spec["aggs"]:
+        kind = _MERGED_AS.get(func)
+        if kind is None or alias in kinds:
+            return None
+        kinds[alias] = kind
+    return kinds
+
+
+def packed_merge(kinds: Mapping[str, str], fields: Sequence[Sequence[str]], columns: list[list]) -> list[list]:
+    """The scan's merge SQL (``GROUP BY`` its keys; ``CAST(SUM(c) AS BIGINT)`` of a count, ``SUM``,
+    ``MIN``, ``MAX``) over a packed partial's columns (``fields``: (name, type alias) each), as
+    DuckDB gives it: one row per group (groups in first-seen order; the merge SQL's order is
+    its own), one row over no keys at all; NULLs skipped, NULL where a group has none; an int64
+    sum that leaves int64 raises (the SQL's cast fails, its HUGEINT is no longer int64) as a
+    double sum that is not finite does. ``NotPlain`` for anything else: keys of int64, string
+    or bool (a double key would group -0.0 with 0.0), counts of int64, sums of int64 or double,
+    minima and maxima of int64 or string (ordered by code point: UTF-8's byte order, DuckDB's)."""
+    if len(fields) != len(kinds) or len(columns) != len(fields):
+        raise NotPlain("the partial's columns are not the scan's")
+    key_at, aggs = [], []
+    for i, (name, alias) in enumerate(fields):
+        kind = kinds.get(name)
+        if kind == "key":
+            if alias not in ("int64", "string", "bool", "null"):
+                raise NotPlain(f"a key of {alias}")
+            key_at.append(i)
+        elif kind == "count" and alias == "int64" or kind == "sum" and alias in ("int64", "double") \
+                or kind in ("min", "max") and alias in ("int64", "string"):
+            aggs.append((i, kind, alias))
+        else:
+            raise NotPlain(f"{kind} of {alias}")
+    n = len(columns[0]) if columns else 0
+    # each row's group, numbered in first-seen order
+    if not key_at:
+        slot_of, groups = [0] * n, 1
+    else:
+        keys = columns[key_at[0]] if len(key_at) == 1 else list(zip(*(columns[i] for i in key_at)))
+        first: dict[Any, int] = {}
+        slot_of = [first.setdefault(k, len(first)) for k in keys]
+        groups = len(first)
+    out: list[list | None] = [None] * len(fields)
+    if key_at:
+        seen = list(first)
+        if len(key_at) == 1:
+            out[key_at[0]] = seen
+        else:
+            for j, i in enumerate(key_at):
+                out[i] = [k[j] for k in seen]
+    # rows that are the same groups in the same order, over and over (every rank of a node with
+    # the same groups: the common case): a column's groups are its strided slices
+    strided = n > 0 and n % groups == 0 and slot_of == list(range(groups)) * (n // groups)
+    for i, kind, alias in aggs:
+        col = columns[i]
+        if kind in ("count", "sum"):
+            if strided and None not in col:
+                merged = [sum(col[g::groups]) for g in range(groups)]
+            else:
+                acc: list[Any] = [None] * groups
+                for g, v in zip(slot_of, col):
+                    if v is not None:
+                        acc[g] = v if acc[g] is None else acc[g] + v
+                merged = acc
+            if alias == "int64":
+                present = [v for v in merged if v is not None]
+                if present and (min(present) < _INT64_RANGE[0] or max(present) > _INT64_RANGE[1]):
+                    raise NotPlain("an integer sum past int64")
+            elif not all(v is None or v - v == 0.0 for v in merged):
+                raise NotPlain("a double sum that is not finite")
+        else:
+            acc = [None] * groups
+            low = kind == "min"
+            for g, v in zip(slot_of, col):
+                if v is not None and (acc[g] is None or (v < acc[g] if low else v > acc[g])):
+                    acc[g] = v
+            merged = acc
+        out[i] = merged
+    return out  # type: ignore[return-value]
