@@ -405,18 +405,37 @@ def _counted_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table |
     return out
 
 
+_COUNTED = frozenset(("hash_count_all", "hash_count", "hash_sum"))
+_TYPES: dict[str, Any] = {}  # pyarrow's types this path tests for, made once (a type made per call costs)
+
+
+def _types() -> dict[str, Any]:
+    if not _TYPES:
+        import pyarrow as pa
+
+        _TYPES.update(int64=pa.int64(), float64=pa.float64(), summed=frozenset((pa.float64(), pa.int64())),
+                      ranged=frozenset((pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(),
+                                        pa.uint32())),  # integer keys that may be their own slot
+                      keys=frozenset((pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(),
+                                      pa.uint32(), pa.uint64(), pa.string())))
+    return _TYPES
+
+
 def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str | None = None) -> "pa.Table | None":
     """``_group_by`` for the common small case, with numpy's bincount (a fraction of Acero's
     fixed cost on a few hundred rows): one key without NULLs; counts, and sums of doubles
     (added in row order, as Acero does: the same bits) or of int64 that stay exact. None
     for anything else, which Acero does. Groups may come in another order than Acero's.
     ``key_name``: the key's name in the result (else its column's)."""
-    if len(keys) != 1 or not all(o[1] in ("hash_count_all", "hash_count", "hash_sum") for o in ops):
+    if len(keys) != 1:
         return None
-    import pyarrow as pa
-
+    for o in ops:
+        if o[1] not in _COUNTED:
+            return None
+    types = _types()
     key = table.column(keys[0])
-    if key.null_count or not (pa.types.is_integer(key.type) or pa.types.is_string(key.type)):
+    ktype = key.type
+    if key.null_count or ktype not in types["keys"]:
         return None
     inputs = {}
     for names, func, _, _ in ops:
@@ -424,43 +443,52 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
             if name in inputs:
                 continue  # count(x) and sum(x) read x once
             col = table.column(name)
-            if col.null_count or (func == "hash_sum" and col.type not in (pa.float64(), pa.int64())):
+            if col.null_count or (func == "hash_sum" and col.type not in types["summed"]):
                 return None  # a NULL to skip, or a sum of another type (Acero's own result type)
             inputs[name] = col
     import numpy as np
+    import pyarrow as pa
 
-    slot, slots, present, counts, groups = _key_slots(_one_chunk(key))
+    slot, slots, present, counts, groups = _key_slots(_one_chunk(key), ktype in types["ranged"])
     names, arrays = [key_name or keys[0]], [groups]
     counted = None  # every count is the rows of its group (no NULLs): one array for all of them
     values: dict[str, Any] = {}
+    int64 = types["int64"]
     for inames, func, _, name in ops:
         names.append(name)
         if func != "hash_sum":
             if counted is None:
-                counted = _from_numpy(counts, pa.int64())
+                counted = _from_numpy(counts, int64)
             arrays.append(counted)
             continue
         col = inputs[inames[0]]
         if inames[0] not in values:
             values[inames[0]] = _to_numpy(_one_chunk(col))
         v = values[inames[0]]
-        if col.type == pa.int64() and len(v) and max(-int(v.min()), int(v.max())) * len(v) >= _BINCOUNT_EXACT:
+        integer_sum = col.type == int64
+        if integer_sum and len(v) and max(-int(v.min()), int(v.max())) * len(v) >= _BINCOUNT_EXACT:
             return None  # a sum that doubles may round: Acero adds int64
         sums = np.bincount(slot, weights=v, minlength=slots)
         sums = sums if present is None else sums[present]
-        arrays.append(_from_numpy(sums.astype(np.int64) if col.type == pa.int64() else sums, col.type))
+        arrays.append(_from_numpy(sums.astype(np.int64) if integer_sum else sums, col.type))
     return pa.Table.from_arrays(arrays, names=names)
 
 
-def _key_slots(key: "pa.Array") -> tuple:
+_RANGES: dict[tuple, Any] = {}  # (lo, hi, key type) -> the keys lo..hi as Arrow: the same groups every query
+_RANGES_MAX = 256
+
+
+def _key_slots(key: "pa.Array", integer: bool | None = None) -> tuple:
     """(each row's slot, how many slots, the slots holding a group or None for all, the rows
     of each group, the groups' keys as Arrow). Integers in a narrow range are their own slot
-    (no hashing); other keys get one through a dictionary."""
+    (no hashing); other keys get one through a dictionary. ``integer``: the key is of a
+    signed integer type or uint8..uint32 (None: found here)."""
     import numpy as np
-    import pyarrow as pa
     import pyarrow.compute as pc
 
-    if pa.types.is_integer(key.type) and key.type != pa.uint64():
+    if integer is None:
+        integer = key.type in _types()["ranged"]
+    if integer:
         k = _to_numpy(key)
         lo, hi = (int(k.min()), int(k.max())) if len(k) else (0, -1)
         if hi - lo <= 4 * len(k) + 64:
@@ -468,7 +496,14 @@ def _key_slots(key: "pa.Array") -> tuple:
             slot = slot - lo if lo else slot
             counts = np.bincount(slot, minlength=hi - lo + 1)
             if counts.all():  # every value of the range is a group (the common case): no gaps to drop
-                return slot, hi - lo + 1, None, counts, _from_numpy(np.arange(lo, hi + 1, dtype=k.dtype), key.type)
+                span = (lo, hi, key.type)
+                groups = _RANGES.get(span)
+                if groups is None:
+                    groups = _from_numpy(np.arange(lo, hi + 1, dtype=k.dtype), key.type)
+                    if len(_RANGES) >= _RANGES_MAX:
+                        _RANGES.clear()
+                    _RANGES[span] = groups  # Arrow arrays are immutable: one serves every caller
+                return slot, hi - lo + 1, None, counts, groups
             present = np.flatnonzero(counts)
             return slot, hi - lo + 1, present, counts[present], _from_numpy((present + lo).astype(k.dtype), key.type)
     encoded = pc.dictionary_encode(key)
