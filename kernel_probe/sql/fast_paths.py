@@ -394,8 +394,15 @@ def _counted_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table |
     ((key_alias, key_col),) = keys
     if schema.field(key_col).type == pa.large_string():
         return None  # DuckDB's VARCHAR: the general path casts it
-    out = _counted_by_key(table, ops, [key_col], key_alias)
-    if out is None or not huge:
+    lists: list[list] = []
+    out = _counted_by_key(table, ops, [key_col], key_alias, lists)
+    if out is None:
+        return None
+    if not huge:
+        if lists:  # packed for the wire from these (numpy's tolist), not read back from Arrow
+            from ..tables.arrow_ipc import remember_lists
+
+            remember_lists(out, tuple((f.name, str(f.type)) for f in out.schema), lists)
         return out
     import pyarrow.compute as pc
 
@@ -421,12 +428,14 @@ def _types() -> dict[str, Any]:
     return _TYPES
 
 
-def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str | None = None) -> "pa.Table | None":
+def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str | None = None,
+                    lists: list | None = None) -> "pa.Table | None":
     """``_group_by`` for the common small case, with numpy's bincount (a fraction of Acero's
     fixed cost on a few hundred rows): one key without NULLs; counts, and sums of doubles
     (added in row order, as Acero does: the same bits) or of int64 that stay exact. None
     for anything else, which Acero does. Groups may come in another order than Acero's.
-    ``key_name``: the key's name in the result (else its column's)."""
+    ``key_name``: the key's name in the result (else its column's). ``lists``: filled with
+    the result's columns as Python lists (its ``to_pylist``), where its keys are integers."""
     if len(keys) != 1:
         return None
     for o in ops:
@@ -449,9 +458,10 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
     import numpy as np
     import pyarrow as pa
 
-    slot, slots, present, counts, groups = _key_slots(_one_chunk(key), ktype in types["ranged"])
+    slot, slots, present, counts, groups, keys_py = _key_slots(_one_chunk(key), ktype in types["ranged"])
     names, arrays = [key_name or keys[0]], [groups]
-    counted = None  # every count is the rows of its group (no NULLs): one array for all of them
+    py = [keys_py] if keys_py is not None and lists is not None else None  # the columns as lists too
+    counted = counted_py = None  # every count is the rows of its group (no NULLs): one array for all of them
     values: dict[str, Any] = {}
     int64 = types["int64"]
     for inames, func, _, name in ops:
@@ -459,7 +469,10 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
         if func != "hash_sum":
             if counted is None:
                 counted = _from_numpy(counts, int64)
+                counted_py = counts.tolist() if py is not None else None
             arrays.append(counted)
+            if py is not None:
+                py.append(counted_py)
             continue
         col = inputs[inames[0]]
         if inames[0] not in values:
@@ -470,7 +483,12 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
             return None  # a sum that doubles may round: Acero adds int64
         sums = np.bincount(slot, weights=v, minlength=slots)
         sums = sums if present is None else sums[present]
-        arrays.append(_from_numpy(sums.astype(np.int64) if integer_sum else sums, col.type))
+        sums = sums.astype(np.int64) if integer_sum else sums
+        arrays.append(_from_numpy(sums, col.type))
+        if py is not None:
+            py.append(sums.tolist())
+    if py is not None:
+        lists[:] = py
     return pa.Table.from_arrays(arrays, names=names)
 
 
@@ -480,9 +498,10 @@ _RANGES_MAX = 256
 
 def _key_slots(key: "pa.Array", integer: bool | None = None) -> tuple:
     """(each row's slot, how many slots, the slots holding a group or None for all, the rows
-    of each group, the groups' keys as Arrow). Integers in a narrow range are their own slot
-    (no hashing); other keys get one through a dictionary. ``integer``: the key is of a
-    signed integer type or uint8..uint32 (None: found here)."""
+    of each group, the groups' keys as Arrow, and as a Python list where they are integers
+    (else None)). Integers in a narrow range are their own slot (no hashing); other keys get
+    one through a dictionary. ``integer``: the key is of a signed integer type or
+    uint8..uint32 (None: found here)."""
     import numpy as np
     import pyarrow.compute as pc
 
@@ -503,13 +522,15 @@ def _key_slots(key: "pa.Array", integer: bool | None = None) -> tuple:
                     if len(_RANGES) >= _RANGES_MAX:
                         _RANGES.clear()
                     _RANGES[span] = groups  # Arrow arrays are immutable: one serves every caller
-                return slot, hi - lo + 1, None, counts, groups
+                return slot, hi - lo + 1, None, counts, groups, list(range(lo, hi + 1))
             present = np.flatnonzero(counts)
-            return slot, hi - lo + 1, present, counts[present], _from_numpy((present + lo).astype(k.dtype), key.type)
+            keys = present + lo
+            return slot, hi - lo + 1, present, counts[present], _from_numpy(keys.astype(k.dtype), key.type), \
+                keys.tolist()
     encoded = pc.dictionary_encode(key)
     slot = _to_numpy(encoded.indices)
     slots = len(encoded.dictionary)
-    return slot, slots, None, np.bincount(slot, minlength=slots), encoded.dictionary
+    return slot, slots, None, np.bincount(slot, minlength=slots), encoded.dictionary, None
 
 
 def _one_chunk(col: Any) -> "pa.Array":
