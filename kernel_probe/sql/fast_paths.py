@@ -394,7 +394,7 @@ def _counted_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table |
     ((key_alias, key_col),) = keys
     if schema.field(key_col).type == pa.large_string():
         return None  # DuckDB's VARCHAR: the general path casts it
-    lists: list[list] = []
+    lists: list = []
     out = _counted_by_key(table, ops, [key_col], key_alias, lists)
     if out is None:
         return None
@@ -402,7 +402,8 @@ def _counted_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table |
         if lists:  # packed for the wire from these (numpy's tolist), not read back from Arrow
             from ..tables.arrow_ipc import remember_lists
 
-            remember_lists(out, tuple((f.name, str(f.type)) for f in out.schema), lists)
+            fields, columns = lists
+            remember_lists(out, fields, columns)
         return out
     import pyarrow.compute as pc
 
@@ -435,7 +436,8 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
     (added in row order, as Acero does: the same bits) or of int64 that stay exact. None
     for anything else, which Acero does. Groups may come in another order than Acero's.
     ``key_name``: the key's name in the result (else its column's). ``lists``: filled with
-    the result's columns as Python lists (its ``to_pylist``), where its keys are integers."""
+    the result's fields ((name, type alias) each) and its columns as Python lists (its
+    ``to_pylist``), where its keys are integers."""
     if len(keys) != 1:
         return None
     for o in ops:
@@ -461,6 +463,7 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
     slot, slots, present, counts, groups, keys_py = _key_slots(_one_chunk(key), ktype in types["ranged"])
     names, arrays = [key_name or keys[0]], [groups]
     py = [keys_py] if keys_py is not None and lists is not None else None  # the columns as lists too
+    aliases = [str(ktype)] if py is not None else None
     counted = counted_py = None  # every count is the rows of its group (no NULLs): one array for all of them
     values: dict[str, Any] = {}
     int64 = types["int64"]
@@ -473,6 +476,7 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
             arrays.append(counted)
             if py is not None:
                 py.append(counted_py)
+                aliases.append("int64")
             continue
         col = inputs[inames[0]]
         if inames[0] not in values:
@@ -487,8 +491,9 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
         arrays.append(_from_numpy(sums, col.type))
         if py is not None:
             py.append(sums.tolist())
+            aliases.append("int64" if integer_sum else "double")
     if py is not None:
-        lists[:] = py
+        lists[:] = [tuple(zip(names, aliases)), py]
     return pa.Table.from_arrays(arrays, names=names)
 
 
