@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernel_probe  # noqa: E402
 from kernel_probe.config import load_settings  # noqa: E402
-from kernel_probe.testing.vhost import GROUPS, VirtualJob, rank_task_ms, rows_of  # noqa: E402
+from kernel_probe.testing.vhost import GROUPS, VirtualJob, rows_of  # noqa: E402
 
 COUNT = "SELECT count(*) AS n FROM t"
 GROUPED = "SELECT g, count(*) AS n, avg(x) AS ax FROM t GROUP BY g ORDER BY g"
@@ -314,11 +314,28 @@ def main() -> int:
             f"{sum(split.values()) * world / cores / 1000:.0f} ms a query at best")
         print(f"RSS per host process after the queries: {', '.join(f'{m:.0f}' for m in after[side.label])} MB "
               f"({world // args.hosts} ranks each)")
-    floor = {label: rank_task_ms(sql, rows=args.rows) for label, sql in (("count", COUNT), ("grouped", GROUPED))}
-    print("\nCPU floor (this tree): one rank's SQL task alone " + ", ".join(f"{k} {v:.1f} ms" for k, v in floor.items())
-          + f"; x {world} ranks / {cores} cores = " +
-          ", ".join(f"{k} {v * world / cores:.0f} ms" for k, v in floor.items()))
+    print()
+    for side in sides:  # each side's code times its own SQL task (a child: the trees may differ)
+        floor = task_floor(side.code, args.rows)
+        print(f"CPU floor ({side.label}): one rank's SQL task alone " +
+              ", ".join(f"{k} {v * 1000:.0f} us" for k, v in floor.items()) + f"; x {world} ranks / {cores} cores = " +
+              ", ".join(f"{k} {v * world / cores:.0f} ms" for k, v in floor.items()))
     return 0
+
+
+_FLOOR = r"""
+import json, sys
+from kernel_probe.testing.vhost import rank_task_ms
+print(json.dumps({label: rank_task_ms(sql, rows=int(sys.argv[1])) for label, sql in json.loads(sys.argv[2])}))
+"""
+
+
+def task_floor(code: str, rows: int) -> dict[str, float]:
+    """ms per rank of one rank's SQL task of the count and of the grouped query, timed by the
+    code at ``code`` in a child of its own (``vhost.rank_task_ms``)."""
+    out = subprocess.run([sys.executable, "-P", "-c", _FLOOR, str(rows), json.dumps([["count", COUNT], ["grouped", GROUPED]])],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": code}, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

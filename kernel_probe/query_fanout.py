@@ -54,7 +54,8 @@ from .query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlTas
 from .rank_lists import NO_RANKS, RankRanges, ReasonRanges, wire_ranks
 from .wire import Envelope, Message, pack_json, unpack_json
 
-MERGE_ABOVE_ROWS = 4096  # below this, concatenating partials is cheaper than reducing them
+MERGE_ABOVE_ROWS = 4096  # below this, concatenating partials is cheaper than reducing them in DuckDB (a plain
+# group-by's packed partials are reduced as lists whatever their rows: shell/sql_tasks/work.py)
 FINISH_SHARE = 0.1  # part of the remaining time the root keeps for merging and finishing
 HOP_MARGIN_MAX = 0.5  # seconds each hop keeps for itself at most
 PROGRESS_AFTER = 1.0  # a query slower than this tells its client how far it got

@@ -84,3 +84,27 @@ def test_a_packed_partial_with_its_cached_head_is_the_wire_json(meta: dict | Non
             assert back.fields == fields and back.metadata == meta and back.columns == columns
     with pytest.raises(ValueError):  # NaN is not JSON: the partial travels as Arrow IPC instead
         PackedPartial((("a", "double"),), None, [[float("nan")]], 1).to_wire()
+
+
+@pytest.mark.parametrize("key", ["int", "gaps", "string", "int64"])
+def test_a_counted_partial_packs_from_its_lists_as_from_arrow(key: str) -> None:
+    """The lists the counted path hands the wire (``arrow_ipc.remember_lists``) are the table's
+    own values: the packed partial is the one packed from the Arrow table, to the byte."""
+    from kernel_probe.tables import arrow_ipc
+
+    rng = random.Random(key)
+    for n in (0, 1, 7, 300):
+        table = _table(rng, n, "int" if key == "int64" else key)
+        if key == "int64":  # the type of a key that packs (int32 does not)
+            table = table.set_column(0, "k", table.column("k").cast(pa.int64()))
+        for spec in SPECS[:1] + SPECS[2:]:  # (an int64 sum goes through HUGEINT: never from lists)
+            got = fast_paths.arrow_partials(spec, table)
+            remembered = arrow_ipc._KNOWN_LISTS.get(id(got))
+            assert (remembered is not None) == (key in ("int64", "gaps")), (key, n, spec)
+            fast = arrow_ipc.partial_to_wire(got)
+            assert id(got) not in arrow_ipc._KNOWN_LISTS  # used once, then let go
+            assert fast == arrow_ipc.partial_to_wire(got)  # packed again from Arrow: the same bytes
+            if remembered is not None:
+                assert remembered[1].columns == [c.to_pylist() for c in got.columns]
+                assert all(type(a) is type(b) for x, y in zip(remembered[1].columns, [c.to_pylist() for c in got.columns])
+                           for a, b in zip(x, y))

@@ -117,11 +117,23 @@ def test_a_brokers_merge_of_packed_partials_is_the_arrow_concatenation():
     scan = next(sc.name for sc in p.scans if sc.name != p.shape)
     rows = [_table({"__k0": (pa.int64(), [1, 2]), "__p0": (pa.int64(), [r, r + 1])}) for r in range(3)]
     parts = _decode([_part(**{scan: t}) for t in rows])
-    merged = _merged_packed(p, _joined(p, parts), reduce_above=4096)
+    # never reduced (reduce_above None): the lists concatenated
+    merged = _merged_packed(p, _joined(p, parts), reduce_above=None)
     assert merged is not None and type(merged[scan]) is PackedPartial
     assert merged[scan].to_arrow().equals(pa.concat_tables(rows))
-    # past the threshold where this scan's merge reduces: Arrow and the merge SQL do it
-    assert _merged_packed(p, _joined(p, parts), reduce_above=1) is None
+    # a plain group-by's partials are reduced as lists, whatever their rows (tests/test_packed_merge.py)
+    for above in (4096, 1):
+        merged = _merged_packed(p, _joined(p, parts), reduce_above=above)
+        assert merged is not None and merged[scan].columns == [[1, 2], [3, 6]]
+    # another scan's, up to the threshold where its merge reduces, concatenated; past it, Arrow
+    # and the merge SQL do it
+    d = make_plan("SELECT g, count(DISTINCT x) AS n FROM t GROUP BY g", catalog={"t": ["g", "x"]})
+    dscan = next(sc.name for sc in d.scans if sc.name != d.shape)
+    drows = [_table({"__k0": (pa.int64(), [1, 2]), "__d0": (pa.int64(), [r, r + 1])}) for r in range(3)]
+    dparts = _decode([_part(**{dscan: t}) for t in drows])
+    merged = _merged_packed(d, _joined(d, dparts), reduce_above=4096)
+    assert merged is not None and merged[dscan].to_arrow().equals(pa.concat_tables(drows))
+    assert _merged_packed(d, _joined(d, dparts), reduce_above=1) is None
     # partials of differing types are not joined as lists: Arrow widens them as before
     odd = _table({"__k0": (pa.int64(), [3]), "__p0": (pa.float64(), [1.5])})
     mixed = _joined(p, _decode([_part(**{scan: rows[0]}), _part(**{scan: odd})]))

@@ -394,8 +394,16 @@ def _counted_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table |
     ((key_alias, key_col),) = keys
     if schema.field(key_col).type == pa.large_string():
         return None  # DuckDB's VARCHAR: the general path casts it
-    out = _counted_by_key(table, ops, [key_col], key_alias)
-    if out is None or not huge:
+    lists: list = []
+    out = _counted_by_key(table, ops, [key_col], key_alias, lists)
+    if out is None:
+        return None
+    if not huge:
+        if lists:  # packed for the wire from these (numpy's tolist), not read back from Arrow
+            from ..tables.arrow_ipc import remember_lists
+
+            fields, columns = lists
+            remember_lists(out, fields, columns)
         return out
     import pyarrow.compute as pc
 
@@ -405,18 +413,40 @@ def _counted_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table |
     return out
 
 
-def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str | None = None) -> "pa.Table | None":
+_COUNTED = frozenset(("hash_count_all", "hash_count", "hash_sum"))
+_TYPES: dict[str, Any] = {}  # pyarrow's types this path tests for, made once (a type made per call costs)
+
+
+def _types() -> dict[str, Any]:
+    if not _TYPES:
+        import pyarrow as pa
+
+        _TYPES.update(int64=pa.int64(), float64=pa.float64(), summed=frozenset((pa.float64(), pa.int64())),
+                      ranged=frozenset((pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(),
+                                        pa.uint32())),  # integer keys that may be their own slot
+                      keys=frozenset((pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(),
+                                      pa.uint32(), pa.uint64(), pa.string())))
+    return _TYPES
+
+
+def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str | None = None,
+                    lists: list | None = None) -> "pa.Table | None":
     """``_group_by`` for the common small case, with numpy's bincount (a fraction of Acero's
     fixed cost on a few hundred rows): one key without NULLs; counts, and sums of doubles
     (added in row order, as Acero does: the same bits) or of int64 that stay exact. None
     for anything else, which Acero does. Groups may come in another order than Acero's.
-    ``key_name``: the key's name in the result (else its column's)."""
-    if len(keys) != 1 or not all(o[1] in ("hash_count_all", "hash_count", "hash_sum") for o in ops):
+    ``key_name``: the key's name in the result (else its column's). ``lists``: filled with
+    the result's fields ((name, type alias) each) and its columns as Python lists (its
+    ``to_pylist``), where its keys are integers."""
+    if len(keys) != 1:
         return None
-    import pyarrow as pa
-
+    for o in ops:
+        if o[1] not in _COUNTED:
+            return None
+    types = _types()
     key = table.column(keys[0])
-    if key.null_count or not (pa.types.is_integer(key.type) or pa.types.is_string(key.type)):
+    ktype = key.type
+    if key.null_count or ktype not in types["keys"]:
         return None
     inputs = {}
     for names, func, _, _ in ops:
@@ -424,43 +454,65 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
             if name in inputs:
                 continue  # count(x) and sum(x) read x once
             col = table.column(name)
-            if col.null_count or (func == "hash_sum" and col.type not in (pa.float64(), pa.int64())):
+            if col.null_count or (func == "hash_sum" and col.type not in types["summed"]):
                 return None  # a NULL to skip, or a sum of another type (Acero's own result type)
             inputs[name] = col
     import numpy as np
+    import pyarrow as pa
 
-    slot, slots, present, counts, groups = _key_slots(_one_chunk(key))
+    slot, slots, present, counts, groups, keys_py = _key_slots(_one_chunk(key), ktype in types["ranged"])
     names, arrays = [key_name or keys[0]], [groups]
-    counted = None  # every count is the rows of its group (no NULLs): one array for all of them
+    py = [keys_py] if keys_py is not None and lists is not None else None  # the columns as lists too
+    aliases = [str(ktype)] if py is not None else None
+    counted = counted_py = None  # every count is the rows of its group (no NULLs): one array for all of them
     values: dict[str, Any] = {}
+    int64 = types["int64"]
     for inames, func, _, name in ops:
         names.append(name)
         if func != "hash_sum":
             if counted is None:
-                counted = _from_numpy(counts, pa.int64())
+                counted = _from_numpy(counts, int64)
+                counted_py = counts.tolist() if py is not None else None
             arrays.append(counted)
+            if py is not None:
+                py.append(counted_py)
+                aliases.append("int64")
             continue
         col = inputs[inames[0]]
         if inames[0] not in values:
             values[inames[0]] = _to_numpy(_one_chunk(col))
         v = values[inames[0]]
-        if col.type == pa.int64() and len(v) and max(-int(v.min()), int(v.max())) * len(v) >= _BINCOUNT_EXACT:
+        integer_sum = col.type == int64
+        if integer_sum and len(v) and max(-int(v.min()), int(v.max())) * len(v) >= _BINCOUNT_EXACT:
             return None  # a sum that doubles may round: Acero adds int64
         sums = np.bincount(slot, weights=v, minlength=slots)
         sums = sums if present is None else sums[present]
-        arrays.append(_from_numpy(sums.astype(np.int64) if col.type == pa.int64() else sums, col.type))
+        sums = sums.astype(np.int64) if integer_sum else sums
+        arrays.append(_from_numpy(sums, col.type))
+        if py is not None:
+            py.append(sums.tolist())
+            aliases.append("int64" if integer_sum else "double")
+    if py is not None:
+        lists[:] = [tuple(zip(names, aliases)), py]
     return pa.Table.from_arrays(arrays, names=names)
 
 
-def _key_slots(key: "pa.Array") -> tuple:
+_RANGES: dict[tuple, Any] = {}  # (lo, hi, key type) -> the keys lo..hi as Arrow: the same groups every query
+_RANGES_MAX = 256
+
+
+def _key_slots(key: "pa.Array", integer: bool | None = None) -> tuple:
     """(each row's slot, how many slots, the slots holding a group or None for all, the rows
-    of each group, the groups' keys as Arrow). Integers in a narrow range are their own slot
-    (no hashing); other keys get one through a dictionary."""
+    of each group, the groups' keys as Arrow, and as a Python list where they are integers
+    (else None)). Integers in a narrow range are their own slot (no hashing); other keys get
+    one through a dictionary. ``integer``: the key is of a signed integer type or
+    uint8..uint32 (None: found here)."""
     import numpy as np
-    import pyarrow as pa
     import pyarrow.compute as pc
 
-    if pa.types.is_integer(key.type) and key.type != pa.uint64():
+    if integer is None:
+        integer = key.type in _types()["ranged"]
+    if integer:
         k = _to_numpy(key)
         lo, hi = (int(k.min()), int(k.max())) if len(k) else (0, -1)
         if hi - lo <= 4 * len(k) + 64:
@@ -468,13 +520,22 @@ def _key_slots(key: "pa.Array") -> tuple:
             slot = slot - lo if lo else slot
             counts = np.bincount(slot, minlength=hi - lo + 1)
             if counts.all():  # every value of the range is a group (the common case): no gaps to drop
-                return slot, hi - lo + 1, None, counts, _from_numpy(np.arange(lo, hi + 1, dtype=k.dtype), key.type)
+                span = (lo, hi, key.type)
+                groups = _RANGES.get(span)
+                if groups is None:
+                    groups = _from_numpy(np.arange(lo, hi + 1, dtype=k.dtype), key.type)
+                    if len(_RANGES) >= _RANGES_MAX:
+                        _RANGES.clear()
+                    _RANGES[span] = groups  # Arrow arrays are immutable: one serves every caller
+                return slot, hi - lo + 1, None, counts, groups, list(range(lo, hi + 1))
             present = np.flatnonzero(counts)
-            return slot, hi - lo + 1, present, counts[present], _from_numpy((present + lo).astype(k.dtype), key.type)
+            keys = present + lo
+            return slot, hi - lo + 1, present, counts[present], _from_numpy(keys.astype(k.dtype), key.type), \
+                keys.tolist()
     encoded = pc.dictionary_encode(key)
     slot = _to_numpy(encoded.indices)
     slots = len(encoded.dictionary)
-    return slot, slots, None, np.bincount(slot, minlength=slots), encoded.dictionary
+    return slot, slots, None, np.bincount(slot, minlength=slots), encoded.dictionary, None
 
 
 def _one_chunk(col: Any) -> "pa.Array":
@@ -505,3 +566,95 @@ def _from_numpy(values: Any, typ: "pa.DataType") -> "pa.Array":
     import pyarrow as pa
 
     return pa.Array.from_buffers(typ, len(values), [None, pa.py_buffer(np.ascontiguousarray(values))])
+
+
+# --- a scan's merge over packed partials, in plain Python ---------------------------------------
+_MERGED_AS = {"count_all": "count", "count": "count", "sum": "sum", "min": "min", "max": "max"}
+_INT64_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def packed_merge_kinds(spec: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """How each column of a plain group-by scan's partials (``Scan.arrow`` with ``aggs``) is
+    merged: its keys by grouping ("key"), its partial counts by a sum cast to BIGINT ("count"),
+    its sums, minima and maxima by the same (the merge SQL ``planner.partial`` writes for them);
+    None for a scan that is not such a group-by."""
+    if not spec or "aggs" not in spec:
+        return None
+    kinds = {alias: "key" for alias, _ in spec["keys"]}
+    for alias, func, _ in spec["aggs"]:
+        kind = _MERGED_AS.get(func)
+        if kind is None or alias in kinds:
+            return None
+        kinds[alias] = kind
+    return kinds
+
+
+def packed_merge(kinds: Mapping[str, str], fields: Sequence[Sequence[str]], columns: list[list]) -> list[list]:
+    """The scan's merge SQL (``GROUP BY`` its keys; ``CAST(SUM(c) AS BIGINT)`` of a count, ``SUM``,
+    ``MIN``, ``MAX``) over a packed partial's columns (``fields``: (name, type alias) each), as
+    DuckDB gives it: one row per group (groups in first-seen order; the merge SQL's order is
+    its own), one row over no keys at all; NULLs skipped, NULL where a group has none; an int64
+    sum that leaves int64 raises (the SQL's cast fails, its HUGEINT is no longer int64) as a
+    double sum that is not finite does. ``NotPlain`` for anything else: keys of int64, string
+    or bool (a double key would group -0.0 with 0.0), counts of int64, sums of int64 or double,
+    minima and maxima of int64 or string (ordered by code point: UTF-8's byte order, DuckDB's)."""
+    if len(fields) != len(kinds) or len(columns) != len(fields):
+        raise NotPlain("the partial's columns are not the scan's")
+    key_at, aggs = [], []
+    for i, (name, alias) in enumerate(fields):
+        kind = kinds.get(name)
+        if kind == "key":
+            if alias not in ("int64", "string", "bool", "null"):
+                raise NotPlain(f"a key of {alias}")
+            key_at.append(i)
+        elif kind == "count" and alias == "int64" or kind == "sum" and alias in ("int64", "double") \
+                or kind in ("min", "max") and alias in ("int64", "string"):
+            aggs.append((i, kind, alias))
+        else:
+            raise NotPlain(f"{kind} of {alias}")
+    n = len(columns[0]) if columns else 0
+    # each row's group, numbered in first-seen order
+    if not key_at:
+        slot_of, groups = [0] * n, 1
+    else:
+        keys = columns[key_at[0]] if len(key_at) == 1 else list(zip(*(columns[i] for i in key_at)))
+        first: dict[Any, int] = {}
+        slot_of = [first.setdefault(k, len(first)) for k in keys]
+        groups = len(first)
+    out: list[list | None] = [None] * len(fields)
+    if key_at:
+        seen = list(first)
+        if len(key_at) == 1:
+            out[key_at[0]] = seen
+        else:
+            for j, i in enumerate(key_at):
+                out[i] = [k[j] for k in seen]
+    # rows that are the same groups in the same order, over and over (every rank of a node with
+    # the same groups: the common case): a column's groups are its strided slices
+    strided = n > 0 and n % groups == 0 and slot_of == list(range(groups)) * (n // groups)
+    for i, kind, alias in aggs:
+        col = columns[i]
+        if kind in ("count", "sum"):
+            if strided and None not in col:
+                merged = [sum(col[g::groups]) for g in range(groups)]
+            else:
+                acc: list[Any] = [None] * groups
+                for g, v in zip(slot_of, col):
+                    if v is not None:
+                        acc[g] = v if acc[g] is None else acc[g] + v
+                merged = acc
+            if alias == "int64":
+                present = [v for v in merged if v is not None]
+                if present and (min(present) < _INT64_RANGE[0] or max(present) > _INT64_RANGE[1]):
+                    raise NotPlain("an integer sum past int64")
+            elif not all(v is None or v - v == 0.0 for v in merged):
+                raise NotPlain("a double sum that is not finite")
+        else:
+            acc = [None] * groups
+            low = kind == "min"
+            for g, v in zip(slot_of, col):
+                if v is not None and (acc[g] is None or (v < acc[g] if low else v > acc[g])):
+                    acc[g] = v
+            merged = acc
+        out[i] = merged
+    return out  # type: ignore[return-value]

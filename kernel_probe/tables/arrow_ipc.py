@@ -22,7 +22,8 @@ from ..wire import WireError, pack_json, unpack_json
 from .arrow_stream import write_stream
 from .convert import PlainTable
 
-__all__ = ["table_to_ipc", "ipc_to_table", "partial_to_wire", "partial_from_wire", "partial_table", "PackedPartial", "PACKED"]
+__all__ = ["table_to_ipc", "ipc_to_table", "partial_to_wire", "partial_from_wire", "partial_table", "PackedPartial", "PACKED",
+           "remember_lists"]
 
 
 _IPC_OPTIONS: list = []  # [write options, read options], made once: pyarrow's defaults read os.environ per call
@@ -158,8 +159,31 @@ class PackedPartial:
 _PACKED_HEADS: dict[tuple, bytes] = {}  # (fields, metadata) -> the packed JSON up to the columns
 
 
+# Partials whose values their maker had as lists already (numpy's ``tolist``: a fraction of Arrow's
+# ``to_pylist``), by the table: ``_packed`` takes them instead of reading the table again.
+_KNOWN_LISTS: dict[int, tuple[Any, PackedPartial]] = {}
+_KNOWN_LISTS_MAX = 256  # a virtual host's ranks' scans in flight at once, and more
+
+
+def remember_lists(table: Any, fields: tuple, columns: list[list]) -> None:
+    """``table``'s ``fields`` ((name, type alias) each, as its schema has them) and ``columns``
+    (``[c.to_pylist() for c in table.columns]``), as its maker had them: the table is packed
+    from them (when it packs at all: plain types, no metadata, few rows)."""
+    if table.num_rows > PACK_MAX_ROWS or not all(alias in _PACK_TYPES for _, alias in fields):
+        return
+    if len(_KNOWN_LISTS) >= _KNOWN_LISTS_MAX:
+        try:  # from several threads at once: at worst an entry more or less
+            _KNOWN_LISTS.clear()
+        except RuntimeError:
+            return
+    _KNOWN_LISTS[id(table)] = (table, PackedPartial(fields, None, columns, table.num_rows))  # (kept: its id not reused)
+
+
 def _packed(table: Any) -> PackedPartial | None:
     """``table`` as a PackedPartial, or None: too many rows, or a type or value JSON would change."""
+    known = _KNOWN_LISTS.pop(id(table), None)
+    if known is not None and known[0] is table:
+        return known[1]
     if table.num_rows > PACK_MAX_ROWS:
         return None
     fields = []

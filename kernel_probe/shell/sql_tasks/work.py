@@ -225,8 +225,10 @@ def _joined(plan: Any, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _merged_packed(plan: Any, parts: list[dict[str, Any]], reduce_above: int | None) -> dict[str, Any] | None:
     """A broker's merge of joined parts without Arrow: every "ranks" scan that a part mentions
-    is packed (or None everywhere) and none is past ``reduce_above`` rows where its merge
-    reduces; else None (``execute.merge`` does it)."""
+    is packed (or None everywhere); a plain group-by's partials are reduced by its merge in
+    Python (``_reduced``: a few microseconds, so whatever their rows, unless ``reduce_above``
+    is None: never), and no other is past ``reduce_above`` rows where its merge reduces; else
+    None (``execute.merge`` does it)."""
     from ...sql.execute import scan_partials
 
     out: dict[str, Any] = {}
@@ -236,9 +238,50 @@ def _merged_packed(plan: Any, parts: list[dict[str, Any]], reduce_above: int | N
             continue
         if len(got) != 1 or type(got[0]) is not PackedPartial:
             return None
-        if scan.merge and reduce_above is not None and got[0].num_rows > reduce_above:
-            return None
-        out[scan.name] = got[0]
+        table = got[0]
+        if scan.merge and reduce_above is not None:
+            reduced = _reduced(scan, table)
+            if reduced is not None:
+                table = reduced
+            elif table.num_rows > reduce_above:
+                return None
+        out[scan.name] = table
+    return out
+
+
+def _reduced(scan: Any, packed: PackedPartial) -> PackedPartial | None:
+    """``packed`` reduced by ``scan``'s merge (one row per group) without Arrow or DuckDB, where
+    the scan is a plain group-by (``Scan.arrow``) whose column types ``fast_paths.packed_merge``
+    takes; else None. The merge SQL's answer: the same values (a double sum added in another
+    order) and types."""
+    from ...sql import fast_paths
+
+    kinds = fast_paths.packed_merge_kinds(scan.arrow)
+    if kinds is None:
+        return None
+    try:
+        columns = fast_paths.packed_merge(kinds, packed.fields, packed.columns)
+    except fast_paths.NotPlain:
+        return None
+    return PackedPartial(packed.fields, packed.metadata, columns, len(columns[0]) if columns else packed.num_rows)
+
+
+def _reduced_parts(plan: Any, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``parts`` (joined) with every packed partial of a scan that merges reduced where
+    ``_reduced`` can: the root's finish re-aggregates fewer rows, and makes them Arrow."""
+    scans = {sc.name: sc for sc in plan.scans if sc.where == "ranks" and sc.merge}
+    if not scans:
+        return parts
+    out = []
+    for p in parts:
+        q = p
+        for n, t in p.items():
+            if type(t) is PackedPartial and n in scans and t.num_rows > 1:
+                reduced = _reduced(scans[n], t)
+                if reduced is not None:
+                    q = dict(q) if q is p else q
+                    q[n] = reduced
+        out.append(q)
     return out
 
 
@@ -525,8 +568,8 @@ class SqlWork:
 
         engine = engine or self.engine
         plan = self.plan_of(task.plan)
-        merged = merge(plan, engine, _arrow(_joined(plan, _decode(task.parts))), deadline=task.deadline,
-                       row_cap=self.row_cap, at_root=True)
+        parts = _reduced_parts(plan, _joined(plan, _decode(task.parts)))
+        merged = merge(plan, engine, _arrow(parts), deadline=task.deadline, row_cap=self.row_cap, at_root=True)
         nodes = task.nodes
         root_tables = _Lazy({"nodes": lambda: nodes_arrow(nodes or [])})
         table = finish(plan, engine, merged, root_tables, params=task.params, deadline=task.deadline,
