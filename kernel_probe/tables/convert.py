@@ -440,10 +440,13 @@ def frame_table(df: Any):
         dtype = values.dtype
         if isinstance(dtype, (pd.StringDtype, pd.ArrowDtype)):
             arrays.append(values.__arrow_array__())  # what from_pandas takes from it too
+        elif type(values) is np.ndarray and values.ndim == 1 and dtype.kind in "iu" and dtype.isnative \
+                and values.flags.c_contiguous:
+            # its buffer as it is (as pa.array does), without pa.array's release of the GIL: on a
+            # rank the training thread may take it then, and the query waits for it back
+            arrays.append(pa.Array.from_buffers(pa.from_numpy_dtype(dtype), len(values), [None, pa.py_buffer(values)]))
         elif type(values) is np.ndarray and values.ndim == 1 and dtype.kind in "iufb":
-            # a float's NaN is NULL (from_pandas), which costs a pass that marks them: only where one is
-            nan = dtype.kind == "f" and bool(np.isnan(values).any())
-            arrays.append(pa.array(values, from_pandas=nan))
+            arrays.append(pa.array(values, from_pandas=True))  # (a float's NaN is NULL)
         else:
             return None
     return pa.Table.from_arrays(arrays, names=names)
