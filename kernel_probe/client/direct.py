@@ -30,7 +30,8 @@ Rules of this file:
 - A direct answer reads as the tree's: its coverage lists the ranks the client pruned
   (the root would have), and says ``direct`` (the rank asked) besides. Where the rank's scan
   is the answer already (a top-k, a filter, a projection of them) its scan task answers, and
-  no finish task runs (``sql.execute.one_rank_answer``): the same table.
+  no finish task runs (``sql.execute.one_rank_answer``): the same table, its tag columns (one
+  value each) carried once in its metadata and put back by the client (``results.answer_table``).
 - A client's first contact with a rank (``greet``) asks it to warm its engine and lets that
   query take the tree: the rank's engine process starts meanwhile, not while a query waits.
 """
