@@ -652,6 +652,14 @@ def _folded_read(said: bytes, n: int, width: int) -> tuple[Folded, ...]:
     return tuple(out)
 
 
+def unfolded_names(table: Any) -> list[str]:
+    """``table``'s column names with those ``fold_constants`` took out back in their places."""
+    names = table.column_names
+    for f in folded_constants(table):
+        names.insert(f.position, f.name)
+    return names
+
+
 def unfold_constants(table: Any, folded: Sequence[Folded] | None = None) -> Any:
     """``table`` with the constant columns ``fold_constants`` took out put back (``folded``:
     its ``folded_constants``, read again when not given): the same table (names, types,
