@@ -63,6 +63,7 @@ def test_one_ranks_top_k_is_answered_by_its_scan_as_the_finish_would(rows: int, 
         want = _finished(work, p, work.run(RankScan(p), FACTS))
         assert answer.equals(want, check_metadata=True) and answer.schema.metadata is None, sql
         assert answer.schema == want.schema and [f.nullable for f in answer.schema] == [f.nullable for f in want.schema]
+        assert got["answer"]["columns"] == want.column_names
         # the tags a large answer has travel once: fewer bytes than the finish's table
         folded = rows > 1000 and want.num_rows >= convert.FOLD_MIN_ROWS and any(c in TAGS for c in want.column_names)
         assert (len(sent) < len(table_to_ipc(want)) - want.num_rows) is folded, sql
