@@ -78,3 +78,19 @@ def test_a_small_frame_is_served_at_once_and_its_columns_told_unconverted() -> N
     assert tables.columns(at_once=True) is None  # an index becomes columns: only converting tells
     tables.table("frame", df)
     assert tables.columns(at_once=True)["frame"] == ["id", "kind", "v"]
+
+
+def test_a_frame_whose_columns_or_index_change_converts_as_it_is_now() -> None:
+    """The names a frame's conversion keeps by its columns' Index follow every change."""
+    df = pd.DataFrame({"a": np.arange(5), "b": np.arange(5.0)})
+    assert frame_table(df).column_names == ["a", "b"]
+    df.columns = ["x", "y"]
+    assert frame_table(df).equals(_from_pandas(df)) and frame_table(df).column_names == ["x", "y"]
+    df = df.rename(columns={"x": "z"})
+    df["w"] = np.arange(5, dtype="int32")
+    assert frame_table(df).equals(_from_pandas(df)) and column_names("t", df, []) == ["z", "y", "w"]
+    df.index.name = "r"  # the same Index object, now named: from_pandas makes it a column
+    assert frame_table(df) is None and column_names("t", df, []) is None
+    df.index.name = None
+    df.columns = ["p", "p", "q"]  # names twice
+    assert frame_table(df) is None

@@ -10,11 +10,11 @@ import pyarrow as pa
 import pytest
 
 from kernel_probe import stimuli
+from kernel_probe.client.results import answer_table
 from kernel_probe.config import Identity, Settings
 from kernel_probe.effects import PARENT, CaptureAction, ConnectParent, Note, ReadClock, Send
 from kernel_probe.interpreter import RankShell
 from kernel_probe.rank_core import RankCore
-from kernel_probe.tables import arrow_ipc
 from kernel_probe.testing.sim import Simulation
 
 
@@ -138,7 +138,7 @@ def _profile(sim: Simulation, **body):
 def _rows(sim: Simulation, sql: str) -> list[dict]:
     env = sim.query(sql)
     assert env.msg.body["status"] == "ok", env.msg.body
-    return arrow_ipc.ipc_to_table(env.msg.buffers[0]).to_pylist()
+    return answer_table(env.msg.buffers[0]).to_pylist()
 
 
 def test_a_capture_is_armed_run_and_read_on_simulated_ranks(sim):

@@ -14,7 +14,7 @@ import dataclasses
 import pyarrow as pa
 import pytest
 
-from kernel_probe.client.results import expand_coverage
+from kernel_probe.client.results import answer_table, expand_coverage
 from kernel_probe.config import Settings
 from kernel_probe.placement import subtree
 from kernel_probe.tables import arrow_ipc
@@ -182,7 +182,7 @@ def _union() -> list[dict]:
 def _answer(sim: Simulation, sql: str) -> tuple[list[dict], dict]:
     env = sim.query(sql)
     assert env.msg.body["status"] == "ok", env.msg.body
-    return arrow_ipc.ipc_to_table(env.msg.buffers[0]).to_pylist(), expand_coverage(env.msg.body["coverage"])
+    return answer_table(env.msg.buffers[0]).to_pylist(), expand_coverage(env.msg.body["coverage"])
 
 
 @pytest.fixture(scope="module")

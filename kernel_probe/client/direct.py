@@ -30,7 +30,8 @@ Rules of this file:
 - A direct answer reads as the tree's: its coverage lists the ranks the client pruned
   (the root would have), and says ``direct`` (the rank asked) besides. Where the rank's scan
   is the answer already (a top-k, a filter, a projection of them) its scan task answers, and
-  no finish task runs (``sql.execute.one_rank_answer``): the same table.
+  no finish task runs (``sql.execute.one_rank_answer``): the same table, its tag columns (one
+  value each) carried once in its metadata and put back by the client (``results.answer_table``).
 - A client's first contact with a rank (``greet``) asks it to warm its engine and lets that
   query take the tree: the rank's engine process starts meanwhile, not while a query waits.
 """
@@ -342,12 +343,32 @@ def may_go_direct(query: Mapping[str, Any]) -> bool:
     if query.get("local") or query.get("explain"):
         return False
     sql = query.get("sql")
-    if not isinstance(sql, str) or _NODES.search(sql):
+    if not isinstance(sql, str):
+        return False
+    nodes, tag_where = _text_of(sql)
+    if nodes:
         return False
     ranks = query.get("ranks")
     if ranks is not None and len(ranks) == 1:
         return True
-    return _TAG_WHERE.search(sql) is not None and (ranks is None or len(ranks) > 1)
+    return tag_where and (ranks is None or len(ranks) > 1)
+
+
+_TEXTS: dict[str, tuple[bool, bool]] = {}  # a statement -> (reads nodes, a tag column after WHERE)
+_TEXT_KEPT_MAX_CHARS = 4096  # a longer statement is searched each time, never kept
+
+
+def _text_of(sql: str) -> tuple[bool, bool]:
+    """What ``may_go_direct`` reads of a statement, kept for the statements asked last (a
+    dashboard's question comes again and again; the searches cost as much as routing it)."""
+    known = _TEXTS.get(sql)
+    if known is None:
+        known = (_NODES.search(sql) is not None, _TAG_WHERE.search(sql) is not None)
+        if len(sql) <= _TEXT_KEPT_MAX_CHARS:
+            if len(_TEXTS) >= PLANS_KEPT:
+                _TEXTS.clear()
+            _TEXTS[sql] = known
+    return known
 
 
 def choose(plan: Any, members: Sequence[Mapping[str, Any]], params: Any = None

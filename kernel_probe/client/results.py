@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from .. import wire
 from ..membership import record
 from ..rank_lists import MAX_RANKS_UNKNOWN, RankRanges, ReasonRanges, by_text, groups_text, parse_ranks, wire_ranks
-from ..tables import arrow_ipc
+from ..tables import arrow_ipc, convert
 from .errors import AuthError, ProbeError, QueryFailed, Refused
 
 if TYPE_CHECKING:  # pandas is imported only when a DataFrame is asked for
@@ -228,11 +228,31 @@ def query_result(env: wire.Envelope, *, strict: bool, explain: bool) -> "QueryRe
         return QueryResult(None, coverage, explain=reply.get("explain", ""))
     if not env.msg.buffers:
         raise QueryFailed("the probe answered without a result", coverage=coverage)
-    table = arrow_ipc.ipc_to_table(env.msg.buffers[0])
+    table, folded = _as_sent(env.msg.buffers[0])
     if strict and coverage.get("partial"):
         raise QueryFailed(f"partial answer refused (strict): {describe_failures(coverage)}", code="partial",
                           coverage=coverage)
-    return QueryResult(table, coverage, explain=coverage.get("explain", ""))
+    return QueryResult(table, coverage, explain=coverage.get("explain", ""), folded=folded)
+
+
+def answer_table(data: bytes) -> Any:
+    """The table of an answer's buffer (an Arrow IPC stream), with the constant columns a rank
+    sent once (``convert.fold_constants``: one rank's tags) put back; ``WireError`` for a
+    stream that is not one, or constants that do not describe columns."""
+    table, folded = _as_sent(data)
+    return convert.unfold_constants(table, folded)
+
+
+def _as_sent(data: bytes) -> tuple[Any, tuple]:
+    """(the table as it travelled, the constant columns it travelled without: checked)."""
+    table = arrow_ipc.ipc_to_table(data)
+    meta = table.schema.metadata
+    if not meta or convert.CONSTANTS_KEY not in meta:
+        return table, ()
+    try:
+        return table, convert.folded_constants(table)
+    except ValueError as exc:
+        raise wire.WireError("malformed", f"an answer's {exc}") from None
 
 
 def checked_info(info: dict, endpoint: str) -> dict:
@@ -268,13 +288,16 @@ def describe_failures(coverage: dict) -> str:
     return f"{len(failed)} of {len(coverage.get('targeted') or [])} ranks failed: {groups_text(said, noun='reasons')}"
 
 
-def answer_frame(table: Any) -> "pd.DataFrame":
+def answer_frame(table: Any, folded: "tuple[convert.Folded, ...]" = ()) -> "pd.DataFrame":
     """``table.to_pandas(split_blocks=True)`` (a block per column: no consolidation copy), the
     same frame; a table of numbers without NULLs and of text is built from its columns directly
     (``_columns_frame``): pyarrow's conversion reads its pandas metadata and checks every block
-    first, half of a one-rank answer's time at the client."""
-    fast = _columns_frame(table)
-    return fast if fast is not None else table.to_pandas(split_blocks=True)
+    first, half of a one-rank answer's time at the client. ``folded``: the constant columns
+    ``table`` travelled without (``convert.folded_constants``), the frame's all the same."""
+    fast = _columns_frame(table, folded)
+    if fast is not None:
+        return fast
+    return convert.unfold_constants(table, folded).to_pandas(split_blocks=True)
 
 
 _STR_DTYPE: list = []  # what to_pandas makes of Arrow text here: [an ExtensionDtype, or None]
@@ -293,16 +316,22 @@ def _str_dtype() -> Any:
     return _STR_DTYPE[0]
 
 
-def _columns_frame(table: Any) -> "pd.DataFrame | None":
+def _columns_frame(table: Any, folded: "tuple[convert.Folded, ...]" = ()) -> "pd.DataFrame | None":
     """``table`` as ``to_pandas(split_blocks=True)`` makes it, one block per column, where every
     column is a number or a boolean without NULLs (numpy, zero-copy as there) or text (the dtype
     pyarrow picks, made as it makes it); None otherwise (pandas metadata, NULL numbers, any
-    other type, names twice), and pyarrow converts."""
+    other type, names twice), and pyarrow converts. ``folded`` constant columns go in at their
+    places, made as pyarrow makes them from the unfolded table (an integer's numpy array, text
+    made from large_string, as pandas casts Arrow text to), without their Arrow column."""
     import numpy as np
     import pyarrow as pa
 
     schema = table.schema
     names = schema.names
+    if folded:
+        names = list(names)
+        for f in folded:
+            names.insert(f.position, f.name)
     if not names or len(set(names)) != len(names) or (schema.metadata and b"pandas" in schema.metadata):
         return None
     try:
@@ -312,8 +341,27 @@ def _columns_frame(table: Any) -> "pd.DataFrame | None":
         return None
     text = None
     blocks = []
-    for i, (field, column) in enumerate(zip(schema, table.columns)):
-        kind = field.type
+    n = table.num_rows
+    columns = table.columns
+    if folded:
+        columns = list(columns)
+        for f in folded:
+            columns.insert(f.position, f)
+    for i, column in enumerate(columns):
+        if type(column) is convert.Folded:
+            if column.value is None:  # NULLs: pyarrow's way (unfolded)
+                return None
+            if column.type == "string":
+                text = text or _str_dtype()
+                if text is None:
+                    return None
+                values = text.__from_arrow__(_large_text(column.value, n))
+            else:  # int64
+                values = np.full((1, n), column.value, dtype="int64")
+                values.flags.writeable = False  # as pyarrow's zero-copy view of a column
+            blocks.append((values, np.array([i])))
+            continue
+        kind = column.type
         if pa.types.is_string(kind) or pa.types.is_large_string(kind):
             text = text or _str_dtype()
             if text is None:
@@ -325,23 +373,46 @@ def _columns_frame(table: Any) -> "pd.DataFrame | None":
         else:
             return None
         blocks.append((values, np.array([i])))
-    columns = _column_index(tuple(names), list(names))
-    return create_dataframe_from_blocks(blocks, index=pd.RangeIndex(table.num_rows), columns=columns)
+    index = _column_index(tuple(names), list(names))
+    return create_dataframe_from_blocks(blocks, index=pd.RangeIndex(n), columns=index)
+
+
+def _large_text(value: str, n: int) -> Any:
+    """``n`` times ``value`` as Arrow large_string (what pandas' Arrow-backed text holds)."""
+    import pyarrow as pa
+
+    return pa.chunked_array([convert.constant_array(value, "large_string", n)])
 
 
 class QueryResult:
-    """``df`` (pandas, coverage also in ``df.attrs``), ``table`` (Arrow), ``coverage``."""
+    """``df`` (pandas, coverage also in ``df.attrs``), ``table`` (Arrow), ``coverage``.
+    ``folded``: the constant columns ``table`` travelled without (``convert.folded_constants``),
+    put back when ``table`` is first read; ``df`` is made without them."""
 
-    def __init__(self, table: Any, coverage: dict, explain: str = "") -> None:
-        self.table = table
+    def __init__(self, table: Any, coverage: dict, explain: str = "", *,
+                 folded: "tuple[convert.Folded, ...]" = ()) -> None:
+        self._answer = (table, folded)  # one attribute: a thread reads both as they were together
         self.coverage = coverage
         self.explain = explain
         self._df = None
 
     @property
+    def table(self) -> Any:
+        table, folded = self._answer
+        if folded:
+            table = convert.unfold_constants(table, folded)
+            self._answer = (table, ())
+        return table
+
+    @table.setter
+    def table(self, table: Any) -> None:
+        self._answer = (table, ())
+
+    @property
     def df(self) -> "pd.DataFrame":
-        if self._df is None and self.table is not None:
-            self._df = answer_frame(self.table)
+        table, folded = self._answer
+        if self._df is None and table is not None:
+            self._df = answer_frame(table, folded)
             self._df.attrs["coverage"] = self.coverage
         return self._df
 
@@ -364,7 +435,7 @@ class QueryResult:
         return format_profile(self.coverage)
 
     def __repr__(self) -> str:
-        return f"<QueryResult {0 if self.table is None else self.table.num_rows} rows · {self.footer()}>"
+        return f"<QueryResult {0 if self._answer[0] is None else self._answer[0].num_rows} rows · {self.footer()}>"
 
 
 def format_profile(coverage: dict) -> str:

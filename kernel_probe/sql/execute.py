@@ -53,10 +53,9 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
-from ..tables.convert import array
+from ..tables.convert import array, constant_array, fold_constants
 from ..tags import TAG_TYPES
 from . import fast_paths
-from .fast_paths import const
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -123,7 +122,7 @@ def tagged(table: "pa.Table", tags: Mapping[str, object], names: Collection[str]
         value = tags.get(name)
         if value is not None and alias == "string":
             value = str(value)
-        col = pa.repeat(const(value, _empty(alias).type), n) if n else _empty(alias)
+        col = constant_array(value, alias, n) if n else _empty(alias)  # kept: the same with every query
         i = table.schema.get_field_index(name)
         if i >= 0:
             table = table.remove_column(i)
@@ -423,7 +422,9 @@ def one_rank_answer(plan: "Plan", scans: Mapping[str, "pa.Table | None"]) -> "pa
     where it needs neither DuckDB nor an error: the scan's rows as they are (``ONE_RANK_KEY``:
     the final only repeats the scan; ``Plan.final_union``), or Arrow's selection from them
     (``Plan.final_rows``: its projection); None where the finish has more to do or to say
-    (a final in SQL, a table or a column no rank has)."""
+    (a final in SQL, a table or a column no rank has). The answer goes to a client as it is:
+    its tag columns that hold one value each are carried once, in its schema metadata
+    (``convert.fold_constants``; the client's ``results.answer_table`` puts them back)."""
     if len(plan.scans) != 1 or plan.shape is not None:
         return None
     (scan,) = plan.scans
@@ -431,8 +432,11 @@ def one_rank_answer(plan: "Plan", scans: Mapping[str, "pa.Table | None"]) -> "pa
     if scan.where != "ranks" or table is None or _padded(table) or (scan.merge and scan.merge_at_root):
         return None
     if plan.final_rows is not None:
-        return _final_with_rows(plan, {scan.name: table})
-    return _with_padded(table, []) if plan.final_union else None
+        answer = _final_with_rows(plan, {scan.name: table})
+    else:
+        answer = _with_padded(table, []) if plan.final_union else None
+    # one rank's tags are a constant each (most of a narrow answer's bytes): they travel once
+    return None if answer is None else fold_constants(answer, TAG_TYPES)
 
 
 def _rows_then_tags(spec: Mapping[str, Any], table: "pa.Table", tags: Mapping[str, object],

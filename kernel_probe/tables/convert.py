@@ -393,16 +393,29 @@ def user_table(data: Any):
     raise TypeError(f"expected a pandas DataFrame, a list of dicts or a pyarrow Table, got {type(data).__name__}")
 
 
+_FRAME_NAMES: dict[int, tuple[Any, list[str] | None]] = {}  # id(df.columns) -> (df.columns, names)
+_FRAME_NAMES_KEPT = 64
+
+
 def _plain_frame(df: Any) -> list[str] | None:
     """The column names of a DataFrame whose Arrow table is its columns under their own names:
-    a RangeIndex (``from_pandas`` drops it), unique string column names; else None."""
+    a RangeIndex (``from_pandas`` drops it), unique string column names; else None. The names
+    are kept by the columns' Index (immutable: pandas makes a new one when a column is added,
+    dropped or renamed): listing them goes through Arrow, as much as a small scan's filter."""
     pd = sys.modules["pandas"]
-    if type(df.index) is not pd.RangeIndex or df.index.name is not None or type(df.columns) is not pd.Index:
+    columns = df.columns
+    if type(df.index) is not pd.RangeIndex or df.index.name is not None or type(columns) is not pd.Index:
         return None
-    names = df.columns.tolist()  # (iterating the Index itself goes value by value through Arrow)
+    known = _FRAME_NAMES.get(id(columns))
+    if known is not None and known[0] is columns:
+        return None if known[1] is None else list(known[1])
+    names = columns.tolist()  # (iterating the Index itself goes value by value through Arrow)
     if not all(type(c) is str for c in names) or len(set(names)) != len(names):
-        return None
-    return names
+        names = None
+    if len(_FRAME_NAMES) >= _FRAME_NAMES_KEPT:
+        _FRAME_NAMES.clear()
+    _FRAME_NAMES[id(columns)] = (columns, names)  # (the Index is kept: its id is not reused meanwhile)
+    return None if names is None else list(names)
 
 
 def frame_table(df: Any):
@@ -427,8 +440,13 @@ def frame_table(df: Any):
         dtype = values.dtype
         if isinstance(dtype, (pd.StringDtype, pd.ArrowDtype)):
             arrays.append(values.__arrow_array__())  # what from_pandas takes from it too
+        elif type(values) is np.ndarray and values.ndim == 1 and dtype.kind in "iu" and dtype.isnative \
+                and values.flags.c_contiguous:
+            # its buffer as it is (as pa.array does), without pa.array's release of the GIL: on a
+            # rank the training thread may take it then, and the query waits for it back
+            arrays.append(pa.Array.from_buffers(pa.from_numpy_dtype(dtype), len(values), [None, pa.py_buffer(values)]))
         elif type(values) is np.ndarray and values.ndim == 1 and dtype.kind in "iufb":
-            arrays.append(pa.array(values, from_pandas=True))
+            arrays.append(pa.array(values, from_pandas=True))  # (a float's NaN is NULL)
         else:
             return None
     return pa.Table.from_arrays(arrays, names=names)
@@ -466,3 +484,195 @@ def is_table_data(data: Any) -> bool:
     if pd is not None and isinstance(data, pd.DataFrame):
         return True
     return pa is not None and isinstance(data, (pa.Table, pa.RecordBatch))
+
+
+# --- constant columns carried once ---------------------------------------------------------------
+# An answer's schema metadata: the constant columns it was sent without (``fold_constants``), as
+# JSON [[position, name, type, nullable, value], ...]; ``unfold_constants`` puts them back.
+CONSTANTS_KEY = b"probing.constants"
+FOLD_MIN_ROWS = 64  # fewer rows: folding saves less than it costs
+FOLDABLE = ("int64", "string")  # the tag columns' types
+_CONSTANT_MAX_CHARS = 4096  # a text constant longer than this is not folded (and refused unfolding)
+UNFOLD_MAX_BYTES = 1 << 28  # a folded answer that would unfold past this is refused (a peer's bytes)
+_CONSTANTS_KEPT = 32  # constant arrays kept (a rank's tags; the answers a dashboard asks again)
+_CONSTANT_KEPT_MAX_BYTES = 1 << 16  # a larger constant array is made each time, never kept
+_CONSTANTS: dict[tuple, Any] = {}
+_FOLDED_JSON: dict[tuple, bytes] = {}  # what fold_constants writes, by the columns it folds
+_FOLDED_READ: dict[tuple, tuple] = {}  # what folded_constants read, by the bytes, rows and columns
+_FOLDED_KEPT_MAX_BYTES = 4096  # longer constants are read each time, never kept
+
+
+class Folded(NamedTuple):
+    """One constant column an answer travelled without (``fold_constants``)."""
+
+    position: int
+    name: str
+    type: str  # one of FOLDABLE
+    nullable: bool
+    value: Any  # None: every row NULL
+
+
+def constant_array(value: Any, type_name: str, n: int) -> Any:
+    """An Arrow array of ``n`` times ``value`` (None: NULLs) of ``type_name`` (FOLDABLE, or
+    ``large_string``), kept when small: arrays are immutable, and a rank's tags and a
+    dashboard's answers ask for the same ones again and again."""
+    key = (type_name, value, n)
+    known = _CONSTANTS.get(key)
+    if known is not None:
+        return known
+    pa = _pa()
+    arrow_type = _arrow_type(type_name)
+    made = pa.nulls(n, arrow_type) if value is None else pa.repeat(scalar(value, arrow_type), n)
+    if made.nbytes <= _CONSTANT_KEPT_MAX_BYTES:
+        try:  # from several threads at once: at worst an entry more or less
+            while len(_CONSTANTS) >= _CONSTANTS_KEPT:
+                _CONSTANTS.pop(next(iter(_CONSTANTS)), None)  # the oldest goes
+        except (RuntimeError, StopIteration):
+            return made
+        _CONSTANTS[key] = made
+    return made
+
+
+def fold_constants(table: Any, names: Any) -> Any:
+    """``table`` without those of its columns named in ``names`` that hold one value in every
+    row (of a type in ``FOLDABLE``, or all NULL), which its schema metadata carries instead
+    (``CONSTANTS_KEY``); ``table`` itself when none does, it has fewer than ``FOLD_MIN_ROWS``
+    rows or a name twice. A one-rank answer's tag columns are a constant each, most of its bytes."""
+    import json
+
+    n = table.num_rows
+    schema = table.schema
+    meta = schema.metadata
+    if n < FOLD_MIN_ROWS or (meta and CONSTANTS_KEY in meta):
+        return table
+    folded: list[list] = []
+    all_names = schema.names
+    for i, name in enumerate(all_names):
+        if name not in names:
+            continue
+        field = schema.field(i)
+        type_name = str(field.type)
+        if type_name not in FOLDABLE or field.metadata:
+            continue
+        found = _constant(table.column(i), type_name, n)
+        if found is not None:
+            folded.append([i, name, type_name, field.nullable, found[0]])
+    if not folded or len(folded) == len(all_names) or len(set(all_names)) != len(all_names):
+        return table  # (no column left would lose the row count)
+    key = tuple(map(tuple, folded))
+    said = _FOLDED_JSON.get(key)
+    if said is None:
+        said = json.dumps(folded, separators=(",", ":")).encode()
+        if len(_FOLDED_JSON) >= _CONSTANTS_KEPT:
+            _FOLDED_JSON.clear()
+        _FOLDED_JSON[key] = said
+    meta = dict(meta) if meta else {}
+    meta[CONSTANTS_KEY] = said
+    return table.drop_columns([f[1] for f in folded]).replace_schema_metadata(meta)
+
+
+def _constant(col: Any, type_name: str, n: int) -> tuple | None:
+    """(the value) when every row of ``col`` holds it (None: every row NULL), else None. Compared
+    with the constant array of its first value: a tag column is that very array (``tagged``)."""
+    nulls = col.null_count
+    if nulls == n:
+        return (None,)
+    if nulls:
+        return None
+    if col.num_chunks == 1:
+        chunk = col.chunk(0)
+        first = chunk[0].as_py()
+        if type(first) is str and len(first) > _CONSTANT_MAX_CHARS:
+            return None
+        return (first,) if chunk.equals(constant_array(first, type_name, n)) else None
+    first = col[0].as_py()
+    if type(first) is str and len(first) > _CONSTANT_MAX_CHARS:
+        return None
+    same = constant_array(first, type_name, n)
+    at = 0
+    for chunk in col.chunks:
+        k = len(chunk)
+        if not chunk.equals(same.slice(at, k)):
+            return None
+        at += k
+    return (first,)
+
+
+def folded_constants(table: Any) -> tuple[Folded, ...]:
+    """The constant columns ``table`` travelled without (its ``CONSTANTS_KEY``), checked: places
+    that fit its columns in order, types of ``FOLDABLE``, values of their type, at most
+    ``UNFOLD_MAX_BYTES`` once unfolded; () when it has none. ``ValueError`` for anything else
+    (a peer's bytes)."""
+    meta = table.schema.metadata
+    if not meta or CONSTANTS_KEY not in meta:
+        return ()
+    key = (meta[CONSTANTS_KEY], table.num_rows, table.num_columns)
+    known = _FOLDED_READ.get(key)
+    if known is None:
+        known = _folded_read(*key)
+        if len(key[0]) > _FOLDED_KEPT_MAX_BYTES:
+            return known
+        if len(_FOLDED_READ) >= _CONSTANTS_KEPT:
+            _FOLDED_READ.clear()
+        _FOLDED_READ[key] = known
+    return known
+
+
+def _folded_read(said: bytes, n: int, width: int) -> tuple[Folded, ...]:
+    import json
+
+    try:
+        entries = json.loads(said)
+    except ValueError:
+        raise ValueError("folded constants: not JSON") from None
+    if not isinstance(entries, list) or not entries or not width:
+        raise ValueError("folded constants: not a list of columns")
+    out: list[Folded] = []
+    size = 0
+    for k, entry in enumerate(entries):
+        if not (isinstance(entry, list) and len(entry) == 5):
+            raise ValueError("folded constants: a malformed column")
+        i, name, type_name, nullable, value = entry
+        kind = {"int64": int, "string": str}.get(type_name) if type(type_name) is str else None
+        if type(i) is not int or not (out[-1].position if out else -1) < i <= width + k or type(name) is not str \
+                or kind is None or type(nullable) is not bool or not (value is None or type(value) is kind) \
+                or (value is None and not nullable):
+            raise ValueError("folded constants: a malformed column")
+        if kind is int and value is not None and not -2 ** 63 <= value < 2 ** 63:
+            raise ValueError("folded constants: an integer past int64")
+        if kind is str and value is not None:
+            if len(value) > _CONSTANT_MAX_CHARS:
+                raise ValueError("folded constants: a text past its bound")
+            size += n * (len(value.encode("utf-8", "surrogatepass")) + 4)
+        else:
+            size += n * 8
+        if size > UNFOLD_MAX_BYTES:
+            raise ValueError("folded constants: past the bound of an answer")
+        out.append(Folded(i, name, type_name, nullable, value))
+    return tuple(out)
+
+
+def unfolded_names(table: Any) -> list[str]:
+    """``table``'s column names with those ``fold_constants`` took out back in their places."""
+    names = table.column_names
+    for f in folded_constants(table):
+        names.insert(f.position, f.name)
+    return names
+
+
+def unfold_constants(table: Any, folded: Sequence[Folded] | None = None) -> Any:
+    """``table`` with the constant columns ``fold_constants`` took out put back (``folded``:
+    its ``folded_constants``, read again when not given): the same table (names, types,
+    nullability, order, values, the rest of its metadata). ``ValueError`` as ``folded_constants``."""
+    if folded is None:
+        folded = folded_constants(table)
+    if not folded:
+        return table
+    pa = _pa()
+    n = table.num_rows
+    fields, columns = list(table.schema), list(table.columns)
+    for f in folded:
+        fields.insert(f.position, pa.field(f.name, _arrow_type(f.type), f.nullable))
+        columns.insert(f.position, pa.chunked_array([constant_array(f.value, f.type, n)]))
+    rest = {k: v for k, v in table.schema.metadata.items() if k != CONSTANTS_KEY}
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=rest or None))

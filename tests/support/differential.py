@@ -105,15 +105,14 @@ class SimCluster:
     def query(self, sql: str, *, per_rank: bool = False, params: dict | None = None,
               timeout: float = 30.0) -> tuple[dict, Any]:
         """(coverage as a client reads it, Arrow table); ``SimQueryError`` when the root refuses or fails."""
-        from kernel_probe.client.results import expand_coverage
-        from kernel_probe.tables import arrow_ipc
+        from kernel_probe.client.results import answer_table, expand_coverage
 
         env = self.sim.query(sql, timeout=timeout, per_rank=per_rank, params=params)
         body = env.msg.body
         if body.get("status") != "ok":
             err = body.get("error") or {}
             raise SimQueryError(err.get("code", "error"), err.get("message", ""))
-        return expand_coverage(body["coverage"]), arrow_ipc.ipc_to_table(env.msg.buffers[0])
+        return expand_coverage(body["coverage"]), answer_table(env.msg.buffers[0])  # as a client reads it
 
 
 def _norm(v: Any) -> Any:

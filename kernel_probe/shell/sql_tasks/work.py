@@ -29,7 +29,7 @@ from ...membership import ALIVE, STALLED
 from ...query_tasks import Finish, Merge, PlanQuery, RankScan, ShippedScan, SqlTask, Warm
 from ...tables.arrow_ipc import PackedPartial, ipc_to_table, partial_from_wire, partial_to_wire, table_to_ipc
 from ...tables.catalog import with_native_stacks
-from ...tables.convert import array, scalar
+from ...tables.convert import array, scalar, unfolded_names
 from ...tags import Tags
 from .routing import QUICK_MAX_ROWS, Facts
 
@@ -499,7 +499,7 @@ class SqlWork:
             answer = one_rank_answer(self.plan_of(task.plan), scans)
             if answer is not None:  # the query's answer already: the fan-out runs no finish
                 return {"scans": list(scans), "buffers": [], "rows": [answer.num_rows],
-                        "answer": {"buffers": [table_to_ipc(answer)], "columns": answer.column_names}}
+                        "answer": {"buffers": [table_to_ipc(answer)], "columns": unfolded_names(answer)}}
         return _partials(scans)
 
     def _shipped_scan(self, task: ShippedScan, facts: Facts, engine: Any = None) -> dict:
