@@ -516,7 +516,8 @@ class QueryFanOut:
             own.append(self._task(s, RankScan(s.plan, params=s.request.get("params"), deadline=s.gather_by,
                                               ships_to_parent=s.origin is PARENT and self.tree.ships_to_parent,
                                               native=bool(s.request.get("native")),
-                                              answers_client=s.origin is not PARENT and targets.count == 1)))
+                                              answers_client=s.origin is not PARENT and targets.count == 1,
+                                              fold=bool(s.request.get("fold")))))
         by_hop = self._by_hop(s, targets - RankRanges(((self.rank, self.rank),)))
         if by_hop and s.plan_buffer is None:
             # packed once for every child (the explain text is for the client: the hops below never

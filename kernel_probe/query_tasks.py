@@ -64,7 +64,8 @@ class RankScan(_Task):
     ``native``: its ``stacks`` carry native frames too (py-spy; a shipped table already has them).
     ``answers_client``: this rank is the only one a client's query asks (directly, or a root
     over itself): where its scan is the answer already, the result carries it (``answer``)
-    and no finish runs."""
+    and no finish runs; ``fold``: its client puts back the tag columns such an answer
+    carries once (``convert.fold_constants``)."""
 
     kind: ClassVar[str] = "rank"
     plan: dict
@@ -73,6 +74,7 @@ class RankScan(_Task):
     ships_to_parent: bool = False
     native: bool = False
     answers_client: bool = False
+    fold: bool = False
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,9 @@ class QueryBody(_QueryFields, total=False):  # client -> probe
     params: dict | None
     native: bool  # `stacks` with native frames too (py-spy, on each rank asked)
     direct: dict  # {rank, epoch}: a query its client pruned to the one rank it is sent to
+    # the client puts back the constant columns a one-rank answer carries once (a client that
+    # does not say so gets them as columns, as before)
+    fold: bool
 
 
 class QueryProgressBody(TypedDict):  # probe -> client, on long queries

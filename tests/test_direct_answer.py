@@ -56,7 +56,7 @@ def test_one_ranks_top_k_is_answered_by_its_scan_as_the_finish_would(rows: int, 
     work = _work(rows, tags)
     for sql in ONE_RANK_SQL:
         p = plan(sql).to_dict()
-        got = work.quick(RankScan(p, answers_client=True), FACTS)
+        got = work.quick(RankScan(p, answers_client=True, fold=True), FACTS)
         assert got is not None and "answer" in got, sql
         sent = got["answer"]["buffers"][0]
         answer = answer_table(sent)
@@ -73,6 +73,9 @@ def test_one_ranks_top_k_is_answered_by_its_scan_as_the_finish_would(rows: int, 
         result = query_result(env, strict=False, explain=False)
         assert result.table.equals(want, check_metadata=True), sql
         pd.testing.assert_frame_equal(result.df, want.to_pandas(split_blocks=True), check_exact=True)
+        # a client that does not say it puts tags back (an older one) gets them as columns
+        plain = work.quick(RankScan(p, answers_client=True), FACTS)["answer"]["buffers"][0]
+        assert ipc_to_table(plain).equals(want, check_metadata=True), sql
 
 
 def test_partials_where_the_finish_has_more_to_do_or_to_say() -> None:
@@ -100,7 +103,7 @@ def test_a_one_rank_job_answers_generated_queries_as_duckdb_does(monkeypatch, ro
 
     answered = []
     real = execute.one_rank_answer
-    monkeypatch.setattr(execute, "one_rank_answer", lambda p, scans: answered.append(real(p, scans)) or answered[-1])
+    monkeypatch.setattr(execute, "one_rank_answer", lambda p, scans, fold=False: answered.append(real(p, scans, fold)) or answered[-1])
     engine = Engine(threads=1, memory_limit="512MB")
     try:
         job = Job.__new__(Job)  # one rank on one node: the differential job's checks

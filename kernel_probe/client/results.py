@@ -188,7 +188,7 @@ def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | 
     except ValueError as exc:
         raise QueryFailed(str(exc), code="bad_ranks") from None
     return {"sql": sql, "timeout": float(timeout), "per_rank": per_rank, "local": local, "explain": explain,
-            "ranks": wanted, "params": dict(params) if params else None}
+            "ranks": wanted, "params": dict(params) if params else None, "fold": True}
 
 
 def expand_coverage(coverage: Any) -> dict:

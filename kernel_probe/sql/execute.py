@@ -31,9 +31,10 @@ Rules of this file:
 - Parameters (``$name``) are handed to every SQL that mentions them, and only those
   (DuckDB rejects parameters a statement does not use).
 - A DuckDB pass costs milliseconds whatever the data, so a hop saves the ones it can:
-  a broker re-aggregates its partials only past the fan-out's ``MERGE_ABOVE_ROWS`` rows, the root only
-  when the final SQL needs one row per group (variance), since the final re-aggregates
-  any number of partial rows; the root keeps the shape scan's answer, which depends only
+  a broker re-aggregates its partials in DuckDB only past the fan-out's ``MERGE_ABOVE_ROWS`` rows
+  (a plain group-by's small packed partials it reduces as lists at every hop:
+  ``fast_paths.packed_merge``), the root only when the final SQL needs one row per group
+  (variance), since the final re-aggregates any number of partial rows; the root keeps the shape scan's answer, which depends only
   on the SQL and the tables' schemas; and a rank whose scan is a plain filter or group-by
   (``Scan.arrow``), and the root whose final is a plain re-aggregation (``Plan.final_arrow``),
   compute it with Arrow (``fast_paths``: when each applies, and why it is DuckDB's answer).
@@ -417,14 +418,15 @@ def _final_repeats(plan: "Plan", scan: "Scan") -> bool:
         and plan.shape is None and sum(sc.where == "ranks" for sc in plan.scans) == 1
 
 
-def one_rank_answer(plan: "Plan", scans: Mapping[str, "pa.Table | None"]) -> "pa.Table | None":
+def one_rank_answer(plan: "Plan", scans: Mapping[str, "pa.Table | None"], fold: bool = False) -> "pa.Table | None":
     """What ``finish`` answers over ``scans`` (``run_rank``'s, of the only rank a query asks)
     where it needs neither DuckDB nor an error: the scan's rows as they are (``ONE_RANK_KEY``:
     the final only repeats the scan; ``Plan.final_union``), or Arrow's selection from them
     (``Plan.final_rows``: its projection); None where the finish has more to do or to say
-    (a final in SQL, a table or a column no rank has). The answer goes to a client as it is:
-    its tag columns that hold one value each are carried once, in its schema metadata
-    (``convert.fold_constants``; the client's ``results.answer_table`` puts them back)."""
+    (a final in SQL, a table or a column no rank has). The answer goes to a client as it is;
+    with ``fold`` (a client that says it puts them back) its tag columns that hold one value
+    each are carried once, in its schema metadata (``convert.fold_constants``; the client's
+    ``results.answer_table`` puts them back)."""
     if len(plan.scans) != 1 or plan.shape is not None:
         return None
     (scan,) = plan.scans
@@ -436,7 +438,7 @@ def one_rank_answer(plan: "Plan", scans: Mapping[str, "pa.Table | None"]) -> "pa
     else:
         answer = _with_padded(table, []) if plan.final_union else None
     # one rank's tags are a constant each (most of a narrow answer's bytes): they travel once
-    return None if answer is None else fold_constants(answer, TAG_TYPES)
+    return fold_constants(answer, TAG_TYPES) if answer is not None and fold else answer
 
 
 def _rows_then_tags(spec: Mapping[str, Any], table: "pa.Table", tags: Mapping[str, object],

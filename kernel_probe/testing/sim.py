@@ -762,7 +762,7 @@ class Simulation:
     def query(self, sql: str, *, timeout: float = 10.0, **options: Any) -> wire.Envelope:
         """A federated query from a client at the root, as ``Client.query`` sends it."""
         body = {"sql": sql, "timeout": float(timeout), "per_rank": False, "local": False, "explain": False,
-                "ranks": None, "params": None}
+                "ranks": None, "params": None, "fold": True}
         body.update(options)
         return self.request("query", body, timeout=timeout + 5.0)
 

@@ -496,7 +496,7 @@ class SqlWork:
         if task.answers_client:
             from ...sql.execute import one_rank_answer
 
-            answer = one_rank_answer(self.plan_of(task.plan), scans)
+            answer = one_rank_answer(self.plan_of(task.plan), scans, fold=task.fold)
             if answer is not None:  # the query's answer already: the fan-out runs no finish
                 return {"scans": list(scans), "buffers": [], "rows": [answer.num_rows],
                         "answer": {"buffers": [table_to_ipc(answer)], "columns": unfolded_names(answer)}}
