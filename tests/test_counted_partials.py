@@ -108,3 +108,19 @@ def test_a_counted_partial_packs_from_its_lists_as_from_arrow(key: str) -> None:
                 assert remembered[1].columns == [c.to_pylist() for c in got.columns]
                 assert all(type(a) is type(b) for x, y in zip(remembered[1].columns, [c.to_pylist() for c in got.columns])
                            for a, b in zip(x, y))
+
+
+def test_a_long_key_range_is_not_kept_between_queries():
+    """The key ranges kept for the next query are short ones: a growing table's id range (a new
+    span with every query) would otherwise pin up to 256 arrays of its length."""
+    import numpy as np
+    import pyarrow as pa
+
+    from kernel_probe.sql import fast_paths
+
+    fast_paths._RANGES.clear()
+    for n in (100, 100_000):
+        key = pa.array(np.arange(5, 5 + n, dtype=np.int64))
+        *_, groups, keys_py = fast_paths._key_slots(key)
+        assert groups.to_pylist() == keys_py == list(range(5, 5 + n))
+    assert [hi - lo + 1 for lo, hi, _ in fast_paths._RANGES] == [100]

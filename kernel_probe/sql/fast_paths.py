@@ -499,6 +499,7 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
 
 _RANGES: dict[tuple, Any] = {}  # (lo, hi, key type) -> the keys lo..hi as Arrow: the same groups every query
 _RANGES_MAX = 256
+_RANGE_KEPT_MAX = 4096  # longer ranges are made each time: a growing table's id range would pin megabytes
 
 
 def _key_slots(key: "pa.Array", integer: bool | None = None) -> tuple:
@@ -524,9 +525,10 @@ def _key_slots(key: "pa.Array", integer: bool | None = None) -> tuple:
                 groups = _RANGES.get(span)
                 if groups is None:
                     groups = _from_numpy(np.arange(lo, hi + 1, dtype=k.dtype), key.type)
-                    if len(_RANGES) >= _RANGES_MAX:
-                        _RANGES.clear()
-                    _RANGES[span] = groups  # Arrow arrays are immutable: one serves every caller
+                    if hi - lo < _RANGE_KEPT_MAX:
+                        if len(_RANGES) >= _RANGES_MAX:
+                            _RANGES.clear()
+                        _RANGES[span] = groups  # Arrow arrays are immutable: one serves every caller
                 return slot, hi - lo + 1, None, counts, groups, list(range(lo, hi + 1))
             present = np.flatnonzero(counts)
             keys = present + lo
