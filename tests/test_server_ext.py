@@ -479,6 +479,10 @@ def dying_job(tmp_path_factory):
         wait_for(lambda: sum(m["state"] == "alive" for m in client.nodes_raw()["members"]) == 2, 60,
                  interval=0.2, what="2 live ranks")
         client.close()
+        # a probe is alive before its script registers its tables: on a loaded machine, a query
+        # asked in between found no `slow` on rank 1 and was answered at once
+        wait_for(lambda: all(f"tables ready rank={r}" in j.output(r) for r in (0, 1)), 60, interval=0.2,
+                 what="both ranks' tables")
         yield j
     finally:
         j.close()
