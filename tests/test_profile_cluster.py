@@ -30,7 +30,9 @@ EXTRA_OP = "tiny_ddp.extra_compute"
 def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, capsys, runtime_dir):
     argv = [TINY_DDP, "--forever", "--step-sleep", "0.05", "--slow-rank", str(SLOW_RANK), "--slow-ms", str(SLOW_MS)]
     job = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun",
-                 env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25", "PROBING_CLUSTER_STALE_SEC": "5",
+                 # the frozen rank (last) is dead well within the 20 s capture; 5 s once took the
+                 # busy straggler for dead on a loaded machine
+                 env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25", "PROBING_CLUSTER_STALE_SEC": "8",
                       "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5"},
                  node_env=lambda node: {"PROBING_NODE_HOST": f"host{node}"})  # node 1 "on another host"
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
