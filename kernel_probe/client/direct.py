@@ -39,6 +39,7 @@ Rules of this file:
 from __future__ import annotations
 
 import collections
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Mapping, Sequence
@@ -354,21 +355,21 @@ def may_go_direct(query: Mapping[str, Any]) -> bool:
     return tag_where and (ranks is None or len(ranks) > 1)
 
 
-_TEXTS: dict[str, tuple[bool, bool]] = {}  # a statement -> (reads nodes, a tag column after WHERE)
 _TEXT_KEPT_MAX_CHARS = 4096  # a longer statement is searched each time, never kept
 
 
 def _text_of(sql: str) -> tuple[bool, bool]:
-    """What ``may_go_direct`` reads of a statement, kept for the statements asked last (a
-    dashboard's question comes again and again; the searches cost as much as routing it)."""
-    known = _TEXTS.get(sql)
-    if known is None:
-        known = (_NODES.search(sql) is not None, _TAG_WHERE.search(sql) is not None)
-        if len(sql) <= _TEXT_KEPT_MAX_CHARS:
-            if len(_TEXTS) >= PLANS_KEPT:
-                _TEXTS.clear()
-            _TEXTS[sql] = known
-    return known
+    """What ``may_go_direct`` reads of a statement (reads nodes, a tag column after WHERE),
+    kept for the statements asked last (a dashboard's question comes again and again; the
+    searches cost as much as routing it)."""
+    return _searched_kept(sql) if len(sql) <= _TEXT_KEPT_MAX_CHARS else _searched(sql)
+
+
+def _searched(sql: str) -> tuple[bool, bool]:
+    return _NODES.search(sql) is not None, _TAG_WHERE.search(sql) is not None
+
+
+_searched_kept = functools.lru_cache(maxsize=PLANS_KEPT)(_searched)
 
 
 def choose(plan: Any, members: Sequence[Mapping[str, Any]], params: Any = None
