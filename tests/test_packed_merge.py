@@ -65,7 +65,7 @@ def _partials(p, engine: Engine, ranks: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     parts = []
     for r in range(ranks):
-        scans = run_rank(p, engine, {"t": _rank_table(rng, r, rng.choice([0, 1, 5, 40]))}, _tags(r))
+        scans = run_rank(p, engine, {"t": _rank_table(rng, r, rng.choice([0, 1, 5, 40]))}, _tags(r), packed=True)
         parts.append({"scans": list(scans), "buffers": [partial_to_wire(t) for t in scans.values()]})
     return parts
 

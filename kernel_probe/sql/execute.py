@@ -54,6 +54,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
+from ..tables.arrow_ipc import PackedPartial
 from ..tables.convert import array, constant_array, fold_constants
 from ..tags import TAG_TYPES
 from . import fast_paths
@@ -334,8 +335,11 @@ def _tags_read(spec: Mapping[str, Any]) -> Collection[str]:
 def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
              tags: Mapping[str, object], *, params: Any = None, deadline: float | None = None,
              row_cap: int | None = None, notes: list[str] | None = None,
-             arrow: bool = True) -> dict[str, "pa.Table | None"]:
+             arrow: bool = True, packed: bool = False) -> dict[str, "pa.Table | PackedPartial | None"]:
     """Run this rank's side of every "ranks" scan over its local `tables`.
+
+    ``packed``: a plain group-by's partial that packs for the wire (``fast_paths.arrow_partials``)
+    comes as that ``PackedPartial``, with no Arrow table made (for a caller that sends it).
 
     A scan whose table this rank lacks (KeyError from `tables`) yields None, and a line
     saying so goes to `notes` (when given) and the debug log. A column the scan reads
@@ -390,13 +394,17 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
                 (table,) = regs.values()
                 read = _tags_read(scan.arrow)
                 if "aggs" in scan.arrow:
-                    result = fast_paths.arrow_partials(scan.arrow, tagged(table, tags, read) if read else table)
+                    result = fast_paths.arrow_partials(scan.arrow, tagged(table, tags, read) if read else table,
+                                                       packed and not _final_repeats(plan, scan))
                 else:
                     result = _rows_then_tags(scan.arrow, table, tags, read)
             except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
             if result is not None:
                 _within_cap(result, row_cap)
+            if type(result) is PackedPartial:  # as it is: nothing lacking, no HUGEINT, no metadata to add
+                out[scan.name] = result
+                continue
         if result is None:
             result = engine.run(scan.sql, _padded_with(with_tags(regs), lacking),
                                 params=_params_for(scan.sql, params), deadline=deadline, row_cap=row_cap)
@@ -431,6 +439,8 @@ def one_rank_answer(plan: "Plan", scans: Mapping[str, "pa.Table | None"], fold: 
         return None
     (scan,) = plan.scans
     table = scans.get(scan.name)
+    if type(table) is PackedPartial:
+        table = table.to_arrow()
     if scan.where != "ranks" or table is None or _padded(table) or (scan.merge and scan.merge_at_root):
         return None
     if plan.final_rows is not None:
