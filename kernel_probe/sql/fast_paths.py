@@ -512,12 +512,13 @@ def _key_slots(key: "pa.Array", integer: bool | None = None, arrow: bool = True)
         integer = key.type in _types()["ranged"]
     if integer:
         k = _to_numpy(key)
-        lo, hi = (int(k.min()), int(k.max())) if len(k) else (0, -1)
+        # (the ufuncs' own reductions: ndarray.min/max/all add a Python wrapper each, a microsecond)
+        lo, hi = (int(np.minimum.reduce(k)), int(np.maximum.reduce(k))) if len(k) else (0, -1)
         if hi - lo <= 4 * len(k) + 64:
             slot = k.astype(np.int64, copy=False)
             slot = slot - lo if lo else slot
             counts = np.bincount(slot, minlength=hi - lo + 1)
-            if counts.all():  # every value of the range is a group (the common case): no gaps to drop
+            if np.count_nonzero(counts) == len(counts):  # every value of the range is a group (the common case)
                 groups = None
                 if arrow:
                     span = (lo, hi, key.type)
