@@ -140,9 +140,14 @@ def test_a_long_key_range_is_not_kept_between_queries():
 
     from kernel_probe.sql import fast_paths
 
-    fast_paths._RANGES.clear()
+    fast_paths._kept_key_range.cache_clear()
+    made = []
     for n in (100, 100_000):
         key = pa.array(np.arange(5, 5 + n, dtype=np.int64))
-        *_, groups, keys_py = fast_paths._key_slots(key)
-        assert groups.to_pylist() == keys_py == list(range(5, 5 + n))
-    assert [hi - lo + 1 for lo, hi, _ in fast_paths._RANGES] == [100]
+        for _ in range(2):
+            *_, groups, keys_py = fast_paths._key_slots(key)
+            assert groups.to_pylist() == keys_py == list(range(5, 5 + n))
+            made.append(groups)
+    info = fast_paths._kept_key_range.cache_info()
+    assert (info.currsize, info.hits, info.misses) == (1, 1, 1)  # only the short range, made once
+    assert made[0] is made[1] and made[2] is not made[3]

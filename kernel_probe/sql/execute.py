@@ -51,11 +51,11 @@ import functools
 import logging
 import re
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
 from ..tables.arrow_ipc import PackedPartial
 from ..tables.convert import array, constant_array, fold_constants
+from ..tables.identity_cache import IdentityCache
 from ..tags import TAG_TYPES
 from . import fast_paths
 
@@ -76,9 +76,9 @@ ONE_RANK_KEY = b"probing.one_rank"
 SHAPE_CACHE_SIZE = 64
 
 
-# id(table) -> (a weak reference to the table, tags, its shape answer): weak, so a snapshot table
-# made for one query is not kept alive by this cache (the reference also tells a reused id apart)
-_SHAPE_ANSWERS: dict[int, tuple[weakref.ref, tuple, Any]] = {}
+# a table's shape answer with the tags it was made for, by the table itself: weakly held, so a
+# snapshot table made for one query is not kept alive by this cache
+_SHAPE_ANSWERS = IdentityCache(1024, weak=True)  # one entry per table of a rank; a virtual host holds many ranks
 
 
 def _shape_answer(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
@@ -86,13 +86,11 @@ def _shape_answer(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
     table object comes again (a rank's table kept between queries): hashing a schema costs
     more than the rest of a small scan's bookkeeping."""
     key = tuple(tags.items())
-    known = _SHAPE_ANSWERS.get(id(table))
-    if known is not None and known[0]() is table and known[1] == key:
-        return known[2]
+    known = _SHAPE_ANSWERS.get(table)
+    if known is not None and known[0] == key:
+        return known[1]
     answer = _tagged_empty(table.schema, key)
-    if len(_SHAPE_ANSWERS) >= 1024:  # one entry per table of a rank; a virtual host holds many ranks
-        _SHAPE_ANSWERS.clear()
-    _SHAPE_ANSWERS[id(table)] = (weakref.ref(table), key, answer)
+    _SHAPE_ANSWERS.put(table, (key, answer))
     return answer
 
 

@@ -494,9 +494,18 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
     return pa.Table.from_arrays(columns, names=names)
 
 
-_RANGES: dict[tuple, Any] = {}  # (lo, hi, key type) -> the keys lo..hi as Arrow: the same groups every query
-_RANGES_MAX = 256
 _RANGE_KEPT_MAX = 4096  # longer ranges are made each time: a growing table's id range would pin megabytes
+
+
+def _key_range(lo: int, hi: int, typ: "pa.DataType", dtype: Any) -> "pa.Array":
+    """The keys lo..hi as an Arrow array of ``typ`` (numpy ``dtype``)."""
+    import numpy as np
+
+    return _from_numpy(np.arange(lo, hi + 1, dtype=dtype), typ)
+
+
+# short ones kept: the same groups every query (Arrow arrays are immutable: one serves every caller)
+_kept_key_range = functools.lru_cache(maxsize=256)(_key_range)
 
 
 def _key_slots(key: "pa.Array", integer: bool | None = None, arrow: bool = True) -> tuple:
@@ -521,14 +530,7 @@ def _key_slots(key: "pa.Array", integer: bool | None = None, arrow: bool = True)
             if np.count_nonzero(counts) == len(counts):  # every value of the range is a group (the common case)
                 groups = None
                 if arrow:
-                    span = (lo, hi, key.type)
-                    groups = _RANGES.get(span)
-                    if groups is None:
-                        groups = _from_numpy(np.arange(lo, hi + 1, dtype=k.dtype), key.type)
-                        if hi - lo < _RANGE_KEPT_MAX:
-                            if len(_RANGES) >= _RANGES_MAX:
-                                _RANGES.clear()
-                            _RANGES[span] = groups  # Arrow arrays are immutable: one serves every caller
+                    groups = (_kept_key_range if hi - lo < _RANGE_KEPT_MAX else _key_range)(lo, hi, key.type, k.dtype)
                 return slot, hi - lo + 1, None, counts, groups, list(range(lo, hi + 1))
             present = np.flatnonzero(counts)
             keys = present + lo
