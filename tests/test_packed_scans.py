@@ -30,7 +30,9 @@ PACKS = [  # (sql, packs on a rank whose table has every column, NULL-free keys 
     ("SELECT g, count(n) AS cn FROM t GROUP BY g", None),  # packs where n has no NULL to skip (else Acero)
     ("SELECT i, count(*) AS c FROM t GROUP BY i", True),  # a wide key range (a dictionary); past 256 groups: Arrow
     ("SELECT g, count(DISTINCT x) AS d FROM t GROUP BY g", False),  # not a plain group-by: DuckDB
-    ("SELECT count(*) AS n FROM t", False),
+    ("SELECT count(*) AS n FROM t", True),
+    ("SELECT count(*) AS n, count(*) AS m FROM t WHERE x > 0", True),
+    ("SELECT count(x) AS n FROM t", False),  # (only count(*)s over no keys pack)
 ]
 
 

@@ -40,6 +40,7 @@ loads neither): they are imported inside the functions. Nothing here imports
 from __future__ import annotations
 
 import functools
+from math import isfinite
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..tables.arrow_ipc import PACK_MAX_ROWS, PackedPartial
@@ -240,12 +241,16 @@ def arrow_partials(spec: Mapping[str, Any], table: "pa.Table", packed: bool = Fa
     columns, types and rows as its SQL gives in DuckDB. ``NotPlain`` (or KeyError for a
     column it does not find by exact name) when only the SQL can say. ``packed``: where the
     counted path answers and its partial packs (``arrow_ipc``: int64 or string keys, at most
-    ``PACK_MAX_ROWS`` groups, int64 counts and double sums), that ``PackedPartial`` instead:
-    the values as Python lists, no Arrow table made (what the wire sends of the table)."""
+    ``PACK_MAX_ROWS`` groups, int64 counts and double sums), or the scan is count(*)s alone,
+    that ``PackedPartial`` instead: the values as Python lists, no Arrow table made (what the
+    wire sends of the table)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     table = _arrow_filter(table, spec.get("filters") or ())
+    if packed and not spec["keys"] and all(func == "count_all" for _, func, _ in spec["aggs"]):
+        n = table.num_rows  # count(*) over no keys: one row of int64 counts, as the table below packs
+        return PackedPartial(tuple((alias, "int64") for alias, _, _ in spec["aggs"]), None, [[n] for _ in spec["aggs"]], 1)
     counted = _counted_partials(spec, table, packed)
     if counted is not None:
         return counted
@@ -618,29 +623,31 @@ def packed_merge(kinds: Mapping[str, str], fields: Sequence[Sequence[str]], colu
         else:
             raise NotPlain(f"{kind} of {alias}")
     n = len(columns[0]) if columns else 0
-    # each row's group, numbered in first-seen order
+    out: list[list | None] = [None] * len(fields)
     if not key_at:
-        slot_of, groups = [0] * n, 1
+        keys: list = [0] * n
+        seen = [0]
     else:
         keys = columns[key_at[0]] if len(key_at) == 1 else list(zip(*(columns[i] for i in key_at)))
-        first: dict[Any, int] = {}
-        slot_of = [first.setdefault(k, len(first)) for k in keys]
-        groups = len(first)
-    out: list[list | None] = [None] * len(fields)
-    if key_at:
-        seen = list(first)
+        seen = list(dict.fromkeys(keys))  # the groups in first-seen order
         if len(key_at) == 1:
             out[key_at[0]] = seen
         else:
             for j, i in enumerate(key_at):
                 out[i] = [k[j] for k in seen]
+    groups = len(seen)
     # rows that are the same groups in the same order, over and over (every rank of a node with
     # the same groups: the common case): a column's groups are its strided slices
-    strided = n > 0 and n % groups == 0 and slot_of == list(range(groups)) * (n // groups)
+    strided = n > 0 and n % groups == 0 and keys == seen * (n // groups)
+    slot_of: list[int] | None = None  # each row's group, numbered in first-seen order (made where needed)
     for i, kind, alias in aggs:
         col = columns[i]
+        by_slices = strided and kind in ("count", "sum") and None not in col
+        if slot_of is None and not by_slices:
+            index = {k: g for g, k in enumerate(seen)}
+            slot_of = [index[k] for k in keys]
         if kind in ("count", "sum"):
-            if strided and None not in col:
+            if by_slices:
                 merged = [sum(col[g::groups]) for g in range(groups)]
             else:
                 acc: list[Any] = [None] * groups
@@ -648,11 +655,11 @@ def packed_merge(kinds: Mapping[str, str], fields: Sequence[Sequence[str]], colu
                     if v is not None:
                         acc[g] = v if acc[g] is None else acc[g] + v
                 merged = acc
+            present = merged if by_slices else [v for v in merged if v is not None]
             if alias == "int64":
-                present = [v for v in merged if v is not None]
                 if present and (min(present) < _INT64_RANGE[0] or max(present) > _INT64_RANGE[1]):
                     raise NotPlain("an integer sum past int64")
-            elif not all(v is None or v - v == 0.0 for v in merged):
+            elif not all(map(isfinite, present)):
                 raise NotPlain("a double sum that is not finite")
         else:
             acc = [None] * groups
