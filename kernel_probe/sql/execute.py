@@ -481,9 +481,10 @@ def _lacking(regs: Mapping[str, "pa.Table"], needs: Mapping[str, Sequence[str]])
         return out
     for name, table in regs.items():
         wanted = needs.get(name.lower(), ())
-        names = table.column_names
-        if all(c in names for c in wanted):  # found by their exact names: nothing lacking
+        schema = table.schema  # (its column_names is a new list each time)
+        if all(schema.get_field_index(c) >= 0 for c in wanted):  # each found once by its exact name: nothing lacking
             continue
+        names = schema.names
         have = {c.lower() for c in names}
         cols = [c for c in dict.fromkeys(wanted) if c.lower() not in have]
         if cols:
