@@ -87,27 +87,49 @@ def test_a_packed_partial_with_its_cached_head_is_the_wire_json(meta: dict | Non
 
 
 @pytest.mark.parametrize("key", ["int", "gaps", "string", "int64"])
-def test_a_counted_partial_packs_from_its_lists_as_from_arrow(key: str) -> None:
-    """The lists the counted path hands the wire (``arrow_ipc.remember_lists``) are the table's
-    own values: the packed partial is the one packed from the Arrow table, to the byte."""
-    from kernel_probe.tables import arrow_ipc
+def test_a_counted_partial_made_packed_is_the_table_the_wire_would_pack(key: str) -> None:
+    """``packed``: the counted path's ``PackedPartial`` (lists from numpy, no Arrow table) is the
+    Arrow answer's own values and types, and goes on the wire as the same bytes; a partial that
+    does not pack (an int32 key, an int64 sum through HUGEINT) comes as the Arrow table."""
+    from kernel_probe.tables.arrow_ipc import partial_to_wire
 
     rng = random.Random(key)
     for n in (0, 1, 7, 300):
         table = _table(rng, n, "int" if key == "int64" else key)
         if key == "int64":  # the type of a key that packs (int32 does not)
             table = table.set_column(0, "k", table.column("k").cast(pa.int64()))
-        for spec in SPECS[:1] + SPECS[2:]:  # (an int64 sum goes through HUGEINT: never from lists)
-            got = fast_paths.arrow_partials(spec, table)
-            remembered = arrow_ipc._KNOWN_LISTS.get(id(got))
-            assert (remembered is not None) == (key in ("int64", "gaps")), (key, n, spec)
-            fast = arrow_ipc.partial_to_wire(got)
-            assert id(got) not in arrow_ipc._KNOWN_LISTS  # used once, then let go
-            assert fast == arrow_ipc.partial_to_wire(got)  # packed again from Arrow: the same bytes
-            if remembered is not None:
-                assert remembered[1].columns == [c.to_pylist() for c in got.columns]
-                assert all(type(a) is type(b) for x, y in zip(remembered[1].columns, [c.to_pylist() for c in got.columns])
-                           for a, b in zip(x, y))
+        for spec in SPECS:
+            want = fast_paths.arrow_partials(spec, table)
+            got = fast_paths.arrow_partials(spec, table, packed=True)
+            packs = key != "int" and spec is not SPECS[1]  # SPECS[1] sums int64: HUGEINT
+            assert (type(got) is PackedPartial) == packs, (key, n, spec)
+            if not packs:
+                assert got.equals(want)
+                continue
+            assert got.to_arrow().equals(want) and got.to_arrow().schema == want.schema
+            assert got.columns == [c.to_pylist() for c in want.columns]
+            assert all(type(a) is type(b) for x, y in zip(got.columns, [c.to_pylist() for c in want.columns])
+                       for a, b in zip(x, y))
+            assert partial_to_wire(got) == partial_to_wire(want)  # the wire's bytes, as from Arrow
+
+
+def test_a_partial_past_the_packed_rows_or_not_finite_travels_as_arrow_ipc() -> None:
+    """A counted partial of more groups than pack (``PACK_MAX_ROWS``) is made as Arrow; one whose
+    double sum is not finite (not JSON) packs, and goes on the wire as the Arrow table's IPC."""
+    from kernel_probe.tables.arrow_ipc import PACK_MAX_ROWS, partial_to_wire, table_to_ipc
+
+    spec = SPECS[0]
+    many = pa.table({"k": pa.array(range(PACK_MAX_ROWS + 1), pa.int64()),
+                     "f": pa.array([0.5] * (PACK_MAX_ROWS + 1), pa.float64())})
+    got = fast_paths.arrow_partials(spec, many, packed=True)
+    assert type(got) is pa.Table and got.equals(fast_paths.arrow_partials(spec, many))
+    for bad in (float("nan"), float("inf")):
+        table = pa.table({"k": pa.array([1, 1, 2], pa.int64()), "f": pa.array([1.0, bad, 2.0], pa.float64())})
+        got = fast_paths.arrow_partials(spec, table, packed=True)
+        want = fast_paths.arrow_partials(spec, table)
+        assert type(got) is PackedPartial
+        data = partial_to_wire(got)
+        assert not data.startswith(PACKED) and data == table_to_ipc(want) == partial_to_wire(want)
 
 
 def test_a_long_key_range_is_not_kept_between_queries():
@@ -118,9 +140,14 @@ def test_a_long_key_range_is_not_kept_between_queries():
 
     from kernel_probe.sql import fast_paths
 
-    fast_paths._RANGES.clear()
+    fast_paths._kept_key_range.cache_clear()
+    made = []
     for n in (100, 100_000):
         key = pa.array(np.arange(5, 5 + n, dtype=np.int64))
-        *_, groups, keys_py = fast_paths._key_slots(key)
-        assert groups.to_pylist() == keys_py == list(range(5, 5 + n))
-    assert [hi - lo + 1 for lo, hi, _ in fast_paths._RANGES] == [100]
+        for _ in range(2):
+            *_, groups, keys_py = fast_paths._key_slots(key)
+            assert groups.to_pylist() == keys_py == list(range(5, 5 + n))
+            made.append(groups)
+    info = fast_paths._kept_key_range.cache_info()
+    assert (info.currsize, info.hits, info.misses) == (1, 1, 1)  # only the short range, made once
+    assert made[0] is made[1] and made[2] is not made[3]

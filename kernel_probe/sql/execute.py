@@ -51,10 +51,11 @@ import functools
 import logging
 import re
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
+from ..tables.arrow_ipc import PackedPartial
 from ..tables.convert import array, constant_array, fold_constants
+from ..tables.identity_cache import IdentityCache
 from ..tags import TAG_TYPES
 from . import fast_paths
 
@@ -75,9 +76,9 @@ ONE_RANK_KEY = b"probing.one_rank"
 SHAPE_CACHE_SIZE = 64
 
 
-# id(table) -> (a weak reference to the table, tags, its shape answer): weak, so a snapshot table
-# made for one query is not kept alive by this cache (the reference also tells a reused id apart)
-_SHAPE_ANSWERS: dict[int, tuple[weakref.ref, tuple, Any]] = {}
+# a table's shape answer with the tags it was made for, by the table itself: weakly held, so a
+# snapshot table made for one query is not kept alive by this cache
+_SHAPE_ANSWERS = IdentityCache(1024, weak=True)  # one entry per table of a rank; a virtual host holds many ranks
 
 
 def _shape_answer(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
@@ -85,13 +86,11 @@ def _shape_answer(table: "pa.Table", tags: Mapping[str, object]) -> "pa.Table":
     table object comes again (a rank's table kept between queries): hashing a schema costs
     more than the rest of a small scan's bookkeeping."""
     key = tuple(tags.items())
-    known = _SHAPE_ANSWERS.get(id(table))
-    if known is not None and known[0]() is table and known[1] == key:
-        return known[2]
+    known = _SHAPE_ANSWERS.get(table)
+    if known is not None and known[0] == key:
+        return known[1]
     answer = _tagged_empty(table.schema, key)
-    if len(_SHAPE_ANSWERS) >= 1024:  # one entry per table of a rank; a virtual host holds many ranks
-        _SHAPE_ANSWERS.clear()
-    _SHAPE_ANSWERS[id(table)] = (weakref.ref(table), key, answer)
+    _SHAPE_ANSWERS.put(table, (key, answer))
     return answer
 
 
@@ -334,8 +333,11 @@ def _tags_read(spec: Mapping[str, Any]) -> Collection[str]:
 def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
              tags: Mapping[str, object], *, params: Any = None, deadline: float | None = None,
              row_cap: int | None = None, notes: list[str] | None = None,
-             arrow: bool = True) -> dict[str, "pa.Table | None"]:
+             arrow: bool = True, packed: bool = False) -> dict[str, "pa.Table | PackedPartial | None"]:
     """Run this rank's side of every "ranks" scan over its local `tables`.
+
+    ``packed``: a plain group-by's partial that packs for the wire (``fast_paths.arrow_partials``)
+    comes as that ``PackedPartial``, with no Arrow table made (for a caller that sends it).
 
     A scan whose table this rank lacks (KeyError from `tables`) yields None, and a line
     saying so goes to `notes` (when given) and the debug log. A column the scan reads
@@ -390,13 +392,17 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
                 (table,) = regs.values()
                 read = _tags_read(scan.arrow)
                 if "aggs" in scan.arrow:
-                    result = fast_paths.arrow_partials(scan.arrow, tagged(table, tags, read) if read else table)
+                    result = fast_paths.arrow_partials(scan.arrow, tagged(table, tags, read) if read else table,
+                                                       packed and not _final_repeats(plan, scan))
                 else:
                     result = _rows_then_tags(scan.arrow, table, tags, read)
             except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
                 log.debug("scan %s: SQL instead of Arrow (%s)", scan.name, exc)
             if result is not None:
                 _within_cap(result, row_cap)
+            if type(result) is PackedPartial:  # as it is: nothing lacking, no HUGEINT, no metadata to add
+                out[scan.name] = result
+                continue
         if result is None:
             result = engine.run(scan.sql, _padded_with(with_tags(regs), lacking),
                                 params=_params_for(scan.sql, params), deadline=deadline, row_cap=row_cap)
@@ -431,6 +437,8 @@ def one_rank_answer(plan: "Plan", scans: Mapping[str, "pa.Table | None"], fold: 
         return None
     (scan,) = plan.scans
     table = scans.get(scan.name)
+    if type(table) is PackedPartial:
+        table = table.to_arrow()
     if scan.where != "ranks" or table is None or _padded(table) or (scan.merge and scan.merge_at_root):
         return None
     if plan.final_rows is not None:
@@ -473,9 +481,10 @@ def _lacking(regs: Mapping[str, "pa.Table"], needs: Mapping[str, Sequence[str]])
         return out
     for name, table in regs.items():
         wanted = needs.get(name.lower(), ())
-        names = table.column_names
-        if all(c in names for c in wanted):  # found by their exact names: nothing lacking
+        schema = table.schema  # (its column_names is a new list each time)
+        if all(schema.get_field_index(c) >= 0 for c in wanted):  # each found once by its exact name: nothing lacking
             continue
+        names = schema.names
         have = {c.lower() for c in names}
         cols = [c for c in dict.fromkeys(wanted) if c.lower() not in have]
         if cols:

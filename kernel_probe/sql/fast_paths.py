@@ -40,8 +40,10 @@ loads neither): they are imported inside the functions. Nothing here imports
 from __future__ import annotations
 
 import functools
+from math import isfinite
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from ..tables.arrow_ipc import PACK_MAX_ROWS, PackedPartial
 from ..tables.convert import array, scalar
 
 if TYPE_CHECKING:
@@ -234,15 +236,22 @@ def _first_rows(table: "pa.Table", keys: list, limit: int | None) -> "pa.Array":
     return cand.take(within) if len(within) else pa.array([], pa.uint64())
 
 
-def arrow_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table":
+def arrow_partials(spec: Mapping[str, Any], table: "pa.Table", packed: bool = False) -> "pa.Table | PackedPartial":
     """A plain group-by scan (``Scan.arrow``) over one tagged table, with Arrow: the same
     columns, types and rows as its SQL gives in DuckDB. ``NotPlain`` (or KeyError for a
-    column it does not find by exact name) when only the SQL can say."""
+    column it does not find by exact name) when only the SQL can say. ``packed``: where the
+    counted path answers and its partial packs (``arrow_ipc``: int64 or string keys, at most
+    ``PACK_MAX_ROWS`` groups, int64 counts and double sums), or the scan is count(*)s alone,
+    that ``PackedPartial`` instead: the values as Python lists, no Arrow table made (what the
+    wire sends of the table)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     table = _arrow_filter(table, spec.get("filters") or ())
-    counted = _counted_partials(spec, table)
+    if packed and not spec["keys"] and all(func == "count_all" for _, func, _ in spec["aggs"]):
+        n = table.num_rows  # count(*) over no keys: one row of int64 counts, as the table below packs
+        return PackedPartial(tuple((alias, "int64") for alias, _, _ in spec["aggs"]), None, [[n] for _ in spec["aggs"]], 1)
+    counted = _counted_partials(spec, table, packed)
     if counted is not None:
         return counted
     work: dict[str, Any] = {}
@@ -367,10 +376,11 @@ def _group_by(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table":
 _BINCOUNT_EXACT = 2 ** 53  # integer sums below this are exact in the doubles numpy's bincount adds
 
 
-def _counted_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table | None":
+def _counted_partials(spec: Mapping[str, Any], table: "pa.Table", packed: bool = False) -> "pa.Table | PackedPartial | None":
     """``arrow_partials`` of one key by ``_counted_by_key`` straight over the scan's own columns
     (no work table of renamed and cast inputs, no renaming after): counts, and sums of doubles
-    or of int64 (cast to DuckDB's HUGEINT after, exactly). None: the general path decides."""
+    or of int64 (cast to DuckDB's HUGEINT after, exactly). None: the general path decides.
+    ``packed``: a ``PackedPartial`` where it packs (``_counted_by_key``)."""
     keys = spec["keys"]
     if len(keys) != 1:
         return None
@@ -394,16 +404,8 @@ def _counted_partials(spec: Mapping[str, Any], table: "pa.Table") -> "pa.Table |
     ((key_alias, key_col),) = keys
     if schema.field(key_col).type == pa.large_string():
         return None  # DuckDB's VARCHAR: the general path casts it
-    lists: list = []
-    out = _counted_by_key(table, ops, [key_col], key_alias, lists)
-    if out is None:
-        return None
-    if not huge:
-        if lists:  # packed for the wire from these (numpy's tolist), not read back from Arrow
-            from ..tables.arrow_ipc import remember_lists
-
-            fields, columns = lists
-            remember_lists(out, fields, columns)
+    out = _counted_by_key(table, ops, [key_col], key_alias, packed and not huge)  # (HUGEINT does not pack)
+    if out is None or not huge:
         return out
     import pyarrow.compute as pc
 
@@ -425,19 +427,20 @@ def _types() -> dict[str, Any]:
                       ranged=frozenset((pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(),
                                         pa.uint32())),  # integer keys that may be their own slot
                       keys=frozenset((pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(),
-                                      pa.uint32(), pa.uint64(), pa.string())))
+                                      pa.uint32(), pa.uint64(), pa.string())),
+                      packs=frozenset((pa.int64(), pa.string())))  # keys whose partial packs (arrow_ipc)
     return _TYPES
 
 
 def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str | None = None,
-                    lists: list | None = None) -> "pa.Table | None":
+                    packed: bool = False) -> "pa.Table | PackedPartial | None":
     """``_group_by`` for the common small case, with numpy's bincount (a fraction of Acero's
     fixed cost on a few hundred rows): one key without NULLs; counts, and sums of doubles
     (added in row order, as Acero does: the same bits) or of int64 that stay exact. None
     for anything else, which Acero does. Groups may come in another order than Acero's.
-    ``key_name``: the key's name in the result (else its column's). ``lists``: filled with
-    the result's fields ((name, type alias) each) and its columns as Python lists (its
-    ``to_pylist``), where its keys are integers."""
+    ``key_name``: the key's name in the result (else its column's). ``packed``: where the
+    result packs (int64 or string keys, at most ``PACK_MAX_ROWS`` groups), a ``PackedPartial``
+    of it (its ``to_arrow`` is the table), made from numpy's ``tolist`` without Arrow."""
     if len(keys) != 1:
         return None
     for o in ops:
@@ -458,25 +461,24 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
                 return None  # a NULL to skip, or a sum of another type (Acero's own result type)
             inputs[name] = col
     import numpy as np
-    import pyarrow as pa
 
-    slot, slots, present, counts, groups, keys_py = _key_slots(_one_chunk(key), ktype in types["ranged"])
-    names, arrays = [key_name or keys[0]], [groups]
-    py = [keys_py] if keys_py is not None and lists is not None else None  # the columns as lists too
-    aliases = [str(ktype)] if py is not None else None
-    counted = counted_py = None  # every count is the rows of its group (no NULLs): one array for all of them
+    chunk, ranged = _one_chunk(key), ktype in types["ranged"]
+    packed = packed and ktype in types["packs"]
+    slot, slots, present, counts, groups, keys_py = _key_slots(chunk, ranged, arrow=not packed)
+    if packed and len(counts) > PACK_MAX_ROWS:  # (rare) a partial this long travels as Arrow IPC
+        packed = False
+        slot, slots, present, counts, groups, keys_py = _key_slots(chunk, ranged)
+    names, columns, aliases = [key_name or keys[0]], [keys_py if packed else groups], [str(ktype)]
+    counted = None  # every count is the rows of its group (no NULLs): one column for all of them
     values: dict[str, Any] = {}
     int64 = types["int64"]
     for inames, func, _, name in ops:
         names.append(name)
         if func != "hash_sum":
             if counted is None:
-                counted = _from_numpy(counts, int64)
-                counted_py = counts.tolist() if py is not None else None
-            arrays.append(counted)
-            if py is not None:
-                py.append(counted_py)
-                aliases.append("int64")
+                counted = counts.tolist() if packed else _from_numpy(counts, int64)
+            columns.append(counted)
+            aliases.append("int64")
             continue
         col = inputs[inames[0]]
         if inames[0] not in values:
@@ -488,26 +490,35 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
         sums = np.bincount(slot, weights=v, minlength=slots)
         sums = sums if present is None else sums[present]
         sums = sums.astype(np.int64) if integer_sum else sums
-        arrays.append(_from_numpy(sums, col.type))
-        if py is not None:
-            py.append(sums.tolist())
-            aliases.append("int64" if integer_sum else "double")
-    if py is not None:
-        lists[:] = [tuple(zip(names, aliases)), py]
-    return pa.Table.from_arrays(arrays, names=names)
+        columns.append(sums.tolist() if packed else _from_numpy(sums, col.type))
+        aliases.append("int64" if integer_sum else "double")
+    if packed:
+        return PackedPartial(tuple(zip(names, aliases)), None, columns, len(counts))
+    import pyarrow as pa
+
+    return pa.Table.from_arrays(columns, names=names)
 
 
-_RANGES: dict[tuple, Any] = {}  # (lo, hi, key type) -> the keys lo..hi as Arrow: the same groups every query
-_RANGES_MAX = 256
 _RANGE_KEPT_MAX = 4096  # longer ranges are made each time: a growing table's id range would pin megabytes
 
 
-def _key_slots(key: "pa.Array", integer: bool | None = None) -> tuple:
+def _key_range(lo: int, hi: int, typ: "pa.DataType", dtype: Any) -> "pa.Array":
+    """The keys lo..hi as an Arrow array of ``typ`` (numpy ``dtype``)."""
+    import numpy as np
+
+    return _from_numpy(np.arange(lo, hi + 1, dtype=dtype), typ)
+
+
+# short ones kept: the same groups every query (Arrow arrays are immutable: one serves every caller)
+_kept_key_range = functools.lru_cache(maxsize=256)(_key_range)
+
+
+def _key_slots(key: "pa.Array", integer: bool | None = None, arrow: bool = True) -> tuple:
     """(each row's slot, how many slots, the slots holding a group or None for all, the rows
-    of each group, the groups' keys as Arrow, and as a Python list where they are integers
-    (else None)). Integers in a narrow range are their own slot (no hashing); other keys get
-    one through a dictionary. ``integer``: the key is of a signed integer type or
-    uint8..uint32 (None: found here)."""
+    of each group, the groups' keys as Arrow (None unless ``arrow``), and as a Python list
+    where they are integers or ``arrow`` is false (else None)). Integers in a narrow range
+    are their own slot (no hashing); other keys get one through a dictionary. ``integer``:
+    the key is of a signed integer type or uint8..uint32 (None: found here)."""
     import numpy as np
     import pyarrow.compute as pc
 
@@ -515,29 +526,26 @@ def _key_slots(key: "pa.Array", integer: bool | None = None) -> tuple:
         integer = key.type in _types()["ranged"]
     if integer:
         k = _to_numpy(key)
-        lo, hi = (int(k.min()), int(k.max())) if len(k) else (0, -1)
+        # (the ufuncs' own reductions: ndarray.min/max/all add a Python wrapper each, a microsecond)
+        lo, hi = (int(np.minimum.reduce(k)), int(np.maximum.reduce(k))) if len(k) else (0, -1)
         if hi - lo <= 4 * len(k) + 64:
             slot = k.astype(np.int64, copy=False)
             slot = slot - lo if lo else slot
             counts = np.bincount(slot, minlength=hi - lo + 1)
-            if counts.all():  # every value of the range is a group (the common case): no gaps to drop
-                span = (lo, hi, key.type)
-                groups = _RANGES.get(span)
-                if groups is None:
-                    groups = _from_numpy(np.arange(lo, hi + 1, dtype=k.dtype), key.type)
-                    if hi - lo < _RANGE_KEPT_MAX:
-                        if len(_RANGES) >= _RANGES_MAX:
-                            _RANGES.clear()
-                        _RANGES[span] = groups  # Arrow arrays are immutable: one serves every caller
+            if np.count_nonzero(counts) == len(counts):  # every value of the range is a group (the common case)
+                groups = None
+                if arrow:
+                    groups = (_kept_key_range if hi - lo < _RANGE_KEPT_MAX else _key_range)(lo, hi, key.type, k.dtype)
                 return slot, hi - lo + 1, None, counts, groups, list(range(lo, hi + 1))
             present = np.flatnonzero(counts)
             keys = present + lo
-            return slot, hi - lo + 1, present, counts[present], _from_numpy(keys.astype(k.dtype), key.type), \
-                keys.tolist()
+            return slot, hi - lo + 1, present, counts[present], \
+                _from_numpy(keys.astype(k.dtype), key.type) if arrow else None, keys.tolist()
     encoded = pc.dictionary_encode(key)
     slot = _to_numpy(encoded.indices)
     slots = len(encoded.dictionary)
-    return slot, slots, None, np.bincount(slot, minlength=slots), encoded.dictionary, None
+    return slot, slots, None, np.bincount(slot, minlength=slots), encoded.dictionary if arrow else None, \
+        None if arrow else encoded.dictionary.to_pylist()
 
 
 def _one_chunk(col: Any) -> "pa.Array":
@@ -615,29 +623,31 @@ def packed_merge(kinds: Mapping[str, str], fields: Sequence[Sequence[str]], colu
         else:
             raise NotPlain(f"{kind} of {alias}")
     n = len(columns[0]) if columns else 0
-    # each row's group, numbered in first-seen order
+    out: list[list | None] = [None] * len(fields)
     if not key_at:
-        slot_of, groups = [0] * n, 1
+        keys: list = [0] * n
+        seen = [0]
     else:
         keys = columns[key_at[0]] if len(key_at) == 1 else list(zip(*(columns[i] for i in key_at)))
-        first: dict[Any, int] = {}
-        slot_of = [first.setdefault(k, len(first)) for k in keys]
-        groups = len(first)
-    out: list[list | None] = [None] * len(fields)
-    if key_at:
-        seen = list(first)
+        seen = list(dict.fromkeys(keys))  # the groups in first-seen order
         if len(key_at) == 1:
             out[key_at[0]] = seen
         else:
             for j, i in enumerate(key_at):
                 out[i] = [k[j] for k in seen]
+    groups = len(seen)
     # rows that are the same groups in the same order, over and over (every rank of a node with
     # the same groups: the common case): a column's groups are its strided slices
-    strided = n > 0 and n % groups == 0 and slot_of == list(range(groups)) * (n // groups)
+    strided = n > 0 and n % groups == 0 and keys == seen * (n // groups)
+    slot_of: list[int] | None = None  # each row's group, numbered in first-seen order (made where needed)
     for i, kind, alias in aggs:
         col = columns[i]
+        by_slices = strided and kind in ("count", "sum") and None not in col
+        if slot_of is None and not by_slices:
+            index = {k: g for g, k in enumerate(seen)}
+            slot_of = [index[k] for k in keys]
         if kind in ("count", "sum"):
-            if strided and None not in col:
+            if by_slices:
                 merged = [sum(col[g::groups]) for g in range(groups)]
             else:
                 acc: list[Any] = [None] * groups
@@ -645,11 +655,11 @@ def packed_merge(kinds: Mapping[str, str], fields: Sequence[Sequence[str]], colu
                     if v is not None:
                         acc[g] = v if acc[g] is None else acc[g] + v
                 merged = acc
+            present = merged if by_slices else [v for v in merged if v is not None]
             if alias == "int64":
-                present = [v for v in merged if v is not None]
                 if present and (min(present) < _INT64_RANGE[0] or max(present) > _INT64_RANGE[1]):
                     raise NotPlain("an integer sum past int64")
-            elif not all(v is None or v - v == 0.0 for v in merged):
+            elif not all(map(isfinite, present)):
                 raise NotPlain("a double sum that is not finite")
         else:
             acc = [None] * groups

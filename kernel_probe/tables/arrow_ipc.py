@@ -10,6 +10,8 @@ JSON. Writing and reading an IPC stream costs tens of microseconds of fixed work
 (schema flatbuffers, a reader, a batch), and every rank sends one partial a query that its
 broker reads and concatenates with its node's: packed, a broker concatenates lists and
 never makes an Arrow table; the root makes one table from all of them (``PackedPartial``).
+A rank's plain counted group-by makes its ``PackedPartial`` directly (``fast_paths``), and
+no Arrow table at all.
 Only plain types pack (int64, double, string, bool, null) and only finite doubles; anything
 else travels as Arrow IPC.
 """
@@ -23,7 +25,7 @@ from .arrow_stream import write_stream
 from .convert import PlainTable
 
 __all__ = ["table_to_ipc", "ipc_to_table", "partial_to_wire", "partial_from_wire", "partial_table", "PackedPartial", "PACKED",
-           "remember_lists"]
+           "PACK_MAX_ROWS"]
 
 
 _IPC_OPTIONS: list = []  # [write options, read options], made once: pyarrow's defaults read os.environ per call
@@ -106,8 +108,9 @@ _PACKED_EMPTY: dict[int, tuple[Any, bytes]] = {}  # id(table) -> (table, bytes):
 
 
 class PackedPartial:
-    """A tiny partial as it travelled: ``fields`` ((name, type alias), ...), ``metadata``
-    (str -> str, or None) and one list of values per column. Partials of one schema
+    """A tiny partial as it travels: ``fields`` ((name, type alias), ...), ``metadata``
+    (str -> str, or None) and one list of values per column. Read from the wire, or made by a
+    rank's counted group-by (``fast_paths``) without an Arrow table. Partials of one schema
     concatenate as lists (``concat``); ``to_arrow`` makes the table where Arrow is needed."""
 
     __slots__ = ("fields", "metadata", "columns", "num_rows", "_arrow")
@@ -159,31 +162,8 @@ class PackedPartial:
 _PACKED_HEADS: dict[tuple, bytes] = {}  # (fields, metadata) -> the packed JSON up to the columns
 
 
-# Partials whose values their maker had as lists already (numpy's ``tolist``: a fraction of Arrow's
-# ``to_pylist``), by the table: ``_packed`` takes them instead of reading the table again.
-_KNOWN_LISTS: dict[int, tuple[Any, PackedPartial]] = {}
-_KNOWN_LISTS_MAX = 256  # a virtual host's ranks' scans in flight at once, and more
-
-
-def remember_lists(table: Any, fields: tuple, columns: list[list]) -> None:
-    """``table``'s ``fields`` ((name, type alias) each, as its schema has them) and ``columns``
-    (``[c.to_pylist() for c in table.columns]``), as its maker had them: the table is packed
-    from them (when it packs at all: plain types, no metadata, few rows)."""
-    if table.num_rows > PACK_MAX_ROWS or not all(alias in _PACK_TYPES for _, alias in fields):
-        return
-    if len(_KNOWN_LISTS) >= _KNOWN_LISTS_MAX:
-        try:  # from several threads at once: at worst an entry more or less
-            _KNOWN_LISTS.clear()
-        except RuntimeError:
-            return
-    _KNOWN_LISTS[id(table)] = (table, PackedPartial(fields, None, columns, table.num_rows))  # (kept: its id not reused)
-
-
 def _packed(table: Any) -> PackedPartial | None:
     """``table`` as a PackedPartial, or None: too many rows, or a type or value JSON would change."""
-    known = _KNOWN_LISTS.pop(id(table), None)
-    if known is not None and known[0] is table:
-        return known[1]
     if table.num_rows > PACK_MAX_ROWS:
         return None
     fields = []
@@ -206,7 +186,10 @@ def partial_to_wire(table: Any) -> bytes:
     packed when it is tiny and plain, else as an Arrow IPC stream."""
     if type(table) is PackedPartial:
         if table.num_rows <= PACK_MAX_MERGED:
-            return table.to_wire()  # its values came as JSON: they go as JSON
+            try:
+                return table.to_wire()
+            except ValueError:  # a rank's double sum that is NaN or infinite: not JSON
+                pass
         return table_to_ipc(table.to_arrow())
     if type(table) is PlainTable:
         return table_to_ipc(table)

@@ -19,6 +19,8 @@ from itertools import accumulate, repeat
 from operator import is_not
 from typing import Any, NamedTuple, Sequence
 
+from .identity_cache import IdentityCache
+
 # Column names and Arrow types of the built-in tables: an empty table keeps its schema.
 SCHEMAS: dict[str, tuple[tuple[str, str], ...]] = {
     "stacks": (("thread_id", "int64"), ("thread_name", "string"), ("is_main", "bool"), ("depth", "int64"),
@@ -393,8 +395,7 @@ def user_table(data: Any):
     raise TypeError(f"expected a pandas DataFrame, a list of dicts or a pyarrow Table, got {type(data).__name__}")
 
 
-_FRAME_NAMES: dict[int, tuple[Any, list[str] | None]] = {}  # id(df.columns) -> (df.columns, names)
-_FRAME_NAMES_KEPT = 64
+_FRAME_NAMES = IdentityCache(64)  # df.columns (held: its id is not reused meanwhile) -> its names, or None
 
 
 def _plain_frame(df: Any) -> list[str] | None:
@@ -406,15 +407,13 @@ def _plain_frame(df: Any) -> list[str] | None:
     columns = df.columns
     if type(df.index) is not pd.RangeIndex or df.index.name is not None or type(columns) is not pd.Index:
         return None
-    known = _FRAME_NAMES.get(id(columns))
-    if known is not None and known[0] is columns:
-        return None if known[1] is None else list(known[1])
+    known = _FRAME_NAMES.get(columns, False)
+    if known is not False:
+        return None if known is None else list(known)
     names = columns.tolist()  # (iterating the Index itself goes value by value through Arrow)
     if not all(type(c) is str for c in names) or len(set(names)) != len(names):
         names = None
-    if len(_FRAME_NAMES) >= _FRAME_NAMES_KEPT:
-        _FRAME_NAMES.clear()
-    _FRAME_NAMES[id(columns)] = (columns, names)  # (the Index is kept: its id is not reused meanwhile)
+    _FRAME_NAMES.put(columns, names)
     return None if names is None else list(names)
 
 
@@ -496,9 +495,6 @@ _CONSTANT_MAX_CHARS = 4096  # a text constant longer than this is not folded (an
 UNFOLD_MAX_BYTES = 1 << 28  # a folded answer that would unfold past this is refused (a peer's bytes)
 _CONSTANTS_KEPT = 32  # constant arrays kept (a rank's tags; the answers a dashboard asks again)
 _CONSTANT_KEPT_MAX_BYTES = 1 << 16  # a larger constant array is made each time, never kept
-_CONSTANTS: dict[tuple, Any] = {}
-_FOLDED_JSON: dict[tuple, bytes] = {}  # what fold_constants writes, by the columns it folds
-_FOLDED_READ: dict[tuple, tuple] = {}  # what folded_constants read, by the bytes, rows and columns
 _FOLDED_KEPT_MAX_BYTES = 4096  # longer constants are read each time, never kept
 
 
@@ -516,21 +512,27 @@ def constant_array(value: Any, type_name: str, n: int) -> Any:
     """An Arrow array of ``n`` times ``value`` (None: NULLs) of ``type_name`` (FOLDABLE, or
     ``large_string``), kept when small: arrays are immutable, and a rank's tags and a
     dashboard's answers ask for the same ones again and again."""
-    key = (type_name, value, n)
-    known = _CONSTANTS.get(key)
-    if known is not None:
-        return known
-    pa = _pa()
+    # its size, before it is made (the NULLs' validity, or the values: offsets and text, or int64)
+    size = n if value is None else n * (8 + len(value.encode("utf-8", "surrogatepass"))) if type(value) is str else 8 * n
+    if size <= _CONSTANT_KEPT_MAX_BYTES:
+        return _kept_constant(type_name, value, n)
+    return _constant_array(type_name, value, n)
+
+
+def _constant_array(type_name: str, value: Any, n: int) -> Any:
     arrow_type = _arrow_type(type_name)
-    made = pa.nulls(n, arrow_type) if value is None else pa.repeat(scalar(value, arrow_type), n)
-    if made.nbytes <= _CONSTANT_KEPT_MAX_BYTES:
-        try:  # from several threads at once: at worst an entry more or less
-            while len(_CONSTANTS) >= _CONSTANTS_KEPT:
-                _CONSTANTS.pop(next(iter(_CONSTANTS)), None)  # the oldest goes
-        except (RuntimeError, StopIteration):
-            return made
-        _CONSTANTS[key] = made
-    return made
+    return _pa().nulls(n, arrow_type) if value is None else _pa().repeat(scalar(value, arrow_type), n)
+
+
+_kept_constant = functools.lru_cache(maxsize=_CONSTANTS_KEPT)(_constant_array)
+
+
+@functools.lru_cache(maxsize=_CONSTANTS_KEPT)
+def _folded_json(folded: tuple) -> bytes:
+    """What ``fold_constants`` writes for the columns it folds (a tuple of tuples: the same JSON)."""
+    import json
+
+    return json.dumps(folded, separators=(",", ":")).encode()
 
 
 def fold_constants(table: Any, names: Any) -> Any:
@@ -538,8 +540,6 @@ def fold_constants(table: Any, names: Any) -> Any:
     row (of a type in ``FOLDABLE``, or all NULL), which its schema metadata carries instead
     (``CONSTANTS_KEY``); ``table`` itself when none does, it has fewer than ``FOLD_MIN_ROWS``
     rows or a name twice. A one-rank answer's tag columns are a constant each, most of its bytes."""
-    import json
-
     n = table.num_rows
     schema = table.schema
     meta = schema.metadata
@@ -559,15 +559,8 @@ def fold_constants(table: Any, names: Any) -> Any:
             folded.append([i, name, type_name, field.nullable, found[0]])
     if not folded or len(folded) == len(all_names) or len(set(all_names)) != len(all_names):
         return table  # (no column left would lose the row count)
-    key = tuple(map(tuple, folded))
-    said = _FOLDED_JSON.get(key)
-    if said is None:
-        said = json.dumps(folded, separators=(",", ":")).encode()
-        if len(_FOLDED_JSON) >= _CONSTANTS_KEPT:
-            _FOLDED_JSON.clear()
-        _FOLDED_JSON[key] = said
     meta = dict(meta) if meta else {}
-    meta[CONSTANTS_KEY] = said
+    meta[CONSTANTS_KEY] = _folded_json(tuple(map(tuple, folded)))
     return table.drop_columns([f[1] for f in folded]).replace_schema_metadata(meta)
 
 
@@ -606,16 +599,9 @@ def folded_constants(table: Any) -> tuple[Folded, ...]:
     meta = table.schema.metadata
     if not meta or CONSTANTS_KEY not in meta:
         return ()
-    key = (meta[CONSTANTS_KEY], table.num_rows, table.num_columns)
-    known = _FOLDED_READ.get(key)
-    if known is None:
-        known = _folded_read(*key)
-        if len(key[0]) > _FOLDED_KEPT_MAX_BYTES:
-            return known
-        if len(_FOLDED_READ) >= _CONSTANTS_KEPT:
-            _FOLDED_READ.clear()
-        _FOLDED_READ[key] = known
-    return known
+    said = meta[CONSTANTS_KEY]
+    read = _folded_read if len(said) > _FOLDED_KEPT_MAX_BYTES else _kept_folded_read
+    return read(said, table.num_rows, table.num_columns)
 
 
 def _folded_read(said: bytes, n: int, width: int) -> tuple[Folded, ...]:
@@ -650,6 +636,9 @@ def _folded_read(said: bytes, n: int, width: int) -> tuple[Folded, ...]:
             raise ValueError("folded constants: past the bound of an answer")
         out.append(Folded(i, name, type_name, nullable, value))
     return tuple(out)
+
+
+_kept_folded_read = functools.lru_cache(maxsize=_CONSTANTS_KEPT)(_folded_read)  # (a ValueError is never kept)
 
 
 def unfolded_names(table: Any) -> list[str]:

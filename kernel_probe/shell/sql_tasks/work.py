@@ -512,7 +512,8 @@ class SqlWork:
         from ...sql.execute import run_rank
 
         return functools.partial(run_rank, self.plan_of(plan), tables=tables, tags=tags, params=params,
-                                 deadline=deadline, row_cap=self.row_cap, arrow=self.options.arrow_scans)
+                                 deadline=deadline, row_cap=self.row_cap, arrow=self.options.arrow_scans,
+                                 packed=True)  # a counted group-by's partial as the wire packs it
 
     def _shipped(self, names: list[str], tables: Mapping, tags: dict) -> dict | None:
         """The tables ``names`` (Arrow, or plain where ``tables`` gives them so), for this leaf's
