@@ -37,6 +37,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,6 +52,7 @@ __all__ = [
     "SECRET_KEY",
     "HOST_KEY",
     "StoreDiscovery",
+    "with_retries",
 ]
 
 MASTER_KEY = "probing/torchrun/{run_id}/master"
@@ -79,6 +81,28 @@ def _encode(value: Any) -> str:
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+
+def with_retries(attempt: Callable[[], _T], budget_sec: float, *, first_wait: float = 0.25, max_wait: float = 4.0,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 on_retry: Callable[[Exception, float], None] | None = None) -> _T:
+    """``attempt()``, tried again after a growing wait (``first_wait`` doubling up to ``max_wait``)
+    while ``budget_sec`` has not passed; the last failure is raised. One store call times out
+    after a couple of seconds: on a loaded machine the store can be that slow for a moment,
+    and a probe that gave up at once stayed out of the tree for the whole job."""
+    give_up = clock() + budget_sec
+    wait = first_wait
+    while True:
+        try:
+            return attempt()
+        except Exception as exc:
+            if clock() + wait > give_up:
+                raise
+            if on_retry is not None:
+                on_retry(exc, wait)
+            sleep(wait)
+            wait = min(wait * 2, max_wait)
 
 
 class StoreDiscovery:

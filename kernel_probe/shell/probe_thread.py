@@ -31,11 +31,13 @@ from ..rank_core import RankCore
 from ..stimuli import SelfChanged, Start
 from ..tags import Tags
 from . import connfile
+from .discovery import with_retries
 from .endpoint import RankEndpoint, SocketShell, WakePipe, probe_context
 from .pidwatch import PidWatch
 from .sql_tasks import SqlTaskRunner
 
 log = logging.getLogger("kernel_probe")
+STORE_OPEN_BUDGET_SEC = 20.0  # how long a rank keeps asking a slow or not-yet-listening store before it runs alone
 
 
 def routed_address(identity: Identity) -> str:
@@ -163,10 +165,12 @@ class ProbeThread(threading.Thread, SocketShell):
         store_secret = None
         if self._use_store:
             try:
-                self._discovery = self._open_store()
-                if not self.settings.auth_token:
-                    store_secret = self._store_secret = self._discovery.shared_secret(wire.new_secret())
-            except Exception as exc:  # no torch, store gone: run alone rather than not at all
+                self._discovery, store_secret = with_retries(
+                    self._open_store_and_secret, STORE_OPEN_BUDGET_SEC,
+                    on_retry=lambda exc, wait: log.info("probing: store discovery failed (%s); again in %.2g s",
+                                                        exc, wait))
+                self._store_secret = store_secret
+            except Exception as exc:  # store gone: run alone rather than not at all
                 log.warning("probing: store discovery unavailable (%s); this probe runs standalone", exc)
                 self._use_store, self._discovery = False, None
         key, warning = signing_key(self.settings, self.identity, use_store=self._use_store,
@@ -174,6 +178,14 @@ class ProbeThread(threading.Thread, SocketShell):
         if warning:
             log.warning("probing: %s", warning)
         return key
+
+    def _open_store_and_secret(self) -> tuple[Any, str | None]:
+        discovery = self._open_store()
+        try:
+            return discovery, (None if self.settings.auth_token else discovery.shared_secret(wire.new_secret()))
+        except Exception:
+            discovery.close()
+            raise
 
     def _open_store(self):
         from .discovery import StoreDiscovery, rendezvous_of_agent
