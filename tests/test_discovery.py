@@ -13,11 +13,8 @@ import pytest
 
 from tests.support.harness import free_port
 
-torch_dist = pytest.importorskip("torch.distributed")
-TCPStore = torch_dist.TCPStore
-
 from kernel_probe.config import run_id_from
-from kernel_probe.shell.discovery import (  # noqa: E402
+from kernel_probe.shell.discovery import (
     LOCAL0_KEY,
     MASTER_KEY,
     SECRET_KEY,
@@ -26,6 +23,14 @@ from kernel_probe.shell.discovery import (  # noqa: E402
 )
 
 RUN = "job-1/r0"
+
+
+def TCPStore(*args, **kw):  # noqa: N802 (torch's class, imported at first use)
+    """torch's TCPStore. Imported here, not at the top: every pytest process collects this
+    module (each worker of `make test`'s job part too), and torch.distributed costs ~2 CPU-s."""
+    from torch.distributed import TCPStore as store
+
+    return store(*args, **kw)
 
 
 @pytest.fixture

@@ -140,38 +140,6 @@ def test_torchrun_mode_membership_freeze_thaw(tmp_path: Path) -> None:
             _close_and_check(job)
 
 
-def _tiny_ddp_losses(job: LocalJob) -> dict[int, list[tuple[int, str]]]:
-    try:
-        codes = job.wait(timeout=90)
-        assert codes == [0, 0], f"exit codes {codes}\n{job.output()}"
-        losses: dict[int, list[tuple[int, str]]] = {}
-        for rank in range(4):
-            lines = [(int(s), x) for r, s, x in LOSS_RE.findall(job.output(rank)) if int(r) == rank]
-            losses[rank] = lines
-            assert [s for s, _ in lines] == [1, 2, 3, 4, 5], job.output(rank)
-        return losses
-    finally:
-        _close_and_check(job)
-
-
-def test_torchrun_tiny_ddp_deterministic(tmp_path: Path) -> None:
-    argv = [TINY_DDP, "--steps", "5", "--step-sleep", "0"]
-    # two jobs at once (their own rendezvous each): the losses do not depend on timing
-    jobs = [LocalJob(argv, nodes=2, ranks_per_node=2, mode="torchrun", workdir=tmp_path / d) for d in "ab"]
-    try:
-        for job in jobs:
-            job.start()
-        first, second = (_tiny_ddp_losses(job) for job in jobs)
-    finally:
-        for job in jobs:
-            job.close()
-    assert first == second
-    # Ranks see different data, so their losses differ.
-    assert len({tuple(v) for v in first.values()}) == 4
-    for lines in first.values():
-        assert all(float(x) > 0 for _, x in lines)
-
-
 def test_tiny_ddp_forever_stops_together_on_sigterm(tmp_path: Path) -> None:
     """--forever: SIGTERM to one rank stops all ranks after the same step, exit 0 (demo path)."""
     argv = [TINY_DDP, "--forever", "--step-sleep", "0.05"]

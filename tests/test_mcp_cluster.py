@@ -2,10 +2,13 @@
 ranks (gloo, DDP) whose last rank is late in Python while the others wait in the gradient
 all-reduce. One job serves every test: over stdio (``kernel-probe mcp``), over Streamable HTTP
 inside a real Jupyter server (``<base_url>/probing/mcp``, behind its token), the ended-job
-reader (``dump://``), and a playbook run by the CLI."""
+reader (``dump://``), and a playbook run by the CLI; and, without an agent, the verdict that
+names the late rank with the group, the op and its place, from the client, the CLI and the
+nodes view (one torchrun job fewer than a module of its own)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -64,6 +67,50 @@ def _stdio(runtime: Path, *target: str):
 
 def _text(result) -> str:
     return result.content[0].text
+
+
+def _verdict(root, kind: str, min_wait: float = 1.0, where: str = ""):
+    """The first verdict with a ``kind`` finding whose detail has ``where``."""
+    def found():
+        result = root.diagnose(timeout=10, min_wait=min_wait)
+        rows = result.findings
+        return result if ((rows["kind"] == kind) & rows["detail"].str.contains(where, regex=False)).any() else None
+
+    return wait_for(found, 50, interval=0.5, what=f"a {kind!r} finding")
+
+
+def test_a_rank_late_in_python_is_named_with_the_group_the_op_and_its_place(hung_job):
+    """The same job without an agent: the client, the CLI and the %cluster_nodes view name rank 3."""
+    root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
+    result = _verdict(root, "missing", where="fetch_next_batch")
+    row = result.findings.iloc[0]
+    assert (row["kind"], row["ranks"], row["group"]) == ("missing", [3], "0"), result.text()
+    assert row["seq"] > 0
+    assert "(all_reduce, [136] float32): ranks 0-2 waiting" in row["detail"], row["detail"]
+    assert "rank 3 never entered it — rank 3 is in fetch_next_batch (ddp_hang_worker.py:" in row["detail"], row["detail"]
+    assert result.summary.startswith(f"Collective #{row['seq']} on group 0 [default_pg]")
+    assert not result.coverage["partial"]
+    # the CLI says the same
+    cli = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "diagnose", "--json", "--min-wait", "1"],
+                         capture_output=True, text=True, timeout=60)  # the newest job here (runtime_dir)
+    assert cli.returncode == 1, cli.stderr  # the verdict has findings
+    answer = json.loads(cli.stdout)
+    assert (answer["findings"][0]["kind"], answer["findings"][0]["ranks"]) == ("missing", [3]), cli.stdout
+
+    # the %cluster_nodes view: once ranks are stalled, a line with the verdict
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("reload_ext", "probing_magics")
+    try:
+        assert shell.run_cell("%cluster_nodes --interval 0.5").error_in_exec is None
+        view = shell._probing_magics.views[""]
+        wait_for(lambda: view.verdict_summary.startswith("Collective #"), 30, interval=0.2,
+                 what="the verdict's line in the nodes view")
+        assert "rank 3 never entered it" in view.verdict.value and "⚠" in view.verdict.value
+        assert view.verdict_summary in view._repr_mimebundle_()["text/plain"]
+    finally:
+        shell.run_line_magic("unload_ext", "probing_magics")
 
 
 def test_an_agent_over_stdio_lists_asks_the_verdict_runs_sql_and_is_refused_a_write(hung_job, tmp_path):

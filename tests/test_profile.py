@@ -16,10 +16,10 @@ from kernel_probe.config import load_settings
 from kernel_probe.tables.readers.profile import CaptureBusy, ProfileCapture, trace_rows
 from kernel_probe.tables import LocalTables
 
-torch = pytest.importorskip("torch")
-
 
 def _train(tables: LocalTables, steps: int, extra=None) -> None:
+    import torch  # here, not at the top: every pytest process collects this module (~1.5 CPU-s)
+
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(steps):
@@ -33,6 +33,8 @@ def _train(tables: LocalTables, steps: int, extra=None) -> None:
 
 @pytest.fixture
 def tables():
+    import torch  # noqa: F401 (the hooks go on a torch the script has imported)
+
     t = LocalTables(load_settings())
     assert t.steps.install_torch_hooks()
     yield t
@@ -52,6 +54,8 @@ def test_a_capture_runs_from_the_next_step_end_for_n_steps(tables):
     assert [(s["capture_id"], s["state"]) for s in status] == [("c1", "armed")]
     _train(tables, 1)  # step 3 ends: the profiler starts
     assert _rows(tables, "profile_status")[0]["state"] == "running"
+    import torch
+
     _train(tables, 2, extra=torch.special.erfcx)  # steps 4 and 5 profiled
     assert tables.steps.capture is None  # off again: the hook is back to one attribute check
     status = _rows(tables, "profile_status")[0]

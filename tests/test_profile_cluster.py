@@ -28,7 +28,8 @@ EXTRA_OP = "tiny_ddp.extra_compute"
 
 
 def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, capsys, runtime_dir):
-    argv = [TINY_DDP, "--forever", "--step-sleep", "0.05", "--slow-rank", str(SLOW_RANK), "--slow-ms", str(SLOW_MS)]
+    # 0.2 s between steps, as the demo: the straggler computes 60 ms of every step, not of every 0.1 s
+    argv = [TINY_DDP, "--forever", "--step-sleep", "0.2", "--slow-rank", str(SLOW_RANK), "--slow-ms", str(SLOW_MS)]
     job = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun",
                  # the frozen rank (last) is dead well within the 20 s capture; 5 s once took the
                  # busy straggler for dead on a loaded machine
