@@ -252,25 +252,25 @@ def _losses(job) -> dict[tuple[int, int], str]:
 
 
 def test_probe_does_not_change_training(launch, runtime_dir):
-    argv = [TINY_DDP, "--steps", "6", "--step-sleep", "0.3"]
+    steps = 12  # at 0.3 s each, the job outlives its convergence and first steps on a loaded machine
+    argv = [TINY_DDP, "--steps", str(steps), "--step-sleep", "0.3"]
     # both at once: the losses do not depend on timing, and each job's waits overlap the other's work
     plain = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "0"})
     probed = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING": "1"})
     root = root_client(120)
     m = wait_for(lambda: converged(root, 4), 60, what="convergence")
     assert len(m) == 4
-    steps = wait_for(lambda: [x["step"] for x in members(root).values() if x["step"]], 30,
-                     what="optimizer steps seen by the probes")
-    assert steps
+    assert wait_for(lambda: [x["step"] for x in members(root).values() if x["step"]], 30,
+                    what="optimizer steps seen by the probes")
     assert probed.wait(180) == [0, 0]
     assert plain.wait(180) == [0, 0]
     a, b = _losses(plain), _losses(probed)
     # two jobs of their own rendezvous each, at once: equal losses also show that tiny_ddp is
     # deterministic (what the harness relies on), whatever the timing
-    assert sorted(a) == [(r, s) for r in range(4) for s in range(1, 7)], plain.output()
+    assert sorted(a) == [(r, s) for r in range(4) for s in range(1, steps + 1)], plain.output()
     assert a == b
     # ranks see different data, so their losses differ; a loss is positive
-    assert len({tuple(a[(r, s)] for s in range(1, 7)) for r in range(4)}) == 4
+    assert len({tuple(a[(r, s)] for s in range(1, steps + 1)) for r in range(4)}) == 4
     assert all(float(x) > 0 for x in a.values())
 
 
