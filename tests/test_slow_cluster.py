@@ -22,7 +22,7 @@ from .conftest import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.serial]  # verdicts on wall-clock arrival and step times: other jobs' load skews both
 WORKER = str(Path(__file__).parent / "workers" / "slow_worker.py")
-SLOWDOWN_MIN_SEC = 30  # PROBING_SLOWDOWN_MIN_SEC of the asking client (the default is a minute)
+SLOWDOWN_MIN_SEC = 20  # PROBING_SLOWDOWN_MIN_SEC of the asking client (the default is a minute)
 WINDOW = 30  # steps: the verdict reads each rank's newest WINDOW steps, so scenarios switch fast
 
 
@@ -35,7 +35,7 @@ def job(tmp_path_factory):
     control.write_text("{}")
     mp = pytest.MonkeyPatch()
     mp.setenv("PROBING_RUNTIME_DIR", str(runtime))
-    mp.setenv("PROBING_SLOWDOWN_MIN_SEC", str(SLOWDOWN_MIN_SEC))  # this process asks: the rule's minimum, halved
+    mp.setenv("PROBING_SLOWDOWN_MIN_SEC", str(SLOWDOWN_MIN_SEC))  # this process asks: the rule's minimum, a third
     j = LocalJob([WORKER, "--mode", "ddp", "--control", str(control)], nodes=2, ranks_per_node=2,
                  env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), "PROBING_SAMPLE_INTERVAL_SEC": "0.25"},
                  node_env=lambda i: {"PROBING_NODE_HOST": f"h{i}"}, workdir=tmp_path_factory.mktemp("job")).start()
