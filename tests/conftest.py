@@ -71,6 +71,16 @@ def _no_probe_in_pytest(monkeypatch):
         monkeypatch.setattr(jobs, "_registry", None)
 
 
+@pytest.fixture(scope="module")
+def engine():
+    """A DuckDB engine of the product's (``kernel_probe.sql.engine``) for a module's SQL tests."""
+    from kernel_probe.sql.engine import Engine
+
+    e = Engine(threads=1, memory_limit="1GB")
+    yield e
+    e.close()
+
+
 @pytest.fixture
 def runtime_dir(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "runtime"

@@ -69,13 +69,6 @@ class Job:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    e = Engine(threads=1, memory_limit="1GB")
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
 def cluster(engine: Engine) -> Job:
     return Job(make_ranks(seed=7), engine)
 

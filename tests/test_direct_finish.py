@@ -25,13 +25,6 @@ def _table(rank: int) -> pa.Table:
                      "v": pa.array([(i * 37 + rank * 11) % 50 for i in range(40)], pa.int64())})
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    e = Engine(threads=1, memory_limit="256MB")
-    yield e
-    e.close()
-
-
 def _oracle(engine: Engine, sql: str, ranks: list[int]) -> list[dict]:
     union = pa.concat_tables([tagged(_table(r), _tags(r)) for r in ranks])
     return engine.run(sql, {"t": union}).to_pylist()

@@ -49,15 +49,9 @@ def _rank_table(rng: random.Random, rank: int, n: int) -> pa.Table:
     })
 
 
-def _tags(rank: int) -> dict:
+def rank_tags(rank: int) -> dict:
+    """A rank's tags, four ranks a node (test_packed_scans uses them too)."""
     return {"_rank": rank, "_node": rank // 4, "_host": f"h{rank // 4}", "_local_rank": rank % 4, "_role": ""}
-
-
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    e = Engine(threads=1, memory_limit="1GB")
-    yield e
-    e.close()
 
 
 def _partials(p, engine: Engine, ranks: int, seed: int) -> list[dict]:
@@ -65,7 +59,7 @@ def _partials(p, engine: Engine, ranks: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     parts = []
     for r in range(ranks):
-        scans = run_rank(p, engine, {"t": _rank_table(rng, r, rng.choice([0, 1, 5, 40]))}, _tags(r), packed=True)
+        scans = run_rank(p, engine, {"t": _rank_table(rng, r, rng.choice([0, 1, 5, 40]))}, rank_tags(r), packed=True)
         parts.append({"scans": list(scans), "buffers": [partial_to_wire(t) for t in scans.values()]})
     return parts
 
@@ -86,7 +80,7 @@ def test_packed_merge_equals_the_merge_sql(sql: str, seed: int, engine: Engine) 
     assert_same(got, want, ordered=False, what=sql)
     assert reduced.metadata == packed.metadata
     # and the root's answer from reduced partials is the answer from all of them
-    work = SqlWork(SimTables({}), lambda: _tags(0), row_cap=10 ** 6, options=TaskOptions(), engine=engine)
+    work = SqlWork(SimTables({}), lambda: rank_tags(0), row_cap=10 ** 6, options=TaskOptions(), engine=engine)
     facts = Facts(pyarrow_loaded=True, ships_plain=False, engine_process=False, small=False)
     parts = _partials(p, engine, 12, seed)
     task = Finish(dict(p.to_dict()), parts)
@@ -100,7 +94,7 @@ def _union(seed: int) -> pa.Table:
     from kernel_probe.sql.execute import tagged
 
     rng = random.Random(seed)
-    return pa.concat_tables([tagged(_rank_table(rng, r, rng.choice([0, 1, 5, 40])), _tags(r)) for r in range(12)])
+    return pa.concat_tables([tagged(_rank_table(rng, r, rng.choice([0, 1, 5, 40])), rank_tags(r)) for r in range(12)])
 
 
 def test_a_brokers_merge_task_reduces_and_equals_the_sql_merge(engine: Engine) -> None:
@@ -108,7 +102,7 @@ def test_a_brokers_merge_task_reduces_and_equals_the_sql_merge(engine: Engine) -
     p = make_plan(sql, catalog=CATALOG)
     (scan,) = [sc for sc in p.scans if sc.merge]
     parts = _partials(p, engine, 8, 5)
-    work = SqlWork(SimTables({}), lambda: _tags(0), row_cap=10 ** 6, options=TaskOptions(), engine=engine)
+    work = SqlWork(SimTables({}), lambda: rank_tags(0), row_cap=10 ** 6, options=TaskOptions(), engine=engine)
     facts = Facts(pyarrow_loaded=True, ships_plain=False, engine_process=False, small=False)
     fast = work.run(Merge(dict(p.to_dict()), parts, reduce_above=4096), facts)
     i = fast["scans"].index(scan.name)

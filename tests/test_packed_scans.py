@@ -18,6 +18,8 @@ from kernel_probe.sql.planner import plan as make_plan
 from kernel_probe.tables.arrow_ipc import PACKED, PackedPartial, partial_to_wire
 from tests.support.differential import assert_same
 
+from .test_packed_merge import rank_tags
+
 CATALOG = {"t": ["g", "s", "k", "i", "x", "n"]}
 PACKS = [  # (sql, packs on a rank whose table has every column, NULL-free keys and inputs)
     ("SELECT g, count(*) AS n, avg(x) AS ax FROM t GROUP BY g ORDER BY g", True),
@@ -50,17 +52,6 @@ def _table(rng: random.Random, n: int, nan: bool = False) -> pa.Table:
     })
 
 
-def _tags(rank: int) -> dict:
-    return {"_rank": rank, "_node": rank // 4, "_host": f"h{rank // 4}", "_local_rank": rank % 4, "_role": ""}
-
-
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    e = Engine(threads=1, memory_limit="1GB")
-    yield e
-    e.close()
-
-
 @pytest.mark.parametrize("sql,packs", PACKS)
 def test_a_ranks_packed_partial_is_the_arrow_partials_bytes(sql: str, packs: bool | None, engine: Engine) -> None:
     p = make_plan(sql, catalog=CATALOG)
@@ -69,8 +60,8 @@ def test_a_ranks_packed_partial_is_the_arrow_partials_bytes(sql: str, packs: boo
     for n in (0, 1, 40, 300):
         for nan in (False, True):
             table = _table(rng, n, nan)
-            got = run_rank(p, engine, {"t": table}, _tags(3), packed=True)
-            want = run_rank(p, engine, {"t": table}, _tags(3))
+            got = run_rank(p, engine, {"t": table}, rank_tags(3), packed=True)
+            want = run_rank(p, engine, {"t": table}, rank_tags(3))
             assert list(got) == list(want)
             many = "GROUP BY i" in sql and n == 300  # past PACK_MAX_ROWS groups
             expect = table.column("n").null_count == 0 if packs is None else packs and not many
@@ -94,7 +85,7 @@ def test_a_rank_lacking_a_column_falls_back_and_the_answer_is_duckdbs(engine: En
     for packed in (True, False):
         parts = []
         for r, t in enumerate(tables):
-            scans = run_rank(p, engine, {"t": t}, _tags(r), packed=packed)
+            scans = run_rank(p, engine, {"t": t}, rank_tags(r), packed=packed)
             kinds = [type(v) for v in scans.values()]
             assert (PackedPartial in kinds) == (packed and r == 0)
             parts.append(_partials(scans))
