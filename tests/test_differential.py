@@ -176,10 +176,10 @@ def _calls(monkeypatch, name: str, counted=lambda args, result: True) -> list:
     seen: list = []
     real = getattr(module, name)
 
-    def wrapper(*args):
+    def wrapper(*args, **kwargs):  # (a keyword the wrapper refused would be a TypeError: the SQL path, silently)
         result = None
         try:
-            result = real(*args)
+            result = real(*args, **kwargs)
             return result
         finally:
             if counted(args, result):

@@ -393,7 +393,7 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
                 read = _tags_read(scan.arrow)
                 if "aggs" in scan.arrow:
                     result = fast_paths.arrow_partials(scan.arrow, tagged(table, tags, read) if read else table,
-                                                       packed and not _final_repeats(plan, scan))
+                                                       packed=packed and not _final_repeats(plan, scan))
                 else:
                     result = _rows_then_tags(scan.arrow, table, tags, read)
             except (fast_paths.NotPlain, KeyError, TypeError, ValueError, NotImplementedError) as exc:
