@@ -629,7 +629,6 @@ class QueryFanOut:
         ranks = s.waiting.pop(child)
         whole = not body["failed"] and body["answered"] == s.asked.pop(child, None)
         if whole:  # the usual answer: every rank asked answered (the text we sent, back as it went)
-            answered = failed_ranks = NO_RANKS
             s.answered = s.answered | ranks
         else:
             failed = ReasonRanges.from_wire(body["failed"], within=ranks)  # only the ranks we asked it for
