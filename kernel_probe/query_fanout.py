@@ -125,6 +125,7 @@ class HopQuery:
     targeted: RankRanges = NO_RANKS
     pruned: RankRanges = NO_RANKS
     waiting: dict[int, RankRanges] = field(default_factory=dict)  # hop rank -> ranks it answers for
+    asked: dict[int, str] = field(default_factory=dict)  # hop rank -> those ranks as its subquery said them
     local: bool = False  # our own scan is running
     shipped: dict[str, int] = field(default_factory=dict)  # scans of a leaf's shipped tables running: task id -> rank
     parts: list[tuple[list[str], list[bytes], list[int] | None]] = field(default_factory=list)  # rows: None unknown
@@ -232,9 +233,12 @@ class HopTiming:
     def to_body(self, elapsed_ms: float, at: tuple[float, float] | None = None) -> dict:
         """What a subresult carries up; ``at``: when this hop got its subquery and answered, by
         its clock (the parent splits the hop's transfer into down and up by them)."""
+        # (a leaf's lists are empty: every rank sends one of these a query)
         body = {"elapsed_ms": round(elapsed_ms, 3), "scan": self.scans.to_body(),
-                "merges": _slowest(_merge_rows(self.merges), "ms"), "hops": _slowest(_hop_rows(self.hops), "rtt_ms"),
-                "scanned_by": {str(r): b for r, b in sorted(self.scanned_by.items())[:MAX_PROFILE_ROWS]}}
+                "merges": _slowest(_merge_rows(self.merges), "ms") if self.merges else [],
+                "hops": _slowest(_hop_rows(self.hops), "rtt_ms") if self.hops else [],
+                "scanned_by": {str(r): b for r, b in sorted(self.scanned_by.items())[:MAX_PROFILE_ROWS]}
+                if self.scanned_by else {}}
         if at is not None:
             body["at"] = [at[0], at[1]]
         return body
@@ -256,9 +260,11 @@ class HopTiming:
         child_ms = 0.0
         if isinstance(body, dict):
             self.scans.absorb(body.get("scan"))
-            self._absorb_scanned_by(body.get("scanned_by"))
+            scanned_by = body.get("scanned_by")
+            if scanned_by:  # (a leaf's is empty, as its merges and hops)
+                self._absorb_scanned_by(scanned_by)
             for mine, theirs in ((self.merges, body.get("merges")), (self.hops, body.get("hops"))):
-                if isinstance(theirs, list):
+                if theirs and isinstance(theirs, list):
                     mine += theirs[-MAX_PROFILE_ROWS:]
                     del mine[:-MAX_PROFILE_ROWS]
             try:
@@ -527,8 +533,9 @@ class QueryFanOut:
         for hop, rid, ranks in sorted(by_hop, key=lambda h: -h[2].count):
             s.deep = s.deep or ranks.count > 1
             s.waiting[hop] = ranks
+            s.asked[hop] = text = str(ranks)
             s.timing.sent[hop] = now
-            body = {"qid": s.qid, "deadline": child_deadline, "ranks": str(ranks), "params": s.request.get("params")}
+            body = {"qid": s.qid, "deadline": child_deadline, "ranks": text, "params": s.request.get("params")}
             if s.request.get("native"):  # only then: a plain query's message stays as it was
                 body["native"] = True
             effects.append(Send(rid, Message("subquery", body, (s.plan_buffer,))))
@@ -620,15 +627,19 @@ class QueryFanOut:
         if s is None or s.stage != "gather" or child is None or child not in s.waiting:
             return []  # late, or not ours: the hop already answered without it
         ranks = s.waiting.pop(child)
-        failed = ReasonRanges.from_wire(body["failed"], within=ranks)  # only the ranks we asked it for
-        failed_ranks = failed.ranks()
-        for reason, below in failed.by_reason().items():
-            s.failed.add(below, reason)
-        try:
-            answered = (wire_ranks(body["answered"]) & ranks) - failed_ranks
-        except ValueError:
-            answered = NO_RANKS
-        s.answered = s.answered | answered
+        whole = not body["failed"] and body["answered"] == s.asked.pop(child, None)
+        if whole:  # the usual answer: every rank asked answered (the text we sent, back as it went)
+            s.answered = s.answered | ranks
+        else:
+            failed = ReasonRanges.from_wire(body["failed"], within=ranks)  # only the ranks we asked it for
+            failed_ranks = failed.ranks()
+            for reason, below in failed.by_reason().items():
+                s.failed.add(below, reason)
+            try:
+                answered = (wire_ranks(body["answered"]) & ranks) - failed_ranks
+            except ValueError:
+                answered = NO_RANKS
+            s.answered = s.answered | answered
         if body.get("error"):
             s.errors.append(body["error"])
         s.timing.absorb(self.rank, child, body.get("profile"), (now - s.timing.sent.get(child, now)) * 1000.0, now)
@@ -646,7 +657,8 @@ class QueryFanOut:
                 return [task]
         elif body["status"] == "ok" and len(names) == len(buffers):
             s.parts += _split(names, buffers, body.get("rows"), body.get("parts"))
-        s.failed.add(ranks - answered - failed_ranks, "no answer")
+        if not whole:
+            s.failed.add(ranks - answered - failed_ranks, "no answer")
         return self._maybe_merge(s, now)
 
     def on_sql_task_done(self, task_id: str, result: dict, now: float) -> list[Effect]:

@@ -561,6 +561,16 @@ def _trusted(cls: type, **fields: Any) -> Any:
     return obj
 
 
+# A header exactly as ``Codec.encode`` writes it: compact, the keys in ``_HEADER_KEYS`` order,
+# every string plain printable ASCII (no escapes), seq a positive integer, ts a JSON number with a
+# fraction or an exponent (a float to json). What matches means what ``_loads`` would read from it;
+# anything else -- a valid header written otherwise included -- is parsed as JSON and checked.
+_PLAIN_STR = rb'"([ !#-\[\]-~]+)"'
+_PLAIN_HEADER = re.compile(
+    rb'\{"type":' + _PLAIN_STR + rb',"sender":' + _PLAIN_STR + rb',"incarnation":' + _PLAIN_STR
+    + rb',"seq":([1-9][0-9]{0,18}),"ts":(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+(?:[eE][-+]?[0-9]+)?|[eE][-+]?[0-9]+))'
+    + rb',"msg_id":' + _PLAIN_STR + rb',"corr_id":(?:null|' + _PLAIN_STR + rb')\}')
+
 _REPLAY_NAME_CHARS = 64  # longer sender or incarnation names are remembered by their digest
 
 
@@ -803,6 +813,15 @@ class Codec:
 
     @staticmethod
     def _parse_header(data: bytes) -> Header:
+        plain = _PLAIN_HEADER.fullmatch(data)
+        if plain is not None:  # as encode writes it: read as json would, without building a dict
+            type_, sender, incarnation, seq, ts, msg_id, corr_id = plain.groups()
+            ts = float(ts)
+            if ts - ts == 0.0:  # finite (else the checks below say why not)
+                return _trusted(Header, type=type_.decode("ascii"), sender=sender.decode("ascii"),
+                                incarnation=incarnation.decode("ascii"), seq=int(seq), ts=ts,
+                                msg_id=msg_id.decode("ascii"),
+                                corr_id=None if corr_id is None else corr_id.decode("ascii"))
         obj = _loads(data)
         if type(obj) is dict:  # the common case decided in one expression: every field plainly right
             get = obj.get

@@ -206,6 +206,11 @@ class RankEndpoint:
         self.curve_key = curve_key
         self.router = router_socket(ctx, codec.limits, curve_key)
         self.parent: zmq.Socket | None = None
+        # Sockets whose FD may not tell that a message waits (it signals an edge, and only what
+        # this thread has not yet taken in): sent on since their last drain (a send can take in
+        # an arrival without a signal), drained only part way (MAX_BATCH), or new. A loop that
+        # polls FDs asks these, and only these, before it waits again (``take_unsettled``).
+        self.unsettled: set[zmq.Socket] = {self.router}
         self.dropped = 0  # messages that never reached the codec (no routing id and payload)
 
     # --- inputs ---------------------------------------------------------------------------
@@ -215,6 +220,7 @@ class RankEndpoint:
         for _ in range(MAX_BATCH):
             frames = recv_frames(router)
             if frames is None:
+                self.unsettled.discard(router)  # asked just now: its FD signals the next arrival
                 return
             if len(frames) < 2:
                 self.dropped += 1
@@ -228,6 +234,7 @@ class RankEndpoint:
                 self.refuse(rid, exc.reason, now)
                 continue
             feed(MessageIn(env, rid), now)
+        self.unsettled.add(router)
 
     def drain_parent(self, now: float) -> None:
         """Feed the core what the parent sent."""
@@ -237,6 +244,7 @@ class RankEndpoint:
                 return  # a message re-parented us: the old socket is closed
             frames = recv_frames(sock)
             if frames is None:
+                self.unsettled.discard(sock)
                 return
             refusal = wire.parse_refusal(frames)
             if refusal:
@@ -247,11 +255,21 @@ class RankEndpoint:
             except wire.WireError:
                 continue
             self.shell.feed(MessageIn(env, PARENT), now)
+        if sock is self.parent:
+            self.unsettled.add(sock)
+
+    def take_unsettled(self) -> list[zmq.Socket]:
+        """The sockets a loop polling FDs must ask for a waiting message (see ``unsettled``),
+        forgotten here: a socket is unsettled again only by another send or a part-way drain."""
+        out = [sock for sock in self.unsettled if sock is self.router or sock is self.parent]
+        self.unsettled.clear()
+        return out
 
     def refuse(self, rid: bytes, reason: str, now: float) -> None:
         """Tell a peer with the wrong key why it gets no answer (never a replay: that peer has the key)."""
         if reason == "replay" or not self.refusals.allow(now):
             return
+        self.unsettled.add(self.router)
         try:
             self.router.send_multipart([rid, *wire.refusal_frames(reason, self.run_id)], zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -282,11 +300,13 @@ class RankEndpoint:
             try:
                 if self.parent is None:
                     raise zmq.Again()
+                self.unsettled.add(self.parent)
                 send_frames(self.parent, frames)
             except zmq.ZMQError:
                 if effect.msg.type == "heartbeat":
                     self.shell.feed(SendFailed())
             return
+        self.unsettled.add(self.router)
         try:
             send_frames(self.router, [effect.to, *frames])
         except zmq.ZMQError:
@@ -295,10 +315,12 @@ class RankEndpoint:
     def connect_parent(self, endpoint: str | None) -> None:
         """Close the parent DEALER (its shell stopped polling it) and dial ``endpoint``, if any."""
         if self.parent is not None:
+            self.unsettled.discard(self.parent)  # (the set holds at most the router and the parent)
             self.parent.close(0)
             self.parent = None
         if endpoint:
             self.parent = parent_socket(self.ctx, endpoint, self.codec.limits, self.curve_key)
+            self.unsettled.add(self.parent)
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.router] if self.parent is None else [self.router, self.parent]

@@ -418,11 +418,10 @@ class VirtualHost:
                 probe.turn(now)
                 self._arm(probe)
             # A socket's FD signals only new activity, and a send on a socket can take in what
-            # arrived meanwhile without a signal: ask every socket used in this wake-up (a send
-            # happens only on the sockets of a touched rank) whether a message is waiting.
-            pending = [(sock, probe, kind) for probe in touched.values()
-                       for sock, kind in ((probe.net.router, "router"), (probe.net.parent, "parent"))
-                       if sock is not None and has_message(sock)]
+            # arrived meanwhile without a signal: ask the sockets sent on or drained part way in
+            # this wake-up (only a touched rank's: RankEndpoint.unsettled) whether a message waits.
+            pending = [(sock, probe, "router" if sock is probe.net.router else "parent")
+                       for probe in touched.values() for sock in probe.net.take_unsettled() if has_message(sock)]
             if self.trim.due(now):
                 self.trim.release(now)
             if root is not None and self.converged_at is None and root.core.converged_at is not None:
