@@ -181,17 +181,19 @@ def test_a_child_that_cannot_start_fails_one_task_then_the_rank_runs_them(tables
 
 
 def test_a_slow_table_of_the_rank_holds_up_no_other_task(tables):
-    tables.table("slow", lambda: time.sleep(2.0) or [{"v": 1}])
+    # 6 s against a bound of 4: a query held up by the slow table would take 6, one that is not
+    # took up to 1.8 on a loaded machine
+    tables.table("slow", lambda: time.sleep(6.0) or [{"v": 1}])
     r = runner(tables, 30.0)
     try:
         ask(r, "SELECT 1 AS warm")
         planned = run(r, PlanQuery("SELECT sum(v) AS s FROM slow", local=True))
         slow_done = threading.Event()
-        r.start(RankScan(planned["plan"], deadline=time.time() + 10), lambda result: slow_done.set())
+        r.start(RankScan(planned["plan"], deadline=time.time() + 20), lambda result: slow_done.set())
         started = time.monotonic()
         assert ask(r, "SELECT count(*) AS n FROM rows") == ({"n": 20},)
-        assert time.monotonic() - started < 1.5 and not slow_done.is_set()
-        assert slow_done.wait(10)
+        assert time.monotonic() - started < 4.0 and not slow_done.is_set()
+        assert slow_done.wait(20)
     finally:
         r.close()
         tables.drop("slow")
@@ -207,11 +209,12 @@ def test_a_rank_with_pyarrow_learns_plans_and_shapes_then_finishes_at_once(table
         assert r.quick(plan_args) is None  # never planned: the engine process plans it
         planned = run(r, plan_args)
         assert r.quick(plan_args)["plan"] == planned["plan"]
-        scanned = run(r, RankScan(planned["plan"], deadline=time.time() + 5))
-        finish_args = Finish(planned["plan"], [scanned], deadline=time.time() + 5)
+        scanned = run(r, RankScan(planned["plan"], deadline=time.time() + 30))
+        finish_args = Finish(planned["plan"], [scanned], deadline=time.time() + 30)
         assert r.quick(finish_args) is None  # its shape is not known here yet
         remote = run(r, finish_args)
         here = r.quick(finish_args)
+        assert "error" not in remote, remote  # (a deadline passed on a loaded machine teaches no shape)
         assert here is not None and arrow_ipc.ipc_to_table(here["buffers"][0]).equals(
             arrow_ipc.ipc_to_table(remote["buffers"][0])) and "shape" not in here
         assert arrow_ipc.ipc_to_table(remote["buffers"][0]).to_pylist() == [{"n": 20, "m": 2}]
