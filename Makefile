@@ -32,8 +32,8 @@ lab: install
 # shared jobs stay in one process), the longest first (tests/conftest.py): the jobs mostly wait, so two
 # cores run three modules at once (four finish sooner on a quiet machine, but their latency-bound tests
 # failed on a slower day: TEST_WORKERS=4 to try). Then the `serial` tests (latency and resource bounds), and beside
-# them, at the lowest priority, the tests that start no process and the `background` ones (a wheel
-# build, the panel's lint), about two minutes of CPU: they take only the CPU the serial tests leave idle. A session of their own, its scheduling group at
+# them, at the lowest priority, the tests that start no process (about a minute and a half of CPU):
+# they take only the CPU the serial tests leave idle. A session of their own, its scheduling group at
 # nice 19 too: where the kernel groups CPU time by session (autogroup), a process's own nice counts
 # only inside its session, against the ranks' sessions. Their report follows the serial part's. Every
 # part always runs; exit status 5 (nothing selected, e.g. PYTEST_ARGS=one file) is fine.
@@ -43,9 +43,9 @@ TEST_WORKERS ?= 3
 NO_PROCESS := not processes and not cluster
 test: install chromium openmpi slurm
 	@export PYTHONDONTWRITEBYTECODE=; report=$$(mktemp); \
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not ($(NO_PROCESS)) and not serial and not background" $(PYTEST_ARGS); a=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not ($(NO_PROCESS)) and not serial" $(PYTEST_ARGS); a=$$?; \
 	setsid -w sh -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 "$$@"' lowest \
-	  $(PY) -m pytest -p no:cacheprovider -m "(($(NO_PROCESS)) or background) and not serial" $(PYTEST_ARGS) >$$report 2>&1 & \
+	  $(PY) -m pytest -p no:cacheprovider -m "$(NO_PROCESS) and not serial" $(PYTEST_ARGS) >$$report 2>&1 & \
 	pure=$$!; trap 'kill $$pure 2>/dev/null' EXIT; \
 	$(PY) -m pytest -m serial $(PYTEST_ARGS); b=$$?; \
 	wait $$pure; p=$$?; echo "--- the tests that start no process (beside the serial part):"; cat $$report; rm -f $$report; \

@@ -36,7 +36,6 @@ def _jlpm(*args: str, timeout: float) -> None:
                     f"{proc.stdout}\n{proc.stderr}", pytrace=False)
 
 
-@pytest.mark.background  # no time bound (jest's tests have theirs: they stay with the job modules)
 def test_panel_lint() -> None:
     _jlpm("lint:check", timeout=240)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.processes, pytest.mark.background]  # pip, node and a fresh venv: not part of `make test-fast`
+pytestmark = pytest.mark.processes  # pip, node and a fresh venv: not part of `make test-fast`
 ROOT = Path(__file__).resolve().parent.parent
 LABEXT = "share/jupyter/labextensions/probing-magics"
 SERVER_CONFIG = "etc/jupyter/jupyter_server_config.d/probing_magics.json"
