@@ -83,7 +83,6 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-
 def with_retries(attempt: Callable[[], _T], budget_sec: float, *, first_wait: float = 0.25, max_wait: float = 4.0,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  on_retry: Callable[[Exception, float], None] | None = None) -> _T:

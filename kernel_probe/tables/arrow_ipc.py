@@ -23,6 +23,7 @@ from typing import Any
 from ..wire import WireError, pack_json, unpack_json
 from .arrow_stream import write_stream
 from .convert import PlainTable
+from .identity_cache import IdentityCache
 
 __all__ = ["table_to_ipc", "ipc_to_table", "partial_to_wire", "partial_from_wire", "partial_table", "PackedPartial", "PACKED",
            "PACK_MAX_ROWS"]
@@ -104,7 +105,7 @@ PACK_MAX_ROWS = 256  # larger partials travel as Arrow IPC, whose fixed cost the
 PACK_MAX_MERGED = 4096  # a broker's concatenation of packed partials travels packed up to this many rows
 _PACK_TYPES = ("int64", "double", "string", "bool", "null")
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
-_PACKED_EMPTY: dict[int, tuple[Any, bytes]] = {}  # id(table) -> (table, bytes): a shape scan's answer, every query
+_PACKED_EMPTY = IdentityCache(_EMPTY_CACHE_SIZE)  # a table (held) -> its bytes: a shape scan's answer, every query
 
 
 class PackedPartial:
@@ -193,9 +194,9 @@ def partial_to_wire(table: Any) -> bytes:
         return table_to_ipc(table.to_arrow())
     if type(table) is PlainTable:
         return table_to_ipc(table)
-    known = _PACKED_EMPTY.get(id(table)) if table.num_rows == 0 else None
-    if known is not None and known[0] is table:
-        return known[1]
+    known = _PACKED_EMPTY.get(table) if table.num_rows == 0 else None
+    if known is not None:
+        return known
     packed = _packed(table)
     data = None
     if packed is not None:
@@ -206,7 +207,7 @@ def partial_to_wire(table: Any) -> bytes:
     if data is None:
         return table_to_ipc(table)
     if table.num_rows == 0:
-        _remember(_PACKED_EMPTY, id(table), (table, data))
+        _PACKED_EMPTY.put(table, data)
     return data
 
 
