@@ -10,13 +10,16 @@ DUCKDB_1X := 1.2.2
 # the Probing panel (labextension/) is built by the editable install: rebuild when its sources change
 $(STAMP): pyproject.toml constraints.txt labextension/package.json labextension/yarn.lock $(wildcard labextension/src/* labextension/style/* labextension/schema/*)
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	# bytecode after, on every core: pip compiles its 11,000 files on one (35 s of the install here, 27 s so);
+	# a few files written for newer Pythons (torch's tests) fail to compile, which pip ignores too
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -c constraints.txt -e '.[test]'
+	$(PY) -c 'import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0)'
 	# the panel's lint and unit-test tools (make test runs them): installed even when the build above was skipped
 	cd labextension && $(abspath $(VENV))/bin/jlpm install
 	# a DuckDB 1.x beside ours, for one test only: it makes a rare exit race frequent (tests/test_engine.py)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --target $(VENV)/duckdb-1x 'duckdb==$(DUCKDB_1X)'
-	# bytecode, as a wheel install leaves it (ranks then skip compiling, even with PYTHONDONTWRITEBYTECODE)
-	$(PY) -m compileall -q kernel_probe probing_magics
+	# our bytecode too, as a wheel install leaves it (ranks then skip compiling, even with PYTHONDONTWRITEBYTECODE)
+	$(PY) -m compileall -q -j 0 kernel_probe probing_magics
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,8 +35,8 @@ lab: install
 # shared jobs stay in one process), the longest first (tests/conftest.py): the jobs mostly wait, so two
 # cores run three modules at once (four finish sooner on a quiet machine, but their latency-bound tests
 # failed on a slower day: TEST_WORKERS=4 to try). Then the `serial` tests (latency and resource bounds), and beside
-# them, at the lowest priority, the tests that start no process (about a minute and a half of CPU):
-# they take only the CPU the serial tests leave idle. A session of their own, its scheduling group at
+# them, at the lowest priority and on two workers, the tests that start no process (about two and a half
+# minutes of CPU): they take only the CPU the serial tests leave idle. A session of their own, its scheduling group at
 # nice 19 too: where the kernel groups CPU time by session (autogroup), a process's own nice counts
 # only inside its session, against the ranks' sessions. Their report follows the serial part's. Every
 # part always runs; exit status 5 (nothing selected, e.g. PYTEST_ARGS=one file) is fine.
@@ -45,7 +48,7 @@ test: install chromium openmpi slurm
 	@export PYTHONDONTWRITEBYTECODE=; report=$$(mktemp); \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not ($(NO_PROCESS)) and not serial" $(PYTEST_ARGS); a=$$?; \
 	setsid -w sh -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 "$$@"' lowest \
-	  $(PY) -m pytest -p no:cacheprovider -m "$(NO_PROCESS) and not serial" $(PYTEST_ARGS) >$$report 2>&1 & \
+	  $(PY) -m pytest -n 2 -p no:cacheprovider -m "$(NO_PROCESS) and not serial" $(PYTEST_ARGS) >$$report 2>&1 & \
 	pure=$$!; trap 'kill $$pure 2>/dev/null' EXIT; \
 	$(PY) -m pytest -m serial $(PYTEST_ARGS); b=$$?; \
 	wait $$pure; p=$$?; echo "--- the tests that start no process (beside the serial part):"; cat $$report; rm -f $$report; \
