@@ -1,5 +1,4 @@
-"""Brokers of brokers in a real job: TCPStore, ZeroMQ, torchrun's environment (a plain launch:
-the tree is the probes', and four agents would cost ~7 CPU-s to start). Four nodes of one rank at
+"""Brokers of brokers in a real job: torchrun, TCPStore, ZeroMQ. Four nodes of one rank at
 ``PROBING_CLUSTER_FANOUT=2``: node 1's broker heads nodes 1-2 (node 2's broker reports to
 it), node 3's reports to the root. The store, the sockets and the engines are the real ones;
 the failure scenarios of the same tree run on the simulator (tests/test_sim_tree.py)."""
@@ -15,7 +14,7 @@ pytestmark = pytest.mark.cluster
 
 
 def test_a_three_level_job_reports_where_the_rule_puts_it_and_answers_through_every_level(launch):
-    job = launch(worker_argv(), nodes=4, ranks_per_node=1, mode="plain",
+    job = launch(worker_argv(), nodes=4, ranks_per_node=1, mode="torchrun",
                  env={**FAST, "PROBING_CLUSTER_FANOUT": "2", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "0.5"})
     job.wait_ready(90)
     root = root_client()
