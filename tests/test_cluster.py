@@ -33,8 +33,9 @@ def members(client: Client) -> dict[int, dict]:
     return {m["rank"]: m for m in client.nodes_raw(timeout=3)["members"]}
 
 
-def root_client(timeout: float = 90) -> Client:
-    return wait_for(lambda: kernel_probe.connect(timeout=2), timeout, interval=0.2, what="the job's root")
+def root_client(timeout: float = 90, token: str | None = None) -> Client:
+    return wait_for(lambda: kernel_probe.connect(token=token, timeout=2), timeout, interval=0.2,
+                    what="the job's root")
 
 
 def converged(client: Client, world: int) -> dict[int, dict] | None:
@@ -206,12 +207,35 @@ def test_killed_broker_leaves_reparent_to_root(launch):
         time.sleep(0.25)
 
 
+TOKEN = "s3cret-token-for-test-6"
+
+
+@pytest.fixture(scope="module")
+def token_job(tmp_path_factory):
+    """1 node x 2 plain ranks with a token, each rank with a subprocess and a forked child:
+    the tests that only read a small job share it (one start instead of two)."""
+    from tests.support.harness import LocalJob
+
+    runtime, control = tmp_path_factory.mktemp("runtime"), tmp_path_factory.mktemp("control")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PROBING_RUNTIME_DIR", str(runtime))  # this process's clients find the job there
+    env = {"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), "PROBING_AUTH_TOKEN": TOKEN,
+           # it outlives the 60 s after which idle ranks count as stalled, not alive
+           "PROBING_CLUSTER_STALL_SEC": "3600"}
+    job = LocalJob(worker_argv("--control-dir", str(control), "--spawn-child"), nodes=1, ranks_per_node=2,
+                   mode="plain", env=env, workdir=tmp_path_factory.mktemp("job"))
+    try:
+        job.start().wait_ready(60)
+        yield job, control
+    finally:
+        job.close()
+        mp.undo()
+
+
 # --- 6 ----------------------------------------------------------------------------------
-def test_wrong_token_refused_and_probe_keeps_serving(launch):
-    token = "s3cret-token-for-test-6"
-    job = launch(worker_argv(), nodes=1, ranks_per_node=2, mode="plain",
-                 env={"PROBING_AUTH_TOKEN": token})
-    job.wait_ready(60)
+def test_wrong_token_refused_and_probe_keeps_serving(token_job):
+    job, _ = token_job
+    token = TOKEN
     info = wait_for(lambda: connfile.newest_alive(os.environ["PROBING_RUNTIME_DIR"]), 60, what="connection file")
     path = info.path
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -275,13 +299,9 @@ def test_probe_does_not_change_training(launch, runtime_dir):
 
 
 # --- activation -----------------------------------------------------------------------
-def test_subprocesses_of_a_rank_start_no_probe(launch, tmp_path):
-    control = tmp_path / "control"
-    control.mkdir()
-    job = launch(worker_argv("--control-dir", str(control), "--spawn-child"), nodes=1, ranks_per_node=2,
-                 mode="plain")
-    job.wait_ready(60)
-    root = root_client()
+def test_subprocesses_of_a_rank_start_no_probe(token_job):
+    job, control = token_job
+    root = root_client(token=TOKEN)
     wait_for(lambda: converged(root, 2), 60, what="convergence")
     time.sleep(1.0)
 

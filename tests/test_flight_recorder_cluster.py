@@ -1,4 +1,5 @@
-"""torch's flight recorder over a real torchrun job with PROBING=1: DDP's C++ gradient
+"""torch's flight recorder over a real job with PROBING=1 (launched plainly: torchrun's environment
+without its agent, which plays no part here): DDP's C++ gradient
 all-reduce, which no Python wrapper sees, is a row of `collectives` on every rank, and
 `process_groups` has each group's ranks and last sequence numbers."""
 
@@ -19,7 +20,7 @@ FAST = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": 
 
 
 def test_ddp_all_reduce_and_process_groups_on_every_rank(launch):
-    launch([WORKER, "--steps", "3"], nodes=1, ranks_per_node=2, mode="torchrun", env=FAST)
+    launch([WORKER, "--steps", "3"], nodes=1, ranks_per_node=2, mode="plain", env=FAST)
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
 
     def trained():  # every rank past its 3 steps: DDP's bucket all-reduce once per step

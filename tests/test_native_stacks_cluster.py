@@ -1,4 +1,5 @@
-"""Native stacks over a real torchrun job: rank 1 blocked in gloo waiting for rank 0, which
+"""Native stacks over a real job (launched plainly: torchrun's environment without its agent,
+which plays no part here): rank 1 blocked in gloo waiting for rank 0, which
 never comes, shows gloo's wait in its native frames (SQL, `kernel-probe stacks --native`);
 on rank 0 py-spy is refused (a stand-in that fails as a ptrace refusal does), which one line
 says, and its Python stack still comes. A plain `stacks` query runs no py-spy."""
@@ -46,7 +47,7 @@ exec {REAL_PYSPY} "$@"
 def test_a_rank_blocked_in_gloo_shows_the_wait(launch, tmp_path):
     assert os.path.exists(REAL_PYSPY)
     env = dict(FAST, PROBING_NATIVE_STACKS_PYSPY=_refusing_on_rank0(tmp_path), PROBING_NATIVE_STACKS_TIMEOUT_SEC="20")
-    launch([WORKER], nodes=1, ranks_per_node=2, mode="torchrun", env=env)
+    launch([WORKER], nodes=1, ranks_per_node=2, mode="plain", env=env)
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
 
     def blocked():

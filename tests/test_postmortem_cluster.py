@@ -1,4 +1,5 @@
-"""Post-mortem dumps of real torchrun jobs (1 node x 3 ranks; rank 0 is the root).
+"""Post-mortem dumps of real jobs (1 node x 3 ranks; rank 0 is the root): torchrun's where its
+agent stops the others, plain launches where no agent plays a part.
 
 A rank raising: torchrun stops the others with SIGTERM, every rank leaves a dump, SQL over
 ``dump://`` equals DuckDB over the union of the same rows, the raising rank's reason is its
@@ -36,10 +37,11 @@ QUERIES = [
 ]
 
 
-def _start(launch, tmp_path, *args):
+def _start(launch, tmp_path, *args, mode: str = "torchrun"):
+    """mode "plain" where torchrun plays no part (nothing for its agent to stop): no agent to start."""
     dumps, flags = tmp_path / "dumps", tmp_path / "flags"
     flags.mkdir()
-    job = launch([DYING, "--dir", str(flags), *args], nodes=1, ranks_per_node=3,
+    job = launch([DYING, "--dir", str(flags), *args], nodes=1, ranks_per_node=3, mode=mode,
                  env={**ENV, "PROBING_DUMP_DIR": str(dumps)})
     job.wait_ready(90)
     wait_for(lambda: all((flags / f"ready-{r}").exists() for r in range(3)), 60, what="3 ranks ready")
@@ -172,7 +174,7 @@ def test_a_rank_killed_leaves_no_dump_and_coverage_says_so(launch, tmp_path):
 def test_sigterm_to_the_whole_job_leaves_every_dump_and_no_culprit(launch, tmp_path):
     import signal
 
-    job, dumps, _ = _start(launch, tmp_path)
+    job, dumps, _ = _start(launch, tmp_path, mode="plain")
     for rank in range(3):  # as Slurm ends a job step: every task at once
         job.kill(rank, signal.SIGTERM)
     job.wait(90)
@@ -187,9 +189,9 @@ def test_sigterm_to_the_whole_job_leaves_every_dump_and_no_culprit(launch, tmp_p
 
 
 def test_a_healthy_end_leaves_nothing(launch, tmp_path):
-    job, dumps, flags = _start(launch, tmp_path, "--exit-all")
+    job, dumps, flags = _start(launch, tmp_path, "--exit-all", mode="plain")
     (flags / "go").write_text("go")
-    assert job.wait(60) == [0]
+    assert job.wait(60) == [0, 0, 0]
     left = [p for p in dumps.rglob("*")] if dumps.exists() else []
     assert left == [], f"a healthy end wrote {left}"
 
@@ -198,7 +200,7 @@ def test_a_live_jobs_snapshot_answers_as_the_job(launch, tmp_path, capsys):
     from kernel_probe import cli
     from tests.support.differential import assert_same
 
-    _start(launch, tmp_path)
+    _start(launch, tmp_path, mode="plain")
     live = kernel_probe.connect(timeout=5)
     assert cli.main(["dump", str(tmp_path / "snap")]) == 0
     assert "wrote the dumps of 3 of 3 ranks" in capsys.readouterr().out
