@@ -30,6 +30,11 @@ EXTRA_OP = "tiny_ddp.extra_compute"
 def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, capsys, runtime_dir):
     # 0.2 s between steps, as the demo: the straggler computes 60 ms of every step, not of every 0.1 s
     argv = [TINY_DDP, "--forever", "--step-sleep", "0.2", "--slow-rank", str(SLOW_RANK), "--slow-ms", str(SLOW_MS)]
+    laps, started = [], time.monotonic()  # where the test's minute and more goes, printed at the end
+
+    def lap(what: str) -> None:
+        laps.append(f"{time.monotonic() - started:6.1f} s  {what}")
+
     job = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun",
                  # the frozen rank (last) is dead well within the 20 s capture; 5 s once took the
                  # busy straggler for dead on a loaded machine
@@ -37,12 +42,15 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
                       "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5"},
                  node_env=lambda node: {"PROBING_NODE_HOST": f"host{node}"})  # node 1 "on another host"
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
+    lap("the root answers")
     wait_for(lambda: root.query("SELECT _rank FROM steps WHERE step > 3 GROUP BY _rank").df.shape[0] == 4 or None,
              120, interval=1.0, what="steps on every rank")
+    lap("steps on every rank")
 
     progress: list[dict] = []
     out = tmp_path / "trace.json"
     result = root.profile(steps=2, out=str(out), timeout=60, on_progress=progress.append)
+    lap("a capture of 2 steps")
     print("\n" + result.summary() + "\n" + result.comparison.to_string(index=False))
     assert sorted(result.status) == [0, 1, 2, 3] and not result.failed, result.summary()
     assert all(s["state"] == "done" and s["step_last"] - s["step_first"] == 1 for s in result.status.values())
@@ -78,6 +86,7 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     small = root.profile(ranks=[0], steps=1, out=str(tmp_path / "small.json"), timeout=60, max_trace_mb=0.002)
     assert "cut at" in small.trace_note and len(json.loads((tmp_path / "small.json").read_text())["traceEvents"]) > 0
 
+    lap("a capture cut by its size cap")
     # the command line: ranks chosen, the comparison printed, the trace written
     from kernel_probe import cli
 
@@ -88,6 +97,7 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     lanes = {e["pid"] for e in json.loads(trace_file.read_text())["traceEvents"] if e.get("name") == "process_name"}
     assert lanes == {0, 2}
 
+    lap("the command line's capture")
     # the notebook: %cluster_profile prints the comparison and keeps the result under -o
     from IPython.testing.globalipapp import get_ipython
 
@@ -103,6 +113,7 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     finally:
         shell.run_line_magic("unload_ext", "probing_magics")
 
+    lap("the notebook's capture")
     # ranks chosen; a second capture while one runs is refused
     first: dict = {}
     runner = threading.Thread(target=lambda: first.update(r=kernel_probe.connect(timeout=5).profile(
@@ -118,9 +129,15 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     rows = root.query(f"SELECT DISTINCT _rank FROM profile_ops WHERE capture_id = '{first['r'].capture_id}'").df
     assert sorted(rows["_rank"]) == [1, 3]  # asked of every rank: only the chosen ones have its rows
 
+    lap("30 steps of ranks 1 and 3, a second capture refused meanwhile")
     _interrupting_a_real_kernels_cell_cancels_the_capture(root, runtime_dir, capsys)
+    lap("a real kernel's cell interrupted")
     _the_command_line_shows_progress_and_cancels_on_interrupt(root, runtime_dir)
+    lap("the command line interrupted")
     _a_rank_frozen_mid_capture_is_named_and_the_call_returns(job, root)  # last: the job stays stuck
+    lap("a rank frozen mid-capture (its 20 s deadline)")
+    with capsys.disabled():
+        print("\n" + "\n".join(laps))
 
 
 def _running_capture(root, ranks: int) -> str:
@@ -200,9 +217,16 @@ def _the_command_line_shows_progress_and_cancels_on_interrupt(root, runtime_dir)
 
     main, terminal = pty.openpty()  # stderr a terminal: the progress line is for people
     env = {k: v for k, v in os.environ.items() if k != "PROBING"}
-    proc = subprocess.Popen([sys.executable, "-m", "kernel_probe.cli", "profile", "--steps", "5000", "--timeout", "120"],
-                            env={**env, "PROBING_RUNTIME_DIR": str(runtime_dir)}, stdout=subprocess.PIPE,
-                            stderr=terminal)
+    # the command line as typed in a terminal, where ^C interrupts it: a pytest started in the
+    # background (`&`) ignores SIGINT, and so would its child (an ignored signal stays ignored
+    # across exec; a handled one is reset to the default)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kernel_probe.cli", "profile", "--steps", "5000", "--timeout",
+                                 "120"], env={**env, "PROBING_RUNTIME_DIR": str(runtime_dir)}, stdout=subprocess.PIPE,
+                                stderr=terminal)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     os.close(terminal)
     try:
         capture_id = _running_capture(root, 4)

@@ -24,9 +24,14 @@ pytestmark = pytest.mark.cluster
 WORKER = str(Path(__file__).parent / "workers" / "ddp_hang_worker.py")
 FAST = {"PROBING_CLUSTER_STALE_SEC": "6", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5",
         "PROBING_SAMPLE_INTERVAL_SEC": "0.25", "OMP_NUM_THREADS": "1"}
-# py-spy holds a rank paused while it reads libtorch's symbols (1-4 s here): a TTL of a few
-# seconds would call it dead meanwhile
-NATIVE = {**FAST, "PROBING_CLUSTER_STALE_SEC": "20", "PROBING_NATIVE_STACKS_TIMEOUT_SEC": "20"}
+# py-spy holds a rank paused while it reads libtorch's symbols (1-4 s here, many more under load: an
+# ask with native frames once took 18 s at a load of 20 on 2 cores), at most
+# PROBING_NATIVE_STACKS_TIMEOUT_SEC (then it is killed and the rank goes on). A rank is dead one TTL
+# after its last report, which may be a whole report interval old when the pause starts (10 s by
+# default, up to STALE - STALE/4 - 1 with backoff: with a TTL of 20, a pause of 6 s could kill it).
+# Reports at most 2 s apart and a TTL past the dump's timeout plus that: a native dump never kills a rank
+NATIVE = {**FAST, "PROBING_NATIVE_STACKS_TIMEOUT_SEC": "20", "PROBING_CLUSTER_REPORT_MAX_INTERVAL_SEC": "2",
+          "PROBING_CLUSTER_STALE_SEC": "30"}
 
 
 def _start(launch, scenario: str, env: dict) -> tuple:
