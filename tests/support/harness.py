@@ -164,6 +164,7 @@ class LocalJob:
         # once seen so node_of()/output()/close() still work after the worker died or was
         # orphaned. psutil.Process objects (not bare pids) guard against pid reuse.
         self._seen: dict[int, tuple[psutil.Process, int, int, int]] = {}
+        self._identities: dict[int, tuple[psutil.Process, dict[str, str]]] = {}  # pid -> (process, RANK...)
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
@@ -196,11 +197,12 @@ class LocalJob:
         self._reaper.start()
         return self
 
-    def _spawn(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
+    def _spawn(self, cmd: list[str], env: dict[str, str], log_path: Path, new_session: bool = False) -> None:
         log = open(log_path, "wb")
         self._logs.append(log)
         self._log_paths.append(log_path)
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=new_session)
         self._procs.append(proc)
 
     def _start_plain(self) -> None:
@@ -235,7 +237,9 @@ class LocalJob:
             env.update({k: v for k, v in self.extra_env.items() if k == "OMP_NUM_THREADS"})
             if self.rank_env is not None:  # e.g. a host name per simulated node
                 env.update(self.rank_env(rank))
-            self._spawn([self.python, *self.argv], env, self.workdir / f"rank{rank}.log")
+            # each in a session of its own, as torchrun starts its workers: where the kernel groups CPU
+            # time by session (autogroup), ranks left in the test's session share one group's time
+            self._spawn([self.python, *self.argv], env, self.workdir / f"rank{rank}.log", new_session=True)
 
     def _torchrun_target(self) -> list[str]:
         """The worker part of the torchrun command line."""
@@ -296,35 +300,52 @@ class LocalJob:
 
     # ------------------------------------------------------------- discovery
     def _agent_workers(self) -> dict[int, tuple[psutil.Process, int, int, int]]:
-        """torchrun mode: rank -> (process, agent index, GROUP_RANK, LOCAL_RANK) of live workers."""
+        """torchrun mode: rank -> (process, agent index, GROUP_RANK, LOCAL_RANK) of live workers.
+
+        Walks the kernel's children lists down from each agent (psutil's ``children()`` reads
+        every process of the machine, ~5 ms a call here, and this runs 20 times a second while
+        a job starts) and reads a process's environment once, when it is first met."""
         found: dict[int, tuple[psutil.Process, int, int, int]] = {}
         for idx, agent in enumerate(self._procs):
-            try:
-                children = psutil.Process(agent.pid).children(recursive=True)
-            except psutil.Error:
-                continue
-            pids = {c.pid for c in children}
-            for c in children:
-                try:
-                    if not _alive(c):
+            parent_rank: dict[int, str | None] = {agent.pid: None}  # pid -> its RANK, for each walked process
+            todo = [agent.pid]
+            while todo:
+                parent = todo.pop()
+                for pid in _children(parent):
+                    ident = self._identity(pid)
+                    if ident is None:
                         continue
-                    env = c.environ()
-                    if "RANK" not in env:
+                    proc, env = ident
+                    parent_rank[pid] = env.get("RANK")
+                    todo.append(pid)
+                    # a worker's own children inherit RANK: keep only the topmost one
+                    if "RANK" not in env or parent_rank.get(parent) == env["RANK"] or not _alive(proc):
                         continue
-                    # A worker's own children inherit RANK: keep only the topmost one.
-                    if c.ppid() in pids:
-                        penv = psutil.Process(c.ppid()).environ()
-                        if penv.get("RANK") == env["RANK"]:
-                            continue
-                    found[int(env["RANK"])] = (
-                        c,
-                        idx,
-                        int(env.get("GROUP_RANK", "-1")),
-                        int(env.get("LOCAL_RANK", "-1")),
-                    )
-                except (psutil.Error, ValueError):
-                    continue
+                    try:
+                        found[int(env["RANK"])] = (proc, idx, int(env.get("GROUP_RANK", "-1")),
+                                                   int(env.get("LOCAL_RANK", "-1")))
+                    except ValueError:
+                        continue
         return found
+
+    def _identity(self, pid: int) -> tuple[psutil.Process, dict[str, str]] | None:
+        """The process ``pid`` and its launcher variables, read once per worker (a pid reused
+        by another process is read again)."""
+        try:
+            proc = psutil.Process(pid)
+        except psutil.Error:
+            return None
+        known = self._identities.get(pid)
+        if known is not None and known[0] == proc:  # psutil compares pid and start time
+            return known
+        try:
+            env = proc.environ()
+        except psutil.Error:
+            return None
+        ident = (proc, {k: env[k] for k in ("RANK", "GROUP_RANK", "LOCAL_RANK") if k in env})
+        if "RANK" in ident[1]:  # before its exec, a worker still has the agent's environment
+            self._identities[pid] = ident
+        return ident
 
     def pids(self) -> dict[int, int]:
         """rank -> pid of the workers that are alive right now."""
@@ -591,6 +612,21 @@ class LocalJob:
                 self.close()
         except Exception:
             pass
+
+
+def _children(pid: int) -> list[int]:
+    """The children of ``pid``, from the kernel's list of each of its threads."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            out.extend(int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split())
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def _read(path: Path) -> str:
