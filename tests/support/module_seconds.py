@@ -1,4 +1,4 @@
-"""How long each module that starts processes took in a full `make test` (2 cores, four workers
+"""How long each module that starts processes took in a full `make test` (2 cores, three workers
 beside each other), in seconds: the order `make test` hands modules to its workers.
 
 The longest go first, so that no long module starts last and runs alone at the end. A module
@@ -12,16 +12,16 @@ UNKNOWN_CLUSTER = 20.0  # a module that starts a job, not listed yet
 UNKNOWN_PROCESSES = 5.0
 
 SECONDS = {
-    "test_lab_browser.py": 108, "test_launchers.py": 99, "test_verdict_scenarios_cluster.py": 76,
-    "test_slow_parallel_cluster.py": 69, "test_memory_pinning.py": 64, "test_postmortem_cluster.py": 61,
-    "test_profile_cluster.py": 58, "test_capture_lease.py": 56, "test_notebooks.py": 55,
-    "test_verdict_cluster.py": 33, "test_harness.py": 20, "test_cluster.py": 41, "test_hosts.py": 41,
-    "test_docs.py": 35, "test_limits_cluster.py": 34, "test_client_cli.py": 33, "test_wheel.py": 33,
-    "test_mcp_cluster.py": 40, "test_diagnose_vs_torch_bench.py": 30, "test_query_cluster.py": 26,
-    "test_differential_cluster.py": 25, "test_server_ext.py": 25, "test_magics.py": 23, "test_panel_unit.py": 21,
-    "test_engine_process.py": 20, "test_direct_cluster.py": 19, "test_straggler.py": 18, "test_curve.py": 18,
-    "test_relaunch.py": 18, "test_engine.py": 17, "test_client_concurrency.py": 16, "test_footprint.py": 16,
-    "test_first_query.py": 14, "test_native_stacks_cluster.py": 14, "test_postmortem.py": 12,
-    "test_query_failures.py": 11, "test_widget.py": 11, "test_limits_engine.py": 9, "test_tree_cluster.py": 9,
-    "test_dump_untrusted.py": 8, "test_flight_recorder_cluster.py": 6, "test_vhost.py": 5,
+    "test_launchers.py": 196, "test_lab_browser.py": 142, "test_postmortem_cluster.py": 135,
+    "test_verdict_scenarios_cluster.py": 135, "test_profile_cluster.py": 85, "test_slow_parallel_cluster.py": 83,
+    "test_mcp_cluster.py": 74, "test_wheel.py": 70, "test_capture_lease.py": 69, "test_memory_pinning.py": 68,
+    "test_cluster.py": 65, "test_notebooks.py": 63, "test_hosts.py": 53, "test_diagnose_vs_torch_bench.py": 47,
+    "test_docs.py": 46, "test_straggler.py": 40, "test_verdict_cluster.py": 35, "test_panel_unit.py": 32,
+    "test_magics.py": 30, "test_client_cli.py": 30, "test_engine_process.py": 30, "test_engine.py": 29,
+    "test_server_ext.py": 29, "test_query_cluster.py": 29, "test_limits_cluster.py": 28, "test_direct_cluster.py": 27,
+    "test_differential_cluster.py": 24, "test_relaunch.py": 24, "test_curve.py": 23, "test_client_concurrency.py": 19,
+    "test_footprint.py": 18, "test_tree_cluster.py": 16, "test_harness.py": 14, "test_native_stacks_cluster.py": 13,
+    "test_widget.py": 13, "test_first_query.py": 11, "test_postmortem.py": 11, "test_query_failures.py": 10,
+    "test_flight_recorder_cluster.py": 10, "test_limits_engine.py": 9, "test_dump_untrusted.py": 8, "test_vhost.py": 8,
+    "test_profile.py": 7, "test_flight_recorder.py": 7, "test_mcp.py": 7,
 }
