@@ -32,9 +32,9 @@ lab: install
 	$(PY) examples/lab.py $(LAB_ARGS)
 
 # First the modules that start processes or jobs, on $(TEST_WORKERS) workers, a module each at a time (its
-# shared jobs stay in one process), the longest first (tests/conftest.py): the jobs mostly wait, so two
-# cores run three modules at once (four finish sooner on a quiet machine, but their latency-bound tests
-# failed on a slower day: TEST_WORKERS=4 to try). Then the `serial` tests (latency and resource bounds), and beside
+# shared jobs stay in one process), the longest first (tests/conftest.py): three modules at once keep both
+# cores busy, most of it starting torch in ranks and agents (four finished no sooner: 662 s against 636-663).
+# Then the `serial` tests (latency and resource bounds), and beside
 # them, at the lowest priority and on two workers, the tests that start no process (about two and a half
 # minutes of CPU): they take only the CPU the serial tests leave idle. A session of their own, its scheduling group at
 # nice 19 too: where the kernel groups CPU time by session (autogroup), a process's own nice counts
