@@ -273,10 +273,12 @@ def test_torchs_ranks_go_to_the_live_group_of_a_reused_name():
 
 
 def test_rows_are_read_again_only_once_a_groups_status_moved(monkeypatch):
-    """A dump holds the GIL while torch writes it: while no group's status moves (a stuck job),
-    the rows of the last read are given again; the status alone is asked each time."""
+    """A dump holds the GIL while torch writes it: a read under FRESH_SEC old is given again
+    without asking torch anything (the queries of one diagnose); after that, while no group's
+    status moves (a stuck job), the status alone is asked."""
     dump = captured("late", 0)["dump"]
     calls = []
+    now = [100.0]
 
     def dump_json(include_collectives, only_active):
         calls.append(include_collectives)
@@ -285,13 +287,18 @@ def test_rows_are_read_again_only_once_a_groups_status_moved(monkeypatch):
     c10d = types.SimpleNamespace(_dump_fr_trace_json=dump_json)
     monkeypatch.setattr(fr, "torch_initialized", lambda: True)
     monkeypatch.setattr(fr, "loaded_torch_module", lambda name: c10d if name == "torch._C._distributed_c10d" else None)
-    reader = fr.Reader()
+    reader = fr.Reader(clock=lambda: now[0])
     first = reader.read(10, environ={})
-    assert reader.read(10, environ={}) is first and calls == [False, True, False]
+    assert calls == [False, True]
     dump = copy.deepcopy(dump)
-    dump["pg_status"]["0"]["last_completed_collective"] = "9"  # the late rank arrived
+    dump["pg_status"]["0"]["last_completed_collective"] = "9"  # the late rank arrived ...
+    now[0] += fr.FRESH_SEC - 0.01
+    assert reader.read(10, environ={}) is first and calls == [False, True]  # ... but the read is fresh
+    now[0] += 0.01
     moved = reader.read(10, environ={})
-    assert calls[3:] == [False, True] and moved is not first
+    assert calls[2:] == [False, True] and moved is not first
     assert {g[1]: g[7] for g in moved.process_groups}["0"] == 9
-    reader.read(5, environ={})  # another bound: read again
+    now[0] += 60
+    assert reader.read(10, environ={}) is moved and calls[4:] == [False]  # stale, but nothing moved
+    reader.read(5, environ={})  # another bound: read again, however fresh
     assert calls[5:] == [False, True]

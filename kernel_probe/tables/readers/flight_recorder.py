@@ -13,8 +13,8 @@ group with its ranks (NCCL), else from torch.distributed's own table of groups.
 ``rows`` is pure: dumps and groups in, rows out. ``Reader`` is the I/O around it: it looks up
 the torch this process already loaded (it never imports torch), is for the probe's query
 worker, never a training thread, and reads the entries again only once a group's status
-moved. ``availability`` says, cheaply, why there is nothing to read (torch not loaded, no
-recorder in this build, the recorder off).
+moved and its last read is older than ``FRESH_SEC``. ``availability`` says, cheaply, why
+there is nothing to read (torch not loaded, no recorder in this build, the recorder off).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+import time
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from ...dtypes import dtype_bytes
 from ...progress import loaded_torch_module, torch_initialized
@@ -33,6 +34,9 @@ DUMPS = (("fr", "_dump_fr_trace_json"), ("nccl", "_dump_nccl_trace_json"))
 # the size of torch's ring: the first of these that is set (torch's own order)
 BUFFER_SIZE_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 SOURCE = "flight_recorder"
+# a read this recent is given again, moved or not: one diagnose reads the recorder's tables
+# four times within about a second, and a full ring costs ~90 ms of the GIL to read
+FRESH_SEC = 1.0
 
 _COLLECTIVE_COLUMNS = tuple(col for col, _ in SCHEMAS["collectives"])
 _GROUP_COLUMNS = tuple(col for col, _ in SCHEMAS["process_groups"])
@@ -78,6 +82,22 @@ def _json_text(value: Any) -> str | None:
         return None
 
 
+def _memo_json_text() -> Callable[[Any], str | None]:
+    """``_json_text`` for one read: a ring's entries repeat a few shapes and dtypes, and
+    ``repr`` of a list costs a tenth of ``json.dumps``."""
+    texts: dict[str, str | None] = {}
+
+    def text(value: Any) -> str | None:
+        if not isinstance(value, list):
+            return None
+        key = repr(value)
+        if key not in texts:
+            texts[key] = _json_text(value)
+        return texts[key]
+
+    return text
+
+
 def tensor_bytes(sizes: Any, dtypes: Any) -> int | None:
     """Bytes of the tensors given by the recorder's sizes and dtypes; None unless every
     tensor's shape and dtype is known."""
@@ -114,7 +134,7 @@ def _backend_and_op(profiling_name: Any) -> tuple[str | None, str | None]:
     return (backend or None, op or None) if sep else (None, name)
 
 
-def _entry_row(entry: Mapping) -> dict[str, Any]:
+def _entry_row(entry: Mapping, json_text: Callable[[Any], str | None] = _json_text) -> dict[str, Any]:
     name, desc = _group_of(entry)
     _backend, op = _backend_and_op(entry.get("profiling_name"))
     created = _int(entry.get("time_created_ns"))
@@ -135,10 +155,10 @@ def _entry_row(entry: Mapping) -> dict[str, Any]:
         "op_id": _int(entry.get("op_id")),
         "is_p2p": is_p2p if isinstance(is_p2p, bool) else None,
         "state": _text(entry.get("state")),
-        "input_sizes": _json_text(entry.get("input_sizes")),
-        "input_dtypes": _json_text(entry.get("input_dtypes")),
-        "output_sizes": _json_text(entry.get("output_sizes")),
-        "output_dtypes": _json_text(entry.get("output_dtypes")),
+        "input_sizes": json_text(entry.get("input_sizes")),
+        "input_dtypes": json_text(entry.get("input_dtypes")),
+        "output_sizes": json_text(entry.get("output_sizes")),
+        "output_dtypes": json_text(entry.get("output_dtypes")),
         "timeout_ms": _int(entry.get("timeout_ms")),
     }
 
@@ -178,6 +198,7 @@ def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]],
     seen: set[tuple] = set()
     kept: dict[tuple, list[tuple[tuple, dict]]] = {}  # group key -> [(order, row)]
     group_rows: dict[tuple, dict[str, Any]] = {}  # group key -> process_groups row
+    json_text = _memo_json_text()
     for kind, dump in dumps.items():
         dump = _mapping(dump)
         status = _mapping(dump.get("pg_status"))
@@ -186,7 +207,7 @@ def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]],
                         if isinstance(v, Mapping) and v.get("name")}
         ids_seen: set[int] = set()
         for entry in _entries(dump.get("entries")):
-            row = _entry_row(entry)
+            row = _entry_row(entry, json_text)
             backend, _op = _backend_and_op(entry.get("profiling_name"))
             identity = (row["group_id"], row["group_name"], _text(entry.get("profiling_name")),
                         row["collective_seq_id"], row["p2p_seq_id"], row["op_id"], _int(entry.get("time_created_ns")))
@@ -326,13 +347,15 @@ def dumps(include_collectives: bool = True) -> tuple[dict[str, Any], list[str]]:
 class Reader:
     """This process's flight recorder, read when a query asks (see ``rows``).
 
-    torch writes a dump holding the GIL, about 60 us per entry on a busy 2-core machine (a
-    full ring of 2000: ~0.1 s of every training thread). Asking for the groups' status alone
-    costs ~0.1 ms, and while no group's status moved (a stuck job's does not), the entries
-    have not either: the rows of the last read are given again."""
+    Reading the entries costs the GIL: torch writes its dump at ~14 us per entry and turning
+    it into rows costs ~30 us more (a full ring of 2000: ~90 ms of every training thread on
+    this 2-core machine). So the rows of the last read are given again while they are under
+    ``FRESH_SEC`` old (the queries of one diagnose), and after that while no group's status
+    moved (a stuck job's does not; asking the status alone costs ~0.01 ms)."""
 
-    def __init__(self) -> None:
-        self._kept: tuple[Any, Recorded] | None = None  # (what they were read at, the rows)
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._kept: tuple[Any, float, Recorded] | None = None  # (what they were read at, when, the rows)
 
     def read(self, per_group: int, environ: Mapping[str, str] | None = None) -> Recorded:
         """Nothing to read, or a recorder that is off, gives empty rows and a note saying why;
@@ -342,18 +365,20 @@ class Reader:
             return Recorded([], [], absent)
         off = recorder_off(os.environ if environ is None else environ)
         groups = world_groups()
+        kept, now = self._kept, self._clock()
+        if kept is not None and now - kept[1] < FRESH_SEC and kept[0][1:] == (groups, per_group, off):
+            return kept[2]
         status, failed = dumps(include_collectives=False)
         at = ({kind: _mapping(d).get("pg_status") for kind, d in status.items()}, groups, per_group, off)
-        kept = self._kept
         if kept is not None and kept[0] == at and not failed:
-            return kept[1]
+            return kept[2]
         found, failed = dumps()
         collectives, process_groups = rows(found, groups, per_group)
         if off is not None and not collectives:  # torch read the variable when it made the ring
             recorded = Recorded([], [], _off_note(off))
         else:
             recorded = Recorded(collectives, process_groups, "; ".join(failed) or None)
-        self._kept = None if failed else (at, recorded)
+        self._kept = None if failed else (at, now, recorded)
         return recorded
 
 
