@@ -1,18 +1,14 @@
 """The user's guide holds: the README stays a guide, its links resolve, and the code in it runs.
 
-The unit tests read the Markdown only. The cluster test starts the bundled training job and
-runs every ``sql`` and ``python`` block of the README and ``docs/`` against it, and every
-``kernel-probe`` line of a ``sh`` block; a block that cannot run as written says why in its
-info string (```` ```python norun: … ````), and there are few of those.
+These tests read the Markdown only. tests/test_demo_job.py runs every ``sql`` and ``python``
+block of the README and ``docs/`` against the demo's job, and every ``kernel-probe`` line of a
+``sh`` block; a block that cannot run as written says why in its info string
+(```` ```python norun: … ````), and there are few of those.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +16,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [ROOT / "README.md", *DOCS]
-TINY_DDP = str(ROOT / "examples" / "tiny_ddp.py")
 
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```\s*$", re.S | re.M)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -103,111 +98,11 @@ def test_product_files_cite_no_design_notes_or_issues() -> None:
     assert not hits, "\n".join(hits)
 
 
-# ----------------------------------------------------------------------------- a real job
-
-
-def _code_blocks(langs: tuple[str, ...]) -> list[tuple[str, str]]:
+def code_blocks(langs: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(page name, code) of every block in ``langs`` that runs (tests/test_demo_job.py runs them)."""
     found = []
     for page in PAGES:
         for lang, rest, code in blocks(page):
             if lang in langs and not rest.startswith("norun"):
                 found.append((page.name, code))
     return found
-
-
-@pytest.fixture(scope="module")
-def doc_job(tmp_path_factory):
-    """The bundled training job, 2 nodes x 2 ranks, as `make demo` runs it, and its dumps."""
-    from tests.support.harness import LocalJob
-
-    base = tmp_path_factory.mktemp("docs")
-    env = {"PROBING": "1", "PROBING_RUNTIME_DIR": str(base / "runtime"), "PROBING_DUMP_DIR": str(base / "dumps")}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    # the demo's pace (0.2 s between steps): at 0.05 s the four ranks cost ~8 CPU-s more over the module
-    job = LocalJob([TINY_DDP, "--forever", "--step-sleep", "0.2"], nodes=2, ranks_per_node=2, env=env,
-                   workdir=base / "job")
-    try:
-        job.start()
-        job.wait_ready(timeout=120)
-        import kernel_probe
-        from tests.support import wait_for
-
-        client = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.3, what="the root")
-        last = "SELECT count(*) AS n, min(s) AS s FROM (SELECT _rank, max(step) AS s FROM steps GROUP BY _rank)"
-        wait_for(lambda: (lambda row: row["n"] == 4 and row["s"] >= 5)(client.query(last).df.iloc[0]),
-                 timeout=120, interval=0.5, what="every rank past step 5")
-        dumps = base / "snapshot"
-        exe = str(Path(sys.executable).with_name("kernel-probe"))
-        subprocess.run([exe, "dump", str(dumps)], env={**os.environ, **env}, check=True, timeout=120,
-                       capture_output=True)
-        yield job, client, dumps, env
-    finally:
-        job.close()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _run_dir(dumps: Path) -> Path:
-    runs = [p for p in dumps.iterdir() if p.is_dir()]
-    assert runs, f"no run under {dumps}"
-    return max(runs, key=lambda p: p.stat().st_mtime)
-
-
-@pytest.mark.cluster
-def test_sql_blocks_run(doc_job) -> None:
-    import duckdb
-    import kernel_probe
-
-    _, client, dumps, _ = doc_job
-    run = _run_dir(dumps)
-    dump_client = kernel_probe.connect(f"dump://{run}")
-    for page, code in _code_blocks(("sql",)):
-        for part in code.split(";"):
-            sql = "\n".join(line for line in part.splitlines() if not line.strip().startswith("--")).strip()
-            if not sql:
-                continue
-            if "read_parquet" in sql:  # plain DuckDB over the files, without this package
-                df = duckdb.sql(sql.replace("dumps/<run>", str(run))).df()
-            elif re.search(r"\bFROM reason\b", sql):  # the dumps opened as the job they were
-                df = dump_client.query(sql).df
-            else:
-                df = client.query(sql, timeout=30).df
-            assert df is not None, f"{page}: {sql[:60]}"
-
-
-@pytest.mark.cluster
-def test_python_blocks_run(doc_job, tmp_path, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)  # what the blocks write (a trace) stays here
-    _, _, dumps, _ = doc_job
-    run = _run_dir(dumps)
-    for page, code in _code_blocks(("python",)):
-        code = code.replace("dumps/<run>", str(run))
-        namespace: dict = {"__name__": "__docs__"}
-        exec(compile(code, f"<{page}>", "exec"), namespace)  # noqa: S102 (our own docs)
-
-
-@pytest.mark.cluster
-def test_cli_lines_run(doc_job, tmp_path) -> None:
-    """Every `kernel-probe` line of a sh block runs: exit 0, or 1 for a verdict with findings."""
-    _, _, dumps, env = doc_job
-    run = _run_dir(dumps)
-    exe = str(Path(sys.executable).with_name("kernel-probe"))
-    lines = []
-    for page, code in _code_blocks(("sh", "console")):
-        for line in code.splitlines():
-            line = line.split("  #", 1)[0].strip().removeprefix("$ ")
-            if line.startswith("kernel-probe "):
-                lines.append((page, line))
-    assert lines, "no kernel-probe line in any sh block"
-    for page, line in lines:
-        line = re.sub(r"\[(--[\w-]+)\]", r"\1", line)  # an optional flag: try it
-        line = line.replace("dump://DIR", f"dump://{run}").replace("dump://dumps/exp7", f"dump://{run}")
-        argv = [exe, *shlex.split(line)[1:]]
-        argv = [str(tmp_path / "trace.json") if a == "trace.json" else a for a in argv]
-        p = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
-        assert p.returncode in (0, 1), f"{page}: {line}: exit {p.returncode}\n{p.stderr[-800:]}"
-        assert "Traceback" not in p.stderr, f"{page}: {line}\n{p.stderr[-800:]}"
