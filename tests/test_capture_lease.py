@@ -1,4 +1,4 @@
-"""A capture ends with its client, on a real torchrun 2x2 job that makes no progress (every
+"""A capture ends with its client, on a real 2x2 job (plain ranks) that makes no progress (every
 rank stuck after a few steps: a capture stays armed, no step end ever comes): a command
 line killed (SIGKILL, SIGTERM) leaves no capture behind for longer than its lease, a capture
 is cancelled by anyone (``kernel-probe profile --cancel``) while its client keeps it alive
@@ -28,13 +28,13 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def stuck(tmp_path_factory):
-    """A 2x2 torchrun job whose rank 0 hangs after 3 steps (the others wait for it in their
+    """A 2x2 job of plain ranks whose rank 0 hangs after 3 steps (the others wait for it in their
     all-reduce): no rank ends a step again. Yields (root client, runtime dir)."""
     runtime = tmp_path_factory.mktemp("runtime")
     mp = pytest.MonkeyPatch()
     mp.setenv("PROBING_RUNTIME_DIR", str(runtime))
     job = LocalJob([TINY_DDP, "--forever", "--step-sleep", "0.05", "--hang-rank", "0", "--hang-after", "3"],
-                   nodes=2, ranks_per_node=2, mode="torchrun",
+                   nodes=2, ranks_per_node=2, mode="plain",
                    env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime)},
                    workdir=tmp_path_factory.mktemp("job")).start()
     try:

@@ -127,7 +127,7 @@ def test_a_curve_client_talks_and_a_peer_without_the_key_is_never_heard():
 @pytest.mark.cluster
 def test_a_job_with_a_token_encrypts_its_tree_and_its_clients(launch, runtime_dir, tmp_path, monkeypatch):
     # a token: the ranks listen on every interface, so the job encrypts without being told
-    job = launch([IDLE_WORKER, "--seconds", "300"], nodes=2, ranks_per_node=2,
+    job = launch([IDLE_WORKER, "--seconds", "300"], nodes=2, ranks_per_node=2, mode="plain",
                  env={"PROBING_AUTH_TOKEN": "s3cret", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "0.5"})
     job.wait_ready(90)
     client = wait_for(lambda: kernel_probe.connect(timeout=2), 90, interval=0.3, what="the root")

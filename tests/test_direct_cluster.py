@@ -1,5 +1,5 @@
 """A query pruned to one rank goes from the client to that rank directly, on a real 2x2
-torchrun job (gloo, the demo's tiny model stepping; each rank registers a seeded pandas
+job of plain ranks (gloo, the demo's tiny model stepping; each rank registers a seeded pandas
 `frame`): the same rows and the same coverage as through the tree, the direct path taken
 (the client's counts and the coverage say so), a rank the client cannot reach or that knows
 another membership answered through the tree, and a wrong key refused as before. One job
@@ -35,7 +35,7 @@ def job(tmp_path_factory):
     runtime = tmp_path_factory.mktemp("runtime")
     mp = pytest.MonkeyPatch()
     mp.setenv("PROBING_RUNTIME_DIR", str(runtime))
-    j = LocalJob([FRAMES, "--rows", str(ROWS), "--step-sleep", "0.05"], nodes=2, ranks_per_node=2, mode="torchrun",
+    j = LocalJob([FRAMES, "--rows", str(ROWS), "--step-sleep", "0.05"], nodes=2, ranks_per_node=2, mode="plain",
                  env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), "OMP_NUM_THREADS": "1"},
                  workdir=tmp_path_factory.mktemp("job")).start()
     try:

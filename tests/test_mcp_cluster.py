@@ -1,10 +1,11 @@
-"""An agent asks a real job through the MCP SDK's own client: a torchrun job of 2 nodes x 2
-ranks (gloo, DDP) whose last rank is late in Python while the others wait in the gradient
-all-reduce. One job serves every test: over stdio (``kernel-probe mcp``), over Streamable HTTP
-inside a real Jupyter server (``<base_url>/probing/mcp``, behind its token), the ended-job
-reader (``dump://``), and a playbook run by the CLI; and, without an agent, the verdict that
-names the late rank with the group, the op and its place, from the client, the CLI and the
-nodes view (one torchrun job fewer than a module of its own)."""
+"""An agent asks a real job through the MCP SDK's own client: a job of 2 nodes x 2 ranks (gloo,
+DDP; plain ranks, no torchrun agents: the asking is the point) whose last rank is late in Python
+while the others wait in the gradient all-reduce. One job serves every test: over stdio
+(``kernel-probe mcp``), over Streamable HTTP inside a real Jupyter server
+(``<base_url>/probing/mcp``, behind its token), the ended-job reader (``dump://``), and a
+playbook run by the CLI; and, without an agent, the verdict that names the late rank with the
+group, the op and its place, from the client, the CLI and the nodes view (one job fewer than a
+module of its own)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def hung_job(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("PROBING_RUNTIME_DIR", str(runtime))
     job = LocalJob([WORKER, "--scenario", "late", "--late-sec", "400", "--timeout-sec", "400"], nodes=2,
-                   ranks_per_node=2, mode="torchrun", env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), **FAST},
+                   ranks_per_node=2, mode="plain", env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), **FAST},
                    workdir=tmp_path_factory.mktemp("job")).start()
     try:
         root = wait_for(lambda: kernel_probe.connect(timeout=2), 90, interval=0.2, what="the root")

@@ -1,12 +1,12 @@
-"""Memory no peer can pin: an attacker on the machine against every rank of a torchrun job.
+"""Memory no peer can pin: an attacker on the machine against every rank of a job.
 
 For ATTACK_SEC (30 s; ``KP_PINNING_SEC``), bursts of 50 bad messages as fast as one sender
-makes them, each burst on a fresh connection, spread over every rank of a 2x2 torchrun job started without a token (loopback,
-no CURVE): random multipart frames, empty frames, signed-looking messages cut short, 2 MiB
-frames, the protocol tag with a JSON header and a bad signature. Within 10 s of its end every
-rank's RSS and USS are back within 10 MiB of their level (taken once the job's memory had
-settled: a young job grows by itself), every rank is alive, a query returns every rank's rows,
-and each rank counted the bad messages that reached it.
+makes them, each burst on a fresh connection, spread over every rank of a 2x2 job (plain
+ranks) started without a token (loopback, no CURVE): random multipart frames, empty frames,
+signed-looking messages cut short, 2 MiB frames, the protocol tag with a JSON header and a bad
+signature. Within 10 s of its end every rank's RSS and USS are back within 10 MiB of their level
+(taken once the job's memory had settled: a young job grows by itself), every rank is alive, a
+query returns every rank's rows, and each rank counted the bad messages that reached it.
 Also, without processes: the per-peer replay history lets go of peers whose messages are all stale.
 """
 
@@ -64,7 +64,7 @@ def test_an_attack_on_every_rank_leaves_no_memory_behind(launch, runtime_dir):
     # ranks that step (a table that fills, a main thread the probe samples) but stay light: the
     # attack is what is measured here, and four ranks at 3 ms of work per 6 ms of rest were more than a core
     job = launch([BUSY, "--work", "1000", "--sleep-ms", "6", "--keep", str(KEEP)], nodes=2, ranks_per_node=2,
-                 mode="torchrun")
+                 mode="plain")
     job.wait_ready(90)
     client = wait_for(lambda: kernel_probe.connect(timeout=2), 90, interval=0.3, what="the root")
     everyone = [0, 1, 2, 3]

@@ -1,4 +1,4 @@
-"""Profiles on demand on a real torchrun 2x2 job with a straggler: every rank's capture
+"""Profiles on demand on a real 2x2 job (plain ranks) with a straggler: every rank's capture
 names the straggler's extra op, the merged trace has one lane per rank, a second capture
 while one runs is refused, --ranks chooses who is profiled, an interrupt (of a real
 kernel's cell, of the command line) cancels the capture on the ranks, and a rank frozen
@@ -35,12 +35,12 @@ def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, caps
     def lap(what: str) -> None:
         laps.append(f"{time.monotonic() - started:6.1f} s  {what}")
 
-    job = launch(argv, nodes=2, ranks_per_node=2, mode="torchrun",
+    job = launch(argv, nodes=2, ranks_per_node=2, mode="plain",
                  # the frozen rank (last) is dead well within the 20 s capture; 5 s once took the
                  # busy straggler for dead on a loaded machine
                  env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25", "PROBING_CLUSTER_STALE_SEC": "8",
                       "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5"},
-                 node_env=lambda node: {"PROBING_NODE_HOST": f"host{node}"})  # node 1 "on another host"
+                 rank_env=lambda rank: {"PROBING_NODE_HOST": f"host{rank // 2}"})  # node 1 "on another host"
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
     lap("the root answers")
     wait_for(lambda: root.query("SELECT _rank FROM steps WHERE step > 3 GROUP BY _rank").df.shape[0] == 4 or None,

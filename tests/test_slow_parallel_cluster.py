@@ -1,5 +1,5 @@
 """The straggler named under FSDP2 (``fully_shard``) and under a pipeline schedule (GPipe, one stage
-per rank), each on a real torchrun 2x2 job whose rank 3 burns 60 ms of CPU in its forward: the phases
+per rank), each on a real 2x2 job (plain ranks) whose rank 3 burns 60 ms of CPU in its forward: the phases
 are measured (forward, communication wait), and ``diagnose`` names rank 3 and its compute."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ PHASES_SQL = ("SELECT _rank, median(forward_ms) AS forward_ms, median(comm_wait_
 def run(launch, tmp_path, mode: str):
     control = tmp_path / "control.json"
     control.write_text(json.dumps({"slow": {"3": {"phase": "forward", "ms": 60}}}))
-    launch([WORKER, "--mode", mode, "--control", str(control)], nodes=2, ranks_per_node=2, mode="torchrun",
-           env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25"}, node_env=lambda i: {"PROBING_NODE_HOST": f"h{i}"})
+    launch([WORKER, "--mode", mode, "--control", str(control)], nodes=2, ranks_per_node=2, mode="plain",
+           env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25"}, rank_env=lambda r: {"PROBING_NODE_HOST": f"h{r // 2}"})
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.5, what="the root")
 
     def phases():

@@ -1,4 +1,4 @@
-"""The straggler that DDP hides (a real torchrun 2x2 job): one rank computes more every
+"""The straggler that DDP hides (a real 2x2 job of plain ranks): one rank computes more every
 step, every rank's total step time is the same, and the per-step phases name that rank."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ GROUP BY _rank ORDER BY compute_ms DESC
 def test_phases_name_the_straggler_that_step_times_hide(launch):
     argv = [TINY_DDP, "--forever", "--step-sleep", "0.05",
             "--slow-rank", str(SLOW_RANK), "--slow-ms", str(SLOW_MS)]
-    launch(argv, nodes=2, ranks_per_node=2, mode="torchrun", env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25"})
+    launch(argv, nodes=2, ranks_per_node=2, mode="plain", env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25"})
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
 
     def enough_steps():

@@ -1,4 +1,4 @@
-"""The verdict on a real torchrun job (2 nodes x 2 ranks, gloo, DDP) that hangs: a rank calling
+"""The verdict on a real job (2 nodes x 2 plain ranks, gloo, DDP) that hangs: a rank calling
 another op at the same sequence number is named as the mismatch, by the client and by the
 REST route alike. (A rank late in Python, named with the group, the op and its place by the
 client, the CLI and the nodes view: test_mcp_cluster.py, on the job its agents ask.)"""
@@ -45,7 +45,7 @@ def jp_server_config():
 
 async def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mismatch(launch, jp_fetch, jp_web_app):
     launch([WORKER, "--scenario", "mismatch", "--timeout-sec", "90"], nodes=2, ranks_per_node=2,
-           mode="torchrun", env={**FAST, "PROBING_NATIVE_STACKS_TIMEOUT_SEC": "25"})  # py-spy x 4 on a loaded machine
+           mode="plain", env={**FAST, "PROBING_NATIVE_STACKS_TIMEOUT_SEC": "25"})  # py-spy x 4 on a loaded machine
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
     result = _verdict(root, "mismatch")
     (row,) = [r for _, r in result.findings.iterrows() if r["kind"] == "mismatch"]

@@ -1,4 +1,5 @@
-"""More hangs of a real torchrun job (2 nodes x 2 ranks, gloo, DDP) and the verdict on each:
+"""More hangs of a real job (2 nodes x 2 ranks, gloo, DDP; plain ranks: the hangs are the point, not
+torchrun's agents) and the verdict on each:
 the culprit rank, the group, the op and the place, in the sentence and in the findings rows.
 
 - another tensor size, and another dtype, at the same sequence number (the same byte count:
@@ -36,7 +37,7 @@ NATIVE = {**FAST, "PROBING_NATIVE_STACKS_TIMEOUT_SEC": "20", "PROBING_CLUSTER_RE
 
 def _start(launch, scenario: str, env: dict) -> tuple:
     job = launch([WORKER, "--scenario", scenario, "--late-sec", "90", "--timeout-sec", "90"],
-                 nodes=2, ranks_per_node=2, mode="torchrun", env=env)
+                 nodes=2, ranks_per_node=2, mode="plain", env=env)
     return job, wait_for(lambda: kernel_probe.connect(timeout=2), 90, interval=0.2, what="the root")
 
 
@@ -112,7 +113,7 @@ def test_a_dead_rank_is_what_the_others_wait_for(launch):
     late = _until(root, lambda rows: any(r["kind"] == "missing" and "fetch_next_batch" in r["detail"] for r in rows),
                   "rank 3 late in fetch_next_batch")  # not a rank slow to start, missing from DDP's first call
     seq = _row(late, "missing", "0")["seq"]
-    job.freeze(3)  # torchrun would end the job if it died: frozen, it stops answering
+    job.freeze(3)  # killed, it would break the others' all-reduce: frozen, it stops answering
     frozen = time.monotonic()
     result = _until(root, lambda rows: any(r["kind"] == "dead" and r["group"] == "0" for r in rows), "rank 3 dead")
     print(f"rank 3 frozen: dead in the verdict after {time.monotonic() - frozen:.1f} s (TTL 6 s)")
