@@ -56,6 +56,7 @@ _LAUNCHER_VARS = (
 )
 
 _LOOPBACK = "127.0.0.1"
+_QUICK_EXIT = Path(__file__).parent / "quick_exit"  # its sitecustomize.py says why
 
 
 AGENT_GRACE_SEC = 1.0  # close(): how long agents may outlive their ranks before SIGKILL
@@ -177,6 +178,8 @@ class LocalJob:
         # Unbuffered output so output() sees prints promptly even from killed workers.
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(self.extra_env)
+        # every process of the job skips the garbage collections of its interpreter's shutdown
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_QUICK_EXIT), env.get("PYTHONPATH")) if p)
         return env
 
     def start(self) -> "LocalJob":
@@ -518,13 +521,16 @@ class LocalJob:
         for p in self._procs:
             if p.poll() is not None:
                 continue
-            try:
-                top = psutil.Process(p.pid)
-                procs[top.pid] = top
-                for c in top.children(recursive=True):
-                    procs[c.pid] = c
-            except psutil.Error:
-                continue
+            # descendants through the kernel's children lists (psutil's children() reads every
+            # process of the machine, and close() asks 20 times a second)
+            todo = [p.pid]
+            while todo:
+                pid = todo.pop()
+                try:
+                    procs[pid] = psutil.Process(pid)
+                except psutil.Error:
+                    continue
+                todo.extend(_children(pid))
         # Workers seen earlier may have been orphaned (agent gone): include them too.
         for p in [info[0] for info in self._seen.values()] + list(self._frozen.values()):
             procs.setdefault(p.pid, p)
