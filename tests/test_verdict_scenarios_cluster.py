@@ -45,13 +45,15 @@ def _until(root, found, what: str, native: bool = False):
     """The first verdict for which ``found(findings rows)`` holds; failing, the last one's text.
     ``native``: the first such verdict with native frames. It is asked without them until
     ``found`` holds (the Python frames name the place; each native ask runs py-spy on every
-    rank, seconds of CPU reading libtorch's symbols), then with them."""
+    rank, seconds of CPU reading libtorch's symbols), then with them, until every rank answered
+    (on a loaded machine one rank's py-spy may outlast the ask, which then says so)."""
     last = []
 
     def ask(native: bool):
         result = root.diagnose(timeout=30 if native else 10, min_wait=1, native=native)
         last[:] = [result]
-        return result if found(result.findings.to_dict("records")) else None
+        whole = not native or not result.coverage["partial"]
+        return result if found(result.findings.to_dict("records")) and whole else None
 
     try:
         if native:
