@@ -1,8 +1,9 @@
-"""Profiles on demand on a real 2x2 job (plain ranks) with a straggler: every rank's capture
-names the straggler's extra op, the merged trace has one lane per rank, a second capture
-while one runs is refused, --ranks chooses who is profiled, an interrupt (of a real
-kernel's cell, of the command line) cancels the capture on the ranks, and a rank frozen
-mid-capture is named while the call still returns. One job for all of it."""
+"""A real 2x2 DDP job (plain ranks) with a straggler, one job for all of it. First the
+per-step phases name the straggler that step times hide (DDP makes every rank's step equally
+long). Then profiles on demand: every rank's capture names the straggler's extra op, the
+merged trace has one lane per rank, a second capture while one runs is refused, --ranks
+chooses who is profiled, an interrupt (of a real kernel's cell, of the command line) cancels
+the capture on the ranks, and a rank frozen mid-capture is named while the call still returns."""
 
 from __future__ import annotations
 
@@ -27,20 +28,74 @@ SLOW_RANK, SLOW_MS = 2, 60
 EXTRA_OP = "tiny_ddp.extra_compute"
 
 
-def test_profile_names_the_straggler_and_merges_one_trace(launch, tmp_path, capsys, runtime_dir):
+PHASES_SQL = """
+SELECT _rank,
+       median(duration_ms) AS step_ms,
+       median(forward_ms + backward_ms) AS compute_ms,
+       median(comm_wait_ms) AS wait_ms,
+       count(*) AS steps
+FROM steps WHERE step > 3
+GROUP BY _rank ORDER BY compute_ms DESC
+"""
+
+
+@pytest.fixture(scope="module")
+def straggler_job(tmp_path_factory):
+    """The job and its runtime dir (this process's PROBING_RUNTIME_DIR while the module runs)."""
+    from tests.support.harness import LocalJob
+
     # 0.2 s between steps, as the demo: the straggler computes 60 ms of every step, not of every 0.1 s
     argv = [TINY_DDP, "--forever", "--step-sleep", "0.2", "--slow-rank", str(SLOW_RANK), "--slow-ms", str(SLOW_MS)]
+    runtime = tmp_path_factory.mktemp("runtime")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PROBING_RUNTIME_DIR", str(runtime))
+    job = LocalJob(argv, nodes=2, ranks_per_node=2, mode="plain", workdir=tmp_path_factory.mktemp("job"),
+                   # the frozen rank (last) is dead well within the 20 s capture; 5 s once took the
+                   # busy straggler for dead on a loaded machine
+                   env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), "PROBING_SAMPLE_INTERVAL_SEC": "0.25",
+                        "PROBING_CLUSTER_STALE_SEC": "8", "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5"},
+                   rank_env=lambda rank: {"PROBING_NODE_HOST": f"host{rank // 2}"})  # node 1 "on another host"
+    try:
+        yield job.start(), runtime
+    finally:
+        job.close()
+        mp.undo()
+
+
+def test_phases_name_the_straggler_that_step_times_hide(straggler_job):
+    root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
+
+    def enough_steps():
+        r = root.query(PHASES_SQL)
+        return r if len(r.df) == 4 and (r.df["steps"] >= 12).all() else None  # a QueryResult is truthy
+
+    df = wait_for(enough_steps, 120, interval=1.0, what="12 steps with phases on every rank").df
+    print("\n" + df.to_string(index=False))
+    assert df["_rank"].iloc[0] == SLOW_RANK, df  # the most compute...
+    assert df.set_index("_rank")["wait_ms"].idxmin() == SLOW_RANK, df  # ...and the least waiting
+    others = df[df["_rank"] != SLOW_RANK]
+    assert (others["wait_ms"] > df.set_index("_rank").loc[SLOW_RANK, "wait_ms"] + SLOW_MS / 2).all(), df
+    steps = df["step_ms"]
+    assert steps.max() - steps.min() < 0.1 * steps.median(), df  # total step time cannot tell them apart
+
+    def nodes_carry_phases():
+        members = root.nodes()
+        ready = members["compute_ms"].notna().all() and members["comm_wait_ms"].notna().all()
+        return [members] if ready else None
+
+    (members,) = wait_for(nodes_carry_phases, 30, interval=0.5, what="compute/wait in the membership")
+    members = members.set_index("rank")
+    assert members["compute_ms"].idxmax() == SLOW_RANK and members["comm_wait_ms"].idxmin() == SLOW_RANK, members
+    root.close()
+
+
+def test_profile_names_the_straggler_and_merges_one_trace(straggler_job, tmp_path, capsys):
+    job, runtime_dir = straggler_job
     laps, started = [], time.monotonic()  # where the test's minute and more goes, printed at the end
 
     def lap(what: str) -> None:
         laps.append(f"{time.monotonic() - started:6.1f} s  {what}")
 
-    job = launch(argv, nodes=2, ranks_per_node=2, mode="plain",
-                 # the frozen rank (last) is dead well within the 20 s capture; 5 s once took the
-                 # busy straggler for dead on a loaded machine
-                 env={"PROBING_SAMPLE_INTERVAL_SEC": "0.25", "PROBING_CLUSTER_STALE_SEC": "8",
-                      "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5"},
-                 rank_env=lambda rank: {"PROBING_NODE_HOST": f"host{rank // 2}"})  # node 1 "on another host"
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
     lap("the root answers")
     wait_for(lambda: root.query("SELECT _rank FROM steps WHERE step > 3 GROUP BY _rank").df.shape[0] == 4 or None,

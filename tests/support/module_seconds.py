@@ -13,10 +13,10 @@ UNKNOWN_PROCESSES = 5.0
 
 SECONDS = {
     "test_launchers.py": 196, "test_lab_browser.py": 142, "test_postmortem_cluster.py": 135,
-    "test_verdict_scenarios_cluster.py": 135, "test_profile_cluster.py": 85, "test_slow_parallel_cluster.py": 83,
+    "test_verdict_scenarios_cluster.py": 135, "test_profile_cluster.py": 110, "test_slow_parallel_cluster.py": 83,
     "test_mcp_cluster.py": 74, "test_wheel.py": 70, "test_capture_lease.py": 69, "test_memory_pinning.py": 68,
     "test_cluster.py": 65, "test_notebooks.py": 30, "test_demo_job.py": 75, "test_hosts.py": 53, "test_diagnose_vs_torch_bench.py": 47,
-     "test_straggler.py": 40, "test_verdict_cluster.py": 35, "test_panel_unit.py": 32,
+     "test_verdict_cluster.py": 35, "test_panel_unit.py": 32,
     "test_magics.py": 30, "test_client_cli.py": 30, "test_engine_process.py": 30, "test_engine.py": 29,
     "test_server_ext.py": 29, "test_query_cluster.py": 29, "test_limits_cluster.py": 28, "test_direct_cluster.py": 27,
     "test_differential_cluster.py": 24, "test_relaunch.py": 24, "test_curve.py": 23, "test_client_concurrency.py": 19,
