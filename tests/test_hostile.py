@@ -40,7 +40,8 @@ BASELINE_SEC = 5.0
 # short TTL: a probe kept from its heartbeats for 4 s would show a dead rank
 SETTINGS = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "1",
             "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5", "PROBING_SAMPLE_INTERVAL_SEC": "0.25"}
-STEP_SLOWDOWN_MAX = 1.25  # median step time under attack / before it, on the attacked rank
+STEP_SLOWDOWN_MAX = 1.25  # median step time under attack / before it, on the attacked rank over the rank beside it
+STEP_SLOWDOWN_LOADED_MAX = 1.6  # ... and on the attacked rank alone, whatever else loads the machine
 RSS_GROWTH_MAX_MIB = 10.0
 KEY = wire.derive_key("t", "run")
 
@@ -276,19 +277,28 @@ def test_hostile_peers_against_a_live_root(launch, runtime_dir):
     time.sleep(3)  # the probe trims after a burst
     rss_after = root.memory_info().rss
 
-    steps = client.query("SELECT t, dur_ms FROM work WHERE rank = 0 AND step >= 0", timeout=10).df
-    # the baseline: the steps of the 5 s before the attack and of the seconds after it (in CI, the
-    # 5 s before alone once ran at 0.90 ms a step against 1.25 in every other run, on and off)
-    before = steps[((steps.t >= attack_start - BASELINE_SEC) & (steps.t < attack_start)) | (steps.t >= attack_end + 1)].dur_ms
-    during = steps[(steps.t >= attack_start) & (steps.t < attack_end)].dur_ms
-    slowdown = statistics.median(during) / statistics.median(before)
+    steps = client.query("SELECT rank, t, dur_ms FROM work WHERE step >= 0", timeout=10).df
+
+    def slowdown_of(rank: int) -> tuple[float, list, list]:
+        # the baseline: the steps of the 5 s before the attack and of the seconds after it (in CI, the
+        # 5 s before alone once ran at 0.90 ms a step against 1.25 in every other run, on and off)
+        mine = steps[steps["rank"] == rank]
+        before = mine[((mine.t >= attack_start - BASELINE_SEC) & (mine.t < attack_start)) | (mine.t >= attack_end + 1)]
+        during = mine[(mine.t >= attack_start) & (mine.t < attack_end)]
+        return statistics.median(during.dur_ms) / statistics.median(before.dur_ms), list(before.dur_ms), list(during.dur_ms)
+
+    slowdown, before, during = slowdown_of(0)
+    # rank 1 steps on the same 2 cores, unattacked: the attacker's own threads and the tests beside
+    # this one load both alike (1.33 on rank 0 once in `make test`; 1.10 alone)
+    beside, _, _ = slowdown_of(1)
     growth = (rss_after - rss_before) / 2**20
     print(f"\nhostile peers {ATTACK_SEC:.0f} s: {sum(expected.values())} bad messages counted exactly {counted}; "
           f"{peer.cut_off} messages with a 2 MB frame cut off by ZeroMQ; {peer.accepted} valid originals of replays; "
           f"{peer.connections} connections; {peer.bytes_sent / 2**20:.0f} MiB sent")
     print(f"during it: {queries} queries and {polls} nodes() polls, {len(failures)} failures")
     print(f"attacked rank's step: median {statistics.median(before):.2f} ms before and after, "
-          f"{statistics.median(during):.2f} ms during (x{slowdown:.3f}; {len(before)} / {len(during)} steps)")
+          f"{statistics.median(during):.2f} ms during (x{slowdown:.3f}; {len(before)} / {len(during)} steps); "
+          f"the rank beside it x{beside:.3f}")
     print(f"root RSS: {rss_before / 2**20:.1f} MiB before, peak {rss_peak / 2**20:.1f}, after {rss_after / 2**20:.1f} "
           f"(growth {growth:+.1f} MiB)")
 
@@ -296,5 +306,5 @@ def test_hostile_peers_against_a_live_root(launch, runtime_dir):
     assert root.is_running() and client.info()["pid"] == root.pid  # no crash, the probe still answers
     assert peer.connections >= 250 and queries >= ATTACK_SEC * 0.5
     assert counted == expected and set(expected) >= {"malformed", "bad_signature", "replay", "stale", "oversized"}
-    assert slowdown <= STEP_SLOWDOWN_MAX
+    assert slowdown / beside <= STEP_SLOWDOWN_MAX and slowdown <= STEP_SLOWDOWN_LOADED_MAX
     assert growth <= RSS_GROWTH_MAX_MIB
