@@ -14,6 +14,8 @@ import pytest
 
 from kernel_probe.sql.engine import Engine, QueryError, check_select
 
+from .conftest import wait_for
+
 SLOW = "SELECT count(*) FROM range(100000000) a, range(100000) b WHERE a.range + b.range = -1"
 
 
@@ -420,7 +422,9 @@ def test_no_tidy_within_a_burst_nor_while_a_query_runs(engine, monkeypatch):
     slow = threading.Thread(target=lambda: pytest.raises(QueryError, engine.run, SLOW, {}, deadline=time.time() + 2.0))
     slow.start()
     try:
-        time.sleep(0.1)
+        # the slow one under way first (at the lowest priority beside the serial tests, a thread may
+        # start late: the quiet time after the next query then fell before it, and a tidy with it)
+        wait_for(lambda: m._WATCHDOG._running >= 1, 10, interval=0.01, what="the slow query running")
         engine.run("SELECT 1", {})
         time.sleep(1.0)  # twice the quiet time after that one, the slow one still running
         assert slow.is_alive() and m._WATCHDOG.tidies == tidies
