@@ -116,16 +116,13 @@ PY = sys.executable
 
 def engine_processes(pid: int) -> list[int]:
     """The children of process ``pid`` that run their query work (``kernel_probe.shell.engine_main``)."""
+    from tests.support.harness import children
+
     found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    for child in children(pid):
         try:
-            children = (task / "children").read_text().split()
+            if b"kernel_probe.shell.engine_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
         except OSError:
             continue
-        for child in children:
-            try:
-                if b"kernel_probe.shell.engine_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    found.append(int(child))
-            except OSError:
-                continue
     return sorted(set(found))

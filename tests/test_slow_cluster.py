@@ -69,6 +69,16 @@ def verdict_until(root, fits, timeout: float = 120.0, window: int = WINDOW):
         raise AssertionError("last verdict:\n" + (last[0].text() if last[0] is not None else "none")) from None
 
 
+async def asked_until(ask, fits, timeout: float = 60.0):
+    """``await ask()`` once a second until ``fits`` its answer or ``timeout`` is up; the last answer.
+    A live job's verdict is over a window of recent steps, and one ask on a loaded machine may
+    fall on a stretch where the arrivals are mixed."""
+    deadline = time.monotonic() + timeout
+    while not fits(answer := await ask()) and time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+    return answer
+
+
 def switch(root, control: Path, **what) -> None:
     """Set the control, then wait until every rank has WINDOW steps under it (the verdict's window
     then holds nothing of the scenario before)."""
@@ -130,18 +140,16 @@ async def test_every_front_end_names_the_straggler(job, jp_fetch, jp_web_app):
     verdict_until(root, one_straggler((3,), "is the straggler: forward takes"), window=200)
     from probing_magics.server import STATE_KEY
 
-    # each front end is asked until it names the straggler: a live job's verdict is over a window of
-    # recent steps, and one ask on a loaded machine may fall on a stretch where the arrivals are mixed
+    # each front end is asked until it names the straggler (asked_until says why)
     try:
         resp = await jp_fetch("probing", "api", "jobs", method="GET")
         (listed,) = [j for j in json.loads(resp.body)["jobs"] if j["source"] == "local" and j["alive"]]
-        deadline = time.monotonic() + 60
-        while True:
+
+        async def rest():
             resp = await jp_fetch("probing", "api", "jobs", listed["id"], "diagnose", method="GET", request_timeout=60)
-            body = json.loads(resp.body)
-            if body["summary"].startswith("Rank 3 is the straggler") or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(1.0)
+            return json.loads(resp.body)
+
+        body = await asked_until(rest, lambda body: body["summary"].startswith("Rank 3 is the straggler"))
     finally:
         clients = jp_web_app.settings.get(STATE_KEY)
         if clients is not None:
@@ -173,14 +181,8 @@ async def test_every_front_end_names_the_straggler(job, jp_fetch, jp_web_app):
         env = {"PROBING_RUNTIME_DIR": str(runtime), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
         async with Client(StdioServerParameters(command=sys.executable, args=["-m", "kernel_probe.cli", "mcp"],
                                                 env=env)) as client:
-            # asked until it names the straggler, as the front ends above are
-            deadline = time.monotonic() + 60
-            while True:
-                answer = await client.call_tool("diagnose", {"timeout": 30})
-                if answer.is_error or "Rank 3 is the straggler" in answer.content[0].text \
-                        or time.monotonic() > deadline:
-                    return answer
-                await asyncio.sleep(1.0)
+            return await asked_until(lambda: client.call_tool("diagnose", {"timeout": 30}),
+                                     lambda a: a.is_error or "Rank 3 is the straggler" in a.content[0].text)
 
     answer = await agent()
     assert not answer.is_error and "Rank 3 is the straggler" in answer.content[0].text, answer.content[0].text

@@ -27,13 +27,13 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 import psutil
 
 from tests.support import process_guard
 
-__all__ = ["LocalJob", "free_port"]
+__all__ = ["LocalJob", "children", "free_port"]
 
 # Variables a launcher sets for its workers; stripped from the inherited environment
 # so a harness running inside some other distributed job does not leak them.
@@ -305,30 +305,25 @@ class LocalJob:
     def _agent_workers(self) -> dict[int, tuple[psutil.Process, int, int, int]]:
         """torchrun mode: rank -> (process, agent index, GROUP_RANK, LOCAL_RANK) of live workers.
 
-        Walks the kernel's children lists down from each agent (psutil's ``children()`` reads
-        every process of the machine, ~5 ms a call here, and this runs 20 times a second while
-        a job starts) and reads a process's environment once, when it is first met."""
+        Reads a process's environment once, when it is first met (``_descendants`` says why
+        it does not ask psutil)."""
         found: dict[int, tuple[psutil.Process, int, int, int]] = {}
         for idx, agent in enumerate(self._procs):
-            parent_rank: dict[int, str | None] = {agent.pid: None}  # pid -> its RANK, for each walked process
-            todo = [agent.pid]
-            while todo:
-                parent = todo.pop()
-                for pid in _children(parent):
-                    ident = self._identity(pid)
-                    if ident is None:
-                        continue
-                    proc, env = ident
-                    parent_rank[pid] = env.get("RANK")
-                    todo.append(pid)
-                    # a worker's own children inherit RANK: keep only the topmost one
-                    if "RANK" not in env or parent_rank.get(parent) == env["RANK"] or not _alive(proc):
-                        continue
-                    try:
-                        found[int(env["RANK"])] = (proc, idx, int(env.get("GROUP_RANK", "-1")),
-                                                   int(env.get("LOCAL_RANK", "-1")))
-                    except ValueError:
-                        continue
+            rank_of: dict[int, str | None] = {agent.pid: None}  # pid -> its RANK, for each process met
+            for parent, pid in _descendants(agent.pid):
+                ident = self._identity(pid)
+                if ident is None:
+                    continue
+                proc, env = ident
+                rank_of[pid] = env.get("RANK")
+                # a worker's own children inherit RANK: keep only the topmost one
+                if "RANK" not in env or rank_of.get(parent) == env["RANK"] or not _alive(proc):
+                    continue
+                try:
+                    found[int(env["RANK"])] = (proc, idx, int(env.get("GROUP_RANK", "-1")),
+                                               int(env.get("LOCAL_RANK", "-1")))
+                except ValueError:
+                    continue
         return found
 
     def _identity(self, pid: int) -> tuple[psutil.Process, dict[str, str]] | None:
@@ -521,16 +516,11 @@ class LocalJob:
         for p in self._procs:
             if p.poll() is not None:
                 continue
-            # descendants through the kernel's children lists (psutil's children() reads every
-            # process of the machine, and close() asks 20 times a second)
-            todo = [p.pid]
-            while todo:
-                pid = todo.pop()
+            for pid in [p.pid] + [pid for _parent, pid in _descendants(p.pid)]:
                 try:
                     procs[pid] = psutil.Process(pid)
                 except psutil.Error:
                     continue
-                todo.extend(_children(pid))
         # Workers seen earlier may have been orphaned (agent gone): include them too.
         for p in [info[0] for info in self._seen.values()] + list(self._frozen.values()):
             procs.setdefault(p.pid, p)
@@ -620,7 +610,7 @@ class LocalJob:
             pass
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     """The children of ``pid``, from the kernel's list of each of its threads."""
     out: list[int] = []
     try:
@@ -633,6 +623,18 @@ def _children(pid: int) -> list[int]:
         except (OSError, ValueError):
             continue
     return out
+
+
+def _descendants(pid: int) -> Iterator[tuple[int, int]]:
+    """(parent, child) for every descendant of ``pid``, each after its parent. From the kernel's
+    children lists: psutil's ``children()`` reads every process of the machine (~5 ms a call
+    here), and a job asks 20 times a second while it starts and while it closes."""
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for child in children(parent):
+            yield parent, child
+            todo.append(child)
 
 
 def _read(path: Path) -> str:

@@ -355,7 +355,7 @@ class Reader:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._kept: tuple[Any, float, Recorded] | None = None  # (what they were read at, when, the rows)
+        self._kept: _Kept | None = None
 
     def read(self, per_group: int, environ: Mapping[str, str] | None = None) -> Recorded:
         """Nothing to read, or a recorder that is off, gives empty rows and a note saying why;
@@ -364,22 +364,32 @@ class Reader:
         if absent is not None:
             return Recorded([], [], absent)
         off = recorder_off(os.environ if environ is None else environ)
-        groups = world_groups()
-        kept, now = self._kept, self._clock()
-        if kept is not None and now - kept[1] < FRESH_SEC and kept[0][1:] == (groups, per_group, off):
-            return kept[2]
+        asked, now = (world_groups(), per_group, off), self._clock()
+        kept = self._kept if self._kept is not None and self._kept.asked == asked else None
+        if kept is not None and now - kept.at < FRESH_SEC:
+            return kept.recorded
         status, failed = dumps(include_collectives=False)
-        at = ({kind: _mapping(d).get("pg_status") for kind, d in status.items()}, groups, per_group, off)
-        if kept is not None and kept[0] == at and not failed:
-            return kept[2]
+        statuses = {kind: _mapping(d).get("pg_status") for kind, d in status.items()}
+        if kept is not None and kept.statuses == statuses and not failed:
+            return kept.recorded
         found, failed = dumps()
-        collectives, process_groups = rows(found, groups, per_group)
+        collectives, process_groups = rows(found, asked[0], per_group)
         if off is not None and not collectives:  # torch read the variable when it made the ring
             recorded = Recorded([], [], _off_note(off))
         else:
             recorded = Recorded(collectives, process_groups, "; ".join(failed) or None)
-        self._kept = None if failed else (at, now, recorded)
+        self._kept = None if failed else _Kept(asked, statuses, now, recorded)
         return recorded
+
+
+class _Kept(NamedTuple):
+    """A ``Reader``'s last read: what it was asked (torch's groups, the bound, the variable that
+    turns the recorder off), the groups' status then, when, and the rows."""
+
+    asked: tuple
+    statuses: dict
+    at: float
+    recorded: Recorded
 
 
 def read(per_group: int, environ: Mapping[str, str] | None = None) -> Recorded:
