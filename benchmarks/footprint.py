@@ -89,7 +89,8 @@ def main() -> int:
     runtime = tempfile.mkdtemp(prefix="kp-footprint-")
     os.environ["PROBING_RUNTIME_DIR"] = runtime
     base = {"PROBING_RUNTIME_DIR": runtime}
-    shape = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node}
+    # fork=False: each rank its own interpreter, probe on as off (what is measured is their memory)
+    shape = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "fork": False}
     off = LocalJob(argv, mode="plain", env={**base, "PROBING": "0"}, **shape)
     on = LocalJob(argv, mode="plain", env={**base, "PROBING": "1", "PROBING_ENGINE_IDLE_SEC": str(args.engine_idle)},
                   **shape)

@@ -159,7 +159,8 @@ def main() -> int:
             env = {"PROBING_RUNTIME_DIR": runtime, "PROBING": "0" if arm.startswith("off") else "1",
                    "PROBING_CLUSTER_STALE_SEC": "300"}
             argv = [str(Path(__file__).resolve()), "--worker", str(outs[arm])]
-            jobs[arm] = LocalJob(argv, nodes=1, ranks_per_node=2, mode="plain", env=env, workdir=outs[arm]).start()
+            jobs[arm] = LocalJob(argv, nodes=1, ranks_per_node=2, mode="plain", env=env, workdir=outs[arm],
+                                 fork=False).start()  # each rank its own interpreter, probe on as off
             if arm.startswith("on + query"):
                 os.environ["PROBING_RUNTIME_DIR"] = runtime  # the client's newest job is this one, the only one there
                 querier = Querier()

@@ -47,7 +47,7 @@ exec {REAL_PYSPY} "$@"
 def test_a_rank_blocked_in_gloo_shows_the_wait(launch, tmp_path):
     assert os.path.exists(REAL_PYSPY)
     env = dict(FAST, PROBING_NATIVE_STACKS_PYSPY=_refusing_on_rank0(tmp_path), PROBING_NATIVE_STACKS_TIMEOUT_SEC="20")
-    launch([WORKER], nodes=1, ranks_per_node=2, mode="plain", env=env)
+    launch([WORKER], nodes=1, ranks_per_node=2, mode="plain", env=env, fork=False)  # the stand-in reads /proc/<pid>/environ
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.2, what="the root")
 
     def blocked():

@@ -47,7 +47,7 @@ async def test_a_rank_calling_another_op_at_the_same_sequence_number_is_the_mism
     launch([WORKER, "--scenario", "mismatch", "--timeout-sec", "90"], nodes=2, ranks_per_node=2,
            mode="plain", env={**FAST, "PROBING_NATIVE_STACKS_TIMEOUT_SEC": "25"})  # py-spy x 4 on a loaded machine
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
-    result = _verdict(root, "mismatch")
+    result = _verdict(root, "mismatch", where="ranks 0-2")  # rank 0 may read as not there yet, for a moment
     (row,) = [r for _, r in result.findings.iterrows() if r["kind"] == "mismatch"]
     assert (row["ranks"], row["group"]) == ([3], "0"), result.text()
     assert "mismatched op — ranks 0-2 call all_reduce, [10] float32; rank 3 calls broadcast, [10] float32" \

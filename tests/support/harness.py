@@ -8,7 +8,9 @@ Two modes:
 * ``"plain"``: no agent; the harness is the launcher. It hosts the job's TCPStore in
   this process and spawns the N*M workers itself with the same environment torchrun
   would give them. Killing or freezing one worker leaves the others alone, which is
-  what membership / failure-detection tests need.
+  what membership / failure-detection tests need. The ranks of a script that imports torch
+  are forked from a process that imported it once (``forkserver.py`` says what differs;
+  ``fork=False`` starts each as its own interpreter).
 
 Only the standard library and psutil are imported at module level; torch is imported
 lazily (plain mode's store), so importing the harness stays cheap.
@@ -31,7 +33,7 @@ from typing import IO, Any, Callable, Iterator
 
 import psutil
 
-from tests.support import process_guard
+from tests.support import forkserver, process_guard
 
 __all__ = ["LocalJob", "children", "free_port"]
 
@@ -128,6 +130,7 @@ class LocalJob:
         node_env: Callable[[int], dict[str, str]] | None = None,
         node_addr: Callable[[int], str] | None = None,
         node_args: Callable[[int], list[str]] | None = None,
+        fork: bool = True,
     ) -> None:
         if mode not in ("torchrun", "plain"):
             raise ValueError(f"mode must be 'torchrun' or 'plain', not {mode!r}")
@@ -147,6 +150,7 @@ class LocalJob:
         self.python = python
         self.grace = grace  # seconds between SIGTERM and SIGKILL in close()
         self.rank_env = rank_env  # plain mode: extra environment of one rank
+        self.fork = fork  # plain mode: ranks of a torch script forked from a process that imported torch (forkserver.py)
         self.master_addr: str = _LOOPBACK
         self.master_port: int | None = None
         # torchrun mode: the c10d rendezvous endpoint (given: the same command as a previous launch)
@@ -156,7 +160,7 @@ class LocalJob:
         # prefix (``ip netns exec NAME``), extra environment, --local-addr, more agent options
         self.node_prefix, self.node_env, self.node_addr, self.node_args = node_prefix, node_env, node_addr, node_args
 
-        self._procs: list[subprocess.Popen[bytes]] = []  # top level: agents or plain workers
+        self._procs: list[Any] = []  # top level: agents or plain workers (Popen, or forkserver.ForkedProcess)
         self._logs: list[IO[bytes]] = []
         self._log_paths: list[Path] = []  # parallel to _procs
         self._store: Any = None  # plain mode: torch.distributed.TCPStore (master)
@@ -204,8 +208,11 @@ class LocalJob:
         log = open(log_path, "wb")
         self._logs.append(log)
         self._log_paths.append(log_path)
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=new_session)
+        if self.mode == "plain" and self.fork and forkserver.serves(cmd[0], cmd[1:], env):
+            proc: Any = forkserver.spawn(cmd[0], cmd[1:], env, log_path, new_session)
+        else:
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=new_session)
         self._procs.append(proc)
 
     def _start_plain(self) -> None:
