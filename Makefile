@@ -10,10 +10,11 @@ DUCKDB_1X := 1.2.2
 # the Probing panel (labextension/) is built by the editable install: rebuild when its sources change
 $(STAMP): pyproject.toml constraints.txt labextension/package.json labextension/yarn.lock $(wildcard labextension/src/* labextension/style/* labextension/schema/*)
 	python3 -m venv $(VENV)
-	# bytecode after, on every core: pip compiles its 11,000 files on one (35 s of the install here, 27 s so);
-	# a few files written for newer Pythons (torch's tests) fail to compile, which pip ignores too
+	# bytecode after, on every core: pip compiles its 11,000 files on one (35 s of the install here, 23 s so),
+	# but for the packages' own test suites (a quarter of the files), which nothing here imports; a few files
+	# written for newer Pythons fail to compile, which pip ignores too
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile -c constraints.txt -e '.[test]'
-	$(PY) -c 'import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0)'
+	$(PY) -c 'import compileall, re, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0, rx=re.compile(r"/tests?/"))'
 	# the panel's lint and unit-test tools (make test runs them): installed even when the build above was skipped
 	cd labextension && $(abspath $(VENV))/bin/jlpm install
 	# a DuckDB 1.x beside ours, for one test only: it makes a rare exit race frequent (tests/test_engine.py)
@@ -32,8 +33,9 @@ lab: install
 	$(PY) examples/lab.py $(LAB_ARGS)
 
 # First the modules that start processes or jobs, on $(TEST_WORKERS) workers, a module each at a time (its
-# shared jobs stay in one process), the longest first (tests/conftest.py): three modules at once keep both
-# cores busy, most of it starting torch in ranks and agents (four finished no sooner: 662 s against 636-663).
+# shared jobs stay in one process), the longest first (tests/conftest.py): four modules at once, as the
+# modules wait more than they compute since torch is imported once per worker for plain ranks
+# (tests/support/forkserver.py): 466 s against three's 514 s.
 # Then the `serial` tests (latency and resource bounds), and beside
 # them, at the lowest priority and on two workers, the tests that start no process (about two and a half
 # minutes of CPU): they take only the CPU the serial tests leave idle. A session of their own, its scheduling group at
@@ -42,7 +44,7 @@ lab: install
 # part always runs; exit status 5 (nothing selected, e.g. PYTEST_ARGS=one file) is fine.
 # Bytecode is written even where the environment says not to: each pytest run rewrites and compiles
 # every test module otherwise (about 5 s of CPU a run), and every rank its test helpers.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 NO_PROCESS := not processes and not cluster
 test: install chromium openmpi slurm
 	@export PYTHONDONTWRITEBYTECODE=; report=$$(mktemp); \

@@ -1,4 +1,4 @@
-"""How long each module that starts processes took in a full `make test` (2 cores, three workers
+"""How long each module that starts processes took in a full `make test` (2 cores, four workers
 beside each other), in seconds: the order `make test` hands modules to its workers.
 
 The longest go first, so that no long module starts last and runs alone at the end. A module
