@@ -210,6 +210,61 @@ def test_sigterm_by_default_still_kills_and_sigint_dumps_only_an_uncaught_interr
     assert not list((caught / "dumps").rglob("rank0")), "an interrupt the application caught is no end"
 
 
+def _then_wait_in_c(body: str) -> str:
+    """``body``, then the main thread waits in C forever (as a hung rank in gloo's wait): no
+    Python handler can run there."""
+    return textwrap.dedent("""
+        import ctypes
+        libc = ctypes.CDLL(None)
+        mutex = ctypes.create_string_buffer(64)  # a pthread_mutex_t, zeroed: unlocked
+        libc.pthread_mutex_lock(mutex)
+    """) + textwrap.dedent(body) + "libc.pthread_mutex_lock(mutex)\n"
+
+
+@pytest.mark.processes
+def test_sigterm_ends_a_process_whose_main_thread_waits_in_c_with_its_dump(tmp_path):
+    """A hung rank's main thread waits in C, where a Python handler never runs: the signal
+    watcher takes the SIGTERM, writes the dump and ends the process as SIGTERM's default would."""
+    script = _script(tmp_path, _then_wait_in_c("""
+        print("ready", flush=True)
+    """))
+    p = subprocess.Popen([PY, str(script)], env=_env(tmp_path), stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.2)  # into the wait
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == -signal.SIGTERM
+    took = time.monotonic() - t0
+    assert took < 10, f"the exit took {took:.1f} s"  # LATE_SEC and the dump, on a loaded machine
+    reason = json.loads((_job_of_one(tmp_path) / "rank0" / "dump.json").read_text())["reasons"]
+    assert [(r["kind"], r["signal"]) for r in reason] == [("signal", "SIGTERM")]
+
+
+@pytest.mark.processes
+def test_a_forked_childs_signals_are_its_own(tmp_path):
+    """A child forked from a probed process (a DataLoader worker) ends on its SIGTERM alone:
+    the parent, waiting in C, is not taken for it, and the fork leaves no error behind."""
+    script = _script(tmp_path, _then_wait_in_c("""
+        child = os.fork()
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+        print(child, flush=True)
+    """))
+    p = subprocess.Popen([PY, str(script)], env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        child = int(p.stdout.readline())
+        time.sleep(0.5)
+        os.kill(child, signal.SIGTERM)
+        time.sleep(2)  # four times the watcher's LATE_SEC
+        assert p.poll() is None, "the parent ended on its child's SIGTERM"
+    finally:
+        p.kill()
+        _, err = p.communicate(timeout=30)
+    assert "Exception ignored" not in err, err
+
+
 @pytest.mark.processes
 def test_a_dump_that_cannot_finish_does_not_hold_the_exit(tmp_path):
     script = _script(tmp_path, """

@@ -70,7 +70,7 @@ class ProbeThread(threading.Thread, SocketShell):
         self.core: RankCore | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = WakePipe()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()  # (not _stop: Thread._stop is what a forked child calls on it)
         self._stopped = threading.Event()
         self.net: RankEndpoint | None = None
         self._stall = StallDetector(settings.stall_sec)
@@ -89,7 +89,7 @@ class ProbeThread(threading.Thread, SocketShell):
         """Say goodbye to the parent, remove the connection file, close the sockets."""
         if not self.is_alive():
             return
-        self._stop.set()
+        self._stopping.set()
         self.submit(("stop",))
         self._stopped.wait(timeout)
 
@@ -137,7 +137,7 @@ class ProbeThread(threading.Thread, SocketShell):
         self.ready.set()
         next_sample = now
         try:
-            while not self._stop.is_set():
+            while not self._stopping.is_set():
                 now = self.clock()
                 deadlines = [next_sample, self.core.next_deadline()]
                 wait = min(d for d in deadlines if d is not None) - now
