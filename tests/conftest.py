@@ -10,13 +10,29 @@ import pytest
 from tests.support import module_seconds, process_guard
 from tests.support import wait_for  # noqa: F401 (the tests import it from here)
 
-pytest_plugins = ["pytest_jupyter.jupyter_server"]  # jp_fetch & co. (only a root conftest may declare it)
-
+JUPYTER_FIXTURES = "pytest_jupyter.jupyter_server"  # jp_fetch & co., for tests that start a job
 WORKER = str(Path(__file__).parent / "workers" / "worker.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     process_guard.install()
+    if _may_start_processes(config.option.markexpr):
+        config.pluginmanager.import_plugin(JUPYTER_FIXTURES)
+
+
+def _may_start_processes(markexpr: str) -> bool:
+    """Whether ``-m markexpr`` selects a test marked ``processes`` or ``cluster``: only those use
+    Jupyter's fixtures, whose import costs each pytest process ~2.5 CPU-s (`make test-fast`: 3)."""
+    if not markexpr:
+        return True
+    try:
+        from _pytest.mark.expression import Expression
+
+        expr = Expression.compile(markexpr)
+    except Exception:  # pytest's own parser moved: keep the fixtures
+        return True
+    kinds = ({"processes"}, {"cluster"}, {"processes", "serial"}, {"cluster", "serial"})
+    return any(expr.evaluate(lambda name, kind=kind, **_: name in kind) for kind in kinds)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
