@@ -105,10 +105,7 @@ class SignalChain:
         """A SIGTERM arrived at ``at``: if the main thread has not taken it within ``LATE_SEC`` and
         its handler is the default one, take it here (an application's handler can only run on the
         main thread, when it comes back; an ignored one is ignored)."""
-        while time.monotonic() < at + LATE_SEC:
-            if self._term_taken >= at - LATE_SEC:
-                return
-            time.sleep(0.02)
+        time.sleep(max(0.0, at + LATE_SEC - time.monotonic()))
         if self._term_taken >= at - LATE_SEC or not self.installed \
                 or self.prev.get(signal.SIGTERM, signal.SIG_DFL) not in (signal.SIG_DFL, None):
             return

@@ -31,6 +31,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -99,10 +100,10 @@ class ForkedProcess:
                 pass
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 class Server:
@@ -193,7 +194,6 @@ def spawn(python: str, argv: list[str], env: dict[str, str], log_path: Path, new
 def _serve() -> dict[str, Any] | None:
     """Preload, then fork a rank per request; in a rank, return its request (None: stdin closed)."""
     import select
-    import signal
 
     requests, replies = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
