@@ -38,7 +38,8 @@ lab: install
 # (tests/support/forkserver.py): 466 s against three's 514 s.
 # Then the `serial` tests (latency and resource bounds), and beside
 # them, at the lowest priority and on two workers, the tests that start no process (about two and a half
-# minutes of CPU): they take only the CPU the serial tests leave idle. A session of their own, its scheduling group at
+# minutes of CPU) and the `untimed` ones (the wheel's build, the panel's lint and jest: 45 CPU-s): they
+# take only the CPU the serial tests leave idle (a core for the serial part's minute of waits). A session of their own, its scheduling group at
 # nice 19 too: where the kernel groups CPU time by session (autogroup), a process's own nice counts
 # only inside its session, against the ranks' sessions. Their report follows the serial part's. Every
 # part always runs; exit status 5 (nothing selected, e.g. PYTEST_ARGS=one file) is fine.
@@ -48,12 +49,12 @@ TEST_WORKERS ?= 4
 NO_PROCESS := not processes and not cluster
 test: install chromium openmpi slurm
 	@export PYTHONDONTWRITEBYTECODE=; report=$$(mktemp); \
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not ($(NO_PROCESS)) and not serial" $(PYTEST_ARGS); a=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not ($(NO_PROCESS)) and not serial and not untimed" $(PYTEST_ARGS); a=$$?; \
 	setsid -w sh -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 "$$@"' lowest \
-	  $(PY) -m pytest -n 2 -p no:cacheprovider -m "$(NO_PROCESS) and not serial" $(PYTEST_ARGS) >$$report 2>&1 & \
+	  $(PY) -m pytest -n 2 -p no:cacheprovider -m "($(NO_PROCESS) or untimed) and not serial" $(PYTEST_ARGS) >$$report 2>&1 & \
 	pure=$$!; trap 'kill $$pure 2>/dev/null' EXIT; \
 	$(PY) -m pytest -m serial $(PYTEST_ARGS); b=$$?; \
-	wait $$pure; p=$$?; echo "--- the tests that start no process (beside the serial part):"; cat $$report; rm -f $$report; \
+	wait $$pure; p=$$?; echo "--- the tests that start no process and the untimed ones (beside the serial part):"; cat $$report; rm -f $$report; \
 	for s in $$a $$p $$b; do [ $$s -eq 0 ] || [ $$s -eq 5 ] || exit $$s; done; [ $$a -eq 0 ] || [ $$p -eq 0 ] || [ $$b -eq 0 ]
 
 # The browser test drives Debian's Chromium (Playwright downloads nothing): install it when missing.

@@ -31,7 +31,7 @@ def _may_start_processes(markexpr: str) -> bool:
         expr = Expression.compile(markexpr)
     except Exception:  # pytest's own parser moved: keep the fixtures
         return True
-    kinds = ({"processes"}, {"cluster"}, {"processes", "serial"}, {"cluster", "serial"})
+    kinds = ({"processes"}, {"cluster"}, {"processes", "serial"}, {"cluster", "serial"}, {"processes", "untimed"})
     return any(expr.evaluate(lambda name, kind=kind, **_: name in kind) for kind in kinds)
 
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.processes  # starts processes: see tests/support/process_guard.py
+# starts processes (tests/support/process_guard.py); its only bound is a tool's 4-minute timeout:
+# make test runs it beside the serial tests
+pytestmark = [pytest.mark.processes, pytest.mark.untimed]
 
 LAB = Path(__file__).resolve().parent.parent / "labextension"
 

@@ -203,7 +203,13 @@ def test_sigterm_by_default_still_kills_and_sigint_dumps_only_an_uncaught_interr
         except KeyboardInterrupt:
             print("caught", flush=True)
     """)
-    p = subprocess.Popen([PY, str(script)], env=_env(caught), stdout=subprocess.PIPE, text=True)
+    # a pytest started in the background (`&`) ignores SIGINT, and so would its child (an ignored
+    # signal stays ignored across exec; a handled one is reset to the default)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen([PY, str(script)], env=_env(caught), stdout=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert p.stdout.readline().strip() == "ready"
     p.send_signal(signal.SIGINT)
     assert p.stdout.readline().strip() == "caught" and p.wait(60) == 0

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.processes  # pip, node and a fresh venv: not part of `make test-fast`
+# pip, node and a fresh venv: not part of `make test-fast`; no time bound: make test runs it beside the serial tests
+pytestmark = [pytest.mark.processes, pytest.mark.untimed]
 ROOT = Path(__file__).resolve().parent.parent
 LABEXT = "share/jupyter/labextensions/probing-magics"
 SERVER_CONFIG = "etc/jupyter/jupyter_server_config.d/probing_magics.json"

@@ -110,7 +110,7 @@ class Server:
     """One server process, its replies read on a thread of this process."""
 
     def __init__(self, python: str, env: dict[str, str]) -> None:
-        self._log = tempfile.NamedTemporaryFile(prefix="kp-forkserver-", suffix=".log", delete=False)
+        self._log = tempfile.TemporaryFile(prefix="kp-forkserver-")  # nameless: nothing left behind in /tmp
         self._proc = subprocess.Popen([python, __file__], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._log, cwd="/", start_new_session=True)
         self._cond = threading.Condition()
@@ -143,7 +143,9 @@ class Server:
         return self._proc.poll() is None
 
     def _why(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")[-3000:]
+        # pread: the server shares this file's offset, which a seek would move under its writes
+        size = os.fstat(self._log.fileno()).st_size
+        return os.pread(self._log.fileno(), 3000, max(0, size - 3000)).decode(errors="replace")
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: Path, new_session: bool) -> ForkedProcess:
         request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log_path), "session": new_session}
