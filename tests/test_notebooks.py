@@ -1,5 +1,6 @@
-"""The notebooks executed end to end by nbclient in a real kernel against a live torchrun
-job (issue 7, test 2): diagnose_hang here, against the demo's DDP job in hang mode;
+"""The notebooks executed end to end by nbclient in a real kernel against a live job (issue 7,
+test 2): diagnose_hang here, against the demo's DDP job in hang mode (plain ranks: the notebook
+asks nothing of torchrun's agents);
 quickstart in tests/test_demo_job.py, against the demo's job itself, which the docs' code
 blocks read too. Assertions are on what the cells produced."""
 
@@ -73,7 +74,7 @@ def rows(c) -> int:
 
 def test_diagnose_hang_finds_the_hung_rank(launch):
     env = {**FAST, "PROBING_CLUSTER_STALL_SEC": "3"}
-    launch([*DDP, "--hang-rank", "3", "--hang-after", "5"], nodes=2, ranks_per_node=2, mode="torchrun", env=env, grace=2)
+    launch([*DDP, "--hang-rank", "3", "--hang-after", "5"], nodes=2, ranks_per_node=2, mode="plain", env=env, grace=2)
     root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.3, what="the root")
     wait_for(lambda: [m["state"] for m in root.nodes_raw()["members"]] == ["stalled"] * 4, 90, interval=0.5,
              what="all 4 ranks stalled")
