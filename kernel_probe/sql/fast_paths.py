@@ -373,6 +373,12 @@ def _group_by(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table":
     ]).to_table(use_threads=False)
 
 
+def _int64_type() -> "pa.DataType":
+    import pyarrow as pa
+
+    return pa.int64()
+
+
 _BINCOUNT_EXACT = 2 ** 53  # integer sums below this are exact in the doubles numpy's bincount adds
 
 
@@ -384,8 +390,7 @@ def _counted_partials(spec: Mapping[str, Any], table: "pa.Table", packed: bool =
     keys = spec["keys"]
     if len(keys) != 1:
         return None
-    import pyarrow as pa
-
+    ids = _types()
     schema = table.schema
     ops, huge = [], []
     for alias, func, col in spec["aggs"]:
@@ -395,18 +400,19 @@ def _counted_partials(spec: Mapping[str, Any], table: "pa.Table", packed: bool =
         if func not in ("count", "sum"):
             return None
         if func == "sum":
-            typ = schema.field(col).type  # KeyError for a column not found by its exact name, as table.column
-            if typ == pa.int64():
+            typ = schema.field(_index(schema, col)).type
+            if typ.id == ids["int64"]:
                 huge.append(alias)
-            elif typ != pa.float64():
+            elif typ.id != ids["float64"]:
                 return None
         ops.append(((col,), f"hash_{func}", None, alias))
     ((key_alias, key_col),) = keys
-    if schema.field(key_col).type == pa.large_string():
+    if schema.field(_index(schema, key_col)).type.id == ids["large_string"]:
         return None  # DuckDB's VARCHAR: the general path casts it
     out = _counted_by_key(table, ops, [key_col], key_alias, packed and not huge)  # (HUGEINT does not pack)
     if out is None or not huge:
         return out
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     for alias in huge:  # exact below 2**53 (_counted_by_key's rule): the cast changes no value
@@ -415,20 +421,35 @@ def _counted_partials(spec: Mapping[str, Any], table: "pa.Table", packed: bool =
     return out
 
 
+def _index(schema: "pa.Schema", name: str) -> int:
+    """The index of the one column named exactly ``name`` (KeyError for none or several, as
+    ``table.column(name)`` raises): a column found by index costs half as much."""
+    i = schema.get_field_index(name)
+    if i < 0:
+        raise KeyError(name)
+    return i
+
+
+def _column(table: "pa.Table", name: str) -> "pa.Array":
+    """The column named exactly ``name``, as one array (KeyError as ``table.column``)."""
+    return _one_chunk(table.column(_index(table.schema, name)))
+
+
 _COUNTED = frozenset(("hash_count_all", "hash_count", "hash_sum"))
-_TYPES: dict[str, Any] = {}  # pyarrow's types this path tests for, made once (a type made per call costs)
+_TYPES: dict[str, Any] = {}  # pyarrow's type ids this path tests for (an id compares at once; a type hashes its text)
 
 
 def _types() -> dict[str, Any]:
     if not _TYPES:
         import pyarrow as pa
 
-        _TYPES.update(int64=pa.int64(), float64=pa.float64(), summed=frozenset((pa.float64(), pa.int64())),
-                      ranged=frozenset((pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(),
-                                        pa.uint32())),  # integer keys that may be their own slot
-                      keys=frozenset((pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(),
-                                      pa.uint32(), pa.uint64(), pa.string())),
-                      packs=frozenset((pa.int64(), pa.string())))  # keys whose partial packs (arrow_ipc)
+        _TYPES.update(int64=pa.int64().id, float64=pa.float64().id, large_string=pa.large_string().id,
+                      summed=frozenset((pa.float64().id, pa.int64().id)),
+                      ranged=frozenset(t().id for t in (pa.int8, pa.int16, pa.int32, pa.int64, pa.uint8, pa.uint16,
+                                                        pa.uint32)),  # integer keys that may be their own slot
+                      keys=frozenset(t().id for t in (pa.int8, pa.int16, pa.int32, pa.int64, pa.uint8, pa.uint16,
+                                                      pa.uint32, pa.uint64, pa.string)),
+                      packs=frozenset((pa.int64().id, pa.string().id)))  # keys whose partial packs (arrow_ipc)
     return _TYPES
 
 
@@ -446,24 +467,24 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
     for o in ops:
         if o[1] not in _COUNTED:
             return None
-    types = _types()
-    key = table.column(keys[0])
-    ktype = key.type
-    if key.null_count or ktype not in types["keys"]:
+    ids = _types()
+    chunk = _column(table, keys[0])
+    ktype = chunk.type
+    if chunk.null_count or ktype.id not in ids["keys"]:
         return None
     inputs = {}
     for names, func, _, _ in ops:
         for name in names:
             if name in inputs:
                 continue  # count(x) and sum(x) read x once
-            col = table.column(name)
-            if col.null_count or (func == "hash_sum" and col.type not in types["summed"]):
+            col = _column(table, name)
+            if col.null_count or (func == "hash_sum" and col.type.id not in ids["summed"]):
                 return None  # a NULL to skip, or a sum of another type (Acero's own result type)
             inputs[name] = col
     import numpy as np
 
-    chunk, ranged = _one_chunk(key), ktype in types["ranged"]
-    packed = packed and ktype in types["packs"]
+    ranged = ktype.id in ids["ranged"]
+    packed = packed and ktype.id in ids["packs"]
     slot, slots, present, counts, groups, keys_py = _key_slots(chunk, ranged, arrow=not packed)
     if packed and len(counts) > PACK_MAX_ROWS:  # (rare) a partial this long travels as Arrow IPC
         packed = False
@@ -471,20 +492,20 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
     names, columns, aliases = [key_name or keys[0]], [keys_py if packed else groups], [str(ktype)]
     counted = None  # every count is the rows of its group (no NULLs): one column for all of them
     values: dict[str, Any] = {}
-    int64 = types["int64"]
+    int64 = ids["int64"]
     for inames, func, _, name in ops:
         names.append(name)
         if func != "hash_sum":
             if counted is None:
-                counted = counts.tolist() if packed else _from_numpy(counts, int64)
+                counted = counts.tolist() if packed else _from_numpy(counts, _int64_type())
             columns.append(counted)
             aliases.append("int64")
             continue
         col = inputs[inames[0]]
         if inames[0] not in values:
-            values[inames[0]] = _to_numpy(_one_chunk(col))
+            values[inames[0]] = _to_numpy(col)
         v = values[inames[0]]
-        integer_sum = col.type == int64
+        integer_sum = col.type.id == int64
         if integer_sum and len(v) and max(-int(v.min()), int(v.max())) * len(v) >= _BINCOUNT_EXACT:
             return None  # a sum that doubles may round: Acero adds int64
         sums = np.bincount(slot, weights=v, minlength=slots)
@@ -523,23 +544,38 @@ def _key_slots(key: "pa.Array", integer: bool | None = None, arrow: bool = True)
     import pyarrow.compute as pc
 
     if integer is None:
-        integer = key.type in _types()["ranged"]
+        integer = key.type.id in _types()["ranged"]
     if integer:
         k = _to_numpy(key)
-        # (the ufuncs' own reductions: ndarray.min/max/all add a Python wrapper each, a microsecond)
-        lo, hi = (int(np.minimum.reduce(k)), int(np.maximum.reduce(k))) if len(k) else (0, -1)
-        if hi - lo <= 4 * len(k) + 64:
-            slot = k.astype(np.int64, copy=False)
-            slot = slot - lo if lo else slot
-            counts = np.bincount(slot, minlength=hi - lo + 1)
-            if np.count_nonzero(counts) == len(counts):  # every value of the range is a group (the common case)
+        n = len(k)
+        # (the ufuncs' own reductions: ndarray.min/max add a Python wrapper each, a microsecond)
+        hi, base, counts = (int(np.maximum.reduce(k)) if n else -1), 0, None
+        if hi <= 4 * n + 64:  # small keys (the common case): each its own slot, no minimum to find
+            try:
+                counts, slot = np.bincount(k, minlength=hi + 1), k
+            except ValueError:  # a negative key
+                pass
+        if counts is None:
+            base = int(np.minimum.reduce(k)) if n else 0
+            if hi - base <= 4 * n + 64:
+                slot = k.astype(np.int64, copy=False) - base
+                counts = np.bincount(slot, minlength=hi - base + 1)
+        if counts is not None:
+            slots = len(counts)
+            if np.count_nonzero(counts) == slots:  # every slot holds a group
+                present, lo = None, base
+            else:
+                found = np.flatnonzero(counts)
+                lo = int(found[0]) + base
+                present = slice(lo - base, None) if hi - lo + 1 == len(found) else found  # a range from lo, or gaps
+            if present is None or type(present) is slice:
                 groups = None
                 if arrow:
                     groups = (_kept_key_range if hi - lo < _RANGE_KEPT_MAX else _key_range)(lo, hi, key.type, k.dtype)
-                return slot, hi - lo + 1, None, counts, groups, list(range(lo, hi + 1))
-            present = np.flatnonzero(counts)
-            keys = present + lo
-            return slot, hi - lo + 1, present, counts[present], \
+                return slot, slots, present, counts if present is None else counts[present], groups, \
+                    list(range(lo, hi + 1))
+            keys = present + base
+            return slot, slots, present, counts[present], \
                 _from_numpy(keys.astype(k.dtype), key.type) if arrow else None, keys.tolist()
     encoded = pc.dictionary_encode(key)
     slot = _to_numpy(encoded.indices)
@@ -553,7 +589,7 @@ def _one_chunk(col: Any) -> "pa.Array":
     return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
-_NUMPY_DTYPES: dict[str, Any] = {}  # Arrow type name -> numpy dtype (np.dtype() per call costs a microsecond)
+_NUMPY_DTYPES: dict[int, Any] = {}  # Arrow type id -> numpy dtype (np.dtype() per call costs a microsecond)
 
 
 def _to_numpy(arr: "pa.Array") -> Any:
@@ -561,10 +597,11 @@ def _to_numpy(arr: "pa.Array") -> Any:
     ``to_numpy`` imports pandas (tens of MB in every rank)."""
     import numpy as np
 
-    name = str(arr.type)
-    dtype = _NUMPY_DTYPES.get(name)
+    typ = arr.type
+    dtype = _NUMPY_DTYPES.get(typ.id)
     if dtype is None:
-        dtype = _NUMPY_DTYPES[name] = np.dtype({"double": "float64", "float": "float32"}.get(name, name))
+        name = str(typ)
+        dtype = _NUMPY_DTYPES[typ.id] = np.dtype({"double": "float64", "float": "float32"}.get(name, name))
     if not len(arr):
         return np.empty(0, dtype)  # an empty array may have no data buffer at all
     return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
