@@ -1,4 +1,4 @@
-"""Why is it slow, end to end on one real 2x2 DDP job (node 1 "on another host") whose
+"""Why is it slow, end to end on one real torchrun 2x2 DDP job (node 1 "on another host") whose
 slowness the tests change while it runs: healthy first, then a compute straggler, an intermittent
 one, a data-loader straggler, two slow ranks on one node, a CPU hog sharing one rank's CPU, a rank
 whose garbage collection runs long, and a job that gets slower mid-run (since when, and who).
@@ -36,11 +36,9 @@ def job(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("PROBING_RUNTIME_DIR", str(runtime))
     mp.setenv("PROBING_SLOWDOWN_MIN_SEC", str(SLOWDOWN_MIN_SEC))  # this process asks: the rule's minimum, a third
-    # plain ranks, forked (torch imported once): this module sits on the serial part's path, and nothing
-    # here asks torchrun's agents
-    j = LocalJob([WORKER, "--mode", "ddp", "--control", str(control)], nodes=2, ranks_per_node=2, mode="plain",
+    j = LocalJob([WORKER, "--mode", "ddp", "--control", str(control)], nodes=2, ranks_per_node=2,
                  env={"PROBING": "1", "PROBING_RUNTIME_DIR": str(runtime), "PROBING_SAMPLE_INTERVAL_SEC": "0.25"},
-                 rank_env=lambda r: {"PROBING_NODE_HOST": f"h{r // 2}"}, workdir=tmp_path_factory.mktemp("job")).start()
+                 node_env=lambda i: {"PROBING_NODE_HOST": f"h{i}"}, workdir=tmp_path_factory.mktemp("job")).start()
     try:
         root = wait_for(lambda: kernel_probe.connect(timeout=2), 120, interval=0.5, what="the root")
         wait_for(lambda: len(root.query("SELECT _rank FROM steps WHERE step > 20 GROUP BY _rank").df) == 4, 120,
