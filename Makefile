@@ -3,6 +3,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 UV     := $(VENV)/bin/uv
+# uv, given the package sources pip is configured with here (tools/pip_sources.py: uv reads no pip configuration)
+UV_INSTALL := $(UV) pip install -q --native-tls --python $(PY) $$($(PY) tools/pip_sources.py) -c constraints.txt
 PYTEST_ARGS ?=
 DUCKDB_1X := 1.2.2
 
@@ -11,10 +13,9 @@ DUCKDB_1X := 1.2.2
 # the Probing panel (labextension/) is built by the editable install: rebuild when its sources change
 $(STAMP): pyproject.toml constraints.txt labextension/package.json labextension/yarn.lock $(wildcard labextension/src/* labextension/style/* labextension/schema/*)
 	python3 -m venv $(VENV)
-	# uv resolves as pip does, from the sources pip is configured with here (tools/pip_sources.py: uv reads
-	# no pip configuration), in 27 s where pip took 64 (its cache warm; most of the rest is the panel's build)
+	# uv resolves as pip does, in 27 s where pip took 64 (its cache warm; most of the rest is the panel's build)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt uv
-	$(UV) pip install -q --native-tls --python $(PY) $$($(PY) tools/pip_sources.py) -c constraints.txt -e '.[test]'
+	$(UV_INSTALL) -e '.[test]'
 	# bytecode after, on every core (uv writes none): 11,000 files, but for the packages' own test suites (a
 	# quarter of them), which nothing here imports; a few files written for newer Pythons fail to compile
 	$(PY) -c 'import compileall, re, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0, rx=re.compile(r"/tests?/"))'
@@ -97,7 +98,7 @@ soak: install
 	  tests/test_memory_pinning.py -m cluster -s $(PYTEST_ARGS)
 
 bench: install
-	$(UV) pip install -q --native-tls --python $(PY) $$($(PY) tools/pip_sources.py) -c constraints.txt -e '.[test,bench]'
+	$(UV_INSTALL) -e '.[test,bench]'
 	$(PY) benchmarks/run.py
 
 clean:

@@ -373,12 +373,6 @@ def _group_by(table: "pa.Table", ops: list, keys: list[str]) -> "pa.Table":
     ]).to_table(use_threads=False)
 
 
-def _int64_type() -> "pa.DataType":
-    import pyarrow as pa
-
-    return pa.int64()
-
-
 _BINCOUNT_EXACT = 2 ** 53  # integer sums below this are exact in the doubles numpy's bincount adds
 
 
@@ -436,14 +430,16 @@ def _column(table: "pa.Table", name: str) -> "pa.Array":
 
 
 _COUNTED = frozenset(("hash_count_all", "hash_count", "hash_sum"))
-_TYPES: dict[str, Any] = {}  # pyarrow's type ids this path tests for (an id compares at once; a type hashes its text)
+_TYPES: dict[str, Any] = {}  # pyarrow's type ids this path tests for (an id compares at once; a type hashes its
+# text), and the one type it makes, made once
 
 
 def _types() -> dict[str, Any]:
     if not _TYPES:
         import pyarrow as pa
 
-        _TYPES.update(int64=pa.int64().id, float64=pa.float64().id, large_string=pa.large_string().id,
+        _TYPES.update(int64_type=pa.int64(), int64=pa.int64().id, float64=pa.float64().id,
+                      large_string=pa.large_string().id,
                       summed=frozenset((pa.float64().id, pa.int64().id)),
                       ranged=frozenset(t().id for t in (pa.int8, pa.int16, pa.int32, pa.int64, pa.uint8, pa.uint16,
                                                         pa.uint32)),  # integer keys that may be their own slot
@@ -497,7 +493,7 @@ def _counted_by_key(table: "pa.Table", ops: list, keys: list[str], key_name: str
         names.append(name)
         if func != "hash_sum":
             if counted is None:
-                counted = counts.tolist() if packed else _from_numpy(counts, _int64_type())
+                counted = counts.tolist() if packed else _from_numpy(counts, ids["int64_type"])
             columns.append(counted)
             aliases.append("int64")
             continue
