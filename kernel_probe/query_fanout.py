@@ -233,12 +233,15 @@ class HopTiming:
     def to_body(self, elapsed_ms: float, at: tuple[float, float] | None = None) -> dict:
         """What a subresult carries up; ``at``: when this hop got its subquery and answered, by
         its clock (the parent splits the hop's transfer into down and up by them)."""
-        # (a leaf's lists are empty: every rank sends one of these a query)
-        body = {"elapsed_ms": round(elapsed_ms, 3), "scan": self.scans.to_body(),
-                "merges": _slowest(_merge_rows(self.merges), "ms") if self.merges else [],
-                "hops": _slowest(_hop_rows(self.hops), "rtt_ms") if self.hops else [],
-                "scanned_by": {str(r): b for r, b in sorted(self.scanned_by.items())[:MAX_PROFILE_ROWS]}
-                if self.scanned_by else {}}
+        # a leaf's lists are empty and left out (every rank sends one of these a query; ``absorb`` reads
+        # what is missing as empty)
+        body = {"elapsed_ms": round(elapsed_ms, 3), "scan": self.scans.to_body()}
+        if self.merges:
+            body["merges"] = _slowest(_merge_rows(self.merges), "ms")
+        if self.hops:
+            body["hops"] = _slowest(_hop_rows(self.hops), "rtt_ms")
+        if self.scanned_by:
+            body["scanned_by"] = {str(r): b for r, b in sorted(self.scanned_by.items())[:MAX_PROFILE_ROWS]}
         if at is not None:
             body["at"] = [at[0], at[1]]
         return body
@@ -535,7 +538,9 @@ class QueryFanOut:
             s.waiting[hop] = ranks
             s.asked[hop] = text = str(ranks)
             s.timing.sent[hop] = now
-            body = {"qid": s.qid, "deadline": child_deadline, "ranks": text, "params": s.request.get("params")}
+            body = {"qid": s.qid, "deadline": child_deadline, "ranks": text}
+            if s.request.get("params") is not None:  # only then (a body of required keys alone is checked at once)
+                body["params"] = s.request["params"]
             if s.request.get("native"):  # only then: a plain query's message stays as it was
                 body["native"] = True
             effects.append(Send(rid, Message("subquery", body, (s.plan_buffer,))))
@@ -753,15 +758,17 @@ class QueryFanOut:
         return effects
 
     def next_deadline(self) -> float | None:
-        times = []
+        first = None
         for s in self.queries.values():
             if s.stage == "gather":
-                times.append(s.gather_by)
-                if s.origin is not PARENT:
-                    times.append(s.next_progress)
+                t = s.gather_by if s.origin is PARENT else min(s.gather_by, s.next_progress)
             elif s.stage in ("plan", "merge"):
-                times.append(s.deadline + 1.0)
-        return min(times, default=None)
+                t = s.deadline + 1.0
+            else:
+                continue
+            if first is None or t < first:
+                first = t
+        return first
 
     # --- merge and answer ------------------------------------------------------------------------
     def _maybe_merge(self, s: HopQuery, now: float) -> list[Effect]:

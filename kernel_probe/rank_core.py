@@ -332,15 +332,21 @@ class RankCore:
         # A report that is due but cannot go out yet (one is awaiting its ack, no parent,
         # reports off) is not a deadline: the ack, the timeout or set_topology wakes us.
         # Returning it made the shell's poll spin on a past deadline (poll(0)).
-        times = [self._report_at if self._can_report() else None, self._push_at]
+        # (asked after every wake-up of every rank: plain comparisons, no list to build)
+        first = self._report_at if self._can_report() else None
+        push = self._push_at
+        if push is not None and (first is None or push < first):
+            first = push
         if self._outstanding:
-            times.append(self._outstanding[1] + self.settings.report_timeout_sec)
-        if self.tier in ("root", "broker"):
-            times.append(self.registry.next_deadline())
-        times.append(self.fanout.next_deadline())
-        if self.placement is not None:
-            times.append(self.placement.next_deadline())
-        return min((t for t in times if t is not None), default=None)
+            t = self._outstanding[1] + self.settings.report_timeout_sec
+            if first is None or t < first:
+                first = t
+        for t in (self.registry.next_deadline() if self.tier in ("root", "broker") else None,
+                  self.fanout.next_deadline(),
+                  self.placement.next_deadline() if self.placement is not None else None):
+            if t is not None and (first is None or t < first):
+                first = t
+        return first
 
     def _on_sql_task_done(self, task_id: str, result: dict, now: float) -> list[Effect]:
         """SQL work a ``RunSqlTask`` asked for has finished (on a worker thread)."""

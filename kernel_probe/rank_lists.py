@@ -100,6 +100,8 @@ class RankRanges:
     def __sub__(self, other: "RankRanges") -> "RankRanges":
         if not other.ranges or not self.ranges:
             return self
+        if other.ranges == self.ranges:  # a leaf's own rank taken from its targets: every query, every rank
+            return RankRanges(())
         b, out, j = other.ranges, [], 0
         for first, last in self.ranges:
             while j < len(b) and b[j][1] < first:

@@ -539,6 +539,8 @@ def _schema_problem(type_: str, body: Any) -> str | None:
                 return f"{type_} body lacks {key!r}"
             if not _is_json_type(value, expected):
                 return f"{type_}.{key} has type {type(value).__name__}"
+    if len(body) == len(required):  # every key a required one (checked above): no optional one to check
+        return None
     for key, quick, expected in optional:
         value = get(key, _MISSING)
         if type(value) not in quick and not (value is _MISSING and key not in body) \
@@ -565,11 +567,12 @@ def _trusted(cls: type, **fields: Any) -> Any:
 # every string plain printable ASCII (no escapes), seq a positive integer, ts a JSON number with a
 # fraction or an exponent (a float to json). What matches means what ``_loads`` would read from it;
 # anything else -- a valid header written otherwise included -- is parsed as JSON and checked.
-_PLAIN_STR = rb'"([ !#-\[\]-~]+)"'
+# (matched on the header's ASCII text: its groups are the strings, with no decode each)
+_PLAIN_STR = r'"([ !#-\[\]-~]+)"'
 _PLAIN_HEADER = re.compile(
-    rb'\{"type":' + _PLAIN_STR + rb',"sender":' + _PLAIN_STR + rb',"incarnation":' + _PLAIN_STR
-    + rb',"seq":([1-9][0-9]{0,18}),"ts":(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+(?:[eE][-+]?[0-9]+)?|[eE][-+]?[0-9]+))'
-    + rb',"msg_id":' + _PLAIN_STR + rb',"corr_id":(?:null|' + _PLAIN_STR + rb')\}')
+    r'\{"type":' + _PLAIN_STR + r',"sender":' + _PLAIN_STR + r',"incarnation":' + _PLAIN_STR
+    + r',"seq":([1-9][0-9]{0,18}),"ts":(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+(?:[eE][-+]?[0-9]+)?|[eE][-+]?[0-9]+))'
+    + r',"msg_id":' + _PLAIN_STR + r',"corr_id":(?:null|' + _PLAIN_STR + r')\}')
 
 _REPLAY_NAME_CHARS = 64  # longer sender or incarnation names are remembered by their digest
 
@@ -636,7 +639,7 @@ class Codec:
         if msg.msg_id is not None and (not isinstance(msg.msg_id, str) or not msg.msg_id):
             raise ValueError("msg_id must be a non-empty str or None")
         try:
-            buffers = [_as_bytes(b) for b in msg.buffers]
+            buffers = [b if type(b) is bytes else _as_bytes(b) for b in msg.buffers]
             body = _dumps(msg.body)  # before a seq is spent
         except (TypeError, ValueError) as exc:  # NaN, numpy scalars, str buffers...
             raise ValueError(f"{msg.type} body or buffers not encodable: {exc}") from None
@@ -670,9 +673,8 @@ class Codec:
             or -(-size // lim.max_frame_bytes) > lim.max_frames
         ):
             raise TooLarge(f"{msg.type} message exceeds wire limits", size, lim.max_message_bytes)
-        table = _table(count).pack(count, *lengths)
-        signature = self._mac.digest(table, *parts)
-        data = b"".join((PROTOCOL, signature, table, *parts))
+        signed = b"".join((_table(count).pack(count, *lengths), *parts))
+        data = b"".join((PROTOCOL, self._mac.digest(signed), signed))  # (one hash update, not one a part)
         step = lim.max_frame_bytes
         if size <= step:  # the usual case: one frame
             return [data]
@@ -722,7 +724,7 @@ class Codec:
             raise WireError("bad_signature")
 
         # 4. The parts, by the lengths signed with them.
-        count = int.from_bytes(data[_SIGNED_AT:_PARTS_AT], "big")
+        count = data[_SIGNED_AT] << 8 | data[_SIGNED_AT + 1]  # the table's ">H" (no slice made to read it)
         if count < 2:
             raise WireError("malformed", f"{count} parts, need a header and a body")
         if count + 2 > lim.max_frames:
@@ -813,15 +815,13 @@ class Codec:
 
     @staticmethod
     def _parse_header(data: bytes) -> Header:
-        plain = _PLAIN_HEADER.fullmatch(data)
+        plain = _PLAIN_HEADER.fullmatch(data.decode("ascii")) if data.isascii() else None
         if plain is not None:  # as encode writes it: read as json would, without building a dict
             type_, sender, incarnation, seq, ts, msg_id, corr_id = plain.groups()
             ts = float(ts)
             if ts - ts == 0.0:  # finite (else the checks below say why not)
-                return _trusted(Header, type=type_.decode("ascii"), sender=sender.decode("ascii"),
-                                incarnation=incarnation.decode("ascii"), seq=int(seq), ts=ts,
-                                msg_id=msg_id.decode("ascii"),
-                                corr_id=None if corr_id is None else corr_id.decode("ascii"))
+                return _trusted(Header, type=type_, sender=sender, incarnation=incarnation, seq=int(seq), ts=ts,
+                                msg_id=msg_id, corr_id=corr_id)
         obj = _loads(data)
         if type(obj) is dict:  # the common case decided in one expression: every field plainly right
             get = obj.get

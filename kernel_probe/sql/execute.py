@@ -330,6 +330,22 @@ def _tags_read(spec: Mapping[str, Any]) -> Collection[str]:
     return cols & TAG_TYPES.keys()
 
 
+_TAGS_READ: dict[int, tuple[Any, Collection[str]]] = {}  # id(scan) -> (the scan, its _tags_read): a plan is kept
+_TAGS_READ_MAX = 256  # (SqlWork.plan_of) and asked again every query
+
+
+def _scan_tags_read(scan: "Scan") -> Collection[str]:
+    """``_tags_read(scan.arrow)``, worked out once per scan (the scan held, so its id stays its own)."""
+    known = _TAGS_READ.get(id(scan))
+    if known is not None and known[0] is scan:
+        return known[1]
+    read = _tags_read(scan.arrow)  # type: ignore[arg-type]
+    if len(_TAGS_READ) >= _TAGS_READ_MAX:
+        _TAGS_READ.clear()
+    _TAGS_READ[id(scan)] = (scan, read)
+    return read
+
+
 def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
              tags: Mapping[str, object], *, params: Any = None, deadline: float | None = None,
              row_cap: int | None = None, notes: list[str] | None = None,
@@ -390,7 +406,7 @@ def run_rank(plan: "Plan", engine: "Engine", tables: Mapping[str, "pa.Table"],
         if arrow and scan.arrow and not per_rank and len(regs) == 1 and not lacking:
             try:
                 (table,) = regs.values()
-                read = _tags_read(scan.arrow)
+                read = _scan_tags_read(scan)
                 if "aggs" in scan.arrow:
                     result = fast_paths.arrow_partials(scan.arrow, tagged(table, tags, read) if read else table,
                                                        packed=packed and not _final_repeats(plan, scan))

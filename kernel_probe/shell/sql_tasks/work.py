@@ -463,11 +463,11 @@ class SqlWork:
     def plan_of(self, given: dict):
         """``given`` (a plan dict) as a ``Plan``: the one made before when the same plan comes
         again (equal as a whole, as a dict: a dashboard's question arrives once a second)."""
-        from ...sql.planner import Plan
-
         known = self._plan_objects.get(given["final"])
         if known is not None and (known[0] is given or known[0] == given):  # the fan-out's parsed plan: the same dict
             return known[1]
+        from ...sql.planner import Plan
+
         plan = Plan.from_dict({k: v for k, v in given.items() if k != "explain"})
         self._plan_objects.put(given["final"], (given, plan))
         return plan
