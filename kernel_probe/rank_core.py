@@ -333,15 +333,11 @@ class RankCore:
         # reports off) is not a deadline: the ack, the timeout or set_topology wakes us.
         # Returning it made the shell's poll spin on a past deadline (poll(0)).
         # (asked after every wake-up of every rank: plain comparisons, no list to build)
-        first = self._report_at if self._can_report() else None
-        push = self._push_at
-        if push is not None and (first is None or push < first):
-            first = push
-        if self._outstanding:
-            t = self._outstanding[1] + self.settings.report_timeout_sec
-            if first is None or t < first:
-                first = t
-        for t in (self.registry.next_deadline() if self.tier in ("root", "broker") else None,
+        first = None
+        for t in (self._report_at if self._can_report() else None,
+                  self._push_at,
+                  self._outstanding[1] + self.settings.report_timeout_sec if self._outstanding else None,
+                  self.registry.next_deadline() if self.tier in ("root", "broker") else None,
                   self.fanout.next_deadline(),
                   self.placement.next_deadline() if self.placement is not None else None):
             if t is not None and (first is None or t < first):

@@ -330,19 +330,15 @@ def _tags_read(spec: Mapping[str, Any]) -> Collection[str]:
     return cols & TAG_TYPES.keys()
 
 
-_TAGS_READ: dict[int, tuple[Any, Collection[str]]] = {}  # id(scan) -> (the scan, its _tags_read): a plan is kept
-_TAGS_READ_MAX = 256  # (SqlWork.plan_of) and asked again every query
+_TAGS_READ = IdentityCache(256, weak=True)  # a scan of a kept plan (SqlWork.plan_of) -> its _tags_read
 
 
 def _scan_tags_read(scan: "Scan") -> Collection[str]:
-    """``_tags_read(scan.arrow)``, worked out once per scan (the scan held, so its id stays its own)."""
-    known = _TAGS_READ.get(id(scan))
-    if known is not None and known[0] is scan:
-        return known[1]
-    read = _tags_read(scan.arrow)  # type: ignore[arg-type]
-    if len(_TAGS_READ) >= _TAGS_READ_MAX:
-        _TAGS_READ.clear()
-    _TAGS_READ[id(scan)] = (scan, read)
+    """``_tags_read(scan.arrow)``, worked out once per scan: asked again every query."""
+    read = _TAGS_READ.get(scan)
+    if read is None:
+        read = _tags_read(scan.arrow)  # type: ignore[arg-type]
+        _TAGS_READ.put(scan, read)
     return read
 
 
