@@ -1,7 +1,8 @@
 """A bounded tree at 1k / 4k / 16k ranks, in the in-process simulator (the real rank cores,
 wire codec and SQL; nodes of 8 ranks, one host per node).
 
-For each size: the time and bytes to converge; the steady-state bytes per rank per minute;
+For each size: the time and bytes to converge; how long until the root shows every rank's
+parent and level; the steady-state bytes per rank per minute (over whole report periods);
 federated queries (a count, a group-by, a top-k) with their simulated p50/p99 over a
 modelled link, and the CPU per query of the root, of a broker of brokers and of a node
 broker (this machine's thread CPU time, measured around each virtual rank's work: all of it,
@@ -137,15 +138,17 @@ def run(world: int, fanout: int, queries: int, latency: float, bandwidth: float,
     out: dict = {"world": world, "nodes": nodes, "levels": 1 + max(tree_depth(n, nodes, fanout) for n in range(nodes)),
                  "root_children": len(sim.core(0).children), "converge_s": took,
                  "converge_bytes": sum(sim.bytes_sent.values())}
+    placed = sim.wait_for(sim.placed_at_root, 60.0, check_every=0.05)  # nodes' parent and level, every rank
+    out["placed_s"] = None if placed is None else took + placed
     if not only_queries:
         sim.run_for(60.0)  # reports back off to the cap
-    before = sum(sim.bytes_sent.values())
-    sim.run_for(0.0 if only_queries else 60.0)
-    out["steady_B_rank_min"] = (sum(sim.bytes_sent.values()) - before) / world
+    out["steady_B_rank_min"] = 0.0 if only_queries else sim.steady_bytes_per_minute() / world
     out["root_children"] = len(sim.core(0).children)
     out["membership_cpu_s"] = time.process_time() - t_build
     _say(f"{world:6d} ranks ({nodes} nodes, {out['levels']} levels of brokers, root children {out['root_children']}):"
          f"\n  converge {took:.2f} s, {out['converge_bytes'] / 1e6:.1f} MB ({out['converge_bytes'] / world:.0f} B/rank);"
+         f" every rank's parent and level at the root after "
+         f"{'more than 60' if out['placed_s'] is None else format(out['placed_s'], '.2f')} s;"
          f" steady {out['steady_B_rank_min']:.0f} B/rank/min ({out['membership_cpu_s']:.0f} s CPU so far)")
 
     heads = _heads(nodes, fanout)

@@ -41,6 +41,10 @@ PUSH_DEBOUNCE_SEC = 0.02  # batch near-simultaneous joins into one push / one re
 # a root or broker refreshes its own row at most this often from its timer (a query wakes a broker
 # ~8 times within milliseconds); a change of role, step or stall state goes in at once (update_self)
 SELF_REFRESH_SEC = 0.25
+# where a rank hangs (its parent, its level: from its parent's acks and pushes) goes up this soon
+# after a change, not a report period later, and a parent that answered without its level (not
+# heard from above yet) is asked again this soon: the tree shows at the root within about a second
+PLACEMENT_REPORT_SEC = 0.5
 
 
 
@@ -112,9 +116,10 @@ class RankCore:
         self._lost: dict[int, str] = {}
         self._parent_at: int | None = None  # the parent's index on our failover path (its length: the root)
         self._sent_state: tuple = ()
-        self._acked_state: tuple | None = None  # (role, stalled) of the last acknowledged report
+        self._level_asks = 0  # reports sent again since our parent answered without its level
+        self._acked_state: tuple | None = None  # _reported_state() of the last acknowledged report
         self._last_ack_epoch = -1
-        self._reported_epoch = -1  # broker: node registry epoch in the last report sent
+        self._reported_version: tuple = ()  # broker: _node_version() in the last report sent
         self._pushed_epoch = 0
         self._push_at: float | None = None
         self._report_seq = 0
@@ -221,9 +226,11 @@ class RankCore:
             self.converged_at = now
         if self._outstanding and now >= self._outstanding[1] + self.settings.report_timeout_sec:
             effects += self._report_failed(now, "no acknowledgement in time")
-        if self.tier == "broker" and self.registry.epoch != self._reported_epoch and self.parent:
-            # a join, exit or state change on this node goes up without waiting for the tick
-            self._due(now + PUSH_DEBOUNCE_SEC)
+        if self.tier == "broker" and self._node_version() != self._reported_version and self.parent:
+            # a join, exit or state change below goes up without waiting for the tick; where members
+            # hang, within PLACEMENT_REPORT_SEC (one report for the wave of a level's reports)
+            joined = not self._reported_version or self.registry.epoch != self._reported_version[0]
+            self._due(now + (PUSH_DEBOUNCE_SEC if joined else PLACEMENT_REPORT_SEC))
         if self._report_at is not None and now >= self._report_at and self._can_report():
             effects += self._send_report(now)
         effects += self._maybe_push(now)
@@ -276,6 +283,9 @@ class RankCore:
             if kind == "heartbeat_ack" and self._outstanding and env.msg.corr_id == self._outstanding[0]:
                 return self._on_ack(body, now)
             if kind == "membership":
+                self._learn_level(body.get("level"))  # first: our own pushes below then carry it
+                if self._reported_state() != self._sent_state:
+                    self._say_where_we_hang(now)
                 return self._apply_membership(body, now)
             if kind == "subquery":
                 return self.fanout.on_subquery(env, now)
@@ -479,35 +489,61 @@ class RankCore:
         msg = Message("heartbeat", {"reports": self._batch(now), "known_epoch": self.mirror.epoch}, msg_id=msg_id)
         self._outstanding = (msg_id, now)
         self._report_at = None
-        self._sent_state = (self.role, self.stalled)
+        self._sent_state = self._reported_state()
         if self.tier == "broker":
-            self._reported_epoch = self.registry.epoch
+            self._reported_version = self._node_version()
         return [Send(PARENT, msg)]
+
+    def _node_version(self) -> tuple[int, int]:
+        """A broker's registry as its reports carry it up: its membership and where its members hang."""
+        return self.registry.epoch, self.registry.placement_epoch
+
+    def _reported_state(self) -> tuple:
+        """What a report carries up as soon as it changes (not a backoff period later): the role,
+        the stall, and where this rank hangs in the tree (its parent's rank and its level)."""
+        return self.role, self.stalled, self.parent.rank if self.parent is not None else None, self.level
 
     def _on_ack(self, body: dict, now: float) -> list[Effect]:
         self._outstanding = None
         self._failing_since = None
         effects = self._apply_membership(body, now)
-        # The round that carried a role or stall change is not stable either: a broker
-        # acks with its mirror's epoch, which the change has not reached yet, so without
-        # this a leaf's set_role backed off to the cap at once instead of running at base.
-        stable = (bool(body.get("complete")) and body.get("epoch") == self._last_ack_epoch
-                  and self._acked_state == self._sent_state == (self.role, self.stalled)
-                  and (self.tier != "broker" or self._reported_epoch == self.registry.epoch))
-        self._last_ack_epoch = body.get("epoch", -1)
-        self._acked_state = self._sent_state
-        self._due(now + self.backoff.on_success(stable))
         parent = body.get("parent") or {}
-        level = parent.get("level")
-        if type(level) is int and level >= 0:
-            self.level = level + 1
+        self._learn_level(parent.get("level"))
         if self.parent is not None and parent.get("pid") and self.parent.pid != parent.get("pid"):
             self.parent.pid, self.parent.rank = parent.get("pid"), parent.get("rank")
             self.parent.host, self.parent.incarnation = parent.get("host"), parent.get("incarnation")
             self.parent.tier = parent.get("tier")
             if parent.get("host") == self.identity.host:
                 effects.append(WatchPid("parent", int(parent["pid"])))
+        # The round that carried a role, stall or placement change is not stable either: a
+        # broker acks with its mirror's epoch, which the change has not reached yet, so without
+        # this a leaf's set_role backed off to the cap at once instead of running at base.
+        state = self._reported_state()
+        stable = (bool(body.get("complete")) and body.get("epoch") == self._last_ack_epoch
+                  and self._acked_state == self._sent_state == state
+                  and (self.tier != "broker" or self._reported_version == self._node_version()))
+        self._last_ack_epoch = body.get("epoch", -1)
+        self._acked_state = self._sent_state
+        self._due(now + self.backoff.on_success(stable))
+        if state != self._sent_state:  # the ack told us where we hang (a first ack, a new parent's level)
+            self._say_where_we_hang(now)
+        elif parent and parent.get("level") is None:  # our parent does not know its level yet: ask again
+            self._level_asks += 1  # soon, then less and less often (a parent cut off from above)
+            self._due(now + PLACEMENT_REPORT_SEC * 2 ** min(self._level_asks - 1, 8))
         return effects
+
+    def _learn_level(self, level: object) -> None:
+        """Our parent said its level (its ack, or a push): ours is one more."""
+        if type(level) is int and level >= 0 and self.tier != "root":
+            self.level, self._level_asks = level + 1, 0
+
+    def _say_where_we_hang(self, now: float) -> None:
+        """Our parent or level changed: a report says so within PLACEMENT_REPORT_SEC (the root shows
+        them: nodes' parent and level), not a backoff period later."""
+        if self.tier == "broker":  # our own row too, so the report that says so carries all of it
+            self._self_seen = now
+            self.registry.observe(self.report(), now)
+        self._due(now + PLACEMENT_REPORT_SEC)
 
     def _report_failed(self, now: float, why: str) -> list[Effect]:
         self._outstanding = None
@@ -622,6 +658,7 @@ class RankCore:
         # are never mutated once built.
         bodies: dict[tuple[int, Scope], dict] = {}
         complete = self._complete()
+        level = 0 if self.tier == "root" else self.level
         for rid, child in self.children.items():
             if child.known_epoch == view.epoch:
                 continue
@@ -630,6 +667,8 @@ class RankCore:
             if body is None:
                 body = bodies[key] = {"epoch": view.epoch, "complete": complete,
                                       "delta": view.delta_since(child.known_epoch, nodes=child.scope)}
+                if level is not None:  # a leaf learns its level here too, often before its next ack
+                    body["level"] = level
             child.known_epoch = view.epoch
             effects.append(Send(rid, Message("membership", body)))
         return effects

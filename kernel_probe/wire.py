@@ -108,10 +108,14 @@ class HeartbeatAckBody(_HeartbeatAckFields, total=False):
     parent: dict  # who answered: rank, pid, host, incarnation, tier
 
 
-class MembershipBody(TypedDict):  # parent -> child push
+class _MembershipFields(TypedDict):
     epoch: int
     complete: bool
     delta: dict
+
+
+class MembershipBody(_MembershipFields, total=False):  # parent -> child push
+    level: int  # the sender's level in the tree, once it knows it (an ack says it in ``parent``)
 
 
 class ByeBody(TypedDict):  # child -> parent, clean exit

@@ -74,6 +74,17 @@ def test_two_nodes_converge_at_default_intervals(launch):
         assert m["world_size"] == 4 and m["node_count"] == 2 and m["local_world_size"] == 2
     assert sorted(m["node"] for m in view.values()) == [0, 0, 1, 1]
     assert {m["tier"] for m in view.values()} == {"root", "broker", "leaf"}
+
+    # where each rank hangs shows at the root a second or so after the join, at default intervals
+    # (a report interval or three later before: the demo's first `nodes` said "-" for levels)
+    def placed() -> dict | None:
+        v = converged(root, 4)
+        if v is None or v[0]["level"] != 0:
+            return None
+        return v if all(m["parent"] in v and m["level"] == v[m["parent"]]["level"] + 1 for r, m in v.items() if r) else None
+
+    tree = wait_for(placed, 4.0, interval=0.1, what="every rank's parent and level at the root")
+    assert sorted(m["level"] for m in tree.values()) == [0, 1, 1, 2]  # the root, its leaf and a broker, the broker's leaf
     # convergence measured by the probes: root complete vs. the last probe placed in the tree
     placed = []
     for m in view.values():

@@ -164,13 +164,16 @@ def test_reports_back_off_to_the_cap_and_ten_minutes_pass_without_a_false_death(
     for _ in range(600):  # check every simulated second
         sim.run_for(1.0)
         assert sim.converged()
-    # one leaf under a broker, one leaf of the root, one broker: after the joins settle
-    # (sub-second rounds), base twice (the first round after the join sees a new epoch),
-    # then the cap for good (10 -> 20 is capped at 18); each gap includes the 2 ms round trip
+    # one leaf under a broker, one leaf of the root, one broker: after the sub-second rounds (the
+    # join's, then where each hangs: its parent and level, PLACEMENT_REPORT_SEC later; a broker's
+    # for its leaves'), base once (that round carried a change: not stable), then the cap for good
+    # (10 -> 20 is capped at 18); each gap includes the 2 ms round trip
     for rank in (LEAF, ROOT_LEAF, BROKER):
-        g = [x for x in gaps(heartbeat_times(sim, rank)) if x > 1]
-        assert g[:2] == [BASE + 0.002] * 2, (rank, g[:4])
-        assert set(g[2:]) == {CAP + 0.002}, (rank, sorted(set(g[2:])))
+        times = heartbeat_times(sim, rank)
+        assert sum(t < times[0] + 2 for t in times) <= 3, (rank, times[:5])  # the sub-second rounds
+        g = [x for x in gaps(times) if x > 1]
+        assert g[:1] == [BASE + 0.002], (rank, g[:4])
+        assert set(g[1:]) == {CAP + 0.002}, (rank, sorted(set(g[1:])))
     # nobody was ever marked dead, anywhere (a death always leaves a departure)
     assert not sim.departures()
     assert not any(v.core.registry.departures() for v in sim.ranks)
@@ -418,8 +421,8 @@ def _scale(nodes: int, per_node: int, minutes: float) -> dict:
     sim.run_for(60.0)  # the first rounds after the join still run at base
     assert sim.converged()
     before, t0 = dict(sim.messages_sent), sim.now
-    for _ in range(int(minutes * 6)):
-        sim.run_for(10.0)
+    for _ in range(round(minutes * 60 / CAP)):  # whole report periods: a rank at the cap sends one in each
+        sim.run_for(CAP)
         assert sim.converged()
     steady_cpu = time.process_time() - cpu
     assert not sim.departures()
@@ -495,9 +498,7 @@ def _converge_bytes(world: int) -> tuple[float, float]:
     assert sim.wait_for(sim.converged, 30, check_every=0.01) is not None
     converge = sum(sim.bytes_sent.values())
     sim.run_for(60)
-    before = sum(sim.bytes_sent.values())
-    sim.run_for(60)
-    return converge, sum(sim.bytes_sent.values()) - before
+    return converge, sim.steady_bytes_per_minute()
 
 
 def test_membership_traffic_grows_with_the_job_not_its_square():

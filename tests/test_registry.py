@@ -155,6 +155,18 @@ def test_step_update_is_telemetry_not_epoch():
     assert state(reg) == before
 
 
+def test_where_a_member_hangs_moves_the_placement_epoch_not_the_epoch():
+    reg = Registry()
+    reg.observe(rep(1), T0)
+    placed = reg.placement_epoch
+    assert reg.observe(rep(1, step=3), T0 + 1) is False and reg.placement_epoch == placed  # a step: neither
+    assert reg.observe(rep(1, parent=0), T0 + 2) is False  # shown, never pushed down the tree...
+    assert reg.placement_epoch == placed + 1 and reg.get(1).parent == 0  # ...but a broker sends it up at once
+    assert reg.observe(rep(1, parent=0, level=1), T0 + 3) is False and reg.placement_epoch == placed + 2
+    assert reg.observe(rep(1, parent=0, level=1, step=4), T0 + 4) is False and reg.placement_epoch == placed + 2
+    assert reg.epoch == 1 and reg.delta_since(1)["upserts"] == []
+
+
 @pytest.mark.parametrize(
     ("key", "value"),
     [("role", "eval"), ("endpoint", "tcp://x:1"), ("pid", 42), ("tier", "broker"), ("host", "other")],

@@ -64,6 +64,41 @@ class StateLog:
         return {r: [s for _, s in ch] for r, ch in self.changes.items() if r not in but and len(ch) > 1}
 
 
+@pytest.mark.parametrize(("nodes", "per_node", "deepest"), [(NODES, PER_NODE, 3), (2, 2, 2)], ids=["3 levels", "2x2"])
+def test_where_every_rank_hangs_reaches_the_root_within_a_second_and_a_half(nodes, per_node, deepest):
+    """A rank learns its parent and level from acks and says so half a second later (its parent
+    then knows its own), and a broker sends its members' up at once: the tree's levels show in
+    ``nodes`` a second or so after the start, not a report period or three later (28 s before)."""
+    sim = Simulation(nodes, per_node, settings=SETTINGS)
+    t0 = sim.now
+    sim.start_all()
+    took = sim.wait_for(sim.placed_at_root, 30.0, check_every=0.05)
+    assert took is not None and took <= 1.6, took
+    assert max(m.level for m in sim.root_view().values()) == deepest
+    # a few rounds, then the report period: in the first two seconds a leaf reports twice (its join,
+    # then where it hangs: its broker's pushes told it its level meanwhile), a broker up to four
+    # times (its join, its node's joins, where it hangs, where its members hang)
+    sim.run_for(t0 + 2.0 - sim.now)
+    for r in range(sim.world_size):
+        times = [s.t - t0 for s in sim.sends(src=r, type="heartbeat")]
+        assert len(times) <= (2 if sim.tier_of(r) == "leaf" else 4), (r, times)
+    healthy(sim)
+
+
+def test_a_leaf_whose_broker_never_learns_its_level_asks_again_less_and_less_often():
+    """The root frozen from the start: the broker's reports go unanswered, so it never learns its
+    level; its leaves ask again half a second after each answer without one, then 1, 2, 4, ... s
+    apart until the report interval takes over (not twice a second for as long as it lasts)."""
+    sim = Simulation(2, 4)
+    t0 = sim.now
+    sim.start_all()
+    sim.freeze(0)
+    sim.run_for(40.0)
+    assert sim.core(4).level is None and sim.core(5).level is None
+    times = [round(s.t - t0, 1) for s in sim.sends(src=5, type="heartbeat")]
+    assert times == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 26.0, 36.0], times
+
+
 def test_every_rank_reports_where_the_rule_puts_it_and_the_root_shows_parent_and_level():
     sim = started()  # where a rank hangs travels up with the reports: a few periods at the cap
     for r in range(1, sim.world_size):
@@ -104,6 +139,22 @@ def test_a_killed_broker_of_brokers_loses_nobody_its_subtree_moves_to_the_root_w
     view = sim.root_view()
     assert {(view[r].parent, view[r].level) for r in UNDER_MID} == {(0, 1)}
     assert {view[r].level for r in (9, 10, 11)} == {2}  # their leaves moved up a level with them
+    healthy(sim)
+
+
+def test_after_a_failover_the_root_shows_the_new_parents_and_levels_within_a_second_and_a_half():
+    sim = started()
+    sim.kill(MID)
+    moved = UNDER_MID + MID_LEAVES
+    assert sim.wait_for(lambda: all(sim.ranks[r].parent == 0 for r in moved), STALE + CAP) is not None
+
+    def shown() -> bool:
+        view = sim.root_view()
+        return all((view[r].parent, view[r].level) == (0, 1) for r in moved) and \
+            all(view[r].level == 2 for b in UNDER_MID for r in range(b + 1, b + PER_NODE))
+
+    took = sim.wait_for(shown, 30.0, check_every=0.05)
+    assert took is not None and took <= 1.6, took  # (a report interval or three before)
     healthy(sim)
 
 

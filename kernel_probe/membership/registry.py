@@ -18,7 +18,9 @@ Rules of this file:
   evidence is older than ours; the old one departs with why ``"replaced"``.
 - ``epoch`` counts *membership* changes (any field in ``MEMBERSHIP_FIELDS``); a
   telemetry change does not move it. Each public call bumps it at most once, so one
-  call is one atomic step of the snapshot.
+  call is one atomic step of the snapshot. ``placement_epoch`` counts changes of where
+  members hang in the tree (``parent``, ``level``: telemetry, never pushed down), so a
+  broker can send them up at once.
 - Deltas (``delta_since`` / ``apply_delta``) carry membership down the tree. A
   registry is either a source (``observe``/``mark_dead``/``tick``) or a mirror
   (``apply_delta``), never both; a mirror can serve deltas to its own children.
@@ -149,6 +151,7 @@ class Registry:
         _int("departures_kept", departures_kept)
         self.tombstones_kept = _int("tombstones_kept", tombstones_kept)
         self.epoch: int = 0
+        self.placement_epoch: int = 0  # moves when a member's parent or level changes
         self._members: dict[int, Member] = {}
         # rank -> epoch of its last membership change, in epoch order (a change re-inserts),
         # so "what changed since e" reads from the end: O(changes), not O(members)
@@ -201,6 +204,8 @@ class Registry:
         if old == new:
             return
         self._members[new.rank] = new
+        if old is None or old.parent != new.parent or old.level != new.level:
+            self.placement_epoch += 1
         if old is None or old.node != new.node:
             self._place(new.rank, new.node)
         if old is None or old.via != new.via:

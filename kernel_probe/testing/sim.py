@@ -775,6 +775,23 @@ class Simulation:
     def core(self, rank: int) -> RankCore:
         return self.ranks[rank].core
 
+    def steady_bytes_per_minute(self, periods: int = 4) -> float:
+        """Bytes on the wire per simulated minute, run and measured over whole report periods at
+        the cap: every rank sends as many reports in the window whatever its phase (the ranks of
+        a job start together, so a 60 s window holds 3 or 4 periods of 18 s for nearly all)."""
+        window = periods * self.core(0).backoff.cap
+        before = sum(self.bytes_sent.values())
+        self.run_for(window)
+        return (sum(self.bytes_sent.values()) - before) * 60.0 / window
+
+    def placed_at_root(self) -> bool:
+        """Every rank's parent and level at the root are where the placement rule puts it."""
+        view = self.root_view()
+        if len(view) != self.world_size or view[0].level != 0:
+            return False
+        return all(m.parent == self.parent_of(r) and m.level is not None and m.level == view[m.parent].level + 1
+                   for r, m in view.items() if r)
+
     def root_view(self) -> dict[int, Member]:
         """{rank: Member} as the root's registry holds it now (empty without a root)."""
         return {m.rank: m for m in self.root.registry.members()} if self.root else {}
