@@ -78,9 +78,10 @@ def test_phases_name_the_straggler_that_step_times_hide(straggler_job):
     steps = df["step_ms"]
     assert steps.max() - steps.min() < 0.1 * steps.median(), df  # total step time cannot tell them apart
 
-    def nodes_carry_phases():
+    def nodes_carry_phases():  # of a step past the warm-up on every rank (as PHASES_SQL's), as last reported
         members = root.nodes()
-        ready = members["compute_ms"].notna().all() and members["comm_wait_ms"].notna().all()
+        ready = members["compute_ms"].notna().all() and members["comm_wait_ms"].notna().all() and \
+            (members["step"] > 3).all()
         return [members] if ready else None
 
     (members,) = wait_for(nodes_carry_phases, 30, interval=0.5, what="compute/wait in the membership")
