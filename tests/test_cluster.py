@@ -77,13 +77,13 @@ def test_two_nodes_converge_at_default_intervals(launch):
 
     # where each rank hangs shows at the root a second or so after the join, at default intervals
     # (a report interval or three later before: the demo's first `nodes` said "-" for levels)
-    def placed() -> dict | None:
+    def hanging() -> dict | None:
         v = converged(root, 4)
         if v is None or v[0]["level"] != 0:
             return None
         return v if all(m["parent"] in v and m["level"] == v[m["parent"]]["level"] + 1 for r, m in v.items() if r) else None
 
-    tree = wait_for(placed, 4.0, interval=0.1, what="every rank's parent and level at the root")
+    tree = wait_for(hanging, 4.0, interval=0.1, what="every rank's parent and level at the root")
     assert sorted(m["level"] for m in tree.values()) == [0, 1, 1, 2]  # the root, its leaf and a broker, the broker's leaf
     # convergence measured by the probes: root complete vs. the last probe placed in the tree
     placed = []

@@ -67,7 +67,7 @@ class StateLog:
 @pytest.mark.parametrize(("nodes", "per_node", "deepest"), [(NODES, PER_NODE, 3), (2, 2, 2)], ids=["3 levels", "2x2"])
 def test_where_every_rank_hangs_reaches_the_root_within_a_second_and_a_half(nodes, per_node, deepest):
     """A rank learns its parent and level from acks and says so half a second later (its parent
-    then knows its own), and a broker sends its members' up at once: the tree's levels show in
+    then knows its own), and a broker sends its members' up soon after: the tree's levels show in
     ``nodes`` a second or so after the start, not a report period or three later (28 s before)."""
     sim = Simulation(nodes, per_node, settings=SETTINGS)
     t0 = sim.now
@@ -100,7 +100,7 @@ def test_a_leaf_whose_broker_never_learns_its_level_asks_again_less_and_less_oft
 
 
 def test_every_rank_reports_where_the_rule_puts_it_and_the_root_shows_parent_and_level():
-    sim = started()  # where a rank hangs travels up with the reports: a few periods at the cap
+    sim = started()  # settled: every rank at the report cap
     for r in range(1, sim.world_size):
         assert sim.ranks[r].parent == sim.parent_of(r), r
     view = sim.root_view()

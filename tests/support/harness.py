@@ -93,6 +93,23 @@ def _ephemeral_low() -> int:
         return 0
 
 
+def _stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped (or gone): its state in /proc is T, t, Z or X."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
 def _alive(p: psutil.Process) -> bool:
     """True if ``p`` still runs; zombies count as dead (they only wait to be reaped)."""
     try:
@@ -450,10 +467,15 @@ class LocalJob:
             pass  # already gone: the requested outcome
 
     def freeze(self, rank: int) -> None:
-        """SIGSTOP the worker of ``rank`` (a hung rank that still holds its sockets)."""
+        """SIGSTOP the worker of ``rank`` (a hung rank that still holds its sockets); returns once
+        every thread of it has stopped: a group stop reaches each thread on its own next trip
+        through the kernel, and on a loaded machine its probe thread answered a message meanwhile."""
         p = self._process(rank)
         p.send_signal(signal.SIGSTOP)
         self._frozen[p.pid] = p
+        deadline = time.monotonic() + 5.0
+        while not _stopped(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def thaw(self, rank: int) -> None:
         """SIGCONT the worker of ``rank``."""
