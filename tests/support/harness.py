@@ -468,8 +468,8 @@ class LocalJob:
 
     def freeze(self, rank: int) -> None:
         """SIGSTOP the worker of ``rank`` (a hung rank that still holds its sockets); returns once
-        every thread of it has stopped: a group stop reaches each thread on its own next trip
-        through the kernel, and on a loaded machine its probe thread answered a message meanwhile."""
+        every thread of it shows stopped in /proc (a group stop reaches each thread on its own, not
+        at the kill: a root frozen this way once answered a request 3 ms later in a loaded CI run)."""
         p = self._process(rank)
         p.send_signal(signal.SIGSTOP)
         self._frozen[p.pid] = p
