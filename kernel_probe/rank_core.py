@@ -219,8 +219,7 @@ class RankCore:
         if self.tier in ("root", "broker"):
             seen = self._self_seen
             if seen is None or not 0 <= now - seen < SELF_REFRESH_SEC:
-                self._self_seen = now
-                self.registry.observe(self.report(), now)
+                self._refresh_own_row(now)
             self.registry.tick(now)
         if self.tier == "root" and self.converged_at is None and self.registry.complete(self.identity.world_size):
             self.converged_at = now
@@ -433,7 +432,7 @@ class RankCore:
             "host": ident.host, "endpoint": self.endpoint, "pid": self.pid, "role": self.role,
             "incarnation": self.incarnation, "tier": self.tier or "leaf", "step": self.step,
             "parent": self.parent.rank if self.parent is not None else None,
-            "level": 0 if self.tier == "root" else self.level,
+            "level": self._own_level(),
             "step_time_ms": self.step_time_ms, "compute_ms": self.compute_ms, "comm_wait_ms": self.comm_wait_ms,
             "stalled": self.stalled, "age": 0.0,
             "reason": self.stalled_where if self.stalled else "",
@@ -541,9 +540,18 @@ class RankCore:
         """Our parent or level changed: a report says so within PLACEMENT_REPORT_SEC (the root shows
         them: nodes' parent and level), not a backoff period later."""
         if self.tier == "broker":  # our own row too, so the report that says so carries all of it
-            self._self_seen = now
-            self.registry.observe(self.report(), now)
+            self._refresh_own_row(now)
         self._due(now + PLACEMENT_REPORT_SEC)
+
+    def _refresh_own_row(self, now: float) -> None:
+        """Root and brokers: our own report into our registry (the timer does it at most every
+        SELF_REFRESH_SEC)."""
+        self._self_seen = now
+        self.registry.observe(self.report(), now)
+
+    def _own_level(self) -> int | None:
+        """Our level in the tree: the root's 0; another rank's its parent's plus one, once told."""
+        return 0 if self.tier == "root" else self.level
 
     def _report_failed(self, now: float, why: str) -> list[Effect]:
         self._outstanding = None
@@ -658,7 +666,7 @@ class RankCore:
         # are never mutated once built.
         bodies: dict[tuple[int, Scope], dict] = {}
         complete = self._complete()
-        level = 0 if self.tier == "root" else self.level
+        level = self._own_level()
         for rid, child in self.children.items():
             if child.known_epoch == view.epoch:
                 continue
@@ -716,7 +724,7 @@ class RankCore:
             "delta": view.delta_since(child.known_epoch, nodes=child.scope) if child.known_epoch != view.epoch else None,
             "parent": {"rank": self.identity.rank, "pid": self.pid, "host": self.identity.host,
                        "incarnation": self.incarnation, "tier": self.tier,
-                       "level": 0 if self.tier == "root" else self.level},
+                       "level": self._own_level()},
         }
         child.known_epoch = view.epoch
         effects.append(Send(rid, Message("heartbeat_ack", ack, corr_id=env.header.msg_id)))
