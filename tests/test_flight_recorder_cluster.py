@@ -34,8 +34,14 @@ def test_ddp_all_reduce_and_process_groups_on_every_rank(launch):
     assert ddp.df["b"].tolist() == [136 * 4] * 2 and ddp.df["seq"].tolist() == [8, 8]
     assert not ddp.coverage["partial"]
     # the Python-level rows stay beside them: the worker's own all_reduce on the `side` group
-    python = root.query("SELECT _rank, op, count(*) AS n FROM collectives WHERE source = 'python' "
-                        "GROUP BY _rank, op ORDER BY _rank, op")
+    # (each step's own all_reduce comes after the step: wait for the third on every rank, as for DDP's)
+    def side_done():
+        r = root.query("SELECT _rank, op, count(*) AS n FROM collectives WHERE source = 'python' "
+                       "GROUP BY _rank, op ORDER BY _rank, op")
+        return r if sorted(r.df[r.df["op"] == "all_reduce"]["_rank"].tolist()) == [0, 1] and \
+            (r.df[r.df["op"] == "all_reduce"]["n"] >= 3).all() else None
+
+    python = wait_for(side_done, 30, interval=0.5, what="the workers' own all_reduce on both ranks")
     assert ("all_reduce", 3) in set(zip(python.df["op"], python.df["n"]))
     assert python.df.groupby("_rank")["n"].sum().min() >= 3
 
