@@ -106,6 +106,27 @@ def test_gloo_status_counts_op_ids_and_p2p_is_not_recorded():
         assert (groups["0"]["last_enqueued"], groups["0"]["last_completed"]) == (10, completed)
 
 
+def test_a_gloo_count_behind_a_retired_entry_is_the_retired_one():
+    """gloo's worker threads write last_completed as each finishes: under load an older number
+    can land last (seen in CI: op 9 retired, the count 8 for good). The entry's own ``retired``
+    wins; an entry not retired leaves torch's count as it is."""
+    record = captured("mismatch", 0)
+    assert record["dump"]["pg_status"]["0"]["last_completed_collective"] == "8"
+    _rows, groups = read("mismatch", 0)
+    assert (groups["0"]["last_enqueued"], groups["0"]["last_completed"]) == (9, 8)  # op 9 pending
+    dump = copy.deepcopy(record["dump"])
+    (newest,) = [e for e in dump["entries"] if e["op_id"] == 9]
+    newest["retired"] = True
+    _coll, rows = fr.rows({"fr": dump}, record["groups"], 2000)
+    by_name = {g["group_name"]: g for g in (dict(zip(GROUP_COLUMNS, r, strict=True)) for r in rows)}
+    assert (by_name["0"]["last_enqueued"], by_name["0"]["last_completed"]) == (9, 9)
+    assert by_name["1"]["last_completed"] == 3  # the other group as torch counts it
+    newest["profiling_name"] = "nccl:all_reduce"  # another backend's count is left as torch keeps it
+    _coll, rows = fr.rows({"fr": dump}, record["groups"], 2000)
+    assert {r[GROUP_COLUMNS.index("backend")]: r[GROUP_COLUMNS.index("last_completed")] for r in rows
+            if r[GROUP_COLUMNS.index("group_name")] == "0"}["nccl"] == 8
+
+
 def test_newest_rows_per_group_are_kept():
     rows, groups = read("train", 0, per_group=2)
     by_group: dict[str, list[int]] = {}
@@ -302,3 +323,33 @@ def test_rows_are_read_again_only_once_a_groups_status_moved(monkeypatch):
     assert reader.read(10, environ={}) is moved and calls[4:] == [False]  # stale, but nothing moved
     reader.read(5, environ={})  # another bound: read again, however fresh
     assert calls[5:] == [False, True]
+
+
+def test_a_read_with_a_pending_collective_is_redone_after_a_while(monkeypatch):
+    """A collective pending at the last read may retire while no group's status moves (gloo's
+    count stayed behind): that read is redone once it is PENDING_RECHECK_SEC old; a read with
+    nothing pending is not."""
+    dump = captured("mismatch", 0)["dump"]
+    calls = []
+    now = [100.0]
+
+    def dump_json(include_collectives, only_active):
+        calls.append(include_collectives)
+        return json.dumps(dump if include_collectives else {k: v for k, v in dump.items() if k != "entries"}).encode()
+
+    c10d = types.SimpleNamespace(_dump_fr_trace_json=dump_json)
+    monkeypatch.setattr(fr, "torch_initialized", lambda: True)
+    monkeypatch.setattr(fr, "loaded_torch_module", lambda name: c10d if name == "torch._C._distributed_c10d" else None)
+    reader = fr.Reader(clock=lambda: now[0])
+    completed = GROUP_COLUMNS.index("last_completed")
+    first = reader.read(10, environ={})
+    assert {g[1]: g[completed] for g in first.process_groups}["0"] == 8 and calls == [False, True]
+    dump = copy.deepcopy(dump)
+    next(e for e in dump["entries"] if e["op_id"] == 9)["retired"] = True  # done; the count stays 8
+    now[0] += fr.PENDING_RECHECK_SEC - 0.01
+    assert reader.read(10, environ={}) is first and calls[2:] == [False]
+    now[0] += 0.01
+    again = reader.read(10, environ={})
+    assert calls[3:] == [False, True] and {g[1]: g[completed] for g in again.process_groups}["0"] == 9
+    now[0] += 10 * fr.PENDING_RECHECK_SEC
+    assert reader.read(10, environ={}) is again and calls[5:] == [False]  # nothing pending: kept

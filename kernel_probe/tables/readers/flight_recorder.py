@@ -13,7 +13,8 @@ group with its ranks (NCCL), else from torch.distributed's own table of groups.
 ``rows`` is pure: dumps and groups in, rows out. ``Reader`` is the I/O around it: it looks up
 the torch this process already loaded (it never imports torch), is for the probe's query
 worker, never a training thread, and reads the entries again only once a group's status
-moved and its last read is older than ``FRESH_SEC``. ``availability`` says, cheaply, why
+moved and its last read is older than ``FRESH_SEC`` (or, while a collective was pending at
+the last read, once that read is older than ``PENDING_RECHECK_SEC``). ``availability`` says, cheaply, why
 there is nothing to read (torch not loaded, no recorder in this build, the recorder off).
 """
 
@@ -37,6 +38,10 @@ SOURCE = "flight_recorder"
 # a read this recent is given again, moved or not: one diagnose reads the recorder's tables
 # four times within about a second, and a full ring costs ~90 ms of the GIL to read
 FRESH_SEC = 1.0
+# a collective pending at the last read may since have retired with no group's status moving
+# (gloo's count can stay behind, see ``rows``): such a read is redone after this long. A hung
+# job's reads then cost a full ring every this many seconds it is asked, not at every query
+PENDING_RECHECK_SEC = 10.0
 
 _COLLECTIVE_COLUMNS = tuple(col for col, _ in SCHEMAS["collectives"])
 _GROUP_COLUMNS = tuple(col for col, _ in SCHEMAS["process_groups"])
@@ -192,12 +197,17 @@ def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]],
     once (an entry in two dumps is one row), oldest first. ``process_groups``: one row per
     group the recorder knows (by its entries or its ``pg_status``), then the groups of
     torch.distributed it has nothing of; sequence numbers as torch keeps them (-1: none
-    yet, and gloo never counts ``started``). Keys that are missing or of another type
+    yet, and gloo never counts ``started``), except a gloo group's ``last_completed``, which
+    is at least its newest retired entry's ``op_id``: gloo's two worker threads each write
+    the count as they finish, so under load the one finishing last may write an older number
+    and the count stays behind a collective the rank is past (seen here: 8 where op 9 had
+    retired, until the group's next collective). Keys that are missing or of another type
     become NULLs, never errors."""
     by_name = {g.get("name"): g for g in groups if isinstance(g, Mapping) and isinstance(g.get("name"), str)}
     seen: set[tuple] = set()
     kept: dict[tuple, list[tuple[tuple, dict]]] = {}  # group key -> [(order, row)]
     group_rows: dict[tuple, dict[str, Any]] = {}  # group key -> process_groups row
+    retired: dict[tuple, int] = {}  # gloo group key -> the newest op_id its entries say retired
     json_text = _memo_json_text()
     for kind, dump in dumps.items():
         dump = _mapping(dump)
@@ -224,6 +234,8 @@ def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]],
                     **_status(status.get(str(row["group_id"]))),
                 }
             kept.setdefault(key, []).append(((_int(entry.get("record_id")) or 0, row["ts"] or 0.0), row))
+            if key[2] == "gloo" and entry.get("retired") is True and row["op_id"] is not None:
+                retired[key] = max(row["op_id"], retired.get(key, row["op_id"]))
         for pg_id, st in status.items():  # groups whose entries the ring no longer holds
             gid = _int(pg_id)
             if gid is None or gid in ids_seen:
@@ -231,6 +243,9 @@ def rows(dumps: Mapping[str, Any], groups: Sequence[Mapping[str, Any]],
             key = (gid, None, kind if kind != "fr" else None)
             group_rows.setdefault(key, {"group_id": gid, "group_name": None, "group_desc": None, "ranks": None,
                                         "backend": key[2], **_status(st)})
+    for key, op_id in retired.items():
+        done = group_rows[key]["last_completed"]
+        group_rows[key]["last_completed"] = op_id if done is None else max(done, op_id)
     for name, world in by_name.items():
         # a live group's name may also be a destroyed one's (a process group made again): the
         # live one is the last made, the highest id
@@ -370,7 +385,8 @@ class Reader:
             return kept.recorded
         status, failed = dumps(include_collectives=False)
         statuses = {kind: _mapping(d).get("pg_status") for kind, d in status.items()}
-        if kept is not None and kept.statuses == statuses and not failed:
+        if (kept is not None and kept.statuses == statuses and not failed
+                and not (kept.pending and now - kept.at >= PENDING_RECHECK_SEC)):
             return kept.recorded
         found, failed = dumps()
         collectives, process_groups = rows(found, asked[0], per_group)
@@ -378,7 +394,7 @@ class Reader:
             recorded = Recorded([], [], _off_note(off))
         else:
             recorded = Recorded(collectives, process_groups, "; ".join(failed) or None)
-        self._kept = None if failed else _Kept(asked, statuses, now, recorded)
+        self._kept = None if failed else _Kept(asked, statuses, now, recorded, _pending(recorded.process_groups))
         return recorded
 
 
@@ -390,6 +406,13 @@ class _Kept(NamedTuple):
     statuses: dict
     at: float
     recorded: Recorded
+    pending: bool  # a group had a collective enqueued and not completed
+
+
+def _pending(process_groups: Iterable[tuple]) -> bool:
+    enqueued, completed = _GROUP_COLUMNS.index("last_enqueued"), _GROUP_COLUMNS.index("last_completed")
+    return any(g[enqueued] is not None and g[completed] is not None and g[enqueued] > g[completed]
+               for g in process_groups)
 
 
 def read(per_group: int, environ: Mapping[str, str] | None = None) -> Recorded:
