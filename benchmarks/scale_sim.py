@@ -94,6 +94,11 @@ def _kill_broker(sim: Simulation, node: int, nodes: int, fanout: int) -> dict:
     children = [n * PER_NODE for n in subtree(node, nodes, fanout) if tree_parent(n, nodes, fanout) == node] + \
         list(range(mid + 1, mid + PER_NODE))
     killed_at = sim.now
+    # a child on another host finds its parent gone when its next report goes unanswered (one
+    # on the broker's host sees its pid go): where the kill falls in their report period counts
+    host = sim.core(mid).identity.host
+    due = [sim.core(r).report_due - killed_at for r in children
+           if sim.core(r).identity.host != host and sim.core(r).report_due is not None]
     root_children = [len(sim.core(0).children)]
     sim.kill(mid)
     ever_dead: set[int] = set()
@@ -110,6 +115,7 @@ def _kill_broker(sim: Simulation, node: int, nodes: int, fanout: int) -> dict:
     sim.run_for(30.0, lambda: look() and False, check_every=0.5)
     return {"rank": mid, "level": tree_depth(node, nodes, fanout), "children": len(children),
             "grandparent": grandparent, "moved_s": moved_s, "dead_s": dead_s,
+            "next_reports_s": (min(due), max(due)) if due else None,
             "to_grandparent": sum(p == grandparent for p in went), "to_root": sum(p == 0 for p in went),
             "root_children": (root_children[0], max(root_children)), "others_dead": sorted(ever_dead - {mid}),
             "alive_after": sim.root.registry.counts()["alive"]}
@@ -117,8 +123,10 @@ def _kill_broker(sim: Simulation, node: int, nodes: int, fanout: int) -> dict:
 
 def _say_kill(what: str, k: dict) -> None:
     grandparent = "the root" if k["grandparent"] == 0 else f"rank {k['grandparent']}"
+    due = k["next_reports_s"]
+    due = f" (the next reports of those on other hosts were due in {due[0]:.1f}-{due[1]:.1f} s)" if due else ""
     _say(f"  {what} (rank {k['rank']}, level {k['level']}) killed: its {k['children']} children moved in "
-         f"{k['moved_s']} s, {k['to_grandparent']} to their grandparent ({grandparent}), {k['to_root']} to the root; "
+         f"{k['moved_s']} s{due}, {k['to_grandparent']} to their grandparent ({grandparent}), {k['to_root']} to the root; "
          f"dead at the root after {k['dead_s']:.1f} s; the root's children {k['root_children'][0]} before, at most "
          f"{k['root_children'][1]} during; others ever dead {k['others_dead']}, alive after {k['alive_after']}")
 

@@ -424,6 +424,11 @@ class RankCore:
         return self.view().epoch
 
     # --- what this rank says about itself --------------------------------------------
+    @property
+    def report_due(self) -> float | None:
+        """When this rank's next report goes up (None: none scheduled, e.g. one awaits its ack)."""
+        return self._report_at
+
     def report(self) -> dict:
         ident = self.identity
         return {

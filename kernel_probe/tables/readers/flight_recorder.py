@@ -14,8 +14,9 @@ group with its ranks (NCCL), else from torch.distributed's own table of groups.
 the torch this process already loaded (it never imports torch), is for the probe's query
 worker, never a training thread, and reads the entries again only once a group's status
 moved and its last read is older than ``FRESH_SEC`` (or, while a collective was pending at
-the last read, once that read is older than ``PENDING_RECHECK_SEC``). ``availability`` says, cheaply, why
-there is nothing to read (torch not loaded, no recorder in this build, the recorder off).
+the last read, once that read is older than ``PENDING_RECHECK_SEC``). ``availability`` says,
+cheaply, why there is nothing to read (torch not loaded, no recorder in this build, the
+recorder off).
 """
 
 from __future__ import annotations
