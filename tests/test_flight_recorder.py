@@ -293,25 +293,31 @@ def test_torchs_ranks_go_to_the_live_group_of_a_reused_name():
     assert by_id[0]["backend"] == by_id[2]["backend"] == "gloo"  # from its entries
 
 
-def test_rows_are_read_again_only_once_a_groups_status_moved(monkeypatch):
-    """A dump holds the GIL while torch writes it: a read under FRESH_SEC old is given again
-    without asking torch anything (the queries of one diagnose); after that, while no group's
-    status moves (a stuck job), the status alone is asked."""
-    dump = captured("late", 0)["dump"]
-    calls = []
-    now = [100.0]
+def _recording_torch(monkeypatch, dump: dict) -> tuple[list[dict], list[bool], list[float]]:
+    """A loaded torch whose recorder dumps ``holder[0]`` (a test swaps it), the
+    ``include_collectives`` of each dump asked, and a clock: (holder, calls, now)."""
+    holder, calls, now = [dump], [], [100.0]
 
     def dump_json(include_collectives, only_active):
         calls.append(include_collectives)
-        return json.dumps(dump if include_collectives else {k: v for k, v in dump.items() if k != "entries"}).encode()
+        d = holder[0]
+        return json.dumps(d if include_collectives else {k: v for k, v in d.items() if k != "entries"}).encode()
 
     c10d = types.SimpleNamespace(_dump_fr_trace_json=dump_json)
     monkeypatch.setattr(fr, "torch_initialized", lambda: True)
     monkeypatch.setattr(fr, "loaded_torch_module", lambda name: c10d if name == "torch._C._distributed_c10d" else None)
+    return holder, calls, now
+
+
+def test_rows_are_read_again_only_once_a_groups_status_moved(monkeypatch):
+    """A dump holds the GIL while torch writes it: a read under FRESH_SEC old is given again
+    without asking torch anything (the queries of one diagnose); after that, while no group's
+    status moves (a stuck job), the status alone is asked."""
+    torch_dump, calls, now = _recording_torch(monkeypatch, captured("late", 0)["dump"])
     reader = fr.Reader(clock=lambda: now[0])
     first = reader.read(10, environ={})
     assert calls == [False, True]
-    dump = copy.deepcopy(dump)
+    dump = torch_dump[0] = copy.deepcopy(torch_dump[0])
     dump["pg_status"]["0"]["last_completed_collective"] = "9"  # the late rank arrived ...
     now[0] += fr.FRESH_SEC - 0.01
     assert reader.read(10, environ={}) is first and calls == [False, True]  # ... but the read is fresh
@@ -329,22 +335,12 @@ def test_a_read_with_a_pending_collective_is_redone_after_a_while(monkeypatch):
     """A collective pending at the last read may retire while no group's status moves (gloo's
     count stayed behind): that read is redone once it is PENDING_RECHECK_SEC old; a read with
     nothing pending is not."""
-    dump = captured("mismatch", 0)["dump"]
-    calls = []
-    now = [100.0]
-
-    def dump_json(include_collectives, only_active):
-        calls.append(include_collectives)
-        return json.dumps(dump if include_collectives else {k: v for k, v in dump.items() if k != "entries"}).encode()
-
-    c10d = types.SimpleNamespace(_dump_fr_trace_json=dump_json)
-    monkeypatch.setattr(fr, "torch_initialized", lambda: True)
-    monkeypatch.setattr(fr, "loaded_torch_module", lambda name: c10d if name == "torch._C._distributed_c10d" else None)
+    torch_dump, calls, now = _recording_torch(monkeypatch, captured("mismatch", 0)["dump"])
     reader = fr.Reader(clock=lambda: now[0])
     completed = GROUP_COLUMNS.index("last_completed")
     first = reader.read(10, environ={})
     assert {g[1]: g[completed] for g in first.process_groups}["0"] == 8 and calls == [False, True]
-    dump = copy.deepcopy(dump)
+    dump = torch_dump[0] = copy.deepcopy(torch_dump[0])
     next(e for e in dump["entries"] if e["op_id"] == 9)["retired"] = True  # done; the count stays 8
     now[0] += fr.PENDING_RECHECK_SEC - 0.01
     assert reader.read(10, environ={}) is first and calls[2:] == [False]
