@@ -729,6 +729,30 @@ class QueryFanOut:
             effects += self._maybe_merge(s, now)
         return effects
 
+    def on_child_gone(self, child: int, now: float) -> list[Effect]:
+        """A message to direct child ``child`` found no connection (it moved to another parent,
+        or its process ended): a query waiting on it stops waiting, instead of waiting out its
+        deadline for an answer that cannot come here."""
+        effects: list[Effect] = []
+        for s in list(self.queries.values()):
+            if s.stage == "gather" and child in s.waiting:
+                s.failed.add(s.waiting.pop(child), f"unreachable: rank {child} is no longer connected to rank {self.rank}")
+                effects += self._maybe_merge(s, now)
+        return effects
+
+    def on_parent_left(self, now: float) -> list[Effect]:
+        """This rank is about to report to another parent: the queries it holds for the one it
+        leaves are answered now, while the link they came by is open (an answer sent later
+        would reach a parent that never asked, and the one that asked would wait out its
+        deadline). What was gathered is let go: their ranks say why they did not answer."""
+        effects: list[Effect] = []
+        for s in [s for s in self.queries.values() if s.origin is PARENT]:
+            s.failed.add(s.targeted, f"unreachable: rank {self.rank} changed its parent during the query")  # (a rank
+            # already failed keeps its reason)
+            s.answered = NO_RANKS
+            effects += self._answer_parent(s, [], [], now=now)
+        return effects
+
     def on_timer(self, now: float) -> list[Effect]:
         effects: list[Effect] = []
         for s in list(self.queries.values()):

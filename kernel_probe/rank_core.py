@@ -614,6 +614,8 @@ class RankCore:
         """Report to ``endpoint`` from now on (``incarnation``: the process there, when the
         membership named it: what we never go back to if it is lost before it answers)."""
         effects: list[Effect] = [UnwatchPid("parent")] if self.parent else []
+        if self.parent is not None and self.parent.endpoint != endpoint:
+            effects += self.fanout.on_parent_left(now)  # before the link closes (ConnectParent, below)
         self.level = level  # known again from the new parent's first ack
         if self.parent is not None and self.tier != "root":
             # epochs are the root's; a new path may be a restarted root: resync from scratch
@@ -775,6 +777,12 @@ class RankCore:
             self._drop_child_rank(rank)
         return self._on_timer(now)
 
+    def _on_child_gone(self, rid: bytes, now: float) -> list[Effect]:
+        """A child's connection is gone (it moved, or ended): nothing more is sent on it, and
+        the queries waiting on it stop waiting. Its next report, if any, makes it a child again."""
+        child = self.children.pop(rid, None)
+        return [] if child is None else self.fanout.on_child_gone(child.rank, now)
+
     def _drop_child_rank(self, rank: int) -> None:
         for rid in [rid for rid, c in self.children.items() if c.rank == rank]:
             del self.children[rid]
@@ -787,6 +795,7 @@ _HANDLERS: dict[type, Callable[[RankCore, Any, float], list[Effect]]] = {
     st.Tick: lambda core, s, now: core._on_timer(now),
     st.MessageIn: lambda core, s, now: core._on_message(s.env, s.sender, now),
     st.SendFailed: lambda core, s, now: core._on_send_failed(now),
+    st.ChildGone: lambda core, s, now: core._on_child_gone(s.rid, now),
     st.SelfChanged: lambda core, s, now: core._update_self(
         now, role=s.role, step=s.step, step_time_ms=s.step_time_ms, stalled=s.stalled,
         stalled_where=s.stalled_where, compute_ms=s.compute_ms, comm_wait_ms=s.comm_wait_ms),

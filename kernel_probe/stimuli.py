@@ -61,6 +61,14 @@ class SendFailed:
 
 
 @dataclass(frozen=True)
+class ChildGone:
+    """A message to this routing id found no connection on the ROUTER: the peer left, or
+    moved to another parent (a client's too; the core minds only its children's)."""
+
+    rid: bytes
+
+
+@dataclass(frozen=True)
 class SelfChanged:
     """Local facts of this rank (None: unchanged). A role or stall change is reported at once."""
 
@@ -109,5 +117,5 @@ class Leaving:
     """Clean shutdown: the core says goodbye to its parent instead of letting it wait a TTL."""
 
 
-Stimulus = Union[Start, Placed, StoreResult, Tick, MessageIn, SendFailed, SelfChanged, ProcessExited,
+Stimulus = Union[Start, Placed, StoreResult, Tick, MessageIn, SendFailed, ChildGone, SelfChanged, ProcessExited,
                  SqlTaskDone, CaptureActed, ClockRead, Leaving]

@@ -24,7 +24,7 @@ import zmq
 from .. import wire
 from ..effects import PARENT, Send
 from ..interpreter import RankShell
-from ..stimuli import MessageIn, SendFailed
+from ..stimuli import ChildGone, MessageIn, SendFailed
 from . import connfile
 from .pidwatch import create_time, proc_stat
 
@@ -32,6 +32,7 @@ log = logging.getLogger("kernel_probe")
 
 MAX_BATCH = 256  # messages handled per socket per wake-up, so no peer can starve the timers
 REFUSALS_PER_SEC = 20  # unsigned refusals are cheap to trigger: never amplify a flood
+PARENT_LINGER_MS = 500  # a parent link being left delivers what is queued on it for this long, in the background
 # Bad messages are short-lived buffers allocated on libzmq's I/O thread and copied on ours, and
 # the connections they came on (libzmq's engine, buffers and pipes) are freed when they go;
 # glibc keeps what is freed in its arenas. The 1 MiB frame cap (wire rule 3) bounds what stays
@@ -90,7 +91,12 @@ def parent_socket(ctx: zmq.Context, endpoint: str, limits: wire.Limits, curve_ke
     _secure(sock, curve_key, server=False)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a parent that is not there
-    sock.setsockopt(zmq.SNDHWM, 16)
+    # Answers go up this link too, and a message past the mark is refused: at 16, a wake-up that
+    # settles 40 answers (a burst of queries) lost 24 of them while libzmq's I/O thread was not
+    # yet scheduled, and their queries waited out their deadlines. The admission bounds what is
+    # in flight to a few hundred (``sql_tasks.executors``), so 1000 refuses only towards a parent
+    # that reads nothing, as the ROUTER's own mark does towards a child.
+    sock.setsockopt(zmq.SNDHWM, 1000)
     sock.setsockopt(zmq.RCVHWM, 1000)
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -302,21 +308,24 @@ class RankEndpoint:
                     raise zmq.Again()
                 self.unsettled.add(self.parent)
                 send_frames(self.parent, frames)
-            except zmq.ZMQError:
+            except zmq.ZMQError as exc:
                 if effect.msg.type == "heartbeat":
                     self.shell.feed(SendFailed())
+                else:  # an answer lost: its query says "timeout" for these ranks there
+                    log.warning("probing: the parent link refused a %s (%s)", effect.msg.type, exc)
             return
         self.unsettled.add(self.router)
         try:
             send_frames(self.router, [effect.to, *frames])
-        except zmq.ZMQError:
-            pass  # the peer left or is flooded: replies are best effort, the peer retries
+        except zmq.ZMQError as exc:  # replies are best effort, the peer retries; a child the core forgets
+            if exc.errno == zmq.EHOSTUNREACH:  # no such connection (ROUTER_MANDATORY): it left, or moved
+                self.shell.feed(ChildGone(effect.to))
 
     def connect_parent(self, endpoint: str | None) -> None:
         """Close the parent DEALER (its shell stopped polling it) and dial ``endpoint``, if any."""
         if self.parent is not None:
             self.unsettled.discard(self.parent)  # (the set holds at most the router and the parent)
-            self.parent.close(0)
+            self.parent.close(PARENT_LINGER_MS)  # what we just sent it (answers we held for it) still goes
             self.parent = None
         if endpoint:
             self.parent = parent_socket(self.ctx, endpoint, self.codec.limits, self.curve_key)

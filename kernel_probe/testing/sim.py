@@ -50,13 +50,14 @@ What is modelled, and how:
 - ``Send(to=PARENT)`` goes to the rank of the endpoint of the last ``ConnectParent``.
   Like a DEALER with ``IMMEDIATE``, a send to a parent that is not running (not
   started yet, or exited) fails at once; the shell then feeds ``SendFailed`` for a
-  heartbeat (other types are dropped silently, as there). A *frozen* parent still
-  accepts: its kernel buffers the bytes, nobody answers.
+  heartbeat (other types are dropped, as there). A *frozen* parent still accepts: its
+  kernel buffers the bytes, nobody answers. What was sent before a ``ConnectParent`` still
+  reaches the parent it was sent to (the shell closes the link it leaves with a linger).
 - ``Send(to=routing_id)`` goes back over that child's connection. A routing id is the
   sender's rank plus a connection number (``b"5#12"``): a re-connection gets a new id,
   as a ROUTER assigns one per connection. A reply to a connection the child has since
-  closed, or to a child that exited, is dropped (``ROUTER_MANDATORY``: the shell
-  ignores the error). Messages on one connection stay in order (TCP).
+  closed, or to a child that exited, is dropped, and the shell feeds ``ChildGone``
+  (``ROUTER_MANDATORY`` raised EHOSTUNREACH). Messages on one connection stay in order (TCP).
 - Pid watches see local processes only: a ``WatchPid`` of a process on another host
   is ignored and counted in ``cross_host_watches`` (the real watch would see some
   unrelated pid, or none, and report a false exit). A watched process that exits is
@@ -103,7 +104,7 @@ from ..membership import Member
 from ..placement import tree_parent
 from ..query_tasks import Finish
 from ..rank_core import RankCore
-from ..stimuli import MessageIn, Placed, ProcessExited, SelfChanged, SendFailed, SqlTaskDone, Start, Stimulus, Tick
+from ..stimuli import ChildGone, MessageIn, Placed, ProcessExited, SelfChanged, SendFailed, SqlTaskDone, Start, Stimulus, Tick
 from ..tags import Tags
 
 __all__ = ["T0", "SimProfiler", "Simulation", "Sent", "StepHook", "VirtualRank"]
@@ -669,7 +670,9 @@ class Simulation:
         child_rank, conn = self._rids.get(effect.to, (None, 0))
         child = self.ranks[child_rank] if child_rank is not None else None
         if child is None or child.state != "up" or child.conn != conn:
-            self.dropped[msg.type] += 1  # ROUTER_MANDATORY raised; the shell ignores it
+            self.dropped[msg.type] += 1  # ROUTER_MANDATORY raised (EHOSTUNREACH): the shell tells the core
+            if v.state == "up":
+                v.shell.feed(ChildGone(effect.to), self.now)
             return
         self._count(v, child, msg.type, frames)
         if self._severed(v.rank, child.rank, msg.type):
