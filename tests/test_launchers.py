@@ -336,12 +336,12 @@ def test_srun(start, tmp_path):
 
     control = tmp_path / "control"
     control.mkdir()
-    port = free_port()
     slurm = LocalSlurm(tmp_path / "slurm")
     try:
         slurm.start()
     except SlurmUnavailable as exc:
         pytest.fail(f"cannot run a local Slurm here: {exc}", pytrace=False)
+    port = free_port()  # once Slurm holds its own ports (picked the same way), for the seconds until srun
     try:
         # the ranks are children of slurmd's step daemon, not of srun; they stay when one dies
         start(["srun", "-n", "4", "--kill-on-bad-exit=0", PY, WORKER, "--launcher", "slurm",

@@ -478,8 +478,10 @@ def rank_task_ms(sql: str, rows: int = 300, n: int = 128) -> float:
 
 
 # --- a set of host processes (tests, benchmarks) ---------------------------------------------
-def free_port_window(n: int, start: int = 20000, stop: int = 32000) -> int:
-    """A base port with ``n`` consecutive free ports on 127.0.0.1 (below the ephemeral range)."""
+def free_port_window(n: int, start: int = 10000, stop: int = 20000) -> int:
+    """A base port with ``n`` consecutive free ports on 127.0.0.1, below the ephemeral range and
+    below the single ports the test harness picks (20000-29000, a job's rendezvous): a window
+    held for a whole test once took the port a launcher test had picked for its store."""
     import random
 
     for _ in range(50):
