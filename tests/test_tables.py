@@ -204,17 +204,21 @@ def test_memory_samples_agree_with_psutil():
 
     from kernel_probe.tables.recorders import MemorySampler
 
+    wall, cpu = time.monotonic(), time.process_time()
     sampler = MemorySampler(rows=8, period_sec=0.0)
     busy_until = time.process_time() + 0.3
     while time.process_time() < busy_until:  # one core busy between the samples
         pass
     sampler.sample(1.0)
+    # the share of a core this process had meanwhile, as the test saw it (a loaded machine
+    # gives it less than all of one: 22 % once, beside a test run on both cores)
+    seen = (time.process_time() - cpu) / (time.monotonic() - wall) * 100.0
     time.sleep(0.3)  # then idle
     sampler.sample(2.0)
     busy, idle = [row for row in sampler.rows.snapshot()]
     rss = psutil.Process().memory_info().rss
     assert abs(busy[1] - rss) < 0.1 * rss and abs(idle[1] - rss) < 0.1 * rss
-    assert busy[2] > 30.0 and idle[2] < 20.0, (busy[2], idle[2])
+    assert abs(busy[2] - seen) < 5.0 and seen > 5.0 and idle[2] < min(20.0, busy[2] / 2), (busy[2], seen, idle[2])
 
 
 # --- collectives -------------------------------------------------------------------------------------------
