@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from .effects import PARENT, Effect, RunSqlTask, Send
 from .membership.tag_index import TagIndex
@@ -717,27 +717,32 @@ class QueryFanOut:
         """Members died or left: a query still waiting on one of them as a direct child
         stops waiting (it is ``dead``; the ranks it answered for are unreachable), instead
         of waiting out its deadline. A lost rank below a broker is that broker's to report."""
-        effects: list[Effect] = []
         lost = RankRanges.of(ranks)
-        for s in list(self.queries.values()):
-            if s.stage != "gather":
-                continue
-            for hop in [h for h in s.waiting if h in ranks]:
-                below = s.waiting.pop(hop)
-                s.failed.add(below & lost, "dead")
-                s.failed.add(below - lost, f"unreachable: rank {hop} died while it held this answer")
-            effects += self._maybe_merge(s, now)
-        return effects
+
+        def fail(s: HopQuery, hop: int, below: RankRanges) -> None:
+            s.failed.add(below & lost, "dead")
+            s.failed.add(below - lost, f"unreachable: rank {hop} died while it held this answer")
+
+        return self._stop_waiting(ranks, fail, now)
 
     def on_child_gone(self, child: int, now: float) -> list[Effect]:
         """A message to direct child ``child`` found no connection (it moved to another parent,
         or its process ended): a query waiting on it stops waiting, instead of waiting out its
         deadline for an answer that cannot come here."""
+        why = f"unreachable: rank {child} is no longer connected to rank {self.rank}"
+        return self._stop_waiting({child}, lambda s, hop, below: s.failed.add(below, why), now)
+
+    def _stop_waiting(self, hops: set[int], fail: Callable[[HopQuery, int, RankRanges], None],
+                      now: float) -> list[Effect]:
+        """Every gathering query stops waiting on the direct children ``hops``: ``fail(query,
+        hop, the ranks it answered for)`` says why, and what no longer waits merges."""
         effects: list[Effect] = []
         for s in list(self.queries.values()):
-            if s.stage == "gather" and child in s.waiting:
-                s.failed.add(s.waiting.pop(child), f"unreachable: rank {child} is no longer connected to rank {self.rank}")
-                effects += self._maybe_merge(s, now)
+            if s.stage != "gather":
+                continue
+            for hop in [h for h in s.waiting if h in hops]:
+                fail(s, hop, s.waiting.pop(hop))
+            effects += self._maybe_merge(s, now)
         return effects
 
     def on_parent_left(self, now: float) -> list[Effect]:
@@ -747,10 +752,8 @@ class QueryFanOut:
         deadline). What was gathered is let go: their ranks say why they did not answer."""
         effects: list[Effect] = []
         for s in [s for s in self.queries.values() if s.origin is PARENT]:
-            s.failed.add(s.targeted, f"unreachable: rank {self.rank} changed its parent during the query")  # (a rank
-            # already failed keeps its reason)
-            s.answered = NO_RANKS
-            effects += self._answer_parent(s, [], [], now=now)
+            effects += self._answer_parent_unanswered(s, f"unreachable: rank {self.rank} changed its parent "
+                                                         "during the query", now)
         return effects
 
     def on_timer(self, now: float) -> list[Effect]:
@@ -770,9 +773,7 @@ class QueryFanOut:
                 # the worker never came back (a stuck user table): answer anyway
                 self.queries.pop(s.qid, None)
                 if s.origin is PARENT:
-                    s.failed.add(s.targeted, "timeout")  # (a rank already failed keeps its reason)
-                    s.answered = NO_RANKS
-                    effects += self._answer_parent(s, [], [], now=now)
+                    effects += self._answer_parent_unanswered(s, "timeout", now)
                 else:
                     effects += self._fail_client(s, now, "timeout", "the query did not finish before its deadline")
             if s.origin is not PARENT and s.stage == "gather" and now >= s.next_progress:
@@ -892,6 +893,13 @@ class QueryFanOut:
             body["error"] = error
             body["status"] = "error"
         return [Send(PARENT, Message("subresult", body, tuple(buffers), corr_id=s.corr_id))]
+
+    def _answer_parent_unanswered(self, s: HopQuery, why: str, now: float) -> list[Effect]:
+        """The parent's answer with nothing in it: every rank it asked for failed, for ``why``
+        (a rank already failed keeps its reason)."""
+        s.failed.add(s.targeted, why)
+        s.answered = NO_RANKS
+        return self._answer_parent(s, [], [], now=now)
 
     def _fail_client(self, s: HopQuery, now: float, code: str = "error", message: str = "",
                      **extra: Any) -> list[Effect]:
