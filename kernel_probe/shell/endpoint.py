@@ -37,7 +37,9 @@ PARENT_LINGER_MS = 500  # a parent link being left delivers what is queued on it
 # the connections they came on (libzmq's engine, buffers and pipes) are freed when they go;
 # glibc keeps what is freed in its arenas. The 1 MiB frame cap (wire rule 3) bounds what stays
 # at an arena's top; what sits in its free lists goes back to the OS: after this many rejected
-# bytes, or once a burst of rejected messages (even empty ones) is over, at most once a second.
+# bytes, or once a burst of rejected messages (even empty ones) or of departed connections is over,
+# at most once a second. Departures count on their own: a peer may hold its connections open long
+# after its last bad message (200 connections closed at once, 10 s after it, kept +11 MiB at the root).
 # Not mallopt (M_ARENA_MAX, M_TRIM_THRESHOLD) at probe start: those are the training job's
 # allocator settings too (a fixed M_TRIM_THRESHOLD turns off glibc's dynamic mmap threshold, so
 # every tensor buffer over 128 KiB would be a fresh mmap, faulted in again each step), and the
@@ -168,27 +170,32 @@ def malloc_trim() -> Callable[[int], int] | None:
 
 
 class MemoryTrim:
-    """Rejected messages and bytes since the last trim, and giving their memory back (one per process:
-    glibc's arenas are the process's)."""
+    """Rejected messages and bytes, and departed connections, since the last trim, and giving their
+    memory back (one per process: glibc's arenas are the process's)."""
 
     def __init__(self) -> None:
         self.rejected_messages = 0  # since the last trim
         self.rejected_bytes = 0  # since the last trim
+        self.departures = 0  # since the last trim
         self.trims = 0
-        self._last_reject = 0.0
+        self._last_event = 0.0
         self._next_trim = 0.0
 
     def rejected(self, nbytes: int, now: float) -> None:
         self.rejected_messages += 1
         self.rejected_bytes += nbytes
-        self._last_reject = now
+        self._last_event = now
+
+    def departed(self, connections: int, now: float) -> None:
+        self.departures += connections
+        self._last_event = now
 
     def due(self, now: float) -> bool:
-        return bool(self.rejected_messages) and now >= self._next_trim and (
-            self.rejected_bytes >= TRIM_AFTER_BYTES or now - self._last_reject >= TRIM_EVERY_SEC)
+        return bool(self.rejected_messages or self.departures) and now >= self._next_trim and (
+            self.rejected_bytes >= TRIM_AFTER_BYTES or now - self._last_event >= TRIM_EVERY_SEC)
 
     def release(self, now: float) -> None:
-        self.rejected_messages = self.rejected_bytes = 0
+        self.rejected_messages = self.rejected_bytes = self.departures = 0
         self._next_trim = now + TRIM_EVERY_SEC
         trim = malloc_trim()
         if trim is not None:  # glibc only; elsewhere the memory is merely kept
@@ -202,7 +209,7 @@ class RankEndpoint:
 
     def __init__(self, shell: RankShell, ctx: zmq.Context, codec: wire.Codec, run_id: str, *,
                  refusals: RefusalLimit | None = None, trim: MemoryTrim | None = None,
-                 curve_key: bytes | None = None) -> None:
+                 curve_key: bytes | None = None, watch_departures: bool = False) -> None:
         self.shell = shell
         self.ctx = ctx
         self.codec = codec
@@ -211,6 +218,10 @@ class RankEndpoint:
         self.trim = trim or MemoryTrim()
         self.curve_key = curve_key
         self.router = router_socket(ctx, codec.limits, curve_key)
+        # libzmq's word that a peer's connection went (its buffers freed), for the memory trim; the
+        # virtual hosts (kernel_probe.testing.vhost) go without: their many routers would need as many
+        self.departures: zmq.Socket | None = (
+            self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED) if watch_departures else None)
         self.parent: zmq.Socket | None = None
         # Sockets whose FD may not tell that a message waits (it signals an edge, and only what
         # this thread has not yet taken in): sent on since their last drain (a send can take in
@@ -241,6 +252,18 @@ class RankEndpoint:
                 continue
             feed(MessageIn(env, rid), now)
         self.unsettled.add(router)
+
+    def drain_departures(self, now: float) -> None:
+        """Count the connections that went since the last look (see ``departures``)."""
+        left = 0
+        while self.departures is not None:
+            try:
+                self.departures.recv_multipart(_NOBLOCK)  # the event and the peer's address: nothing we need
+            except zmq.Again:
+                break
+            left += 1
+        if left:
+            self.trim.departed(left, now)
 
     def drain_parent(self, now: float) -> None:
         """Feed the core what the parent sent."""
@@ -335,6 +358,10 @@ class RankEndpoint:
         return [self.router] if self.parent is None else [self.router, self.parent]
 
     def close(self) -> None:
+        if self.departures is not None:
+            self.router.disable_monitor()
+            self.departures.close(0)
+            self.departures = None
         for sock in self.sockets():
             sock.close(0)
         self.parent = None

@@ -112,7 +112,7 @@ class ProbeThread(threading.Thread, SocketShell):
         codec = wire.Codec(key, sender=f"rank{ident.rank}", incarnation=self.incarnation, clock=self.clock)
         listen = listening(s, single_host=ident.single_host)
         host = listen.bind
-        net = self.net = RankEndpoint(self, self.ctx, codec, ident.run_id,
+        net = self.net = RankEndpoint(self, self.ctx, codec, ident.run_id, watch_departures=True,
                                       curve_key=curve_material(s.auth_token, key) if listen.curve else None)
         router = net.router
         if s.port:
@@ -129,6 +129,7 @@ class ProbeThread(threading.Thread, SocketShell):
                                  engine_idle_sec=s.engine_idle_sec, engine_memory=s.engine_memory_bytes)
         self.poller = zmq.Poller()
         self.poller.register(router, zmq.POLLIN)
+        self.poller.register(net.departures, zmq.POLLIN)
         self.poller.register(self._wake.fd, zmq.POLLIN)
         self.core.info_extras = self._info_extras
         self.feed(Start(self._use_store), now)
@@ -149,6 +150,8 @@ class ProbeThread(threading.Thread, SocketShell):
                     net.drain_parent(now)
                 if self._wake.fd in events:
                     self._drain_commands(now)
+                if net.departures in events:
+                    net.drain_departures(now)
                 self.settle()
                 if now >= next_sample:
                     self._sample(now)

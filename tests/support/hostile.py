@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import random
 import socket
 import struct
@@ -174,24 +175,35 @@ class HostilePeer:
 
     # --- a minute of it ----------------------------------------------------------------------
     def run_for(self, seconds: float, threads: int = 3, flood_connections: int = 300,
-                per_second: float = 200.0) -> None:
+                per_second: float = 200.0, pulse: float = 0.0) -> None:
         """Mixed bad messages from ``threads`` long-lived connections at about
         ``per_second`` messages in all, plus ``flood_connections`` short-lived connections
-        (each sends a few bad messages, then goes) spread over the run."""
-        end = time.monotonic() + seconds
-        workers = [threading.Thread(target=self._steady, args=(end, per_second / threads, i), daemon=True)
+        (each sends a few bad messages, then goes) spread over the run.
+
+        ``pulse`` > 0: the attack runs ``pulse`` seconds, rests as long, and so on; ``on``
+        gets the wall-clock (start, end) of every period it ran, so a test compares what the
+        target did in the periods on with the periods off beside them, under the same load."""
+        start = time.monotonic()
+        end = start + seconds
+        self.on: list[tuple[float, float]] = []
+        if pulse > 0:
+            wall = time.time()
+            periods = math.ceil(seconds / (2 * pulse))
+            self.on = [(wall + i * 2 * pulse, wall + min(i * 2 * pulse + pulse, seconds)) for i in range(periods)]
+        schedule = _Schedule(start, end, pulse)
+        workers = [threading.Thread(target=self._steady, args=(schedule, per_second / threads, i), daemon=True)
                    for i in range(threads)]
-        workers.append(threading.Thread(target=self._flood, args=(end, flood_connections), daemon=True))
+        workers.append(threading.Thread(target=self._flood, args=(schedule, flood_connections), daemon=True))
         for w in workers:
             w.start()
         for w in workers:
             w.join()
 
-    def _steady(self, end: float, rate: float, index: int) -> None:
+    def _steady(self, schedule: "_Schedule", rate: float, index: int) -> None:
         rng = random.Random(self._rng.random() + index)
         sock = self._socket()
         try:
-            while time.monotonic() < end:
+            while schedule.wait_for_on():
                 t0 = time.monotonic()
                 try:
                     self.one_round(sock, rng)
@@ -201,13 +213,12 @@ class HostilePeer:
         finally:
             sock.close()
 
-    def _flood(self, end: float, connections: int) -> None:
+    def _flood(self, schedule: "_Schedule", connections: int) -> None:
         rng = random.Random(self._rng.random() + 1000)
-        start = time.monotonic()
-        gap = max(0.0, (end - start) / max(1, connections))
+        gap = max(0.0, schedule.on_seconds() / max(1, connections))
         open_socks: collections.deque = collections.deque()
         for _ in range(connections):
-            if time.monotonic() >= end:
+            if not schedule.wait_for_on():
                 break
             sock = self._socket()
             open_socks.append(sock)
@@ -226,6 +237,28 @@ class HostilePeer:
 
     def close(self) -> None:
         self.ctx.term()  # waits for lingering sends: what we counted has been delivered
+
+
+class _Schedule:
+    """When a pulsed attack runs: always (``pulse`` 0), or ``pulse`` seconds on, as many off."""
+
+    def __init__(self, start: float, end: float, pulse: float) -> None:
+        self.start, self.end, self.pulse = start, end, pulse
+
+    def on_seconds(self) -> float:
+        span = self.end - self.start
+        if not self.pulse:
+            return span
+        whole, rest = divmod(span, 2 * self.pulse)
+        return whole * self.pulse + min(rest, self.pulse)
+
+    def wait_for_on(self) -> bool:
+        """Sleeps through a period off; False once the run is over."""
+        now = time.monotonic()
+        if self.pulse and (now - self.start) % (2 * self.pulse) >= self.pulse:
+            now += 2 * self.pulse - (now - self.start) % (2 * self.pulse)
+            time.sleep(max(0.0, min(now, self.end) - time.monotonic()))
+        return now < self.end
 
 
 # --- bursts on fresh connections: what a port scanner or a confused client sends ---------------
