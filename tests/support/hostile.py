@@ -10,7 +10,7 @@ messages, valid-looking queries signed with a wrong key, stale timestamps, and a
 short-lived connections, some sending 2 MB frames. A frame over the sockets' limit
 (``Limits.max_frame_bytes``) never reaches the probe's code: ZeroMQ cuts that connection
 off (and whatever else it had queued), so those go on throwaway connections and are
-counted apart (``cut_off``). ``run_for`` mixes everything from several threads.
+counted apart (``cut_off``). ``run_for`` mixes everything from several threads, at once or in pulses.
 
 ``bursts`` is what a port scanner or a confused client sends, as a new user would try it:
 bursts of unsigned bad messages, each on a fresh connection, against several endpoints.
