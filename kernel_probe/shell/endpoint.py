@@ -38,8 +38,8 @@ PARENT_LINGER_MS = 500  # a parent link being left delivers what is queued on it
 # glibc keeps what is freed in its arenas. The 1 MiB frame cap (wire rule 3) bounds what stays
 # at an arena's top; what sits in its free lists goes back to the OS: after this many rejected
 # bytes, or once a burst of rejected messages (even empty ones) or of departed connections is over,
-# at most once a second. Departures count on their own: a peer may hold its connections open long
-# after its last bad message (200 connections closed at once, 10 s after it, kept +11 MiB at the root).
+# at most once a second. Departures count on their own: a peer may hold its connections open past
+# its last bad message (200 of them closed at once, 2 s after it, kept +11 MiB at the root).
 # Not mallopt (M_ARENA_MAX, M_TRIM_THRESHOLD) at probe start: those are the training job's
 # allocator settings too (a fixed M_TRIM_THRESHOLD turns off glibc's dynamic mmap threshold, so
 # every tensor buffer over 128 KiB would be a fresh mmap, faulted in again each step), and the
@@ -220,8 +220,8 @@ class RankEndpoint:
         self.router = router_socket(ctx, codec.limits, curve_key)
         # libzmq's word that a peer's connection went (its buffers freed), for the memory trim. libzmq
         # sends these blocking: its I/O thread (this probe's context only) would wait once ~2000 lay
-        # unread, so the probe thread polls and reads them as they come. The virtual hosts (kernel_probe.testing.vhost)
-        # go without: their many routers would need as many
+        # unread, so the probe thread polls and reads them as they come. The virtual hosts
+        # (kernel_probe.testing.vhost) go without: their many routers would need as many
         self.departures: zmq.Socket | None = (
             self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED) if watch_departures else None)
         self.parent: zmq.Socket | None = None

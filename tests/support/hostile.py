@@ -183,14 +183,9 @@ class HostilePeer:
         ``pulse`` > 0: the attack runs ``pulse`` seconds, rests as long, and so on; ``on``
         gets the wall-clock (start, end) of every period it ran, so a test compares what the
         target did in the periods on with the periods off beside them, under the same load."""
-        start = time.monotonic()
-        end = start + seconds
-        self.on: list[tuple[float, float]] = []
-        if pulse > 0:
-            wall = time.time()
-            periods = math.ceil(seconds / (2 * pulse))
-            self.on = [(wall + i * 2 * pulse, wall + min(i * 2 * pulse + pulse, seconds)) for i in range(periods)]
-        schedule = _Schedule(start, end, pulse)
+        start, wall = time.monotonic(), time.time()
+        schedule = _Schedule(start, start + seconds, pulse)
+        self.on: list[tuple[float, float]] = [(wall + a, wall + b) for a, b in schedule.periods_on()]
         workers = [threading.Thread(target=self._steady, args=(schedule, per_second / threads, i), daemon=True)
                    for i in range(threads)]
         workers.append(threading.Thread(target=self._flood, args=(schedule, flood_connections), daemon=True))
@@ -245,12 +240,13 @@ class _Schedule:
     def __init__(self, start: float, end: float, pulse: float) -> None:
         self.start, self.end, self.pulse = start, end, pulse
 
+    def periods_on(self) -> list[tuple[float, float]]:
+        """(start, end) of every period on, in seconds from the start; none when not pulsed."""
+        span, p = self.end - self.start, self.pulse
+        return [(t, min(t + p, span)) for t in (i * 2 * p for i in range(math.ceil(span / (2 * p))))] if p else []
+
     def on_seconds(self) -> float:
-        span = self.end - self.start
-        if not self.pulse:
-            return span
-        whole, rest = divmod(span, 2 * self.pulse)
-        return whole * self.pulse + min(rest, self.pulse)
+        return sum(b - a for a, b in self.periods_on()) if self.pulse else self.end - self.start
 
     def wait_for_on(self) -> bool:
         """Sleeps through a period off; False once the run is over."""
