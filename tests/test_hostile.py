@@ -44,7 +44,7 @@ PULSE_SEC = 2.0  # the attack runs 2 s, rests 2 s, ...: the attacked rank's step
 # short TTL: a probe kept from its heartbeats for 4 s would show a dead rank
 SETTINGS = {"PROBING_CLUSTER_STALE_SEC": "4", "PROBING_CLUSTER_REPORT_INTERVAL_SEC": "1",
             "PROBING_CLUSTER_REPORT_TIMEOUT_SEC": "1.5", "PROBING_SAMPLE_INTERVAL_SEC": "0.25"}
-STEP_SLOWDOWN_MAX = 1.25  # median step time under attack / in the rests between, on the attacked rank over the rank beside it
+STEP_SLOWDOWN_MAX = 1.25  # median step under attack / in the rests between, attacked rank over the rank beside it
 STEP_SLOWDOWN_LOADED_MAX = 1.6  # ... and on the attacked rank alone, whatever else loads the machine
 RSS_GROWTH_MAX_MIB = 10.0
 KEY = wire.derive_key("t", "run")
@@ -258,15 +258,9 @@ def test_an_endpoint_hears_of_every_connection_that_went(ctx):
 
 # --- ATTACK_SEC against a live job --------------------------------------------------------------
 
-@pytest.fixture
-def warm():
-    with warm_cores():
-        yield
-
-
 @pytest.mark.serial  # the attacked rank's step time, on and off
 @pytest.mark.cluster
-def test_hostile_peers_against_a_live_root(warm, launch, runtime_dir):
+def test_hostile_peers_against_a_live_root(launch, runtime_dir):
     job = launch([BUSY, "--work", "20000", "--sleep-ms", "6", "--keep", "20000"], nodes=1, ranks_per_node=2, mode="plain", env=SETTINGS)
     job.wait_ready(60)
     client = wait_for(lambda: kernel_probe.connect(timeout=2), 60, interval=0.2, what="the root")
@@ -279,33 +273,34 @@ def test_hostile_peers_against_a_live_root(warm, launch, runtime_dir):
 
     time.sleep(BASELINE_SEC)  # the root's RSS once settled
     rss_before = root.memory_info().rss
-    attack_start = time.time()
-    peer = HostilePeer(client.endpoint, key, seed=10)
-    attacker = threading.Thread(target=peer.run_for, args=(ATTACK_SEC,), daemon=True,
-                                kwargs={"threads": 3, "flood_connections": 300, "per_second": 150, "pulse": PULSE_SEC})
-    attacker.start()
-    failures: list[str] = []
-    rss_peak, queries, polls = rss_before, 0, 0
-    while attacker.is_alive():
-        t0 = time.monotonic()
-        try:
-            r = client.query(query, timeout=5)
-            queries += 1
-            if r.coverage["answered"] != [0, 1] or r.coverage["partial"]:
-                failures.append(f"query: {r.footer()} {r.coverage['failed']}")
-            for _ in range(2):
-                raw = client.nodes_raw(timeout=5)
-                polls += 1
-                states = {m["rank"]: m["state"] for m in raw["members"]}
-                if states != {0: "alive", 1: "alive"} or raw["departures"]:
-                    failures.append(f"nodes: {states} {raw['departures']}")
-                time.sleep(0.25)
-        except Exception as exc:
-            failures.append(f"{type(exc).__name__}: {exc}")
-        rss_peak = max(rss_peak, root.memory_info().rss)
-        time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
-    attacker.join()
-    attack_end = time.time()
+    with warm_cores():  # the steps on against off, on cores kept awake (see slowdown_of)
+        attack_start = time.time()
+        peer = HostilePeer(client.endpoint, key, seed=10)
+        attack = {"threads": 3, "flood_connections": 300, "per_second": 150, "pulse": PULSE_SEC}
+        attacker = threading.Thread(target=peer.run_for, args=(ATTACK_SEC,), kwargs=attack, daemon=True)
+        attacker.start()
+        failures: list[str] = []
+        rss_peak, queries, polls = rss_before, 0, 0
+        while attacker.is_alive():
+            t0 = time.monotonic()
+            try:
+                r = client.query(query, timeout=5)
+                queries += 1
+                if r.coverage["answered"] != [0, 1] or r.coverage["partial"]:
+                    failures.append(f"query: {r.footer()} {r.coverage['failed']}")
+                for _ in range(2):
+                    raw = client.nodes_raw(timeout=5)
+                    polls += 1
+                    states = {m["rank"]: m["state"] for m in raw["members"]}
+                    if states != {0: "alive", 1: "alive"} or raw["departures"]:
+                        failures.append(f"nodes: {states} {raw['departures']}")
+                    time.sleep(0.25)
+            except Exception as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+            rss_peak = max(rss_peak, root.memory_info().rss)
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+        attacker.join()
+        attack_end = time.time()
     peer.close()
 
     expected = {reason: n for reason, n in peer.expected.items() if n}
@@ -320,7 +315,7 @@ def test_hostile_peers_against_a_live_root(warm, launch, runtime_dir):
         # the attack's periods on against its periods off in between, so that what else loads the
         # machine weighs on both alike (a baseline taken before and after once ran at 0.88 ms a step
         # against 1.30 in every other run; the tests beside the serial part ending mid-attack made the
-        # unattacked rank x0.69 during it), on cores kept awake (``warm``: without, the rank beside
+        # unattacked rank x0.69 during it), on cores kept awake (``warm_cores``: without, the rank beside
         # once ran x1.38 in the periods on, 1.13 ms a step at rest); the root's backlog drains into
         # the start of a period off
         mine = steps[steps["rank"] == rank]
