@@ -1,11 +1,12 @@
 """Hostile peers: bad messages against a live job's root (20 s in ``make test``; a minute with
 KP_HOSTILE_SEC=60, as ``make soak`` runs it).
 
-In pulses of 2 s on, 2 s off: random frames, replayed signed frames, truncated multipart messages, oversized messages,
-a flood of a few hundred connections (some sending 2 MB frames), valid-looking queries
-with a wrong key, stale timestamps. Every bad message is counted in the root's `info`
-(``rejected``), nothing crashes, the training step of the attacked rank is not slowed
-beyond the bound, heartbeats and queries keep working, the root's RSS grows <= 10 MiB.
+In pulses of 2 s on, 2 s off: random frames, replayed signed frames, truncated multipart
+messages, oversized messages, a flood of a few hundred connections (some sending 2 MB frames,
+up to 200 held open and closed at the end), valid-looking queries with a wrong key, stale
+timestamps. Every bad message is counted in the root's `info` (``rejected``), nothing crashes,
+the training step of the attacked rank is not slowed beyond the bound (on against off),
+heartbeats and queries keep working, the root's RSS grows <= 10 MiB.
 Also the wire rule that makes the RSS bound hold: no frame over 1 MiB (a longer message split).
 Bursts on fresh connections against every rank of a torchrun job: test_memory_pinning.
 """
