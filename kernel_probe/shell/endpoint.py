@@ -257,8 +257,10 @@ class RankEndpoint:
 
     def drain_departures(self, now: float) -> None:
         """Count the connections that went since the last look (see ``departures``)."""
+        if self.departures is None:
+            return
         left = 0
-        while self.departures is not None:
+        while True:
             try:
                 self.departures.recv_multipart(_NOBLOCK)  # the event and the peer's address: nothing we need
             except zmq.Again:

@@ -104,7 +104,8 @@ from ..membership import Member
 from ..placement import tree_parent
 from ..query_tasks import Finish
 from ..rank_core import RankCore
-from ..stimuli import ChildGone, MessageIn, Placed, ProcessExited, SelfChanged, SendFailed, SqlTaskDone, Start, Stimulus, Tick
+from ..stimuli import (ChildGone, MessageIn, Placed, ProcessExited, SelfChanged, SendFailed, SqlTaskDone, Start,
+                       Stimulus, Tick)
 from ..tags import Tags
 
 __all__ = ["T0", "SimProfiler", "Simulation", "Sent", "StepHook", "VirtualRank"]

@@ -194,7 +194,7 @@ class HostilePeer:
         for w in workers:
             w.join()
 
-    def _steady(self, schedule: "_Schedule", rate: float, index: int) -> None:
+    def _steady(self, schedule: _Schedule, rate: float, index: int) -> None:
         rng = random.Random(self._rng.random() + index)
         sock = self._socket()
         try:
@@ -208,7 +208,7 @@ class HostilePeer:
         finally:
             sock.close()
 
-    def _flood(self, schedule: "_Schedule", connections: int) -> None:
+    def _flood(self, schedule: _Schedule, connections: int) -> None:
         rng = random.Random(self._rng.random() + 1000)
         gap = max(0.0, schedule.on_seconds() / max(1, connections))
         open_socks: collections.deque = collections.deque()
