@@ -194,14 +194,17 @@ def test_torchrun_static_and_standalone(start, tmp_path, rendezvous):
     port = free_port()
     run = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--monitor-interval", "0.2"]
     worker = [WORKER, "--launcher", "env", "--control-dir", str(control)]
+    # the tree pinned below has local rank 0 as each node's broker: on a loaded machine rank 0's probe
+    # may start seconds after rank 1's, which then (rightly) elects itself after the default 2 s
+    patient = {"PROBING_CLUSTER_DISCOVER_TIMEOUT_SEC": "30"}
     if rendezvous == "static":  # two "nodes": --node-rank, --master-addr and --master-port, no rendezvous backend
         for node in (0, 1):
             start([*run, "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-                   "--master-port", str(port), *worker])
+                   "--master-port", str(port), *worker], env=patient)
         # rank 3 killed: its agent stops rank 2 and exits; node 0's agent, never told, keeps ranks 0 and 1
         check_job(control, 4, f"127.0.0.1:{port}/r0", f"127.0.0.1_{port}", {0: 0, 1: 0, 2: 1, 3: 1}, torn_down=(2,))
     else:
-        start([*run, "--standalone", *worker])
+        start([*run, "--standalone", *worker], env=patient)
         # a killed rank makes the one agent stop every rank, the root too: rank 1 is frozen instead
         check_job(control, 2, None, None, {0: 0, 1: 0}, kill=signal.SIGSTOP)
 
