@@ -17,6 +17,7 @@ import functools
 import json
 import operator
 import os
+import socket
 import statistics
 import threading
 import time
@@ -255,6 +256,37 @@ def test_an_endpoint_hears_of_every_connection_that_went(ctx):
     assert not net.trim.due(time.time()) and net.trim.due(time.time() + endpoint.TRIM_EVERY_SEC)
     net.close()
     assert net.departures is None
+
+
+def test_a_connection_that_never_greets_is_dropped_after_the_handshake_interval(ctx, monkeypatch):
+    monkeypatch.setattr(endpoint, "HANDSHAKE_MS", 500)
+    net = RankEndpoint(_Shell(), ctx, wire.Codec(KEY, "rank0", "i0"), "run")
+    port = net.router.bind_to_random_port("tcp://127.0.0.1")
+    peer = ctx.socket(zmq.DEALER)  # a real peer: its handshake is over in milliseconds
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]  # they never greet
+    started = time.monotonic()
+
+    def closed(sock: socket.socket) -> bool:  # what came (the router's greeting) read, then the end
+        sock.settimeout(0)
+        try:
+            while sock.recv(4096):
+                pass
+            return True
+        except BlockingIOError:
+            return False
+        except OSError:  # reset
+            return True
+
+    wait_for(lambda: all(closed(s) for s in silent), 10, interval=0.05, what="the silent connections dropped")
+    assert time.monotonic() - started >= 0.4  # by the interval, not at once
+    peer.send(b"")  # past the interval, the real peer's connection still carries its messages
+    wait_for(lambda: net.drain_router(time.time()) or sum(net.rejected().values()) == 1, 10, interval=0.01,
+             what="the peer's message")
+    for s in silent:
+        s.close()
+    peer.close(0)
+    net.close()
 
 
 # --- ATTACK_SEC against a live job --------------------------------------------------------------

@@ -48,6 +48,12 @@ PARENT_LINGER_MS = 500  # a parent link being left delivers what is queued on it
 TRIM_AFTER_BYTES = 4 * 2**20
 TRIM_EVERY_SEC = 1.0
 
+# A connection to the ROUTER that has not finished ZeroMQ's handshake by then is dropped (libzmq's
+# default: 30 s). Each one is a descriptor of the training process, held by whoever opened it: a
+# port scan, a health check, a peer that never greets. A real peer's handshake takes milliseconds,
+# in libzmq's own thread (the GIL plays no part).
+HANDSHAKE_MS = 10_000
+
 # plain ints: pyzmq's flag enums cost an enum operation per frame
 _NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
@@ -84,6 +90,7 @@ def router_socket(ctx: zmq.Context, limits: wire.Limits, curve_key: bytes | None
     router.setsockopt(zmq.SNDHWM, 1000)
     router.setsockopt(zmq.RCVHWM, 1000)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
+    router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
     return router
 
 
