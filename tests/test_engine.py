@@ -263,14 +263,15 @@ def test_deadline_interrupts_streaming_query(engine):
     t0 = time.time()
     with pytest.raises(QueryError) as ei:
         engine.run(sql, {}, deadline=t0 + 0.3, row_cap=10**9)
-    assert ei.value.code == "timeout" and time.time() - t0 < 1.5
+    assert ei.value.code == "timeout" and time.time() - t0 < 5.0  # (not interrupted: minutes; bounds here are
+    # loose because make test runs the process-free tests at nice 19, a few % of a core at times)
 
 
 def test_deadline_already_past(engine, t):
     t0 = time.time()
     with pytest.raises(QueryError) as ei:
         engine.run(SLOW, {"t": t}, deadline=t0 - 1)
-    assert ei.value.code == "timeout" and time.time() - t0 < 0.2
+    assert ei.value.code == "timeout" and time.time() - t0 < 2.0  # (SLOW alone runs for hours)
     # a generous deadline does not get in the way
     assert engine.run("SELECT 1 AS x", {}, deadline=time.time() + 30).to_pylist() == [{"x": 1}]
 
@@ -290,7 +291,7 @@ def test_row_cap(engine):
     t0 = time.time()
     with pytest.raises(QueryError):
         engine.run("SELECT * FROM range(1000000000)", {}, row_cap=20000)
-    assert time.time() - t0 < 1.0
+    assert time.time() - t0 < 5.0  # (all of it: a billion rows)
 
 
 def test_threads(engine):
@@ -545,8 +546,10 @@ def test_closing_interrupts_a_running_query_and_later_queries_are_refused():
     slow.start()
     time.sleep(0.3)  # inside DuckDB by now
     started = time.monotonic()
-    engine.close(wait=2.0)
-    assert time.monotonic() - started < 1.0
+    # close returns once the query left DuckDB: ~5 ms here, but 1.07 s once in make test, whose
+    # process-free tests run at nice 19 beside the cluster tests (a few % of a core then)
+    engine.close(wait=10.0)
+    assert time.monotonic() - started < 9.0  # not the whole wait: the interrupt ended the query
     slow.join(5)
     assert box and isinstance(box[0], QueryError)
     with pytest.raises(QueryError, match="closed"):

@@ -160,10 +160,10 @@ def test_poll_is_cheap():
     for i, pid in enumerate(pids):
         w.watch(i, pid)
     w.poll()
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # its CPU: make test runs this at nice 19, where wall time says little
     w.poll()
     # ~20 us per pid on Linux; generous bound for slow CI machines.
-    assert time.perf_counter() - t0 < 0.002 * max(len(pids), 1) + 0.05
+    assert time.process_time() - t0 < 0.002 * max(len(pids), 1) + 0.05
 
 
 @pytest.mark.processes
