@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 from .effects import (CaptureAction, ConnectParent, Effect, Note, ReadClock, RunSqlTask, Send, StoreOp,
                       UnwatchPid, WatchPid)
-from .stimuli import (CaptureActed, ClockRead, Leaving, ProcessExited, SelfChanged, SqlTaskDone, Stimulus,
+from .stimuli import (CaptureActed, ChildGone, ClockRead, Leaving, ProcessExited, SelfChanged, SqlTaskDone, Stimulus,
                       StoreResult, Tick)
 
 
@@ -85,6 +85,11 @@ class RankShell:
         """True when the process is gone and its remaining effects must not happen."""
         return False
 
+    def exited_pids(self) -> list[object]:
+        """The keys of the watched processes that ended since the last look (``watch_pid``), each
+        once; this transport's pid watch asked now (none here: a transport without one)."""
+        return []
+
     # --- what (shared) -----------------------------------------------------------------
     def feed(self, stimulus: Stimulus, now: float | None = None) -> list[Effect]:
         """Hand the core one stimulus and carry out what it answers (returned, for a test's eyes)."""
@@ -129,6 +134,15 @@ class RankShell:
 
     def sql_task_done(self, task_id: str, result: dict) -> None:
         self.feed(SqlTaskDone(task_id, result))
+
+    def child_gone(self, rid: bytes, now: float | None = None) -> None:
+        """A send to a child found no connection: it moved to another parent, or its process
+        ended. An end the pid watch sees now is told first, so the core hears of a death (the
+        reason its queries give), not of a connection that went."""
+        now = self.now() if now is None else now
+        for key in self.exited_pids():
+            self.feed(ProcessExited(key), now)
+        self.feed(ChildGone(rid), now)
 
     def sample(self, now: float, facts: SelfChanged | None, exited: Iterable[object] = ()) -> None:
         """The sample tick: this rank's own facts, the processes the pid watch saw exit, and

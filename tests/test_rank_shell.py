@@ -115,6 +115,19 @@ def test_the_shell_settles_quick_sql_at_the_end_of_the_wake_up():
     assert shell.fed == [stimuli.Tick(), stimuli.SqlTaskDone("q1", {"warm": True}), stimuli.Tick()]
 
 
+def test_a_child_gone_comes_after_the_exits_the_pid_watch_sees_then():
+    class Watching(_Shell):
+        def exited_pids(self):
+            return self.exits.pop(0) if self.exits else []
+
+    shell = Watching(None)
+    shell.exits = [[2], []]  # its process ended: the core hears so before the connection's end
+    shell.child_gone(b"2#1")
+    shell.child_gone(b"3#1")  # nothing exited (a child that moved): the connection's end alone
+    assert shell.fed == [stimuli.ProcessExited(2), stimuli.ChildGone(b"2#1"), stimuli.ChildGone(b"3#1")]
+    assert _Shell(None).exited_pids() == []  # a transport without a pid watch sees none
+
+
 # --- the in-process simulator runs captures -------------------------------------------------------
 
 def _table(rank: int):

@@ -2,7 +2,9 @@
 that changes its parent while it holds a subquery of the one it leaves, and a subquery sent to
 a child that has moved away. Either way the query answers as soon as the old parent hears of
 it -- not at its deadline, not once the moved rank looks dead there -- and names the rank
-"unreachable", never "dead" (it is alive, under another parent).
+"unreachable", never "dead" (it is alive, under another parent). And the other way round: a
+child that died is named "dead", even when a send finds its connection gone before the pid
+watch's next poll would have told.
 
 Layout: 2 nodes x 2 ranks; rank 2 is node 1's broker and rank 3 its leaf. Rank 3's report is
 lost (its link is cut for a moment), so it reports to the root 5 s later (no acknowledgement
@@ -85,3 +87,16 @@ def test_a_subquery_to_a_child_that_moved_away_fails_that_child_at_once():
     assert failed(env) == {f"unreachable: rank {LEAF} is no longer connected to rank {BROKER}": str(LEAF)}
     assert env.msg.body["coverage"]["answered"] == "0-2"
     assert not any(child.rank == LEAF for child in sim.core(BROKER).children.values())  # no longer its child
+
+
+def test_a_subquery_to_a_child_that_died_names_it_dead_before_the_pid_watch_polls():
+    sim = Simulation(2, 2, tables=_tables, hosts=1)  # one host: the root watches the broker's pid
+    sim.start_all()
+    assert sim.wait_for(sim.converged, 5.0) is not None
+    sim.kill(BROKER)  # its pid watch at the root reports it pid_poll_sec later; the query goes first
+    t0 = sim.now
+    env = sim.query("SELECT sum(x) AS n FROM t", timeout=60.0)
+    print(f"answered after {sim.now - t0:.3f} s: {failed(env)}")
+    assert sim.now - t0 < sim.pid_poll_sec  # the send to it found no connection: the watch was asked then
+    assert failed(env) == {"dead": str(BROKER), f"unreachable: rank {BROKER} died while it held this answer": str(LEAF)}
+    assert env.msg.body["coverage"]["answered"] == "0-1"

@@ -24,7 +24,7 @@ import zmq
 from .. import wire
 from ..effects import PARENT, Send
 from ..interpreter import RankShell
-from ..stimuli import ChildGone, MessageIn, SendFailed
+from ..stimuli import MessageIn, SendFailed
 from . import connfile
 from .pidwatch import create_time, proc_stat
 
@@ -353,7 +353,7 @@ class RankEndpoint:
             send_frames(self.router, [effect.to, *frames])
         except zmq.ZMQError as exc:  # replies are best effort, the peer retries; a child the core forgets
             if exc.errno == zmq.EHOSTUNREACH:  # no such connection (ROUTER_MANDATORY): it left, or moved
-                self.shell.feed(ChildGone(effect.to))
+                self.shell.child_gone(effect.to)
 
     def connect_parent(self, endpoint: str | None) -> None:
         """Close the parent DEALER (its shell stopped polling it) and dial ``endpoint``, if any."""

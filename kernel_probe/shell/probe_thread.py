@@ -277,6 +277,9 @@ class ProbeThread(threading.Thread, SocketShell):
     def watch_pid(self, key: object, pid: int) -> None:
         self._pids.watch(key, pid)
 
+    def exited_pids(self) -> list[object]:
+        return self._pids.poll()
+
     def unwatch_pid(self, key: object) -> None:
         self._pids.unwatch(key)
 

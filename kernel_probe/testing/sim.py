@@ -57,7 +57,8 @@ What is modelled, and how:
   sender's rank plus a connection number (``b"5#12"``): a re-connection gets a new id,
   as a ROUTER assigns one per connection. A reply to a connection the child has since
   closed, or to a child that exited, is dropped, and the shell feeds ``ChildGone``
-  (``ROUTER_MANDATORY`` raised EHOSTUNREACH). Messages on one connection stay in order (TCP).
+  (``ROUTER_MANDATORY`` raised EHOSTUNREACH), after the exits its pid watch sees at that moment
+  (``RankShell.child_gone``). Messages on one connection stay in order (TCP).
 - Pid watches see local processes only: a ``WatchPid`` of a process on another host
   is ignored and counted in ``cross_host_watches`` (the real watch would see some
   unrelated pid, or none, and report a false exit). A watched process that exits is
@@ -104,7 +105,7 @@ from ..membership import Member
 from ..placement import tree_parent
 from ..query_tasks import Finish
 from ..rank_core import RankCore
-from ..stimuli import (ChildGone, MessageIn, Placed, ProcessExited, SelfChanged, SendFailed, SqlTaskDone, Start,
+from ..stimuli import (MessageIn, Placed, ProcessExited, SelfChanged, SendFailed, SqlTaskDone, Start,
                        Stimulus, Tick)
 from ..tags import Tags
 
@@ -608,6 +609,15 @@ class Simulation:
         v = self.ranks[rank] if 0 <= rank < self.world_size else None
         return v if v is not None and v.starts and v.pid == pid else None
 
+    def _exited_now(self, watcher: VirtualRank) -> list[Any]:
+        """What the watcher's pid watch sees if asked now (``RankShell.exited_pids``): the watched
+        processes no longer up, each once (a report still on its way then finds it unwatched)."""
+        gone = [key for key, pid in watcher.watches.items()
+                if (target := self._by_pid(pid)) is None or target.state != "up"]
+        for key in gone:
+            del watcher.watches[key]
+        return gone
+
     def _pid_gone(self, watcher: VirtualRank, key: Any, pid: int) -> None:
         """The watcher's next pid poll sees ``pid`` gone: one report, then the watch is forgotten."""
         starts = watcher.starts
@@ -673,7 +683,7 @@ class Simulation:
         if child is None or child.state != "up" or child.conn != conn:
             self.dropped[msg.type] += 1  # ROUTER_MANDATORY raised (EHOSTUNREACH): the shell tells the core
             if v.state == "up":
-                v.shell.feed(ChildGone(effect.to), self.now)
+                v.shell.child_gone(effect.to, self.now)
             return
         self._count(v, child, msg.type, frames)
         if self._severed(v.rank, child.rank, msg.type):
@@ -908,6 +918,9 @@ class _SimShell(RankShell):
 
     def watch_pid(self, key: object, pid: int) -> None:
         self.sim._watch(self.v, key, pid)
+
+    def exited_pids(self) -> list[object]:
+        return self.sim._exited_now(self.v)
 
     def unwatch_pid(self, key: object) -> None:
         self.v.watches.pop(key, None)
