@@ -144,12 +144,12 @@ class RankShell:
             self.feed(ProcessExited(key), now)
         self.feed(ChildGone(rid), now)
 
-    def sample(self, now: float, facts: SelfChanged | None, exited: Iterable[object] = ()) -> None:
-        """The sample tick: this rank's own facts, the processes the pid watch saw exit, and
-        the membership published for other threads."""
+    def sample(self, now: float, facts: SelfChanged | None) -> None:
+        """The sample tick: this rank's own facts, the processes the pid watch saw exit
+        (``exited_pids``), and the membership published for other threads."""
         if facts is not None:
             self.feed(facts, now)
-        for key in exited:
+        for key in self.exited_pids():
             self.feed(ProcessExited(key), now)
         self.publish()
 

@@ -228,7 +228,7 @@ class RankEndpoint:
         # libzmq's word that a peer's connection went (its buffers freed), for the memory trim. libzmq
         # sends these blocking: its I/O thread (this probe's context only) would wait once ~2000 lay
         # unread, so the probe thread polls and reads them as they come. The virtual hosts
-        # (kernel_probe.testing.vhost) go without: their many routers would need as many
+        # (kernel_probe.testing.vhost) go without: their many routers would need as many monitors.
         self.departures: zmq.Socket | None = (
             self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED) if watch_departures else None)
         self.parent: zmq.Socket | None = None
