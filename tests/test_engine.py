@@ -253,7 +253,7 @@ def test_deadline_interrupts(engine, row_cap):
         engine.run(SLOW, {}, deadline=t0 + 0.3, row_cap=row_cap)
     took = time.time() - t0
     assert ei.value.code == "timeout" and "deadline" in str(ei.value)
-    assert 0.25 < took < 1.5
+    assert 0.25 < took < 5.0  # (SLOW alone runs for hours; loose: make test runs this at nice 19)
     assert engine.run("SELECT 42 AS x", {}).to_pylist() == [{"x": 42}]
 
 
