@@ -81,6 +81,18 @@ def dump_when_waiting(dump_dir: Path, scenario: str, rank: int, then_exit: bool)
     return thread
 
 
+def wrapped_by_the_probe(timeout: float = 30.0) -> None:
+    """Under PROBING=1: until the probe's collective wrappers are in ``torch.distributed``. It puts
+    them there at its first sample after torch.distributed is loaded, and a call made before is
+    not seen (``tables.recorders.Collectives``); a worker forked warm runs its steps in
+    milliseconds, so its first ``side`` all-reduces could come before that sample."""
+    if os.environ.get("PROBING") != "1":
+        return
+    deadline = time.monotonic() + timeout
+    while getattr(dist.all_reduce, "__module__", "") != "torch.distributed" and time.monotonic() < deadline:
+        time.sleep(0.02)  # (the wrapper names the module it stands in; the original is distributed_c10d's)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--scenario", choices=("train", "late", "mismatch", "p2p"), default="train")
@@ -95,6 +107,7 @@ def main() -> None:
     model = nn.parallel.DistributedDataParallel(nn.Linear(16, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    wrapped_by_the_probe()
 
     def step() -> None:
         opt.zero_grad()
