@@ -87,7 +87,9 @@ def render_text(raw: dict, run_id: str | None, now: float, note: str = "", all_r
             tree = "" if m.get("level") is None else f" level {m.get('level')}" + (
                 "" if m.get("parent") is None else f" under {m.get('parent')}")
             lines.append(f"  rank {m.get('rank')} node {m.get('node')}{tree} {m.get('host') or ''} {m.get('role') or '-'} "
-                         f"{m.get('state')}{' (suspect)' if view.suspect_of(m.get('rank')) else ''} step {m.get('step')}"
+                         f"{m.get('state')}{' (suspect)' if view.suspect_of(m.get('rank')) else ''}"
+                         # the step a rank last reported: its age says how old (heartbeats back off)
+                         + (f" seen {m['age']} ago" if m["age"] else "") + f" step {m.get('step')}"
                          + ("" if st is None else f" {st:.1f} ms") + (" (slow)" if m["slow"] else "")
                          + (f" {m['reason']}" if m.get("reason") else ""))
     lines += [f"  {s.text}" for s in view.suspects]

@@ -198,4 +198,8 @@ def test_the_live_view_of_16384_ranks_is_a_row_per_state():
                                      and "suspect" not in line]), page
     assert "ranks 1024-1279" in page and len(page) < 10_000
     small = {"members": members(8), "departures": []}
-    assert render_text(small, "r1", T0).count("\n  rank ") == 8  # a few ranks: one line each, as before
+    small["members"][3] = {**small["members"][3], "last_seen": T0 - 12.4, "step": 91}
+    few = render_text(small, "r1", T0)
+    assert few.count("\n  rank ") == 8  # a few ranks: one line each, as before
+    # the step a rank last reported, with its age: a rank behind only by its report's age reads so
+    assert " alive seen 12 s ago step 91 " in few and " alive seen 1.0 s ago step 100 " in few, few
