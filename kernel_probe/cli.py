@@ -5,7 +5,7 @@
                                              relaunches); past 64 ranks one row per state (--all: per rank)
     kernel-probe -t TARGET info              the answering probe's identity
     kernel-probe -t TARGET query "SQL" [--local] [--per-rank] [--strict] [--ranks 0-3] [--format csv]
-    kernel-probe -t TARGET stacks [--native] [--all]   main-thread stacks of every rank, grouped (C/C++
+    kernel-probe -t TARGET stacks [--ranks 3] [--native] [--all]   main-thread stacks, grouped (C/C++
                                              frames too); past 5 groups the largest and the odd ones (--all: every one)
     kernel-probe -t dump://DIR query|nodes|stacks|info   the same over an ended job's dumps
     kernel-probe -t TARGET dump DIR          a live job's dumps, as its ranks write them when they die
@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--all", action="store_true",
                     help="every group of identical stacks (default: past 5, the largest and the odd ones out, "
                          "the rest counted)")
+    st.add_argument("--ranks", default=None, help="only these ranks, e.g. 3 or 0-3,8 (py-spy runs on these alone)")
     st.add_argument("--native", action="store_true",
                     help="native (C/C++) frames too (a gloo/NCCL wait, a C extension), taken by py-spy")
     st.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
@@ -317,7 +318,8 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     from .summaries import format_stacks, group_stacks, stacks_sql
 
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
-        result = client.query(stacks_sql(args.all_threads), timeout=_query_timeout(args), native=args.native)
+        result = client.query(stacks_sql(args.all_threads), timeout=_query_timeout(args), native=args.native,
+                              ranks=parse_ranks(args.ranks))
         notes = _native_notes(client, args) if args.native else []
     print(format_stacks(group_stacks(result.table.to_pylist()), notes, all=args.all))
     print(result.footer())

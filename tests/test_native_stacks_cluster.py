@@ -92,6 +92,15 @@ def test_a_rank_blocked_in_gloo_shows_the_wait(launch, tmp_path):
     assert any(line.startswith("  [native] ") and "gloo" in line for line in lines), out.stdout
     assert "rank 0: native stacks unavailable: ptrace refused by the OS" in out.stdout, out.stdout
     assert any("in never_enters" in line for line in lines), out.stdout
+    # one rank's: py-spy runs there alone (rank 0, which refuses it, is not asked)
+    out = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "stacks", "--native", "--ranks", "1",
+                          "--timeout", "30"], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert any(line.startswith("  [native] ") and "gloo" in line for line in out.stdout.splitlines()), out.stdout
+    assert "rank 0" not in out.stdout and "never_enters" not in out.stdout and "1/1 ranks" in out.stdout, out.stdout
+    out = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "stacks", "--ranks", "7"],
+                         capture_output=True, text=True, timeout=90)
+    assert out.returncode != 0 and out.stderr.count("\n") == 1 and "7" in out.stderr, (out.stdout, out.stderr)
     out = subprocess.run([sys.executable, "-m", "kernel_probe.cli", "query", "--native", "--timeout", "30",
                           "SELECT _rank, count(*) AS n FROM stacks WHERE frame_type = 'native' GROUP BY _rank"],
                          capture_output=True, text=True, timeout=90)
