@@ -46,18 +46,7 @@ class SQLCommand:
         missing = [n for n in self.param_names if n not in namespace]
         if missing:
             raise UsageError(f"${missing[0]}: no variable {missing[0]!r} is defined in this notebook")
-        return {n: _plain(namespace[n]) for n in self.param_names}
-
-
-def _plain(value: Any) -> Any:
-    """numpy/pandas scalars as the Python values a JSON body can carry."""
-    if hasattr(value, "item") and not isinstance(value, (list, tuple, dict, str, bytes)) and \
-            getattr(value, "ndim", 0) == 0:
-        try:
-            return value.item()
-        except (TypeError, ValueError):
-            return value
-    return value
+        return {n: namespace[n] for n in self.param_names}  # the client makes them plain (or says why not)
 
 
 def _read_option(tokens: list[str], i: int, flags: Mapping[str, str] | set[str], valued: set[str],

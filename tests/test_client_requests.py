@@ -152,3 +152,51 @@ def test_the_membership_frame_is_typed_whatever_the_members_hold() -> None:
     assert df["rank"].tolist() == [0, 1, 2, 3, 4] and df["pid"].dtype == "int64"
     assert df["tier"].tolist()[:4] == ["tier0", "tier1", "tier2", "tier3"] and pd.isna(df.loc[4, "tier"])
     assert members_frame([]).columns.tolist() == NODE_COLUMNS
+
+
+def test_query_params_travel_as_the_plain_values_they_hold() -> None:
+    import datetime
+    import decimal
+    import enum
+
+    import numpy as np
+    import pandas as pd
+
+    from kernel_probe.client.errors import QueryFailed
+    from kernel_probe.client.results import query_body, query_params
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    class Kind(str, enum.Enum):  # str() of it is "Kind.SLOW": the value is what binds
+        SLOW = "slow"
+
+    frame = pd.DataFrame({"rank": [3, 5], "ms": [1.5, 2.5]})
+    given = {"rank": frame["rank"].iloc[0], "ms": frame["ms"].iloc[1], "ranks": frame["rank"].to_numpy(),
+             "series": frame["rank"], "flag": np.bool_(True), "few": {5, 1, 3}, "pair": (1, "a"),
+             "nested": {"a": [np.int32(1), None]}, "level": Level.HIGH, "kind": Kind.SLOW, "none": None,
+             "big": 2 ** 70}
+    plain = query_params(given)
+    assert plain == {"rank": 3, "ms": 2.5, "ranks": [3, 5], "series": [3, 5], "flag": True, "few": [1, 3, 5],
+                     "pair": [1, "a"], "nested": {"a": [1, None]}, "level": 3, "kind": "slow", "none": None,
+                     "big": 2 ** 70}
+    assert type(plain["rank"]) is int and type(plain["flag"]) is bool and type(plain["level"]) is int and type(plain["kind"]) is str
+    wire.pack_json(query_body("SELECT $rank", 5, False, None, given, False, False))  # the body encodes
+    assert query_params(None) is None and query_params({}) is None
+    # what JSON cannot carry as it is: one line naming the parameter and what to pass instead
+    for value, said in [(datetime.datetime(2026, 1, 1), "t.timestamp()"), (pd.Timestamp("2026-01-01"), "t.timestamp()"),
+                        (datetime.timedelta(seconds=3), "t.total_seconds()"), (decimal.Decimal("1.5"), "float(t)"),
+                        (b"\x00", "t.hex()"), (float("nan"), "finite"), (float("inf"), "finite"),
+                        (np.datetime64("2026-01-01T00:00:00.000000000"), "epoch seconds"),
+                        (np.array(["2026-01-01"], dtype="datetime64[D]"), "epoch seconds"), (object(), "numbers, text"),
+                        ([1, {2: "x"}], "keys must be text")]:
+        with pytest.raises(QueryFailed) as ei:
+            query_params({"t": value})
+        assert ei.value.code == "bad_params" and "$t" in str(ei.value) and said in str(ei.value), str(ei.value)
+        assert "\n" not in str(ei.value)
+    loop: list = []
+    loop.append(loop)
+    for bad, said in [([3], "map names to values"), ({"1x": 1}, "not a name"), ({("a",): 1}, "not a name"),
+                      ({"t": loop}, "more than 32 deep")]:
+        with pytest.raises(QueryFailed, match=said):
+            query_params(bad)

@@ -132,6 +132,14 @@ def test_outputs_line_form_and_params(ip):
     assert err is None and df["n"][0] == 0 and df["echoed"][0] == "x' OR 1=1 --" and df["s"][0] == "$not_a_param"
     df, err = run(ip, "%cluster_sql SELECT $hostile AS echoed")  # the line form: IPython must not expand it
     assert err is None and df["echoed"][0] == "x' OR 1=1 --"
+    # a value out of a DataFrame is numpy's (numpy.int64, an array): it binds as the number it holds
+    ip.user_ns.update(third=ip.user_ns["x"]["id"].iloc[2], first_two=ip.user_ns["x"]["id"].to_numpy()[:2])
+    df, err = run(ip, "%cluster_sql SELECT list(id ORDER BY id) AS ids FROM big WHERE id = $third OR list_contains($first_two, id)")
+    assert err is None and list(df["ids"][0]) == [0, 1, 2], err
+    # one JSON cannot carry as it is: one line saying what to pass instead (the tables' times are epoch seconds)
+    ip.user_ns.update(since=pd.Timestamp("2026-01-01"))
+    _, err = run(ip, "%cluster_sql SELECT count(*) AS n FROM big WHERE id > $since")
+    assert isinstance(err, ClusterError) and "$since is a Timestamp" in str(err) and "since.timestamp()" in str(err)
 
 
 def test_unknown_parameter_and_bad_options(ip, capsys):

@@ -350,6 +350,7 @@ class DumpClient:
 
         if local:
             raise QueryFailed("a dump:// job has no probe to ask alone: query without local", code="refused")
+        params = results.query_params(params)  # the values a live job's ranks take, as they take them
         started = time.monotonic()
         deadline = time.time() + timeout  # the engine's deadlines are wall-clock times
         try:

@@ -178,6 +178,80 @@ WARM_SQL = "SELECT _rank, count(*) AS tables FROM tables GROUP BY _rank"
 WARM_WAIT_MAX = 3.0  # seconds connect() waits for a cold job at most; a stuck rank is not waited for
 
 
+def query_params(params: Any) -> dict[str, Any] | None:
+    """``params`` (``$name`` -> value) as they travel to the ranks, JSON: numpy's and pandas'
+    scalars and arrays, tuples and sets as the plain values they hold (a notebook's ``$rank``
+    is often a DataFrame's numpy.int64). ``QueryFailed`` "bad_params" names the first one that
+    cannot travel as it is (a datetime, a Decimal, bytes, NaN), with what to pass instead."""
+    if not params:
+        return None
+    if not isinstance(params, Mapping):
+        raise QueryFailed(f"params must map names to values ($name), not a {type(params).__name__}: "
+                          "positional parameters cannot follow a query across ranks", code="bad_params")
+    out = {}
+    for name, value in params.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise QueryFailed(f"parameter name {name!r} is not a name ($name binds letters, digits and _)",
+                              code="bad_params")
+        out[name] = _param_value(value, name)
+    return out
+
+
+_PARAM_HINTS = {  # a type JSON does not carry -> what to pass instead
+    "datetime": "{name}.timestamp() (the tables' times are epoch seconds)",
+    "Timestamp": "{name}.timestamp() (the tables' times are epoch seconds)",
+    "date": "str({name}) and compare with a CAST, or a datetime's .timestamp()",
+    "time": "str({name})", "timedelta": "{name}.total_seconds()", "Timedelta": "{name}.total_seconds()",
+    "Decimal": "float({name}) or str({name})", "bytes": "text: {name}.decode() or {name}.hex()",
+}
+
+
+PARAM_DEPTH = 32  # lists and mappings within a parameter, at most (a list holding itself is refused, not recursed)
+
+
+def _param_value(value: Any, name: str, depth: int = 0) -> Any:
+    """One parameter's value as JSON carries it (see ``query_params``); ``name`` for the error."""
+    if depth > PARAM_DEPTH:
+        raise QueryFailed(f"parameter ${name} nests lists or mappings more than {PARAM_DEPTH} deep", code="bad_params")
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
+        return value
+    if kind is float:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise QueryFailed(f"parameter ${name} is {value}: only finite numbers travel (use NULL in the "
+                              "SQL for a missing value)", code="bad_params")
+        return value
+    module = getattr(kind, "__module__", "") or ""
+    if module.startswith("numpy") and getattr(getattr(value, "dtype", None), "kind", "") in ("M", "m"):
+        raise QueryFailed(f"parameter ${name} is a numpy {value.dtype}, which cannot travel to the ranks; pass "
+                          "epoch seconds (the tables' times), e.g. pandas.Timestamp(v).timestamp()", code="bad_params")
+    if module.startswith("numpy") and hasattr(value, "item"):  # a numpy scalar or array
+        plain = value.tolist() if hasattr(value, "ndim") and value.ndim else value.item()
+        return _param_value(plain, name, depth)
+    if module.startswith("pandas") and hasattr(value, "tolist") and not hasattr(value, "timestamp"):
+        return _param_value(value.tolist(), name, depth)  # a Series or an Index
+    if isinstance(value, (list, tuple)):
+        return [_param_value(v, name, depth + 1) for v in value]
+    if isinstance(value, (set, frozenset)):
+        items = [_param_value(v, name, depth + 1) for v in value]
+        try:
+            return sorted(items)
+        except TypeError:
+            return items
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise QueryFailed(f"parameter ${name}: a mapping's keys must be text (a DuckDB STRUCT)", code="bad_params")
+        return {k: _param_value(v, name, depth + 1) for k, v in value.items()}
+    if isinstance(value, (bool, int, float, str)):  # subclasses (an IntEnum, a str Enum) as their plain value
+        return _param_value((bool if isinstance(value, bool) else int if isinstance(value, int)
+                             else float if isinstance(value, float) else str.__str__)(value), name, depth)
+    hint = next((h for t, h in _PARAM_HINTS.items() if any(c.__name__ == t for c in kind.__mro__)), None)
+    instead = f"; pass {hint.format(name=name)}" if hint else \
+        ": the ranks take numbers, text, booleans, None, and lists or mappings of them"
+    raise QueryFailed(f"parameter ${name} is a {kind.__name__}, which cannot travel to the ranks{instead}",
+                      code="bad_params")
+
+
 def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | str | RankRanges | None,
                params: Mapping[str, Any] | None, local: bool, explain: bool, *,
                world_size: int | None = None) -> wire.QueryBody:
@@ -188,7 +262,7 @@ def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | 
     except ValueError as exc:
         raise QueryFailed(str(exc), code="bad_ranks") from None
     return {"sql": sql, "timeout": float(timeout), "per_rank": per_rank, "local": local, "explain": explain,
-            "ranks": wanted, "params": dict(params) if params else None, "fold": True}
+            "ranks": wanted, "params": query_params(params), "fold": True}
 
 
 def expand_coverage(coverage: Any) -> dict:
