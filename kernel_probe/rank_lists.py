@@ -280,14 +280,16 @@ def _from_numbers(ranks: Iterable[int]) -> RankRanges:
 
 
 def rank_ranges(spec: "str | Iterable[int] | RankRanges | None") -> RankRanges | None:
-    """'0-3,8', a list of ranks, a ``range`` or ranges -> ``RankRanges``; None or '' -> None
-    (every rank). Nothing is expanded. ``ValueError`` (one line) if malformed."""
+    """'0-3,8', one rank, a list of ranks, a ``range`` or ranges -> ``RankRanges``; None or '' ->
+    None (every rank). Nothing is expanded. ``ValueError`` (one line) if malformed."""
     if spec is None or isinstance(spec, RankRanges):
         return spec
     if isinstance(spec, str):
         return _from_text(spec) if spec.strip() else None
-    if isinstance(spec, (bytes, dict)):
-        raise ValueError("ranks must be a list of ranks or a string like 0-3,8")
+    if isinstance(spec, (bytes, dict)) or not hasattr(spec, "__iter__") and not hasattr(spec, "__index__"):
+        raise ValueError(f"ranks must be a rank, a list of ranks or a string like 0-3,8, not {type(spec).__name__}")
+    if not hasattr(spec, "__iter__"):
+        return _from_numbers((spec,))  # one rank: an int, numpy's
     return _from_numbers(spec)
 
 

@@ -54,6 +54,19 @@ def test_a_huge_range_is_refused_before_it_is_expanded():
 def test_the_python_api_checks_ranks_against_the_job():
     before = peak_rss_mb()
     assert query_body("SELECT 1", 5, False, "1-2", None, False, False, world_size=4)["ranks"] == [1, 2]
+    # one rank as a number (numpy's too: a DataFrame's _rank)
+    import numpy as np
+    assert query_body("SELECT 1", 5, False, 3, None, False, False, world_size=4)["ranks"] == [3]
+    assert query_body("SELECT 1", 5, False, np.int64(2), None, False, False, world_size=4)["ranks"] == [2]
+    for bad, said in ((1.5, "not float"), (True, "whole numbers"), (object(), "not object")):
+        with pytest.raises(QueryFailed, match=said) as caught:
+            query_body("SELECT 1", 5, False, bad, None, False, False, world_size=4)
+        assert caught.value.code == "bad_ranks"
+    for timeout in (0, -1, float("nan"), float("inf"), "5", True, None):
+        with pytest.raises(QueryFailed, match="timeout must be a number of seconds above 0") as caught:
+            query_body("SELECT 1", timeout, False, None, None, False, False, world_size=4)
+        assert caught.value.code == "bad_timeout"
+    assert query_body("SELECT 1", np.float64(2.5), False, None, None, False, False)["timeout"] == 2.5
     for ranks in (HOSTILE, range(10**9), [7]):
         with pytest.raises(QueryFailed) as caught:
             query_body("SELECT 1", 5, False, ranks, None, False, False, world_size=4)

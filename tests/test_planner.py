@@ -188,6 +188,14 @@ def test_pure_generators_and_files() -> None:
     assert e.value.code == "unsupported"
 
 
+def test_a_query_nested_past_the_parsers_recursion_is_one_line() -> None:
+    for sql in ("SELECT " + "(" * 5000 + "1" + ")" * 5000 + " FROM t",
+                "SELECT * FROM t WHERE x IN " + "(SELECT x FROM t WHERE x IN " * 2000 + "(1)" + ")" * 2000):
+        with pytest.raises(PlanError, match="nests too deep to plan") as e:
+            plan(sql, catalog={"t": ["x"]})
+        assert e.value.code == "refused" and "\n" not in e.value.message
+
+
 def test_positional_parameters_unsupported_but_named_kept() -> None:
     with pytest.raises(PlanError) as e:
         plan("SELECT * FROM t WHERE x = ?")

@@ -270,7 +270,7 @@ class AsyncClient(ClientState):
         return self.info_
 
     async def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
-                    ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
+                    ranks: int | str | Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
                     local: bool = False, explain: bool = False, native: bool = False,
                     on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
         """As ``Client.query``; decoding the Arrow answer is cheap, so it stays on the loop."""

@@ -325,7 +325,7 @@ class Client(ClientState):
         return self.info_
 
     def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
-              ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
+              ranks: int | str | Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
               local: bool = False, explain: bool = False, native: bool = False,
               on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
         """Run one read-only SELECT over the job (docs/sql.md).

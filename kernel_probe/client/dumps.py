@@ -338,7 +338,7 @@ class DumpClient:
         return catalog
 
     def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
-              ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
+              ranks: int | str | Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
               local: bool = False, explain: bool = False, native: bool = False,
               on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
         """One read-only SELECT over the dumps, as the live job would have answered it. ``native``:
@@ -350,6 +350,7 @@ class DumpClient:
 
         if local:
             raise QueryFailed("a dump:// job has no probe to ask alone: query without local", code="refused")
+        results.check_timeout(timeout)
         params = results.query_params(params)  # the values a live job's ranks take, as they take them
         started = time.monotonic()
         deadline = time.time() + timeout  # the engine's deadlines are wall-clock times

@@ -4,6 +4,7 @@ blocking and the asyncio client share."""
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .. import wire
@@ -178,6 +179,12 @@ WARM_SQL = "SELECT _rank, count(*) AS tables FROM tables GROUP BY _rank"
 WARM_WAIT_MAX = 3.0  # seconds connect() waits for a cold job at most; a stuck rank is not waited for
 
 
+def check_timeout(timeout: Any) -> None:
+    """``QueryFailed`` "bad_timeout" unless ``timeout`` is a number of seconds above 0 (and finite)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+        raise QueryFailed(f"timeout must be a number of seconds above 0, not {timeout!r:.40}", code="bad_timeout")
+
+
 def query_params(params: Any) -> dict[str, Any] | None:
     """``params`` (``$name`` -> value) as they travel to the ranks, JSON: numpy's and pandas'
     scalars and arrays, tuples and sets as the plain values they hold (a notebook's ``$rank``
@@ -257,6 +264,7 @@ def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | 
                world_size: int | None = None) -> wire.QueryBody:
     """The ``query`` message's body; ``ranks`` is checked against the job's ``world_size``
     before it is expanded (``QueryFailed`` "bad_ranks" past it)."""
+    check_timeout(timeout)
     try:
         wanted = parse_ranks(ranks, world_size)
     except ValueError as exc:

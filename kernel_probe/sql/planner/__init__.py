@@ -64,7 +64,11 @@ __all__ = ["TAGS", "NODES", "MODES", "PlanError", "Scan", "Plan", "Declined", "p
 def plan(sql: str, *, per_rank: bool = False,
          catalog: Mapping[str, Sequence[str]] | None = None) -> Plan:
     """Plan one cluster query (DuckDB dialect); raise PlanError if it cannot run."""
-    return _with_prune_filters(_with_needs(_plan(sql, per_rank, catalog)))
+    try:
+        return _with_prune_filters(_with_needs(_plan(sql, per_rank, catalog)))
+    except RecursionError:  # sqlglot parses and walks a query by recursion
+        raise PlanError("the query nests too deep to plan (parentheses, subqueries or expressions within "
+                        "each other): write it flatter") from None
 
 
 def _plan(sql: str, per_rank: bool, catalog: Mapping[str, Sequence[str]] | None) -> Plan:
