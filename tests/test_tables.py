@@ -151,6 +151,29 @@ def test_metrics_accept_numpy_and_tensor_scalars(torch, tables):
     assert tables.arrow("metrics").to_pylist()[0] | {"ts": 0} == {"ts": 0, "step": 1, "loss": 0.5, "acc": 0.25}
 
 
+def test_a_logged_tensor_in_autograd_keeps_no_graph(torch, tables):
+    import weakref
+
+    class Saved:  # what the graph keeps of a step (its activations), seen through autograd's own hooks
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    saved: list = []
+
+    def pack(tensor):
+        box = Saved(tensor.detach())  # (the tensor itself would make a cycle through its own graph)
+        saved.append(weakref.ref(box))
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        loss = torch.ones(100_000, requires_grad=True).exp().sum()
+    assert saved and all(ref() is not None for ref in saved)  # the graph holds them while loss does
+    tables.log(step=1, loss=loss)  # as a training loop writes it, before or without backward
+    del loss
+    assert all(ref() is None for ref in saved), "the metrics ring holds the loss's graph and what it saved"
+    assert abs(tables.arrow("metrics").to_pylist()[-1]["loss"] - 100_000 * 2.718281828459045) < 1  # its value stays
+
+
 # --- stacks --------------------------------------------------------------------------------------------
 
 

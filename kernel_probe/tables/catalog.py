@@ -109,9 +109,13 @@ class LocalTables:
     # --- the training thread ------------------------------------------------------------
     def log(self, **values: Any) -> None:
         """A row in ``metrics``: now + the given keys. O(1): the values are kept as given
-        (tensors too, converted with ``.item()`` at query time) — pass ``float(loss)``
-        to avoid holding tensors."""
+        (tensors too, converted with ``.item()`` at query time: no device sync on the training
+        thread) — a tensor in autograd detached first, so the ring never holds a step's graph and
+        the activations it saved; pass ``float(loss)`` to hold no tensor at all."""
         if values:
+            for key, value in values.items():  # (a fresh dict: the caller's keywords)
+                if type(value) not in convert.BASIC and getattr(value, "requires_grad", False):
+                    values[key] = value.detach()
             self._metrics_append((_now(), values))
 
     # --- any thread -----------------------------------------------------------------------

@@ -68,7 +68,7 @@ SCHEMAS.update({
 PYTHON_COLLECTIVE_COLUMNS = 5  # (ts, op, bytes, duration_ms, async_op): recorders.Collectives' rows
 # metrics keys that are not joined into `steps` (they would collide with its own columns)
 STEPS_OWN = frozenset({"ts", *(col for col, _ in SCHEMAS["steps"])})
-_BASIC = frozenset({int, float, str, bool, bytes, type(None)})
+BASIC = frozenset({int, float, str, bool, bytes, type(None)})  # a logged value of these is kept as it is
 _NONE = type(None)
 
 
@@ -295,7 +295,7 @@ def rows_table(name: str, rows: list[tuple]):
 def plain(value: Any) -> Any:
     """A logged value as a Python scalar: numpy scalars and one-element tensors via
     ``.item()`` (on a CUDA tensor that waits for the device, on this thread)."""
-    if type(value) in _BASIC:
+    if type(value) in BASIC:
         return value
     item = getattr(value, "item", None)
     if item is not None and callable(item):
