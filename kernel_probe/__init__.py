@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["start", "stop", "set_role", "log", "table", "connect", "connect_async", "find_token", "job_registry",
            "probe",
            "ProbeError", "ConnectError", "AuthError", "JobEndedError", "NoAnswerError", "QueryFailed", "QueryResult",
+           "BadArgument",
            "Client", "AsyncClient", "Job", "JobRegistry", "UnknownJob", "PROTOCOL_VERSION"]
 __version__ = "0.1.0"
 
@@ -155,7 +156,7 @@ def job_registry() -> "JobRegistry":
 
 
 _LAZY = {"ProbeError": "client", "ConnectError": "client", "AuthError": "client", "JobEndedError": "client",
-         "NoAnswerError": "client",
+         "NoAnswerError": "client", "BadArgument": "client",
          "QueryFailed": "client", "QueryResult": "client", "Client": "client", "AsyncClient": "client",
          "Job": "jobs", "JobRegistry": "jobs", "UnknownJob": "jobs"}
 

@@ -35,13 +35,29 @@ from .summaries import NODES_ROWS, aligned, state_rows
 SUSPECTS_SHOWN = 5  # stall suspects printed under the table; the others counted
 
 
+def _seconds(text: str, zero: bool = False) -> float:
+    """An option's seconds (``--timeout``, ``--min-wait``): what the client takes, else argparse's error."""
+    from .client.errors import BadArgument
+    from .client.results import check_seconds
+
+    try:
+        return check_seconds("the value", float(text), zero=zero)
+    except (ValueError, BadArgument) as exc:
+        raise argparse.ArgumentTypeError(str(exc) if isinstance(exc, BadArgument) else
+                                         f"{text!r} is not a number of seconds") from None
+
+
+def _seconds_or_zero(text: str) -> float:
+    return _seconds(text, zero=True)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kernel-probe", description="Ask a running distributed PyTorch job.")
     p.add_argument("-t", "--target", default=None,
                    help="tcp://host:port, a connection file, store://host:port[/run_id], "
                         "dump://DIR (an ended job's dumps) (default: the newest job on this machine)")
     p.add_argument("--token", default=None, help="the job's PROBING_AUTH_TOKEN (default: from the environment)")
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--timeout", type=_seconds, default=None,
                    help="seconds to wait for an answer (default 5; 10 for queries)")
     p.add_argument("--version", action="version", version=f"kernel-probe {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -52,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     nodes.add_argument("--departures", action="store_true", help="also list ranks that died or left")
     nodes.add_argument("--all", action="store_true", dest="all_rows",
                        help=f"one row per rank even past {NODES_ROWS} ranks (default there: one row per state)")
-    nodes.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+    nodes.add_argument("--watch", type=_seconds, default=None, metavar="SECONDS",
                        help="print the table again every SECONDS; follows the job across relaunches")
     sub.add_parser("info", help="the answering probe's identity")
     q = sub.add_parser("query", help="run one read-only SELECT over the job's tables")
@@ -66,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--profile", action="store_true", help="also show where the time went, hop by hop")
     q.add_argument("--native", action="store_true",
                    help="`stacks` with native (C/C++) frames too, taken by py-spy on each rank")
-    q.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
+    q.add_argument("--timeout", type=_seconds, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     st = sub.add_parser("stacks", help="main-thread Python stacks of every rank, grouped")
     st.add_argument("--all-threads", action="store_true", help="every thread, not only the main one")
     st.add_argument("--all", action="store_true",
@@ -75,19 +91,19 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--ranks", default=None, help="only these ranks, e.g. 3 or 0-3,8 (py-spy runs on these alone)")
     st.add_argument("--native", action="store_true",
                     help="native (C/C++) frames too (a gloo/NCCL wait, a C extension), taken by py-spy")
-    st.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
+    st.add_argument("--timeout", type=_seconds, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     dump = sub.add_parser("dump", help="write a live job's dumps under DIR (read them with -t dump://DIR)")
     dump.add_argument("dir")
-    dump.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="deadline of each query (default 10)")
+    dump.add_argument("--timeout", type=_seconds, default=argparse.SUPPRESS, help="deadline of each query (default 10)")
     dg = sub.add_parser("diagnose", help="why the job is stuck: dead or stalled ranks, who never entered a "
                                          "collective, mismatched collectives, and where the odd ranks are; "
                                          "else why it is slow: the straggler, its cause, since when",
                         epilog="exit status: 0 when no hang, failure, straggler or slowdown is found, 1 when the verdict has "
                                "findings, 2 when the job could not be asked (or the arguments are wrong)")
     dg.add_argument("--json", action="store_true", help="the verdict as JSON (summary, findings, checked, coverage)")
-    dg.add_argument("--min-wait", type=float, default=None, metavar="SECONDS",
+    dg.add_argument("--min-wait", type=_seconds_or_zero, default=None, metavar="SECONDS",
                     help="how long a collective must be pending before a rank missing from it counts (default 5)")
-    dg.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
+    dg.add_argument("--timeout", type=_seconds, default=argparse.SUPPRESS, help="query deadline in seconds (default 10)")
     dg.add_argument("--native", action="store_true",
                     help="read every rank's native (C/C++) stack too, with py-spy: a rank stuck in C, and what "
                          "the waiting ranks wait in, are then named (a few seconds more)")
@@ -379,7 +395,7 @@ def _add_profile_parser(sub) -> None:
     pr.add_argument("--out", default=None, metavar="FILE", help="write one Chrome/Perfetto trace of every rank here")
     pr.add_argument("--max-trace-mb", type=float, default=None, help="cap of the trace file (default 100)")
     pr.add_argument("--top", type=int, default=10, help="ops shown for the slowest and the median rank")
-    pr.add_argument("--timeout", type=float, default=argparse.SUPPRESS,
+    pr.add_argument("--timeout", type=_seconds, default=argparse.SUPPRESS,
                     help="seconds the ranks have to finish their steps (default 120)")
     pr.add_argument("--cancel", action="store_true",
                     help="cancel the capture running in the job (whoever started it), then exit")

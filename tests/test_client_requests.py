@@ -200,3 +200,26 @@ def test_query_params_travel_as_the_plain_values_they_hold() -> None:
                       ({"t": loop}, "more than 32 deep")]:
         with pytest.raises(QueryFailed, match=said):
             query_params(bad)
+
+
+def test_a_timeout_or_wait_that_is_not_seconds_is_one_line_before_anything_is_sent(capsys) -> None:
+    from kernel_probe import BadArgument, cli
+    from kernel_probe.client.diagnose import Diagnosis
+
+    for timeout, min_wait, window in ((0, 5.0, 50), (float("nan"), 5.0, 50), ("10", 5.0, 50), (10.0, -1, 50),
+                                      (10.0, float("inf"), 50), (10.0, 5.0, 0), (10.0, 5.0, 2.5)):
+        with pytest.raises(BadArgument) as ei:
+            Diagnosis(timeout, min_wait, False, 0.0, window=window)
+        assert isinstance(ei.value, ValueError) and "\n" not in str(ei.value)
+    assert Diagnosis(10, 0, False, 0.0).min_wait == 0  # no wait at all is a wait
+    # the command line says it as argparse does, before it connects (nothing listens on port 1)
+    for argv, said in ((["--timeout", "-3", "-t", "tcp://127.0.0.1:1", "--token", "t", "nodes"],
+                        "argument --timeout: the value must be a number of seconds above 0, not -3.0"),
+                       (["-t", "tcp://127.0.0.1:1", "--token", "t", "diagnose", "--min-wait", "-1"],
+                        "argument --min-wait: the value must be a number of seconds of 0 or more, not -1.0"),
+                       (["-t", "tcp://127.0.0.1:1", "--token", "t", "nodes", "--watch", "soon"],
+                        "argument --watch: 'soon' is not a number of seconds")):
+        with pytest.raises(SystemExit) as ei:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert ei.value.code == 2 and err.splitlines()[-1].endswith(said) and "Traceback" not in err, err

@@ -16,7 +16,7 @@ import os
 
 from .aio import AsyncClient, connect_async
 from .blocking import Client
-from .errors import AuthError, ConnectError, JobEndedError, NoAnswerError, ProbeError, QueryFailed
+from .errors import AuthError, BadArgument, ConnectError, JobEndedError, NoAnswerError, ProbeError, QueryFailed
 from .profiles import ProfileBusy, ProfileFailed, ProfileResult
 from .protocol import AsyncJobClient, InThreads, JobClient
 from .results import (ANSWER_GRACE, DEPARTURE_COLUMNS, NODE_COLUMNS, QueryResult, describe_failures,
@@ -25,7 +25,7 @@ from .targets import Target, resolve
 
 __all__ = [
     "connect", "connect_async", "resolve", "Target", "Client", "AsyncClient", "QueryResult",
-    "ProbeError", "ConnectError", "JobEndedError", "NoAnswerError", "AuthError", "QueryFailed",
+    "ProbeError", "ConnectError", "JobEndedError", "NoAnswerError", "AuthError", "QueryFailed", "BadArgument",
     "NODE_COLUMNS", "DEPARTURE_COLUMNS", "ANSWER_GRACE", "members_frame", "describe_failures",
     "ProfileBusy", "ProfileFailed", "ProfileResult", "JobClient", "AsyncJobClient", "InThreads",
 ]

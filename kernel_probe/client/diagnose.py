@@ -26,7 +26,8 @@ from ..diagnosis import verdict as core
 from ..diagnosis.values import as_float, as_int, as_text
 from ..rank_lists import by_text, groups_text
 from .calls import Batch, Call, query
-from .results import one_line_reason
+from .errors import BadArgument
+from .results import check_seconds, one_line_reason
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -219,6 +220,12 @@ class Diagnosis:
     window: int = WINDOW_STEPS  # the newest steps of each rank the slow verdict weighs
     # how long a slower level of the step time lasts before it is a slowdown (PROBING_SLOWDOWN_MIN_SEC)
     slowdown_min_sec: float = field(default_factory=lambda: load_settings().slowdown_min_sec)
+
+    def __post_init__(self) -> None:  # a caller's bad option is one line, before anything is asked
+        check_seconds("timeout", self.timeout)
+        check_seconds("min_wait", self.min_wait, zero=True)
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise BadArgument(f"window must be a number of steps of 1 or more, not {self.window!r:.40}")
 
     def _query(self, sql: str, params: Mapping[str, Any] | None = None, **kw: Any) -> Call:
         # a table no dump holds (a fatal signal's rank alone, a rank with no torch) answers nothing

@@ -19,6 +19,11 @@ class NoAnswerError(ConnectError):
     """Nothing answered within the timeout (the root may be busy, frozen or cut off)."""
 
 
+class BadArgument(ProbeError, ValueError):
+    """A call's argument a client cannot use (a timeout that is not a number of seconds): said
+    before anything is sent; a ``ValueError`` too."""
+
+
 class AuthError(ProbeError):
     """The probe refused our credentials."""
 

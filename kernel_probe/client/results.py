@@ -11,7 +11,7 @@ from .. import wire
 from ..membership import record
 from ..rank_lists import MAX_RANKS_UNKNOWN, RankRanges, ReasonRanges, by_text, groups_text, parse_ranks, wire_ranks
 from ..tables import arrow_ipc, convert
-from .errors import AuthError, ProbeError, QueryFailed, Refused
+from .errors import AuthError, BadArgument, ProbeError, QueryFailed, Refused
 
 if TYPE_CHECKING:  # pandas is imported only when a DataFrame is asked for
     import numpy as np
@@ -179,10 +179,22 @@ WARM_SQL = "SELECT _rank, count(*) AS tables FROM tables GROUP BY _rank"
 WARM_WAIT_MAX = 3.0  # seconds connect() waits for a cold job at most; a stuck rank is not waited for
 
 
+def check_seconds(name: str, value: Any, *, zero: bool = False) -> float:
+    """``value`` as seconds: a finite number above 0 (``zero``: or 0); else ``BadArgument``
+    naming ``name`` (a client's timeout, a wait)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+            0 <= value if zero else 0 < value) or value == float("inf") or value != value:
+        raise BadArgument(f"{name} must be a number of seconds {'of 0 or more' if zero else 'above 0'}, "
+                         f"not {value!r:.40}")
+    return float(value)
+
+
 def check_timeout(timeout: Any) -> None:
-    """``QueryFailed`` "bad_timeout" unless ``timeout`` is a number of seconds above 0 (and finite)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
-        raise QueryFailed(f"timeout must be a number of seconds above 0, not {timeout!r:.40}", code="bad_timeout")
+    """``QueryFailed`` "bad_timeout" unless ``timeout`` is a number of seconds above 0 (``check_seconds``)."""
+    try:
+        check_seconds("timeout", timeout)
+    except BadArgument as exc:
+        raise QueryFailed(str(exc), code="bad_timeout") from None
 
 
 def query_params(params: Any) -> dict[str, Any] | None:

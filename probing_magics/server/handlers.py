@@ -68,6 +68,8 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, kernel_probe.QueryFailed):
         status = _QUERY_STATUS.get(exc.code, 400)
         return ApiError(status, exc.code, message, line=exc.line, col=exc.col, coverage=json_safe(exc.coverage))
+    if isinstance(exc, kernel_probe.BadArgument):  # (the routes check their own; a client's check as a backstop)
+        return ApiError(400, "bad_request", message)
     if isinstance(exc, kernel_probe.AuthError):
         return ApiError(403, "job_refused", message)
     if isinstance(exc, TimedOut):
