@@ -38,10 +38,10 @@ SUSPECTS_SHOWN = 5  # stall suspects printed under the table; the others counted
 def _seconds(text: str, zero: bool = False) -> float:
     """An option's seconds (``--timeout``, ``--min-wait``): what the client takes, else argparse's error."""
     from .client.errors import BadArgument
-    from .client.results import check_seconds
+    from .client.results import positive_number
 
     try:
-        return check_seconds("the value", float(text), zero=zero)
+        return positive_number("the value", float(text), zero=zero)
     except (ValueError, BadArgument) as exc:
         raise argparse.ArgumentTypeError(str(exc) if isinstance(exc, BadArgument) else
                                          f"{text!r} is not a number of seconds") from None

@@ -97,7 +97,7 @@ class AsyncClient(ClientState):
 
     async def request(self, type_: str, body: dict, timeout: float = 5.0,
                       on_progress: Callable[[dict], None] | None = None) -> wire.Envelope:
-        deadline = time.monotonic() + results.check_seconds("timeout", timeout)
+        deadline = time.monotonic() + results.positive_number("timeout", timeout)
         if self._ended is not None and not await self._follow(self._generation):
             raise JobEndedError(self._ended)
         for _ in range(3):  # a relaunch found mid-request: send it again to the new root

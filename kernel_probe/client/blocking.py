@@ -114,7 +114,7 @@ class Client(ClientState):
                 on_progress: Callable[[dict], None] | None = None) -> wire.Envelope:
         """Send one request and wait for its answer; ``ConnectError`` after ``timeout`` seconds,
         ``JobEndedError`` as soon as the root is known to be gone and no new launch is found."""
-        deadline = time.monotonic() + results.check_seconds("timeout", timeout)
+        deadline = time.monotonic() + results.positive_number("timeout", timeout)
         if self._ended is not None and not self._follow(self._generation):
             raise JobEndedError(self._ended)
         for _ in range(3):  # a relaunch found mid-request: send it again to the new root

@@ -27,7 +27,7 @@ from ..diagnosis.values import as_float, as_int, as_text
 from ..rank_lists import by_text, groups_text
 from .calls import Batch, Call, query
 from .errors import BadArgument
-from .results import check_seconds, one_line_reason
+from .results import one_line_reason, positive_number
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -222,8 +222,8 @@ class Diagnosis:
     slowdown_min_sec: float = field(default_factory=lambda: load_settings().slowdown_min_sec)
 
     def __post_init__(self) -> None:  # a caller's bad option is one line, before anything is asked
-        check_seconds("timeout", self.timeout)
-        check_seconds("min_wait", self.min_wait, zero=True)
+        positive_number("timeout", self.timeout)
+        positive_number("min_wait", self.min_wait, zero=True)
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise BadArgument(f"window must be a number of steps of 1 or more, not {self.window!r:.40}")
 

@@ -27,10 +27,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, NamedTuple
 
-from ..tables.readers.profile import ACTIVE, LEASE_SEC, PAST_DEADLINE, TERMINAL, CaptureState
+from ..tables.readers.profile import ACTIVE, LEASE_SEC, MAX_STEPS, PAST_DEADLINE, TERMINAL, CaptureState
 from ..rank_lists import parse_ranks, rank_ranges, ranks_label
 from ..summaries import reason_lines
-from .errors import ProbeError, QueryFailed
+from .errors import BadArgument, ProbeError, QueryFailed
+from .results import positive_number
 from .calls import Call, drive, drive_async
 
 if TYPE_CHECKING:
@@ -113,11 +114,16 @@ class ProfileRun:
                  out: str | None = None, timeout: float = 120.0, max_trace_mb: float = DEFAULT_TRACE_MAX_MB,
                  on_progress: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic
                  ) -> None:
-        self.wanted = rank_ranges(ranks)  # expanded once the job's size is known
-        self.steps = max(1, int(steps))
+        try:
+            self.wanted = rank_ranges(ranks)  # expanded once the job's size is known
+        except ValueError as exc:
+            raise BadArgument(str(exc)) from None
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+            raise BadArgument(f"steps must be a whole number of steps from 1 to {MAX_STEPS}, not {steps!r:.40}")
+        self.steps = steps
         self.out = out
-        self.timeout = timeout
-        self.max_trace_bytes = int(max_trace_mb * 1e6)
+        self.timeout = positive_number("timeout", timeout)
+        self.max_trace_bytes = int(positive_number("max_trace_mb", max_trace_mb, unit="MB") * 1e6)
         self.on_progress = on_progress
         self.clock = clock
         self.capture_id = secrets.token_hex(6)

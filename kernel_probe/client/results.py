@@ -179,20 +179,20 @@ WARM_SQL = "SELECT _rank, count(*) AS tables FROM tables GROUP BY _rank"
 WARM_WAIT_MAX = 3.0  # seconds connect() waits for a cold job at most; a stuck rank is not waited for
 
 
-def check_seconds(name: str, value: Any, *, zero: bool = False) -> float:
-    """``value`` as seconds: a finite number above 0 (``zero``: or 0); else ``BadArgument``
-    naming ``name`` (a client's timeout, a wait)."""
+def positive_number(name: str, value: Any, *, unit: str = "seconds", zero: bool = False) -> float:
+    """``value`` as a finite number above 0 (``zero``: or 0) of ``unit``; else ``BadArgument``
+    naming ``name`` (a client's timeout, a wait, a cap)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
             0 <= value if zero else 0 < value) or value == float("inf") or value != value:
-        raise BadArgument(f"{name} must be a number of seconds {'of 0 or more' if zero else 'above 0'}, "
-                         f"not {value!r:.40}")
+        raise BadArgument(f"{name} must be a number of {unit} {'of 0 or more' if zero else 'above 0'}, "
+                          f"not {value!r:.40}")
     return float(value)
 
 
 def check_timeout(timeout: Any) -> None:
-    """``QueryFailed`` "bad_timeout" unless ``timeout`` is a number of seconds above 0 (``check_seconds``)."""
+    """``QueryFailed`` "bad_timeout" unless ``timeout`` is a number of seconds above 0 (``positive_number``)."""
     try:
-        check_seconds("timeout", timeout)
+        positive_number("timeout", timeout)
     except BadArgument as exc:
         raise QueryFailed(str(exc), code="bad_timeout") from None
 
