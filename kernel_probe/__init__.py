@@ -80,6 +80,9 @@ def probe() -> "ProbeThread | None":
     return _probe
 
 
+ROLE_MAX_CHARS = 256  # a role rides every heartbeat of the rank: a longer one is cut (and ends in "…")
+
+
 def _normalise_role(role: str | Mapping[str, Any] | None, kw: Mapping[str, Any]) -> str:
     items: dict[str, Any] = {}
     if isinstance(role, Mapping):
@@ -87,13 +90,18 @@ def _normalise_role(role: str | Mapping[str, Any] | None, kw: Mapping[str, Any])
     elif role is not None:
         if kw:
             raise TypeError("set_role takes a string or keyword arguments, not both")
-        return str(role)
+        return _cut(str(role))
     items.update(kw)
-    return ",".join(f"{k}={v}" for k, v in sorted(items.items()))
+    return _cut(",".join(f"{k}={v}" for k, v in sorted(items.items())))
+
+
+def _cut(role: str) -> str:
+    return role if len(role) <= ROLE_MAX_CHARS else role[:ROLE_MAX_CHARS - 1] + "…"
 
 
 def set_role(role: str | Mapping[str, Any] | None = None, /, **kw: Any) -> str:
-    """Name what this rank does; the root sees it within a second. Returns the stored string."""
+    """Name what this rank does; the root sees it within a second. Returns the stored string (at
+    most ``ROLE_MAX_CHARS``: it rides every heartbeat)."""
     global _role
     value = _normalise_role(role, kw)
     _role = value

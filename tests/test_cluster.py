@@ -118,6 +118,10 @@ def test_set_role_reaches_root_within_a_second(launch, tmp_path):
         took = time.monotonic() - t0
         print(f"set_role of rank {rank} visible at the root after {took * 1000:.0f} ms")
         assert took < 1.0
+    # a role rides every heartbeat: one of 100 KB (a config's text, say) is cut, and the rank stays alive
+    (control / "role-3").write_text("x" * 100_000)
+    wait_for(lambda: members(root)[3]["role"] == "x" * 255 + "…", 5, interval=0.02, what="rank 3's long role, cut")
+    assert members(root)[3]["state"] == "alive"
 
 
 # --- 3 ----------------------------------------------------------------------------------
