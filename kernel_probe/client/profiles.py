@@ -31,8 +31,8 @@ from ..tables.readers.profile import ACTIVE, LEASE_SEC, MAX_STEPS, PAST_DEADLINE
 from ..rank_lists import parse_ranks, rank_ranges, ranks_label
 from ..summaries import reason_lines
 from .errors import BadArgument, ProbeError, QueryFailed
-from .results import positive_number
 from .calls import Call, drive, drive_async
+from .results import positive_number
 
 if TYPE_CHECKING:
     import pandas as pd

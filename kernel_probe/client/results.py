@@ -216,11 +216,10 @@ def query_params(params: Any) -> dict[str, Any] | None:
     return out
 
 
-_PARAM_HINTS = {  # a type JSON does not carry -> what to pass instead
+_PARAM_HINTS = {  # a type JSON does not carry (or a subclass: pandas' Timestamp) -> what to pass instead
     "datetime": "{name}.timestamp() (the tables' times are epoch seconds)",
-    "Timestamp": "{name}.timestamp() (the tables' times are epoch seconds)",
     "date": "str({name}) and compare with a CAST, or a datetime's .timestamp()",
-    "time": "str({name})", "timedelta": "{name}.total_seconds()", "Timedelta": "{name}.total_seconds()",
+    "time": "str({name})", "timedelta": "{name}.total_seconds()",
     "Decimal": "float({name}) or str({name})", "bytes": "text: {name}.decode() or {name}.hex()",
 }
 
