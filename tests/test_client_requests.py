@@ -214,8 +214,9 @@ def test_a_timeout_or_wait_that_is_not_seconds_is_one_line_before_anything_is_se
     assert Diagnosis(10, 0, False, 0.0).min_wait == 0  # no wait at all is a wait
     from kernel_probe.client.profiles import ProfileRun
 
-    for kwargs, said in (({"steps": 0}, "steps must be a whole number of steps from 1 to 1000, not 0"),
-                         ({"steps": "2"}, "not '2'"), ({"steps": 1001}, "not 1001"), ({"timeout": -1}, "timeout must be"),
+    assert ProfileRun(steps=5000).steps == 1000  # as the ranks cap it
+    for kwargs, said in (({"steps": 0}, "steps must be a whole number of steps, 1 or more, not 0"),
+                         ({"steps": "2"}, "not '2'"), ({"steps": 2.0}, "not 2.0"), ({"timeout": -1}, "timeout must be"),
                          ({"max_trace_mb": 0}, "max_trace_mb must be a number of MB above 0"),
                          ({"ranks": "x"}, "bad rank list 'x'")):
         with pytest.raises(BadArgument, match=said):

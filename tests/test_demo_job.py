@@ -131,7 +131,7 @@ def test_cli_lines_run(demo_job, tmp_path) -> None:
                 lines.append((page, line))
     assert lines, "no kernel-probe line in any sh block"
     for page, line in lines:
-        line = re.sub(r"\[(--[\w-]+)\]", r"\1", line)  # an optional flag: try it
+        line = re.sub(r"\[(--[\w-]+(?: [\w,.-]+)?)\]", r"\1", line)  # an optional flag (with its value): try it
         line = line.replace("dump://DIR", f"dump://{run}").replace("dump://dumps/exp7", f"dump://{run}")
         argv = [exe, *shlex.split(line)[1:]]
         argv = [str(tmp_path / "trace.json") if a == "trace.json" else a for a in argv]

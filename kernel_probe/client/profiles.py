@@ -118,9 +118,9 @@ class ProfileRun:
             self.wanted = rank_ranges(ranks)  # expanded once the job's size is known
         except ValueError as exc:
             raise BadArgument(str(exc)) from None
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-            raise BadArgument(f"steps must be a whole number of steps from 1 to {MAX_STEPS}, not {steps!r:.40}")
-        self.steps = steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise BadArgument(f"steps must be a whole number of steps, 1 or more, not {steps!r:.40}")
+        self.steps = min(steps, MAX_STEPS)  # as the ranks cap it (a long capture: until it is cancelled)
         self.out = out
         self.timeout = positive_number("timeout", timeout)
         self.max_trace_bytes = int(positive_number("max_trace_mb", max_trace_mb, unit="MB") * 1e6)
