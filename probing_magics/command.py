@@ -127,13 +127,13 @@ def _after_tokens(line: str, n: int) -> str:
     return line[pos:].strip()
 
 
-def _positive(value: str | bool, name: str) -> float:
+def _positive(value: str | bool, name: str, zero: bool = False) -> float:
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise UsageError(f"{name} takes a number of seconds, not {value!r}") from None
-    if not number > 0:
-        raise UsageError(f"{name} must be more than 0 seconds")
+    if not (number >= 0 if zero else number > 0) or number == float("inf"):
+        raise UsageError(f"{name} must be {'0 or more' if zero else 'more than 0'} seconds")
     return number
 
 
@@ -183,8 +183,8 @@ def parse_options(line: str, valued: set[str], usage: str, max_positional: int =
     return OptionsCommand(positional, options)
 
 
-def seconds_option(cmd: OptionsCommand, name: str, default: float) -> float:
-    return _positive(cmd.options[name], name) if name in cmd.options else default
+def seconds_option(cmd: OptionsCommand, name: str, default: float, zero: bool = False) -> float:
+    return _positive(cmd.options[name], name, zero) if name in cmd.options else default
 
 
 def ranks_option(cmd: OptionsCommand) -> RankRanges | None:

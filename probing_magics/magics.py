@@ -277,7 +277,7 @@ class ClusterMagics(Magics):
 
         cmd = parse_options(line, {"--min-wait", "--timeout"}, DIAGNOSE_USAGE, flags=frozenset({"--native"}))
         timeout = seconds_option(cmd, "--timeout", self.settings.timeout)
-        min_wait = seconds_option(cmd, "--min-wait", MIN_WAIT_SEC)
+        min_wait = seconds_option(cmd, "--min-wait", MIN_WAIT_SEC, zero=True)  # 0: any pending collective counts
         client = self.connected()
         try:
             return VerdictView(client.diagnose(timeout=timeout, min_wait=min_wait, native="--native" in cmd.options))

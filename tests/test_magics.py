@@ -149,7 +149,8 @@ def test_unknown_parameter_and_bad_options(ip, capsys):
                 "%cluster_sql --timeout 0 SELECT 1", "%%cluster_sql -o 1x\nSELECT 1", "%cluster_stacks --ranks x",
                 "%cluster_profile --steps 0", "%cluster_profile --steps two", "%cluster_profile -o 1x",
                 "%cluster_profile --ranks 3-1", "%cluster_profile --bogus", "%cluster_nodes --interval soon", "%cluster_connect --bogus", "%cluster_connect a b",
-                "%cluster_connect tcp://127.0.0.1:1 --token-env PROBING_TEST_UNSET_VAR", "%%cluster_sql\n"):
+                "%cluster_connect tcp://127.0.0.1:1 --token-env PROBING_TEST_UNSET_VAR", "%%cluster_sql\n",
+                "%cluster_sql --timeout inf SELECT 1", "%cluster_diagnose --min-wait -1", "%cluster_diagnose --min-wait nan"):
         _, err = run(ip, bad)
         assert isinstance(err, UsageError), (bad, err)
     seen = capsys.readouterr()
