@@ -76,6 +76,30 @@ def test_cli_list_nodes_info_and_dead_roots(single, runtime_dir):
     assert out.returncode == 0 and "removed" in out.stdout and not path.exists()
 
 
+def test_query_formats_carry_every_type_a_reader_takes(single):
+    import csv
+    import json
+
+    wait_for(lambda: kernel_probe.connect(timeout=2), 20, what="the probe")
+    sql = ("SELECT [1, 2] AS l, {'x': 1.5::DECIMAL(4, 2)} AS s, NULL AS n, 2::HUGEINT ** 70 AS big, "
+           "12::DECIMAL(10, 0) AS whole, TIMESTAMP '2026-01-01 00:00:00' AS t, INTERVAL 3 SECOND AS iv, "
+           "'x'::BLOB AS b, 'nan'::DOUBLE AS nn, true AS yes, 'a,\"b' AS txt, 1 AS a, 2 AS a")
+    out = cli("query", "--format", "json", sql)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr  # (an INTERVAL made pandas' JSON raise)
+    (row,) = [json.loads(line) for line in out.stdout.splitlines()]
+    assert row == {"l": [1, 2], "s": {"x": 1.5}, "n": None, "big": 2.0 ** 70, "whole": 12, "t": "2026-01-01T00:00:00",
+                   "iv": {"months": 0, "days": 0, "nanoseconds": 3_000_000_000}, "b": "78", "nn": None, "yes": True,
+                   "txt": 'a,"b', "a": 1, "a_1": 2}
+    assert "1/1 ranks" in out.stderr  # the footer stays off the data
+    out = cli("query", "--format", "csv", sql)
+    assert out.returncode == 0, out.stderr
+    header, cells = list(csv.reader(out.stdout.splitlines()))
+    assert header == list(row) and dict(zip(header, cells)) == {
+        "l": "[1, 2]", "s": '{"x": 1.5}', "n": "", "big": str(2.0 ** 70), "whole": "12", "t": "2026-01-01T00:00:00",
+        "iv": '{"months": 0, "days": 0, "nanoseconds": 3000000000}', "b": "78", "nn": "", "yes": "true",
+        "txt": 'a,"b', "a": "1", "a_1": "2"}
+
+
 def test_bad_targets_are_one_line_errors(runtime_dir):
     t0 = time.monotonic()
     with pytest.raises(ConnectError, match="no answer from tcp://127.0.0.1:1 within 1 s"):
