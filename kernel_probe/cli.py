@@ -320,52 +320,24 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 def _write_rows(table: Any, names: list[str], fmt: str) -> None:
     """The answer's rows on stdout as CSV (a header, then a line a row) or JSON lines, every
-    SQL type as such a tool's reader expects (``_json_cell``); ``names`` as the DataFrame shows
-    them (a name given twice made unique)."""
+    SQL type as such a reader takes it (``payloads.json_safe``; in CSV a list or a struct is
+    its JSON text, a NULL an empty cell); ``names`` as the DataFrame shows them (a name given
+    twice made unique)."""
     import csv
     import json
 
-    rows = [] if table is None else table.rename_columns(names).to_pylist()
+    from .client.payloads import table_rows
+
+    _, rows, _ = table_rows(table, table.num_rows) if table is not None else ([], [], False)
     if fmt == "json":
         for row in rows:
-            sys.stdout.write(json.dumps({k: _json_cell(v) for k, v in row.items()}, ensure_ascii=False,
-                                        allow_nan=False) + "\n")
+            sys.stdout.write(json.dumps(dict(zip(names, row)), ensure_ascii=False, allow_nan=False) + "\n")
         return
     out = csv.writer(sys.stdout, lineterminator="\n")
     out.writerow(names)
     for row in rows:
-        cells = [_json_cell(v) for v in row.values()]
         out.writerow(["" if c is None else json.dumps(c, ensure_ascii=False) if isinstance(c, (list, dict))
-                      else str(c).lower() if isinstance(c, bool) else c for c in cells])
-
-
-def _json_cell(value: Any) -> Any:
-    """A cell as JSON holds it: NaN and infinities as null, a DECIMAL as a number (whole ones
-    exact), times as ISO 8601 text, an INTERVAL as its months, days and nanoseconds, a BLOB
-    as hex; lists and structs cell by cell."""
-    import datetime as dt
-    import decimal
-    import math
-
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, decimal.Decimal):
-        return None if not value.is_finite() else int(value) if value == value.to_integral_value() else float(value)
-    if isinstance(value, (dt.datetime, dt.date, dt.time)):
-        return value.isoformat()
-    if isinstance(value, dt.timedelta):
-        return value.total_seconds()
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).hex()
-    if isinstance(value, dict):
-        return {str(k): _json_cell(v) for k, v in value.items()}
-    if type(value).__name__ == "MonthDayNano":  # pyarrow's INTERVAL (a tuple whose fields have names)
-        return {"months": value.months, "days": value.days, "nanoseconds": value.nanoseconds}
-    if isinstance(value, (list, tuple)):
-        return [_json_cell(v) for v in value]
-    return str(value)
+                      else str(c).lower() if isinstance(c, bool) else c for c in row])
 
 
 def _native_notes(client, args: argparse.Namespace) -> list[str]:

@@ -82,12 +82,12 @@ def test_query_formats_carry_every_type_a_reader_takes(single):
 
     wait_for(lambda: kernel_probe.connect(timeout=2), 20, what="the probe")
     sql = ("SELECT [1, 2] AS l, {'x': 1.5::DECIMAL(4, 2)} AS s, NULL AS n, 2::HUGEINT ** 70 AS big, "
-           "12::DECIMAL(10, 0) AS whole, TIMESTAMP '2026-01-01 00:00:00' AS t, INTERVAL 3 SECOND AS iv, "
+           "12::DECIMAL(10, 0) AS whole, 170141183460469231731687303715884105727::HUGEINT AS huge, TIMESTAMP '2026-01-01 00:00:00' AS t, INTERVAL 3 SECOND AS iv, "
            "'x'::BLOB AS b, 'nan'::DOUBLE AS nn, true AS yes, 'a,\"b' AS txt, 1 AS a, 2 AS a")
     out = cli("query", "--format", "json", sql)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr  # (an INTERVAL made pandas' JSON raise)
     (row,) = [json.loads(line) for line in out.stdout.splitlines()]
-    assert row == {"l": [1, 2], "s": {"x": 1.5}, "n": None, "big": 2.0 ** 70, "whole": 12, "t": "2026-01-01T00:00:00",
+    assert row == {"l": [1, 2], "s": {"x": 1.5}, "n": None, "big": 2.0 ** 70, "whole": 12, "huge": 2 ** 127 - 1, "t": "2026-01-01T00:00:00",
                    "iv": {"months": 0, "days": 0, "nanoseconds": 3_000_000_000}, "b": "78", "nn": None, "yes": True,
                    "txt": 'a,"b', "a": 1, "a_1": 2}
     assert "1/1 ranks" in out.stderr  # the footer stays off the data
@@ -95,7 +95,7 @@ def test_query_formats_carry_every_type_a_reader_takes(single):
     assert out.returncode == 0, out.stderr
     header, cells = list(csv.reader(out.stdout.splitlines()))
     assert header == list(row) and dict(zip(header, cells)) == {
-        "l": "[1, 2]", "s": '{"x": 1.5}', "n": "", "big": str(2.0 ** 70), "whole": "12", "t": "2026-01-01T00:00:00",
+        "l": "[1, 2]", "s": '{"x": 1.5}', "n": "", "big": str(2.0 ** 70), "whole": "12", "huge": str(2 ** 127 - 1), "t": "2026-01-01T00:00:00",
         "iv": '{"months": 0, "days": 0, "nanoseconds": 3000000000}', "b": "78", "nn": "", "yes": "true",
         "txt": 'a,"b', "a": "1", "a_1": "2"}
 

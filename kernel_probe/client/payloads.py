@@ -31,8 +31,9 @@ Schema = dict[str, tuple[str, ...]]
 
 def json_safe(value: Any) -> Any:
     """``value`` turned into something ``json.dumps(..., allow_nan=False)`` accepts: timestamps
-    as ISO 8601 strings, NaN and infinities as null (JSON has neither), decimals as floats, bytes
-    as hex, records with ``to_dict`` as their dicts, containers element by element."""
+    as ISO 8601 strings, NaN and infinities as null (JSON has neither), decimals as numbers (whole
+    ones exact), an INTERVAL as its months, days and nanoseconds, bytes as hex, records with
+    ``to_dict`` as their dicts, containers element by element."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -42,7 +43,11 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, dt.timedelta):
         return value.total_seconds()
     if isinstance(value, decimal.Decimal):
+        if value.is_finite() and value == value.to_integral_value():
+            return int(value)  # a HUGEINT's sum, say: every digit
         return json_safe(float(value))
+    if type(value).__name__ == "MonthDayNano":  # pyarrow's INTERVAL (a tuple whose fields have names)
+        return {"months": value.months, "days": value.days, "nanoseconds": value.nanoseconds}
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).hex()
     if isinstance(value, uuid.UUID):
