@@ -109,6 +109,9 @@ def test_bad_targets_are_one_line_errors(runtime_dir):
         kernel_probe.connect("/no/such/file.json")
     with pytest.raises(ConnectError, match="bad store target"):
         kernel_probe.connect("store://nohost")
+    for bad in ("tcp://127.0.0.1", "tcp://127.0.0.1:abc", "tcp://:29500", "tcp://127.0.0.1:99999"):  # a ZMQError before
+        with pytest.raises(ConnectError, match=r"bad target .*: expected tcp://host:port \(a port of 1-65535\)"):
+            kernel_probe.connect(bad, token="x", timeout=1)
     with pytest.raises(AuthError, match="no key"):
         kernel_probe.connect("tcp://127.0.0.1:1")
     garbage = runtime_dir / "garbage.json"
@@ -116,7 +119,8 @@ def test_bad_targets_are_one_line_errors(runtime_dir):
     garbage.write_text("{not json")
     with pytest.raises(ConnectError, match="not a connection file"):
         kernel_probe.connect(garbage)
-    for args in (["-t", "tcp://127.0.0.1:1", "--token", "x", "--timeout", "0.5", "nodes"], ["-t", "bogus", "nodes"]):
+    for args in (["-t", "tcp://127.0.0.1:1", "--token", "x", "--timeout", "0.5", "nodes"], ["-t", "bogus", "nodes"],
+                 ["-t", "tcp://127.0.0.1", "--token", "x", "nodes"]):
         out = cli(*args)
         assert out.returncode == 1 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 

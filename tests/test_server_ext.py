@@ -208,8 +208,9 @@ async def test_bad_input_and_bad_sql_are_400(api, job):
         assert status == 400 and body["code"] == "bad_request" and body["message"], (bad, body)
     assert (await api("GET", "jobs", job_id, "stacks", params={"ranks": "x"}))[0] == 400
     assert (await api("GET", "jobs", job_id, "nodes", params={"timeout": "soon"}))[0] == 400
-    for bad in [{}, {"target": "/etc/passwd"}, {"target": "tcp://127.0.0.1:1", "token": 5}]:
-        status, body = await api("POST", "jobs", body=bad)
+    for bad in [{}, {"target": "/etc/passwd"}, {"target": "tcp://127.0.0.1:1", "token": 5},
+                {"target": "tcp://127.0.0.1", "token": "x"}, {"target": "tcp://127.0.0.1:abc", "token": "x"}]:
+        status, body = await api("POST", "jobs", body=bad)  # (a tcp:// with no port was a 500: a ZMQError)
         assert status == 400 and body["code"] == "bad_request", (bad, body)
 
 

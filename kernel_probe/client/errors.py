@@ -24,6 +24,11 @@ class BadArgument(ProbeError, ValueError):
     before anything is sent; a ``ValueError`` too."""
 
 
+class BadTarget(ConnectError, BadArgument):
+    """A target that is no address at all (``tcp://host`` without a port): a ``ConnectError``
+    as every target that leads nowhere, and a ``BadArgument`` (a REST caller's 400, not a 502)."""
+
+
 class AuthError(ProbeError):
     """The probe refused our credentials."""
 

@@ -18,7 +18,7 @@ from ..config import Settings, load_settings, run_id_from, split_run_id
 from ..placement import curve_material, listening
 from ..shell import connfile
 from .alive import root_alive
-from .errors import AuthError, ConnectError, JobEndedError
+from .errors import AuthError, BadTarget, ConnectError, JobEndedError
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,7 @@ def resolve(target: str | os.PathLike | None = None, token: str | None = None,
                                f"{settings.runtime_dir}); start the job with PROBING=1 or pass a target")
         endpoint = conn.endpoint
     elif target_s.startswith("tcp://"):
+        _host_port(target_s[len("tcp://"):], f"bad target {target_s!r}: expected tcp://host:port (a port of 1-65535)")
         endpoint = target_s
         here = next((c for c in connfile.list_files(settings.runtime_dir)
                      if c.endpoint == endpoint and root_alive(c)), None)
@@ -139,13 +140,18 @@ def endpoint_host(endpoint: str) -> str:
 
 def parse_store(target: str) -> tuple[str, int, str]:
     """``store://host:port[/run]`` -> (host, port, run); ``ConnectError`` when malformed."""
-    rest = target[len("store://"):]
-    hostport, _, run = rest.partition("/")
+    hostport, _, run = target[len("store://"):].partition("/")
+    host, port = _host_port(hostport, f"bad store target {target!r}: expected store://host:port[/run_id]")
+    return host, port, run.strip("/")
+
+
+def _host_port(hostport: str, error: str) -> tuple[str, int]:
+    """'host:port' ('[::1]:port' too) -> (host, port); ``BadTarget(error)`` without a host or a port."""
     host, _, port_s = hostport.rpartition(":")
     host = host.strip("[]")
-    if not host or not port_s.isdigit():
-        raise ConnectError(f"bad store target {target!r}: expected store://host:port[/run_id]")
-    return host, int(port_s), run.strip("/")
+    if not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise BadTarget(error)
+    return host, int(port_s)
 
 
 def _from_store(target: str, token: str | None, timeout: float) -> tuple[str, str, bytes, bool]:
