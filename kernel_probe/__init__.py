@@ -90,13 +90,9 @@ def _normalise_role(role: str | Mapping[str, Any] | None, kw: Mapping[str, Any])
     elif role is not None:
         if kw:
             raise TypeError("set_role takes a string or keyword arguments, not both")
-        return _cut(str(role))
+        return str(role)
     items.update(kw)
-    return _cut(",".join(f"{k}={v}" for k, v in sorted(items.items())))
-
-
-def _cut(role: str) -> str:
-    return role if len(role) <= ROLE_MAX_CHARS else role[:ROLE_MAX_CHARS - 1] + "…"
+    return ",".join(f"{k}={v}" for k, v in sorted(items.items()))
 
 
 def set_role(role: str | Mapping[str, Any] | None = None, /, **kw: Any) -> str:
@@ -104,6 +100,8 @@ def set_role(role: str | Mapping[str, Any] | None = None, /, **kw: Any) -> str:
     most ``ROLE_MAX_CHARS``: it rides every heartbeat)."""
     global _role
     value = _normalise_role(role, kw)
+    if len(value) > ROLE_MAX_CHARS:
+        value = value[:ROLE_MAX_CHARS - 1] + "…"
     _role = value
     if _probe is not None:
         _probe.submit(("role", value))

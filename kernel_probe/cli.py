@@ -41,10 +41,13 @@ def _seconds(text: str, zero: bool = False) -> float:
     from .client.results import positive_number
 
     try:
-        return positive_number("the value", float(text), zero=zero)
-    except (ValueError, BadArgument) as exc:
-        raise argparse.ArgumentTypeError(str(exc) if isinstance(exc, BadArgument) else
-                                         f"{text!r} is not a number of seconds") from None
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    try:
+        return positive_number("the value", value, zero=zero)
+    except BadArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _seconds_or_zero(text: str) -> float:

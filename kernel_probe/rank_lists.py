@@ -286,11 +286,12 @@ def rank_ranges(spec: "str | Iterable[int] | RankRanges | None") -> RankRanges |
         return spec
     if isinstance(spec, str):
         return _from_text(spec) if spec.strip() else None
-    if isinstance(spec, (bytes, dict)) or not hasattr(spec, "__iter__") and not hasattr(spec, "__index__"):
-        raise ValueError(f"ranks must be a rank, a list of ranks or a string like 0-3,8, not {type(spec).__name__}")
-    if not hasattr(spec, "__iter__"):
-        return _from_numbers((spec,))  # one rank: an int, numpy's
-    return _from_numbers(spec)
+    if not isinstance(spec, (bytes, dict)):
+        if hasattr(spec, "__iter__"):
+            return _from_numbers(spec)
+        if hasattr(spec, "__index__"):
+            return _from_numbers((spec,))  # one rank: an int, numpy's
+    raise ValueError(f"ranks must be a rank, a list of ranks or a string like 0-3,8, not {type(spec).__name__}")
 
 
 def parse_ranks(spec: "str | Iterable[int] | RankRanges | None", world_size: int | None = None) -> list[int] | None:

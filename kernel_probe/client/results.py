@@ -260,9 +260,9 @@ def _param_value(value: Any, name: str, depth: int = 0) -> Any:
         if not all(isinstance(k, str) for k in value):
             raise QueryFailed(f"parameter ${name}: a mapping's keys must be text (a DuckDB STRUCT)", code="bad_params")
         return {k: _param_value(v, name, depth + 1) for k, v in value.items()}
-    if isinstance(value, (bool, int, float, str)):  # subclasses (an IntEnum, a str Enum) as their plain value
-        return _param_value((bool if isinstance(value, bool) else int if isinstance(value, int)
-                             else float if isinstance(value, float) else str.__str__)(value), name, depth)
+    for plain in (int, float, str):  # a subclass (an IntEnum, a str Enum) as its plain value (str() of an Enum is its name)
+        if isinstance(value, plain):
+            return _param_value(str.__str__(value) if plain is str else plain(value), name, depth)
     hint = next((h for t, h in _PARAM_HINTS.items() if any(c.__name__ == t for c in kind.__mro__)), None)
     instead = f"; pass {hint.format(name=name)}" if hint else \
         ": the ranks take numbers, text, booleans, None, and lists or mappings of them"
