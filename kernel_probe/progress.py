@@ -607,6 +607,11 @@ class StallDetector:
     _marker: object = None
     _since: float | None = None
 
+    @property
+    def since(self) -> float | None:
+        """When the main thread last made progress (a new step or another stack), as last observed."""
+        return self._since
+
     def observe(self, now: float, step: int | None, stack: tuple) -> bool:
         marker = (step, stack)
         if marker != self._marker or self._since is None:

@@ -87,6 +87,7 @@ class RankCore:
     comm_wait_ms: float | None = None
     stalled: bool = False
     stalled_where: str = ""  # where the main thread is stuck while stalled (its innermost frame)
+    stalled_since: float | None = None  # while stalled: when the main thread last made progress
     level: int | None = None  # below the root (0); its parent's level + 1, learned from the parent's acks
     info_extras: Callable[[], dict] | None = None  # facts only the shell has (rejected counts, store://)
 
@@ -176,7 +177,7 @@ class RankCore:
         self.tier = tier
         self.root_endpoint = root or self.root_endpoint
         if tier in ("root", "broker"):
-            self.registry.observe(self.report(), now)
+            self.registry.observe(self.report(now), now)
         if parent != (self.parent.endpoint if self.parent else None):
             effects += self._set_parent(parent, now)
         # at the root while its home broker is not elected yet: the pushes bring it nearer
@@ -185,8 +186,8 @@ class RankCore:
 
     def _update_self(self, now: float, *, role: str | None = None, step: int | None = None,
                     step_time_ms: float | None = None, stalled: bool | None = None,
-                    stalled_where: str = "", compute_ms: float | None = None,
-                    comm_wait_ms: float | None = None) -> list[Effect]:
+                    stalled_where: str = "", stalled_since: float | None = None,
+                    compute_ms: float | None = None, comm_wait_ms: float | None = None) -> list[Effect]:
         """Local facts changed. A role or progress-state change is reported immediately."""
         urgent = False
         if role is not None and role != self.role:
@@ -195,6 +196,7 @@ class RankCore:
             self.stalled, urgent = stalled, True
         if stalled is not None:
             self.stalled_where = stalled_where if stalled else ""
+            self.stalled_since = stalled_since if stalled else None
         if step is not None:
             self.step = step
         if step_time_ms is not None:
@@ -204,7 +206,7 @@ class RankCore:
         if comm_wait_ms is not None:
             self.comm_wait_ms = comm_wait_ms
         if self.tier in ("root", "broker"):
-            self.registry.observe(self.report(), now)
+            self.registry.observe(self.report(now), now)
         if urgent and self.parent is not None:
             self.backoff.reset()
             self._report_at = now
@@ -429,9 +431,9 @@ class RankCore:
         """When this rank's next report goes up (None: none scheduled, e.g. one awaits its ack)."""
         return self._report_at
 
-    def report(self) -> dict:
+    def report(self, now: float) -> dict:
         ident = self.identity
-        return {
+        report = {
             "rank": ident.rank, "world_size": ident.world_size, "local_rank": ident.local_rank,
             "local_world_size": ident.local_world_size, "node": ident.node, "node_count": ident.node_count,
             "host": ident.host, "endpoint": self.endpoint, "pid": self.pid, "role": self.role,
@@ -442,6 +444,9 @@ class RankCore:
             "stalled": self.stalled, "age": 0.0,
             "reason": self.stalled_where if self.stalled else "",
         }
+        if self.stalled and self.stalled_since is not None:  # (only then: an alive rank's report stays as it was)
+            report["stalled_for"] = max(0.0, now - self.stalled_since)
+        return report
 
     def info(self) -> dict:
         view = self.view()
@@ -476,7 +481,7 @@ class RankCore:
             self._report_at = when
 
     def _batch(self, now: float) -> list[dict]:
-        reports = [self.report()]
+        reports = [self.report(now)]
         if self.tier == "broker":
             for m in self.registry.members():
                 if m.rank == self.identity.rank:
@@ -484,6 +489,8 @@ class RankCore:
                 r = {k: getattr(m, k) for k in REPORT_FIELDS}
                 r.update(age=max(0.0, now - m.last_seen), stalled=m.state == "stalled",
                          verdict="dead" if m.state == "dead" else "alive", reason=m.reason)
+                if m.state == "stalled":  # without progress since ``since``: as long, at its evidence time
+                    r["stalled_for"] = max(0.0, m.last_seen - m.since)
                 reports.append(r)
         return reports
 
@@ -552,7 +559,7 @@ class RankCore:
         """Root and brokers: our own report into our registry (the timer does it at most every
         SELF_REFRESH_SEC)."""
         self._self_seen = now
-        self.registry.observe(self.report(), now)
+        self.registry.observe(self.report(now), now)
 
     def _own_level(self) -> int | None:
         """Our level in the tree: the root's 0; another rank's its parent's plus one, once told."""
@@ -798,7 +805,7 @@ _HANDLERS: dict[type, Callable[[RankCore, Any, float], list[Effect]]] = {
     st.ChildGone: lambda core, s, now: core._on_child_gone(s.rid, now),
     st.SelfChanged: lambda core, s, now: core._update_self(
         now, role=s.role, step=s.step, step_time_ms=s.step_time_ms, stalled=s.stalled,
-        stalled_where=s.stalled_where, compute_ms=s.compute_ms, comm_wait_ms=s.comm_wait_ms),
+        stalled_where=s.stalled_where, stalled_since=s.stalled_since, compute_ms=s.compute_ms, comm_wait_ms=s.comm_wait_ms),
     st.ProcessExited: lambda core, s, now: core._on_process_exit(s.key, now),
     st.SqlTaskDone: lambda core, s, now: core._on_sql_task_done(s.task_id, s.result, now),
     st.CaptureActed: lambda core, s, now: core.profile.on_capture_acted(s.ticket, s.refused),

@@ -77,6 +77,7 @@ class SelfChanged:
     step_time_ms: float | None = None
     stalled: bool | None = None
     stalled_where: str = ""
+    stalled_since: float | None = None  # while stalled: when the main thread last made progress
     compute_ms: float | None = None
     comm_wait_ms: float | None = None
 

@@ -342,3 +342,7 @@ def test_stalled_main_thread(launch):
     m = wait_for(lambda: all(x["state"] == "stalled" for x in members(root).values()) and members(root), 20,
                  what="both ranks stalled")
     assert len(m) == 2
+    # stalled since the last progress: the 2 s without it that made them stalled count too
+    # (one sample interval of slack: progress is seen at samples)
+    for x in m.values():
+        assert x["last_seen"] - x["since"] >= 2.0 - 0.3, x

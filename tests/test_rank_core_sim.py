@@ -224,6 +224,19 @@ def test_stalled_is_visible_within_a_second_and_clears(rank):
     healthy(sim)
 
 
+@pytest.mark.parametrize("rank", [LEAF, ROOT_LEAF, BROKER, 0], ids=["leaf", "root's leaf", "broker", "root"])
+def test_stalled_since_its_last_progress_at_the_root(rank):
+    """The root's ``since`` of a stalled rank is when that rank last made progress (its detector
+    said so only a threshold later), through every hop, however long it stays stalled."""
+    sim = steady()
+    sim.set_stalled(rank, True, idle_for=60.0)
+    progress_at = sim.now - 60.0
+    assert sim.wait_for(lambda: sim.state(rank) == "stalled", 1.0, check_every=0.001) is not None
+    assert sim.member(rank).since == pytest.approx(progress_at, abs=0.05)
+    sim.run_for(40)
+    assert sim.member(rank).since == pytest.approx(progress_at, abs=0.05)
+
+
 # --- failures -----------------------------------------------------------------------------
 @pytest.mark.parametrize("rank", [LEAF, ROOT_LEAF], ids=["leaf", "root's leaf"])
 def test_a_killed_leaf_is_dead_within_a_second_then_removed_after_a_ttl(rank):

@@ -198,6 +198,31 @@ def test_join_stalled():
     assert reg.get(2).state == "stalled"
 
 
+def test_stalled_since_the_last_progress_not_since_the_threshold():
+    """A report says how long the rank has made no progress: ``since`` is then, so "stalled for"
+    counts the threshold too; a forwarded line's age moves it like the evidence."""
+    reg = Registry()
+    reg.observe(rep(2), T0)
+    reg.observe(rep(2, stalled=True, stalled_for=60.0), T0 + 61)
+    assert (reg.get(2).state, reg.get(2).since) == ("stalled", T0 + 1)
+    reg.observe(rep(2, stalled=True, stalled_for=70.0), T0 + 71)  # still stalled: since kept
+    assert reg.get(2).since == T0 + 1
+    reg.observe(rep(2, stalled_for=5.0), T0 + 80)  # alive again: an alive rank's stalled_for means nothing
+    assert (reg.get(2).state, reg.get(2).since) == ("alive", T0 + 80)
+    reg.observe(rep(3, stalled=True, stalled_for=30.0, age=2.0), T0 + 100)  # joins stalled, via a broker
+    assert reg.get(3).since == T0 + 68
+    reg.observe(rep(4, stalled=True, stalled_for=1e300), T0)  # never before the epoch
+    assert reg.get(4).since == 0.0
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "5", True, None])
+def test_a_bad_stalled_for_is_refused(bad):
+    reg = Registry()
+    with pytest.raises(ValueError, match="stalled_for"):
+        reg.observe(rep(2, stalled=True, stalled_for=bad), T0)
+    assert reg.get(2) is None
+
+
 def test_older_evidence_is_ignored():
     reg = Registry()
     reg.observe(rep(1, step=5), T0 + 10)

@@ -97,6 +97,7 @@ class _Report:
     age: float
     verdict: str
     reason: str
+    stalled_for: float  # while stalled: seconds without progress at the report's evidence time
 
     @classmethod
     def parse(cls, d: Any) -> _Report:
@@ -110,6 +111,9 @@ class _Report:
         age = _float("age", d.get("age", 0.0))
         if age < 0:
             raise ValueError(f"'age' must be >= 0, got {age!r}")
+        stalled_for = _float("stalled_for", d.get("stalled_for", 0.0))
+        if stalled_for < 0:
+            raise ValueError(f"'stalled_for' must be >= 0, got {stalled_for!r}")
         return cls(
             identity=ident,
             step=_opt_int("step", d.get("step")),
@@ -122,6 +126,7 @@ class _Report:
             age=age,
             verdict=_str("verdict", d.get("verdict", "alive"), choices=VERDICTS),
             reason=_str("reason", d.get("reason", "")),
+            stalled_for=stalled_for,
         )
 
 
@@ -295,8 +300,11 @@ class Registry:
     def _observe_alive(self, old: Member | None, r: _Report, evidence: float, now: float, via: int | None) -> None:
         rank = r.identity["rank"]
         state = STALLED if r.stalled else ALIVE
+        # a stalled member is stalled since its main thread last made progress, not since the
+        # threshold (PROBING_CLUSTER_STALL_SEC) later that said so; never before the epoch
+        began = max(0.0, evidence - r.stalled_for) if r.stalled else evidence
         fresh = Member(
-            **r.identity, state=state, last_seen=evidence, since=evidence,
+            **r.identity, state=state, last_seen=evidence, since=began,
             step=r.step, step_time_ms=r.step_time_ms, compute_ms=r.compute_ms, comm_wait_ms=r.comm_wait_ms,
             parent=r.parent, level=r.level, reason=r.reason if r.stalled else "", via=via,
         )  # fmt: skip
@@ -332,7 +340,7 @@ class Registry:
                 replace(
                     fresh,
                     state=new_state,
-                    since=evidence if changed_state else old.since,
+                    since=(began if new_state == STALLED else evidence) if changed_state else old.since,
                     reason=(old.reason if new_state == DEAD else r.reason if new_state == STALLED else ""),
                 )
             )

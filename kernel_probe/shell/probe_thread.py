@@ -265,7 +265,8 @@ class ProbeThread(threading.Thread, SocketShell):
         steps = self.steps
         self.sample(now, SelfChanged(step=steps.step, step_time_ms=steps.step_time_ms, compute_ms=steps.compute_ms,
                                      comm_wait_ms=steps.comm_wait_ms, stalled=stalled,
-                                     stalled_where=stuck_where(stack) if stalled else ""))
+                                     stalled_where=stuck_where(stack) if stalled else "",
+                                     stalled_since=self._stall.since if stalled else None))
 
     # --- how (the transport of interpreter.RankShell) -------------------------------------------
     def now(self) -> float:

@@ -440,10 +440,12 @@ class Simulation:
             v.capture = capture
         return v.capture
 
-    def set_stalled(self, rank: int, stalled: bool = True) -> None:
+    def set_stalled(self, rank: int, stalled: bool = True, idle_for: float | None = None) -> None:
+        """The rank's stall detector says so; ``idle_for``: it made no progress for that long before."""
         v = self.ranks[rank]
         v.stalled = stalled
-        self._input(v, lambda: SelfChanged(stalled=stalled), timer=False)
+        since = None if idle_for is None else self.now - idle_for
+        self._input(v, lambda: SelfChanged(stalled=stalled, stalled_since=since), timer=False)
 
     def _start_sampling(self, v: VirtualRank) -> None:
         if not v.sampling:
