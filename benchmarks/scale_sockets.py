@@ -8,7 +8,8 @@ each rank with its own table ``t`` (~300 rows: id, g, x). Default intervals. Mea
    probe was placed, against the base interval (PROBING_CLUSTER_REPORT_INTERVAL_SEC).
 2. RSS per host process, and the hosts' CPU over an idle window once converged.
 3. The first query after connect(), then p50/p99 of a count and a grouped aggregate
-   over all ranks (interleaved repetitions), with the per-hop profile of the median run.
+   over all ranks (interleaved repetitions), then one more of each that asks every hop for its
+   part of the profile (``query(profile=True)``: where the time went, hop by hop).
 4. The CPU floor: one rank's SQL task timed alone, times the ranks, over the cores; and the
    hosts' whole CPU per rank per query by thread (I/O thread, SQL workers, libzmq).
 
@@ -101,16 +102,19 @@ def thread_cpu(pids: list[int]) -> dict[str, float]:
 # A side's client: a child running that side's code (``python -P``: PYTHONPATH's kernel_probe),
 # one JSON line in per query, one JSON line out with what the benchmark reads of the answer.
 _CLIENT = r"""
-import json, sys, time
+import inspect, json, sys, time
 import kernel_probe
 t = time.perf_counter()
 client = kernel_probe.connect(sys.argv[1], timeout=30)
+# every hop's part of the profile, when asked (a tree before query(profile=) sends it with every answer)
+profiles = "profile" in inspect.signature(client.query).parameters
 print(json.dumps({"connect_ms": (time.perf_counter() - t) * 1000}), flush=True)
 for line in sys.stdin:
     ask = json.loads(line)
     t = time.perf_counter()
     try:
-        r = client.query(ask["sql"], timeout=120, strict=ask["strict"])
+        r = client.query(ask["sql"], timeout=120, strict=ask["strict"],
+                         **({"profile": True} if ask.get("profile") and profiles else {}))
     except kernel_probe.ProbeError as exc:  # refused as partial, or no answer in time (a loaded machine)
         print(json.dumps({"failed": f"{type(exc).__name__}: {exc}"}), flush=True)
         continue
@@ -136,10 +140,10 @@ class SideClient:
             raise RuntimeError(f"the client child exited ({self.proc.wait()})")
         return json.loads(line)
 
-    def query(self, sql: str, strict: bool = False) -> tuple[float, SimpleNamespace]:
+    def query(self, sql: str, strict: bool = False, profile: bool = False) -> tuple[float, SimpleNamespace]:
         """(client wall ms, the answer: ``rows``, ``n``, ``footer()``, ``coverage``); QueryFailed for an
-        answer refused there (partial) or none in time."""
-        self.proc.stdin.write(json.dumps({"sql": sql, "strict": strict}) + "\n")
+        answer refused there (partial) or none in time. ``profile``: every hop's part of it."""
+        self.proc.stdin.write(json.dumps({"sql": sql, "strict": strict, "profile": profile}) + "\n")
         self.proc.stdin.flush()
         got = self._answer()
         if "failed" in got:
@@ -280,6 +284,10 @@ def main() -> int:
         if args.profile:
             sides[0].job.profile(False)
         threads1 = {side.label: thread_cpu(side.job.pids()) for side in sides}
+        # where a query's time goes, hop by hop: one more query of each kind that asks every hop for
+        # its part (the counted ones did not: it costs the ranks CPU, and a user asks for it)
+        hops = {(side.label, sql): side.client.query(sql, profile=True)[1].coverage["profile"]
+                for side in sides for sql in (COUNT, GROUPED)}
         after = {side.label: rss_mb(side.job.pids()) for side in sides}
     finally:
         for side in sides:
@@ -303,7 +311,7 @@ def main() -> int:
             print(f"  {label:18s} p50 {p50:7.0f}  p99 {pct(ms, 0.99):7.0f}  ({median_run.footer()}); "
                   f"hosts' CPU {statistics.median(side.cpu_per[sql]):.0f} ms per query (median), "
                   f"{statistics.median(side.cpu_per[sql]) * 1000 / world:.0f} us per rank")
-            print(f"      median run: {where(median_run.coverage['profile'])}")
+            print(f"      one more, profiled: {where(hops[side.label, sql])}")
         if side.partial:
             print(f"  {side.partial} of {side.queries} answers refused as partial (ranks timed out: a loaded machine)")
         t0, t1 = threads0[side.label], threads1[side.label]

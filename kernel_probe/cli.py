@@ -299,7 +299,7 @@ def cmd_query(args: argparse.Namespace) -> int:
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         result = client.query(args.sql, timeout=_query_timeout(args), strict=args.strict, per_rank=args.per_rank,
                               ranks=parse_ranks(args.ranks), local=args.local, explain=args.explain,
-                              native=args.native)
+                              native=args.native, profile=args.profile)
         notes = _native_notes(client, args) if args.native and not args.explain else []
     if args.explain:
         print(result.explain)

@@ -38,7 +38,9 @@ Rules of this file:
   same tables; the leaf is answered once that scan is done.
 - Every answer says where its time went (``coverage["profile"]``): planning, each rank's
   scan, each merge, the finish, and per hop the round trip less the child's own time (the
-  transfer). Each hop reports its part up with its subresult; the root sums it up.
+  transfer). Each hop reports its part up with its subresult and the root sums it up, when the
+  query asks (``profile``: it is a tenth of the ranks' CPU for a query); else the profile holds
+  the root's own part (``per_hop`` False).
 """
 
 from __future__ import annotations
@@ -298,7 +300,10 @@ class HopTiming:
         if len(self.scanned_by) > MAX_PROFILE_ROWS:
             self.scanned_by = dict(sorted(self.scanned_by.items())[:MAX_PROFILE_ROWS])
 
-    def summary(self, elapsed_ms: float, bytes_shipped: int, at: tuple[float, float] | None = None) -> dict:
+    def summary(self, elapsed_ms: float, bytes_shipped: int, at: tuple[float, float] | None = None,
+                per_hop: bool = True) -> dict:
+        """The profile a client reads; ``per_hop`` False: the hops below sent no part (the query
+        did not ask), so its scans, merges and hops are this hop's own only."""
         slowest = self.scans.slowest or (None, None)
         hops = _hop_rows(self.hops)
         transfers = [h["transfer_ms"] for h in hops]
@@ -309,7 +314,7 @@ class HopTiming:
                      "scanned_by": {str(r): b for r, b in sorted(self.scanned_by.items())[:MAX_PROFILE_ROWS]}},
             "merges": _merge_rows(self.merges), "finish_ms": self.finish_ms,
             "hops": hops, "transfer_ms_max": max(transfers, default=None),
-            "bytes_shipped": bytes_shipped,
+            "bytes_shipped": bytes_shipped, "per_hop": per_hop,
             # the root's clock when the query came and when it answered: a client splits its own
             # round trip by them (the way to the root, the way back)
             **({"received_at": at[0], "answered_at": at[1]} if at is not None else {}),
@@ -543,6 +548,8 @@ class QueryFanOut:
                 body["params"] = s.request["params"]
             if s.request.get("native"):  # only then: a plain query's message stays as it was
                 body["native"] = True
+            if s.request.get("profile"):
+                body["profile"] = True
             effects.append(Send(rid, Message("subquery", body, (s.plan_buffer,))))
         return effects + own
 
@@ -598,7 +605,8 @@ class QueryFanOut:
         plan = body.get("plan") if buffer is None else self._plan_in(buffer)
         s = HopQuery(qid, PARENT, env.header.msg_id, deadline,
                     deadline - min(HOP_MARGIN_MAX, max(0.0, deadline - now) * FINISH_SHARE), now,
-                    request={"params": body.get("params"), "native": bool(body.get("native"))},
+                    request={"params": body.get("params"), "native": bool(body.get("native")),
+                             "profile": bool(body.get("profile"))},
                     plan=plan if isinstance(plan, dict) else {}, plan_buffer=buffer, targeted=ranks)
         self.queries[qid] = s
         if self.tree.tier is None or not isinstance(plan, dict):
@@ -647,7 +655,8 @@ class QueryFanOut:
             s.answered = s.answered | answered
         if body.get("error"):
             s.errors.append(body["error"])
-        s.timing.absorb(self.rank, child, body.get("profile"), (now - s.timing.sent.get(child, now)) * 1000.0, now)
+        if s.request.get("profile"):
+            s.timing.absorb(self.rank, child, body.get("profile"), (now - s.timing.sent.get(child, now)) * 1000.0, now)
         names = [n for n in body["scans"] if isinstance(n, str)]
         buffers = list(env.msg.buffers)
         s.bytes_in += sum(len(b) for b in buffers) + int(body.get("bytes_below") or 0)
@@ -872,7 +881,7 @@ class QueryFanOut:
             "targeted": str(s.targeted), "answered": str(s.answered), "pruned": str(s.pruned),
             "failed": s.failed.to_wire(), "partial": bool(s.failed), "elapsed_ms": round(elapsed_ms, 3),
             "bytes_shipped": s.bytes_in, "plan": plan.get("mode", "?"), "explain": plan.get("explain", ""),
-            "profile": s.timing.summary(elapsed_ms, s.bytes_in, (s.started, now)),
+            "profile": s.timing.summary(elapsed_ms, s.bytes_in, (s.started, now), per_hop=bool(s.request.get("profile"))),
         }
 
     def _answer_parent(self, s: HopQuery, names: list[str], buffers: list[bytes], error: dict | None = None,
@@ -881,8 +890,9 @@ class QueryFanOut:
         self.queries.pop(s.qid, None)
         s.stage = "done"
         body = {"qid": s.qid, "status": "ok" if names or not error else "error", "answered": str(s.answered),
-                "failed": s.failed.to_wire(), "scans": names, "bytes_below": s.bytes_in,
-                "profile": s.timing.to_body((now - s.started) * 1000.0, (s.started, now))}
+                "failed": s.failed.to_wire(), "scans": names, "bytes_below": s.bytes_in}
+        if s.request.get("profile"):
+            body["profile"] = s.timing.to_body((now - s.started) * 1000.0, (s.started, now))
         if rows is not None and len(rows) == len(names):
             body["rows"] = rows
         if sizes is not None:

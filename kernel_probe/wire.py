@@ -170,6 +170,7 @@ class QueryBody(_QueryFields, total=False):  # client -> probe
     ranks: list | None
     params: dict | None
     native: bool  # `stacks` with native frames too (py-spy, on each rank asked)
+    profile: bool  # coverage["profile"] with every hop's and rank's part (else the root's own only)
     direct: dict  # {rank, epoch}: a query its client pruned to the one rank it is sent to
     # the client puts back the constant columns a one-rank answer carries once (a client that
     # does not say so gets them as columns, as before)
@@ -205,6 +206,7 @@ class SubqueryBody(_SubqueryFields, total=False):  # parent -> child
     plan: dict  # absent: the plan is the first buffer, as pack_json wrote it (forwarded as it came)
     params: dict | None
     native: bool  # as the query's
+    profile: bool  # as the query's: the subresult carries this hop's part of the profile
 
 
 class _SubresultFields(TypedDict):
@@ -218,7 +220,7 @@ class _SubresultFields(TypedDict):
 class SubresultBody(_SubresultFields, total=False):  # child -> parent
     bytes_below: int
     error: dict
-    profile: dict  # where this hop's time went (query_fanout.HopTiming)
+    profile: dict  # where this hop's time went (query_fanout.HopTiming), when the query asked
     rows: list  # rows of each scan's buffer (a broker relays small partials instead of merging them)
     parts: list  # how many scans each relayed part holds, in order (absent: one part)
     ship: dict  # a leaf's tags: ``scans`` names the tables its scans read, for the parent to scan

@@ -212,7 +212,7 @@ class ClusterMagics(Magics):
         result = self._query(cmd.sql, timeout=cmd.timeout or self.settings.timeout,
                              strict=self.settings.strict if cmd.strict is None else cmd.strict,
                              per_rank=cmd.per_rank, ranks=cmd.ranks, params=params, local=cmd.local,
-                             explain=cmd.explain)
+                             explain=cmd.explain, profile=cmd.profile)
         if result is None:
             return None
         if cmd.explain:

@@ -576,7 +576,7 @@ def test_leaves_without_pyarrow_ship_plain_tables_their_brokers_scan_alike(engin
     assert all(v.sql.tables.plain_served > len(queries) // 2 and not v.sql.work.duckdb_opened for v in leaves), \
         {v.rank: (v.sql.tables.plain_served, v.sql.work.duckdb_opened) for v in leaves}
     assert all(v.sql.tables.plain_served == 0 for v in ranks if v.core.tier != "leaf")
-    coverage, _ = job.sim.query("SELECT count(*) AS n FROM t")
+    coverage, _ = job.sim.query("SELECT count(*) AS n FROM t", profile=True)
     assert coverage["profile"]["scan"]["scanned_by"] == {"1": 0, "3": 2, "5": 4}, coverage["profile"]
 
 

@@ -147,7 +147,10 @@ def test_local_query_and_cli(job):
 
 def test_every_answer_says_where_its_time_went(job):
     _, root = job
-    r = root.query("SELECT g, count(*) AS n, avg(x) AS a FROM big GROUP BY g ORDER BY g")
+    plain = root.query("SELECT g, count(*) AS n, avg(x) AS a FROM big GROUP BY g ORDER BY g")
+    assert plain.coverage["profile"]["per_hop"] is False and plain.coverage["profile"]["hops"] == []
+    r = root.query("SELECT g, count(*) AS n, avg(x) AS a FROM big GROUP BY g ORDER BY g", profile=True)
+    assert r.df.equals(plain.df)
     p = r.coverage["profile"]
     assert p["scan"]["ranks"] == 4 and 0 < p["scan"]["median_ms"] <= p["scan"]["slowest_ms"]
     assert p["scan"]["slowest_rank"] in range(4)

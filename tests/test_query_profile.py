@@ -10,7 +10,7 @@ from tests.support.gen import make_ranks
 
 def test_profile_covers_every_rank_hop_and_merge() -> None:
     sim = SimCluster(make_ranks(seed=7), 2, merge_above_rows=0)  # 3 nodes x 2: brokers reduce
-    coverage, table = sim.query("SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g")
+    coverage, table = sim.query("SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g", profile=True)
     p = coverage["profile"]
     assert coverage["answered"] == list(range(6)) and table.num_rows > 0
     assert p["scan"]["ranks"] == 6 and p["plan_ms"] is not None and p["finish_ms"] is not None
@@ -35,7 +35,7 @@ def test_each_hop_splits_its_transfer_into_the_way_down_and_the_way_up() -> None
     summary = t.summary(9.0, 0, (99.0, 99.009))
     assert summary["received_at"] == 99.0 and summary["answered_at"] == 99.009
     sim = SimCluster(make_ranks(seed=7), 2)
-    coverage, _ = sim.query("SELECT count(*) AS n FROM t")
+    coverage, _ = sim.query("SELECT count(*) AS n FROM t", profile=True)
     hops = coverage["profile"]["hops"]
     assert hops and all(abs(h["down_ms"] + h["up_ms"] - h["transfer_ms"]) < 0.01 for h in hops), hops
 
@@ -88,10 +88,11 @@ def _env(kind: str, body: dict, buffers: tuple = ()) -> Envelope:
     return Envelope(Header(kind, "x", "i", 1, 0.0, "m1", None), Message(kind, body, buffers))
 
 
-def _broker_answer(child_body: dict, own_rows: list[int], above: int | None = 4096) -> list:
+def _broker_answer(child_body: dict, own_rows: list[int], above: int | None = 4096, profile: bool = False) -> list:
     fan = QueryFanOut(_Broker())
     fan.merge_above_rows = above
-    effects = fan.on_subquery(_env("subquery", {"qid": "q1", "plan": PLAN, "deadline": 10.0, "ranks": "2-3"}), 0.0)
+    asked = {"profile": True} if profile else {}
+    effects = fan.on_subquery(_env("subquery", {"qid": "q1", "plan": PLAN, "deadline": 10.0, "ranks": "2-3", **asked}), 0.0)
     (own,) = [e for e in effects if isinstance(e, RunSqlTask)]
     assert isinstance(own.task, RankScan)
     assert fan.on_sql_task_done(own.task_id, {"scans": ["s0"], "buffers": [b"own"], "rows": own_rows}, 0.001) == []
@@ -100,13 +101,40 @@ def _broker_answer(child_body: dict, own_rows: list[int], above: int | None = 40
 
 
 def test_a_broker_relays_small_partials_without_a_merge_task() -> None:
-    (send,) = _broker_answer({"rows": [1]}, [1])
+    (send,) = _broker_answer({"rows": [1]}, [1], profile=True)
     assert isinstance(send, Send) and send.to is PARENT and send.msg.type == "subresult"
     body = send.msg.body
     assert body["scans"] == ["s0", "s0"] and body["parts"] == [1, 1] and body["rows"] == [1, 1]
     assert sorted(send.msg.buffers) == [b"child", b"own"]
     assert body["answered"] == "2-3" and body["failed"] == {}
     assert body["bytes_below"] == len(b"child") and "merges" not in body["profile"]  # nothing merged: no list sent
+
+
+def test_a_hop_sends_its_profile_up_only_when_the_query_asks() -> None:
+    """Every hop's part of the profile costs the ranks a tenth of a query's CPU: a subquery that
+    does not ask for it is answered without it, and asks its own children for none."""
+    (send,) = _broker_answer({"rows": [1]}, [1])
+    assert "profile" not in send.msg.body and send.msg.body["answered"] == "2-3"
+    fan = QueryFanOut(_Broker())
+    for asked in ({}, {"profile": True}):
+        effects = fan.on_subquery(_env("subquery", {"qid": f"q{len(asked)}", "plan": PLAN, "deadline": 10.0,
+                                                    "ranks": "2-3", **asked}), 0.0)
+        (down,) = [e for e in effects if isinstance(e, Send)]
+        assert down.msg.body.get("profile", False) is bool(asked)
+
+
+def test_without_profile_the_root_says_its_own_part_and_how_to_ask() -> None:
+    from kernel_probe.client.results import format_profile
+
+    sim = SimCluster(make_ranks(seed=7), 2, merge_above_rows=0)  # 3 nodes x 2: brokers reduce
+    plain, _ = sim.query("SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g")
+    asked, _ = sim.query("SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g", profile=True)
+    assert plain["answered"] == asked["answered"] == list(range(6))
+    p = plain["profile"]
+    assert p["per_hop"] is False and asked["profile"]["per_hop"] is True
+    assert p["hops"] == [] and p["plan_ms"] is not None and p["finish_ms"] is not None
+    assert {m["rank"] for m in p["merges"]} <= {0}  # the brokers' merges went unreported
+    assert "ask with profile=True" in format_profile(plain) and "ask with" not in format_profile(asked)
 
 
 def test_a_broker_merges_past_the_threshold_or_when_rows_are_unknown() -> None:
@@ -142,9 +170,9 @@ def test_the_parent_takes_a_relayed_answer_as_its_parts() -> None:
 
 def test_a_relaying_simulated_job_answers_and_profiles_exactly() -> None:
     sim = SimCluster(make_ranks(seed=7), 2)  # 3 nodes x 2, default threshold: brokers relay
-    coverage, table = sim.query("SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g")
+    coverage, table = sim.query("SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g", profile=True)
     reducing = SimCluster(make_ranks(seed=7), 2, merge_above_rows=0)
-    coverage0, table0 = reducing.query("SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g")
+    coverage0, table0 = reducing.query("SELECT g, count(*) AS n FROM t GROUP BY g ORDER BY g", profile=True)
     assert table.equals(table0) and coverage["answered"] == coverage0["answered"] == list(range(6))
     p = coverage["profile"]
     assert p["merges"] == [] and p["scan"]["ranks"] == 6

@@ -150,8 +150,8 @@ def _env(kind: str, body: dict, buffers: tuple = ()) -> Envelope:
     return Envelope(Header(kind, "x", "i", 1, 0.0, "m1", None), Message(kind, body, buffers))
 
 
-def _subquery(ranks: list[int]) -> Envelope:
-    return _env("subquery", {"qid": "q1", "plan": PLAN, "deadline": 10.0, "ranks": str(RankRanges.of(ranks))})
+def _subquery(ranks: list[int], **extra: object) -> Envelope:
+    return _env("subquery", {"qid": "q1", "plan": PLAN, "deadline": 10.0, "ranks": str(RankRanges.of(ranks)), **extra})
 
 
 @pytest.mark.parametrize("ships", [True, False])
@@ -176,7 +176,7 @@ def test_a_leaf_answers_with_its_tables_and_leaves_the_answering_to_its_parent()
 
 def _broker_with_shipped_leaf() -> tuple[QueryFanOut, RunSqlTask]:
     fan = QueryFanOut(_Tree(2, "broker", False, {b"r3": 3}))
-    effects = fan.on_subquery(_subquery([2, 3]), 0.0)
+    effects = fan.on_subquery(_subquery([2, 3], profile=True), 0.0)
     (own,) = [e for e in effects if isinstance(e, RunSqlTask)]
     assert fan.on_sql_task_done(own.task_id, {"scans": ["s0"], "buffers": [b"own"], "rows": [1]}, 0.001) == []
     body = {"qid": "q1", "status": "ok", "answered": "", "failed": {}, "scans": ["t"], "ship": {"tags": LEAF_TAGS}}
@@ -235,11 +235,11 @@ def test_the_profile_says_which_ranks_were_scanned_by_their_broker() -> None:
     from tests.support.gen import make_ranks
 
     sim = SimCluster(make_ranks(seed=7), 2)  # 3 nodes x 2: leaves 1, 3, 5 under 0, 2, 4
-    coverage, _ = sim.query("SELECT g, stddev(x) AS sd FROM t GROUP BY g")  # stddev: a DuckDB pass on every rank
+    coverage, _ = sim.query("SELECT g, stddev(x) AS sd FROM t GROUP BY g", profile=True)  # stddev: a DuckDB pass on every rank
     assert coverage["answered"] == list(range(6)) and not coverage["partial"]
     assert coverage["profile"]["scan"]["scanned_by"] == {"1": 0, "3": 2, "5": 4}
     assert "scanned by their broker: rank 1 at 0, rank 3 at 2, rank 5 at 4" in format_profile(coverage)
-    coverage, _ = sim.query("SELECT g, count(*) AS n FROM t GROUP BY g")  # Arrow: every rank scans itself
+    coverage, _ = sim.query("SELECT g, count(*) AS n FROM t GROUP BY g", profile=True)  # Arrow: every rank scans itself
     assert coverage["profile"]["scan"]["scanned_by"] == {}
 
 

@@ -231,7 +231,7 @@ def _union() -> list[dict]:
 
 
 def _answer(sim: Simulation, sql: str) -> tuple[list[dict], dict]:
-    env = sim.query(sql)
+    env = sim.query(sql, profile=True)  # (every hop's part of the profile: the tests read where the work ran)
     assert env.msg.body["status"] == "ok", env.msg.body
     return answer_table(env.msg.buffers[0]).to_pylist(), expand_coverage(env.msg.body["coverage"])
 

@@ -30,7 +30,7 @@ def test_a_three_level_job_reports_where_the_rule_puts_it_and_answers_through_ev
 
     view = wait_for(placed, 30, interval=0.2, what="each broker under the broker the rule names, at its level")
     assert {view[n]["tier"] for n in (1, 2, 3)} == {"broker"} and view[0]["level"] == 0
-    result = root.query("SELECT count(DISTINCT _rank) AS n FROM tables", timeout=30)
+    result = root.query("SELECT count(DISTINCT _rank) AS n FROM tables", timeout=30, profile=True)
     assert result.coverage["answered"] == [0, 1, 2, 3] and not result.coverage["failed"]
     assert result.table.to_pylist() == [{"n": 4}]
     hops = {(h["parent"], h["child"]) for h in result.coverage["profile"]["hops"]}

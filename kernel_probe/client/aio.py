@@ -271,13 +271,11 @@ class AsyncClient(ClientState):
 
     async def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
                     ranks: int | str | Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
-                    local: bool = False, explain: bool = False, native: bool = False,
+                    local: bool = False, explain: bool = False, native: bool = False, profile: bool = False,
                     on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
         """As ``Client.query``; decoding the Arrow answer is cheap, so it stays on the loop."""
         body = results.query_body(sql, timeout, per_rank, ranks, params, local, explain,
-                                  world_size=self.info_.get("world_size"))
-        if native:  # `stacks` with native frames too: each rank asked runs py-spy on itself
-            body["native"] = True
+                                  world_size=self.info_.get("world_size"), native=native, profile=profile)
         try:
             flow = direct.direct_query(self.routing, body, self.info_.get("rank"), timeout + results.ANSWER_GRACE,
                                        time.monotonic(), on_progress)

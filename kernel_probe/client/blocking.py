@@ -326,7 +326,7 @@ class Client(ClientState):
 
     def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
               ranks: int | str | Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
-              local: bool = False, explain: bool = False, native: bool = False,
+              local: bool = False, explain: bool = False, native: bool = False, profile: bool = False,
               on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
         """Run one read-only SELECT over the job (docs/sql.md).
 
@@ -334,14 +334,13 @@ class Client(ClientState):
         only the probe connected to; ``explain`` returns the plan without running it;
         ``native``: ``stacks`` carry each thread's native (C/C++) frames too, taken by py-spy
         (PROBING_NATIVE_STACKS_TIMEOUT_SEC bounds it; where it cannot, the catalog's note of
-        ``stacks`` says why, and the Python frames still come).
+        ``stacks`` says why, and the Python frames still come). ``profile``: every hop reports
+        its part of where the time went (``QueryResult.profile()``; else the root's own part).
         Partial answers are allowed unless ``strict``; ``coverage`` says who answered.
         ``on_progress`` receives ``{"answered", "targeted"}`` reports on this thread.
         """
         body = results.query_body(sql, timeout, per_rank, ranks, params, local, explain,
-                                  world_size=self.info_.get("world_size"))
-        if native:  # `stacks` with native frames too: each rank asked runs py-spy on itself
-            body["native"] = True
+                                  world_size=self.info_.get("world_size"), native=native, profile=profile)
         try:
             flow = direct.direct_query(self.routing, body, self.info_.get("rank"), timeout + results.ANSWER_GRACE,
                                        time.monotonic(), on_progress)

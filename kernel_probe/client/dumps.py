@@ -339,11 +339,12 @@ class DumpClient:
 
     def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
               ranks: int | str | Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
-              local: bool = False, explain: bool = False, native: bool = False,
+              local: bool = False, explain: bool = False, native: bool = False, profile: bool = False,
               on_progress: Callable[[dict], None] | None = None) -> results.QueryResult:
-        """One read-only SELECT over the dumps, as the live job would have answered it. ``native``:
-        accepted as a live job's query takes it, but a dump holds the stacks as written (their
-        Python frames): native frames can only be taken from a process that still runs."""
+        """One read-only SELECT over the dumps, as the live job would have answered it. ``native``
+        and ``profile``: accepted as a live job's query takes them, but a dump holds the stacks as
+        written (their Python frames): native frames can only be taken from a process that still
+        runs; and no hop answers, so there is no profile."""
         from ..sql import execute
         from ..sql.engine import QueryError
         from ..sql.planner import plan as make_plan

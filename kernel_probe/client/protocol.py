@@ -50,7 +50,7 @@ class JobClient(Protocol):
 
     def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
               ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
-              local: bool = False, explain: bool = False, native: bool = False,
+              local: bool = False, explain: bool = False, native: bool = False, profile: bool = False,
               on_progress: Callable[[dict], None] | None = None) -> "QueryResult": ...
 
     def diagnose(self, timeout: float = 10.0, min_wait: float = ..., native: bool = False,
@@ -90,7 +90,7 @@ class AsyncJobClient(Protocol):
 
     async def query(self, sql: str, timeout: float = 10.0, strict: bool = False, per_rank: bool = False,
                     ranks: Iterable[int] | None = None, params: Mapping[str, Any] | None = None, *,
-                    local: bool = False, explain: bool = False, native: bool = False,
+                    local: bool = False, explain: bool = False, native: bool = False, profile: bool = False,
                     on_progress: Callable[[dict], None] | None = None) -> "QueryResult": ...
 
     async def diagnose(self, timeout: float = 10.0, min_wait: float = ...,

@@ -272,7 +272,7 @@ def _param_value(value: Any, name: str, depth: int = 0) -> Any:
 
 def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | str | RankRanges | None,
                params: Mapping[str, Any] | None, local: bool, explain: bool, *,
-               world_size: int | None = None) -> wire.QueryBody:
+               world_size: int | None = None, native: bool = False, profile: bool = False) -> wire.QueryBody:
     """The ``query`` message's body; ``ranks`` is checked against the job's ``world_size``
     before it is expanded (``QueryFailed`` "bad_ranks" past it)."""
     check_timeout(timeout)
@@ -280,8 +280,13 @@ def query_body(sql: str, timeout: float, per_rank: bool, ranks: Iterable[int] | 
         wanted = parse_ranks(ranks, world_size)
     except ValueError as exc:
         raise QueryFailed(str(exc), code="bad_ranks") from None
-    return {"sql": sql, "timeout": float(timeout), "per_rank": per_rank, "local": local, "explain": explain,
-            "ranks": wanted, "params": query_params(params), "fold": True}
+    body: wire.QueryBody = {"sql": sql, "timeout": float(timeout), "per_rank": per_rank, "local": local,
+                            "explain": explain, "ranks": wanted, "params": query_params(params), "fold": True}
+    if native:  # `stacks` with native frames too: each rank asked runs py-spy on itself
+        body["native"] = True
+    if profile:  # every hop's part of coverage["profile"] (it costs the ranks CPU: only when asked)
+        body["profile"] = True
+    return body
 
 
 def expand_coverage(coverage: Any) -> dict:
@@ -536,7 +541,8 @@ def format_profile(coverage: dict) -> str:
     round trip and transfer (round trip less the child's own time), the finish."""
     p = coverage.get("profile") or {}
     if not p:
-        return "no profile in this answer (a probe older than this client)"
+        return ("no profile in this answer: it was read from dumps" if coverage.get("dumps")
+                else "no profile in this answer (a probe older than this client)")
 
     def ms(v: Any) -> str:
         return "-" if v is None else f"{v:.1f} ms"
@@ -559,4 +565,6 @@ def format_profile(coverage: dict) -> str:
                      f"transfer {ms(h['transfer_ms'])}{split}")
     lines.append(f"  finish       {ms(p.get('finish_ms'))}")
     lines.append(f"  shipped      {p.get('bytes_shipped', coverage.get('bytes_shipped', 0))} bytes up the tree")
+    if p.get("per_hop") is False:
+        lines.append("  (the root's own part only: ask with profile=True, or --profile, for every hop and rank)")
     return "\n".join(lines)

@@ -103,11 +103,11 @@ class SimCluster:
         return self._nodes_arrow(rows)
 
     def query(self, sql: str, *, per_rank: bool = False, params: dict | None = None,
-              timeout: float = 30.0) -> tuple[dict, Any]:
+              timeout: float = 30.0, profile: bool = False) -> tuple[dict, Any]:
         """(coverage as a client reads it, Arrow table); ``SimQueryError`` when the root refuses or fails."""
         from kernel_probe.client.results import answer_table, expand_coverage
 
-        env = self.sim.query(sql, timeout=timeout, per_rank=per_rank, params=params)
+        env = self.sim.query(sql, timeout=timeout, per_rank=per_rank, params=params, profile=profile)
         body = env.msg.body
         if body.get("status") != "ok":
             err = body.get("error") or {}
