@@ -44,7 +44,7 @@ def one(warm: bool) -> tuple[float, float, dict]:
         client = kernel_probe.connect(timeout=5, warm=warm)
         connect_ms = (time.perf_counter() - t0) * 1000
         t0 = time.perf_counter()
-        r = client.query(SQL, timeout=10)
+        r = client.query(SQL, timeout=10, profile=True)  # (every hop's part: the median run's line reads it)
         first_ms = (time.perf_counter() - t0) * 1000
         if len(r.coverage["answered"]) != 4:
             raise SystemExit(f"first query answered by {r.coverage['answered']} only: {r.footer()}")
