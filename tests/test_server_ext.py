@@ -185,6 +185,12 @@ async def test_query_rows_coverage_and_json_safe_values(api, job):
     assert status == 200, body
     assert body["coverage"]["targeted"] == [1, 2] and body["rows"] == [[1]]
     assert body["truncated"] is True and body["row_count"] == 2
+    assert body["coverage"]["profile"]["per_hop"] is False  # the root's own part: none asked
+
+    status, body = await api("POST", "jobs", job_id, "query", body={"sql": "SELECT count(*) AS n FROM fast",
+                                                                    "profile": True})
+    assert status == 200 and body["coverage"]["profile"]["per_hop"] is True, body
+    assert body["coverage"]["profile"]["scan"]["ranks"] == 4 and body["coverage"]["profile"]["hops"], body
 
     status, body = await api("POST", "jobs", job_id, "query",
                              body={"sql": "SELECT count(*) AS n FROM big", "per_rank": True, "ranks": [0, 3],
@@ -203,7 +209,8 @@ async def test_bad_input_and_bad_sql_are_400(api, job):
     assert status == 400 and body["code"] == "refused", body
     for bad in ["{not json", {"sql": ""}, {"sql": 1}, {"sql": "SELECT 1 FROM fast", "ranks": "a-b"},
                 {"sql": "SELECT 1 FROM fast", "ranks": [-1]}, {"sql": "SELECT 1 FROM fast", "timeout": -1},
-                {"sql": "SELECT 1 FROM fast", "per_rank": "yes"}, {"sql": "SELECT 1 FROM fast", "limit": "all"}, [1]]:
+                {"sql": "SELECT 1 FROM fast", "per_rank": "yes"}, {"sql": "SELECT 1 FROM fast", "limit": "all"},
+                {"sql": "SELECT 1 FROM fast", "profile": "yes"}, [1]]:
         status, body = await api("POST", "jobs", job_id, "query", body=bad)
         assert status == 400 and body["code"] == "bad_request" and body["message"], (bad, body)
     assert (await api("GET", "jobs", job_id, "stacks", params={"ranks": "x"}))[0] == 400

@@ -239,12 +239,14 @@ class QueryHandler(ProbingHandler):
             raise ApiError(400, "bad_request", "sql must be a non-empty string")
         timeout = _timeout(body.get("timeout"), 10.0)
         ranks, per_rank, strict = _ranks(body.get("ranks")), _flag(body, "per_rank"), _flag(body, "strict")
+        profile = _flag(body, "profile")  # every hop's part of coverage["profile"]
         limit = body.get("limit", DEFAULT_ROW_LIMIT)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise ApiError(400, "bad_request", "limit must be a non-negative integer")
 
         async def query(client: AsyncJobClient) -> Any:
-            return await client.query(sql, timeout=timeout, strict=strict, per_rank=per_rank, ranks=ranks)
+            return await client.query(sql, timeout=timeout, strict=strict, per_rank=per_rank, ranks=ranks,
+                                      profile=profile)
 
         result = await self.clients.call(job_id, query, timeout + ANSWER_GRACE)
         self.reply(QueryAnswer.of(result, limit).to_dict())
