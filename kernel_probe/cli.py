@@ -169,7 +169,8 @@ def format_nodes(raw: dict, info: dict, departures: bool = False, now: float | N
         rows = [("RANK", "NODE", "LOCAL", "HOST", "PID", "TIER", "LEVEL", "PARENT", "ROLE", "STATE", "SEEN", "STEP",
                  "STEP MS", "COMPUTE MS", "WAIT MS")]
         for m in view.members:
-            state = m["state"] + (f" ({m['reason']})" if m.get("reason") else "")
+            state = m["state"] + (f" {m['state_for']}" if m["state_for"] else "") + \
+                (f" ({m['reason']})" if m.get("reason") else "")
             step_ms = _ms(m.get("step_time_ms")) + (" slow" if m["slow"] else "")
             rows.append((str(m["rank"]), str(m["node"]), str(m["local_rank"]), m["host"], str(m["pid"]), m["tier"],
                          _or_dash(m.get("level")), _or_dash(m.get("parent")), m["role"] or "-", state,

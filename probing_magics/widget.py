@@ -87,7 +87,8 @@ def render_text(raw: dict, run_id: str | None, now: float, note: str = "", all_r
             tree = "" if m.get("level") is None else f" level {m.get('level')}" + (
                 "" if m.get("parent") is None else f" under {m.get('parent')}")
             lines.append(f"  rank {m.get('rank')} node {m.get('node')}{tree} {m.get('host') or ''} {m.get('role') or '-'} "
-                         f"{m.get('state')}{' (suspect)' if view.suspect_of(m.get('rank')) else ''}"
+                         f"{m.get('state')}{' ' + m['state_for'] if m['state_for'] else ''}"
+                         f"{' (suspect)' if view.suspect_of(m.get('rank')) else ''}"
                          # the step a rank last reported: its age says how old (heartbeats back off)
                          + (f" seen {m['age']} ago" if m["age"] else "") + f" step {m.get('step')}"
                          + ("" if st is None else f" {st:.1f} ms") + (" (slow)" if m["slow"] else "")
@@ -96,6 +97,12 @@ def render_text(raw: dict, run_id: str | None, now: float, note: str = "", all_r
     lines += [f"  departed: rank {d.get('rank')} at {_clock(d.get('when'))} ({d.get('why')})"
               for d in raw.get("departures") or []]
     return "\n".join(lines)
+
+
+def _for(m: dict) -> str:
+    """How long a stalled or dead rank has been so, beside its state (nothing for an alive one)."""
+    return f" <span style='color:{MUTED};font-weight:normal'>{html.escape(m['state_for'])}</span>" \
+        if m.get("state_for") else ""
 
 
 def _bar(m: dict) -> str:
@@ -162,7 +169,8 @@ def render_table(raw: dict, now: float) -> str:
             rows.append(
                 f"<tr class='probing-rank' data-rank='{_cell(m.get('rank'))}' data-state='{html.escape(state)}'>"
                 f"<td>{_cell(m.get('rank'))}</td><td>{_cell(m.get('local_rank'))}</td><td>{_cell(m.get('host'))}</td>"
-                f"<td>{_cell(m.get('level'))}</td><td>{_cell(m.get('parent'))}</td><td>{_cell(m.get('role'))}</td><td style='color:{colour};font-weight:bold'>{html.escape(state)}{mark}</td>"
+                f"<td>{_cell(m.get('level'))}</td><td>{_cell(m.get('parent'))}</td><td>{_cell(m.get('role'))}</td><td style='color:{colour};font-weight:bold'>{html.escape(state)}"
+                f"{_for(m)}{mark}</td>"
                 f"<td>{m['age'] + ' ago' if m['age'] else ''}</td><td>{_cell(m.get('step'))}</td>"
                 f"<td>{'' if st is None else f'{st:.1f} ms'}</td><td>{_bar(m)}</td>"
                 f"<td style='text-align:left'>{_cell(m.get('reason'))}</td></tr>")

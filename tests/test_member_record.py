@@ -182,6 +182,25 @@ def test_ages_use_the_given_clock():
     assert [m["age"] for m in membership_view(members, NOW + 30).members] == ["30 s", "42 s", "25 s"]
 
 
+def test_a_stalled_or_dead_member_says_how_long():
+    members = [member(0), member(1, state="stalled", since=NOW - 45), member(2, state="dead", since=NOW - 3),
+               member(3, state="stalled", since=None)]
+    assert [m["state_for"] for m in membership_view(members, NOW).members] == ["", "45 s", "3.0 s", ""]
+
+
+def test_the_front_ends_say_how_long_a_rank_is_stalled():
+    pytest.importorskip("ipywidgets")
+    from kernel_probe.cli import format_nodes
+    from probing_magics.widget import render_table, render_text
+
+    raw = {"members": [member(0), member(1, state="stalled", since=NOW - 45, reason="in fetch (a.py:1)")],
+           "departures": [], "epoch": 1}
+    rows = {line.split()[0]: line for line in format_nodes(raw, {"run_id": "r", "world_size": 8}, now=NOW).splitlines()[2:]}
+    assert "stalled 45 s (in fetch (a.py:1))" in rows["1"] and "alive" in rows["0"] and " s (" not in rows["0"]
+    assert "stalled 45 s" in render_text(raw, "r", NOW)
+    assert "45 s</span>" in render_table(raw, NOW)
+
+
 def test_groups_counts_suspects_and_departures():
     members = [member(3, state="stalled", reason="in fetch (a.py:1)"), member(0, state="stalled", reason="in wait"),
                member(2, state="stalled", reason="in wait"), member(1, state="dead", reason="exited")]

@@ -148,7 +148,7 @@ def _samples() -> list[tuple[dict, schema.Schema]]:
     return [
         (nodes.to_dict(), schema.NODES), (nodes.to_dict()["suspects"][0], schema.SUSPECT),
         (nodes.to_dict()["members"][0], {k: v for k, v in schema.MEMBER.items() if k in members[0] or k in (
-            "ratio", "bar", "slow", "age")}),
+            "ratio", "bar", "slow", "age", "state_for")}),
         (QueryAnswer.of(_Result([{"a": 1, "b": float("nan")}]), 10).to_dict(), schema.QUERY),
         (stacks_answer, schema.STACKS), (group, schema.STACK_GROUP),
         (VerdictAnswer.of(verdict, 100.0).to_dict(), schema.VERDICT),

@@ -145,7 +145,7 @@ class Toolbox:
 
         raw, info, now = await self.jobs.call(job, nodes, 5.0)
         view = membership_view(raw.get("members") or [], now, raw.get("departures") or [])
-        columns = ["rank", "node", "host", "pid", "role", "state", "reason", "age", "step", "step_time_ms",
+        columns = ["rank", "node", "host", "pid", "role", "state", "state_for", "reason", "age", "step", "step_time_ms",
                    "compute_ms", "comm_wait_ms", "slow"]
         members = [{c: json_safe(m.get(c)) for c in columns} for m in view.members]
         departures = json_safe(raw.get("departures") or [])

@@ -10,7 +10,9 @@ the view out. Each member gains the fields in ``VIEW_FIELDS``:
 - ``bar``: the width of its step-time bar, 0..1, ``min(1, ratio / 2)``: the median
   fills half the bar (None with ``ratio``),
 - ``slow``: ``ratio >= SLOW_RATIO``,
-- ``age``: how long ago it was last seen, as text (``durations.duration_text``).
+- ``age``: how long ago it was last seen, as text (``durations.duration_text``),
+- ``state_for``: how long a stalled or dead member has been so, as text ("" for an alive one,
+  or a ``since`` unknown): a stalled one since its main thread last made progress.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ SLOW_RATIO = 1.5  # a step this many times the median's is a straggler
 VIEW_FIELDS: tuple[Column, ...] = tuple(
     Column(name, type_, nullable, kind="view", identity=False, reported=False, column=False, unit=None)
     for name, type_, nullable in (("ratio", float, True), ("bar", float, True), ("slow", bool, False),
-                                  ("age", str, False))
+                                  ("age", str, False), ("state_for", str, False))
 )
 
 
@@ -54,10 +56,12 @@ def step_ratio(step_time_ms: Any, median: float | None) -> float | None:
 def viewed(member: Mapping[str, Any], median: float | None, now: float) -> dict[str, Any]:
     """``member`` with the view's fields."""
     ratio = step_ratio(member.get("step_time_ms"), median)
-    last_seen = _number(member.get("last_seen"))
+    last_seen, since = _number(member.get("last_seen")), _number(member.get("since"))
     return {**member, "ratio": ratio, "bar": None if ratio is None else min(1.0, ratio / 2),
             "slow": ratio is not None and ratio >= SLOW_RATIO,
-            "age": "" if last_seen is None else duration_text(now - last_seen)}
+            "age": "" if last_seen is None else duration_text(now - last_seen),
+            "state_for": "" if since is None or member.get("state") not in ("stalled", "dead")
+            else duration_text(now - since)}
 
 
 # ---------------------------------------------------------------- stall suspects

@@ -144,7 +144,8 @@ export function rankGroups(nodes: INodes): INodeGroup[] {
       ratio: m.ratio === null || m.ratio === undefined ? '' : `${m.ratio.toFixed(2)}x the median`,
       suspect: suspects.has(m.rank),
       detail:
-        (m.reason ? `${m.state} ${m.reason}` : `${m.state} · pid ${m.pid} · ${m.endpoint}`) +
+        (m.state_for ? `${m.state} for ${m.state_for}` : m.state) +
+        (m.reason ? ` ${m.reason}` : ` · pid ${m.pid} · ${m.endpoint}`) +
         (m.level === null || m.level === undefined
           ? ''
           : ` · level ${m.level}` + (m.parent === null || m.parent === undefined ? '' : ` under rank ${m.parent}`))

@@ -81,6 +81,8 @@ export interface IMember {
   slow: boolean;
   /** The last-seen age as text ("0.4 s", "12 s", "3 min"), at the server's `now`. */
   age: string | null;
+  /** How long a stalled or dead rank has been so, as text ("" for an alive one). */
+  state_for: string | null;
 }
 
 export interface IDeparture {

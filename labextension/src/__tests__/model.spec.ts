@@ -88,6 +88,7 @@ function member(rank: number, node: number, extra: Partial<IMember> = {}): IMemb
     bar: 0.5,
     slow: false,
     age: '0.4 s',
+    state_for: '',
     ...extra
   };
 }
@@ -554,7 +555,17 @@ describe('backoff while the server is gone', () => {
 describe('what the panel renders of a nodes answer', () => {
   const payload = nodes('A', {
     members: [
-      member(3, 1, { state: 'stalled', step: 40, step_time_ms: 410.4, ratio: 2.05, bar: 1, slow: true, age: '12 s' }),
+      member(3, 1, {
+        state: 'stalled',
+        step: 40,
+        step_time_ms: 410.4,
+        ratio: 2.05,
+        bar: 1,
+        slow: true,
+        age: '12 s',
+        state_for: '75 s',
+        reason: 'in fetch_next_batch (train.py:42)'
+      }),
       member(1, 0, { step_time_ms: 201.2, ratio: 1.005, bar: 0.5025, age: '0.4 s' }),
       member(2, 1, { state: 'dead', step: null, step_time_ms: null, ratio: null, bar: null, age: '3 min' }),
       member(0, 0, { role: null, step_time_ms: 199.1, ratio: 0.995, bar: 0.4975, last_seen: null, age: null }),
@@ -580,6 +591,7 @@ describe('what the panel renders of a nodes answer', () => {
     expect(r3).toMatchObject({ suspect: true, ratio: '2.05x the median' });
     expect(r0.detail).toBe('alive · pid 200 · tcp://h0:6000');
     expect(groups[2].ranks[0].detail).toBe('joining since 2 s');
+    expect(r3.detail).toBe('stalled for 75 s in fetch_next_batch (train.py:42)'); // stalled since its last progress
   });
 
   it('shows no age before a rank reported and never draws a bar past its track', () => {
