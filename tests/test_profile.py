@@ -284,6 +284,32 @@ def test_compare_ops_puts_the_largest_extra_first():
     assert list(table["op"]) == ["mm", "extra", "add"] and list(table["extra_ms"]) == [8.0, 4.0, 0.0]
 
 
+def test_one_rank_profiled_shows_its_own_top_ops_by_time():
+    """Nothing to set one rank against: its ops by their own time (they tie at no extra), one
+    column, and no "slowest rank 1, median rank 1" line."""
+    import pandas as pd
+
+    from kernel_probe.client.profiles import ProfileResult, compare_ops, format_profile
+
+    ops = pd.DataFrame({"_rank": [1, 1, 1], "op": ["add", "mm", "extra"], "self_cpu_ms": [2.0, 9.0, 4.0]})
+    table = compare_ops(ops, 1, 1)
+    assert list(table["op"]) == ["mm", "extra", "add"]
+    result = ProfileResult("c", [1], 1, {1: {"state": "done"}}, {}, ops, table, 1, 1)
+    text = format_profile(result)
+    assert "top ops of rank 1 (self CPU ms):" in text and "extra_ms" not in text and "median rank" not in text
+    assert text.splitlines()[-3].split() == ["mm", "9.00"]
+
+
+def test_a_trace_path_that_cannot_be_written_is_refused_before_the_capture(tmp_path):
+    from kernel_probe.client import BadArgument
+    from kernel_probe.client.profiles import ProfileRun
+
+    for out, why in ((tmp_path / "no" / "t.json", "no directory"), (tmp_path, "is a directory"), ("", "empty path")):
+        with pytest.raises(BadArgument, match=why):
+            ProfileRun(ranks=[0], out=str(out))
+    assert ProfileRun(ranks=[0], out=str(tmp_path / "t.json")).out == str(tmp_path / "t.json")
+
+
 class _FakeJob:
     """A client of a 2-rank job whose captures finish after two polls (rank 1 never, with ``stuck``)."""
 

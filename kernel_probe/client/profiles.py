@@ -22,6 +22,7 @@ active in a job, whoever started it.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ class ProfileResult:
         done = sorted(r for r, s in self.status.items() if s.get("state") == "done")
         lines = [f"profile {self.capture_id}: {len(done)}/{len(self.ranks)} ranks profiled {self.steps} step(s)"]
         lines += reason_lines(self.failed, say=lambda ranks, why: f"{ranks_label(ranks)}: {why}")
-        if self.slowest_rank is not None:
+        if self.slowest_rank is not None and self.slowest_rank != self.median_rank:
             lines.append(f"slowest rank {self.slowest_rank} (most compute in the profiled steps), "
                          f"median rank {self.median_rank}")
         if self.trace_path:
@@ -102,8 +103,28 @@ def format_profile(result: ProfileResult, top: int = 10) -> str:
     if result.comparison is not None and len(result.comparison):
         table = result.comparison.head(top).rename(columns={
             "slowest_ms": f"rank {result.slowest_rank} ms", "median_ms": f"rank {result.median_rank} ms"})
-        text += "\n\ntop ops of the slowest rank next to the median rank's (self CPU ms):\n"
+        if result.slowest_rank == result.median_rank:  # one rank profiled: nothing to set it against
+            table = table.iloc[:, :2]
+            text += f"\n\ntop ops of rank {result.slowest_rank} (self CPU ms):\n"
+        else:
+            text += "\n\ntop ops of the slowest rank next to the median rank's (self CPU ms):\n"
         text += table.to_string(index=False, float_format=lambda v: f"{v:.2f}")
+    return text
+
+
+def writable_file(path: str | os.PathLike) -> str:
+    """``path`` as given, once a file can be written there: its directory exists and takes files,
+    and it is no directory itself; else BadArgument, before a capture is spent on it."""
+    text = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(text))
+    if not text:
+        raise BadArgument("out: an empty path; name the file to write the trace to")
+    if os.path.isdir(text):
+        raise BadArgument(f"out: {text} is a directory, not a file to write the trace to")
+    if not os.path.isdir(folder):
+        raise BadArgument(f"out: no directory {folder} to write the trace in")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise BadArgument(f"out: {text} cannot be written (permission denied)")
     return text
 
 
@@ -121,7 +142,7 @@ class ProfileRun:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise BadArgument(f"steps must be a whole number of steps, 1 or more, not {steps!r:.40}")
         self.steps = min(steps, MAX_STEPS)  # as the ranks cap it (a long capture: until it is cancelled)
-        self.out = out
+        self.out = None if out is None else writable_file(out)
         self.timeout = positive_number("timeout", timeout)
         self.max_trace_bytes = int(positive_number("max_trace_mb", max_trace_mb, unit="MB") * 1e6)
         self.on_progress = on_progress
@@ -287,8 +308,11 @@ class ProfileRun:
                 status[int(row["_rank"])]["events_dropped"] = row["events_dropped"]
             trace, note = merge_trace(trace_rows, members, clock, self.max_trace_bytes,
                                       {r: status[r].get("events_dropped") or 0 for r in done})
-            with open(self.out, "w", encoding="utf-8") as fh:
-                json.dump(trace, fh)
+            try:
+                with open(self.out, "w", encoding="utf-8") as fh:
+                    json.dump(trace, fh)
+            except OSError as exc:  # (checked before the capture: the disk filled, or its rights changed since)
+                raise ProfileFailed(f"the trace could not be written to {self.out}: {exc.strerror or exc}") from None
             result.trace_path, result.trace_note = self.out, note
             result.clock = clock
             result.offsets_ms = {r: c.offset_ms for r, c in clock.items()}
@@ -360,7 +384,8 @@ def compare_ops(ops: "pd.DataFrame", slowest: int, median: int | None, top: int 
     slow, mid = per_op(slowest), per_op(median)
     table = pd.DataFrame({"slowest_ms": slow, "median_ms": mid}).fillna(0.0)
     table["extra_ms"] = table["slowest_ms"] - table["median_ms"]
-    table = table.sort_values("extra_ms", ascending=False).head(top)
+    # the largest extra time first; where it ties (one rank profiled: none), the slowest's own time
+    table = table.sort_values(["extra_ms", "slowest_ms"], ascending=False).head(top)
     table.index.name = "op"
     return table.reset_index()
 
