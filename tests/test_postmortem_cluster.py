@@ -202,6 +202,11 @@ def test_a_live_jobs_snapshot_answers_as_the_job(launch, tmp_path, capsys):
 
     _start(launch, tmp_path, mode="plain")
     live = kernel_probe.connect(timeout=5)
+    (tmp_path / "a_file").write_text("")
+    for where in ("a_file", "a_file/below"):  # a file where a directory must be: one line, no traceback
+        assert cli.main(["dump", str(tmp_path / where)]) == 1
+        assert capsys.readouterr().err.strip() == \
+            f"kernel-probe: cannot write the dumps under {tmp_path / where}: {tmp_path / 'a_file'} is a file, not a directory"
     assert cli.main(["dump", str(tmp_path / "snap")]) == 0
     assert "wrote the dumps of 3 of 3 ranks" in capsys.readouterr().out
     for every in ([], ["--all"]):  # `kernel-probe stacks` over the dumps: three ranks, every group either way
