@@ -22,6 +22,7 @@ Errors are one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from datetime import datetime
@@ -548,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kernel-probe nodes | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush would raise again)
+        return 141  # as a shell reports a command ended by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -125,6 +125,18 @@ def test_bad_targets_are_one_line_errors(runtime_dir):
         assert out.returncode == 1 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 
 
+def test_a_reader_that_stops_early_is_no_traceback(single):
+    """`kernel-probe nodes | head -1`: the reader's end closes before the output is written."""
+    wait_for(lambda: kernel_probe.connect(timeout=2), 20, what="the probe")
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run([*CLI, "nodes"], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert out.returncode == 141 and out.stderr == "", out.stderr
+
+
 @pytest.mark.cluster
 def test_store_and_tcp_targets(launch, monkeypatch):
     token = "tok-for-targets"
