@@ -369,7 +369,7 @@ def cmd_stacks(args: argparse.Namespace) -> int:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     import kernel_probe
-    from .postmortem.snapshot import snapshot
+    from .frontend import snapshot
 
     with kernel_probe.connect(args.target, token=args.token, timeout=_connect_timeout(args), warm=False) as client:
         run_dir, ranks, failed = snapshot(client, Path(args.dir), timeout=_query_timeout(args))

@@ -56,10 +56,15 @@ __all__ = ["DiagnoseResult", "GONE", "RELAUNCHED", "Asked", "Ended", "JobLifecyc
 
 def snapshot(client: Any, root: Path, *, timeout: float = 10.0) -> tuple[Path, list[int], dict[str, str]]:
     """Write the dumps of the live job ``client`` talks to under ``root`` (as ``kernel-probe
-    dump``): the run's directory, the ranks dumped, the ranks that did not answer and why."""
+    dump``): the run's directory, the ranks dumped, the ranks that did not answer and why. A
+    ``root`` it cannot write in (a file in the way, no rights, a full disk) is a ProbeError."""
+    from .client import ProbeError
     from .postmortem.snapshot import snapshot as _snapshot
 
-    return _snapshot(client, root, timeout=timeout)
+    try:
+        return _snapshot(client, root, timeout=timeout)
+    except OSError as exc:
+        raise ProbeError(f"cannot write the dumps under {root}: {exc.strerror or exc}") from None
 
 
 def mcp_server(jobs: Any) -> Any:

@@ -116,9 +116,9 @@ def writable_file(path: str | os.PathLike) -> str:
     """``path`` as given, once a file can be written there: its directory exists and takes files,
     and it is no directory itself; else BadArgument, before a capture is spent on it."""
     text = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(text))
     if not text:
         raise BadArgument("out: an empty path; name the file to write the trace to")
+    folder = os.path.dirname(os.path.abspath(text))
     if os.path.isdir(text):
         raise BadArgument(f"out: {text} is a directory, not a file to write the trace to")
     if not os.path.isdir(folder):

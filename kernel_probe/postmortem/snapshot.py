@@ -9,6 +9,7 @@ ranks is written with the union of the columns (NULL where a rank lacked one).
 
 from __future__ import annotations
 
+import errno
 import time
 from pathlib import Path
 from typing import Any
@@ -39,15 +40,13 @@ def snapshot(client: Any, root: Path, *, timeout: float = 10.0,
              max_bytes: int = 64 << 20) -> tuple[Path, list[int], dict[str, str]]:
     """Write the dumps of the job ``client`` is connected to under ``root``; returns the run's
     directory, the ranks dumped, and the ranks that did not answer a query (and why). A ``root``
-    that cannot hold directories is a ``BadArgument`` before the job is asked anything."""
+    that cannot hold directories is a NotADirectoryError before the job is asked anything."""
     import pyarrow.compute as pc
-
-    from ..client.errors import BadArgument, ProbeError
 
     root = Path(root)
     blocked = next((p for p in (root, *root.parents) if p.exists()), None)
     if blocked is not None and not blocked.is_dir():
-        raise BadArgument(f"cannot write the dumps under {root}: {blocked} is a file, not a directory")
+        raise NotADirectoryError(errno.ENOTDIR, f"{blocked} is a file, not a directory")
 
     raw = client.nodes_raw(timeout)
     members = {int(m["rank"]): m for m in raw["members"]}
@@ -70,10 +69,7 @@ def snapshot(client: Any, root: Path, *, timeout: float = 10.0,
         tags = Tags.from_member(m, rank).to_dict()
         identity = {"rank": rank, "world_size": world, "local_rank": m.get("local_rank"), "node": m.get("node"),
                     "host": m.get("host"), "run_id": run_id, "pid": m.get("pid")}
-        try:
-            write_dump(root, run_id=run_id, tags=tags, identity=identity, reasons=[reason_row(rank, when, "snapshot")],
-                       tables=_Tables(tables), nodes=raw, deadline=float("inf"), max_bytes=max_bytes)
-        except OSError as exc:  # no rights there, a full disk
-            raise ProbeError(f"cannot write the dumps under {root}: {exc.strerror or exc}") from None
+        write_dump(root, run_id=run_id, tags=tags, identity=identity, reasons=[reason_row(rank, when, "snapshot")],
+                   tables=_Tables(tables), nodes=raw, deadline=float("inf"), max_bytes=max_bytes)
     first = members.get(min(by_rank), {}) if by_rank else {}
     return Path(root) / run_dir_name(run_id, first.get("host"), first.get("pid")), sorted(by_rank), failed
