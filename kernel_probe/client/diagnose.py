@@ -26,8 +26,7 @@ from ..diagnosis import verdict as core
 from ..diagnosis.values import as_float, as_int, as_text
 from ..rank_lists import by_text, groups_text
 from .calls import Batch, Call, query
-from .errors import BadArgument
-from .results import one_line_reason, positive_number
+from .results import one_line_reason, positive_number, whole_number
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -224,8 +223,7 @@ class Diagnosis:
     def __post_init__(self) -> None:  # a caller's bad option is one line, before anything is asked
         positive_number("timeout", self.timeout)
         positive_number("min_wait", self.min_wait, zero=True)
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise BadArgument(f"window must be a number of steps of 1 or more, not {self.window!r:.40}")
+        whole_number("window", self.window)
 
     def _query(self, sql: str, params: Mapping[str, Any] | None = None, **kw: Any) -> Call:
         # a table no dump holds (a fatal signal's rank alone, a rank with no torch) answers nothing

@@ -33,7 +33,7 @@ from ..rank_lists import parse_ranks, rank_ranges, ranks_label
 from ..summaries import reason_lines
 from .errors import BadArgument, ProbeError, QueryFailed
 from .calls import Call, drive, drive_async
-from .results import positive_number
+from .results import positive_number, whole_number
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -139,9 +139,7 @@ class ProfileRun:
             self.wanted = rank_ranges(ranks)  # expanded once the job's size is known
         except ValueError as exc:
             raise BadArgument(str(exc)) from None
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise BadArgument(f"steps must be a whole number of steps, 1 or more, not {steps!r:.40}")
-        self.steps = min(steps, MAX_STEPS)  # as the ranks cap it (a long capture: until it is cancelled)
+        self.steps = min(whole_number("steps", steps), MAX_STEPS)  # as the ranks cap it (a long capture: until it is cancelled)
         self.out = None if out is None else writable_file(out)
         self.timeout = positive_number("timeout", timeout)
         self.max_trace_bytes = int(positive_number("max_trace_mb", max_trace_mb, unit="MB") * 1e6)

@@ -189,6 +189,14 @@ def positive_number(name: str, value: Any, *, unit: str = "seconds", zero: bool 
     return float(value)
 
 
+def whole_number(name: str, value: Any, *, unit: str = "steps") -> int:
+    """``value`` as a whole number of ``unit``, 1 or more; else ``BadArgument`` naming ``name``
+    (a profile's steps, a verdict's window)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BadArgument(f"{name} must be a whole number of {unit}, 1 or more, not {value!r:.40}")
+    return value
+
+
 def check_timeout(timeout: Any) -> None:
     """``QueryFailed`` "bad_timeout" unless ``timeout`` is a number of seconds above 0 (``positive_number``)."""
     try:
